@@ -1,0 +1,263 @@
+//! Builds the CUDA kernels with nvcc (when one is found), links the static CUDA runtime,
+//! proves the hand-written CUDA declarations against the real headers, and generates the C header.
+
+use std::env;
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// Real GPU code for every architecture a dense-decode user is likely to own, PTX for newer ones.
+const DEFAULT_ARCHS: &str = "80,86,89,90,100,120";
+
+fn main() {
+    let manifest = PathBuf::from(env::var("CARGO_MANIFEST_DIR").unwrap());
+    let out = PathBuf::from(env::var("OUT_DIR").unwrap());
+    println!("cargo::rustc-check-cfg=cfg(hostembed_cuda)");
+    println!("cargo:rerun-if-changed=kernels");
+    println!("cargo:rerun-if-changed=src");
+    println!("cargo:rerun-if-changed=cbindgen.toml");
+    for var in ["NVCC", "HOSTEMBED_CUDA_ARCHS", "PATH", "HOSTEMBED_NO_CUDA"] {
+        println!("cargo:rerun-if-env-changed={var}");
+    }
+
+    generate_header(&manifest, &out);
+
+    let nvcc = if env::var_os("HOSTEMBED_NO_CUDA").is_some() { None } else { find_nvcc(&manifest) };
+    let Some(nvcc) = nvcc else {
+        println!(
+            "cargo:warning=hostembed: no nvcc found (NVCC, PATH, /usr/local/cuda/bin, .cuda/); built without nvcc: GPU entry points return ENGINE_STATUS_NO_CUDA"
+        );
+        return;
+    };
+    let root = toolkit_root(&nvcc);
+    let include = root.join("include");
+    let libdir = ["lib64", "lib", "targets/x86_64-linux/lib"]
+        .iter()
+        .map(|d| root.join(d))
+        .find(|d| d.join("libcudart_static.a").exists())
+        .unwrap_or_else(|| panic!("no libcudart_static.a beside {}", nvcc.display()));
+
+    check_declarations(&manifest, &include);
+    build_kernels(&manifest, &nvcc, &include);
+
+    println!("cargo:rustc-cfg=hostembed_cuda");
+    println!("cargo:rustc-link-search=native={}", libdir.display());
+    println!("cargo:rustc-link-lib=static=cudart_static");
+    for lib in ["dl", "rt", "pthread", "stdc++"] {
+        println!("cargo:rustc-link-lib={lib}");
+    }
+}
+
+fn find_nvcc(manifest: &Path) -> Option<PathBuf> {
+    if let Some(p) = env::var_os("NVCC") {
+        return Some(PathBuf::from(p));
+    }
+    if let Some(path) = env::var_os("PATH") {
+        for dir in env::split_paths(&path) {
+            let c = dir.join("nvcc");
+            if c.is_file() {
+                return Some(c);
+            }
+        }
+    }
+    [PathBuf::from("/usr/local/cuda/bin/nvcc"), manifest.join(".cuda/nvidia/cu13/bin/nvcc")]
+        .into_iter()
+        .find(|c| c.is_file())
+}
+
+/// The folder above nvcc's bin/, resolving symlinks so /usr/bin/nvcc finds its toolkit.
+fn toolkit_root(nvcc: &Path) -> PathBuf {
+    let real = fs::canonicalize(nvcc).unwrap_or_else(|_| nvcc.to_path_buf());
+    real.parent().and_then(Path::parent).map(Path::to_path_buf).expect("nvcc lives in <root>/bin")
+}
+
+fn build_kernels(manifest: &Path, nvcc: &Path, include: &Path) {
+    let archs = env::var("HOSTEMBED_CUDA_ARCHS").unwrap_or_else(|_| DEFAULT_ARCHS.to_string());
+    let archs: Vec<&str> = archs.split(',').map(str::trim).filter(|a| !a.is_empty()).collect();
+    assert!(!archs.is_empty(), "HOSTEMBED_CUDA_ARCHS names no architecture");
+    let mut kernels: Vec<PathBuf> = fs::read_dir(manifest.join("kernels"))
+        .expect("kernels/")
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|e| e == "cu"))
+        .collect();
+    kernels.sort();
+
+    // cc reads NVCC for CUDA builds; setting it here keeps the search order above authoritative.
+    unsafe { env::set_var("NVCC", nvcc) };
+    let mut build = cc::Build::new();
+    build
+        .cuda(true)
+        // cc adds -G for debug profiles; device debug code is 10x slower and never what a user wants.
+        .debug(false)
+        .opt_level(3)
+        .include(include)
+        .include(manifest.join("kernels"))
+        .flag("-std=c++17")
+        .flag("-lineinfo")
+        .flag("--expt-relaxed-constexpr")
+        .flag("-Xcompiler=-fPIC")
+        .cudart("static");
+    for a in &archs {
+        build.flag(format!("-gencode=arch=compute_{a},code=sm_{a}"));
+    }
+    let newest = archs.iter().max_by_key(|a| a.parse::<u32>().unwrap_or(0)).unwrap();
+    build.flag(format!("-gencode=arch=compute_{newest},code=compute_{newest}"));
+    for k in &kernels {
+        build.file(k);
+    }
+    build.compile("hostembed_kernels");
+}
+
+/// Every `fn` in the Rust extern blocks is repeated as a C++ type and compared with the real
+/// declaration: a parameter or return type that differs fails the build, not a run on the GPU.
+fn check_declarations(manifest: &Path, include: &Path) {
+    let mut cpp = String::from(
+        "#include <cuda_runtime_api.h>\n#include <type_traits>\n#include \"hostembed_kernels.cuh\"\n",
+    );
+    for module in ["src/cudart.rs", "src/kernels.rs"] {
+        let text = fs::read_to_string(manifest.join(module)).expect(module);
+        for (alias, cty) in aliases(&text) {
+            cpp.push_str(&format!(
+                "static_assert(sizeof({alias}) == sizeof({cty}), \"{module}: {alias} is not {cty}-sized\");\n"
+            ));
+        }
+        for (name, value) in constants(&text) {
+            cpp.push_str(&format!("static_assert({name} == {value}, \"{module}: {name} is not {value}\");\n"));
+        }
+        for decl in extern_fns(&text) {
+            cpp.push_str(&format!(
+                "static_assert(std::is_same<decltype(&{name}), {ret} (*)({args})>::value, \"{module}: {name} differs from its C declaration\");\n",
+                name = decl.0,
+                ret = decl.1,
+                args = decl.2.join(", ")
+            ));
+        }
+    }
+    let out = PathBuf::from(env::var("OUT_DIR").unwrap());
+    let file = out.join("declaration_check.cpp");
+    fs::write(&file, cpp).unwrap();
+    let compiler = cc::Build::new().cpp(true).get_compiler();
+    let status = Command::new(compiler.path())
+        .args(["-std=c++17", "-fsyntax-only", "-I"])
+        .arg(include)
+        .arg("-I")
+        .arg(manifest.join("kernels"))
+        .arg(&file)
+        .status()
+        .expect("run the C++ compiler for the declaration check");
+    assert!(status.success(), "a CUDA declaration in src/ differs from the C headers (see above)");
+}
+
+/// `pub type cudaError_t = c_int;` lines: the alias keeps the C name, the check its size.
+fn aliases(text: &str) -> Vec<(String, String)> {
+    text.lines()
+        .filter_map(|l| l.trim().strip_prefix("pub type "))
+        .filter_map(|l| l.strip_suffix(';'))
+        .filter_map(|l| l.split_once(" = "))
+        .map(|(a, t)| (a.trim().to_string(), c_type(t.trim())))
+        .collect()
+}
+
+/// `pub const cudaX: T = V;` lines whose name the CUDA headers define too.
+fn constants(text: &str) -> Vec<(String, String)> {
+    text.lines()
+        .filter_map(|l| l.trim().strip_prefix("pub(crate) const cuda"))
+        .filter_map(|l| l.strip_suffix(';'))
+        .filter_map(|l| {
+            let (name, rest) = l.split_once(':')?;
+            let (_, value) = rest.split_once('=')?;
+            Some((format!("cuda{}", name.trim()), value.trim().to_string()))
+        })
+        .collect()
+}
+
+/// `pub fn name(a: T, b: U) -> R;` inside `unsafe extern "C"` blocks, one per line.
+fn extern_fns(text: &str) -> Vec<(String, String, Vec<String>)> {
+    let mut inside = false;
+    let mut fns = Vec::new();
+    for line in text.lines().map(str::trim) {
+        if line.starts_with("unsafe extern \"C\"") || line.starts_with("cuda_fns! {") {
+            inside = true;
+            continue;
+        }
+        if inside && line == "}" {
+            inside = false;
+            continue;
+        }
+        let Some(sig) = line.strip_prefix("pub fn ").filter(|_| inside) else { continue };
+        let sig = sig.trim_end_matches(';');
+        let open = sig.find('(').expect("fn (");
+        let close = sig.rfind(')').expect("fn )");
+        let name = sig[..open].to_string();
+        let args = sig[open + 1..close]
+            .split(',')
+            .map(str::trim)
+            .filter(|a| !a.is_empty())
+            .map(|a| c_type(a.split_once(':').expect("name: type").1.trim()))
+            .collect();
+        let ret = sig[close + 1..].trim().strip_prefix("->").map(|r| c_type(r.trim())).unwrap_or_else(|| "void".into());
+        fns.push((name, ret, args));
+    }
+    fns
+}
+
+fn c_type(rust: &str) -> String {
+    if let Some(inner) = rust.strip_prefix("*mut ") {
+        return format!("{}*", c_type(inner));
+    }
+    if let Some(inner) = rust.strip_prefix("*const ") {
+        return format!("const {}*", c_type(inner));
+    }
+    match rust {
+        "c_void" => "void",
+        "c_int" | "i32" => "int",
+        "c_uint" | "u32" => "unsigned int",
+        "c_char" => "char",
+        "c_float" | "f32" => "float",
+        "usize" => "size_t",
+        "isize" => "ptrdiff_t",
+        "c_ulonglong" => "unsigned long long",
+        "c_longlong" => "long long",
+        "u64" => "uint64_t",
+        "i64" => "int64_t",
+        "u16" => "unsigned short",
+        "u8" => "unsigned char",
+        "i8" => "signed char",
+        "bool" => "bool",
+        other => other,
+    }
+    .to_string()
+}
+
+/// Structs whose C name is also a function's (`engine_device_info(dev, &info)`): C keeps struct tags
+/// apart from ordinary names, so these are declared as tags only and used as `struct name`.
+const TAG_ONLY: &[&str] = &["engine_device_info", "engine_model_info"];
+
+fn tag_only(mut text: String) -> String {
+    for name in TAG_ONLY {
+        text = text.replace(&format!("typedef struct {name} {{"), &format!("struct {name} {{"));
+        text = text.replace(&format!("}} {name};"), "};");
+    }
+    text
+}
+
+fn generate_header(manifest: &Path, out: &Path) {
+    let config = cbindgen::Config::from_file(manifest.join("cbindgen.toml")).expect("cbindgen.toml");
+    let target = out.join("hostembed.h");
+    match cbindgen::Builder::new().with_crate(manifest).with_config(config).generate() {
+        Ok(bindings) => {
+            let mut text = Vec::new();
+            bindings.write(&mut text);
+            let text = tag_only(String::from_utf8(text).unwrap());
+            if fs::read_to_string(&target).ok().as_deref() != Some(text.as_str()) {
+                fs::write(&target, text).unwrap();
+            }
+        }
+        // A half-edited source tree must still build; the header test then reports the failure.
+        Err(e) => {
+            println!("cargo:warning=hostembed: header not generated: {e}");
+            let _ = fs::remove_file(&target);
+        }
+    }
+    println!("cargo:rustc-env=HOSTEMBED_GENERATED_HEADER={}", target.display());
+}

@@ -1,0 +1,23 @@
+// The one header every kernel file shares: the C launchers Rust calls (src/kernels.rs repeats
+// them, and build.rs checks the two agree), and the device helpers the kernels have in common.
+#pragma once
+#include <cuda_runtime_api.h>
+#include <stddef.h>
+#include <stdint.h>
+
+// Row and weight formats, the values of src/tensor.rs's DType.
+#define HE_DTYPE_F32 0
+#define HE_DTYPE_F16 1
+#define HE_DTYPE_BF16 2
+#define HE_DTYPE_Q8_0 3
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+// Writes the device's name (NUL-terminated, truncated to len) without exposing cudaDeviceProp to Rust.
+cudaError_t hostembed_device_name(int device, char *name, size_t len);
+
+#ifdef __cplusplus
+}
+#endif

@@ -1,0 +1,320 @@
+//! Safe owners over the CUDA runtime: every resource has one owner that frees it on drop, and
+//! every byte it holds is counted in `memory_stats`. In a build without nvcc each call fails
+//! with `NO_CUDA` ("built without nvcc").
+
+use crate::cudart as rt;
+use crate::status::{Error, Result, Status};
+use std::ffi::CStr;
+use std::os::raw::{c_int, c_void};
+use std::ptr;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// Turns a CUDA return code into an error naming the call.
+pub fn check(code: rt::cudaError_t, what: &str) -> Result<()> {
+    match code {
+        rt::cudaSuccess => Ok(()),
+        rt::NOT_BUILT => Err(Error::new(Status::NoCuda, "built without nvcc")),
+        rt::cudaErrorNoDevice | rt::cudaErrorInsufficientDriver => {
+            Err(Error::new(Status::NoDevice, format!("{what}: {}", error_text(code))))
+        }
+        _ => Err(Error::new(Status::CudaError, format!("{what}: {}", error_text(code)))),
+    }
+}
+
+/// "cudaErrorMemoryAllocation (out of memory)"; the runtime owns both strings.
+pub fn error_text(code: rt::cudaError_t) -> String {
+    if code == rt::NOT_BUILT {
+        return "built without nvcc".into();
+    }
+    unsafe {
+        let name = rt::cudaGetErrorName(code);
+        let text = rt::cudaGetErrorString(code);
+        let s = |p: *const std::os::raw::c_char| {
+            if p.is_null() { String::from("?") } else { CStr::from_ptr(p).to_string_lossy().into_owned() }
+        };
+        format!("{} ({}, code {code})", s(name), s(text))
+    }
+}
+
+/// True when this build carries GPU code at all.
+pub const fn built_with_cuda() -> bool {
+    cfg!(hostembed_cuda)
+}
+
+/// Fails with NO_CUDA, then NO_DEVICE (no driver, or no device with that index).
+pub fn require_device(device: i32) -> Result<()> {
+    let mut count: c_int = 0;
+    check(unsafe { rt::cudaGetDeviceCount(&mut count) }, "cudaGetDeviceCount")?;
+    if device < 0 || device >= count {
+        crate::bail!(NoDevice, "no CUDA device {device} ({count} present)");
+    }
+    check(unsafe { rt::cudaSetDevice(device) }, "cudaSetDevice")
+}
+
+pub fn attribute(attr: rt::cudaDeviceAttr, device: i32) -> Result<i32> {
+    let mut v: c_int = 0;
+    check(unsafe { rt::cudaDeviceGetAttribute(&mut v, attr, device) }, "cudaDeviceGetAttribute")?;
+    Ok(v)
+}
+
+/// (free, total) bytes on the current device.
+pub fn mem_info() -> Result<(u64, u64)> {
+    let (mut free, mut total) = (0usize, 0usize);
+    check(unsafe { rt::cudaMemGetInfo(&mut free, &mut total) }, "cudaMemGetInfo")?;
+    Ok((free as u64, total as u64))
+}
+
+pub fn synchronize() -> Result<()> {
+    check(unsafe { rt::cudaDeviceSynchronize() }, "cudaDeviceSynchronize")
+}
+
+/// The last launch error, for checking right after a kernel launch.
+pub fn last_launch_error(what: &str) -> Result<()> {
+    check(unsafe { rt::cudaGetLastError() }, what)
+}
+
+/// Process-wide bytes the library holds, by kind; tests assert they return to zero.
+pub struct MemoryCounters {
+    pub device: AtomicU64,
+    pub pinned: AtomicU64,
+    pub registered: AtomicU64,
+    pub mapped: AtomicU64,
+}
+
+pub static MEMORY: MemoryCounters = MemoryCounters {
+    device: AtomicU64::new(0),
+    pinned: AtomicU64::new(0),
+    registered: AtomicU64::new(0),
+    mapped: AtomicU64::new(0),
+};
+
+/// Device memory from cudaMalloc, freed on drop.
+pub struct DeviceBuffer {
+    ptr: *mut c_void,
+    bytes: usize,
+}
+
+unsafe impl Send for DeviceBuffer {}
+unsafe impl Sync for DeviceBuffer {}
+
+impl DeviceBuffer {
+    pub fn new(bytes: usize) -> Result<Self> {
+        let mut ptr = ptr::null_mut();
+        // cudaMalloc(0) returns NULL; one byte keeps every buffer a real, distinct pointer.
+        check(unsafe { rt::cudaMalloc(&mut ptr, bytes.max(1)) }, &format!("cudaMalloc({bytes} bytes)"))?;
+        MEMORY.device.fetch_add(bytes as u64, Ordering::Relaxed);
+        Ok(DeviceBuffer { ptr, bytes })
+    }
+
+    /// A buffer holding a copy of `data`.
+    pub fn from_slice<T: Copy>(data: &[T]) -> Result<Self> {
+        let buf = Self::new(std::mem::size_of_val(data))?;
+        buf.upload(data, 0)?;
+        Ok(buf)
+    }
+
+    pub fn ptr(&self) -> *mut c_void {
+        self.ptr
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+
+    /// Copies host `data` into this buffer at byte `offset` (synchronous).
+    pub fn upload<T: Copy>(&self, data: &[T], offset: usize) -> Result<()> {
+        let n = std::mem::size_of_val(data);
+        if offset.checked_add(n).is_none_or(|end| end > self.bytes) {
+            crate::bail!(InvalidArgument, "upload of {n} bytes at {offset} into a {}-byte buffer", self.bytes);
+        }
+        let dst = unsafe { (self.ptr as *mut u8).add(offset) } as *mut c_void;
+        check(
+            unsafe { rt::cudaMemcpy(dst, data.as_ptr() as *const c_void, n, rt::cudaMemcpyHostToDevice) },
+            "cudaMemcpy(host to device)",
+        )
+    }
+
+    /// Copies the buffer's first `out.len()` elements back to the host (synchronous).
+    pub fn download<T: Copy>(&self, out: &mut [T]) -> Result<()> {
+        let n = std::mem::size_of_val(out);
+        if n > self.bytes {
+            crate::bail!(InvalidArgument, "download of {n} bytes from a {}-byte buffer", self.bytes);
+        }
+        check(
+            unsafe { rt::cudaMemcpy(out.as_mut_ptr() as *mut c_void, self.ptr, n, rt::cudaMemcpyDeviceToHost) },
+            "cudaMemcpy(device to host)",
+        )
+    }
+
+    /// Fills every byte with `value` (tests poison outputs with this).
+    pub fn fill_bytes(&self, value: u8) -> Result<()> {
+        check(unsafe { rt::cudaMemset(self.ptr, value as c_int, self.bytes) }, "cudaMemset")
+    }
+}
+
+impl Drop for DeviceBuffer {
+    fn drop(&mut self) {
+        unsafe { rt::cudaFree(self.ptr) };
+        MEMORY.device.fetch_sub(self.bytes as u64, Ordering::Relaxed);
+    }
+}
+
+/// Pinned host memory mapped into the device's address space (cudaHostAlloc Mapped|Portable).
+pub struct PinnedBuffer {
+    host: *mut c_void,
+    device: *mut c_void,
+    bytes: usize,
+}
+
+unsafe impl Send for PinnedBuffer {}
+unsafe impl Sync for PinnedBuffer {}
+
+impl PinnedBuffer {
+    pub fn new_mapped(bytes: usize) -> Result<Self> {
+        let mut host = ptr::null_mut();
+        check(
+            unsafe { rt::cudaHostAlloc(&mut host, bytes.max(1), rt::cudaHostAllocMapped | rt::cudaHostAllocPortable) },
+            &format!("cudaHostAlloc({bytes} bytes, Mapped|Portable)"),
+        )?;
+        MEMORY.pinned.fetch_add(bytes as u64, Ordering::Relaxed);
+        // From here on, drop frees the allocation even if the device pointer lookup fails.
+        let mut buf = PinnedBuffer { host, device: ptr::null_mut(), bytes };
+        let mut device = ptr::null_mut();
+        check(unsafe { rt::cudaHostGetDevicePointer(&mut device, host, 0) }, "cudaHostGetDevicePointer")?;
+        buf.device = device;
+        Ok(buf)
+    }
+
+    pub fn host_ptr(&self) -> *mut c_void {
+        self.host
+    }
+
+    pub fn device_ptr(&self) -> *mut c_void {
+        self.device
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        unsafe { std::slice::from_raw_parts_mut(self.host as *mut u8, self.bytes) }
+    }
+}
+
+impl Drop for PinnedBuffer {
+    fn drop(&mut self) {
+        unsafe { rt::cudaFreeHost(self.host) };
+        MEMORY.pinned.fetch_sub(self.bytes as u64, Ordering::Relaxed);
+    }
+}
+
+/// A host range registered with cudaHostRegister; unregistered on drop unless it was
+/// registered by someone else first (error 712), in which case it is only borrowed.
+pub struct HostRegistration {
+    host: *mut c_void,
+    device: *mut c_void,
+    bytes: usize,
+    owned: bool,
+}
+
+unsafe impl Send for HostRegistration {}
+unsafe impl Sync for HostRegistration {}
+
+impl HostRegistration {
+    /// Registers `[host, host+bytes)` with `flags`; `host` must be page-aligned.
+    pub fn new(host: *mut c_void, bytes: usize, flags: std::os::raw::c_uint) -> Result<Self> {
+        let code = unsafe { rt::cudaHostRegister(host, bytes, flags) };
+        let owned = match code {
+            rt::cudaSuccess => true,
+            rt::cudaErrorHostMemoryAlreadyRegistered => {
+                // The host process registered it already; clear the sticky-free error and borrow.
+                unsafe { rt::cudaGetLastError() };
+                false
+            }
+            _ => return check(code, &format!("cudaHostRegister({bytes} bytes, flags {flags:#x})")).map(|_| unreachable!()),
+        };
+        if owned {
+            MEMORY.registered.fetch_add(bytes as u64, Ordering::Relaxed);
+        }
+        let mut reg = HostRegistration { host, device: ptr::null_mut(), bytes, owned };
+        let mut device = ptr::null_mut();
+        check(unsafe { rt::cudaHostGetDevicePointer(&mut device, host, 0) }, "cudaHostGetDevicePointer")?;
+        reg.device = device;
+        Ok(reg)
+    }
+
+    pub fn device_ptr(&self) -> *mut c_void {
+        self.device
+    }
+
+    pub fn owned(&self) -> bool {
+        self.owned
+    }
+}
+
+impl Drop for HostRegistration {
+    fn drop(&mut self) {
+        if self.owned {
+            unsafe { rt::cudaHostUnregister(self.host) };
+            MEMORY.registered.fetch_sub(self.bytes as u64, Ordering::Relaxed);
+        }
+    }
+}
+
+/// A non-blocking stream, destroyed on drop.
+pub struct Stream(rt::cudaStream_t);
+
+unsafe impl Send for Stream {}
+unsafe impl Sync for Stream {}
+
+impl Stream {
+    pub fn new() -> Result<Self> {
+        let mut s = ptr::null_mut();
+        check(unsafe { rt::cudaStreamCreateWithFlags(&mut s, rt::cudaStreamNonBlocking) }, "cudaStreamCreateWithFlags")?;
+        Ok(Stream(s))
+    }
+
+    pub fn raw(&self) -> rt::cudaStream_t {
+        self.0
+    }
+
+    pub fn synchronize(&self) -> Result<()> {
+        check(unsafe { rt::cudaStreamSynchronize(self.0) }, "cudaStreamSynchronize")
+    }
+}
+
+impl Drop for Stream {
+    fn drop(&mut self) {
+        unsafe { rt::cudaStreamDestroy(self.0) };
+    }
+}
+
+/// A timing event, destroyed on drop.
+pub struct Event(rt::cudaEvent_t);
+
+impl Event {
+    pub fn new() -> Result<Self> {
+        let mut e = ptr::null_mut();
+        check(unsafe { rt::cudaEventCreate(&mut e) }, "cudaEventCreate")?;
+        Ok(Event(e))
+    }
+
+    pub fn record(&self, stream: rt::cudaStream_t) -> Result<()> {
+        check(unsafe { rt::cudaEventRecord(self.0, stream) }, "cudaEventRecord")
+    }
+
+    /// Milliseconds from `start` to this event, waiting for this event first.
+    pub fn elapsed_ms_since(&self, start: &Event) -> Result<f32> {
+        check(unsafe { rt::cudaEventSynchronize(self.0) }, "cudaEventSynchronize")?;
+        let mut ms = 0f32;
+        check(unsafe { rt::cudaEventElapsedTime(&mut ms, start.0, self.0) }, "cudaEventElapsedTime")?;
+        Ok(ms)
+    }
+}
+
+impl Drop for Event {
+    fn drop(&mut self) {
+        unsafe { rt::cudaEventDestroy(self.0) };
+    }
+}

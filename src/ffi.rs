@@ -1,0 +1,160 @@
+//! The C ABI: every exported function, each inside a panic boundary, each NULL checked.
+//! Sections follow the header's order: basics, device, fit, engine, decode.
+#![allow(non_camel_case_types, clippy::missing_safety_doc)]
+
+use crate::cuda;
+use crate::cudart as rt;
+use crate::status::{self, Error, Result, Status, engine_status};
+use std::os::raw::{c_char, c_int};
+use std::panic::{AssertUnwindSafe, catch_unwind};
+
+/// The ABI this header describes; a caller compares it with `engine_abi_version()`.
+pub const HOSTEMBED_ABI_VERSION: u32 = 1;
+
+/// Runs `f`, turning an error into its status (and the thread's last error) and a panic into
+/// `ENGINE_STATUS_PANIC`; nothing unwinds into C.
+pub(crate) fn guard(what: &str, f: impl FnOnce() -> Result<()>) -> engine_status {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(Ok(())) => Status::Ok,
+        Ok(Err(e)) => {
+            status::set_last_error(&e.message);
+            e.status
+        }
+        Err(panic) => {
+            let text = panic
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "unknown panic".into());
+            status::set_last_error(&format!("{what}: panic: {text}"));
+            Status::Panic
+        }
+    }
+}
+
+/// Like `guard` for functions that return a value instead of a status; `fallback` on failure.
+pub(crate) fn guard_value<T>(what: &str, fallback: T, f: impl FnOnce() -> Result<T>) -> T {
+    let mut value = None;
+    let status = guard(what, || {
+        value = Some(f()?);
+        Ok(())
+    });
+    if status == Status::Ok { value.unwrap_or(fallback) } else { fallback }
+}
+
+/// A reference from a pointer C passed, or INVALID_ARGUMENT naming the argument.
+pub(crate) unsafe fn arg_ref<'a, T>(p: *const T, name: &str) -> Result<&'a T> {
+    unsafe { p.as_ref() }.ok_or_else(|| Error::new(Status::InvalidArgument, format!("{name} is NULL")))
+}
+
+pub(crate) unsafe fn arg_mut<'a, T>(p: *mut T, name: &str) -> Result<&'a mut T> {
+    unsafe { p.as_mut() }.ok_or_else(|| Error::new(Status::InvalidArgument, format!("{name} is NULL")))
+}
+
+/// Copies `text` into a C buffer with snprintf's rules: returns the length it needed.
+pub(crate) unsafe fn write_c_string(text: &str, buf: *mut c_char, len: usize) -> usize {
+    if !buf.is_null() && len > 0 {
+        let n = text.len().min(len - 1);
+        unsafe {
+            std::ptr::copy_nonoverlapping(text.as_ptr() as *const c_char, buf, n);
+            *buf.add(n) = 0;
+        }
+    }
+    text.len()
+}
+
+// ---------------------------------------------------------------------------------------------
+// Basics
+
+/// The ABI version of the loaded library; equal to `HOSTEMBED_ABI_VERSION` when header and library match.
+#[unsafe(no_mangle)]
+pub extern "C" fn engine_abi_version() -> u32 {
+    HOSTEMBED_ABI_VERSION
+}
+
+/// A static, human-readable name for a status ("no room", "bad model", ...).
+#[unsafe(no_mangle)]
+pub extern "C" fn engine_status_str(status: engine_status) -> *const c_char {
+    status.c_name().as_ptr()
+}
+
+/// The message of the last failure on the calling thread ("" when none); valid until the next failure.
+#[unsafe(no_mangle)]
+pub extern "C" fn engine_last_error() -> *const c_char {
+    status::last_error_ptr()
+}
+
+// ---------------------------------------------------------------------------------------------
+// Device
+
+/// What the placements decide on, read from the device.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct engine_device_info {
+    /// NUL-terminated device name.
+    pub name: [c_char; 256],
+    pub compute_major: i32,
+    pub compute_minor: i32,
+    pub multiprocessors: i32,
+    pub total_bytes: u64,
+    pub free_bytes: u64,
+    pub integrated: bool,
+    pub can_map_host_memory: bool,
+    pub pageable_memory_access: bool,
+    pub pageable_memory_access_uses_host_page_tables: bool,
+    pub host_register_supported: bool,
+    pub host_register_read_only_supported: bool,
+    pub can_use_host_pointer_for_registered_mem: bool,
+    /// Driver and runtime versions as CUDA encodes them (13000 = 13.0).
+    pub driver_version: i32,
+    pub runtime_version: i32,
+}
+
+pub(crate) fn device_info(device: i32) -> Result<engine_device_info> {
+    cuda::require_device(device)?;
+    let attr = |a| cuda::attribute(a, device);
+    let mut info = engine_device_info {
+        name: [0; 256],
+        compute_major: attr(rt::cudaDevAttrComputeCapabilityMajor)?,
+        compute_minor: attr(rt::cudaDevAttrComputeCapabilityMinor)?,
+        multiprocessors: attr(rt::cudaDevAttrMultiProcessorCount)?,
+        total_bytes: 0,
+        free_bytes: 0,
+        integrated: attr(rt::cudaDevAttrIntegrated)? != 0,
+        can_map_host_memory: attr(rt::cudaDevAttrCanMapHostMemory)? != 0,
+        pageable_memory_access: attr(rt::cudaDevAttrPageableMemoryAccess)? != 0,
+        pageable_memory_access_uses_host_page_tables: attr(rt::cudaDevAttrPageableMemoryAccessUsesHostPageTables)? != 0,
+        host_register_supported: attr(rt::cudaDevAttrHostRegisterSupported)? != 0,
+        host_register_read_only_supported: attr(rt::cudaDevAttrHostRegisterReadOnlySupported)? != 0,
+        can_use_host_pointer_for_registered_mem: attr(rt::cudaDevAttrCanUseHostPointerForRegisteredMem)? != 0,
+        driver_version: 0,
+        runtime_version: 0,
+    };
+    cuda::check(
+        unsafe { crate::kernels::hostembed_device_name(device as c_int, info.name.as_mut_ptr(), info.name.len()) },
+        "cudaGetDeviceProperties",
+    )?;
+    (info.free_bytes, info.total_bytes) = cuda::mem_info()?;
+    cuda::check(unsafe { rt::cudaDriverGetVersion(&mut info.driver_version) }, "cudaDriverGetVersion")?;
+    cuda::check(unsafe { rt::cudaRuntimeGetVersion(&mut info.runtime_version) }, "cudaRuntimeGetVersion")?;
+    Ok(info)
+}
+
+/// Fills `out` for CUDA device `device`. NO_CUDA without GPU code, NO_DEVICE without a driver or device.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn engine_device_info(device: i32, out: *mut engine_device_info) -> engine_status {
+    guard("engine_device_info", || {
+        let out = unsafe { arg_mut(out, "out") }?;
+        *out = device_info(device)?;
+        Ok(())
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
+// Fit
+
+// ---------------------------------------------------------------------------------------------
+// Engine
+
+// ---------------------------------------------------------------------------------------------
+// Decode

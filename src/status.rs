@@ -1,0 +1,121 @@
+//! Status codes, the error type every fallible function returns, and the per-thread last error.
+
+use std::cell::RefCell;
+use std::ffi::CString;
+use std::fmt;
+
+/// What a call did; `ENGINE_STATUS_OK` is 0 so C can test `if (status)`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[allow(non_camel_case_types)]
+pub enum engine_status {
+    Ok = 0,
+    /// A NULL pointer, a bad enum value, a size that overflows, an option out of range.
+    InvalidArgument = 1,
+    /// The model, the window or the asked streams do not fit in the room given.
+    NoRoom = 2,
+    /// The library was built without nvcc, so no GPU code is in it.
+    NoCuda = 3,
+    /// No CUDA driver or no device with that index.
+    NoDevice = 4,
+    /// A CUDA call failed; the message names the call and the error.
+    CudaError = 5,
+    /// A file could not be opened, mapped or read.
+    IoError = 6,
+    /// A checkpoint is malformed: the message names the file and the tensor or key.
+    BadModel = 7,
+    /// A valid request this build or this model does not support.
+    Unsupported = 8,
+    /// A token id, stream index or position outside its range.
+    OutOfRange = 9,
+    /// A bug inside the library, caught at the C boundary.
+    Panic = 10,
+}
+
+pub use engine_status as Status;
+
+impl engine_status {
+    /// A static C string, so `engine_status_str` can hand out the pointer.
+    pub fn c_name(self) -> &'static std::ffi::CStr {
+        match self {
+            Status::Ok => c"ok",
+            Status::InvalidArgument => c"invalid argument",
+            Status::NoRoom => c"no room",
+            Status::NoCuda => c"built without nvcc",
+            Status::NoDevice => c"no CUDA device",
+            Status::CudaError => c"CUDA error",
+            Status::IoError => c"I/O error",
+            Status::BadModel => c"bad model",
+            Status::Unsupported => c"unsupported",
+            Status::OutOfRange => c"out of range",
+            Status::Panic => c"panic inside hostembed",
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        self.c_name().to_str().unwrap_or("?")
+    }
+}
+
+/// A failure with its status and a message for `engine_last_error()`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Error {
+    pub status: Status,
+    pub message: String,
+}
+
+impl Error {
+    pub fn new(status: Status, message: impl Into<String>) -> Self {
+        Error { status, message: message.into() }
+    }
+}
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.status.as_str(), self.message)
+    }
+}
+
+impl std::error::Error for Error {}
+
+pub type Result<T> = std::result::Result<T, Error>;
+
+/// `bail!(BadModel, "{}: tensor {} ...", ...)` returns an `Err` with that status and message.
+#[macro_export]
+macro_rules! bail {
+    ($status:ident, $($fmt:tt)+) => {
+        return Err($crate::status::Error::new($crate::status::Status::$status, format!($($fmt)+)))
+    };
+}
+
+/// `err!(BadModel, ...)` builds the error without returning, for `ok_or_else` and `map_err`.
+#[macro_export]
+macro_rules! err {
+    ($status:ident, $($fmt:tt)+) => {
+        $crate::status::Error::new($crate::status::Status::$status, format!($($fmt)+))
+    };
+}
+
+thread_local! {
+    static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
+}
+
+/// Records the message `engine_last_error()` returns on this thread.
+pub fn set_last_error(message: &str) {
+    let c = CString::new(message.replace('\0', " ")).unwrap_or_default();
+    LAST_ERROR.with(|e| *e.borrow_mut() = c);
+}
+
+pub fn clear_last_error() {
+    LAST_ERROR.with(|e| *e.borrow_mut() = CString::default());
+}
+
+/// The message as Rust text (tests read it this way).
+pub fn last_error() -> String {
+    LAST_ERROR.with(|e| e.borrow().to_string_lossy().into_owned())
+}
+
+/// Pointer valid until the next failing call on this thread.
+pub(crate) fn last_error_ptr() -> *const std::os::raw::c_char {
+    LAST_ERROR.with(|e| e.borrow().as_ptr())
+}
