@@ -7,6 +7,14 @@ pub mod model;
 pub mod cudart;
 pub mod kernels;
 pub mod cuda;
+pub mod fit;
+pub mod checkpoint;
+pub mod placement;
+pub mod cpu;
+pub mod sampler;
+pub mod gpu;
+pub mod tokenizer;
+pub mod engine;
 pub mod ffi;
 
 pub use status::{Error, Result, Status};

@@ -1,0 +1,4 @@
+//! (in progress)
+pub mod gguf;
+pub mod safetensors;
+pub mod write;
