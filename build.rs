@@ -111,9 +111,8 @@ fn build_kernels(manifest: &Path, nvcc: &Path, include: &Path) {
 /// Every `fn` in the Rust extern blocks is repeated as a C++ type and compared with the real
 /// declaration: a parameter or return type that differs fails the build, not a run on the GPU.
 fn check_declarations(manifest: &Path, include: &Path) {
-    let mut cpp = String::from(
-        "#include <cuda_runtime_api.h>\n#include <type_traits>\n#include \"hostembed_kernels.cuh\"\n",
-    );
+    let mut cpp =
+        String::from("#include <cuda_runtime_api.h>\n#include <type_traits>\n#include \"hostembed_kernels.cuh\"\n");
     for module in ["src/cudart.rs", "src/kernels.rs"] {
         let text = fs::read_to_string(manifest.join(module)).expect(module);
         for (alias, cty) in aliases(&text) {

@@ -232,7 +232,10 @@ impl HostRegistration {
                 unsafe { rt::cudaGetLastError() };
                 false
             }
-            _ => return check(code, &format!("cudaHostRegister({bytes} bytes, flags {flags:#x})")).map(|_| unreachable!()),
+            _ => {
+                return check(code, &format!("cudaHostRegister({bytes} bytes, flags {flags:#x})"))
+                    .map(|_| unreachable!());
+            }
         };
         if owned {
             MEMORY.registered.fetch_add(bytes as u64, Ordering::Relaxed);
@@ -271,7 +274,10 @@ unsafe impl Sync for Stream {}
 impl Stream {
     pub fn new() -> Result<Self> {
         let mut s = ptr::null_mut();
-        check(unsafe { rt::cudaStreamCreateWithFlags(&mut s, rt::cudaStreamNonBlocking) }, "cudaStreamCreateWithFlags")?;
+        check(
+            unsafe { rt::cudaStreamCreateWithFlags(&mut s, rt::cudaStreamNonBlocking) },
+            "cudaStreamCreateWithFlags",
+        )?;
         Ok(Stream(s))
     }
 

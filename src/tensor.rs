@@ -42,7 +42,13 @@ impl DType {
 
 /// Decodes one row's bytes (exactly `row_bytes(out.len())` of them) into f32.
 pub fn decode_row(dtype: DType, bytes: &[u8], out: &mut [f32]) {
-    assert_eq!(Some(bytes.len()), dtype.row_bytes(out.len()), "row bytes do not match {} x {}", out.len(), dtype.name());
+    assert_eq!(
+        Some(bytes.len()),
+        dtype.row_bytes(out.len()),
+        "row bytes do not match {} x {}",
+        out.len(),
+        dtype.name()
+    );
     match dtype {
         DType::F32 => {
             for (o, b) in out.iter_mut().zip(bytes.chunks_exact(4)) {
