@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Builds everything the GPU machine runs (it has nvcc but no Rust toolchain) and packs it into
+# .gpu/bundle.tar.xz: release test binaries, example binaries, the C examples and the library.
+# HOSTEMBED_CUDA_ARCHS defaults to 90 here (the lent card) to keep the build short.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export HOSTEMBED_CUDA_ARCHS="${HOSTEMBED_CUDA_ARCHS:-90}"
+scripts/install-cuda.sh >/dev/null
+rm -rf .gpu && mkdir -p .gpu/bundle/tests .gpu/bundle/examples
+cargo build --release --lib --examples
+cargo test --release --no-run --message-format=json 2>/dev/null \
+  | python3 -c '
+import json, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] != ["example"]:
+        print(m["target"]["name"], m["executable"])
+' | while read -r name exe; do cp "$exe" ".gpu/bundle/tests/$name"; done
+for ex in target/release/examples/*; do
+  case "$ex" in *.d|*-*) continue ;; esac
+  [ -x "$ex" ] && cp "$ex" .gpu/bundle/examples/
+done
+cp target/release/libhostembed.so .gpu/bundle/
+for c in examples/*.c; do
+  out=".gpu/bundle/examples/$(basename "$c" .c)"
+  cc -std=c99 -O2 -Wall -Wextra -Werror -pedantic -Iinclude "$c" -L.gpu/bundle -lhostembed \
+    -Wl,-rpath,'$ORIGIN/..' -o "$out" -lm
+done
+cp -r scripts .gpu/bundle/
+[ -d assets ] && cp -r assets .gpu/bundle/
+strip .gpu/bundle/tests/* .gpu/bundle/examples/* .gpu/bundle/libhostembed.so 2>/dev/null || true
+tar -C .gpu -cJf .gpu/bundle.tar.xz bundle
+rm -rf .gpu/bundle
+ls -la .gpu/bundle.tar.xz

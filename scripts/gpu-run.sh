@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Runs on the GPU machine from the repo root: unpacks .gpu/bundle.tar.xz and runs the GPU suite,
+# then whatever steps are named (default: tests). Logs go to $OUT (or ./gpu-out).
+# Steps: info tests hfref bench-embed bench-decode placement-table
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-$PWD/gpu-out}"
+mkdir -p "$OUT" /tmp/he && tar -C /tmp/he -xJf .gpu/bundle.tar.xz
+B=/tmp/he/bundle
+export HOSTEMBED_TEST_TMP=/tmp/he/tmp && mkdir -p "$HOSTEMBED_TEST_TMP"
+steps="${*:-info tests}"
+summary="$OUT/summary.txt"
+: > "$summary"
+for step in $steps; do
+  start=$(date +%s)
+  case "$step" in
+    info)
+      nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv > "$OUT/info.log" 2>&1
+      "$B/examples/device_info" >> "$OUT/info.log" 2>&1; rc=$? ;;
+    tests)
+      rc=0
+      for t in "$B"/tests/*; do
+        name=$(basename "$t")
+        "$t" --test-threads=1 > "$OUT/test-$name.log" 2>&1; r=$?
+        echo "test $name: rc=$r $(grep -E '^test result' "$OUT/test-$name.log" | tail -1)" >> "$summary"
+        [ $r -ne 0 ] && rc=$r
+      done ;;
+    hfref)
+      PYTHONUNBUFFERED=1 python3 "$B/scripts/hf_reference.py" --out "$OUT/hf_reference" > "$OUT/hfref.log" 2>&1; rc=$?
+      (cd "$OUT" && tar -cf hf_reference.tar hf_reference && rm -rf hf_reference) ;;
+    bench-embed)
+      "$B/examples/bench_embed" > "$OUT/bench-embed.log" 2>&1; rc=$? ;;
+    bench-decode)
+      "$B/examples/bench_decode" > "$OUT/bench-decode.log" 2>&1; rc=$? ;;
+    *)
+      if [ -x "$B/examples/$step" ]; then "$B/examples/$step" > "$OUT/$step.log" 2>&1; rc=$?
+      else echo "unknown step $step"; rc=2; fi ;;
+  esac
+  echo "step $step: rc=$rc in $(( $(date +%s) - start ))s" >> "$summary"
+done
+# At most 8 files come back: the summary, and every log packed into one archive.
+(cd "$OUT" && ls *.log >/dev/null 2>&1 && tar -cf logs.tar *.log && rm -f *.log)
+cat "$summary"
