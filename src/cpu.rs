@@ -4,7 +4,9 @@
 //! their stored format (F32/F16/BF16/Q8_0) and are decoded row by row as they are read. Dot products
 //! accumulate in f64 so the oracle's own rounding stays far below any kernel's.
 
-use crate::model::{ModelConfig, RopeScaling, TensorRef};
+use crate::model::{Arch, ModelConfig, RopeScaling, TensorRef, TensorSource, names};
+use crate::status::Result;
+use crate::{bail, err};
 
 /// RMSNorm of one row: out = w * x / sqrt(mean(x^2) + eps).
 pub fn rmsnorm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
@@ -138,5 +140,265 @@ pub fn add(a: &mut [f32], b: &[f32]) {
     assert_eq!(a.len(), b.len(), "add: lengths differ");
     for (x, &y) in a.iter_mut().zip(b) {
         *x += y;
+    }
+}
+
+/// One decoder layer's weights: matrices stay as stored, small vectors are decoded once.
+struct Layer<'a> {
+    attn_norm: Vec<f32>,
+    ffn_norm: Vec<f32>,
+    q: TensorRef<'a>,
+    k: TensorRef<'a>,
+    v: TensorRef<'a>,
+    o: TensorRef<'a>,
+    /// Qwen2's q/k/v biases.
+    qkv_bias: Option<[Vec<f32>; 3]>,
+    /// Qwen3's per-head RMSNorm weights for q and k.
+    qk_norm: Option<[Vec<f32>; 2]>,
+    gate: TensorRef<'a>,
+    up: TensorRef<'a>,
+    down: TensorRef<'a>,
+}
+
+/// A dense decoder (Llama, Qwen2, Qwen3) read from a `TensorSource`.
+pub struct CpuModel<'a> {
+    cfg: ModelConfig,
+    embed: TensorRef<'a>,
+    final_norm: Vec<f32>,
+    /// The embedding table when the head is tied.
+    lm_head: TensorRef<'a>,
+    layers: Vec<Layer<'a>>,
+    inv_freq: Vec<f32>,
+}
+
+/// One stream's f32 KV cache: per layer, `window` rows of kv_heads * head_dim for K and for V.
+pub struct CpuStream {
+    k: Vec<Vec<f32>>,
+    v: Vec<Vec<f32>>,
+    len: usize,
+    window: usize,
+}
+
+impl CpuStream {
+    /// Tokens in the cache.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn window(&self) -> usize {
+        self.window
+    }
+
+    /// Forgets every token (the cache's memory is kept).
+    pub fn reset(&mut self) {
+        self.len = 0;
+    }
+}
+
+/// Fetches `name` and checks its shape and that its bytes hold exactly that shape in its format.
+fn checked<'a>(src: &'a dyn TensorSource, name: &str, shape: &[usize]) -> Result<TensorRef<'a>> {
+    let t = src.tensor(name)?;
+    validate(t, name, shape)
+}
+
+fn validate<'a>(t: TensorRef<'a>, name: &str, shape: &[usize]) -> Result<TensorRef<'a>> {
+    if t.shape != shape {
+        bail!(BadModel, "tensor {name} has shape {:?}, expected {:?}", t.shape, shape);
+    }
+    let row_bytes = t.dtype.row_bytes(t.cols()).ok_or_else(|| {
+        err!(BadModel, "tensor {name}: {} columns do not fit the {} format", t.cols(), t.dtype.name())
+    })?;
+    if t.bytes.len() != t.rows() * row_bytes {
+        bail!(
+            BadModel,
+            "tensor {name} holds {} bytes, expected {} for {:?} in {}",
+            t.bytes.len(),
+            t.rows() * row_bytes,
+            shape,
+            t.dtype.name()
+        );
+    }
+    Ok(t)
+}
+
+/// A 1-D tensor of `len` values, decoded.
+fn vector(src: &dyn TensorSource, name: &str, len: usize) -> Result<Vec<f32>> {
+    Ok(checked(src, name, &[len])?.to_f32())
+}
+
+impl<'a> CpuModel<'a> {
+    /// Reads the config and checks every tensor the architecture needs; `BadModel` names the first at fault.
+    pub fn new(src: &'a dyn TensorSource) -> Result<Self> {
+        let cfg = src.config().clone();
+        let (hidden, q_dim, kv_dim) = (cfg.hidden, cfg.q_dim(), cfg.kv_dim());
+        if cfg.vocab == 0 || hidden == 0 || cfg.layers == 0 || cfg.heads == 0 || cfg.intermediate == 0 {
+            bail!(BadModel, "config: vocab, hidden, layers, heads and intermediate must be positive: {cfg:?}");
+        }
+        if cfg.kv_heads == 0 || cfg.heads % cfg.kv_heads != 0 {
+            bail!(BadModel, "config: {} attention heads are not a multiple of {} KV heads", cfg.heads, cfg.kv_heads);
+        }
+        if cfg.head_dim == 0 || cfg.head_dim % 2 != 0 {
+            bail!(BadModel, "config: head_dim {} is not a positive even number", cfg.head_dim);
+        }
+        let embed = checked(src, names::EMBED, &[cfg.vocab, hidden])?;
+        let lm_head = if cfg.tied { embed } else { checked(src, names::LM_HEAD, &[cfg.vocab, hidden])? };
+        let final_norm = vector(src, names::FINAL_NORM, hidden)?;
+        let mut layers = Vec::with_capacity(cfg.layers);
+        for i in 0..cfg.layers {
+            let name = |part: &str| names::layer(i, part);
+            let qkv_bias = if cfg.qkv_bias {
+                Some([
+                    vector(src, &name(names::Q_BIAS), q_dim)?,
+                    vector(src, &name(names::K_BIAS), kv_dim)?,
+                    vector(src, &name(names::V_BIAS), kv_dim)?,
+                ])
+            } else {
+                None
+            };
+            let qk_norm = if cfg.qk_norm {
+                Some([
+                    vector(src, &name(names::Q_NORM), cfg.head_dim)?,
+                    vector(src, &name(names::K_NORM), cfg.head_dim)?,
+                ])
+            } else {
+                None
+            };
+            layers.push(Layer {
+                attn_norm: vector(src, &name(names::ATTN_NORM), hidden)?,
+                ffn_norm: vector(src, &name(names::FFN_NORM), hidden)?,
+                q: checked(src, &name(names::Q), &[q_dim, hidden])?,
+                k: checked(src, &name(names::K), &[kv_dim, hidden])?,
+                v: checked(src, &name(names::V), &[kv_dim, hidden])?,
+                o: checked(src, &name(names::O), &[hidden, q_dim])?,
+                qkv_bias,
+                qk_norm,
+                gate: checked(src, &name(names::GATE), &[cfg.intermediate, hidden])?,
+                up: checked(src, &name(names::UP), &[cfg.intermediate, hidden])?,
+                down: checked(src, &name(names::DOWN), &[hidden, cfg.intermediate])?,
+            });
+        }
+        let inv_freq = rope_inv_freq(&cfg);
+        Ok(CpuModel { cfg, embed, final_norm, lm_head, layers, inv_freq })
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    /// The architecture, for messages.
+    pub fn arch(&self) -> Arch {
+        self.cfg.arch
+    }
+
+    /// An empty stream with room for `window` tokens.
+    pub fn new_stream(&self, window: usize) -> CpuStream {
+        let cache = || (0..self.cfg.layers).map(|_| vec![0f32; window * self.cfg.kv_dim()]).collect();
+        CpuStream { k: cache(), v: cache(), len: 0, window }
+    }
+
+    /// Appends `tokens` to the stream and returns the logits after the last one.
+    pub fn forward(&self, stream: &mut CpuStream, tokens: &[u32]) -> Result<Vec<f32>> {
+        self.check_tokens(stream, tokens)?;
+        let mut hidden = Vec::new();
+        for &t in tokens {
+            hidden = self.advance(stream, t);
+        }
+        Ok(self.logits(&hidden))
+    }
+
+    /// Appends `tokens` and returns the logits after each of them (teacher forcing).
+    pub fn forward_all(&self, stream: &mut CpuStream, tokens: &[u32]) -> Result<Vec<Vec<f32>>> {
+        self.check_tokens(stream, tokens)?;
+        Ok(tokens.iter().map(|&t| self.logits(&self.advance(stream, t))).collect())
+    }
+
+    /// Everything that could refuse the call, before any token is appended.
+    fn check_tokens(&self, stream: &CpuStream, tokens: &[u32]) -> Result<()> {
+        if tokens.is_empty() {
+            bail!(InvalidArgument, "no tokens to append");
+        }
+        if stream.k.len() != self.cfg.layers || stream.k.iter().any(|k| k.len() != stream.window * self.cfg.kv_dim()) {
+            bail!(InvalidArgument, "stream was not made by this model");
+        }
+        if let Some((i, &t)) = tokens.iter().enumerate().find(|&(_, &t)| t as usize >= self.cfg.vocab) {
+            bail!(OutOfRange, "token {i} is id {t}, outside the vocabulary of {}", self.cfg.vocab);
+        }
+        if stream.len + tokens.len() > stream.window {
+            bail!(
+                NoRoom,
+                "{} tokens after {} do not fit the stream's window of {}",
+                tokens.len(),
+                stream.len,
+                stream.window
+            );
+        }
+        Ok(())
+    }
+
+    /// Runs one token through every layer at the stream's next position, caching its K and V;
+    /// returns the final hidden state (before the final norm).
+    fn advance(&self, stream: &mut CpuStream, token: u32) -> Vec<f32> {
+        let cfg = &self.cfg;
+        let (hidden, q_dim, kv_dim, head_dim) = (cfg.hidden, cfg.q_dim(), cfg.kv_dim(), cfg.head_dim);
+        let pos = stream.len;
+        let mut x = self.embed.row_f32(token as usize);
+        let mut h = vec![0f32; hidden];
+        let (mut q, mut k, mut v) = (vec![0f32; q_dim], vec![0f32; kv_dim], vec![0f32; kv_dim]);
+        let mut attn = vec![0f32; q_dim];
+        let mut proj = vec![0f32; hidden];
+        let (mut gate, mut up) = (vec![0f32; cfg.intermediate], vec![0f32; cfg.intermediate]);
+        let mut gated = vec![0f32; cfg.intermediate];
+        for (layer, (k_cache, v_cache)) in self.layers.iter().zip(stream.k.iter_mut().zip(stream.v.iter_mut())) {
+            rmsnorm(&x, &layer.attn_norm, cfg.rms_eps, &mut h);
+            matvec(&layer.q, &h, &mut q);
+            matvec(&layer.k, &h, &mut k);
+            matvec(&layer.v, &h, &mut v);
+            if let Some([qb, kb, vb]) = &layer.qkv_bias {
+                add(&mut q, qb);
+                add(&mut k, kb);
+                add(&mut v, vb);
+            }
+            if let Some([qn, kn]) = &layer.qk_norm {
+                norm_heads(&mut q, qn, cfg.rms_eps);
+                norm_heads(&mut k, kn, cfg.rms_eps);
+            }
+            rope(&mut q, cfg.heads, head_dim, pos, &self.inv_freq, cfg.rope_interleaved);
+            rope(&mut k, cfg.kv_heads, head_dim, pos, &self.inv_freq, cfg.rope_interleaved);
+            k_cache[pos * kv_dim..(pos + 1) * kv_dim].copy_from_slice(&k);
+            v_cache[pos * kv_dim..(pos + 1) * kv_dim].copy_from_slice(&v);
+            attention(&q, k_cache, v_cache, pos + 1, cfg.heads, cfg.kv_heads, head_dim, &mut attn);
+            matvec(&layer.o, &attn, &mut proj);
+            add(&mut x, &proj);
+
+            rmsnorm(&x, &layer.ffn_norm, cfg.rms_eps, &mut h);
+            matvec(&layer.gate, &h, &mut gate);
+            matvec(&layer.up, &h, &mut up);
+            swiglu(&gate, &up, &mut gated);
+            matvec(&layer.down, &gated, &mut proj);
+            add(&mut x, &proj);
+        }
+        stream.len += 1;
+        x
+    }
+
+    fn logits(&self, x: &[f32]) -> Vec<f32> {
+        let mut h = vec![0f32; self.cfg.hidden];
+        rmsnorm(x, &self.final_norm, self.cfg.rms_eps, &mut h);
+        let mut logits = vec![0f32; self.cfg.vocab];
+        matvec(&self.lm_head, &h, &mut logits);
+        logits
+    }
+}
+
+/// Qwen3's RMSNorm over each head_dim slice of a projected q or k.
+fn norm_heads(x: &mut [f32], w: &[f32], eps: f32) {
+    let mut normed = vec![0f32; w.len()];
+    for head in x.chunks_exact_mut(w.len()) {
+        rmsnorm(head, w, eps, &mut normed);
+        head.copy_from_slice(&normed);
     }
 }
