@@ -1,1 +1,370 @@
-//! (in progress)
+//! Text to token ids and back: a `tokenizer.json` beside the weights, or the byte-level BPE a GGUF
+//! carries in `tokenizer.ggml.*`, both run by the `tokenizers` crate.
+
+use crate::status::{Error, Result, Status};
+use crate::{bail, err};
+use serde_json::Value;
+use std::collections::HashSet;
+use std::path::Path;
+use tokenizers::models::bpe::{BPE, BpeTrainer, Vocab};
+use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+use tokenizers::pre_tokenizers::sequence::Sequence;
+use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
+use tokenizers::{AddedToken, DecoderWrapper, PreTokenizerWrapper, SplitDelimiterBehavior};
+
+/// GGUF `tokenizer.ggml.token_type` values (llama.cpp's numbering).
+pub mod token_type {
+    pub const NORMAL: i32 = 1;
+    pub const UNKNOWN: i32 = 2;
+    pub const CONTROL: i32 = 3;
+    pub const USER_DEFINED: i32 = 4;
+    pub const UNUSED: i32 = 5;
+    pub const BYTE: i32 = 6;
+}
+
+/// Llama 3's split (also used by its GGUF `llama-bpe` pre-tokenizer): digits in groups of three.
+const LLAMA3_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+/// Qwen2's split: like Llama 3's with single digits.
+const QWEN2_SPLIT: &str =
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+/// A loaded tokenizer and the bytes each of its tokens stands for.
+pub struct Tokenizer {
+    inner: tokenizers::Tokenizer,
+    /// Indexed by id: what the token adds to the text (empty for ids the vocabulary skips).
+    pieces: Vec<Vec<u8>>,
+}
+
+impl std::fmt::Debug for Tokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tokenizer").field("vocab_size", &self.pieces.len()).finish()
+    }
+}
+
+/// How the tokenizer's decoder turns a token's text into bytes.
+#[derive(Default)]
+struct PieceRules {
+    byte_level: bool,
+    byte_fallback: bool,
+    /// (pattern, replacement) pairs applied in order, e.g. ("▁", " ") for sentencepiece vocabularies.
+    replace: Vec<(String, String)>,
+}
+
+impl PieceRules {
+    /// Reads the decoder through its serialized form, so nested sequences need no per-type code.
+    fn of(decoder: Option<&DecoderWrapper>) -> PieceRules {
+        let mut rules = PieceRules::default();
+        if let Some(json) = decoder.and_then(|d| serde_json::to_value(d).ok()) {
+            rules.collect(&json);
+        }
+        rules
+    }
+
+    fn collect(&mut self, decoder: &Value) {
+        match decoder.get("type").and_then(Value::as_str) {
+            Some("ByteLevel") => self.byte_level = true,
+            Some("ByteFallback") => self.byte_fallback = true,
+            Some("Metaspace") => {
+                let mark = decoder.get("replacement").and_then(Value::as_str).unwrap_or("\u{2581}");
+                self.replace.push((mark.to_string(), " ".to_string()));
+            }
+            Some("Replace") => {
+                let pattern = decoder.pointer("/pattern/String").and_then(Value::as_str);
+                let content = decoder.get("content").and_then(Value::as_str);
+                if let (Some(p), Some(c)) = (pattern, content) {
+                    self.replace.push((p.to_string(), c.to_string()));
+                }
+            }
+            Some("Sequence") => {
+                for d in decoder.get("decoders").and_then(Value::as_array).into_iter().flatten() {
+                    self.collect(d);
+                }
+            }
+            _ => {}
+        }
+    }
+
+    fn piece(&self, token: &str, char_bytes: &std::collections::HashMap<char, u8>) -> Vec<u8> {
+        if self.byte_level {
+            let mut out = Vec::with_capacity(token.len());
+            for c in token.chars() {
+                match char_bytes.get(&c) {
+                    Some(&b) => out.push(b),
+                    None => out.extend_from_slice(c.encode_utf8(&mut [0; 4]).as_bytes()),
+                }
+            }
+            return out;
+        }
+        if self.byte_fallback
+            && let Some(byte) = byte_token(token)
+        {
+            return vec![byte];
+        }
+        let mut text = token.to_string();
+        for (pattern, content) in &self.replace {
+            text = text.replace(pattern.as_str(), content);
+        }
+        text.into_bytes()
+    }
+}
+
+/// `<0x0A>` → 0x0A: sentencepiece's byte-fallback tokens.
+fn byte_token(token: &str) -> Option<u8> {
+    let hex = token.strip_prefix("<0x")?.strip_suffix('>')?;
+    if hex.len() == 2 { u8::from_str_radix(hex, 16).ok() } else { None }
+}
+
+/// GPT-2's reversible map from bytes to printable characters: printable Latin-1 bytes stand for
+/// themselves, the rest take the code points from 256 up, in byte order.
+pub fn byte_level_chars() -> [char; 256] {
+    let keeps = |b: u32| (0x21..=0x7e).contains(&b) || (0xa1..=0xac).contains(&b) || (0xae..=0xff).contains(&b);
+    let mut map = ['\0'; 256];
+    let mut next = 256u32;
+    for b in 0..256u32 {
+        map[b as usize] = if keeps(b) {
+            char::from_u32(b).expect("Latin-1")
+        } else {
+            next += 1;
+            char::from_u32(next - 1).expect("below the surrogates")
+        };
+    }
+    map
+}
+
+fn tokenizer_error(what: &str, e: impl std::fmt::Display) -> Error {
+    err!(BadModel, "{what}: {e}")
+}
+
+impl Tokenizer {
+    /// A HF `tokenizer.json`.
+    pub fn from_json(path: &Path) -> Result<Tokenizer> {
+        let bytes = std::fs::read(path).map_err(|e| err!(IoError, "{}: {e}", path.display()))?;
+        let inner = tokenizers::Tokenizer::from_bytes(&bytes)
+            .map_err(|e| tokenizer_error(&format!("{}: not a usable tokenizer.json", path.display()), e))?;
+        Ok(Tokenizer::wrap(inner))
+    }
+
+    /// The tokenizer a GGUF describes in `tokenizer.ggml.*`. Only `model == "gpt2"` (byte-level BPE from
+    /// tokens and merges) is built; `pre` picks the split of the text before BPE.
+    pub fn from_gguf_bpe(
+        model: &str,
+        pre: Option<&str>,
+        tokens: &[String],
+        merges: &[String],
+        token_types: &[i32],
+    ) -> Result<Tokenizer> {
+        if model != "gpt2" {
+            bail!(Unsupported, "GGUF tokenizer.ggml.model \"{model}\": only \"gpt2\" (byte-level BPE) is supported");
+        }
+        if !token_types.is_empty() && token_types.len() != tokens.len() {
+            bail!(
+                BadModel,
+                "GGUF tokenizer.ggml.token_type has {} entries for {} tokens",
+                token_types.len(),
+                tokens.len()
+            );
+        }
+        if tokens.len() > u32::MAX as usize {
+            bail!(BadModel, "GGUF tokenizer.ggml.tokens: {} tokens do not fit u32 ids", tokens.len());
+        }
+        let (split, ignore_merges) = match pre.unwrap_or("default") {
+            "default" | "gpt2" | "gpt-2" => (None, false),
+            "llama3" | "llama-v3" | "llama-bpe" => (Some(LLAMA3_SPLIT), true),
+            "qwen2" | "deepseek-r1-qwen" => (Some(QWEN2_SPLIT), false),
+            other => bail!(Unsupported, "GGUF tokenizer.ggml.pre \"{other}\": unknown pre-tokenizer"),
+        };
+
+        // The first id wins where a vocabulary repeats a string, as the model's own lookups do.
+        let mut vocab = Vocab::default();
+        for (id, token) in tokens.iter().enumerate() {
+            vocab.entry(token.clone()).or_insert(id as u32);
+        }
+        let mut pairs = Vec::with_capacity(merges.len());
+        for (i, merge) in merges.iter().enumerate() {
+            let (a, b) = merge
+                .split_once(' ')
+                .filter(|(a, b)| !a.is_empty() && !b.is_empty() && !b.contains(' '))
+                .ok_or_else(|| err!(BadModel, "GGUF tokenizer.ggml.merges[{i}] \"{merge}\" is not \"left right\""))?;
+            pairs.push((a.to_string(), b.to_string()));
+        }
+        let bpe = BPE::builder()
+            .vocab_and_merges(vocab, pairs)
+            .ignore_merges(ignore_merges)
+            .build()
+            .map_err(|e| tokenizer_error("GGUF tokenizer.ggml.merges", e))?;
+
+        let mut inner = tokenizers::Tokenizer::new(bpe);
+        let pre_tokenizer: PreTokenizerWrapper = match split {
+            None => ByteLevel::new(false, true, true).into(),
+            Some(regex) => {
+                let split = Split::new(SplitPattern::Regex(regex.into()), SplitDelimiterBehavior::Isolated, false)
+                    .map_err(|e| tokenizer_error("pre-tokenizer regex", e))?;
+                Sequence::new(vec![split.into(), ByteLevel::new(false, true, false).into()]).into()
+            }
+        };
+        inner.with_pre_tokenizer(Some(pre_tokenizer));
+        inner.with_decoder(Some(ByteLevel::default()));
+
+        // Control and user-defined tokens are matched whole in the text, never split by BPE.
+        let mut added = Vec::new();
+        for (token, &kind) in tokens.iter().zip(token_types) {
+            match kind {
+                token_type::CONTROL => added.push(AddedToken::from(token.clone(), true)),
+                token_type::USER_DEFINED => added.push(AddedToken::from(token.clone(), false).normalized(false)),
+                _ => {}
+            }
+        }
+        inner.add_tokens(added).map_err(|e| tokenizer_error("GGUF control tokens", e))?;
+
+        let mut tokenizer = Tokenizer::wrap(inner);
+        // The GGUF's list is the vocabulary: its length and order, even where strings repeat.
+        let rules = PieceRules { byte_level: true, ..PieceRules::default() };
+        let char_bytes = char_bytes();
+        tokenizer.pieces = tokens.iter().map(|t| rules.piece(t, &char_bytes)).collect();
+        Ok(tokenizer)
+    }
+
+    fn wrap(inner: tokenizers::Tokenizer) -> Tokenizer {
+        let vocab = inner.get_vocab(true);
+        let size = vocab.values().map(|&id| id as usize + 1).max().unwrap_or(0);
+        let rules = PieceRules::of(inner.get_decoder());
+        let char_bytes = char_bytes();
+        let added = inner.get_added_tokens_decoder();
+        let mut pieces = vec![Vec::new(); size];
+        for (token, id) in vocab {
+            // Added tokens are literal text, not byte-level characters.
+            pieces[id as usize] = match added.get(&id) {
+                Some(t) => t.content.clone().into_bytes(),
+                None => rules.piece(&token, &char_bytes),
+            };
+        }
+        Tokenizer { inner, pieces }
+    }
+
+    /// The ids of `text`, after `add_bos` when given. Control tokens written in the text (`<|eos|>`)
+    /// become their ids; the tokenizer's own post-processing (templates) is not applied.
+    pub fn encode(&self, text: &str, add_bos: Option<u32>) -> Result<Vec<u32>> {
+        let encoding = self.inner.encode_fast(text, false).map_err(|e| err!(InvalidArgument, "tokenizing: {e}"))?;
+        let mut ids = Vec::with_capacity(encoding.len() + 1);
+        ids.extend(add_bos);
+        ids.extend_from_slice(encoding.get_ids());
+        Ok(ids)
+    }
+
+    /// The bytes token `id` adds to the text; a byte-level piece may be part of a UTF-8 character.
+    pub fn piece(&self, id: u32) -> Result<Vec<u8>> {
+        self.piece_ref(id).map(<[u8]>::to_vec)
+    }
+
+    /// `piece` without the copy.
+    pub fn piece_ref(&self, id: u32) -> Result<&[u8]> {
+        self.pieces.get(id as usize).map(Vec::as_slice).ok_or_else(|| {
+            Error::new(Status::OutOfRange, format!("token id {id} outside the tokenizer's {} ids", self.pieces.len()))
+        })
+    }
+
+    /// The text of `ids`: their pieces joined, invalid UTF-8 replaced.
+    pub fn decode(&self, ids: &[u32]) -> Result<String> {
+        let mut bytes = Vec::new();
+        for &id in ids {
+            bytes.extend_from_slice(self.piece_ref(id)?);
+        }
+        Ok(String::from_utf8_lossy(&bytes).into_owned())
+    }
+
+    /// One past the highest id the tokenizer knows.
+    pub fn vocab_size(&self) -> usize {
+        self.pieces.len()
+    }
+
+    /// The id of a token string (a special token such as `<|eos|>`), if the vocabulary has it.
+    pub fn token_id(&self, token: &str) -> Option<u32> {
+        self.inner.token_to_id(token)
+    }
+
+    /// Saves the tokenizer as `tokenizer.json`.
+    pub fn save_json(&self, path: &Path) -> Result<()> {
+        self.inner.save(path, true).map_err(|e| err!(IoError, "{}: {e}", path.display()))
+    }
+}
+
+fn char_bytes() -> std::collections::HashMap<char, u8> {
+    byte_level_chars().iter().enumerate().map(|(b, &c)| (c, b as u8)).collect()
+}
+
+/// A byte-level BPE's vocabulary in GGUF's terms: tokens by id, merges as "left right", token types.
+#[derive(Clone, Debug, PartialEq)]
+pub struct GgufBpeVocab {
+    pub tokens: Vec<String>,
+    pub merges: Vec<String>,
+    pub token_types: Vec<i32>,
+}
+
+/// Reads the BPE vocabulary, merges and special tokens of a byte-level `tokenizer.json`, for writing
+/// them into a GGUF. BAD_MODEL when the file is not a BPE model or its ids have gaps.
+pub fn gguf_bpe_vocab(path: &Path) -> Result<GgufBpeVocab> {
+    let text = std::fs::read_to_string(path).map_err(|e| err!(IoError, "{}: {e}", path.display()))?;
+    let json: Value = serde_json::from_str(&text).map_err(|e| err!(BadModel, "{}: {e}", path.display()))?;
+    let bad = |what: &str| err!(BadModel, "{}: {what}", path.display());
+    let model = json.get("model").ok_or_else(|| bad("no \"model\""))?;
+    if model.get("type").and_then(Value::as_str) != Some("BPE") {
+        return Err(bad("model.type is not \"BPE\""));
+    }
+    let mut by_id: Vec<Option<(String, i32)>> = Vec::new();
+    let mut put = |token: &str, id: u64, kind: i32| -> Result<()> {
+        let id = usize::try_from(id).map_err(|_| bad("token id too large"))?;
+        if id >= by_id.len() {
+            by_id.resize(id + 1, None);
+        }
+        by_id[id] = Some((token.to_string(), kind));
+        Ok(())
+    };
+    for (token, id) in model.get("vocab").and_then(Value::as_object).ok_or_else(|| bad("no model.vocab"))? {
+        put(token, id.as_u64().ok_or_else(|| bad("model.vocab id is not a number"))?, token_type::NORMAL)?;
+    }
+    for added in json.get("added_tokens").and_then(Value::as_array).into_iter().flatten() {
+        let content = added.get("content").and_then(Value::as_str).ok_or_else(|| bad("added token without content"))?;
+        let id = added.get("id").and_then(Value::as_u64).ok_or_else(|| bad("added token without id"))?;
+        let special = added.get("special").and_then(Value::as_bool).unwrap_or(false);
+        put(content, id, if special { token_type::CONTROL } else { token_type::USER_DEFINED })?;
+    }
+    let mut tokens = Vec::with_capacity(by_id.len());
+    let mut token_types = Vec::with_capacity(by_id.len());
+    for (id, entry) in by_id.into_iter().enumerate() {
+        let (token, kind) = entry.ok_or_else(|| bad(&format!("no token has id {id}")))?;
+        tokens.push(token);
+        token_types.push(kind);
+    }
+    // Merges are "a b" strings in older files and ["a", "b"] pairs in newer ones.
+    let mut merges = Vec::new();
+    for merge in model.get("merges").and_then(Value::as_array).ok_or_else(|| bad("no model.merges"))? {
+        merges.push(match merge {
+            Value::String(s) => s.clone(),
+            Value::Array(pair) => match pair.as_slice() {
+                [Value::String(a), Value::String(b)] => format!("{a} {b}"),
+                _ => return Err(bad("a merge is not a pair of strings")),
+            },
+            _ => return Err(bad("a merge is neither a string nor a pair")),
+        });
+    }
+    Ok(GgufBpeVocab { tokens, merges, token_types })
+}
+
+/// Trains a byte-level BPE of `vocab_size` ids on `text`, `special` first (ids 0, 1, ..), then the 256
+/// byte characters, then merges. The trainer breaks ties by ids, so the same text gives the same file.
+pub fn train_byte_level_bpe(text: &str, vocab_size: usize, special: &[&str]) -> Result<Tokenizer> {
+    let alphabet: HashSet<char> = byte_level_chars().into_iter().collect();
+    let trainer = BpeTrainer::builder()
+        .vocab_size(vocab_size)
+        .min_frequency(2)
+        .show_progress(false)
+        .special_tokens(special.iter().map(|s| AddedToken::from(*s, true)).collect())
+        .initial_alphabet(alphabet)
+        .build();
+    let mut inner = tokenizers::Tokenizer::new(BPE::default());
+    inner.with_pre_tokenizer(Some(ByteLevel::new(false, true, true)));
+    inner.with_decoder(Some(ByteLevel::default()));
+    let mut trainer = tokenizers::models::TrainerWrapper::from(trainer);
+    inner.train(&mut trainer, text.split_inclusive('\n')).map_err(|e| err!(InvalidArgument, "training BPE: {e}"))?;
+    Ok(Tokenizer::wrap(inner))
+}
