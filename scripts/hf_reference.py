@@ -1,0 +1,271 @@
+#!/usr/bin/env python3
+"""Reference logits from HF transformers for the CPU backend's parity test (tests/cpu.rs).
+
+Builds three small random models offline from config objects (Llama with GQA 4:1 and llama3 rope
+scaling; Qwen2 with q/k/v bias and a tied head; Qwen3 with q/k norm and head_dim 128 at hidden 1024),
+fills them with the synthetic weights hostembed generates (checkpoint::write::synthetic_weights, same
+formula bit for bit), and writes, per model, into OUT/<name>/:
+  config.json     the model's config, every key (as config.json, without defaults left out)
+  tokens.u32      the 64 input ids, little-endian u32
+  logits.f32      teacher-forced logits, [64][vocab] little-endian f32, from the float64 run
+  inv_freq.f32    HF's rotary inverse frequencies (head_dim/2 values)
+  reference.json  seed, versions, and the float32-vs-float64 error of HF itself
+
+Usage: hf_reference.py --out OUT [--save-models DIR]   (needs torch + transformers; no network)
+       hf_reference.py --selftest                      (numpy only: prints generator values the Rust test pins)
+"""
+
+import argparse
+import json
+import os
+import sys
+
+import numpy as np
+
+POSITIONS = 64
+GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+MIX1 = np.uint64(0xBF58476D1CE4E5B9)
+MIX2 = np.uint64(0x94D049BB133111EB)
+INDEX_MULT = np.uint64(0xD1B54A32D192ED03)
+FNV_OFFSET = 0xCBF29CE484222325
+FNV_PRIME = 0x100000001B3
+
+# name -> (architecture, config kwargs, weight seed). Small, but each exercises its architecture's quirk.
+MODELS = {
+    "llama": (
+        "llama",
+        dict(
+            vocab_size=256,
+            hidden_size=256,
+            intermediate_size=512,
+            num_hidden_layers=3,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            head_dim=32,
+            rms_norm_eps=1e-5,
+            max_position_embeddings=128,
+            tie_word_embeddings=False,
+            attention_bias=False,
+            mlp_bias=False,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+        # Original context 64 puts the rotary wavelengths in all three llama3 bands within 64 positions.
+        dict(
+            rope_theta=500000.0,
+            rope_type="llama3",
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=64,
+        ),
+        11,
+    ),
+    "qwen2": (
+        "qwen2",
+        dict(
+            vocab_size=256,
+            hidden_size=256,
+            intermediate_size=640,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            rms_norm_eps=1e-6,
+            max_position_embeddings=128,
+            tie_word_embeddings=True,
+            use_sliding_window=False,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+        dict(rope_theta=1000000.0, rope_type="default"),
+        22,
+    ),
+    "qwen3": (
+        "qwen3",
+        dict(
+            vocab_size=256,
+            hidden_size=1024,
+            intermediate_size=1024,
+            num_hidden_layers=2,
+            num_attention_heads=16,
+            num_key_value_heads=4,
+            head_dim=128,
+            rms_norm_eps=1e-6,
+            max_position_embeddings=128,
+            tie_word_embeddings=False,
+            attention_bias=False,
+            use_sliding_window=False,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+        dict(rope_theta=1000000.0, rope_type="default"),
+        33,
+    ),
+}
+
+
+def splitmix64(x):
+    """splitmix64's output function on a uint64 array (wrapping arithmetic)."""
+    z = x + GOLDEN
+    z = (z ^ (z >> np.uint64(30))) * MIX1
+    z = (z ^ (z >> np.uint64(27))) * MIX2
+    return z ^ (z >> np.uint64(31))
+
+
+def fnv1a64(name):
+    h = FNV_OFFSET
+    for b in name.encode():
+        h = ((h ^ b) * FNV_PRIME) % (1 << 64)
+    return h
+
+
+def synthetic_tensor(name, shape, seed):
+    """The value of every element of tensor `name`, row-major over `shape`, as float32."""
+    n = int(np.prod(shape))
+    with np.errstate(over="ignore"):
+        index = np.arange(n, dtype=np.uint64)
+        key = np.uint64(seed) ^ np.uint64(fnv1a64(name))
+        bits = splitmix64(key ^ (index * INDEX_MULT))
+    u = (bits >> np.uint64(40)).astype(np.float32) / np.float32(16777216.0) * np.float32(2.0) - np.float32(1.0)
+    if name.endswith("norm.weight"):
+        v = np.float32(1.0) + np.float32(0.1) * u
+    elif name.endswith(".bias"):
+        v = np.float32(0.05) * u
+    elif name == "model.embed_tokens.weight":
+        v = u
+    elif len(shape) == 2:
+        v = u * (np.float32(1.0) / np.sqrt(np.float32(shape[1])))
+    else:
+        raise ValueError(f"no synthetic rule for {name} {shape}")
+    assert v.dtype == np.float32
+    return v.reshape(shape)
+
+
+def tokens_for(vocab):
+    """A fixed sequence touching many ids, with repeats so attention sees equal keys."""
+    return [(i * 97 + 13) % vocab if i % 16 != 15 else 13 for i in range(POSITIONS)]
+
+
+def selftest():
+    """Values the Rust test `synthetic_formula_matches_the_python_generator` pins, as f32 bit patterns."""
+    cases = [
+        ("model.embed_tokens.weight", (8, 16), 11),
+        ("model.layers.0.self_attn.q_proj.weight", (32, 48), 22),
+        ("model.layers.1.input_layernorm.weight", (64,), 33),
+        ("model.layers.0.self_attn.k_proj.bias", (40,), 44),
+    ]
+    for name, shape, seed in cases:
+        v = synthetic_tensor(name, shape, seed).reshape(-1)
+        picks = [0, 1, 2, len(v) - 1]
+        bits = " ".join(f"{i}:{v[i].view(np.uint32):08x}" for i in picks)
+        print(f"{name} {list(shape)} seed {seed} fnv {fnv1a64(name):016x} {bits}")
+
+
+def build(arch, kwargs, rope):
+    import inspect
+
+    import transformers
+
+    cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}[arch]
+    kwargs = dict(kwargs)
+    if "rope_parameters" in inspect.signature(cls.__init__).parameters:
+        kwargs["rope_parameters"] = dict(rope)
+    else:
+        kwargs["rope_theta"] = rope["rope_theta"]
+        scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+        if scaling["rope_type"] != "default":
+            kwargs["rope_scaling"] = scaling
+    cfg = cls(attn_implementation="eager", **kwargs)
+    model_cls = {
+        "llama": transformers.LlamaForCausalLM,
+        "qwen2": transformers.Qwen2ForCausalLM,
+        "qwen3": transformers.Qwen3ForCausalLM,
+    }[arch]
+    return cfg, model_cls(cfg)
+
+
+def load_synthetic(model, seed, tied):
+    import torch
+
+    params = dict(model.named_parameters())
+    for name, p in params.items():
+        p.data.copy_(torch.from_numpy(synthetic_tensor(name, tuple(p.shape), seed)))
+    head, embed = model.lm_head.weight, model.model.embed_tokens.weight
+    assert (head.data_ptr() == embed.data_ptr()) == tied, "tied head does not match the config"
+    assert tied or "lm_head.weight" in params
+    return sorted(params)
+
+
+def logits(model, tokens, dtype):
+    import torch
+
+    model = model.to(dtype)
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor([tokens]), use_cache=False).logits[0]
+    return out.to(torch.float64).numpy()
+
+
+def relative_l2_per_position(a, b):
+    return np.linalg.norm(a - b, axis=-1) / np.linalg.norm(b, axis=-1)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", help="output directory (one subdirectory per model)")
+    ap.add_argument("--selftest", action="store_true", help="print generator values and exit (numpy only)")
+    ap.add_argument("--save-models", metavar="DIR", help="also save each model as an HF folder (float32)")
+    args = ap.parse_args()
+    if args.selftest:
+        selftest()
+        return
+    if not args.out:
+        ap.error("--out is required")
+
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    worst = 0.0
+    for name, (arch, kwargs, rope, seed) in MODELS.items():
+        cfg, model = build(arch, kwargs, rope)
+        model.eval()
+        tied = kwargs["tie_word_embeddings"]
+        loaded = load_synthetic(model, seed, tied)
+        tokens = tokens_for(kwargs["vocab_size"])
+
+        inv_freq = model.model.rotary_emb.inv_freq.detach().to(torch.float32).numpy()
+        head_dim = kwargs.get("head_dim", kwargs["hidden_size"] // kwargs["num_attention_heads"])
+        assert inv_freq.shape == (head_dim // 2,), inv_freq.shape
+
+        if args.save_models:
+            model.save_pretrained(os.path.join(args.save_models, name), safe_serialization=True)
+        l32 = logits(model, tokens, torch.float32)
+        l64 = logits(model, tokens, torch.float64)
+        err = float(relative_l2_per_position(l32, l64).max())
+        worst = max(worst, err)
+
+        d = os.path.join(args.out, name)
+        os.makedirs(d, exist_ok=True)
+        with open(os.path.join(d, "config.json"), "w") as f:
+            f.write(cfg.to_json_string(use_diff=False))
+        np.asarray(tokens, dtype="<u4").tofile(os.path.join(d, "tokens.u32"))
+        l64.astype("<f4").tofile(os.path.join(d, "logits.f32"))
+        inv_freq.astype("<f4").tofile(os.path.join(d, "inv_freq.f32"))
+        meta = {
+            "seed": seed,
+            "positions": POSITIONS,
+            "vocab": kwargs["vocab_size"],
+            "tensors": loaded,
+            "hf_float32_vs_float64_max_relative_l2": err,
+            "logits": "float64 run, stored as float32",
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+        }
+        with open(os.path.join(d, "reference.json"), "w") as f:
+            json.dump(meta, f, indent=1)
+        print(f"{name}: {len(loaded)} tensors, logits {l64.shape}, HF f32 vs f64 max relative L2 {err:.3e}")
+    print(f"max relative L2 of HF float32 vs float64 over all models: {worst:.3e}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,932 @@
+//! The CPU reference backend and the sampler: ops against explicit formulas, the model's invariants
+//! (KV cache, GQA, tied heads, stored formats), its refusals, and parity with HF transformers.
+
+mod common;
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use common::Rng;
+use hostembed::Status;
+use hostembed::cpu::{self, CpuModel};
+use hostembed::model::{Arch, ModelConfig, RopeScaling, TensorRef, TensorSource, names};
+use hostembed::sampler::{self, Sampling};
+use hostembed::tensor::{DType, encode_row};
+
+// ---------------------------------------------------------------------------------------------
+// An in-memory model: the synthetic weight formula, and a TensorSource over encoded bytes.
+
+struct Tensor {
+    dtype: DType,
+    shape: Vec<usize>,
+    bytes: Vec<u8>,
+}
+
+struct MemSource {
+    cfg: ModelConfig,
+    tensors: HashMap<String, Tensor>,
+}
+
+impl TensorSource for MemSource {
+    fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    fn tensor(&self, name: &str) -> hostembed::Result<TensorRef<'_>> {
+        let t = self.tensors.get(name).ok_or_else(|| hostembed::err!(BadModel, "tensor {name} is missing"))?;
+        Ok(TensorRef { dtype: t.dtype, shape: &t.shape, bytes: &t.bytes })
+    }
+}
+
+impl MemSource {
+    fn from_f32(cfg: ModelConfig, weights: Vec<(String, Vec<usize>, Vec<f32>)>, dtype: DType) -> MemSource {
+        let tensors = weights
+            .into_iter()
+            .map(|(name, shape, values)| {
+                // Vectors stay f32 (as GGUF keeps norms); matrices take the asked format.
+                let dtype = if shape.len() == 1 { DType::F32 } else { dtype };
+                let cols = *shape.last().unwrap();
+                let bytes = values.chunks(cols).flat_map(|row| encode_row(dtype, row)).collect();
+                (name, Tensor { dtype, shape, bytes })
+            })
+            .collect();
+        MemSource { cfg, tensors }
+    }
+
+    fn f32_values(&self, name: &str) -> Vec<f32> {
+        self.tensor(name).unwrap().to_f32()
+    }
+
+    fn set_f32(&mut self, name: &str, shape: Vec<usize>, values: &[f32]) {
+        let cols = *shape.last().unwrap();
+        let bytes = values.chunks(cols).flat_map(|row| encode_row(DType::F32, row)).collect();
+        self.tensors.insert(name.to_string(), Tensor { dtype: DType::F32, shape, bytes });
+    }
+}
+
+fn splitmix64(x: u64) -> u64 {
+    sampler::splitmix64(x)
+}
+
+fn fnv1a64(name: &str) -> u64 {
+    name.bytes().fold(0xCBF2_9CE4_8422_2325, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01B3))
+}
+
+/// The synthetic weight formula scripts/hf_reference.py and the checkpoint writer share.
+fn synthetic_tensor(name: &str, shape: &[usize], seed: u64) -> Vec<f32> {
+    let n: usize = shape.iter().product();
+    let key = seed ^ fnv1a64(name);
+    let col_scale = 1.0f32 / (*shape.last().unwrap() as f32).sqrt();
+    (0..n as u64)
+        .map(|i| {
+            let bits = splitmix64(key ^ i.wrapping_mul(0xD1B5_4A32_D192_ED03));
+            let u = (bits >> 40) as f32 / 16_777_216.0 * 2.0 - 1.0;
+            if name.ends_with("norm.weight") {
+                1.0 + 0.1 * u
+            } else if name.ends_with(".bias") {
+                0.05 * u
+            } else if name == names::EMBED {
+                u
+            } else {
+                assert_eq!(shape.len(), 2, "no synthetic rule for {name}");
+                u * col_scale
+            }
+        })
+        .collect()
+}
+
+/// Every tensor the config needs, canonical names and HF shapes.
+fn tensor_shapes(cfg: &ModelConfig) -> Vec<(String, Vec<usize>)> {
+    let (h, q, kv, inter) = (cfg.hidden, cfg.q_dim(), cfg.kv_dim(), cfg.intermediate);
+    let mut out = vec![(names::EMBED.to_string(), vec![cfg.vocab, h]), (names::FINAL_NORM.to_string(), vec![h])];
+    if !cfg.tied {
+        out.push((names::LM_HEAD.to_string(), vec![cfg.vocab, h]));
+    }
+    for i in 0..cfg.layers {
+        let mut part = |p: &str, shape: Vec<usize>| out.push((names::layer(i, p), shape));
+        part(names::ATTN_NORM, vec![h]);
+        part(names::FFN_NORM, vec![h]);
+        part(names::Q, vec![q, h]);
+        part(names::K, vec![kv, h]);
+        part(names::V, vec![kv, h]);
+        part(names::O, vec![h, q]);
+        if cfg.qkv_bias {
+            part(names::Q_BIAS, vec![q]);
+            part(names::K_BIAS, vec![kv]);
+            part(names::V_BIAS, vec![kv]);
+        }
+        if cfg.qk_norm {
+            part(names::Q_NORM, vec![cfg.head_dim]);
+            part(names::K_NORM, vec![cfg.head_dim]);
+        }
+        part(names::GATE, vec![inter, h]);
+        part(names::UP, vec![inter, h]);
+        part(names::DOWN, vec![h, inter]);
+    }
+    out
+}
+
+fn synthetic_model(cfg: &ModelConfig, seed: u64, dtype: DType) -> MemSource {
+    let weights = tensor_shapes(cfg)
+        .into_iter()
+        .map(|(name, shape)| (name.clone(), shape.clone(), synthetic_tensor(&name, &shape, seed)))
+        .collect();
+    MemSource::from_f32(cfg.clone(), weights, dtype)
+}
+
+fn small_config(arch: Arch) -> ModelConfig {
+    let mut cfg = ModelConfig {
+        arch,
+        vocab: 96,
+        hidden: 64,
+        layers: 2,
+        heads: 4,
+        kv_heads: 2,
+        head_dim: 16,
+        intermediate: 96,
+        rms_eps: 1e-5,
+        rope_theta: 10000.0,
+        rope_scaling: RopeScaling::None,
+        rope_interleaved: false,
+        max_position: 64,
+        tied: false,
+        qkv_bias: false,
+        qk_norm: false,
+        bos: Some(1),
+        eos: Some(2),
+    };
+    match arch {
+        Arch::Llama => {
+            cfg.rope_scaling = RopeScaling::Llama3 {
+                factor: 8.0,
+                low_freq_factor: 1.0,
+                high_freq_factor: 4.0,
+                original_max_position: 16,
+            }
+        }
+        Arch::Qwen2 => {
+            cfg.qkv_bias = true;
+            cfg.tied = true;
+        }
+        Arch::Qwen3 => {
+            cfg.qk_norm = true;
+            cfg.head_dim = 32; // q_dim 128 against hidden 64: head_dim independent of hidden/heads
+        }
+    }
+    cfg
+}
+
+const ARCHS: [Arch; 3] = [Arch::Llama, Arch::Qwen2, Arch::Qwen3];
+
+fn relative_l2(a: &[f32], reference: &[f32]) -> f64 {
+    let diff: f64 = a.iter().zip(reference).map(|(&x, &y)| (x as f64 - y as f64).powi(2)).sum();
+    let norm: f64 = reference.iter().map(|&y| (y as f64).powi(2)).sum();
+    (diff / norm).sqrt()
+}
+
+fn tokens(rng: &mut Rng, n: usize, vocab: usize) -> Vec<u32> {
+    (0..n).map(|_| rng.below(vocab as u64) as u32).collect()
+}
+
+// ---------------------------------------------------------------------------------------------
+// Ops.
+
+#[test]
+fn rmsnorm_gives_unit_rms_times_the_weight() {
+    let mut rng = Rng::fresh("rmsnorm_gives_unit_rms_times_the_weight");
+    let x = rng.vec(257, 3.0);
+    let w = rng.vec(257, 1.0);
+    let mut out = vec![0f32; 257];
+    cpu::rmsnorm(&x, &w, 0.0, &mut out);
+    let normalized: Vec<f64> = out.iter().zip(&w).map(|(&o, &g)| o as f64 / g as f64).collect();
+    let rms = (normalized.iter().map(|v| v * v).sum::<f64>() / 257.0).sqrt();
+    assert!((rms - 1.0).abs() < 1e-5, "rms {rms}");
+    // Direction kept: normalized is a positive multiple of x.
+    let ratio = normalized[0] / x[0] as f64;
+    assert!(ratio > 0.0);
+    for (n, &v) in normalized.iter().zip(&x) {
+        assert!((n - ratio * v as f64).abs() < 1e-4 * n.abs().max(1.0), "{n} vs {}", ratio * v as f64);
+    }
+    // eps enters under the root: a zero row stays zero and finite.
+    cpu::rmsnorm(&vec![0.0; 257], &w, 1e-6, &mut out);
+    assert!(out.iter().all(|&v| v == 0.0));
+}
+
+#[test]
+fn matvec_decodes_every_format() {
+    let mut rng = Rng::fresh("matvec_decodes_every_format");
+    let (rows, cols) = (13, 96);
+    let values = rng.vec(rows * cols, 1.0);
+    let x = rng.vec(cols, 1.0);
+    for dtype in [DType::F32, DType::F16, DType::Bf16, DType::Q8_0] {
+        let bytes: Vec<u8> = values.chunks(cols).flat_map(|r| encode_row(dtype, r)).collect();
+        let shape = [rows, cols];
+        let w = TensorRef { dtype, shape: &shape, bytes: &bytes };
+        let decoded = w.to_f32();
+        let mut out = vec![0f32; rows];
+        cpu::matvec(&w, &x, &mut out);
+        for r in 0..rows {
+            let expect: f64 = (0..cols).map(|c| decoded[r * cols + c] as f64 * x[c] as f64).sum();
+            assert!((out[r] as f64 - expect).abs() <= 1e-6 * expect.abs().max(1.0), "{dtype:?} row {r}");
+            // The stored format's rounding stays a rounding, not a different matrix.
+            let exact: f64 = (0..cols).map(|c| values[r * cols + c] as f64 * x[c] as f64).sum();
+            assert!((out[r] as f64 - exact).abs() < 0.1, "{dtype:?} row {r}: {} vs {exact}", out[r]);
+        }
+    }
+}
+
+#[test]
+fn rope_matches_an_explicit_rotation() {
+    let mut rng = Rng::fresh("rope_matches_an_explicit_rotation");
+    let (heads, head_dim, theta) = (3, 64, 10000f64);
+    let cfg = ModelConfig { head_dim, rope_theta: theta as f32, ..small_config(Arch::Qwen3) };
+    let inv_freq = cpu::rope_inv_freq(&cfg);
+    for (i, &f) in inv_freq.iter().enumerate() {
+        let expect = theta.powf(-(2.0 * i as f64) / head_dim as f64);
+        assert!((f as f64 - expect).abs() <= 1e-6 * expect, "inv_freq[{i}] {f} vs {expect}");
+    }
+    let x = rng.vec(heads * head_dim, 1.0);
+    let pos = 1 + rng.below(500) as usize;
+    let mut rotated = x.clone();
+    cpu::rope(&mut rotated, heads, head_dim, pos, &inv_freq, false);
+    let half = head_dim / 2;
+    for h in 0..heads {
+        for i in 0..half {
+            let angle = pos as f64 * theta.powf(-(2.0 * i as f64) / head_dim as f64);
+            let (a, b) = (x[h * head_dim + i] as f64, x[h * head_dim + i + half] as f64);
+            let (ra, rb) = (a * angle.cos() - b * angle.sin(), a * angle.sin() + b * angle.cos());
+            // An f32 angle of up to ~500 radians carries ~3e-5 of absolute error.
+            assert!((rotated[h * head_dim + i] as f64 - ra).abs() < 1e-4, "head {h} pair {i}");
+            assert!((rotated[h * head_dim + i + half] as f64 - rb).abs() < 1e-4, "head {h} pair {i}");
+        }
+    }
+    // Position 0 is the identity.
+    let mut same = x.clone();
+    cpu::rope(&mut same, heads, head_dim, 0, &inv_freq, false);
+    assert_eq!(same, x);
+}
+
+#[test]
+fn rope_scores_depend_only_on_relative_position() {
+    let mut rng = Rng::fresh("rope_scores_depend_only_on_relative_position");
+    let cfg = small_config(Arch::Llama);
+    let inv_freq = cpu::rope_inv_freq(&cfg);
+    let (q, k) = (rng.vec(cfg.head_dim, 1.0), rng.vec(cfg.head_dim, 1.0));
+    let score = |m: usize, n: usize| {
+        let (mut qm, mut kn) = (q.clone(), k.clone());
+        cpu::rope(&mut qm, 1, cfg.head_dim, m, &inv_freq, false);
+        cpu::rope(&mut kn, 1, cfg.head_dim, n, &inv_freq, false);
+        qm.iter().zip(&kn).map(|(&a, &b)| a as f64 * b as f64).sum::<f64>()
+    };
+    let shift = 1 + rng.below(40) as usize;
+    assert!((score(7, 3) - score(7 + shift, 3 + shift)).abs() < 1e-4);
+    assert!((score(7, 3) - score(7, 4)).abs() > 1e-6, "rotation had no effect");
+}
+
+#[test]
+fn interleaved_rope_equals_half_rope_under_the_row_permutation() {
+    let mut rng = Rng::fresh("interleaved_rope_equals_half_rope_under_the_row_permutation");
+    let (heads, head_dim) = (4, 32);
+    let cfg = ModelConfig { head_dim, ..small_config(Arch::Qwen2) };
+    let inv_freq = cpu::rope_inv_freq(&cfg);
+    let half_layout = rng.vec(heads * head_dim, 1.0);
+    // Half layout index i pairs with i + d/2; interleaved puts that pair at 2i, 2i+1.
+    let permute = |x: &[f32]| -> Vec<f32> {
+        let mut out = vec![0f32; x.len()];
+        for h in 0..heads {
+            for i in 0..head_dim / 2 {
+                out[h * head_dim + 2 * i] = x[h * head_dim + i];
+                out[h * head_dim + 2 * i + 1] = x[h * head_dim + i + head_dim / 2];
+            }
+        }
+        out
+    };
+    let pos = rng.below(1000) as usize;
+    let mut a = half_layout.clone();
+    cpu::rope(&mut a, heads, head_dim, pos, &inv_freq, false);
+    let mut b = permute(&half_layout);
+    cpu::rope(&mut b, heads, head_dim, pos, &inv_freq, true);
+    assert_eq!(permute(&a), b);
+}
+
+#[test]
+fn rope_scaling_follows_the_linear_and_llama3_rules() {
+    let base_cfg = ModelConfig { head_dim: 128, rope_theta: 500000.0, ..small_config(Arch::Llama) };
+    let base = cpu::rope_inv_freq(&ModelConfig { rope_scaling: RopeScaling::None, ..base_cfg.clone() });
+    let linear =
+        cpu::rope_inv_freq(&ModelConfig { rope_scaling: RopeScaling::Linear { factor: 4.0 }, ..base_cfg.clone() });
+    for (b, l) in base.iter().zip(&linear) {
+        assert_eq!(*l, b / 4.0);
+    }
+    let (factor, low, high, original) = (8.0f64, 1.0f64, 4.0f64, 8192.0f64);
+    let scaling = RopeScaling::Llama3 {
+        factor: factor as f32,
+        low_freq_factor: low as f32,
+        high_freq_factor: high as f32,
+        original_max_position: original as u32,
+    };
+    let llama3 = cpu::rope_inv_freq(&ModelConfig { rope_scaling: scaling, ..base_cfg });
+    let mut bands = [0; 3];
+    for (&b, &s) in base.iter().zip(&llama3) {
+        let (b, s) = (b as f64, s as f64);
+        let wavelen = 2.0 * std::f64::consts::PI / b;
+        let expect = if wavelen < original / high {
+            bands[0] += 1;
+            b
+        } else if wavelen > original / low {
+            bands[1] += 1;
+            b / factor
+        } else {
+            bands[2] += 1;
+            let smooth = (original / wavelen - low) / (high - low);
+            (1.0 - smooth) * b / factor + smooth * b
+        };
+        assert!((s - expect).abs() <= 1e-5 * expect, "{s} vs {expect}");
+    }
+    assert!(bands.iter().all(|&n| n > 0), "the test must cover all three bands: {bands:?}");
+}
+
+#[test]
+fn attention_matches_softmax_over_the_right_kv_head() {
+    let mut rng = Rng::fresh("attention_matches_softmax_over_the_right_kv_head");
+    let (heads, kv_heads, head_dim, n_ctx) = (6, 2, 8, 11);
+    let kv_dim = kv_heads * head_dim;
+    let q = rng.vec(heads * head_dim, 1.0);
+    // The cache is longer than n_ctx: rows past it must be ignored.
+    let mut k = rng.vec((n_ctx + 3) * kv_dim, 1.0);
+    let v = rng.vec((n_ctx + 3) * kv_dim, 1.0);
+    let mut out = vec![0f32; heads * head_dim];
+    cpu::attention(&q, &k, &v, n_ctx, heads, kv_heads, head_dim, &mut out);
+    for h in 0..heads {
+        let g = h / (heads / kv_heads);
+        let scores: Vec<f64> = (0..n_ctx)
+            .map(|t| {
+                (0..head_dim).map(|d| q[h * head_dim + d] as f64 * k[t * kv_dim + g * head_dim + d] as f64).sum::<f64>()
+                    / (head_dim as f64).sqrt()
+            })
+            .collect();
+        let z: f64 = scores.iter().map(|s| s.exp()).sum();
+        for d in 0..head_dim {
+            let expect: f64 = (0..n_ctx).map(|t| scores[t].exp() / z * v[t * kv_dim + g * head_dim + d] as f64).sum();
+            assert!((out[h * head_dim + d] as f64 - expect).abs() < 1e-5, "head {h} dim {d}");
+        }
+    }
+    k[n_ctx * kv_dim..].iter_mut().for_each(|x| *x = 1e9);
+    let mut again = vec![0f32; heads * head_dim];
+    cpu::attention(&q, &k, &v, n_ctx, heads, kv_heads, head_dim, &mut again);
+    assert_eq!(out, again);
+}
+
+#[test]
+fn swiglu_and_add() {
+    let gate = [0.0f32, 1.0, -2.0, 30.0];
+    let up = [5.0f32, 2.0, 3.0, 0.5];
+    let mut out = [0f32; 4];
+    cpu::swiglu(&gate, &up, &mut out);
+    for i in 0..4 {
+        let g = gate[i] as f64;
+        let expect = g / (1.0 + (-g).exp()) * up[i] as f64;
+        assert!((out[i] as f64 - expect).abs() < 1e-6 * expect.abs().max(1.0), "{i}: {} vs {expect}", out[i]);
+    }
+    let mut a = [1.0f32, 2.0];
+    cpu::add(&mut a, &[0.5, -3.0]);
+    assert_eq!(a, [1.5, -1.0]);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The model.
+
+/// The model computed layer by layer over the whole sequence at once, with no cache carried between
+/// tokens: the same ops in another schedule, so a cache that stores or reads the wrong rows shows.
+fn layer_major_logits(src: &MemSource, toks: &[u32]) -> Vec<Vec<f32>> {
+    let cfg = &src.cfg;
+    let (n, q_dim, kv_dim, hd) = (toks.len(), cfg.q_dim(), cfg.kv_dim(), cfg.head_dim);
+    let w = |name: &str| src.tensor(name).unwrap();
+    let inv_freq = cpu::rope_inv_freq(cfg);
+    let matvec = |name: &str, x: &[f32], rows: usize| {
+        let mut out = vec![0f32; rows];
+        cpu::matvec(&w(name), x, &mut out);
+        out
+    };
+    let norm = |x: &[f32], weight: &[f32]| {
+        let mut out = vec![0f32; x.len()];
+        cpu::rmsnorm(x, weight, cfg.rms_eps, &mut out);
+        out
+    };
+    let mut xs: Vec<Vec<f32>> = toks.iter().map(|&t| w(names::EMBED).row_f32(t as usize)).collect();
+    for i in 0..cfg.layers {
+        let l = |part: &str| names::layer(i, part);
+        let (mut qs, mut ks, mut vs) = (vec![], vec![], vec![]);
+        for (pos, x) in xs.iter().enumerate() {
+            let h = norm(x, &src.f32_values(&l(names::ATTN_NORM)));
+            let (mut q, mut k, mut v) =
+                (matvec(&l(names::Q), &h, q_dim), matvec(&l(names::K), &h, kv_dim), matvec(&l(names::V), &h, kv_dim));
+            if cfg.qkv_bias {
+                cpu::add(&mut q, &src.f32_values(&l(names::Q_BIAS)));
+                cpu::add(&mut k, &src.f32_values(&l(names::K_BIAS)));
+                cpu::add(&mut v, &src.f32_values(&l(names::V_BIAS)));
+            }
+            if cfg.qk_norm {
+                let (qn, kn) = (src.f32_values(&l(names::Q_NORM)), src.f32_values(&l(names::K_NORM)));
+                q = q.chunks(hd).flat_map(|head| norm(head, &qn)).collect();
+                k = k.chunks(hd).flat_map(|head| norm(head, &kn)).collect();
+            }
+            cpu::rope(&mut q, cfg.heads, hd, pos, &inv_freq, cfg.rope_interleaved);
+            cpu::rope(&mut k, cfg.kv_heads, hd, pos, &inv_freq, cfg.rope_interleaved);
+            qs.push(q);
+            ks.extend(k);
+            vs.extend(v);
+        }
+        for (pos, x) in xs.iter_mut().enumerate() {
+            let mut attn = vec![0f32; q_dim];
+            cpu::attention(&qs[pos], &ks, &vs, pos + 1, cfg.heads, cfg.kv_heads, hd, &mut attn);
+            cpu::add(x, &matvec(&l(names::O), &attn, cfg.hidden));
+            let h = norm(x, &src.f32_values(&l(names::FFN_NORM)));
+            let mut gated = vec![0f32; cfg.intermediate];
+            let (gate, up) =
+                (matvec(&l(names::GATE), &h, cfg.intermediate), matvec(&l(names::UP), &h, cfg.intermediate));
+            cpu::swiglu(&gate, &up, &mut gated);
+            cpu::add(x, &matvec(&l(names::DOWN), &gated, cfg.hidden));
+        }
+    }
+    let head = if cfg.tied { names::EMBED } else { names::LM_HEAD };
+    xs.iter().map(|x| matvec(head, &norm(x, &src.f32_values(names::FINAL_NORM)), cfg.vocab)).collect()
+}
+
+#[test]
+fn cached_forward_equals_layer_major_recomputation_in_any_chunking() {
+    let mut rng = Rng::fresh("cached_forward_equals_layer_major_recomputation_in_any_chunking");
+    for arch in ARCHS {
+        let cfg = small_config(arch);
+        let src = synthetic_model(&cfg, rng.next_u64(), DType::F32);
+        let model = CpuModel::new(&src).unwrap();
+        let toks = tokens(&mut rng, 20, cfg.vocab);
+        let mut stream = model.new_stream(32);
+        let all = model.forward_all(&mut stream, &toks).unwrap();
+        assert_eq!(all.len(), toks.len());
+        assert_eq!(stream.len(), toks.len());
+        assert_eq!(all, layer_major_logits(&src, &toks), "{arch:?}");
+
+        // The same tokens in random chunks through forward: the cache carries the rest.
+        let mut chunked = model.new_stream(32);
+        let mut at = 0;
+        while at < toks.len() {
+            let n = (1 + rng.below(5) as usize).min(toks.len() - at);
+            let logits = model.forward(&mut chunked, &toks[at..at + n]).unwrap();
+            at += n;
+            assert_eq!(logits, all[at - 1], "{arch:?} after {at} tokens");
+        }
+
+        // A reset stream decodes as a fresh one; a second stream is independent of the first.
+        chunked.reset();
+        let mut other = model.new_stream(32);
+        model.forward(&mut other, &toks[5..9]).unwrap();
+        assert_eq!(model.forward_all(&mut chunked, &toks).unwrap(), all);
+
+        // Position matters: the same token later gives other logits.
+        assert_ne!(all[0], model.forward(&mut other, &toks[..1]).unwrap());
+    }
+}
+
+#[test]
+fn gqa_equals_mha_with_kv_heads_repeated() {
+    let mut rng = Rng::fresh("gqa_equals_mha_with_kv_heads_repeated");
+    for arch in ARCHS {
+        let cfg = small_config(arch);
+        let gqa = synthetic_model(&cfg, rng.next_u64(), DType::F32);
+        let group = cfg.heads / cfg.kv_heads;
+        assert!(group > 1);
+        let mha_cfg = ModelConfig { kv_heads: cfg.heads, ..cfg.clone() };
+        let mut mha = MemSource { cfg: mha_cfg, tensors: HashMap::new() };
+        for (name, t) in &gqa.tensors {
+            mha.tensors.insert(name.clone(), Tensor { dtype: t.dtype, shape: t.shape.clone(), bytes: t.bytes.clone() });
+        }
+        // KV head j becomes heads j*group .. j*group+group-1, so query head h still reads j = h/group.
+        let repeat = |values: &[f32], row_len: usize| -> Vec<f32> {
+            values
+                .chunks(cfg.head_dim * row_len)
+                .flat_map(|head| (0..group).flat_map(move |_| head.iter().copied()))
+                .collect()
+        };
+        for i in 0..cfg.layers {
+            for part in [names::K, names::V] {
+                let name = names::layer(i, part);
+                let values = repeat(&gqa.f32_values(&name), cfg.hidden);
+                mha.set_f32(&name, vec![cfg.q_dim(), cfg.hidden], &values);
+            }
+            if cfg.qkv_bias {
+                for part in [names::K_BIAS, names::V_BIAS] {
+                    let name = names::layer(i, part);
+                    let values = repeat(&gqa.f32_values(&name), 1);
+                    mha.set_f32(&name, vec![cfg.q_dim()], &values);
+                }
+            }
+        }
+        let toks = tokens(&mut rng, 12, cfg.vocab);
+        let a =
+            CpuModel::new(&gqa).unwrap().forward_all(&mut CpuModel::new(&gqa).unwrap().new_stream(12), &toks).unwrap();
+        let mha_model = CpuModel::new(&mha).unwrap();
+        let b = mha_model.forward_all(&mut mha_model.new_stream(12), &toks).unwrap();
+        for (pos, (x, y)) in a.iter().zip(&b).enumerate() {
+            assert!(relative_l2(x, y) < 1e-6, "{arch:?} position {pos}: {}", relative_l2(x, y));
+        }
+    }
+}
+
+#[test]
+fn tied_head_equals_an_untied_copy_of_the_embedding() {
+    let mut rng = Rng::fresh("tied_head_equals_an_untied_copy_of_the_embedding");
+    let cfg = small_config(Arch::Qwen2);
+    assert!(cfg.tied);
+    let tied = synthetic_model(&cfg, rng.next_u64(), DType::F32);
+    let mut untied = MemSource { cfg: ModelConfig { tied: false, ..cfg.clone() }, tensors: HashMap::new() };
+    for (name, t) in &tied.tensors {
+        untied.tensors.insert(name.clone(), Tensor { dtype: t.dtype, shape: t.shape.clone(), bytes: t.bytes.clone() });
+    }
+    let embed = tied.f32_values(names::EMBED);
+    untied.set_f32(names::LM_HEAD, vec![cfg.vocab, cfg.hidden], &embed);
+    let toks = tokens(&mut rng, 8, cfg.vocab);
+    let run = |src: &MemSource| {
+        let m = CpuModel::new(src).unwrap();
+        m.forward_all(&mut m.new_stream(8), &toks).unwrap()
+    };
+    let expect = run(&untied);
+    assert_eq!(run(&tied), expect);
+    // And the head is really read: another head gives other logits.
+    let other: Vec<f32> = embed.iter().map(|v| -v).collect();
+    untied.set_f32(names::LM_HEAD, vec![cfg.vocab, cfg.hidden], &other);
+    assert_ne!(run(&untied), expect);
+}
+
+#[test]
+fn stored_formats_decode_to_the_same_model() {
+    let mut rng = Rng::fresh("stored_formats_decode_to_the_same_model");
+    // Q8_0 needs every matrix's columns to be multiples of 32.
+    let cfg = ModelConfig { vocab: 64, ..small_config(Arch::Llama) };
+    let seed = rng.next_u64();
+    let toks = tokens(&mut rng, 10, cfg.vocab);
+    let reference = {
+        let src = synthetic_model(&cfg, seed, DType::F32);
+        let m = CpuModel::new(&src).unwrap();
+        m.forward_all(&mut m.new_stream(10), &toks).unwrap()
+    };
+    for (dtype, bound) in [(DType::Bf16, 3e-2), (DType::F16, 3e-3), (DType::Q8_0, 3e-2)] {
+        let src = synthetic_model(&cfg, seed, dtype);
+        // The same values, rounded through the format and stored as F32: exactly the same model.
+        let mut rounded = MemSource { cfg: cfg.clone(), tensors: HashMap::new() };
+        for (name, t) in &src.tensors {
+            let values = src.f32_values(name);
+            rounded.set_f32(name, t.shape.clone(), &values);
+        }
+        let m = CpuModel::new(&src).unwrap();
+        let got = m.forward_all(&mut m.new_stream(10), &toks).unwrap();
+        let r = CpuModel::new(&rounded).unwrap();
+        assert_eq!(got, r.forward_all(&mut r.new_stream(10), &toks).unwrap(), "{dtype:?}");
+        for (pos, (g, want)) in got.iter().zip(&reference).enumerate() {
+            let err = relative_l2(g, want);
+            assert!(err < bound && err > 0.0, "{dtype:?} position {pos}: relative L2 {err}");
+        }
+    }
+}
+
+#[test]
+fn out_of_range_token_appends_nothing() {
+    let cfg = small_config(Arch::Llama);
+    let src = synthetic_model(&cfg, 5, DType::F32);
+    let model = CpuModel::new(&src).unwrap();
+    let mut stream = model.new_stream(16);
+    let first = model.forward(&mut stream, &[3, 4]).unwrap();
+    let e = model.forward(&mut stream, &[5, cfg.vocab as u32, 6]).unwrap_err();
+    assert_eq!(e.status, Status::OutOfRange);
+    assert!(e.message.contains(&cfg.vocab.to_string()), "{}", e.message);
+    let e = model.forward_all(&mut stream, &[u32::MAX]).unwrap_err();
+    assert_eq!(e.status, Status::OutOfRange);
+    assert_eq!(stream.len(), 2);
+    // The stream carries on exactly as if the bad calls never happened.
+    let mut fresh = model.new_stream(16);
+    model.forward(&mut fresh, &[3, 4]).unwrap();
+    assert_eq!(model.forward(&mut stream, &[5]).unwrap(), model.forward(&mut fresh, &[5]).unwrap());
+    assert_ne!(first, model.forward(&mut fresh, &[5]).unwrap());
+    assert_eq!(model.forward(&mut stream, &[]).unwrap_err().status, Status::InvalidArgument);
+}
+
+#[test]
+fn tokens_beyond_the_window_are_refused_with_no_room() {
+    let cfg = small_config(Arch::Qwen3);
+    let src = synthetic_model(&cfg, 6, DType::F32);
+    let model = CpuModel::new(&src).unwrap();
+    let mut stream = model.new_stream(4);
+    model.forward(&mut stream, &[1, 2, 3]).unwrap();
+    let e = model.forward(&mut stream, &[4, 5]).unwrap_err();
+    assert_eq!(e.status, Status::NoRoom);
+    assert!(e.message.contains("window of 4"), "{}", e.message);
+    assert_eq!(stream.len(), 3);
+    model.forward(&mut stream, &[4]).unwrap();
+    assert_eq!(model.forward_all(&mut stream, &[1]).unwrap_err().status, Status::NoRoom);
+    assert_eq!(stream.len(), 4);
+}
+
+#[test]
+fn missing_or_misshapen_tensors_are_bad_models_naming_them() {
+    for arch in ARCHS {
+        let cfg = small_config(arch);
+        for (name, shape) in tensor_shapes(&cfg) {
+            let mut src = synthetic_model(&cfg, 7, DType::F32);
+            src.tensors.remove(&name);
+            let e = CpuModel::new(&src).err().unwrap_or_else(|| panic!("{arch:?} loaded without {name}"));
+            assert_eq!(e.status, Status::BadModel);
+            assert!(e.message.contains(&name), "{arch:?}: {}", e.message);
+
+            let mut src = synthetic_model(&cfg, 7, DType::F32);
+            let mut wrong = shape.clone();
+            *wrong.last_mut().unwrap() += 1;
+            let values = vec![0.5f32; wrong.iter().product()];
+            src.set_f32(&name, wrong, &values);
+            let e = CpuModel::new(&src).err().unwrap_or_else(|| panic!("{arch:?} loaded a misshapen {name}"));
+            assert_eq!(e.status, Status::BadModel);
+            assert!(e.message.contains(&name), "{arch:?}: {}", e.message);
+        }
+    }
+    // Bytes that do not hold the shape.
+    let cfg = small_config(Arch::Llama);
+    let mut src = synthetic_model(&cfg, 7, DType::F32);
+    let name = names::layer(1, names::UP);
+    src.tensors.get_mut(&name).unwrap().bytes.truncate(100);
+    let e = CpuModel::new(&src).err().unwrap();
+    assert!(e.status == Status::BadModel && e.message.contains(&name), "{}", e.message);
+    // Heads that do not divide into KV groups.
+    let src = synthetic_model(&ModelConfig { heads: 3, kv_heads: 2, ..cfg.clone() }, 7, DType::F32);
+    assert_eq!(CpuModel::new(&src).err().unwrap().status, Status::BadModel);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Parity with HF transformers (scripts/hf_reference.py).
+
+/// Values printed by `scripts/hf_reference.py --selftest` (numpy): FNV-1a of the name, then
+/// element index: f32 bits.
+#[test]
+fn synthetic_formula_matches_the_python_generator() {
+    let cases: [(&str, &[usize], u64, u64, [(usize, u32); 4]); 4] = [
+        (
+            "model.embed_tokens.weight",
+            &[8, 16],
+            11,
+            0xa88fd795d5c6d156,
+            [(0, 0x3de86eb0), (1, 0xbf5a314a), (2, 0xbf6ecb4c), (127, 0xbec43238)],
+        ),
+        (
+            "model.layers.0.self_attn.q_proj.weight",
+            &[32, 48],
+            22,
+            0x3a296639dc11febb,
+            [(0, 0xbbd385d3), (1, 0x3e0b5b5e), (2, 0x3dceb48b), (1535, 0x3daf2fb4)],
+        ),
+        (
+            "model.layers.1.input_layernorm.weight",
+            &[64],
+            33,
+            0x6feb102c72cf8a89,
+            [(0, 0x3f86d226), (1, 0x3f80b720), (2, 0x3f7abb61), (63, 0x3f86a45e)],
+        ),
+        (
+            "model.layers.0.self_attn.k_proj.bias",
+            &[40],
+            44,
+            0xc63519b3b8f76f48,
+            [(0, 0xbd1eb1d8), (1, 0x3ccc71f3), (2, 0x3d453bfa), (39, 0xbccb8e6d)],
+        ),
+    ];
+    for (name, shape, seed, fnv, picks) in cases {
+        assert_eq!(fnv1a64(name), fnv, "{name}");
+        let values = synthetic_tensor(name, shape, seed);
+        for (i, bits) in picks {
+            assert_eq!(values[i].to_bits(), bits, "{name}[{i}] = {}", values[i]);
+        }
+    }
+}
+
+/// A ModelConfig from an HF config.json (transformers 4 `rope_scaling` or 5 `rope_parameters`).
+fn config_from_hf_json(v: &serde_json::Value) -> ModelConfig {
+    let n = |k: &str| v[k].as_u64().unwrap_or_else(|| panic!("config.json: {k}")) as usize;
+    let arch = match v["model_type"].as_str().unwrap() {
+        "llama" => Arch::Llama,
+        "qwen2" => Arch::Qwen2,
+        "qwen3" => Arch::Qwen3,
+        other => panic!("config.json: model_type {other}"),
+    };
+    let rope = if v["rope_parameters"].is_object() { &v["rope_parameters"] } else { &v["rope_scaling"] };
+    let rope_theta = v["rope_theta"].as_f64().or_else(|| rope["rope_theta"].as_f64()).expect("rope_theta") as f32;
+    let rope_type = rope["rope_type"].as_str().or_else(|| rope["type"].as_str()).unwrap_or("default");
+    let f = |k: &str| rope[k].as_f64().unwrap_or_else(|| panic!("config.json: rope {k}")) as f32;
+    let rope_scaling = match rope_type {
+        "default" => RopeScaling::None,
+        "linear" => RopeScaling::Linear { factor: f("factor") },
+        "llama3" => RopeScaling::Llama3 {
+            factor: f("factor"),
+            low_freq_factor: f("low_freq_factor"),
+            high_freq_factor: f("high_freq_factor"),
+            original_max_position: f("original_max_position_embeddings") as u32,
+        },
+        other => panic!("config.json: rope type {other}"),
+    };
+    let (hidden, heads) = (n("hidden_size"), n("num_attention_heads"));
+    ModelConfig {
+        arch,
+        vocab: n("vocab_size"),
+        hidden,
+        layers: n("num_hidden_layers"),
+        heads,
+        kv_heads: n("num_key_value_heads"),
+        head_dim: v["head_dim"].as_u64().map_or(hidden / heads, |d| d as usize),
+        intermediate: n("intermediate_size"),
+        rms_eps: v["rms_norm_eps"].as_f64().unwrap() as f32,
+        rope_theta,
+        rope_scaling,
+        rope_interleaved: false,
+        max_position: n("max_position_embeddings"),
+        tied: v["tie_word_embeddings"].as_bool().unwrap(),
+        qkv_bias: arch == Arch::Qwen2 || v["attention_bias"].as_bool().unwrap_or(false),
+        qk_norm: arch == Arch::Qwen3,
+        bos: v["bos_token_id"].as_u64().map(|t| t as u32),
+        eos: v["eos_token_id"].as_u64().map(|t| t as u32),
+    }
+}
+
+fn read_le<T>(path: &Path, decode: fn([u8; 4]) -> T) -> Vec<T> {
+    let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    assert_eq!(bytes.len() % 4, 0, "{}", path.display());
+    bytes.chunks_exact(4).map(|b| decode([b[0], b[1], b[2], b[3]])).collect()
+}
+
+#[test]
+#[ignore = "needs tests/data/hf_reference from scripts/hf_reference.py run where torch is installed"]
+fn matches_hf_reference() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/hf_reference");
+    let mut models: Vec<_> = std::fs::read_dir(&root)
+        .unwrap_or_else(|e| panic!("{}: {e} (run scripts/hf_reference.py)", root.display()))
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.is_dir())
+        .collect();
+    models.sort();
+    assert_eq!(models.len(), 3, "expected llama, qwen2 and qwen3 under {}", root.display());
+    for dir in models {
+        let json: serde_json::Value = serde_json::from_slice(&std::fs::read(dir.join("config.json")).unwrap()).unwrap();
+        let meta: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(dir.join("reference.json")).unwrap()).unwrap();
+        let cfg = config_from_hf_json(&json);
+        let seed = meta["seed"].as_u64().unwrap();
+        let toks = read_le(&dir.join("tokens.u32"), u32::from_le_bytes);
+        let logits = read_le(&dir.join("logits.f32"), f32::from_le_bytes);
+        assert_eq!(logits.len(), toks.len() * cfg.vocab, "{}", dir.display());
+
+        // HF's own rotary frequencies, so a scaling mismatch shows as such rather than as logits.
+        let hf_inv_freq = read_le(&dir.join("inv_freq.f32"), f32::from_le_bytes);
+        let inv_freq = cpu::rope_inv_freq(&cfg);
+        assert_eq!(inv_freq.len(), hf_inv_freq.len());
+        for (i, (a, b)) in inv_freq.iter().zip(&hf_inv_freq).enumerate() {
+            assert!((a - b).abs() <= 2e-7 * b.abs(), "{} inv_freq[{i}]: {a} vs HF {b}", dir.display());
+        }
+
+        // The script loaded exactly the tensors this model reads.
+        let mut expected: Vec<String> = tensor_shapes(&cfg).into_iter().map(|(n, _)| n).collect();
+        expected.sort();
+        let loaded: Vec<String> =
+            meta["tensors"].as_array().unwrap().iter().map(|n| n.as_str().unwrap().to_string()).collect();
+        assert_eq!(loaded, expected, "{}", dir.display());
+
+        let src = synthetic_model(&cfg, seed, DType::F32);
+        let model = CpuModel::new(&src).unwrap();
+        let got = model.forward_all(&mut model.new_stream(toks.len()), &toks).unwrap();
+        let mut worst = 0f64;
+        for (pos, (g, want)) in got.iter().zip(logits.chunks(cfg.vocab)).enumerate() {
+            let err = relative_l2(g, want);
+            assert!(err < 1e-4, "{} position {pos}: relative L2 {err:.3e}", dir.display());
+            worst = worst.max(err);
+        }
+        println!("{}: {:?}, max relative L2 against HF {worst:.3e}", dir.display(), cfg.arch);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The sampler.
+
+fn sampling(temperature: f32, top_k: u32, top_p: f32, seed: u64) -> Sampling {
+    Sampling { temperature, top_k, top_p, seed }
+}
+
+#[test]
+fn greedy_is_argmax_with_the_lowest_index_on_ties() {
+    let mut rng = Rng::fresh("greedy_is_argmax_with_the_lowest_index_on_ties");
+    for _ in 0..100 {
+        let logits = rng.vec(50, 4.0);
+        let best = (0..50).fold(0, |b, i| if logits[i] > logits[b] { i } else { b });
+        assert_eq!(sampler::sample(&logits, &Sampling::GREEDY, 0, 0), best as u32);
+        assert_eq!(sampler::sample(&logits, &sampling(-1.0, 5, 0.5, 9), 3, 7), best as u32);
+    }
+    assert_eq!(sampler::sample(&[1.0, 3.0, 2.0, 3.0], &Sampling::GREEDY, 0, 0), 1);
+}
+
+#[test]
+fn a_draw_repeats_for_the_same_seed_stream_and_position() {
+    let mut rng = Rng::fresh("a_draw_repeats_for_the_same_seed_stream_and_position");
+    let logits = vec![0.0f32; 1000]; // uniform: the draw alone picks the token
+    let s = sampling(1.0, 0, 1.0, rng.next_u64());
+    let picks: Vec<u32> = (0..64).map(|p| sampler::sample(&logits, &s, 2, p)).collect();
+    let again: Vec<u32> = (0..64).map(|p| sampler::sample(&logits, &s, 2, p)).collect();
+    assert_eq!(picks, again);
+    let other_stream: Vec<u32> = (0..64).map(|p| sampler::sample(&logits, &s, 3, p)).collect();
+    let other_seed: Vec<u32> =
+        (0..64).map(|p| sampler::sample(&logits, &Sampling { seed: s.seed ^ 1, ..s }, 2, p)).collect();
+    assert_ne!(picks, other_stream);
+    assert_ne!(picks, other_seed);
+    // With equal weights the pick is floor(u * n): the draw is exactly `uniform`.
+    for p in 0..64u64 {
+        let u = sampler::uniform(s.seed, 2, p);
+        assert_eq!(picks[p as usize], (u * 1000.0) as u32, "position {p}");
+    }
+}
+
+#[test]
+fn a_draw_on_a_cumulative_boundary_takes_the_next_token() {
+    // 4096 equal weights: r = u * 4096 and the running sums are the integers 1..=4096, all exact in f32.
+    // Where r lands exactly on a sum k the strict "> r" picks token k, not k - 1.
+    let mut rng = Rng::fresh("a_draw_on_a_cumulative_boundary_takes_the_next_token");
+    let s = sampling(1.0, 0, 1.0, rng.next_u64());
+    let logits = vec![0.5f32; 4096];
+    let mut boundaries = 0;
+    for p in 0..400_000u64 {
+        let u = sampler::uniform(s.seed, 0, p);
+        let scaled = u * 4096.0;
+        if scaled == scaled.floor() && scaled > 0.0 {
+            boundaries += 1;
+            assert_eq!(sampler::sample(&logits, &s, 0, p), scaled as u32, "position {p}, u {u}");
+        }
+    }
+    assert!(boundaries >= 20, "only {boundaries} boundary draws found");
+}
+
+#[test]
+fn top_k_one_is_greedy() {
+    let mut rng = Rng::fresh("top_k_one_is_greedy");
+    for p in 0..200 {
+        let logits = rng.vec(40, 2.0);
+        let s = sampling(5.0, 1, 1.0, rng.next_u64());
+        assert_eq!(sampler::sample(&logits, &s, 0, p), sampler::argmax(&logits));
+    }
+}
+
+/// Frequencies over many positions against the probabilities computed here in f64.
+fn assert_frequencies(logits: &[f32], s: &Sampling, expect: &[f64]) {
+    let draws = 200_000u64;
+    let mut counts = vec![0u64; logits.len()];
+    for p in 0..draws {
+        counts[sampler::sample(logits, s, 1, p) as usize] += 1;
+    }
+    for (i, (&c, &p)) in counts.iter().zip(expect).enumerate() {
+        let freq = c as f64 / draws as f64;
+        let sigma = (p * (1.0 - p) / draws as f64).sqrt();
+        if p == 0.0 {
+            assert_eq!(c, 0, "token {i} is outside the kept set but was drawn {c} times ({s:?})");
+        } else {
+            assert!((freq - p).abs() < 5.0 * sigma + 1e-4, "token {i}: frequency {freq} vs {p} ({s:?})");
+        }
+    }
+}
+
+#[test]
+fn sampled_frequencies_follow_temperature_top_k_and_top_p() {
+    let mut rng = Rng::fresh("sampled_frequencies_follow_temperature_top_k_and_top_p");
+    let logits = [1.0f32, 3.0, 0.0, 2.5, -1.0, 2.0];
+    let softmax = |t: f64, keep: &[usize]| -> Vec<f64> {
+        let w: Vec<f64> = (0..logits.len())
+            .map(|i| if keep.contains(&i) { ((logits[i] as f64 - 3.0) / t).exp() } else { 0.0 })
+            .collect();
+        let z: f64 = w.iter().sum();
+        w.iter().map(|x| x / z).collect()
+    };
+    let seed = rng.next_u64();
+    let all = [0, 1, 2, 3, 4, 5];
+    assert_frequencies(&logits, &sampling(1.0, 0, 1.0, seed), &softmax(1.0, &all));
+    assert_frequencies(&logits, &sampling(0.5, 0, 1.0, seed), &softmax(0.5, &all));
+    assert_frequencies(&logits, &sampling(2.0, 100, 0.0, seed), &softmax(2.0, &all));
+    // Top-k 3 keeps logits 3.0, 2.5, 2.0.
+    assert_frequencies(&logits, &sampling(1.0, 3, 1.0, seed), &softmax(1.0, &[1, 3, 5]));
+    // Top-p: at T=1 the sorted probabilities are .41 .25 .15 .09 .06 .03; 0.6 needs the first two.
+    let p = softmax(1.0, &all);
+    assert!(p[1] < 0.6 && p[1] + p[3] >= 0.6);
+    assert_frequencies(&logits, &sampling(1.0, 0, 0.6, seed), &softmax(1.0, &[1, 3]));
+    // Both: top-k 4 then top-p 0.8 of those four.
+    let p4 = softmax(1.0, &[1, 3, 5, 0]);
+    assert!(p4[1] + p4[3] < 0.8 && p4[1] + p4[3] + p4[5] >= 0.8);
+    assert_frequencies(&logits, &sampling(1.0, 4, 0.8, seed), &softmax(1.0, &[1, 3, 5]));
+}
+
+#[test]
+fn equal_logits_order_candidates_by_index() {
+    // Top-k 2 of four equal logits keeps tokens 0 and 1; top-p 0.5 keeps token 0 alone.
+    let logits = [1.0f32; 4];
+    for p in 0..2000 {
+        assert!(sampler::sample(&logits, &sampling(1.0, 2, 1.0, 3), 0, p) < 2);
+        assert_eq!(sampler::sample(&logits, &sampling(1.0, 0, 0.25, 3), 0, p), 0);
+    }
+}
