@@ -153,6 +153,63 @@ pub unsafe extern "C" fn engine_device_info(device: i32, out: *mut engine_device
 // ---------------------------------------------------------------------------------------------
 // Fit
 
+use crate::fit;
+
+/// The fit rule's defaults: a 256 MiB reserve, every other figure 0 and every flag false.
+#[unsafe(no_mangle)]
+pub extern "C" fn engine_fit_default_inputs() -> fit::engine_fit_inputs {
+    fit::default_inputs()
+}
+
+/// Runs the fit rule on `inputs` into `out`. NO_ROOM when no stream starts: `out` is still filled and
+/// `engine_last_error()` says why ("a 10.90 GiB stream, 8.93 GiB left"). INVALID_ARGUMENT for NULL,
+/// figures that overflow 64 bits, or figures that contradict each other.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn engine_fit_plan(
+    inputs: *const fit::engine_fit_inputs,
+    out: *mut fit::engine_plan,
+) -> engine_status {
+    guard("engine_fit_plan", || {
+        let inputs = unsafe { arg_ref(inputs, "inputs") }?;
+        let out = unsafe { arg_mut(out, "out") }?;
+        let plan = fit::plan(inputs)?;
+        *out = plan;
+        match fit::refusal(&plan) {
+            Some(why) => Err(Error::new(Status::NoRoom, why)),
+            None => Ok(()),
+        }
+    })
+}
+
+/// Writes the plan's start-up line into `buf` (NUL-terminated, truncated to `len`) and returns the
+/// length it needed, like snprintf; 0 with `engine_last_error()` set for NULL or a bad placement.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn engine_plan_describe(plan: *const fit::engine_plan, buf: *mut c_char, len: usize) -> usize {
+    if !buf.is_null() && len > 0 {
+        unsafe { *buf = 0 };
+    }
+    guard_value("engine_plan_describe", 0, || {
+        if plan.is_null() {
+            return Err(Error::new(Status::InvalidArgument, "plan is NULL"));
+        }
+        // The enums came from C: check their raw values before Rust reads them as enums.
+        for (offset, field) in [
+            (std::mem::offset_of!(fit::engine_plan, placement), "placement"),
+            (std::mem::offset_of!(fit::engine_plan, max_window_placement), "max_window_placement"),
+        ] {
+            let raw = unsafe { std::ptr::read_unaligned((plan as *const u8).add(offset) as *const u32) };
+            if fit::engine_placement::from_raw(raw).is_none() {
+                return Err(Error::new(
+                    Status::InvalidArgument,
+                    format!("plan->{field} is {raw}, not an engine_placement"),
+                ));
+            }
+        }
+        let plan = unsafe { arg_ref(plan, "plan") }?;
+        Ok(unsafe { write_c_string(&fit::describe(plan), buf, len) })
+    })
+}
+
 // ---------------------------------------------------------------------------------------------
 // Engine
 

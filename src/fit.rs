@@ -1,1 +1,322 @@
-//! (in progress)
+//! The fit rule: from byte counts alone, where the embedding rows live and how many streams start.
+//!
+//! A pure function with no CUDA, so a server can ask it before it loads anything. The rule:
+//! - `need = weight + scratch + stream + drafter_weight + drafter_stream + reserve`;
+//! - placement: tied → DEVICE (the output head reads the whole table every token, mapping saves
+//!   nothing); else mmap_rows → FILE_MAPPED; else unified → DEVICE (host memory is device memory);
+//!   else room ≥ need → DEVICE; else HOST_MAPPED;
+//! - `on_card = weight − (rows in host memory ? embed : 0) + scratch + drafter_weight`,
+//!   `left = room − on_card` (0 when negative): the reserve enters the decision to map, not the admission;
+//! - `streams = left / (stream + drafter_stream)`, capped by `max_streams`; zero streams is a refusal.
+//!
+//! Window model for the largest windows: a stream at window `w` is
+//! `stream_bytes + (w − window) × stream_bytes_per_token`, i.e. a fixed part
+//! (`stream_bytes − window × stream_bytes_per_token`, which must not be negative) that stays, plus
+//! the per-token part; the drafter's stream does not grow with the window.
+
+#![allow(non_camel_case_types)]
+
+use crate::status::{Error, Result, Status};
+
+const GIB: u64 = 1 << 30;
+
+/// The default reserve for the load's other buffers (kernel modules, the kit): about 85 MB measured.
+pub const ENGINE_FIT_DEFAULT_RESERVE_BYTES: u64 = 256 << 20;
+
+/// Where the embedding rows live.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum engine_placement {
+    /// On the card, like every other weight.
+    Device = 0,
+    /// In pinned, device-mapped host memory the kernels read directly.
+    HostMapped = 1,
+    /// Read from the checkpoint's file mapping (registered with CUDA, or pageable on unified systems).
+    FileMapped = 2,
+}
+
+impl engine_placement {
+    /// The placement a C caller stored as a raw enum value, or None when it names none.
+    pub fn from_raw(raw: u32) -> Option<engine_placement> {
+        match raw {
+            0 => Some(engine_placement::Device),
+            1 => Some(engine_placement::HostMapped),
+            2 => Some(engine_placement::FileMapped),
+            _ => None,
+        }
+    }
+}
+
+/// The figures the rule decides on, in bytes.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct engine_fit_inputs {
+    /// Free device memory: the server's room probe.
+    pub room_bytes: u64,
+    /// All weights on the card with the rows on the card (rows included).
+    pub weight_bytes: u64,
+    /// The embedding rows alone.
+    pub embed_bytes: u64,
+    /// Activations and other per-engine buffers.
+    pub scratch_bytes: u64,
+    /// One stream (KV cache and state) at the asked window.
+    pub stream_bytes: u64,
+    /// Growth of one stream per token of window; 0 = unknown.
+    pub stream_bytes_per_token: u64,
+    /// A speculative drafter's weights, 0 = none.
+    pub drafter_weight_bytes: u64,
+    /// One drafter stream: ring, taps, frame scratch.
+    pub drafter_stream_bytes: u64,
+    /// The load's other buffers; default 256 MiB.
+    pub reserve_bytes: u64,
+    /// The asked window, tokens.
+    pub window: u32,
+    /// 0 = no cap.
+    pub max_streams: u32,
+    /// Host and device share memory (GB10 class).
+    pub unified: bool,
+    /// The output head is the embedding table.
+    pub embed_tied: bool,
+    /// Read rows from the checkpoint's file mapping.
+    pub mmap_rows: bool,
+}
+
+/// What the rule decided for the asked window, and the largest windows it would accept.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct engine_plan {
+    /// Where the embedding rows live.
+    pub placement: engine_placement,
+    /// Streams that start at the asked window; 0 = the engine refuses to start.
+    pub streams: u32,
+    /// The asked window, tokens.
+    pub window: u32,
+    /// What the rule compared with the room: weights, scratch, one stream, the drafter's, the reserve.
+    pub need_bytes: u64,
+    /// What the load puts on the card: weights (less the rows in host memory), scratch, drafter weights.
+    pub on_card_bytes: u64,
+    /// Room left for streams after the load (0 when the load alone does not fit).
+    pub left_bytes: u64,
+    /// One stream including the drafter's.
+    pub stream_bytes: u64,
+    /// Embedding rows held in host memory (0 when they are on the card).
+    pub embed_host_bytes: u64,
+    /// Largest window at which the rows stay on the card and one stream starts; 0 = none or unknown.
+    pub max_window_on_card: u32,
+    /// Largest window at which the engine starts at all; 0 = none or unknown (stream_bytes_per_token 0).
+    pub max_window: u32,
+    /// The placement the rule picks at `max_window` (the asked window's when `max_window` is 0).
+    pub max_window_placement: engine_placement,
+    /// Largest window at which one stream fits beside every weight on the card without the reserve,
+    /// i.e. where an engine that never maps starts; windows above `max_window_on_card` up to this one
+    /// are those the reserve maps. 0 = none or unknown.
+    pub max_window_unmapped: u32,
+}
+
+/// Reserve 256 MiB, every other figure 0 and every flag false.
+pub fn default_inputs() -> engine_fit_inputs {
+    engine_fit_inputs {
+        room_bytes: 0,
+        weight_bytes: 0,
+        embed_bytes: 0,
+        scratch_bytes: 0,
+        stream_bytes: 0,
+        stream_bytes_per_token: 0,
+        drafter_weight_bytes: 0,
+        drafter_stream_bytes: 0,
+        reserve_bytes: ENGINE_FIT_DEFAULT_RESERVE_BYTES,
+        window: 0,
+        max_streams: 0,
+        unified: false,
+        embed_tied: false,
+        mmap_rows: false,
+    }
+}
+
+/// The rule evaluated for one stream size, in 128-bit arithmetic so no sum of 64-bit figures can wrap.
+struct Outcome {
+    placement: engine_placement,
+    need: u128,
+    on_card: u128,
+    left: u128,
+    stream: u128,
+    streams: u128,
+}
+
+fn evaluate(i: &engine_fit_inputs, stream_bytes: u128) -> Outcome {
+    let weights = i.weight_bytes as u128 + i.scratch_bytes as u128 + i.drafter_weight_bytes as u128;
+    let stream = stream_bytes + i.drafter_stream_bytes as u128;
+    let need = weights + stream + i.reserve_bytes as u128;
+    let placement = if i.embed_tied {
+        engine_placement::Device
+    } else if i.mmap_rows {
+        engine_placement::FileMapped
+    } else if i.unified || i.room_bytes as u128 >= need {
+        engine_placement::Device
+    } else {
+        engine_placement::HostMapped
+    };
+    let rows_in_host = if placement == engine_placement::Device { 0 } else { i.embed_bytes as u128 };
+    let on_card = weights - rows_in_host;
+    let left = (i.room_bytes as u128).saturating_sub(on_card);
+    // A zero-sized stream (rejected by `plan`) would fit any number of times.
+    let streams = left.checked_div(stream).unwrap_or(u128::MAX);
+    let streams = if i.max_streams == 0 { streams } else { streams.min(i.max_streams as u128) };
+    Outcome { placement, need, on_card, left, stream, streams }
+}
+
+/// The target's stream at window `w` under the model in the module comment.
+fn stream_at(i: &engine_fit_inputs, fixed: u128, w: u32) -> u128 {
+    fixed + w as u128 * i.stream_bytes_per_token as u128
+}
+
+/// The largest `w` in 1..=u32::MAX for which `holds` is true, given it is true up to some window and
+/// false beyond; 0 when it holds nowhere.
+fn largest_window(holds: impl Fn(u32) -> bool) -> u32 {
+    if !holds(1) {
+        return 0;
+    }
+    if holds(u32::MAX) {
+        return u32::MAX;
+    }
+    let (mut yes, mut no) = (1u32, u32::MAX);
+    while no - yes > 1 {
+        let mid = yes + (no - yes) / 2;
+        if holds(mid) { yes = mid } else { no = mid }
+    }
+    yes
+}
+
+fn to_u64(value: u128, what: &str) -> Result<u64> {
+    u64::try_from(value)
+        .map_err(|_| Error::new(Status::InvalidArgument, format!("engine_fit_inputs: {what} overflows 64 bits")))
+}
+
+/// The rule for `inputs`. Err(INVALID_ARGUMENT) only for figures that overflow or contradict each
+/// other; a plan with zero streams is Ok (see `refusal`).
+pub fn plan(inputs: &engine_fit_inputs) -> Result<engine_plan> {
+    let i = inputs;
+    if i.embed_bytes > i.weight_bytes {
+        return Err(Error::new(
+            Status::InvalidArgument,
+            format!(
+                "engine_fit_inputs: embed_bytes ({}) exceeds weight_bytes ({}), which includes the rows",
+                i.embed_bytes, i.weight_bytes
+            ),
+        ));
+    }
+    if i.stream_bytes == 0 && i.drafter_stream_bytes == 0 {
+        return Err(Error::new(
+            Status::InvalidArgument,
+            "engine_fit_inputs: stream_bytes and drafter_stream_bytes are both 0; a stream has a size",
+        ));
+    }
+    let grown = i.window as u128 * i.stream_bytes_per_token as u128;
+    let Some(fixed) = (i.stream_bytes as u128).checked_sub(grown) else {
+        return Err(Error::new(
+            Status::InvalidArgument,
+            format!(
+                "engine_fit_inputs: stream_bytes ({}) is less than window ({}) x stream_bytes_per_token ({}); a stream's fixed part cannot be negative",
+                i.stream_bytes, i.window, i.stream_bytes_per_token
+            ),
+        ));
+    };
+    let at = evaluate(i, i.stream_bytes as u128);
+    to_u64(
+        i.weight_bytes as u128 + i.scratch_bytes as u128 + i.drafter_weight_bytes as u128,
+        "weight_bytes + scratch_bytes + drafter_weight_bytes",
+    )?;
+    to_u64(at.stream, "stream_bytes + drafter_stream_bytes")?;
+    let need = to_u64(
+        at.need,
+        "need (weight_bytes + scratch_bytes + stream_bytes + drafter_weight_bytes + drafter_stream_bytes + reserve_bytes)",
+    )?;
+
+    let mut out = engine_plan {
+        placement: at.placement,
+        streams: at.streams.min(u32::MAX as u128) as u32,
+        window: i.window,
+        need_bytes: need,
+        on_card_bytes: at.on_card as u64,
+        left_bytes: at.left as u64,
+        stream_bytes: at.stream as u64,
+        embed_host_bytes: if at.placement == engine_placement::Device { 0 } else { i.embed_bytes },
+        max_window_on_card: 0,
+        max_window: 0,
+        max_window_placement: at.placement,
+        max_window_unmapped: 0,
+    };
+    if i.stream_bytes_per_token > 0 {
+        // Both predicates are monotone in w: the rows leave the card only as the stream grows, and
+        // leaving frees room, so every window that starts on the card also starts mapped.
+        out.max_window_on_card = largest_window(|w| {
+            let o = evaluate(i, stream_at(i, fixed, w));
+            o.placement == engine_placement::Device && o.streams >= 1
+        });
+        out.max_window = largest_window(|w| evaluate(i, stream_at(i, fixed, w)).streams >= 1);
+        if out.max_window > 0 {
+            out.max_window_placement = evaluate(i, stream_at(i, fixed, out.max_window)).placement;
+        }
+        let all_on_card = i.weight_bytes as u128 + i.scratch_bytes as u128 + i.drafter_weight_bytes as u128;
+        let left_all_on_card = (i.room_bytes as u128).saturating_sub(all_on_card);
+        out.max_window_unmapped =
+            largest_window(|w| stream_at(i, fixed, w) + i.drafter_stream_bytes as u128 <= left_all_on_card);
+    }
+    Ok(out)
+}
+
+/// Bytes as GiB with two decimals, rounded half up in integers so every caller prints the same text.
+pub fn gib(bytes: u64) -> String {
+    let hundredths = (bytes as u128 * 100 + (GIB as u128) / 2) / GIB as u128;
+    format!("{}.{:02}", hundredths / 100, hundredths % 100)
+}
+
+/// "a" or "an" as the number is spoken: an 8.90, an 11, an 18, an 80-something, an 8192-token.
+fn article(number: &str) -> &'static str {
+    let whole: u64 = number.split('.').next().and_then(|s| s.parse().ok()).unwrap_or(0);
+    let mut lead = whole;
+    while lead >= 1000 {
+        lead /= 1000;
+    }
+    let mut first = lead;
+    while first >= 10 {
+        first /= 10;
+    }
+    if lead == 11 || lead == 18 || (whole > 0 && first == 8) { "an" } else { "a" }
+}
+
+/// Why the engine refuses to start, worded like the seed ("a 10.90 GiB stream, 8.93 GiB left");
+/// None when at least one stream starts.
+pub fn refusal(plan: &engine_plan) -> Option<String> {
+    if plan.streams > 0 {
+        return None;
+    }
+    let stream = gib(plan.stream_bytes);
+    Some(format!("{} {stream} GiB stream, {} GiB left", article(&stream), gib(plan.left_bytes)))
+}
+
+/// The start-up line, e.g. `model 13.29 GiB, rows mapped (2.37 GiB in host memory), 1 stream at a
+/// 98304-token window, 8.93 GiB left`.
+pub fn describe(plan: &engine_plan) -> String {
+    let rows = match plan.placement {
+        engine_placement::Device => "rows on the card".to_string(),
+        engine_placement::HostMapped => format!("rows mapped ({} GiB in host memory)", gib(plan.embed_host_bytes)),
+        engine_placement::FileMapped => {
+            format!("rows read from the file mapping ({} GiB in host memory)", gib(plan.embed_host_bytes))
+        }
+    };
+    let model = gib(plan.on_card_bytes);
+    match refusal(plan) {
+        Some(why) => format!("model {model} GiB, {rows}, refuses: {why}"),
+        None => {
+            let window = plan.window.to_string();
+            format!(
+                "model {model} GiB, {rows}, {} stream{} at {} {window}-token window, {} GiB left",
+                plan.streams,
+                if plan.streams == 1 { "" } else { "s" },
+                article(&window),
+                gib(plan.left_bytes)
+            )
+        }
+    }
+}
