@@ -1,0 +1,95 @@
+//! The C example builds with every warning an error against the committed header and prints the
+//! seed's plans.
+
+mod native;
+
+/// The seed's 24 GB card at `window` tokens, as examples/fit.c takes it (sizes in MiB where whole).
+fn seed_args(window: u32) -> Vec<String> {
+    let stream_mib = 564 + window as u64 / 16; // 564 MiB fixed + 64 KiB a token
+    [
+        "room=22754M".to_string(),
+        "weight=14236M".into(),
+        format!("embed={}", 248_320u64 * 5_120 * 2),
+        "scratch=700M".into(),
+        format!("stream={stream_mib}M"),
+        "per_token=64K".into(),
+        "drafter_weight=1100M".into(),
+        "drafter_stream=358M".into(),
+        format!("window={window}"),
+    ]
+    .to_vec()
+}
+
+/// examples/fit.c built once for every test in this file.
+fn build_fit() -> &'static std::path::Path {
+    static EXE: std::sync::OnceLock<std::path::PathBuf> = std::sync::OnceLock::new();
+    EXE.get_or_init(|| {
+        let exe = native::scratch("fit-example").join("fit");
+        native::build_c_program(&native::repo().join("examples/fit.c"), &exe);
+        exe
+    })
+}
+
+fn run(exe: &std::path::Path, args: &[String]) -> (i32, String, String) {
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let out = native::run(exe, &args);
+    let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+    (out.status.code().expect("fit exited by a signal"), text(&out.stdout), text(&out.stderr))
+}
+
+#[test]
+fn fit_example_prints_the_seed_98k_plan() {
+    let exe = build_fit();
+    let (code, stdout, stderr) = run(exe, &seed_args(98_304));
+    assert_eq!(code, 0, "stdout:\n{stdout}\nstderr:\n{stderr}");
+    let expected = [
+        "placement            host_mapped",
+        "streams              1",
+        "window               98304",
+        "need_bytes           24492638208",
+        "on_card_bytes        14272167936",
+        "left_bytes           9587130368",
+        "stream_bytes         7409238016",
+        "embed_host_bytes     2542796800",
+        "max_window_on_card   88640",
+        "max_window           131536 (host_mapped)",
+        "max_window_unmapped  92736",
+        "model 13.29 GiB, rows mapped (2.37 GiB in host memory), 1 stream at a 98304-token window, 8.93 GiB left",
+    ];
+    let lines: Vec<&str> = stdout.lines().collect();
+    assert_eq!(lines, expected, "stdout:\n{stdout}");
+}
+
+#[test]
+fn fit_example_reports_the_seed_163k_refusal() {
+    let exe = build_fit();
+    let (code, stdout, stderr) = run(exe, &seed_args(163_840));
+    assert_eq!(code, 2, "a refusal exits 2; stdout:\n{stdout}\nstderr:\n{stderr}");
+    assert!(stdout.contains("streams              0\n"), "{stdout}");
+    assert!(
+        stdout.contains(
+            "model 13.29 GiB, rows mapped (2.37 GiB in host memory), refuses: a 10.90 GiB stream, 8.93 GiB left\n"
+        ),
+        "{stdout}"
+    );
+    assert!(stdout.ends_with("refused: a 10.90 GiB stream, 8.93 GiB left\n"), "{stdout}");
+}
+
+#[test]
+fn fit_example_rejects_bad_arguments() {
+    let exe = build_fit();
+    let (code, _, stderr) = run(exe, &[]);
+    assert_eq!(code, 1);
+    assert!(stderr.starts_with("usage: fit room=SIZE"), "{stderr}");
+    let mut args = seed_args(98_304);
+    args[0] = "room=22754X".into();
+    let (code, _, stderr) = run(exe, &args);
+    assert_eq!(code, 1);
+    assert!(stderr.contains("bad argument 'room=22754X'"), "{stderr}");
+    let mut args = seed_args(98_304);
+    args[1] = format!("weight={}", u64::MAX);
+    args[3] = "scratch=1".into();
+    let (code, _, stderr) = run(exe, &args);
+    assert_eq!(code, 1);
+    assert!(stderr.contains("invalid argument") && stderr.contains("overflows 64 bits"), "{stderr}");
+}

@@ -1,0 +1,88 @@
+//! The committed header is the one the sources generate, it compiles cleanly as C99 and C++17
+//! (twice in one unit), and a C program agrees with the library on the ABI version.
+
+mod native;
+
+use std::ffi::OsStr;
+use std::fs;
+
+#[test]
+fn committed_header_is_current() {
+    let generated = env!("HOSTEMBED_GENERATED_HEADER");
+    let generated = fs::read_to_string(generated).unwrap_or_else(|e| {
+        panic!("{generated}: {e}: cbindgen could not generate the header (see the build's warning)")
+    });
+    let committed = native::repo().join("include/hostembed.h");
+    let committed = fs::read_to_string(&committed).unwrap_or_else(|e| panic!("{}: {e}", committed.display()));
+    if generated != committed {
+        let first = generated.lines().zip(committed.lines()).position(|(g, c)| g != c);
+        let line = first.unwrap_or_else(|| generated.lines().count().min(committed.lines().count()));
+        panic!(
+            "include/hostembed.h differs from the header the sources generate (first at line {}): run scripts/update-header.sh\n  generated: {:?}\n  committed: {:?}",
+            line + 1,
+            generated.lines().nth(line).unwrap_or("<end>"),
+            committed.lines().nth(line).unwrap_or("<end>")
+        );
+    }
+}
+
+/// Includes the header twice, then uses a little of it so an unusable declaration shows up too.
+const TWICE: &str = r#"#include "hostembed.h"
+#include "hostembed.h"
+
+int use_the_header(void);
+int use_the_header(void) {
+    engine_fit_inputs in = engine_fit_default_inputs();
+    engine_plan plan;
+    struct engine_device_info info;
+    engine_status status = engine_fit_plan(&in, &plan);
+    (void)info;
+    return (int)status + (int)plan.placement + (int)HOSTEMBED_ABI_VERSION;
+}
+"#;
+
+fn syntax_check(compiler: &str, flags: &[&str], file: &str) {
+    let dir = native::scratch(&format!("header-{file}"));
+    let source = dir.join(file);
+    fs::write(&source, TWICE).unwrap();
+    let include = native::repo().join("include");
+    let mut args: Vec<&OsStr> = flags.iter().map(|s| s.as_ref()).collect();
+    args.extend(["-fsyntax-only".as_ref(), "-I".as_ref(), include.as_os_str(), source.as_os_str()]);
+    native::compile(compiler, &args, &format!("include/hostembed.h included twice in {file}"));
+}
+
+#[test]
+fn header_compiles_as_c99_twice_in_one_unit() {
+    syntax_check(&native::c_compiler(), native::C99, "twice.c");
+}
+
+#[test]
+fn header_compiles_as_cxx17_twice_in_one_unit() {
+    syntax_check(&native::cxx_compiler(), native::CXX17, "twice.cpp");
+}
+
+#[test]
+fn c_program_sees_the_header_abi_version() {
+    let dir = native::scratch("abi-version");
+    let source = dir.join("abi.c");
+    fs::write(
+        &source,
+        r#"#include <stdio.h>
+#include "hostembed.h"
+
+int main(void) {
+    uint32_t loaded = engine_abi_version();
+    printf("header %u library %u\n", (unsigned)HOSTEMBED_ABI_VERSION, (unsigned)loaded);
+    return loaded == HOSTEMBED_ABI_VERSION ? 0 : 1;
+}
+"#,
+    )
+    .unwrap();
+    let exe = dir.join("abi");
+    native::build_c_program(&source, &exe);
+    let out = native::run(&exe, &[]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "the library's ABI version differs from the header's: {stdout}");
+    let expected = format!("header {v} library {v}\n", v = hostembed::ffi::HOSTEMBED_ABI_VERSION);
+    assert_eq!(stdout, expected);
+}
