@@ -1,4 +1,336 @@
-//! (in progress)
+//! Checkpoints on disk: HF safetensors folders and GGUF files, mapped read-only and validated before
+//! anything in them is trusted. Both formats end up as the same `Checkpoint`: a `ModelConfig`, tensors
+//! under their canonical HF names, and the mappings their bytes live in.
+
 pub mod gguf;
 pub mod safetensors;
 pub mod write;
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+use memmap2::Mmap;
+
+use crate::model::{Arch, ModelConfig, RopeScaling, TensorRef, TensorSource, names};
+use crate::status::Result;
+use crate::tensor::DType;
+use crate::{bail, err};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Format {
+    Safetensors,
+    Gguf,
+}
+
+/// Where one tensor's bytes are: validated at open to lie inside its file.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TensorInfo {
+    /// Canonical HF name (GGUF names are mapped onto these).
+    pub name: String,
+    pub dtype: DType,
+    /// Outermost first: a [out, in] matrix has `out` rows of `in` values.
+    pub shape: Vec<usize>,
+    /// Index into `Checkpoint::files`.
+    pub file: usize,
+    /// Absolute byte offset in that file.
+    pub offset: usize,
+    pub bytes: usize,
+}
+
+impl TensorInfo {
+    pub fn rows(&self) -> usize {
+        if self.shape.len() < 2 { 1 } else { self.shape[..self.shape.len() - 1].iter().product() }
+    }
+
+    pub fn cols(&self) -> usize {
+        *self.shape.last().unwrap_or(&1)
+    }
+
+    /// Bytes of one row in the stored format.
+    pub fn row_bytes(&self) -> usize {
+        self.dtype.row_bytes(self.cols()).expect("validated at open")
+    }
+}
+
+/// One file of a checkpoint, mapped read-only (PROT_READ).
+pub struct MappedFile {
+    pub path: PathBuf,
+    pub map: Mmap,
+}
+
+impl MappedFile {
+    pub fn open(path: &Path) -> Result<MappedFile> {
+        let file = File::open(path).map_err(|e| err!(IoError, "{}: {e}", path.display()))?;
+        let meta = file.metadata().map_err(|e| err!(IoError, "{}: {e}", path.display()))?;
+        if !meta.is_file() {
+            bail!(IoError, "{}: not a regular file", path.display());
+        }
+        // SAFETY: a read-only mapping; another process truncating the file while it is mapped would
+        // fault on access, which no reader of a shared file can rule out.
+        let map = unsafe { Mmap::map(&file) }.map_err(|e| err!(IoError, "{}: mmap: {e}", path.display()))?;
+        Ok(MappedFile { path: path.to_path_buf(), map })
+    }
+}
+
+impl std::fmt::Debug for MappedFile {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MappedFile").field("path", &self.path).field("len", &self.map.len()).finish()
+    }
+}
+
+/// Where the text tokenizer comes from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum TokenizerSource {
+    None,
+    /// tokenizer.json beside the weights.
+    Json(PathBuf),
+    /// The tokenizer.ggml.* keys of a GGUF file.
+    GgufBpe {
+        /// tokenizer.ggml.model ("gpt2", "llama", ...).
+        model: String,
+        /// tokenizer.ggml.pre, the pre-tokenizer's name.
+        pre: Option<String>,
+        tokens: Vec<String>,
+        merges: Vec<String>,
+        token_types: Vec<i32>,
+    },
+}
+
+/// A model on disk: its config, its tensors by canonical name, and the mappings that hold their bytes.
+#[derive(Debug)]
+pub struct Checkpoint {
+    /// The folder (HF) or the .gguf file.
+    pub path: PathBuf,
+    pub format: Format,
+    pub config: ModelConfig,
+    pub tensors: BTreeMap<String, TensorInfo>,
+    pub files: Vec<MappedFile>,
+    pub tokenizer: TokenizerSource,
+}
+
+/// Name of the extra tensor holding llama.cpp's per-frequency rope divisors (GGUF `rope_freqs.weight`).
+pub const ROPE_FREQS: &str = "rope_freqs";
+
+impl Checkpoint {
+    /// Opens a folder (HF: config.json + safetensors) or a .gguf file. A path to a .safetensors or
+    /// config.json file opens the folder that holds it.
+    pub fn open(path: &Path) -> Result<Checkpoint> {
+        let meta = std::fs::metadata(path).map_err(|e| err!(IoError, "{}: {e}", path.display()))?;
+        if meta.is_dir() {
+            return safetensors::open_folder(path);
+        }
+        let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("");
+        let is_hf_file = ext == "safetensors" || path.file_name().is_some_and(|n| n == "config.json");
+        match path.parent() {
+            Some(dir) if is_hf_file => {
+                safetensors::open_folder(if dir.as_os_str().is_empty() { Path::new(".") } else { dir })
+            }
+            _ => gguf::open_file(path),
+        }
+    }
+
+    /// The tensor by canonical name; `BAD_MODEL` naming the checkpoint and the tensor when absent.
+    pub fn info(&self, name: &str) -> Result<&TensorInfo> {
+        self.tensors.get(name).ok_or_else(|| err!(BadModel, "{}: tensor {name} is missing", self.path.display()))
+    }
+
+    /// The tensor's bytes inside its mapping.
+    pub fn bytes_of(&self, t: &TensorInfo) -> &[u8] {
+        &self.files[t.file].map[t.offset..t.offset + t.bytes]
+    }
+
+    /// The file a tensor lives in.
+    pub fn file_of(&self, t: &TensorInfo) -> &MappedFile {
+        &self.files[t.file]
+    }
+
+    /// The embedding rows, model.embed_tokens.weight (present and [vocab, hidden]: checked at open).
+    pub fn embed(&self) -> &TensorInfo {
+        &self.tensors[names::EMBED]
+    }
+
+    /// The output head: lm_head.weight, or the embedding table when tied.
+    pub fn output(&self) -> &TensorInfo {
+        if self.config.tied { self.embed() } else { &self.tensors[names::LM_HEAD] }
+    }
+
+    /// Bytes, as stored, of every tensor the model uses (rows and an untied head included).
+    pub fn weight_bytes(&self) -> u64 {
+        let mut used: Vec<String> = expected_tensors(&self.config).into_iter().map(|(n, _)| n).collect();
+        used.push(ROPE_FREQS.to_string());
+        used.iter().filter_map(|n| self.tensors.get(n)).map(|t| t.bytes as u64).sum()
+    }
+}
+
+impl TensorSource for Checkpoint {
+    fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    fn tensor(&self, name: &str) -> Result<TensorRef<'_>> {
+        let t = self.info(name)?;
+        Ok(TensorRef { dtype: t.dtype, shape: &t.shape, bytes: self.bytes_of(t) })
+    }
+
+    fn try_tensor(&self, name: &str) -> Option<TensorRef<'_>> {
+        let t = self.tensors.get(name)?;
+        Some(TensorRef { dtype: t.dtype, shape: &t.shape, bytes: self.bytes_of(t) })
+    }
+}
+
+/// Every tensor the architecture reads, with its canonical shape, in file order (embedding, layers,
+/// final norm, head).
+pub fn expected_tensors(cfg: &ModelConfig) -> Vec<(String, Vec<usize>)> {
+    let (h, q, kv, ff) = (cfg.hidden, cfg.q_dim(), cfg.kv_dim(), cfg.intermediate);
+    let mut out = vec![(names::EMBED.to_string(), vec![cfg.vocab, h])];
+    for i in 0..cfg.layers {
+        let mut part = |p: &str, shape: Vec<usize>| out.push((names::layer(i, p), shape));
+        part(names::ATTN_NORM, vec![h]);
+        part(names::Q, vec![q, h]);
+        part(names::K, vec![kv, h]);
+        part(names::V, vec![kv, h]);
+        if cfg.qkv_bias {
+            part(names::Q_BIAS, vec![q]);
+            part(names::K_BIAS, vec![kv]);
+            part(names::V_BIAS, vec![kv]);
+        }
+        if cfg.qk_norm {
+            part(names::Q_NORM, vec![cfg.head_dim]);
+            part(names::K_NORM, vec![cfg.head_dim]);
+        }
+        part(names::O, vec![h, q]);
+        part(names::FFN_NORM, vec![h]);
+        part(names::GATE, vec![ff, h]);
+        part(names::UP, vec![ff, h]);
+        part(names::DOWN, vec![h, ff]);
+    }
+    out.push((names::FINAL_NORM.to_string(), vec![h]));
+    if !cfg.tied {
+        out.push((names::LM_HEAD.to_string(), vec![cfg.vocab, h]));
+    }
+    out
+}
+
+/// Largest dimension accepted from a file, so every product the engine forms stays far from overflow.
+const MAX_DIM: usize = 1 << 28;
+const MAX_LAYERS: usize = 1 << 12;
+
+/// Checks a config read from `source` (a file and the place its keys live) for values no model has.
+pub(crate) fn check_config(cfg: &ModelConfig, source: &str) -> Result<()> {
+    let dims = [
+        ("vocab", cfg.vocab),
+        ("hidden", cfg.hidden),
+        ("heads", cfg.heads),
+        ("kv_heads", cfg.kv_heads),
+        ("head_dim", cfg.head_dim),
+        ("intermediate", cfg.intermediate),
+        ("max_position", cfg.max_position),
+    ];
+    for (what, v) in dims {
+        if v == 0 || v > MAX_DIM {
+            bail!(BadModel, "{source}: {what} = {v} is out of range (1..={MAX_DIM})");
+        }
+    }
+    if cfg.layers == 0 || cfg.layers > MAX_LAYERS {
+        bail!(BadModel, "{source}: layer count {} is out of range (1..={MAX_LAYERS})", cfg.layers);
+    }
+    if cfg.heads.checked_mul(cfg.head_dim).is_none_or(|q| q > MAX_DIM) {
+        bail!(BadModel, "{source}: heads x head_dim = {} x {} is too large", cfg.heads, cfg.head_dim);
+    }
+    if cfg.kv_heads > cfg.heads || !cfg.heads.is_multiple_of(cfg.kv_heads) {
+        bail!(BadModel, "{source}: {} attention heads are not a multiple of {} KV heads", cfg.heads, cfg.kv_heads);
+    }
+    if !cfg.head_dim.is_multiple_of(2) {
+        bail!(BadModel, "{source}: head_dim {} is odd; rotary embedding needs pairs", cfg.head_dim);
+    }
+    if !(cfg.rms_eps.is_finite() && cfg.rms_eps > 0.0) {
+        bail!(BadModel, "{source}: RMSNorm epsilon {} is not a positive number", cfg.rms_eps);
+    }
+    if !(cfg.rope_theta.is_finite() && cfg.rope_theta > 0.0) {
+        bail!(BadModel, "{source}: rope theta {} is not a positive number", cfg.rope_theta);
+    }
+    let positive = |v: f32| v.is_finite() && v > 0.0;
+    match cfg.rope_scaling {
+        RopeScaling::None => {}
+        RopeScaling::Linear { factor } if positive(factor) => {}
+        RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position }
+            if positive(factor)
+                && positive(low_freq_factor)
+                && positive(high_freq_factor)
+                && high_freq_factor > low_freq_factor
+                && original_max_position > 0 => {}
+        other => bail!(BadModel, "{source}: rope scaling {other:?} has a factor out of range"),
+    }
+    Ok(())
+}
+
+/// Checks that every tensor the config calls for is present with its shape. `location` names where
+/// tensors live (a file, or a folder of shards); `unsupported` lists tensors skipped for their dtype.
+pub(crate) fn check_tensors(
+    cfg: &ModelConfig,
+    tensors: &BTreeMap<String, TensorInfo>,
+    files: &[MappedFile],
+    location: &str,
+    unsupported: &BTreeMap<String, String>,
+) -> Result<()> {
+    for (name, shape) in expected_tensors(cfg) {
+        let Some(t) = tensors.get(&name) else {
+            if let Some(dtype) = unsupported.get(&name) {
+                bail!(Unsupported, "{location}: tensor {name} has dtype {dtype}; supported: F32, F16, BF16, Q8_0");
+            }
+            bail!(BadModel, "{location}: tensor {name} is missing");
+        };
+        if t.shape != shape {
+            let file = files.get(t.file).map_or(location.to_string(), |f| f.path.display().to_string());
+            bail!(BadModel, "{file}: tensor {name} has shape {:?}, the config asks for {:?}", t.shape, shape);
+        }
+    }
+    Ok(())
+}
+
+/// llama.cpp's rope divisors for Llama 3 scaling, one per rotated pair (as its converter computes them).
+pub fn llama3_rope_factors(cfg: &ModelConfig) -> Option<Vec<f32>> {
+    let RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position } = cfg.rope_scaling
+    else {
+        return None;
+    };
+    let dim = cfg.head_dim;
+    let old_context = original_max_position as f64;
+    let (factor, low, high) = (factor as f64, low_freq_factor as f64, high_freq_factor as f64);
+    let (low_wavelen, high_wavelen) = (old_context / low, old_context / high);
+    let factors = (0..dim / 2)
+        .map(|i| {
+            // The converter forms the frequencies in f32 before taking wavelengths.
+            let freq = 1.0f32 / (cfg.rope_theta.powf((2 * i) as f32 / dim as f32));
+            let wavelen = 2.0 * std::f64::consts::PI / freq as f64;
+            if wavelen < high_wavelen {
+                1.0
+            } else if wavelen > low_wavelen {
+                factor as f32
+            } else {
+                let smooth = (old_context / wavelen - low) / (high - low);
+                (1.0 / ((1.0 - smooth) / factor + smooth)) as f32
+            }
+        })
+        .collect();
+    Some(factors)
+}
+
+/// The architecture's name in config.json `model_type` and GGUF `general.architecture`.
+pub fn arch_name(arch: Arch) -> &'static str {
+    match arch {
+        Arch::Llama => "llama",
+        Arch::Qwen2 => "qwen2",
+        Arch::Qwen3 => "qwen3",
+    }
+}
+
+pub fn arch_from_name(name: &str) -> Option<Arch> {
+    match name {
+        "llama" => Some(Arch::Llama),
+        "qwen2" => Some(Arch::Qwen2),
+        "qwen3" => Some(Arch::Qwen3),
+        _ => None,
+    }
+}
