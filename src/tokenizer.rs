@@ -1,6 +1,8 @@
 //! Text to token ids and back: a `tokenizer.json` beside the weights, or the byte-level BPE a GGUF
 //! carries in `tokenizer.ggml.*`, both run by the `tokenizers` crate.
 
+use crate::checkpoint::TokenizerSource;
+use crate::checkpoint::gguf::GgufValue;
 use crate::status::{Error, Result, Status};
 use crate::{bail, err};
 use serde_json::Value;
@@ -224,6 +226,18 @@ impl Tokenizer {
         Ok(tokenizer)
     }
 
+    /// The tokenizer a checkpoint points at; None when it has none. Errors keep their status: UNSUPPORTED
+    /// for a GGUF tokenizer model other than gpt2, BAD_MODEL or IO_ERROR for a broken one.
+    pub fn from_source(src: &TokenizerSource) -> Result<Option<Tokenizer>> {
+        match src {
+            TokenizerSource::None => Ok(None),
+            TokenizerSource::Json(path) => Tokenizer::from_json(path).map(Some),
+            TokenizerSource::GgufBpe { model, pre, tokens, merges, token_types } => {
+                Tokenizer::from_gguf_bpe(model, pre.as_deref(), tokens, merges, token_types).map(Some)
+            }
+        }
+    }
+
     fn wrap(inner: tokenizers::Tokenizer) -> Tokenizer {
         let vocab = inner.get_vocab(true);
         let size = vocab.values().map(|&id| id as usize + 1).max().unwrap_or(0);
@@ -298,6 +312,20 @@ pub struct GgufBpeVocab {
     pub tokens: Vec<String>,
     pub merges: Vec<String>,
     pub token_types: Vec<i32>,
+}
+
+impl GgufBpeVocab {
+    /// The `tokenizer.ggml.*` keys llama.cpp reads for this byte-level BPE; `pre` names its split
+    /// ("gpt-2", "llama-bpe", "qwen2").
+    pub fn gguf_kv(&self, pre: &str) -> Vec<(String, GgufValue)> {
+        vec![
+            ("tokenizer.ggml.model".into(), GgufValue::String("gpt2".into())),
+            ("tokenizer.ggml.pre".into(), GgufValue::String(pre.into())),
+            ("tokenizer.ggml.tokens".into(), GgufValue::ArrayString(self.tokens.clone())),
+            ("tokenizer.ggml.merges".into(), GgufValue::ArrayString(self.merges.clone())),
+            ("tokenizer.ggml.token_type".into(), GgufValue::ArrayI32(self.token_types.clone())),
+        ]
+    }
 }
 
 /// Reads the BPE vocabulary, merges and special tokens of a byte-level `tokenizer.json`, for writing

@@ -5,11 +5,35 @@ mod common;
 
 use common::Rng;
 use hostembed::Status;
+use hostembed::checkpoint::Checkpoint;
+use hostembed::checkpoint::gguf::GgufValue;
+use hostembed::checkpoint::write::{synthetic_weights, write_gguf, write_hf_folder};
+use hostembed::model::{Arch, ModelConfig, RopeScaling};
+use hostembed::tensor::DType;
 use hostembed::tokenizer::{self, GgufBpeVocab, Tokenizer, token_type};
 use std::path::{Path, PathBuf};
 
 fn asset(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("assets").join(name)
+}
+
+/// A fresh folder under HOSTEMBED_TEST_TMP (or the system's temp dir), removed when dropped.
+struct Scratch(PathBuf);
+
+impl Scratch {
+    fn new(name: &str) -> Scratch {
+        let base = std::env::var_os("HOSTEMBED_TEST_TMP").map(PathBuf::from).unwrap_or_else(std::env::temp_dir);
+        let dir = base.join(format!("hostembed-tokenizer-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        Scratch(dir)
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
 }
 
 fn committed() -> Tokenizer {
@@ -71,12 +95,10 @@ fn committed_tokenizer_loads_with_its_special_tokens() {
 fn retraining_reproduces_the_committed_tokenizer() {
     let text = std::fs::read_to_string(asset("hostembed.txt")).unwrap();
     let trained = tokenizer::train_byte_level_bpe(&text, 512, &["<|bos|>", "<|eos|>"]).unwrap();
-    let dir = std::env::temp_dir().join(format!("hostembed-tokenizer-test-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("tokenizer.json");
+    let dir = Scratch::new("retrain");
+    let path = dir.0.join("tokenizer.json");
     trained.save_json(&path).unwrap();
     let again = std::fs::read(&path).unwrap();
-    std::fs::remove_dir_all(&dir).unwrap();
     let committed = std::fs::read(asset("tokenizer.json")).unwrap();
     assert!(again == committed, "training on assets/hostembed.txt no longer gives assets/tokenizer.json");
 }
@@ -251,16 +273,14 @@ fn bad_ids_and_files_fail_clearly() {
     assert_eq!(e.status, Status::IoError);
     assert!(e.message.contains("no/such/tokenizer.json"), "{e}");
 
-    let dir = std::env::temp_dir().join(format!("hostembed-tokenizer-bad-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("tokenizer.json");
+    let dir = Scratch::new("bad");
+    let path = dir.0.join("tokenizer.json");
     std::fs::write(&path, b"{\"model\": 3}").unwrap();
     let e = Tokenizer::from_json(&path).unwrap_err();
     assert_eq!(e.status, Status::BadModel);
     assert!(e.message.contains("tokenizer.json"), "{e}");
     let e = tokenizer::gguf_bpe_vocab(&path).unwrap_err();
     assert_eq!(e.status, Status::BadModel);
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 /// A sentencepiece-style tokenizer.json (Llama 2's shape): "▁" reads as a space, `<0xNN>` as one byte.
@@ -275,15 +295,73 @@ fn sentencepiece_style_pieces_map_marks_and_bytes() {
         "fuse_unk":true,"byte_fallback":true,"ignore_merges":false,
         "vocab":{"<unk>":0,"<0x0A>":1,"<0xC3>":2,"<0xA9>":3,"▁":4,"h":5,"i":6,"▁h":7,"▁hi":8},
         "merges":["▁ h","▁h i"]}}"#;
-    let dir = std::env::temp_dir().join(format!("hostembed-tokenizer-sp-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("tokenizer.json");
+    let dir = Scratch::new("sentencepiece");
+    let path = dir.0.join("tokenizer.json");
     std::fs::write(&path, json).unwrap();
     let t = Tokenizer::from_json(&path).unwrap();
-    std::fs::remove_dir_all(&dir).unwrap();
     let ids = t.encode("hi\né", None).unwrap();
     assert_eq!(ids, vec![8, 1, 2, 3]);
     let pieces: Vec<Vec<u8>> = ids.iter().map(|&id| t.piece(id).unwrap()).collect();
     assert_eq!(pieces, vec![b" hi".to_vec(), b"\n".to_vec(), vec![0xC3], vec![0xA9]]);
     assert_eq!(t.vocab_size(), 9);
+}
+
+fn tiny_config() -> ModelConfig {
+    ModelConfig {
+        arch: Arch::Llama,
+        vocab: 512,
+        hidden: 32,
+        layers: 1,
+        heads: 2,
+        kv_heads: 1,
+        head_dim: 16,
+        intermediate: 64,
+        rms_eps: 1e-5,
+        rope_theta: 10000.0,
+        rope_scaling: RopeScaling::None,
+        rope_interleaved: false,
+        max_position: 64,
+        tied: false,
+        qkv_bias: false,
+        qk_norm: false,
+        bos: Some(0),
+        eos: Some(1),
+    }
+}
+
+/// The tokenizer a checkpoint points at: tokenizer.json beside safetensors, the tokenizer.ggml.* keys
+/// of a GGUF; both tokenize as the committed file does.
+#[test]
+fn checkpoints_carry_the_same_tokenizer_in_both_formats() {
+    let dir = Scratch::new("checkpoints");
+    let cfg = tiny_config();
+    let weights = synthetic_weights(&cfg, 7, DType::F32);
+    let hf = dir.0.join("hf");
+    std::fs::create_dir_all(&hf).unwrap();
+    write_hf_folder(&hf, &cfg, &weights, 1).unwrap();
+
+    let without = Checkpoint::open(&hf).unwrap();
+    assert!(Tokenizer::from_source(&without.tokenizer).unwrap().is_none());
+
+    std::fs::copy(asset("tokenizer.json"), hf.join("tokenizer.json")).unwrap();
+    let gguf = dir.0.join("tiny.gguf");
+    write_gguf(&gguf, &cfg, &weights, &committed_vocab().gguf_kv("gpt-2")).unwrap();
+
+    let json = committed();
+    let text = std::fs::read_to_string(asset("hostembed.txt")).unwrap();
+    for path in [&hf, &gguf] {
+        let ckpt = Checkpoint::open(path).unwrap();
+        let t = Tokenizer::from_source(&ckpt.tokenizer).unwrap().expect("a tokenizer");
+        assert_eq!(t.vocab_size(), 512, "{}", path.display());
+        assert_eq!(t.encode(&text, Some(0)).unwrap(), json.encode(&text, Some(0)).unwrap(), "{}", path.display());
+    }
+
+    // A GGUF whose tokenizer is not byte-level BPE still opens; its text tokenizer is refused by name.
+    let mut kv = committed_vocab().gguf_kv("gpt-2");
+    kv[0].1 = GgufValue::String("llama".into());
+    write_gguf(&gguf, &cfg, &weights, &kv).unwrap();
+    let ckpt = Checkpoint::open(&gguf).unwrap();
+    let e = Tokenizer::from_source(&ckpt.tokenizer).unwrap_err();
+    assert_eq!(e.status, Status::Unsupported);
+    assert!(e.message.contains("\"llama\""), "{e}");
 }
