@@ -1,1 +1,528 @@
-//! (in progress)
+//! The engine: a checkpoint, the plan the fit rule made for it, and the embedding rows where the plan
+//! put them. `Engine::init_fit` opens, measures, decides, logs and places; every failure on the way
+//! releases what was taken before it (each resource has one owner).
+//!
+//! Backends: CUDA runs the plan of `fit::plan`. The CPU backend (no device, or `backend = CPU`) reads
+//! the rows straight from the file mapping and has no device plan: `plan()` is None there.
+#![allow(non_camel_case_types)]
+
+use crate::checkpoint::Checkpoint;
+use crate::cuda::{self, PinnedBuffer};
+use crate::cudart as rt;
+use crate::ffi::engine_device_info;
+use crate::fit::{self, engine_fit_inputs, engine_placement, engine_plan};
+use crate::model::ModelConfig;
+use crate::placement::{Rows, RowsSource};
+use crate::status::{Result, Status};
+use crate::tensor::DType;
+use std::ffi::CString;
+use std::os::raw::{c_char, c_void};
+use std::path::Path;
+use std::sync::Mutex;
+use std::sync::atomic::Ordering;
+
+/// The environment variable the seed issue gates file-mapped rows with; "1" means on.
+pub const MMAP_ROWS_ENV: &str = "DS4_EMBD_MMAP";
+
+/// A yes/no option that can also be left to the library.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum engine_tristate {
+    /// Decided by the library (the option's documentation says how).
+    Auto = 0,
+    Yes = 1,
+    No = 2,
+}
+
+impl engine_tristate {
+    pub fn from_raw(raw: u32) -> Option<engine_tristate> {
+        match raw {
+            0 => Some(engine_tristate::Auto),
+            1 => Some(engine_tristate::Yes),
+            2 => Some(engine_tristate::No),
+            _ => None,
+        }
+    }
+}
+
+/// Which backend decodes.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum engine_backend {
+    /// CUDA when the library has kernels and a device is present, else the CPU.
+    Auto = 0,
+    Cuda = 1,
+    Cpu = 2,
+}
+
+impl engine_backend {
+    pub fn from_raw(raw: u32) -> Option<engine_backend> {
+        match raw {
+            0 => Some(engine_backend::Auto),
+            1 => Some(engine_backend::Cuda),
+            2 => Some(engine_backend::Cpu),
+            _ => None,
+        }
+    }
+}
+
+/// Receives each log line (no trailing newline); `user` is `engine_options.log_user`.
+pub type engine_log_fn = Option<unsafe extern "C" fn(user: *mut c_void, line: *const c_char)>;
+
+/// How to start an engine; take `engine_default_options()` and change what you need.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct engine_options {
+    /// CUDA device index.
+    pub device: i32,
+    /// The window in tokens; 0 = the model's own (max_position_embeddings / context_length).
+    pub context: u32,
+    /// Free device memory to plan with; 0 = probe with cudaMemGetInfo. A server passes its own probe.
+    pub room_bytes: u64,
+    /// The load's other buffers, counted in the decision to map rows (default 256 MiB).
+    pub reserve_bytes: u64,
+    /// A speculative drafter's weights on the card, 0 = none.
+    pub drafter_weight_bytes: u64,
+    /// One drafter stream: ring, taps, frame scratch.
+    pub drafter_stream_bytes: u64,
+    /// Most streams to start; 0 = as many as fit.
+    pub max_streams: u32,
+    /// Most prompt tokens in one batch (sizes the scratch); 0 = the default, 512.
+    pub max_batch: u32,
+    /// Host and device share memory. Auto = the device is integrated and has pageable memory access.
+    pub unified: engine_tristate,
+    /// Read the rows from the checkpoint's file mapping. Auto = DS4_EMBD_MMAP is "1".
+    pub mmap_rows: engine_tristate,
+    pub backend: engine_backend,
+    /// Sampling: 0 = greedy.
+    pub temperature: f32,
+    /// 0 = no top-k cut.
+    pub top_k: u32,
+    /// 1 = no nucleus cut.
+    pub top_p: f32,
+    pub seed: u64,
+    /// Log lines go here; NULL = standard error, prefixed "hostembed: ".
+    pub log: engine_log_fn,
+    pub log_user: *mut c_void,
+}
+
+pub const DEFAULT_MAX_BATCH: u32 = 512;
+
+/// The defaults: device 0, the model's window, probed room, a 256 MiB reserve, no drafter, every
+/// stream that fits, rows placed by the rule, greedy sampling, logs to standard error.
+pub fn default_options() -> engine_options {
+    engine_options {
+        device: 0,
+        context: 0,
+        room_bytes: 0,
+        reserve_bytes: fit::ENGINE_FIT_DEFAULT_RESERVE_BYTES,
+        drafter_weight_bytes: 0,
+        drafter_stream_bytes: 0,
+        max_streams: 0,
+        max_batch: DEFAULT_MAX_BATCH,
+        unified: engine_tristate::Auto,
+        mmap_rows: engine_tristate::Auto,
+        backend: engine_backend::Auto,
+        temperature: 0.0,
+        top_k: 0,
+        top_p: 1.0,
+        seed: 0,
+        log: None,
+        log_user: std::ptr::null_mut(),
+    }
+}
+
+impl Default for engine_options {
+    fn default() -> Self {
+        default_options()
+    }
+}
+
+/// Whether rows come from the file mapping: Auto reads DS4_EMBD_MMAP ("1" is on, anything else off).
+pub fn resolve_mmap_rows(option: engine_tristate) -> bool {
+    match option {
+        engine_tristate::Yes => true,
+        engine_tristate::No => false,
+        engine_tristate::Auto => std::env::var_os(MMAP_ROWS_ENV).is_some_and(|v| v == "1"),
+    }
+}
+
+/// Whether host and device share memory: Auto asks the device (integrated with pageable access), and
+/// is false with no device to ask.
+pub fn resolve_unified(option: engine_tristate, device: Option<&engine_device_info>) -> bool {
+    match option {
+        engine_tristate::Yes => true,
+        engine_tristate::No => false,
+        engine_tristate::Auto => device.is_some_and(|d| d.integrated && d.pageable_memory_access),
+    }
+}
+
+/// Options no engine can start with: INVALID_ARGUMENT naming the field.
+pub fn check_options(o: &engine_options) -> Result<()> {
+    if o.device < 0 {
+        crate::bail!(InvalidArgument, "options.device is {}", o.device);
+    }
+    if !(o.temperature.is_finite() && o.temperature >= 0.0) {
+        crate::bail!(InvalidArgument, "options.temperature is {}; it must be a number >= 0", o.temperature);
+    }
+    if !(o.top_p > 0.0 && o.top_p <= 1.0) {
+        crate::bail!(InvalidArgument, "options.top_p is {}; it must be in (0, 1]", o.top_p);
+    }
+    Ok(())
+}
+
+/// Where log lines go.
+#[derive(Clone, Copy)]
+pub struct Logger {
+    log: engine_log_fn,
+    user: *mut c_void,
+}
+
+// The callback and its user pointer are the caller's; the caller promises they may be used from the
+// threads it calls the engine on.
+unsafe impl Send for Logger {}
+unsafe impl Sync for Logger {}
+
+impl Logger {
+    pub fn new(opts: &engine_options) -> Logger {
+        Logger { log: opts.log, user: opts.log_user }
+    }
+
+    pub fn line(&self, text: &str) {
+        match self.log {
+            Some(f) => {
+                let c = CString::new(text.replace('\0', " ")).unwrap_or_default();
+                unsafe { f(self.user, c.as_ptr()) };
+            }
+            None => eprintln!("hostembed: {text}"),
+        }
+    }
+}
+
+/// A checkpoint owned by an engine: its mapped bytes count in `engine_memory.mapped_bytes` while it lives.
+pub struct HeldCheckpoint {
+    ckpt: Checkpoint,
+    mapped: u64,
+}
+
+impl HeldCheckpoint {
+    pub fn new(ckpt: Checkpoint) -> HeldCheckpoint {
+        let mapped = ckpt.files.iter().map(|f| f.map.len() as u64).sum();
+        cuda::MEMORY.mapped.fetch_add(mapped, Ordering::Relaxed);
+        HeldCheckpoint { ckpt, mapped }
+    }
+}
+
+impl std::ops::Deref for HeldCheckpoint {
+    type Target = Checkpoint;
+    fn deref(&self) -> &Checkpoint {
+        &self.ckpt
+    }
+}
+
+impl Drop for HeldCheckpoint {
+    fn drop(&mut self) {
+        cuda::MEMORY.mapped.fetch_sub(self.mapped, Ordering::Relaxed);
+    }
+}
+
+/// The embedding table of a checkpoint, as the placements read it.
+pub fn rows_source(ckpt: &Checkpoint) -> RowsSource<'_> {
+    let t = ckpt.embed();
+    RowsSource { bytes: ckpt.bytes_of(t), dtype: t.dtype, vocab: t.rows(), cols: t.cols() }
+}
+
+/// The window an engine plans for: the asked one, or the model's own.
+pub fn window_of(cfg: &ModelConfig, opts: &engine_options) -> Result<u32> {
+    let w = if opts.context == 0 { cfg.max_position } else { opts.context as usize };
+    u32::try_from(w).map_err(|_| crate::err!(InvalidArgument, "a window of {w} tokens is more than the engine counts"))
+}
+
+/// Device bytes the decode backend needs beside the rows: (weights without the rows, scratch, one stream).
+// REPLACE with crate::gpu::GpuModel::{weight_bytes, scratch_bytes, stream_bytes} once gpu.rs has them.
+fn backend_bytes(ckpt: &Checkpoint, max_batch: u32, window: u32) -> (u64, u64, u64) {
+    let cfg = &ckpt.config;
+    let weights = ckpt.weight_bytes() - ckpt.bytes_of(ckpt.embed()).len() as u64;
+    let scratch = (max_batch as u64)
+        * (4 * (cfg.hidden + cfg.q_dim() + 2 * cfg.kv_dim() + 2 * cfg.intermediate) as u64)
+        + 4 * cfg.vocab as u64;
+    (weights, scratch, window as u64 * cfg.kv_bytes_per_token())
+}
+
+/// The figures the fit rule decides on, from a checkpoint and the options. `device` is the device the
+/// engine would run on (None: no device; then `room_bytes` must be given and unified Auto is false).
+pub fn fit_inputs(
+    ckpt: &Checkpoint,
+    opts: &engine_options,
+    device: Option<&engine_device_info>,
+) -> Result<engine_fit_inputs> {
+    let cfg = &ckpt.config;
+    let window = window_of(cfg, opts)?;
+    let room = match (opts.room_bytes, device) {
+        (0, Some(d)) => d.free_bytes,
+        (0, None) => crate::bail!(InvalidArgument, "options.room_bytes is 0 and there is no device to probe"),
+        (room, _) => room,
+    };
+    let max_batch = if opts.max_batch == 0 { DEFAULT_MAX_BATCH } else { opts.max_batch };
+    let embed = ckpt.bytes_of(ckpt.embed()).len() as u64;
+    let (weights, scratch, stream) = backend_bytes(ckpt, max_batch, window);
+    Ok(engine_fit_inputs {
+        room_bytes: room,
+        weight_bytes: weights + embed,
+        embed_bytes: embed,
+        scratch_bytes: scratch,
+        stream_bytes: stream,
+        stream_bytes_per_token: cfg.kv_bytes_per_token(),
+        drafter_weight_bytes: opts.drafter_weight_bytes,
+        drafter_stream_bytes: opts.drafter_stream_bytes,
+        reserve_bytes: opts.reserve_bytes,
+        window,
+        max_streams: opts.max_streams,
+        unified: resolve_unified(opts.unified, device),
+        embed_tied: cfg.tied,
+        mmap_rows: resolve_mmap_rows(opts.mmap_rows),
+    })
+}
+
+/// The line logged when the rows leave the card, in the seed's words.
+pub fn host_rows_reason(plan: &engine_plan, inputs: &engine_fit_inputs, opts: &engine_options) -> Option<String> {
+    match plan.placement {
+        engine_placement::Device => None,
+        engine_placement::HostMapped => {
+            Some(format!("embedding rows read from host memory: no room beside a {}-token stream", plan.window))
+        }
+        engine_placement::FileMapped => Some(match opts.mmap_rows {
+            engine_tristate::Yes => "embedding rows read from the file mapping: options.mmap_rows is set".to_string(),
+            _ if inputs.mmap_rows => format!("embedding rows read from the file mapping: {MMAP_ROWS_ENV}=1"),
+            _ => "embedding rows read from the file mapping".to_string(),
+        }),
+    }
+}
+
+/// The point after which `init_fit_failing_after` fails, to prove each step's failure frees everything.
+#[doc(hidden)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum InitStep {
+    Opened,
+    Planned,
+    RowsPlaced,
+    Loaded,
+}
+
+/// The backend an engine runs on, once resolved.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BackendKind {
+    Cuda,
+    Cpu,
+}
+
+/// A loaded model with its embedding rows placed.
+pub struct Engine {
+    // Fields drop in order: the decode backend (which reads the rows; the lead's model goes first in
+    // this struct), the rows, the out-of-range flag, and last the mapping the rows may point into.
+    rows: Rows,
+    bad_ids: Option<Mutex<PinnedBuffer>>,
+    plan: Option<engine_plan>,
+    inputs: Option<engine_fit_inputs>,
+    options: engine_options,
+    logger: Logger,
+    kind: BackendKind,
+    ckpt: HeldCheckpoint,
+}
+
+// The log callback's user pointer is the caller's, who promises it may be used from the threads it
+// calls the engine on; everything else the engine holds is owned or immutable after init.
+unsafe impl Send for Engine {}
+unsafe impl Sync for Engine {}
+
+impl Engine {
+    /// Opens `path`, plans with the fit rule, logs the start-up line and places the rows.
+    pub fn init_fit(path: &Path, opts: &engine_options) -> Result<Engine> {
+        Self::init_fit_failing_after(path, opts, None)
+    }
+
+    /// `init_fit` that fails on purpose right after `step` (tests use it to prove nothing leaks).
+    #[doc(hidden)]
+    pub fn init_fit_failing_after(path: &Path, opts: &engine_options, fail: Option<InitStep>) -> Result<Engine> {
+        let injected = |step: InitStep| -> Result<()> {
+            if fail == Some(step) {
+                crate::bail!(IoError, "init_fit failed on purpose after {step:?}");
+            }
+            Ok(())
+        };
+        check_options(opts)?;
+        let logger = Logger::new(opts);
+        let device = match opts.backend {
+            engine_backend::Cpu => None,
+            engine_backend::Cuda => Some(crate::ffi::device_info(opts.device)?),
+            engine_backend::Auto => match crate::ffi::device_info(opts.device) {
+                Ok(info) => Some(info),
+                Err(e) if matches!(e.status, Status::NoCuda | Status::NoDevice) => None,
+                Err(e) => return Err(e),
+            },
+        };
+        let ckpt = HeldCheckpoint::new(Checkpoint::open(path)?);
+        injected(InitStep::Opened)?;
+        let src = rows_source(&ckpt);
+
+        let Some(info) = device else {
+            let window = window_of(&ckpt.config, opts)?;
+            logger.line(&format!(
+                "model {} GiB on the CPU backend, rows read from the file mapping, a {window}-token window",
+                fit::gib(ckpt.weight_bytes())
+            ));
+            injected(InitStep::Planned)?;
+            // SAFETY: the rows point into `ckpt`, which the engine drops after them.
+            let rows = unsafe { Rows::in_mapping(&src) }?;
+            injected(InitStep::RowsPlaced)?;
+            let mut engine = Engine {
+                rows,
+                bad_ids: None,
+                plan: None,
+                inputs: None,
+                options: *opts,
+                logger,
+                kind: BackendKind::Cpu,
+                ckpt,
+            };
+            engine.load_backend()?;
+            injected(InitStep::Loaded)?;
+            return Ok(engine);
+        };
+
+        let inputs = fit_inputs(&ckpt, opts, Some(&info))?;
+        let mut plan = fit::plan(&inputs)?;
+        logger.line(&fit::describe(&plan));
+        if let Some(why) = fit::refusal(&plan) {
+            crate::bail!(NoRoom, "{why}");
+        }
+        if let Some(reason) = host_rows_reason(&plan, &inputs, opts) {
+            logger.line(&reason);
+        }
+        injected(InitStep::Planned)?;
+
+        let rows = match plan.placement {
+            engine_placement::Device => Rows::on_device(&src)?,
+            engine_placement::HostMapped => Rows::host_mapped(&src)?,
+            // SAFETY: the rows point into `ckpt`, which the engine drops after them.
+            engine_placement::FileMapped => unsafe { Rows::file_mapped(&src, &info, &|l| logger.line(l)) }?,
+        };
+        // A fallback from the file mapping to pinned memory keeps every figure of the plan but its placement.
+        plan.placement = rows.placement();
+        let bad_ids = Mutex::new(PinnedBuffer::new_mapped(std::mem::size_of::<i32>())?);
+        injected(InitStep::RowsPlaced)?;
+        let mut engine = Engine {
+            rows,
+            bad_ids: Some(bad_ids),
+            plan: Some(plan),
+            inputs: Some(inputs),
+            options: *opts,
+            logger,
+            kind: BackendKind::Cuda,
+            ckpt,
+        };
+        engine.load_backend()?;
+        injected(InitStep::Loaded)?;
+        Ok(engine)
+    }
+
+    /// Loads the decode backend beside the placed rows: the GPU model reading `self.rows` on CUDA,
+    /// the CPU model reading the mapping on the CPU. The decode engine fills this in; placing the rows
+    /// needs nothing from it.
+    fn load_backend(&mut self) -> Result<()> {
+        Ok(())
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.ckpt.config
+    }
+
+    pub fn checkpoint(&self) -> &Checkpoint {
+        &self.ckpt
+    }
+
+    pub fn rows(&self) -> &Rows {
+        &self.rows
+    }
+
+    /// The plan the engine started with (its placement is where the rows went); None on the CPU backend.
+    pub fn plan(&self) -> Option<&engine_plan> {
+        self.plan.as_ref()
+    }
+
+    /// The figures the plan was made from; None on the CPU backend.
+    pub fn fit_inputs(&self) -> Option<&engine_fit_inputs> {
+        self.inputs.as_ref()
+    }
+
+    pub fn options(&self) -> &engine_options {
+        &self.options
+    }
+
+    pub fn backend(&self) -> BackendKind {
+        self.kind
+    }
+
+    pub fn log(&self, line: &str) {
+        self.logger.line(line)
+    }
+
+    /// Gathers the rows of `n` ids into `out` as `out_dtype` (F32 or BF16). On CUDA, `ids` and `out`
+    /// are device pointers and the gather runs on `stream`, which this call then synchronizes to read the
+    /// out-of-range flag; on the CPU backend they are host pointers and `stream` is ignored. Any id
+    /// outside the vocabulary: OUT_OF_RANGE, that id's row never read.
+    ///
+    /// # Safety
+    /// `ids` must hold `n` ints and `out` room for `n` rows of `cols` values in `out_dtype`, where the
+    /// backend reads and writes them.
+    pub unsafe fn embed(
+        &self,
+        ids: *const i32,
+        n: usize,
+        out: *mut c_void,
+        out_dtype: DType,
+        stream: rt::cudaStream_t,
+    ) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        if ids.is_null() || out.is_null() {
+            crate::bail!(InvalidArgument, "engine_embed: ids or out is NULL with {n} ids");
+        }
+        if !matches!(out_dtype, DType::F32 | DType::Bf16) {
+            crate::bail!(
+                InvalidArgument,
+                "engine_embed: output in {}; only F32 and BF16 are written",
+                out_dtype.name()
+            );
+        }
+        let vocab = self.rows.vocab();
+        match (self.kind, &self.bad_ids) {
+            (BackendKind::Cuda, Some(flag)) => {
+                let flag = flag.lock().unwrap_or_else(|p| p.into_inner());
+                cuda::check(unsafe { rt::cudaSetDevice(self.options.device) }, "cudaSetDevice")?;
+                let host_flag = flag.host_ptr() as *mut i32;
+                // The previous call synchronized before releasing the lock, so no kernel writes this now.
+                unsafe { host_flag.write_volatile(0) };
+                unsafe { self.rows.gather_device(ids, n, out, out_dtype, flag.device_ptr() as *mut i32, stream) }?;
+                cuda::check(unsafe { rt::cudaStreamSynchronize(stream) }, "cudaStreamSynchronize")?;
+                if unsafe { host_flag.read_volatile() } != 0 {
+                    crate::bail!(
+                        OutOfRange,
+                        "engine_embed: a token id outside the vocabulary (0..{vocab}); its row was not read"
+                    );
+                }
+                Ok(())
+            }
+            _ => {
+                let size = if out_dtype == DType::F32 { 4 } else { 2 };
+                let ids = unsafe { std::slice::from_raw_parts(ids, n) };
+                let len = n
+                    .checked_mul(self.rows.cols() * size)
+                    .ok_or_else(|| crate::err!(InvalidArgument, "engine_embed: {n} rows overflow"))?;
+                let out = unsafe { std::slice::from_raw_parts_mut(out as *mut u8, len) };
+                self.rows.gather_host(ids, out, out_dtype)
+            }
+        }
+    }
+}

@@ -213,5 +213,174 @@ pub unsafe extern "C" fn engine_plan_describe(plan: *const fit::engine_plan, buf
 // ---------------------------------------------------------------------------------------------
 // Engine
 
+use crate::engine::{self as eng, Engine, engine_backend, engine_options, engine_tristate};
+use crate::placement::{self, engine_memory, engine_rows};
+use crate::tensor::engine_dtype;
+use std::os::raw::c_void;
+
+/// A loaded model with its embedding rows placed; opaque to C.
+pub struct engine(pub(crate) Engine);
+
+/// The defaults: device 0, the model's window, probed room, a 256 MiB reserve, no drafter, every
+/// stream that fits, rows placed by the fit rule (DS4_EMBD_MMAP=1 reads them from the file mapping),
+/// backend auto, greedy sampling, log lines to standard error.
+#[unsafe(no_mangle)]
+pub extern "C" fn engine_default_options() -> engine_options {
+    eng::default_options()
+}
+
+/// Reads options a C caller filled, checking the enums' raw values before Rust reads them as enums.
+unsafe fn options_from_c(p: *const engine_options) -> Result<engine_options> {
+    if p.is_null() {
+        return Ok(eng::default_options());
+    }
+    let raw = |offset: usize| unsafe { std::ptr::read_unaligned((p as *const u8).add(offset) as *const u32) };
+    let tristates = [
+        (std::mem::offset_of!(engine_options, unified), "unified"),
+        (std::mem::offset_of!(engine_options, mmap_rows), "mmap_rows"),
+    ];
+    for (offset, field) in tristates {
+        if engine_tristate::from_raw(raw(offset)).is_none() {
+            return Err(Error::new(
+                Status::InvalidArgument,
+                format!("options->{field} is {}, not an engine_tristate", raw(offset)),
+            ));
+        }
+    }
+    let backend = raw(std::mem::offset_of!(engine_options, backend));
+    if engine_backend::from_raw(backend).is_none() {
+        return Err(Error::new(
+            Status::InvalidArgument,
+            format!("options->backend is {backend}, not an engine_backend"),
+        ));
+    }
+    Ok(unsafe { std::ptr::read(p) })
+}
+
+unsafe fn engine_ref<'a>(e: *const engine) -> Result<&'a Engine> {
+    Ok(&unsafe { arg_ref(e, "engine") }?.0)
+}
+
+/// Opens the checkpoint at `model_path` (an HF folder or a .gguf file), plans with the fit rule, logs
+/// the start-up line, places the embedding rows and stores the engine in `*out` (NULL on failure).
+/// `opts` NULL = `engine_default_options()`. NO_ROOM when no stream fits (the message says why, in the
+/// start-up line's words); BAD_MODEL/IO_ERROR for a checkpoint that cannot be read; NO_CUDA/NO_DEVICE
+/// when the CUDA backend is asked for and absent. Whatever failed, nothing is held afterwards.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn engine_init_fit(
+    model_path: *const c_char,
+    opts: *const engine_options,
+    out: *mut *mut engine,
+) -> engine_status {
+    if !out.is_null() {
+        unsafe { *out = std::ptr::null_mut() };
+    }
+    guard("engine_init_fit", || {
+        let out = unsafe { arg_mut(out, "out") }?;
+        if model_path.is_null() {
+            return Err(Error::new(Status::InvalidArgument, "model_path is NULL"));
+        }
+        let bytes = unsafe { std::ffi::CStr::from_ptr(model_path) }.to_bytes();
+        let path = std::path::Path::new(<std::ffi::OsStr as std::os::unix::ffi::OsStrExt>::from_bytes(bytes));
+        let opts = unsafe { options_from_c(opts) }?;
+        let e = Engine::init_fit(path, &opts)?;
+        *out = Box::into_raw(Box::new(engine(e)));
+        Ok(())
+    })
+}
+
+/// Frees the engine and everything it holds: device memory, pinned memory, registrations, mappings.
+/// NULL is accepted.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn engine_free(e: *mut engine) {
+    guard("engine_free", || {
+        if !e.is_null() {
+            drop(unsafe { Box::from_raw(e) });
+        }
+        Ok(())
+    });
+}
+
+/// The device-usable pointer to embedding rows in host memory (pinned, or the registered file
+/// mapping); NULL when the rows are on the card, on the CPU backend, or `e` is NULL.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn engine_host_embed_ptr(e: *const engine) -> *const c_void {
+    guard_value("engine_host_embed_ptr", std::ptr::null(), || Ok(unsafe { engine_ref(e) }?.rows().host_embed_ptr()))
+}
+
+/// Where the embedding rows are and how to read them, in every placement.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn engine_embed_rows(e: *const engine, out: *mut engine_rows) -> engine_status {
+    guard("engine_embed_rows", || {
+        let e = unsafe { engine_ref(e) }?;
+        *unsafe { arg_mut(out, "out") }? = e.rows().describe();
+        Ok(())
+    })
+}
+
+/// Gathers the embedding rows of `n` token ids into `device_out` as `out_dtype` (F32 or BF16), on
+/// `cuda_stream` (NULL = the default stream), and synchronizes that stream. On the CPU backend both
+/// pointers are host pointers. OUT_OF_RANGE when any id is outside the vocabulary: such a row is never
+/// read (on CUDA it is written as zeros).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn engine_embed(
+    e: *const engine,
+    device_ids: *const i32,
+    n: usize,
+    device_out: *mut c_void,
+    out_dtype: engine_dtype,
+    cuda_stream: *mut c_void,
+) -> engine_status {
+    // Read the dtype as the integer C passed before Rust treats it as an enum.
+    let raw_dtype = unsafe { std::ptr::read(&out_dtype as *const engine_dtype as *const u32) };
+    guard("engine_embed", || {
+        let e = unsafe { engine_ref(e) }?;
+        let dtype = match raw_dtype {
+            0 => engine_dtype::F32,
+            2 => engine_dtype::Bf16,
+            other => {
+                return Err(Error::new(
+                    Status::InvalidArgument,
+                    format!("out_dtype is {other}; the gather writes ENGINE_DTYPE_F32 or ENGINE_DTYPE_BF16"),
+                ));
+            }
+        };
+        if n > 0 && device_ids.is_null() {
+            return Err(Error::new(Status::InvalidArgument, "device_ids is NULL"));
+        }
+        if n > 0 && device_out.is_null() {
+            return Err(Error::new(Status::InvalidArgument, "device_out is NULL"));
+        }
+        unsafe { e.embed(device_ids, n, device_out, dtype, cuda_stream) }
+    })
+}
+
+/// Process-wide bytes the library holds now: device, pinned, registered and mapped (checkpoints of
+/// live engines). All zero once every engine is freed.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn engine_memory_stats(out: *mut engine_memory) -> engine_status {
+    guard("engine_memory_stats", || {
+        *unsafe { arg_mut(out, "out") }? = placement::memory_stats();
+        Ok(())
+    })
+}
+
+/// The plan the engine started with; its placement is where the rows went (a device that cannot
+/// register the file mapping gets HOST_MAPPED). UNSUPPORTED on the CPU backend, which has no device plan.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn engine_plan_of(e: *const engine, out: *mut fit::engine_plan) -> engine_status {
+    guard("engine_plan_of", || {
+        let e = unsafe { engine_ref(e) }?;
+        let out = unsafe { arg_mut(out, "out") }?;
+        match e.plan() {
+            Some(plan) => {
+                *out = *plan;
+                Ok(())
+            }
+            None => Err(Error::new(Status::Unsupported, "the engine runs on the CPU backend and has no device plan")),
+        }
+    })
+}
+
 // ---------------------------------------------------------------------------------------------
 // Decode

@@ -1,0 +1,163 @@
+// The embedding gather. One block per id stages its row in shared memory through 16-byte loads of
+// the aligned granules that cover it, so every format (Q8_0 rows are only 2-byte aligned) and every
+// placement takes the same wide path, and a whole row of up to 32 KiB is in flight at once: one
+// PCIe round trip per row when the rows live in host memory.
+#include "hostembed_kernels.cuh"
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+namespace {
+
+constexpr unsigned kThreads = 256;
+constexpr unsigned kLoadsPerThread = 8;
+constexpr unsigned kStageGranules = kThreads * kLoadsPerThread;  // 2048 x 16 B = 32 KiB
+constexpr unsigned kStageBytes = kStageGranules * 16;
+// Granules covering a span start and end inside an aligned granule: up to 15 bytes more each side.
+constexpr unsigned kChunkSpanBytes = kStageBytes - 32;
+
+// Bytes and values of the smallest whole piece of a row: one value, or one Q8_0 block.
+template <int DT> struct Unit;
+template <> struct Unit<HE_DTYPE_F32> { static constexpr unsigned bytes = 4, values = 1; };
+template <> struct Unit<HE_DTYPE_F16> { static constexpr unsigned bytes = 2, values = 1; };
+template <> struct Unit<HE_DTYPE_BF16> { static constexpr unsigned bytes = 2, values = 1; };
+template <> struct Unit<HE_DTYPE_Q8_0> { static constexpr unsigned bytes = 34, values = 32; };
+
+__device__ __forceinline__ unsigned short u16_at(const unsigned char *s) {
+    return (unsigned short)(s[0] | (s[1] << 8));
+}
+
+// Value `v` of a staged span that starts at `s`, decoded exactly as src/tensor.rs's decode_row does.
+template <int DT> __device__ __forceinline__ float value_at(const unsigned char *s, unsigned v) {
+    if constexpr (DT == HE_DTYPE_F32) {
+        const unsigned char *p = s + 4 * v;
+        return __uint_as_float((unsigned)p[0] | ((unsigned)p[1] << 8) | ((unsigned)p[2] << 16) | ((unsigned)p[3] << 24));
+    } else if constexpr (DT == HE_DTYPE_F16) {
+        return __half2float(__ushort_as_half(u16_at(s + 2 * v)));
+    } else if constexpr (DT == HE_DTYPE_BF16) {
+        return __bfloat162float(__ushort_as_bfloat16(u16_at(s + 2 * v)));
+    } else {
+        const unsigned char *block = s + (v / 32) * 34;
+        float scale = __half2float(__ushort_as_half(u16_at(block)));
+        // One rounded product, no fused add: the same f32 the CPU computes.
+        return __fmul_rn(scale, (float)(signed char)block[2 + v % 32]);
+    }
+}
+
+template <int OUT> __device__ __forceinline__ void write_zeros(void *out, size_t row, unsigned cols) {
+    if constexpr (OUT == HE_DTYPE_F32) {
+        float *o = (float *)out + row * cols;
+        for (unsigned c = threadIdx.x; c < cols; c += blockDim.x) o[c] = 0.0f;
+    } else {
+        __nv_bfloat16 *o = (__nv_bfloat16 *)out + row * cols;
+        for (unsigned c = threadIdx.x; c < cols; c += blockDim.x) o[c] = __float2bfloat16_rn(0.0f);
+    }
+}
+
+// Writes `count` values of a staged span to `o`, 16 bytes a store where the output allows it.
+template <int DT, int OUT>
+__device__ __forceinline__ void write_values(const unsigned char *s, void *o, unsigned count) {
+    if constexpr (OUT == HE_DTYPE_F32) {
+        float *of = (float *)o;
+        if (((uintptr_t)of & 15) == 0 && count % 4 == 0) {
+            for (unsigned g = threadIdx.x; g < count / 4; g += blockDim.x) {
+                float4 x = make_float4(value_at<DT>(s, 4 * g), value_at<DT>(s, 4 * g + 1), value_at<DT>(s, 4 * g + 2),
+                                       value_at<DT>(s, 4 * g + 3));
+                ((float4 *)of)[g] = x;
+            }
+        } else {
+            for (unsigned v = threadIdx.x; v < count; v += blockDim.x) of[v] = value_at<DT>(s, v);
+        }
+    } else {
+        __nv_bfloat16 *ob = (__nv_bfloat16 *)o;
+        if (((uintptr_t)ob & 15) == 0 && count % 8 == 0) {
+            for (unsigned g = threadIdx.x; g < count / 8; g += blockDim.x) {
+                unsigned short h[8];
+#pragma unroll
+                for (unsigned k = 0; k < 8; k++) h[k] = __bfloat16_as_ushort(__float2bfloat16_rn(value_at<DT>(s, 8 * g + k)));
+                uint4 x;
+                x.x = h[0] | ((unsigned)h[1] << 16);
+                x.y = h[2] | ((unsigned)h[3] << 16);
+                x.z = h[4] | ((unsigned)h[5] << 16);
+                x.w = h[6] | ((unsigned)h[7] << 16);
+                ((uint4 *)ob)[g] = x;
+            }
+        } else {
+            for (unsigned v = threadIdx.x; v < count; v += blockDim.x) ob[v] = __float2bfloat16_rn(value_at<DT>(s, v));
+        }
+    }
+}
+
+template <int DT, int OUT>
+__global__ void __launch_bounds__(kThreads) embed_gather(const unsigned char *__restrict__ rows, unsigned vocab,
+                                                           unsigned cols, size_t row_bytes, const int *__restrict__ ids,
+                                                           unsigned n, void *__restrict__ out, int *bad) {
+    __shared__ uint4 stage[kStageGranules];
+    constexpr unsigned unit_bytes = Unit<DT>::bytes, unit_values = Unit<DT>::values;
+    constexpr unsigned chunk_values = kChunkSpanBytes / unit_bytes * unit_values;
+    const size_t out_size = OUT == HE_DTYPE_F32 ? 4 : 2;
+
+    for (unsigned i = blockIdx.x; i < n; i += gridDim.x) {
+        const int id = ids[i];
+        if (id < 0 || (unsigned)id >= vocab) {
+            write_zeros<OUT>(out, i, cols);
+            if (bad != nullptr && threadIdx.x == 0) *bad = 1;
+            continue;
+        }
+        const unsigned char *row = rows + (size_t)id * row_bytes;
+        for (unsigned v0 = 0; v0 < cols; v0 += chunk_values) {
+            const unsigned count = min(chunk_values, cols - v0);
+            const uintptr_t start = (uintptr_t)(row + (size_t)(v0 / unit_values) * unit_bytes);
+            const uintptr_t end = start + (size_t)(count / unit_values) * unit_bytes;
+            // The aligned granules around the span never leave its pages: every placement maps whole pages.
+            const uint4 *granules = (const uint4 *)(start & ~(uintptr_t)15);
+            const unsigned ngranules = (unsigned)((((end + 15) & ~(uintptr_t)15) - (start & ~(uintptr_t)15)) / 16);
+            uint4 r[kLoadsPerThread];
+#pragma unroll
+            for (unsigned k = 0; k < kLoadsPerThread; k++) {
+                unsigned g = threadIdx.x + k * kThreads;
+                if (g < ngranules) r[k] = __ldcg(granules + g);
+            }
+#pragma unroll
+            for (unsigned k = 0; k < kLoadsPerThread; k++) {
+                unsigned g = threadIdx.x + k * kThreads;
+                if (g < ngranules) stage[g] = r[k];
+            }
+            __syncthreads();
+            const unsigned char *s = (const unsigned char *)stage + (start & 15);
+            write_values<DT, OUT>(s, (unsigned char *)out + ((size_t)i * cols + v0) * out_size, count);
+            __syncthreads();
+        }
+    }
+}
+
+template <int DT>
+cudaError_t launch(const void *rows, unsigned vocab, unsigned cols, size_t row_bytes, const int *ids, unsigned n,
+                   void *out, int out_dtype, int *bad, cudaStream_t stream) {
+    const unsigned blocks = n < 65535u ? n : 65535u;
+    const unsigned char *r = (const unsigned char *)rows;
+    if (out_dtype == HE_DTYPE_F32)
+        embed_gather<DT, HE_DTYPE_F32><<<blocks, kThreads, 0, stream>>>(r, vocab, cols, row_bytes, ids, n, out, bad);
+    else
+        embed_gather<DT, HE_DTYPE_BF16><<<blocks, kThreads, 0, stream>>>(r, vocab, cols, row_bytes, ids, n, out, bad);
+    return cudaGetLastError();
+}
+
+}  // namespace
+
+extern "C" cudaError_t hostembed_embed_gather(const void *rows, int dtype, unsigned int vocab, unsigned int cols,
+                                              const int *ids, unsigned int n, void *out, int out_dtype, int *bad,
+                                              cudaStream_t stream) {
+    if (n == 0) return cudaSuccess;
+    if (rows == nullptr || ids == nullptr || out == nullptr || cols == 0) return cudaErrorInvalidValue;
+    if (out_dtype != HE_DTYPE_F32 && out_dtype != HE_DTYPE_BF16) return cudaErrorInvalidValue;
+    switch (dtype) {
+        case HE_DTYPE_F32: return launch<HE_DTYPE_F32>(rows, vocab, cols, (size_t)cols * 4, ids, n, out, out_dtype, bad, stream);
+        case HE_DTYPE_F16: return launch<HE_DTYPE_F16>(rows, vocab, cols, (size_t)cols * 2, ids, n, out, out_dtype, bad, stream);
+        case HE_DTYPE_BF16: return launch<HE_DTYPE_BF16>(rows, vocab, cols, (size_t)cols * 2, ids, n, out, out_dtype, bad, stream);
+        case HE_DTYPE_Q8_0:
+            if (cols % 32 != 0) return cudaErrorInvalidValue;
+            return launch<HE_DTYPE_Q8_0>(rows, vocab, cols, (size_t)cols / 32 * 34, ids, n, out, out_dtype, bad, stream);
+        default: return cudaErrorInvalidValue;
+    }
+}

@@ -1,0 +1,641 @@
+//! The embedding rows on the GPU: every placement gathers the file's rows bit for bit in every format
+//! (and at both seed shapes), host placements free the table's size of device memory, the engine's
+//! predicted on-card bytes match cudaMemGetInfo, the fit rule's boundary is where the engine flips, and
+//! nothing is held after engine_free or after any failed engine_init_fit. Prints SKIP without a device.
+
+mod common;
+
+use common::{Rng, gpu_present};
+use hostembed::Status;
+use hostembed::checkpoint::Checkpoint;
+use hostembed::checkpoint::write::{write_synthetic_gguf, write_synthetic_hf};
+use hostembed::cuda::{self, DeviceBuffer, HostRegistration, Stream};
+use hostembed::engine::{self, Engine, InitStep, engine_backend, engine_options, engine_tristate};
+use hostembed::ffi::{self, engine_device_info};
+use hostembed::fit::{self, engine_placement, engine_plan};
+use hostembed::model::{Arch, ModelConfig, RopeScaling};
+use hostembed::placement::{self, Rows, RowsSource, engine_memory, engine_rows};
+use hostembed::status::last_error;
+use hostembed::tensor::{DType, decode_row, encode_row};
+use std::ffi::{CStr, CString, c_char, c_void};
+use std::path::{Path, PathBuf};
+use std::sync::{Mutex, MutexGuard};
+
+const MIB: u64 = 1 << 20;
+
+/// The environment, the memory counters and cudaMemGetInfo are shared by every test in this binary.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn serial() -> MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// A fresh folder under HOSTEMBED_TEST_TMP (or the system's temp dir), removed when dropped.
+struct Scratch(PathBuf);
+
+impl Scratch {
+    fn new(name: &str) -> Scratch {
+        let base = std::env::var_os("HOSTEMBED_TEST_TMP").map(PathBuf::from).unwrap_or_else(std::env::temp_dir);
+        let dir = base.join(format!("hostembed-gpu-placement-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        Scratch(dir)
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A valid model whose rows are `vocab` x `hidden` and whose rest is as small as a model can be.
+fn config(vocab: usize, hidden: usize) -> ModelConfig {
+    ModelConfig {
+        arch: Arch::Llama,
+        vocab,
+        hidden,
+        layers: 1,
+        heads: 2,
+        kv_heads: 1,
+        head_dim: 64,
+        intermediate: 64,
+        rms_eps: 1e-5,
+        rope_theta: 10000.0,
+        rope_scaling: RopeScaling::None,
+        rope_interleaved: false,
+        max_position: 4096,
+        tied: false,
+        qkv_bias: false,
+        qk_norm: false,
+        bos: Some(1),
+        eos: Some(2),
+    }
+}
+
+/// Writes safetensors for F32/BF16 rows and GGUF for F16/Q8_0 rows; returns the path to open.
+fn write_model(dir: &Path, cfg: &ModelConfig, dtype: DType, seed: u64) -> PathBuf {
+    match dtype {
+        DType::F32 | DType::Bf16 => {
+            let p = dir.join(format!("hf-{}-{}x{}", dtype.name(), cfg.vocab, cfg.hidden));
+            write_synthetic_hf(&p, cfg, seed, dtype).unwrap();
+            p
+        }
+        DType::F16 | DType::Q8_0 => {
+            let p = dir.join(format!("m-{}-{}x{}.gguf", dtype.name(), cfg.vocab, cfg.hidden));
+            write_synthetic_gguf(&p, cfg, seed, dtype).unwrap();
+            p
+        }
+    }
+}
+
+fn stats() -> engine_memory {
+    let mut m = engine_memory::default();
+    assert_eq!(unsafe { ffi::engine_memory_stats(&mut m) }, Status::Ok);
+    m
+}
+
+fn device_info() -> engine_device_info {
+    let mut info: engine_device_info = unsafe { std::mem::zeroed() };
+    assert_eq!(unsafe { ffi::engine_device_info(0, &mut info) }, Status::Ok, "{}", last_error());
+    info
+}
+
+fn free_bytes() -> u64 {
+    cuda::mem_info().unwrap().0
+}
+
+fn c_path(p: &Path) -> CString {
+    CString::new(p.to_str().unwrap()).unwrap()
+}
+
+unsafe extern "C" fn collect_lines(user: *mut c_void, line: *const c_char) {
+    let lines = unsafe { &mut *(user as *mut Vec<String>) };
+    lines.push(unsafe { CStr::from_ptr(line) }.to_string_lossy().into_owned());
+}
+
+/// CUDA backend, one stream at most, a small window; `lines` receives the log.
+fn options(room: u64, mmap: engine_tristate, lines: &mut Vec<String>) -> engine_options {
+    engine_options {
+        backend: engine_backend::Cuda,
+        room_bytes: room,
+        mmap_rows: mmap,
+        context: 1024,
+        max_streams: 1,
+        max_batch: 16,
+        log: Some(collect_lines),
+        log_user: lines as *mut Vec<String> as *mut c_void,
+        ..engine::default_options()
+    }
+}
+
+/// The room at which the fit rule maps the rows (one byte short of its need).
+fn need_of(path: &Path, opts: &engine_options) -> (fit::engine_fit_inputs, engine_plan) {
+    let ckpt = Checkpoint::open(path).unwrap();
+    let inputs = engine::fit_inputs(&ckpt, opts, Some(&device_info())).unwrap();
+    (inputs, fit::plan(&inputs).unwrap())
+}
+
+/// The three placements and the options that produce each.
+fn placements(path: &Path, lines: &mut Vec<String>) -> Vec<(engine_placement, engine_options)> {
+    let big = options(1 << 50, engine_tristate::No, lines);
+    let (_, plan) = need_of(path, &big);
+    vec![
+        (engine_placement::Device, big),
+        (engine_placement::HostMapped, options(plan.need_bytes - 1, engine_tristate::No, lines)),
+        (engine_placement::FileMapped, options(1 << 50, engine_tristate::Yes, lines)),
+    ]
+}
+
+fn init(path: &Path, opts: &engine_options) -> *mut ffi::engine {
+    let mut e = std::ptr::null_mut();
+    let st = unsafe { ffi::engine_init_fit(c_path(path).as_ptr(), opts, &mut e) };
+    assert_eq!(st, Status::Ok, "engine_init_fit({}): {}", path.display(), last_error());
+    e
+}
+
+fn rows_of(e: *const ffi::engine) -> engine_rows {
+    let mut r: engine_rows = unsafe { std::mem::zeroed() };
+    assert_eq!(unsafe { ffi::engine_embed_rows(e, &mut r) }, Status::Ok);
+    r
+}
+
+fn reference_row(ckpt: &Checkpoint, id: usize) -> Vec<f32> {
+    let t = ckpt.embed();
+    let rb = t.row_bytes();
+    let mut v = vec![0f32; t.cols()];
+    decode_row(t.dtype, &ckpt.bytes_of(t)[id * rb..(id + 1) * rb], &mut v);
+    v
+}
+
+/// Gathers random ids (with 0 and vocab-1) through engine_embed in f32 and bf16 on a stream of the
+/// test's own, and compares every bit with the CPU decoding of the file's bytes.
+fn check_exact(e: *const ffi::engine, ckpt: &Checkpoint, rng: &mut Rng, count: usize, what: &str) {
+    let (vocab, cols) = (ckpt.embed().rows(), ckpt.embed().cols());
+    let mut ids: Vec<i32> = (0..count).map(|_| rng.below(vocab as u64) as i32).collect();
+    ids.extend([0, vocab as i32 - 1]);
+    let n = ids.len();
+    let ids_dev = DeviceBuffer::from_slice(&ids).unwrap();
+    let out = DeviceBuffer::new(n * cols * 4).unwrap();
+    let stream = Stream::new().unwrap();
+    let want: Vec<Vec<f32>> = ids.iter().map(|&id| reference_row(ckpt, id as usize)).collect();
+
+    out.fill_bytes(0xff).unwrap();
+    let st = unsafe { ffi::engine_embed(e, ids_dev.ptr() as *const i32, n, out.ptr(), DType::F32, stream.raw()) };
+    assert_eq!(st, Status::Ok, "{what}: {}", last_error());
+    let mut got = vec![0f32; n * cols];
+    out.download(&mut got).unwrap();
+    for (k, w) in want.iter().enumerate() {
+        let g = &got[k * cols..(k + 1) * cols];
+        if let Some(c) = (0..cols).find(|&c| g[c].to_bits() != w[c].to_bits()) {
+            panic!("{what}: id {} column {c}: got {} want {} (f32 out)", ids[k], g[c], w[c]);
+        }
+    }
+
+    out.fill_bytes(0xff).unwrap();
+    let st =
+        unsafe { ffi::engine_embed(e, ids_dev.ptr() as *const i32, n, out.ptr(), DType::Bf16, std::ptr::null_mut()) };
+    assert_eq!(st, Status::Ok, "{what}: {}", last_error());
+    let mut got = vec![0u16; n * cols];
+    out.download(&mut got).unwrap();
+    for (k, w) in want.iter().enumerate() {
+        let g = &got[k * cols..(k + 1) * cols];
+        if let Some(c) = (0..cols).find(|&c| g[c] != half::bf16::from_f32(w[c]).to_bits()) {
+            panic!("{what}: id {} column {c}: got {:#06x} want {} (bf16 out)", ids[k], g[c], w[c]);
+        }
+    }
+}
+
+/// Ids outside the vocabulary: OUT_OF_RANGE, their rows zeros (never read), the others exact.
+fn check_out_of_range(e: *const ffi::engine, ckpt: &Checkpoint, what: &str) {
+    let (vocab, cols) = (ckpt.embed().rows(), ckpt.embed().cols());
+    let ids = [vocab as i32, 5, -1, i32::MIN];
+    let ids_dev = DeviceBuffer::from_slice(&ids).unwrap();
+    let out = DeviceBuffer::new(ids.len() * cols * 4).unwrap();
+    out.fill_bytes(0xff).unwrap();
+    let st = unsafe {
+        ffi::engine_embed(e, ids_dev.ptr() as *const i32, ids.len(), out.ptr(), DType::F32, std::ptr::null_mut())
+    };
+    assert_eq!(st, Status::OutOfRange, "{what}");
+    let mut got = vec![0f32; ids.len() * cols];
+    out.download(&mut got).unwrap();
+    for (k, &id) in ids.iter().enumerate() {
+        let g = &got[k * cols..(k + 1) * cols];
+        if id == 5 {
+            let w = reference_row(ckpt, 5);
+            assert!(g.iter().zip(&w).all(|(a, b)| a.to_bits() == b.to_bits()), "{what}: the valid id beside bad ones");
+        } else {
+            assert!(g.iter().all(|v| v.to_bits() == 0), "{what}: id {id} is written as zeros");
+        }
+    }
+    // The flag is cleared per call: a clean call after a bad one is OK.
+    let st = unsafe {
+        ffi::engine_embed(
+            e,
+            (ids_dev.ptr() as *const i32).wrapping_add(1),
+            1,
+            out.ptr(),
+            DType::F32,
+            std::ptr::null_mut(),
+        )
+    };
+    assert_eq!(st, Status::Ok, "{what}: {}", last_error());
+}
+
+/// What an engine in `placement` must report about its rows.
+fn check_rows_report(e: *const ffi::engine, ckpt: &Checkpoint, placement: engine_placement, what: &str) {
+    let r = rows_of(e);
+    let t = ckpt.embed();
+    assert_eq!(r.placement, placement, "{what}");
+    assert_eq!(
+        (r.dtype, r.rows, r.cols, r.row_bytes),
+        (t.dtype, t.rows() as u64, t.cols() as u64, t.row_bytes() as u64),
+        "{what}"
+    );
+    assert!(r.device_usable && !r.data.is_null(), "{what}");
+    let host_ptr = unsafe { ffi::engine_host_embed_ptr(e) };
+    let mut plan: engine_plan = unsafe { std::mem::zeroed() };
+    assert_eq!(unsafe { ffi::engine_plan_of(e, &mut plan) }, Status::Ok);
+    assert_eq!(plan.placement, placement, "{what}: the plan reports where the rows went");
+    if placement == engine_placement::Device {
+        assert!(host_ptr.is_null() && r.host_data.is_null(), "{what}");
+        assert_eq!(plan.embed_host_bytes, 0);
+    } else {
+        assert_eq!(host_ptr, r.data, "{what}: engine_host_embed_ptr is the rows' device pointer");
+        assert_eq!(plan.embed_host_bytes, t.bytes as u64);
+        let host = unsafe { std::slice::from_raw_parts(r.host_data as *const u8, t.bytes) };
+        assert!(host == ckpt.bytes_of(t), "{what}: the host copy is the file's bytes");
+    }
+}
+
+#[test]
+fn every_placement_gathers_every_format_exactly() {
+    if !gpu_present("every_placement_gathers_every_format_exactly") {
+        return;
+    }
+    let _g = serial();
+    let mut rng = Rng::fresh("every_placement_gathers_every_format_exactly");
+    let dir = Scratch::new("formats");
+    for dtype in [DType::Bf16, DType::F16, DType::Q8_0, DType::F32] {
+        let cfg = config(1000 + rng.below(3000) as usize, 64 * (2 + rng.below(8) as usize));
+        let path = write_model(&dir.0, &cfg, dtype, rng.next_u64());
+        let ckpt = Checkpoint::open(&path).unwrap();
+        assert_eq!(ckpt.embed().dtype, dtype);
+        let mut lines = Vec::new();
+        for (placement, opts) in placements(&path, &mut lines) {
+            let what = format!("{} rows {}x{} {placement:?}", dtype.name(), cfg.vocab, cfg.hidden);
+            lines.clear();
+            let e = init(&path, &opts);
+            check_rows_report(e, &ckpt, placement, &what);
+            check_exact(e, &ckpt, &mut rng, 300, &what);
+            check_out_of_range(e, &ckpt, &what);
+            match placement {
+                engine_placement::Device => assert_eq!(lines.len(), 1, "{what}: {lines:?}"),
+                engine_placement::HostMapped => assert_eq!(
+                    lines[1], "embedding rows read from host memory: no room beside a 1024-token stream",
+                    "{what}"
+                ),
+                engine_placement::FileMapped => {
+                    assert_eq!(lines[1], "embedding rows read from the file mapping: options.mmap_rows is set");
+                    let span = placement::page_span(ckpt.bytes_of(ckpt.embed())).1 as u64;
+                    assert_eq!(stats().registered_bytes, span, "{what}: the page-aligned span is registered");
+                }
+            }
+            unsafe { ffi::engine_free(e) };
+            assert_eq!(stats(), engine_memory::default(), "{what}: nothing held after engine_free");
+        }
+    }
+}
+
+#[test]
+fn ds4_embd_mmap_reads_rows_from_the_file_mapping() {
+    if !gpu_present("ds4_embd_mmap_reads_rows_from_the_file_mapping") {
+        return;
+    }
+    let _g = serial();
+    let mut rng = Rng::fresh("ds4_embd_mmap_reads_rows_from_the_file_mapping");
+    let dir = Scratch::new("env");
+    let path = write_model(&dir.0, &config(777, 256), DType::Q8_0, rng.next_u64());
+    let ckpt = Checkpoint::open(&path).unwrap();
+    let mut lines = Vec::new();
+    let opts = options(1 << 50, engine_tristate::Auto, &mut lines);
+    unsafe { std::env::set_var(engine::MMAP_ROWS_ENV, "1") };
+    let e = init(&path, &opts);
+    unsafe { std::env::remove_var(engine::MMAP_ROWS_ENV) };
+    check_rows_report(e, &ckpt, engine_placement::FileMapped, "DS4_EMBD_MMAP=1");
+    assert_eq!(lines[1], "embedding rows read from the file mapping: DS4_EMBD_MMAP=1");
+    check_exact(e, &ckpt, &mut rng, 100, "DS4_EMBD_MMAP=1");
+    unsafe { ffi::engine_free(e) };
+    let e = init(&path, &opts);
+    assert_eq!(rows_of(e).placement, engine_placement::Device, "unset: rows on the card");
+    unsafe { ffi::engine_free(e) };
+    assert_eq!(stats(), engine_memory::default());
+}
+
+/// Both seed tables: exact in every placement, the device bytes a host placement frees, the engine's
+/// prediction against cudaMemGetInfo, and the baseline after engine_free.
+#[test]
+fn seed_shapes_exact_and_measured() {
+    if !gpu_present("seed_shapes_exact_and_measured") {
+        return;
+    }
+    let _g = serial();
+    let mut rng = Rng::fresh("seed_shapes_exact_and_measured");
+    let dir = Scratch::new("seed");
+    warm_up(&dir.0);
+    for (vocab, hidden, dtype) in [(248_320, 5_120, DType::Bf16), (129_280, 4_096, DType::F16)] {
+        let cfg = config(vocab, hidden);
+        let path = write_model(&dir.0, &cfg, dtype, rng.next_u64());
+        let ckpt = Checkpoint::open(&path).unwrap();
+        let table = ckpt.embed().bytes as u64;
+        let mut lines = Vec::new();
+        let mut used = Vec::new();
+        for (placement, opts) in placements(&path, &mut lines) {
+            let what = format!("{} rows {vocab}x{hidden} {placement:?}", dtype.name());
+            let base = free_bytes();
+            let e = init(&path, &opts);
+            let taken = base.saturating_sub(free_bytes());
+            let mut plan: engine_plan = unsafe { std::mem::zeroed() };
+            assert_eq!(unsafe { ffi::engine_plan_of(e, &mut plan) }, Status::Ok);
+            println!("{what}: predicted on card {} MiB, measured {} MiB", plan.on_card_bytes / MIB, taken / MIB);
+            assert!(
+                plan.on_card_bytes.abs_diff(taken) <= 32 * MIB,
+                "{what}: predicted {} bytes on the card, cudaMemGetInfo says {taken}",
+                plan.on_card_bytes
+            );
+            used.push((placement, taken));
+            check_rows_report(e, &ckpt, placement, &what);
+            check_exact(e, &ckpt, &mut rng, 500, &what);
+            unsafe { ffi::engine_free(e) };
+            assert_eq!(stats(), engine_memory::default(), "{what}");
+            let back = free_bytes();
+            assert!(back.abs_diff(base) <= 2 * MIB, "{what}: device memory {back} after engine_free, {base} before");
+        }
+        let on_card = used[0].1;
+        for &(placement, taken) in &used[1..] {
+            let saved = on_card as i64 - taken as i64;
+            println!(
+                "{} {vocab}x{hidden}: {placement:?} frees {} MiB of device memory (table {} MiB)",
+                dtype.name(),
+                saved / MIB as i64,
+                table / MIB
+            );
+            assert!(
+                saved.abs_diff(table as i64) <= 4 * MIB,
+                "{placement:?}: {saved} bytes freed for a {table}-byte table"
+            );
+        }
+        drop(ckpt);
+        let _ = std::fs::remove_dir_all(&path).or_else(|_| std::fs::remove_file(&path));
+    }
+}
+
+/// Module loading and the first allocations take device memory once; measure after them.
+fn warm_up(dir: &Path) {
+    let path = write_model(dir, &config(512, 128), DType::Bf16, 1);
+    let mut lines = Vec::new();
+    let e = init(&path, &options(1 << 50, engine_tristate::No, &mut lines));
+    let ckpt = Checkpoint::open(&path).unwrap();
+    check_exact(e, &ckpt, &mut Rng(1), 4, "warm-up");
+    unsafe { ffi::engine_free(e) };
+}
+
+#[test]
+fn room_swept_across_the_boundary_flips_where_the_rule_says() {
+    if !gpu_present("room_swept_across_the_boundary_flips_where_the_rule_says") {
+        return;
+    }
+    let _g = serial();
+    let dir = Scratch::new("sweep");
+    let path = write_model(&dir.0, &config(4096, 512), DType::Bf16, 3);
+    let mut lines = Vec::new();
+    let (inputs, plan) = need_of(&path, &options(1 << 50, engine_tristate::No, &mut lines));
+    let need = plan.need_bytes;
+    let start_mapped = inputs.weight_bytes - inputs.embed_bytes + inputs.scratch_bytes + inputs.stream_bytes;
+    let start_on_card = inputs.weight_bytes + inputs.scratch_bytes + inputs.stream_bytes;
+    let mut rooms =
+        vec![need + 1, need, need - 1, need - 4096, start_on_card, start_mapped + 1, start_mapped, start_mapped - 1];
+    rooms.extend((0..8).map(|k| start_mapped - 1 + (need + 2 - start_mapped) * k / 7));
+    let mut seen = std::collections::BTreeSet::new();
+    for room in rooms {
+        let want = fit::plan(&fit::engine_fit_inputs { room_bytes: room, ..inputs }).unwrap();
+        let opts = options(room, engine_tristate::No, &mut lines);
+        let mut e = std::ptr::null_mut();
+        let st = unsafe { ffi::engine_init_fit(c_path(&path).as_ptr(), &opts, &mut e) };
+        if want.streams == 0 {
+            assert_eq!(st, Status::NoRoom, "room {room}");
+            assert_eq!(last_error(), fit::refusal(&want).unwrap(), "room {room}");
+            assert!(e.is_null());
+        } else {
+            assert_eq!(st, Status::Ok, "room {room}: {}", last_error());
+            let mut got: engine_plan = unsafe { std::mem::zeroed() };
+            assert_eq!(unsafe { ffi::engine_plan_of(e, &mut got) }, Status::Ok);
+            assert_eq!(got, want, "room {room}: the engine's plan is the rule's");
+            assert_eq!(rows_of(e).placement, want.placement, "room {room}");
+            unsafe { ffi::engine_free(e) };
+        }
+        seen.insert(format!("{:?}/{}", want.placement, want.streams > 0));
+        assert_eq!(stats(), engine_memory::default(), "room {room}");
+    }
+    assert_eq!(
+        fit::plan(&fit::engine_fit_inputs { room_bytes: need, ..inputs }).unwrap().placement,
+        engine_placement::Device
+    );
+    assert_eq!(
+        fit::plan(&fit::engine_fit_inputs { room_bytes: need - 1, ..inputs }).unwrap().placement,
+        engine_placement::HostMapped
+    );
+    assert!(seen.len() >= 3, "the sweep crossed on card, mapped and refused: {seen:?}");
+}
+
+#[test]
+fn failed_loads_hold_nothing() {
+    if !gpu_present("failed_loads_hold_nothing") {
+        return;
+    }
+    let _g = serial();
+    let dir = Scratch::new("failures");
+    warm_up(&dir.0);
+    let path = write_model(&dir.0, &config(4096, 1024), DType::Bf16, 5);
+    let mut lines = Vec::new();
+    let base = free_bytes();
+    for (placement, opts) in placements(&path, &mut lines) {
+        for step in [InitStep::Opened, InitStep::Planned, InitStep::RowsPlaced, InitStep::Loaded] {
+            let r = Engine::init_fit_failing_after(&path, &opts, Some(step));
+            assert!(r.is_err(), "{placement:?} {step:?}");
+            assert_eq!(stats(), engine_memory::default(), "{placement:?}: failing after {step:?}");
+            let now = free_bytes();
+            assert!(now.abs_diff(base) <= 2 * MIB, "{placement:?} {step:?}: device memory {now}, baseline {base}");
+        }
+    }
+
+    // A checkpoint cut right after the rows, 100 times in each placement's options.
+    let cut = dir.0.join("cut.gguf");
+    write_synthetic_gguf(&cut, &config(4096, 1024), 6, DType::F16).unwrap();
+    let end = {
+        let ckpt = Checkpoint::open(&cut).unwrap();
+        ckpt.embed().offset + ckpt.embed().bytes
+    };
+    std::fs::OpenOptions::new().write(true).open(&cut).unwrap().set_len(end as u64).unwrap();
+    for (i, mmap) in (0..100).map(|i| (i, [engine_tristate::No, engine_tristate::Yes][i % 2])) {
+        let opts = options(if i % 3 == 0 { 1 << 20 } else { 1 << 50 }, mmap, &mut lines);
+        let mut e = std::ptr::null_mut();
+        let st = unsafe { ffi::engine_init_fit(c_path(&cut).as_ptr(), &opts, &mut e) };
+        assert_eq!(st, Status::BadModel, "call {i}: {}", last_error());
+        assert!(last_error().contains("cut.gguf"), "{}", last_error());
+        assert!(e.is_null());
+        assert_eq!(stats(), engine_memory::default(), "call {i}");
+    }
+    let now = free_bytes();
+    assert!(now.abs_diff(base) <= 2 * MIB, "device memory {now} after 100 failed loads, baseline {base}");
+}
+
+/// The gather itself on rows at every byte offset (Q8_0 rows are 2-byte aligned), row widths that
+/// leave partial 16-byte groups, and rows wider than one 32 KiB stage.
+#[test]
+fn gather_reads_any_alignment_and_width() {
+    if !gpu_present("gather_reads_any_alignment_and_width") {
+        return;
+    }
+    let _g = serial();
+    let mut rng = Rng::fresh("gather_reads_any_alignment_and_width");
+    let info = device_info();
+    let dir = Scratch::new("align");
+    let cases = [
+        (DType::F32, 102),
+        (DType::F32, 10_000),
+        (DType::F16, 102),
+        (DType::Bf16, 5_120),
+        (DType::Bf16, 20_002),
+        (DType::Q8_0, 96),
+        (DType::Q8_0, 32 * 1000),
+    ];
+    let bad = DeviceBuffer::new(4).unwrap();
+    for (dtype, cols) in cases {
+        let vocab = 37;
+        let rb = dtype.row_bytes(cols).unwrap();
+        let values: Vec<Vec<f32>> = (0..vocab).map(|_| rng.vec(cols, 3.0)).collect();
+        let table: Vec<u8> = values.iter().flat_map(|r| encode_row(dtype, r)).collect();
+        for offset in [0usize, 1, 2, 6, 15] {
+            let file = dir.0.join(format!("rows-{}-{cols}-{offset}.bin", dtype.name()));
+            let mut bytes = vec![0xabu8; offset];
+            bytes.extend(&table);
+            std::fs::write(&file, &bytes).unwrap();
+            let f = std::fs::File::open(&file).unwrap();
+            let map = unsafe { memmap2::Mmap::map(&f) }.unwrap();
+            let src = RowsSource { bytes: &map[offset..], dtype, vocab, cols };
+            let log = |l: &str| println!("{l}");
+            let all: Vec<Rows> = vec![
+                Rows::on_device(&src).unwrap(),
+                Rows::host_mapped(&src).unwrap(),
+                unsafe { Rows::file_mapped(&src, &info, &log) }.unwrap(),
+            ];
+            let ids: Vec<i32> = vec![0, vocab as i32 - 1, 17, 17, 3, vocab as i32, -7];
+            let ids_dev = DeviceBuffer::from_slice(&ids).unwrap();
+            for rows in &all {
+                for out_dtype in [DType::F32, DType::Bf16] {
+                    let size = if out_dtype == DType::F32 { 4 } else { 2 };
+                    let out = DeviceBuffer::new(ids.len() * cols * size).unwrap();
+                    out.fill_bytes(0x5a).unwrap();
+                    bad.fill_bytes(0).unwrap();
+                    unsafe {
+                        rows.gather_device(
+                            ids_dev.ptr() as *const i32,
+                            ids.len(),
+                            out.ptr(),
+                            out_dtype,
+                            bad.ptr() as *mut i32,
+                            std::ptr::null_mut(),
+                        )
+                    }
+                    .unwrap();
+                    let mut got = vec![0u8; ids.len() * cols * size];
+                    out.download(&mut got).unwrap();
+                    let mut flag = [0i32];
+                    bad.download(&mut flag).unwrap();
+                    assert_eq!(flag[0], 1, "the flag is set for the bad ids");
+                    let what = format!(
+                        "{} cols {cols} offset {offset} {:?} out {}",
+                        dtype.name(),
+                        rows.placement(),
+                        out_dtype.name()
+                    );
+                    for (k, &id) in ids.iter().enumerate() {
+                        let g = &got[k * cols * size..(k + 1) * cols * size];
+                        if id < 0 || id as usize >= vocab {
+                            assert!(g.iter().all(|&b| b == 0), "{what}: bad id {id} row is zeros");
+                            continue;
+                        }
+                        let mut w = vec![0f32; cols];
+                        decode_row(dtype, &src.bytes[id as usize * rb..(id as usize + 1) * rb], &mut w);
+                        let want: Vec<u8> = if out_dtype == DType::F32 {
+                            w.iter().flat_map(|v| v.to_le_bytes()).collect()
+                        } else {
+                            w.iter().flat_map(|v| half::bf16::from_f32(*v).to_le_bytes()).collect()
+                        };
+                        assert!(g == &want[..], "{what}: id {id}");
+                    }
+                }
+            }
+        }
+    }
+    drop(bad);
+    assert_eq!(stats(), engine_memory::default());
+}
+
+/// A range the host process registered first (cudaErrorHostMemoryAlreadyRegistered) is used as it is,
+/// and left registered for its owner.
+#[test]
+fn an_existing_registration_is_borrowed() {
+    if !gpu_present("an_existing_registration_is_borrowed") {
+        return;
+    }
+    let _g = serial();
+    let info = device_info();
+    if !info.host_register_read_only_supported {
+        println!("SKIP an_existing_registration_is_borrowed: no read-only registration on this device");
+        return;
+    }
+    let mut rng = Rng::fresh("an_existing_registration_is_borrowed");
+    let dir = Scratch::new("borrow");
+    let (vocab, cols) = (300, 256);
+    let values: Vec<f32> = rng.vec(vocab * cols, 1.0);
+    let table: Vec<u8> = values.chunks(cols).flat_map(|r| encode_row(DType::Bf16, r)).collect();
+    let file = dir.0.join("rows.bin");
+    std::fs::write(&file, &table).unwrap();
+    let map = unsafe { memmap2::Mmap::map(&std::fs::File::open(&file).unwrap()) }.unwrap();
+    let src = RowsSource { bytes: &map[..], dtype: DType::Bf16, vocab, cols };
+    let (start, len) = placement::page_span(src.bytes);
+    // cudaHostRegisterMapped | cudaHostRegisterReadOnly, as a host process would register its mapping.
+    let theirs = HostRegistration::new(start, len, 0x02 | 0x08).unwrap();
+    let registered = stats().registered_bytes;
+    let rows = unsafe { Rows::file_mapped(&src, &info, &|l| println!("{l}")) }.unwrap();
+    assert_eq!(rows.placement(), engine_placement::FileMapped);
+    assert_eq!(rows.registration_owned(), Some(false), "error 712 borrows the registration");
+    assert_eq!(stats().registered_bytes, registered, "a borrowed registration is not counted twice");
+    let ids = [0i32, 299, 150];
+    let ids_dev = DeviceBuffer::from_slice(&ids).unwrap();
+    let out = DeviceBuffer::new(ids.len() * cols * 4).unwrap();
+    unsafe {
+        rows.gather_device(
+            ids_dev.ptr() as *const i32,
+            3,
+            out.ptr(),
+            DType::F32,
+            std::ptr::null_mut(),
+            std::ptr::null_mut(),
+        )
+    }
+    .unwrap();
+    let mut got = vec![0f32; 3 * cols];
+    out.download(&mut got).unwrap();
+    for (k, &id) in ids.iter().enumerate() {
+        let mut w = vec![0f32; cols];
+        decode_row(DType::Bf16, &table[id as usize * cols * 2..(id as usize + 1) * cols * 2], &mut w);
+        assert!(got[k * cols..(k + 1) * cols].iter().zip(&w).all(|(a, b)| a.to_bits() == b.to_bits()), "id {id}");
+    }
+    drop((rows, ids_dev, out));
+    assert!(theirs.owned());
+    drop(theirs);
+    assert_eq!(stats(), engine_memory::default());
+}
