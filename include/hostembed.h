@@ -8,6 +8,24 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#define VERSION 3
+
+#define DEFAULT_ALIGNMENT 32
+
+// A GGUF tensor has at most this many dimensions (ggml's limit).
+#define MAX_DIMS 4
+
+// ggml type ids of the formats this crate reads.
+#define GGML_F32 0
+
+#define GGML_F16 1
+
+#define GGML_Q8_0 8
+
+#define GGML_BF16 30
+
+#define DEFAULT_MAX_BATCH 512
+
 // The ABI this header describes; a caller compares it with `engine_abi_version()`.
 #define HOSTEMBED_ABI_VERSION 1
 
@@ -60,6 +78,34 @@ typedef enum engine_placement {
   // Read from the checkpoint's file mapping (registered with CUDA, or pageable on unified systems).
   ENGINE_PLACEMENT_FILE_MAPPED = 2,
 } engine_placement;
+
+// A yes/no option that can also be left to the library.
+typedef enum engine_tristate {
+  // Decided by the library (the option's documentation says how).
+  ENGINE_TRISTATE_AUTO = 0,
+  ENGINE_TRISTATE_YES = 1,
+  ENGINE_TRISTATE_NO = 2,
+} engine_tristate;
+
+// Which backend decodes.
+typedef enum engine_backend {
+  // CUDA when the library has kernels and a device is present, else the CPU.
+  ENGINE_BACKEND_AUTO = 0,
+  ENGINE_BACKEND_CUDA = 1,
+  ENGINE_BACKEND_CPU = 2,
+} engine_backend;
+
+// Row and weight formats. Values match HE_DTYPE_* in kernels/hostembed_kernels.cuh.
+typedef enum engine_dtype {
+  ENGINE_DTYPE_F32 = 0,
+  ENGINE_DTYPE_F16 = 1,
+  ENGINE_DTYPE_BF16 = 2,
+  // GGUF Q8_0: blocks of 32 values, a little-endian f16 scale then 32 int8 (34 bytes).
+  ENGINE_DTYPE_Q8_0 = 3,
+} engine_dtype;
+
+// A loaded model with its embedding rows placed; opaque to C.
+typedef struct engine engine;
 
 // What the placements decide on, read from the device.
 struct engine_device_info {
@@ -144,6 +190,72 @@ typedef struct engine_plan {
   uint32_t max_window_unmapped;
 } engine_plan;
 
+// Receives each log line (no trailing newline); `user` is `engine_options.log_user`.
+typedef void (*engine_log_fn)(void *user, const char *line);
+
+// How to start an engine; take `engine_default_options()` and change what you need.
+typedef struct engine_options {
+  // CUDA device index.
+  int32_t device;
+  // The window in tokens; 0 = the model's own (max_position_embeddings / context_length).
+  uint32_t context;
+  // Free device memory to plan with; 0 = probe with cudaMemGetInfo. A server passes its own probe.
+  uint64_t room_bytes;
+  // The load's other buffers, counted in the decision to map rows (default 256 MiB).
+  uint64_t reserve_bytes;
+  // A speculative drafter's weights on the card, 0 = none.
+  uint64_t drafter_weight_bytes;
+  // One drafter stream: ring, taps, frame scratch.
+  uint64_t drafter_stream_bytes;
+  // Most streams to start; 0 = as many as fit.
+  uint32_t max_streams;
+  // Most prompt tokens in one batch (sizes the scratch); 0 = the default, 512.
+  uint32_t max_batch;
+  // Host and device share memory. Auto = the device is integrated and has pageable memory access.
+  enum engine_tristate unified;
+  // Read the rows from the checkpoint's file mapping. Auto = DS4_EMBD_MMAP is "1".
+  enum engine_tristate mmap_rows;
+  enum engine_backend backend;
+  // Sampling: 0 = greedy.
+  float temperature;
+  // 0 = no top-k cut.
+  uint32_t top_k;
+  // 1 = no nucleus cut.
+  float top_p;
+  uint64_t seed;
+  // Log lines go here; NULL = standard error, prefixed "hostembed: ".
+  engine_log_fn log;
+  void *log_user;
+} engine_options;
+
+// Where a caller's kernels can find the rows, in whatever placement they live.
+typedef struct engine_rows {
+  // The rows as kernels read them: a device pointer (device memory, or host memory mapped into the
+  // device's address space); a host pointer when `device_usable` is false (the CPU backend).
+  const void *data;
+  // The same rows as the host reads them when they live in host memory; NULL when on the card.
+  const void *host_data;
+  enum engine_dtype dtype;
+  enum engine_placement placement;
+  // False on the CPU backend: `data` is a host pointer and no device reads it.
+  bool device_usable;
+  uint64_t row_bytes;
+  uint64_t rows;
+  uint64_t cols;
+} engine_rows;
+
+// Process-wide bytes the library holds now, by kind.
+typedef struct engine_memory {
+  // cudaMalloc'd device memory.
+  uint64_t device_bytes;
+  // Pinned host memory from cudaHostAlloc.
+  uint64_t pinned_bytes;
+  // Host ranges registered with cudaHostRegister by the library (borrowed registrations excluded).
+  uint64_t registered_bytes;
+  // Checkpoint file mappings held by live engines.
+  uint64_t mapped_bytes;
+} engine_memory;
+
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
@@ -173,6 +285,51 @@ enum engine_status engine_fit_plan(const struct engine_fit_inputs *inputs,
 // Writes the plan's start-up line into `buf` (NUL-terminated, truncated to `len`) and returns the
 // length it needed, like snprintf; 0 with `engine_last_error()` set for NULL or a bad placement.
 size_t engine_plan_describe(const struct engine_plan *plan, char *buf, size_t len);
+
+// The defaults: device 0, the model's window, probed room, a 256 MiB reserve, no drafter, every
+// stream that fits, rows placed by the fit rule (DS4_EMBD_MMAP=1 reads them from the file mapping),
+// backend auto, greedy sampling, log lines to standard error.
+struct engine_options engine_default_options(void);
+
+// Opens the checkpoint at `model_path` (an HF folder or a .gguf file), plans with the fit rule, logs
+// the start-up line, places the embedding rows and stores the engine in `*out` (NULL on failure).
+// `opts` NULL = `engine_default_options()`. NO_ROOM when no stream fits (the message says why, in the
+// start-up line's words); BAD_MODEL/IO_ERROR for a checkpoint that cannot be read; NO_CUDA/NO_DEVICE
+// when the CUDA backend is asked for and absent. Whatever failed, nothing is held afterwards.
+enum engine_status engine_init_fit(const char *model_path,
+                                   const struct engine_options *opts,
+                                   struct engine **out);
+
+// Frees the engine and everything it holds: device memory, pinned memory, registrations, mappings.
+// NULL is accepted.
+void engine_free(struct engine *e);
+
+// The device-usable pointer to embedding rows in host memory (pinned, or the registered file
+// mapping); NULL when the rows are on the card, on the CPU backend, or `e` is NULL.
+const void *engine_host_embed_ptr(const struct engine *e);
+
+// Where the embedding rows are and how to read them, in every placement.
+enum engine_status engine_embed_rows(const struct engine *e, struct engine_rows *out);
+
+// Gathers the embedding rows of `n` token ids into `device_out` as `out_dtype` (F32 or BF16), on
+// `cuda_stream` (NULL = the default stream), and synchronizes that stream. On the CPU backend both
+// pointers are host pointers. OUT_OF_RANGE when any id is outside the vocabulary: such a row is never
+// read (on CUDA it is written as zeros).
+enum engine_status engine_embed(const struct engine *e,
+                                const int32_t *device_ids,
+                                size_t n,
+                                void *device_out,
+                                enum engine_dtype out_dtype,
+                                void *cuda_stream);
+
+// Process-wide bytes the library holds now: device, pinned, registered and mapped (checkpoints of
+// live engines). All zero once every engine is freed.
+enum engine_status engine_memory_stats(struct engine_memory *out);
+
+// The plan the engine started with; its placement is where the rows went (a device that cannot
+// register the file mapping gets HOST_MAPPED). UNSUPPORTED on the CPU backend, which has no device plan.
+enum engine_status engine_plan_of(const struct engine *e,
+                                  struct engine_plan *out);
 
 #ifdef __cplusplus
 }  // extern "C"
