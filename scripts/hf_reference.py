@@ -167,6 +167,11 @@ def build(arch, kwargs, rope):
     import transformers
 
     cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}[arch]
+    model_cls = {
+        "llama": transformers.LlamaForCausalLM,
+        "qwen2": transformers.Qwen2ForCausalLM,
+        "qwen3": transformers.Qwen3ForCausalLM,
+    }[arch]
     kwargs = dict(kwargs)
     if "rope_parameters" in inspect.signature(cls.__init__).parameters:
         kwargs["rope_parameters"] = dict(rope)
@@ -176,11 +181,7 @@ def build(arch, kwargs, rope):
         if scaling["rope_type"] != "default":
             kwargs["rope_scaling"] = scaling
     cfg = cls(attn_implementation="eager", **kwargs)
-    model_cls = {
-        "llama": transformers.LlamaForCausalLM,
-        "qwen2": transformers.Qwen2ForCausalLM,
-        "qwen3": transformers.Qwen3ForCausalLM,
-    }[arch]
+    cfg.architectures = [model_cls.__name__]
     return cfg, model_cls(cfg)
 
 

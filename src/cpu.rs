@@ -28,8 +28,19 @@ pub fn matvec(w: &TensorRef, x: &[f32], out: &mut [f32]) {
     let mut row = vec![0f32; cols];
     for (r, o) in out.iter_mut().enumerate() {
         crate::tensor::decode_row(w.dtype, &w.bytes[r * row_bytes..(r + 1) * row_bytes], &mut row);
-        *o = row.iter().zip(x).map(|(&a, &b)| a as f64 * b as f64).sum::<f64>() as f32;
+        *o = dot(&row, x) as f32;
     }
+}
+
+/// sum a[i] * b[i] in f64. A plain indexed loop: unoptimized builds (the test suite) run it faster than
+/// an iterator chain.
+fn dot(a: &[f32], b: &[f32]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    let mut acc = 0f64;
+    for i in 0..a.len() {
+        acc += a[i] as f64 * b[i] as f64;
+    }
+    acc
 }
 
 /// The head_dim/2 rotary inverse frequencies, with the config's scaling, in f32 as HF computes them.
@@ -111,7 +122,7 @@ pub fn attention(
         let kv_off = (h / group) * head_dim;
         for (t, s) in scores.iter_mut().enumerate() {
             let kt = &k[t * kv_dim + kv_off..t * kv_dim + kv_off + head_dim];
-            *s = qh.iter().zip(kt).map(|(&a, &b)| a as f64 * b as f64).sum::<f64>() * scale;
+            *s = dot(qh, kt) * scale;
         }
         let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
         let mut total = 0f64;

@@ -758,8 +758,8 @@ fn read_le<T>(path: &Path, decode: fn([u8; 4]) -> T) -> Vec<T> {
     bytes.chunks_exact(4).map(|b| decode([b[0], b[1], b[2], b[3]])).collect()
 }
 
+/// The committed logits come from `scripts/hf_reference.py --out tests/data/hf_reference` (torch, transformers).
 #[test]
-#[ignore = "needs tests/data/hf_reference from scripts/hf_reference.py run where torch is installed"]
 fn matches_hf_reference() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/hf_reference");
     let mut models: Vec<_> = std::fs::read_dir(&root)
@@ -769,42 +769,49 @@ fn matches_hf_reference() {
         .collect();
     models.sort();
     assert_eq!(models.len(), 3, "expected llama, qwen2 and qwen3 under {}", root.display());
-    for dir in models {
-        let json: serde_json::Value = serde_json::from_slice(&std::fs::read(dir.join("config.json")).unwrap()).unwrap();
-        let meta: serde_json::Value =
-            serde_json::from_slice(&std::fs::read(dir.join("reference.json")).unwrap()).unwrap();
-        let cfg = config_from_hf_json(&json);
-        let seed = meta["seed"].as_u64().unwrap();
-        let toks = read_le(&dir.join("tokens.u32"), u32::from_le_bytes);
-        let logits = read_le(&dir.join("logits.f32"), f32::from_le_bytes);
-        assert_eq!(logits.len(), toks.len() * cfg.vocab, "{}", dir.display());
-
-        // HF's own rotary frequencies, so a scaling mismatch shows as such rather than as logits.
-        let hf_inv_freq = read_le(&dir.join("inv_freq.f32"), f32::from_le_bytes);
-        let inv_freq = cpu::rope_inv_freq(&cfg);
-        assert_eq!(inv_freq.len(), hf_inv_freq.len());
-        for (i, (a, b)) in inv_freq.iter().zip(&hf_inv_freq).enumerate() {
-            assert!((a - b).abs() <= 2e-7 * b.abs(), "{} inv_freq[{i}]: {a} vs HF {b}", dir.display());
+    // One thread a model: unoptimized test builds take tens of seconds for the hidden-1024 model.
+    std::thread::scope(|scope| {
+        for dir in &models {
+            scope.spawn(move || check_against_hf(dir));
         }
+    });
+}
 
-        // The script loaded exactly the tensors this model reads.
-        let mut expected: Vec<String> = tensor_shapes(&cfg).into_iter().map(|(n, _)| n).collect();
-        expected.sort();
-        let loaded: Vec<String> =
-            meta["tensors"].as_array().unwrap().iter().map(|n| n.as_str().unwrap().to_string()).collect();
-        assert_eq!(loaded, expected, "{}", dir.display());
+fn check_against_hf(dir: &Path) {
+    let json: serde_json::Value = serde_json::from_slice(&std::fs::read(dir.join("config.json")).unwrap()).unwrap();
+    let meta: serde_json::Value = serde_json::from_slice(&std::fs::read(dir.join("reference.json")).unwrap()).unwrap();
+    let cfg = config_from_hf_json(&json);
+    let seed = meta["seed"].as_u64().unwrap();
+    let toks = read_le(&dir.join("tokens.u32"), u32::from_le_bytes);
+    let logits = read_le(&dir.join("logits.f32"), f32::from_le_bytes);
+    assert_eq!(logits.len(), toks.len() * cfg.vocab, "{}", dir.display());
 
-        let src = synthetic_model(&cfg, seed, DType::F32);
-        let model = CpuModel::new(&src).unwrap();
-        let got = model.forward_all(&mut model.new_stream(toks.len()), &toks).unwrap();
-        let mut worst = 0f64;
-        for (pos, (g, want)) in got.iter().zip(logits.chunks(cfg.vocab)).enumerate() {
-            let err = relative_l2(g, want);
-            assert!(err < 1e-4, "{} position {pos}: relative L2 {err:.3e}", dir.display());
-            worst = worst.max(err);
-        }
-        println!("{}: {:?}, max relative L2 against HF {worst:.3e}", dir.display(), cfg.arch);
+    // HF's own rotary frequencies, so a scaling mismatch shows as such rather than as logits.
+    let hf_inv_freq = read_le(&dir.join("inv_freq.f32"), f32::from_le_bytes);
+    let inv_freq = cpu::rope_inv_freq(&cfg);
+    assert_eq!(inv_freq.len(), hf_inv_freq.len());
+    for (i, (a, b)) in inv_freq.iter().zip(&hf_inv_freq).enumerate() {
+        assert!((a - b).abs() <= 2e-7 * b.abs(), "{} inv_freq[{i}]: {a} vs HF {b}", dir.display());
     }
+
+    // The script loaded exactly the tensors this model reads.
+    let mut expected: Vec<String> = tensor_shapes(&cfg).into_iter().map(|(n, _)| n).collect();
+    expected.sort();
+    let loaded: Vec<String> =
+        meta["tensors"].as_array().unwrap().iter().map(|n| n.as_str().unwrap().to_string()).collect();
+    assert_eq!(loaded, expected, "{}", dir.display());
+
+    let src = synthetic_model(&cfg, seed, DType::F32);
+    let model = CpuModel::new(&src).unwrap();
+    let got = model.forward_all(&mut model.new_stream(toks.len()), &toks).unwrap();
+    let mut worst = 0f64;
+    for (pos, (g, want)) in got.iter().zip(logits.chunks(cfg.vocab)).enumerate() {
+        let err = relative_l2(g, want);
+        // The issue asks for 1e-4; this backend lands near 2e-7 (HF's own f32 run: 5e-7), so hold it tighter.
+        assert!(err < 1e-5, "{} position {pos}: relative L2 {err:.3e}", dir.display());
+        worst = worst.max(err);
+    }
+    println!("{}: {:?}, max relative L2 against HF {worst:.3e}", dir.display(), cfg.arch);
 }
 
 // ---------------------------------------------------------------------------------------------
