@@ -1,0 +1,277 @@
+// Decode attention over the bf16 KV cache, split along the context (flash-decoding): block (split, kv head
+// and group of query heads, token) runs an online softmax over its part of the context for up to HB query
+// heads that share one kv head (GQA: each K and V row is read once for all of them), and leaves
+// (max, sum, unnormalised output) per head; a second kernel combines the parts.
+#include "hostembed_kernels.cuh"
+
+namespace {
+
+constexpr int AT_THREADS = 128;
+constexpr int AT_WARPS = AT_THREADS / 32;
+// Positions per tile: one per thread for the scores.
+constexpr int AT_TILE = AT_THREADS;
+
+// Scores are kept in log2 units (q pre-scaled by scale * log2(e)) so the exponentials are exp2.
+constexpr float LOG2E = 1.4426950408889634f;
+
+template <int D, int HB>
+__global__ __launch_bounds__(AT_THREADS, 2) void attention_split_kernel(
+    const float *__restrict__ q, unsigned int q_stride, const unsigned short *__restrict__ k_cache,
+    const unsigned short *__restrict__ v_cache, unsigned int window, const int *__restrict__ pos,
+    unsigned int heads, unsigned int kv_heads, unsigned int d, float scale_log2, unsigned int splits,
+    float *__restrict__ partial) {
+    constexpr int DPL = D / 32;  // output dims per lane in the V pass
+    __shared__ __align__(16) float q_s[HB][D];
+    __shared__ float p_s[HB][AT_TILE];
+    __shared__ float red_max[AT_WARPS][HB], red_sum[AT_WARPS][HB];
+    __shared__ float acc_s[AT_WARPS][HB][D];
+
+    const unsigned int split = blockIdx.x, t = blockIdx.z;
+    const unsigned int group = heads / kv_heads;
+    const unsigned int hgroups = (group + HB - 1) / HB;
+    const unsigned int kvh = blockIdx.y / hgroups, hg = blockIdx.y % hgroups;
+    const unsigned int h0 = kvh * group + hg * HB;
+    const unsigned int nh = min((unsigned int)HB, group - hg * HB);
+    const unsigned int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+
+    int p_t = pos[t];
+    const unsigned int ctx = p_t < 0 ? 0u : min((unsigned int)p_t + 1, window);
+    const unsigned int chunk = (ctx + splits - 1) / splits;
+    const unsigned int start = split * chunk, end = min(ctx, start + chunk);
+    const size_t pstride = (size_t)d + 2;
+    float *part_of = partial + (((size_t)t * heads + h0) * splits + split) * pstride;  // head h0; next head +splits*pstride
+
+    if (start >= end) {  // an empty part: weight zero in the combine
+        if (tid < nh) {
+            part_of[(size_t)tid * splits * pstride] = -INFINITY;
+            part_of[(size_t)tid * splits * pstride + 1] = 0.f;
+        }
+        return;
+    }
+
+    for (unsigned int i = tid; i < HB * D; i += AT_THREADS) {
+        const unsigned int h = i / D, c = i % D;
+        q_s[h][c] = (h < nh && c < d) ? q[(size_t)t * q_stride + (size_t)(h0 + h) * d + c] * scale_log2 : 0.f;
+    }
+    __syncthreads();
+
+    float m_run[HB], l_run[HB], acc[HB][DPL];
+#pragma unroll
+    for (int h = 0; h < HB; h++) {
+        m_run[h] = -INFINITY;
+        l_run[h] = 0.f;
+#pragma unroll
+        for (int k = 0; k < DPL; k++) acc[h][k] = 0.f;
+    }
+    const unsigned short *kbase = k_cache + (size_t)kvh * window * d;
+    const unsigned short *vbase = v_cache + (size_t)kvh * window * d;
+    const bool lane_has_dims = lane * DPL < d;
+
+    for (unsigned int tile = start; tile < end; tile += AT_TILE) {
+        // Scores: one position per thread, all heads of the group.
+        const unsigned int p = tile + tid;
+        const bool valid = p < end;
+        float sc[HB];
+#pragma unroll
+        for (int h = 0; h < HB; h++) sc[h] = 0.f;
+        if (valid) {
+            const uint4 *kr = reinterpret_cast<const uint4 *>(kbase + (size_t)p * d);
+#pragma unroll
+            for (int c0 = 0; c0 < D / 8; c0 += 8) {
+                uint4 kv[8];
+#pragma unroll
+                for (int c = 0; c < 8; c++)
+                    if ((c0 + c) * 8 < (int)d) kv[c] = __ldg(kr + c0 + c);
+#pragma unroll
+                for (int c = 0; c < 8; c++) {
+                    if ((c0 + c) * 8 < (int)d) {
+                        float kf[8];
+                        kf[0] = he::bf16_lo(kv[c].x), kf[1] = he::bf16_hi(kv[c].x);
+                        kf[2] = he::bf16_lo(kv[c].y), kf[3] = he::bf16_hi(kv[c].y);
+                        kf[4] = he::bf16_lo(kv[c].z), kf[5] = he::bf16_hi(kv[c].z);
+                        kf[6] = he::bf16_lo(kv[c].w), kf[7] = he::bf16_hi(kv[c].w);
+#pragma unroll
+                        for (int h = 0; h < HB; h++) {
+                            const float4 qa = *reinterpret_cast<const float4 *>(&q_s[h][(c0 + c) * 8]);
+                            const float4 qb = *reinterpret_cast<const float4 *>(&q_s[h][(c0 + c) * 8 + 4]);
+                            sc[h] += qa.x * kf[0] + qa.y * kf[1] + qa.z * kf[2] + qa.w * kf[3] + qb.x * kf[4] +
+                                     qb.y * kf[5] + qb.z * kf[6] + qb.w * kf[7];
+                        }
+                    }
+                }
+            }
+        }
+#pragma unroll
+        for (int h = 0; h < HB; h++) {
+            if (!valid) sc[h] = -INFINITY;
+            const float mx = he::warp_max(sc[h]);
+            if (lane == 0) red_max[warp][h] = mx;
+        }
+        __syncthreads();
+        float m_new[HB];
+#pragma unroll
+        for (int h = 0; h < HB; h++) {
+            float mx = red_max[0][h];
+#pragma unroll
+            for (int w = 1; w < AT_WARPS; w++) mx = fmaxf(mx, red_max[w][h]);
+            m_new[h] = fmaxf(m_run[h], mx);  // finite: every tile has a valid position
+            const float pr = valid ? exp2f(sc[h] - m_new[h]) : 0.f;
+            p_s[h][tid] = pr;
+            const float sum = he::warp_sum(pr);
+            if (lane == 0) red_sum[warp][h] = sum;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int h = 0; h < HB; h++) {
+            float sum = 0.f;
+#pragma unroll
+            for (int w = 0; w < AT_WARPS; w++) sum += red_sum[w][h];
+            const float corr = exp2f(m_run[h] - m_new[h]);  // 0 on the first tile (m_run = -inf)
+            l_run[h] = l_run[h] * corr + sum;
+#pragma unroll
+            for (int k = 0; k < DPL; k++) acc[h][k] *= corr;
+            m_run[h] = m_new[h];
+        }
+        // V: warp w takes positions tile + 32w .. +32, lane its DPL dims, for every head.
+        const unsigned int pw = tile + 32 * warp;
+        const unsigned int jmax = pw < end ? min(32u, end - pw) : 0u;
+        if (lane_has_dims) {
+#pragma unroll 8
+            for (unsigned int j = 0; j < jmax; j++) {
+                const unsigned short *vr = vbase + (size_t)(pw + j) * d + lane * DPL;
+                float vf[DPL];
+                if constexpr (DPL == 8) {
+                    const uint4 v = __ldg(reinterpret_cast<const uint4 *>(vr));
+                    vf[0] = he::bf16_lo(v.x), vf[1] = he::bf16_hi(v.x), vf[2] = he::bf16_lo(v.y);
+                    vf[3] = he::bf16_hi(v.y), vf[4] = he::bf16_lo(v.z), vf[5] = he::bf16_hi(v.z);
+                    vf[6] = he::bf16_lo(v.w), vf[7] = he::bf16_hi(v.w);
+                } else if constexpr (DPL == 4) {
+                    const uint2 v = __ldg(reinterpret_cast<const uint2 *>(vr));
+                    vf[0] = he::bf16_lo(v.x), vf[1] = he::bf16_hi(v.x), vf[2] = he::bf16_lo(v.y);
+                    vf[3] = he::bf16_hi(v.y);
+                } else {
+                    const unsigned int v = __ldg(reinterpret_cast<const unsigned int *>(vr));
+                    vf[0] = he::bf16_lo(v), vf[1] = he::bf16_hi(v);
+                }
+#pragma unroll
+                for (int h = 0; h < HB; h++) {
+                    const float pr = p_s[h][32 * warp + j];
+#pragma unroll
+                    for (int k = 0; k < DPL; k++) acc[h][k] = fmaf(pr, vf[k], acc[h][k]);
+                }
+            }
+        }
+        __syncthreads();  // p_s and the reductions are rewritten by the next tile
+    }
+
+    // Sum the warps' outputs and write this part.
+#pragma unroll
+    for (int h = 0; h < HB; h++)
+#pragma unroll
+        for (int k = 0; k < DPL; k++) acc_s[warp][h][lane * DPL + k] = acc[h][k];
+    __syncthreads();
+    for (unsigned int i = tid; i < nh * d; i += AT_THREADS) {
+        const unsigned int h = i / d, c = i % d;
+        float s = 0.f;
+#pragma unroll
+        for (int w = 0; w < AT_WARPS; w++) s += acc_s[w][h][c];
+        part_of[(size_t)h * splits * pstride + 2 + c] = s;
+    }
+    if (tid < nh) {
+        part_of[(size_t)tid * splits * pstride] = m_run[0];
+        part_of[(size_t)tid * splits * pstride + 1] = l_run[0];
+    }
+    // m_run/l_run are the same in every thread; pick head tid's without a run-time register index.
+#pragma unroll
+    for (int h = 1; h < HB; h++) {
+        if (tid == (unsigned int)h && (unsigned int)h < nh) {
+            part_of[(size_t)h * splits * pstride] = m_run[h];
+            part_of[(size_t)h * splits * pstride + 1] = l_run[h];
+        }
+    }
+}
+
+// out[t][h] = sum over parts of acc * 2^(m - M) / sum over parts of l * 2^(m - M).
+__global__ void attention_combine_kernel(const float *__restrict__ partial, unsigned int heads, unsigned int d,
+                                         unsigned int splits, float *__restrict__ out) {
+    const unsigned int h = blockIdx.x, t = blockIdx.y;
+    const size_t pstride = (size_t)d + 2;
+    const float *base = partial + ((size_t)t * heads + h) * splits * pstride;
+    float m_all = -INFINITY;
+    for (unsigned int s = 0; s < splits; s++) m_all = fmaxf(m_all, base[s * pstride]);
+    float l_all = 0.f;
+    for (unsigned int s = 0; s < splits; s++) {
+        const float m = base[s * pstride];
+        if (m != -INFINITY) l_all += base[s * pstride + 1] * exp2f(m - m_all);
+    }
+    const float inv = 1.f / l_all;
+    for (unsigned int c = threadIdx.x; c < d; c += blockDim.x) {
+        float o = 0.f;
+        for (unsigned int s = 0; s < splits; s++) {
+            const float m = base[s * pstride];
+            if (m != -INFINITY) o += base[s * pstride + 2 + c] * exp2f(m - m_all);
+        }
+        out[((size_t)t * heads + h) * d + c] = o * inv;
+    }
+}
+
+template <int D, int HB>
+void launch_split(dim3 grid, const float *q, unsigned int q_stride, const unsigned short *kc,
+                  const unsigned short *vc, unsigned int window, const int *pos, unsigned int heads,
+                  unsigned int kv_heads, unsigned int d, float scale_log2, unsigned int splits, float *partial,
+                  cudaStream_t stream) {
+    attention_split_kernel<D, HB><<<grid, AT_THREADS, 0, stream>>>(q, q_stride, kc, vc, window, pos, heads, kv_heads,
+                                                                   d, scale_log2, splits, partial);
+}
+
+template <int D>
+void launch_d(unsigned int hb, unsigned int n, const float *q, unsigned int q_stride, const unsigned short *kc,
+              const unsigned short *vc, unsigned int window, const int *pos, unsigned int heads,
+              unsigned int kv_heads, unsigned int d, float scale_log2, unsigned int splits, float *partial,
+              cudaStream_t stream) {
+    const unsigned int group = heads / kv_heads;
+    const dim3 grid(splits, kv_heads * ((group + hb - 1) / hb), n);
+    switch (hb) {
+    case 1: launch_split<D, 1>(grid, q, q_stride, kc, vc, window, pos, heads, kv_heads, d, scale_log2, splits, partial, stream); break;
+    case 2: launch_split<D, 2>(grid, q, q_stride, kc, vc, window, pos, heads, kv_heads, d, scale_log2, splits, partial, stream); break;
+    case 4: launch_split<D, 4>(grid, q, q_stride, kc, vc, window, pos, heads, kv_heads, d, scale_log2, splits, partial, stream); break;
+    default: launch_split<D, (D > 128 ? 4 : 8)>(grid, q, q_stride, kc, vc, window, pos, heads, kv_heads, d, scale_log2, splits, partial, stream); break;
+    }
+}
+
+}  // namespace
+
+extern "C" cudaError_t hostembed_attention(const float *q, unsigned int q_stride, const void *k_cache,
+                                           const void *v_cache, unsigned int window, const int *pos, unsigned int n,
+                                           unsigned int heads, unsigned int kv_heads, unsigned int head_dim,
+                                           float scale, unsigned int splits, float *partial, float *out,
+                                           cudaStream_t stream) {
+    if (q == nullptr || k_cache == nullptr || v_cache == nullptr || pos == nullptr || partial == nullptr ||
+        out == nullptr)
+        return cudaErrorInvalidValue;
+    if (heads == 0 || kv_heads == 0 || heads % kv_heads != 0 || head_dim == 0 || head_dim % 8 != 0 ||
+        head_dim > 256 || window == 0 || splits == 0 || splits > 65535 || n > 65535)
+        return cudaErrorInvalidValue;
+    if ((size_t)q_stride < (size_t)heads * head_dim) return cudaErrorInvalidValue;
+    if (reinterpret_cast<uintptr_t>(k_cache) % 16 != 0 || reinterpret_cast<uintptr_t>(v_cache) % 16 != 0)
+        return cudaErrorInvalidValue;
+    if (n == 0) return cudaSuccess;
+    const unsigned int group = heads / kv_heads;
+    const unsigned int cap = head_dim > 128 ? 4 : 8;  // heads per block: keeps HB * D * 4 warps of smem at 16 KB
+    unsigned int hb = 1;
+    while (hb < group && hb < cap) hb *= 2;
+    if ((size_t)kv_heads * ((group + hb - 1) / hb) > 65535) return cudaErrorInvalidValue;
+    const unsigned short *kc = static_cast<const unsigned short *>(k_cache);
+    const unsigned short *vc = static_cast<const unsigned short *>(v_cache);
+    const float scale_log2 = scale * LOG2E;
+    if (head_dim <= 64)
+        launch_d<64>(hb, n, q, q_stride, kc, vc, window, pos, heads, kv_heads, head_dim, scale_log2, splits, partial, stream);
+    else if (head_dim <= 128)
+        launch_d<128>(hb, n, q, q_stride, kc, vc, window, pos, heads, kv_heads, head_dim, scale_log2, splits, partial, stream);
+    else
+        launch_d<256>(hb, n, q, q_stride, kc, vc, window, pos, heads, kv_heads, head_dim, scale_log2, splits, partial, stream);
+    cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) return err;
+    attention_combine_kernel<<<dim3(heads, n), 128, 0, stream>>>(partial, heads, head_dim, splits, out);
+    return cudaGetLastError();
+}
