@@ -110,7 +110,7 @@ pub fn attention(
     out: &mut [f32],
 ) {
     let kv_dim = kv_heads * head_dim;
-    assert!(kv_heads > 0 && heads % kv_heads == 0, "attention: heads must be a multiple of kv_heads");
+    assert!(kv_heads > 0 && heads.is_multiple_of(kv_heads), "attention: heads must be a multiple of kv_heads");
     assert_eq!(q.len(), heads * head_dim, "attention: query is not heads x head_dim");
     assert_eq!(out.len(), heads * head_dim, "attention: output is not heads x head_dim");
     assert!(k.len() >= n_ctx * kv_dim && v.len() >= n_ctx * kv_dim, "attention: cache shorter than n_ctx");
@@ -249,10 +249,10 @@ impl<'a> CpuModel<'a> {
         if cfg.vocab == 0 || hidden == 0 || cfg.layers == 0 || cfg.heads == 0 || cfg.intermediate == 0 {
             bail!(BadModel, "config: vocab, hidden, layers, heads and intermediate must be positive: {cfg:?}");
         }
-        if cfg.kv_heads == 0 || cfg.heads % cfg.kv_heads != 0 {
+        if cfg.kv_heads == 0 || !cfg.heads.is_multiple_of(cfg.kv_heads) {
             bail!(BadModel, "config: {} attention heads are not a multiple of {} KV heads", cfg.heads, cfg.kv_heads);
         }
-        if cfg.head_dim == 0 || cfg.head_dim % 2 != 0 {
+        if cfg.head_dim == 0 || !cfg.head_dim.is_multiple_of(2) {
             bail!(BadModel, "config: head_dim {} is not a positive even number", cfg.head_dim);
         }
         let embed = checked(src, names::EMBED, &[cfg.vocab, hidden])?;
