@@ -1,0 +1,792 @@
+//! Every decode kernel against the CPU oracle (src/cpu.rs) and the sampler (src/sampler.rs), on fresh
+//! random data, with outputs poisoned (0xFF bytes, a NaN) before each launch and every element checked.
+//! Skips (with a SKIP line) where no CUDA device is present.
+
+mod common;
+
+use std::os::raw::{c_int, c_uint, c_void};
+use std::ptr;
+
+use common::{Rng, gpu_present};
+use hostembed::cpu;
+use hostembed::cuda::{self, DeviceBuffer};
+use hostembed::kernels as kn;
+use hostembed::model::{Arch, ModelConfig, RopeScaling, TensorRef};
+use hostembed::sampler::{self, Sampling};
+use hostembed::tensor::{DType, encode_row};
+
+const NULL_STREAM: *mut c_void = ptr::null_mut();
+
+/// Fails on a launch error and on any error the kernel raised while running.
+fn ok(code: c_int, what: &str) {
+    cuda::check(code, what).unwrap_or_else(|e| panic!("{what}: {e}"));
+    cuda::synchronize().unwrap_or_else(|e| panic!("{what} while running: {e}"));
+}
+
+/// A device buffer of `bytes` with every byte 0xFF (every f32 a NaN).
+fn poisoned(bytes: usize) -> DeviceBuffer {
+    let b = DeviceBuffer::new(bytes).unwrap();
+    b.fill_bytes(0xFF).unwrap();
+    b
+}
+
+/// `data` uploaded `offset` bytes into a fresh buffer (to test misaligned pointers).
+fn upload_at<T: Copy>(data: &[T], offset: usize) -> (DeviceBuffer, *mut c_void) {
+    let b = poisoned(std::mem::size_of_val(data) + offset);
+    b.upload(data, offset).unwrap();
+    let p = unsafe { (b.ptr() as *mut u8).add(offset) } as *mut c_void;
+    (b, p)
+}
+
+fn download_f32(b: &DeviceBuffer, n: usize) -> Vec<f32> {
+    let mut out = vec![0f32; n];
+    b.download(&mut out).unwrap();
+    out
+}
+
+/// Relative L2 error, after checking that every element was written (no NaN left from the poison).
+fn rel_l2(what: &str, got: &[f32], want: &[f32]) -> f64 {
+    assert_eq!(got.len(), want.len(), "{what}: lengths");
+    if let Some(i) = got.iter().position(|v| !v.is_finite()) {
+        panic!("{what}: element {i} of {} is {} (not written?)", got.len(), got[i]);
+    }
+    let (mut num, mut den) = (0f64, 0f64);
+    for (&g, &w) in got.iter().zip(want) {
+        num += (g as f64 - w as f64).powi(2);
+        den += (w as f64).powi(2);
+    }
+    (num / den.max(1e-300)).sqrt()
+}
+
+fn assert_close(what: &str, got: &[f32], want: &[f32], tol: f64) {
+    let err = rel_l2(what, got, want);
+    println!("{what}: relative L2 error {err:.2e} (bound {tol:.0e})");
+    assert!(err < tol, "{what}: relative L2 error {err:.3e} >= {tol:.0e}");
+}
+
+fn weight_tol(dtype: DType) -> f64 {
+    if dtype == DType::F32 { 1e-5 } else { 1e-3 }
+}
+
+fn encode(dtype: DType, cols: usize, values: &[f32]) -> Vec<u8> {
+    values.chunks(cols).flat_map(|row| encode_row(dtype, row)).collect()
+}
+
+fn bf16_round(v: f32) -> f32 {
+    half::bf16::from_f32(v).to_f32()
+}
+
+const DTYPES: [DType; 4] = [DType::F32, DType::F16, DType::Bf16, DType::Q8_0];
+
+/// Columns for a shape that is a whole number of Q8_0 blocks when the format needs it.
+fn cols_for(dtype: DType, cols: usize) -> usize {
+    if dtype == DType::Q8_0 { cols.div_ceil(32) * 32 } else { cols }
+}
+
+#[test]
+fn rmsnorm_matches_cpu() {
+    if !gpu_present("rmsnorm_matches_cpu") {
+        return;
+    }
+    let mut rng = Rng::fresh("rmsnorm_matches_cpu");
+    for (n, cols, in_place) in [(1, 4096, false), (3, 1000, false), (5, 1027, false), (2, 896, true)] {
+        let x = rng.vec(n * cols, 3.0);
+        let w = rng.vec(cols, 1.0);
+        let eps = 1e-5;
+        let mut want = vec![0f32; n * cols];
+        for (xr, wr) in x.chunks(cols).zip(want.chunks_mut(cols)) {
+            cpu::rmsnorm(xr, &w, eps, wr);
+        }
+        let xb = DeviceBuffer::from_slice(&x).unwrap();
+        let wb = DeviceBuffer::from_slice(&w).unwrap();
+        let out = if in_place { None } else { Some(poisoned(n * cols * 4)) };
+        let out_ptr = out.as_ref().map_or(xb.ptr(), |o| o.ptr()) as *mut f32;
+        ok(
+            unsafe {
+                kn::hostembed_rmsnorm(
+                    xb.ptr() as *const f32,
+                    wb.ptr() as *const f32,
+                    eps,
+                    out_ptr,
+                    n as c_uint,
+                    cols as c_uint,
+                    NULL_STREAM,
+                )
+            },
+            "hostembed_rmsnorm",
+        );
+        let got = download_f32(out.as_ref().unwrap_or(&xb), n * cols);
+        assert_close(&format!("rmsnorm {n}x{cols} in place {in_place}"), &got, &want, 1e-5);
+    }
+}
+
+/// One matvec case: W is rows x cols; `w_offset`/`x_offset` misalign the pointers by that many bytes.
+struct MatvecCase {
+    rows: usize,
+    cols: usize,
+    n: usize,
+    w_offset: usize,
+    x_offset: usize,
+    bias: bool,
+    residual: bool,
+    ldy_pad: usize,
+}
+
+fn run_matvec(rng: &mut Rng, dtype: DType, c: &MatvecCase) {
+    let (rows, cols, n) = (c.rows, cols_for(dtype, c.cols), c.n);
+    let ldy = rows + c.ldy_pad;
+    let bytes = encode(dtype, cols, &rng.vec(rows * cols, 1.0));
+    let w = TensorRef { dtype, shape: &[rows, cols], bytes: &bytes };
+    let x = rng.vec(n * cols, 1.0);
+    let bias = rng.vec(rows, 0.5);
+    let res = rng.vec(n * ldy, 1.0);
+
+    let mut want = vec![0f32; n * rows];
+    for t in 0..n {
+        cpu::matvec(&w, &x[t * cols..(t + 1) * cols], &mut want[t * rows..(t + 1) * rows]);
+        for r in 0..rows {
+            if c.bias {
+                want[t * rows + r] += bias[r];
+            }
+            if c.residual {
+                want[t * rows + r] += res[t * ldy + r];
+            }
+        }
+    }
+
+    let (_wb, wp) = upload_at(&bytes, c.w_offset);
+    let (_xb, xp) = upload_at(&x, c.x_offset);
+    let bb = DeviceBuffer::from_slice(&bias).unwrap();
+    // With a residual, y starts as the residual and is updated in place; otherwise it starts poisoned.
+    let yb = if c.residual { DeviceBuffer::from_slice(&res).unwrap() } else { poisoned(n * ldy * 4) };
+    ok(
+        unsafe {
+            kn::hostembed_matvec(
+                wp,
+                dtype as c_int,
+                rows as c_uint,
+                cols as c_uint,
+                xp as *const f32,
+                n as c_uint,
+                if c.bias { bb.ptr() as *const f32 } else { ptr::null() },
+                if c.residual { yb.ptr() as *const f32 } else { ptr::null() },
+                yb.ptr() as *mut f32,
+                ldy as c_uint,
+                NULL_STREAM,
+            )
+        },
+        "hostembed_matvec",
+    );
+    let all = download_f32(&yb, n * ldy);
+    let got: Vec<f32> = (0..n).flat_map(|t| all[t * ldy..t * ldy + rows].to_vec()).collect();
+    let what = format!(
+        "matvec {} {rows}x{cols} n={n} offsets w+{} x+{} bias {} residual {} ldy {ldy}",
+        dtype.name(),
+        c.w_offset,
+        c.x_offset,
+        c.bias,
+        c.residual
+    );
+    assert_close(&what, &got, &want, weight_tol(dtype));
+    // The columns between rows and ldy are not the kernel's to write.
+    for t in 0..n {
+        for r in rows..ldy {
+            let (g, before) = (all[t * ldy + r], if c.residual { res[t * ldy + r] } else { f32::NAN });
+            assert!(g.to_bits() == before.to_bits(), "{what}: wrote y[{t}][{r}] outside its rows");
+        }
+    }
+}
+
+#[test]
+fn matvec_matches_cpu_for_every_format() {
+    if !gpu_present("matvec_matches_cpu_for_every_format") {
+        return;
+    }
+    let mut rng = Rng::fresh("matvec_matches_cpu_for_every_format");
+    let case = |rows, cols, n| MatvecCase {
+        rows,
+        cols,
+        n,
+        w_offset: 0,
+        x_offset: 0,
+        bias: false,
+        residual: false,
+        ldy_pad: 0,
+    };
+    for dtype in DTYPES {
+        let elem = match dtype {
+            DType::F32 => 4,
+            _ => 2,
+        };
+        let cases = [
+            case(37, 4096, 1),                                              // few rows: 8 warps a row
+            case(3000, 1000, 3), // 2 warps a row, a tail of chunks, 3 tokens in a tile of 4
+            case(7000, 256, 8),  // one warp a row, a full tile of 8 tokens
+            case(64, 2048, 11),  // two tiles: 8 tokens, then 3
+            case(50, 1001, 2),   // cols not a multiple of the vector width (Q8_0: 33 blocks, odd)
+            MatvecCase { w_offset: elem, x_offset: 4, ..case(45, 512, 2) }, // misaligned pointers
+            MatvecCase { bias: true, residual: true, ldy_pad: 5, ..case(300, 768, 3) },
+            MatvecCase { bias: true, ..case(20, 64, 1) },
+        ];
+        for c in &cases {
+            run_matvec(&mut rng, dtype, c);
+        }
+    }
+}
+
+#[test]
+fn matvec_swiglu_matches_cpu() {
+    if !gpu_present("matvec_swiglu_matches_cpu") {
+        return;
+    }
+    let mut rng = Rng::fresh("matvec_swiglu_matches_cpu");
+    for dtype in DTYPES {
+        for (rows, cols, n) in [(300, 512, 1), (5000, 256, 5), (40, 1001, 2), (1000, 4096, 8)] {
+            let cols = cols_for(dtype, cols);
+            let gb = encode(dtype, cols, &rng.vec(rows * cols, 1.0));
+            let ub = encode(dtype, cols, &rng.vec(rows * cols, 1.0));
+            let x = rng.vec(n * cols, 1.0);
+            let g = TensorRef { dtype, shape: &[rows, cols], bytes: &gb };
+            let u = TensorRef { dtype, shape: &[rows, cols], bytes: &ub };
+            let mut want = vec![0f32; n * rows];
+            let (mut gv, mut uv) = (vec![0f32; rows], vec![0f32; rows]);
+            for t in 0..n {
+                cpu::matvec(&g, &x[t * cols..(t + 1) * cols], &mut gv);
+                cpu::matvec(&u, &x[t * cols..(t + 1) * cols], &mut uv);
+                cpu::swiglu(&gv, &uv, &mut want[t * rows..(t + 1) * rows]);
+            }
+            let (gd, ud, xd) = (
+                DeviceBuffer::from_slice(&gb).unwrap(),
+                DeviceBuffer::from_slice(&ub).unwrap(),
+                DeviceBuffer::from_slice(&x).unwrap(),
+            );
+            let y = poisoned(n * rows * 4);
+            ok(
+                unsafe {
+                    kn::hostembed_matvec_swiglu(
+                        gd.ptr(),
+                        ud.ptr(),
+                        dtype as c_int,
+                        rows as c_uint,
+                        cols as c_uint,
+                        xd.ptr() as *const f32,
+                        n as c_uint,
+                        y.ptr() as *mut f32,
+                        NULL_STREAM,
+                    )
+                },
+                "hostembed_matvec_swiglu",
+            );
+            let got = download_f32(&y, n * rows);
+            assert_close(
+                &format!("matvec_swiglu {} {rows}x{cols} n={n}", dtype.name()),
+                &got,
+                &want,
+                weight_tol(dtype),
+            );
+        }
+    }
+}
+
+#[test]
+fn matvec_refuses_bad_arguments() {
+    if !gpu_present("matvec_refuses_bad_arguments") {
+        return;
+    }
+    let b = poisoned(4096);
+    let p = b.ptr();
+    let call = |w: *const c_void, dtype: c_int, rows: c_uint, cols: c_uint, ldy: c_uint| unsafe {
+        kn::hostembed_matvec(
+            w,
+            dtype,
+            rows,
+            cols,
+            p as *const f32,
+            1,
+            ptr::null(),
+            ptr::null(),
+            p as *mut f32,
+            ldy,
+            NULL_STREAM,
+        )
+    };
+    let invalid = 1; // cudaErrorInvalidValue
+    assert_eq!(call(ptr::null(), DType::F32 as c_int, 4, 4, 4), invalid, "NULL weights");
+    assert_eq!(call(p, 9, 4, 4, 4), invalid, "unknown format");
+    assert_eq!(call(p, DType::Q8_0 as c_int, 4, 33, 4), invalid, "Q8_0 rows of partial blocks");
+    assert_eq!(call(p, DType::F32 as c_int, 4, 4, 3), invalid, "ldy below rows");
+    assert_eq!(call(p, DType::F32 as c_int, 0, 4, 4), invalid, "no rows");
+}
+
+fn config(heads: usize, kv_heads: usize, head_dim: usize, scaling: RopeScaling, interleaved: bool) -> ModelConfig {
+    ModelConfig {
+        arch: Arch::Llama,
+        vocab: 256,
+        hidden: heads * head_dim,
+        layers: 1,
+        heads,
+        kv_heads,
+        head_dim,
+        intermediate: 64,
+        rms_eps: 1e-6,
+        rope_theta: 500000.0,
+        rope_scaling: scaling,
+        rope_interleaved: interleaved,
+        max_position: 131072,
+        tied: false,
+        qkv_bias: false,
+        qk_norm: false,
+        bos: None,
+        eos: None,
+    }
+}
+
+#[test]
+fn rope_and_kv_append_match_cpu() {
+    if !gpu_present("rope_and_kv_append_match_cpu") {
+        return;
+    }
+    let mut rng = Rng::fresh("rope_and_kv_append_match_cpu");
+    let llama3 =
+        RopeScaling::Llama3 { factor: 8.0, low_freq_factor: 1.0, high_freq_factor: 4.0, original_max_position: 8192 };
+    let cases = [
+        (8, 2, 128, RopeScaling::None, false, false),
+        (8, 2, 128, llama3, true, false),
+        (4, 4, 64, RopeScaling::Linear { factor: 4.0 }, false, true),
+        (6, 3, 256, RopeScaling::None, true, true),
+        (5, 1, 80, RopeScaling::None, false, true),
+    ];
+    for (heads, kv_heads, hd, scaling, interleaved, qk_norm) in cases {
+        let cfg = config(heads, kv_heads, hd, scaling, interleaved);
+        let inv_freq = cpu::rope_inv_freq(&cfg);
+        let (q_dim, kv_dim) = (heads * hd, kv_heads * hd);
+        let stride = q_dim + 2 * kv_dim + 3;
+        let n = 3;
+        let window = 40000;
+        let pos: Vec<i32> = (0..n).map(|_| rng.below(window as u64) as i32).collect();
+        let qkv = rng.vec(n * stride, 2.0);
+        let (qn, kn_w) = (rng.vec(hd, 1.0), rng.vec(hd, 1.0));
+        let eps = 1e-6;
+
+        let mut want = qkv.clone();
+        for t in 0..n {
+            let row = &mut want[t * stride..(t + 1) * stride];
+            let (q, rest) = row.split_at_mut(q_dim);
+            let k = &mut rest[..kv_dim];
+            if qk_norm {
+                for (part, w) in [(&mut *q, &qn), (&mut *k, &kn_w)] {
+                    for head in part.chunks_mut(hd) {
+                        let mut normed = vec![0f32; hd];
+                        cpu::rmsnorm(head, w, eps, &mut normed);
+                        head.copy_from_slice(&normed);
+                    }
+                }
+            }
+            cpu::rope(q, heads, hd, pos[t] as usize, &inv_freq, interleaved);
+            cpu::rope(k, kv_heads, hd, pos[t] as usize, &inv_freq, interleaved);
+        }
+
+        let qkv_d = DeviceBuffer::from_slice(&qkv).unwrap();
+        let pos_d = DeviceBuffer::from_slice(&pos).unwrap();
+        let inv_d = DeviceBuffer::from_slice(&inv_freq).unwrap();
+        let qn_d = DeviceBuffer::from_slice(&qn).unwrap();
+        let kn_d = DeviceBuffer::from_slice(&kn_w).unwrap();
+        let cache_bytes = kv_heads * window * hd * 2;
+        let (kc, vc) = (poisoned(cache_bytes), poisoned(cache_bytes));
+        ok(
+            unsafe {
+                kn::hostembed_rope_kv(
+                    qkv_d.ptr() as *mut f32,
+                    stride as c_uint,
+                    n as c_uint,
+                    pos_d.ptr() as *const c_int,
+                    heads as c_uint,
+                    kv_heads as c_uint,
+                    hd as c_uint,
+                    inv_d.ptr() as *const f32,
+                    interleaved as c_int,
+                    if qk_norm { qn_d.ptr() as *const f32 } else { ptr::null() },
+                    if qk_norm { kn_d.ptr() as *const f32 } else { ptr::null() },
+                    eps,
+                    kc.ptr(),
+                    vc.ptr(),
+                    window as c_uint,
+                    NULL_STREAM,
+                )
+            },
+            "hostembed_rope_kv",
+        );
+        let got = download_f32(&qkv_d, n * stride);
+        let what =
+            format!("rope {heads}/{kv_heads} heads of {hd}, {scaling:?}, interleaved {interleaved}, qk_norm {qk_norm}");
+        // q and k rotated in place; v and the padding untouched.
+        let pick = |v: &[f32], from: usize, to: usize| -> Vec<f32> {
+            (0..n).flat_map(|t| v[t * stride + from..t * stride + to].to_vec()).collect()
+        };
+        assert_close(
+            &format!("{what}: q and k"),
+            &pick(&got, 0, q_dim + kv_dim),
+            &pick(&want, 0, q_dim + kv_dim),
+            1e-5,
+        );
+        assert_eq!(
+            pick(&got, q_dim + kv_dim, stride),
+            pick(&qkv, q_dim + kv_dim, stride),
+            "{what}: v or padding changed"
+        );
+
+        // The caches hold bf16 k (rotated) and v at each token's position, and nothing anywhere else.
+        let mut kh = vec![0u16; kv_heads * window * hd];
+        let mut vh = vec![0u16; kv_heads * window * hd];
+        kc.download(&mut kh).unwrap();
+        vc.download(&mut vh).unwrap();
+        let (mut got_k, mut want_k) = (Vec::new(), Vec::new());
+        for t in 0..n {
+            for h in 0..kv_heads {
+                for d in 0..hd {
+                    let at = (h * window + pos[t] as usize) * hd + d;
+                    got_k.push(half::bf16::from_bits(kh[at]).to_f32());
+                    want_k.push(want[t * stride + q_dim + h * hd + d]);
+                    let v = qkv[t * stride + q_dim + kv_dim + h * hd + d];
+                    assert_eq!(
+                        vh[at],
+                        half::bf16::from_f32(v).to_bits(),
+                        "{what}: v cache at token {t} head {h} dim {d}"
+                    );
+                }
+            }
+        }
+        assert_close(&format!("{what}: k cache"), &got_k, &want_k, 4e-3);
+        let written: std::collections::HashSet<usize> = pos.iter().map(|&p| p as usize).collect();
+        for (name, cache) in [("k", &kh), ("v", &vh)] {
+            for h in 0..kv_heads {
+                for p in (0..window).step_by(97).filter(|p| !written.contains(p)) {
+                    let at = (h * window + p) * hd;
+                    assert!(
+                        cache[at..at + hd].iter().all(|&b| b == 0xFFFF),
+                        "{what}: {name} cache written at position {p}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// One attention case: `n` query tokens at the last n positions of an `n_ctx` context.
+fn run_attention(rng: &mut Rng, heads: usize, kv_heads: usize, hd: usize, n_ctx: usize, n: usize, splits: usize) {
+    let kv_dim = kv_heads * hd;
+    let window = n_ctx + 7;
+    let q_stride = heads * hd + 16;
+    // K and V as the cache stores them (bf16), so both sides read the same values.
+    let k: Vec<f32> = rng.vec(n_ctx * kv_dim, 1.0).into_iter().map(bf16_round).collect();
+    let v: Vec<f32> = rng.vec(n_ctx * kv_dim, 1.0).into_iter().map(bf16_round).collect();
+    let q = rng.vec(n * q_stride, 1.0);
+    let pos: Vec<i32> = (0..n).map(|t| (n_ctx - n + t) as i32).collect();
+
+    let mut want = vec![0f32; n * heads * hd];
+    for t in 0..n {
+        cpu::attention(
+            &q[t * q_stride..t * q_stride + heads * hd],
+            &k,
+            &v,
+            pos[t] as usize + 1,
+            heads,
+            kv_heads,
+            hd,
+            &mut want[t * heads * hd..(t + 1) * heads * hd],
+        );
+    }
+    let layout = |x: &[f32]| -> Vec<u16> {
+        let mut c = vec![0xFFFFu16; kv_heads * window * hd];
+        for p in 0..n_ctx {
+            for h in 0..kv_heads {
+                for d in 0..hd {
+                    c[(h * window + p) * hd + d] = half::bf16::from_f32(x[p * kv_dim + h * hd + d]).to_bits();
+                }
+            }
+        }
+        c
+    };
+    let (kc, vc) = (DeviceBuffer::from_slice(&layout(&k)).unwrap(), DeviceBuffer::from_slice(&layout(&v)).unwrap());
+    let qd = DeviceBuffer::from_slice(&q).unwrap();
+    let pd = DeviceBuffer::from_slice(&pos).unwrap();
+    let partial = poisoned(n * heads * splits * (hd + 2) * 4);
+    let out = poisoned(n * heads * hd * 4);
+    ok(
+        unsafe {
+            kn::hostembed_attention(
+                qd.ptr() as *const f32,
+                q_stride as c_uint,
+                kc.ptr(),
+                vc.ptr(),
+                window as c_uint,
+                pd.ptr() as *const c_int,
+                n as c_uint,
+                heads as c_uint,
+                kv_heads as c_uint,
+                hd as c_uint,
+                1.0 / (hd as f32).sqrt(),
+                splits as c_uint,
+                partial.ptr() as *mut f32,
+                out.ptr() as *mut f32,
+                NULL_STREAM,
+            )
+        },
+        "hostembed_attention",
+    );
+    let got = download_f32(&out, n * heads * hd);
+    let what = format!("attention {heads}/{kv_heads} heads of {hd}, context {n_ctx}, {n} tokens, {splits} splits");
+    assert_close(&what, &got, &want, 1e-4);
+}
+
+#[test]
+fn attention_matches_cpu() {
+    if !gpu_present("attention_matches_cpu") {
+        return;
+    }
+    let mut rng = Rng::fresh("attention_matches_cpu");
+    run_attention(&mut rng, 32, 8, 128, 300, 1, 7); // Llama-3 8B heads, a context not a multiple of the split
+    run_attention(&mut rng, 14, 2, 64, 1000, 3, 16); // groups of 7 (a block of 8 heads, one masked)
+    run_attention(&mut rng, 16, 16, 256, 513, 2, 5); // no grouping, the largest head
+    run_attention(&mut rng, 8, 2, 96, 129, 4, 3); // a head_dim between the kernel's sizes
+    run_attention(&mut rng, 40, 8, 128, 77, 5, 1); // groups of 5, one split
+    run_attention(&mut rng, 8, 4, 128, 3, 2, 16); // more splits than positions: empty parts
+    run_attention(&mut rng, 16, 2, 256, 200, 1, 9); // groups of 8 with head_dim 256: two blocks a group
+}
+
+#[test]
+fn attention_stays_right_at_long_context() {
+    if !gpu_present("attention_stays_right_at_long_context") {
+        return;
+    }
+    let mut rng = Rng::fresh("attention_stays_right_at_long_context");
+    run_attention(&mut rng, 8, 2, 128, 32768, 1, 33);
+    run_attention(&mut rng, 8, 2, 64, 20000 + 13, 2, 64);
+}
+
+#[test]
+fn swiglu_and_add_match_cpu() {
+    if !gpu_present("swiglu_and_add_match_cpu") {
+        return;
+    }
+    let mut rng = Rng::fresh("swiglu_and_add_match_cpu");
+    let len = 14336 * 3 + 7;
+    let (g, u) = (rng.vec(len, 6.0), rng.vec(len, 2.0));
+    let mut want = vec![0f32; len];
+    cpu::swiglu(&g, &u, &mut want);
+    let (gd, ud) = (DeviceBuffer::from_slice(&g).unwrap(), DeviceBuffer::from_slice(&u).unwrap());
+    let out = poisoned(len * 4);
+    ok(
+        unsafe {
+            kn::hostembed_swiglu(
+                gd.ptr() as *const f32,
+                ud.ptr() as *const f32,
+                out.ptr() as *mut f32,
+                len,
+                NULL_STREAM,
+            )
+        },
+        "hostembed_swiglu",
+    );
+    assert_close("swiglu", &download_f32(&out, len), &want, 1e-6);
+
+    let mut sum = g.clone();
+    cpu::add(&mut sum, &u);
+    // In place: out = a.
+    ok(
+        unsafe {
+            kn::hostembed_add(gd.ptr() as *const f32, ud.ptr() as *const f32, gd.ptr() as *mut f32, len, NULL_STREAM)
+        },
+        "hostembed_add",
+    );
+    assert_close("add", &download_f32(&gd, len), &sum, 1e-7);
+}
+
+/// Runs the device sampler once.
+fn device_sample(logits: &DeviceBuffer, vocab: usize, s: &Sampling, stream: u32, position: u64) -> u32 {
+    let scratch = poisoned(vocab * 8);
+    let token = poisoned(4);
+    ok(
+        unsafe {
+            kn::hostembed_sample(
+                logits.ptr() as *const f32,
+                vocab as c_uint,
+                s.temperature,
+                s.top_k,
+                s.top_p,
+                s.seed,
+                stream,
+                position,
+                scratch.ptr(),
+                token.ptr() as *mut c_int,
+                NULL_STREAM,
+            )
+        },
+        "hostembed_sample",
+    );
+    let mut t = [0i32];
+    token.download(&mut t).unwrap();
+    assert!(t[0] >= 0 && (t[0] as usize) < vocab, "sampled token {} outside the vocabulary of {vocab}", t[0]);
+    t[0] as u32
+}
+
+#[test]
+fn greedy_sampling_is_the_cpu_argmax() {
+    if !gpu_present("greedy_sampling_is_the_cpu_argmax") {
+        return;
+    }
+    let mut rng = Rng::fresh("greedy_sampling_is_the_cpu_argmax");
+    for vocab in [1, 1000, 151936, 128256] {
+        let mut logits = rng.vec(vocab, 10.0);
+        if vocab > 10 {
+            // Several equal maxima: the lowest index wins.
+            let top = 11.0;
+            for _ in 0..3 {
+                let i = rng.below(vocab as u64) as usize;
+                logits[i] = top;
+            }
+        }
+        let d = DeviceBuffer::from_slice(&logits).unwrap();
+        for temperature in [0.0, -1.0] {
+            let s = Sampling { temperature, ..Sampling::GREEDY };
+            assert_eq!(
+                device_sample(&d, vocab, &s, 0, 0),
+                sampler::argmax(&logits),
+                "vocab {vocab}, temperature {temperature}"
+            );
+        }
+        // top_k = 1 is greedy at any temperature.
+        let s = Sampling { temperature: 0.8, top_k: 1, top_p: 0.9, seed: rng.next_u64() };
+        assert_eq!(device_sample(&d, vocab, &s, 1, 5), sampler::argmax(&logits), "vocab {vocab}, top_k 1");
+    }
+}
+
+/// The sampler's algorithm with exact fixed-point masses (p * 2^36 as integers), which the device kernel
+/// implements: the same token as src/sampler.rs except where that one's f32 running sums round across a
+/// boundary.
+fn fixed_point_sample(logits: &[f32], s: &Sampling, stream: u32, position: u64) -> u32 {
+    if s.temperature <= 0.0 || s.top_k == 1 {
+        return sampler::argmax(logits);
+    }
+    let mut cand: Vec<u32> = (0..logits.len() as u32).collect();
+    cand.sort_by(|&a, &b| logits[b as usize].total_cmp(&logits[a as usize]).then(a.cmp(&b)));
+    if s.top_k != 0 && (s.top_k as usize) < logits.len() {
+        cand.truncate(s.top_k as usize);
+    }
+    let l_max = logits[cand[0] as usize];
+    let mass: Vec<u64> = cand
+        .iter()
+        .map(|&c| {
+            let p = ((logits[c as usize] - l_max) / s.temperature).exp();
+            ((p as f64) * 68719476736.0).round_ties_even() as u64
+        })
+        .collect();
+    let running: Vec<u64> = mass.iter().scan(0u64, |acc, &m| Some(*acc + m).inspect(|v| *acc = *v)).collect();
+    let total = *running.last().unwrap();
+    let mut kept = total;
+    if s.top_p > 0.0 && s.top_p < 1.0 {
+        let thresh = ((s.top_p as f64) * total as f64).ceil().clamp(1.0, total as f64) as u64;
+        kept = running[running.iter().position(|&c| c >= thresh).unwrap()];
+    }
+    let bits = sampler::splitmix64(s.seed ^ sampler::splitmix64(((stream as u64) << 40) ^ position)) >> 40;
+    let r = ((bits as u128 * kept as u128) >> 24) as u64;
+    let i = running.iter().position(|&c| c > r && c <= kept).unwrap_or(running.len() - 1);
+    cand[i]
+}
+
+/// True when src/sampler.rs's f32 sums could round its choice differently from exact arithmetic:
+/// the top-p threshold or the draw lies within `eps` (relative) of a running-sum boundary.
+fn near_boundary(logits: &[f32], s: &Sampling, stream: u32, position: u64, eps: f64) -> bool {
+    let mut cand: Vec<u32> = (0..logits.len() as u32).collect();
+    cand.sort_by(|&a, &b| logits[b as usize].total_cmp(&logits[a as usize]).then(a.cmp(&b)));
+    if s.top_k != 0 && (s.top_k as usize) < logits.len() {
+        cand.truncate(s.top_k as usize);
+    }
+    let l_max = logits[cand[0] as usize] as f64;
+    let running: Vec<f64> = cand
+        .iter()
+        .scan(0f64, |acc, &c| {
+            *acc += ((logits[c as usize] as f64 - l_max) / s.temperature as f64).exp();
+            Some(*acc)
+        })
+        .collect();
+    let total = *running.last().unwrap();
+    let near = |x: f64, scale: f64| running.iter().any(|&c| (c - x).abs() <= eps * scale);
+    let mut kept = total;
+    if s.top_p > 0.0 && s.top_p < 1.0 {
+        let t = s.top_p as f64 * total;
+        if near(t, total) {
+            return true;
+        }
+        kept = running[running.iter().position(|&c| c >= t).unwrap_or(running.len() - 1)];
+    }
+    near(sampler::uniform(s.seed, stream, position) as f64 * kept, kept)
+}
+
+#[test]
+fn sampled_tokens_match_the_cpu_sampler() {
+    if !gpu_present("sampled_tokens_match_the_cpu_sampler") {
+        return;
+    }
+    let mut rng = Rng::fresh("sampled_tokens_match_the_cpu_sampler");
+    let settings = [
+        (0.7, 40, 0.9),
+        (1.0, 0, 1.0),
+        (1.3, 0, 0.8),
+        (0.6, 5, 1.0),
+        (2.0, 100, 0.5),
+        (1.0, 20000, 0.95),
+        (0.9, 3, 0.0),
+    ];
+    let (mut compared, mut skipped) = (0, 0);
+    for (vocab, scale, quantize) in [(256, 4.0, false), (4096, 3.0, false), (32000, 4.0, false), (4096, 3.0, true)] {
+        // Quantized logits tie often: ties at the top-k cut, at the top-p cut and at the draw.
+        let logits: Vec<f32> =
+            rng.vec(vocab, scale).into_iter().map(|l| if quantize { (l * 2.0).round() / 2.0 } else { l }).collect();
+        let d = DeviceBuffer::from_slice(&logits).unwrap();
+        for &(temperature, top_k, top_p) in &settings {
+            for _ in 0..6 {
+                let s = Sampling { temperature, top_k, top_p, seed: rng.next_u64() };
+                let (stream, position) = (rng.below(8) as u32, rng.below(1 << 20));
+                let got = device_sample(&d, vocab, &s, stream, position);
+                let what = format!("vocab {vocab} quantized {quantize} {s:?} stream {stream} position {position}");
+                assert_eq!(got, fixed_point_sample(&logits, &s, stream, position), "{what}: exact algorithm");
+                // Over thousands of candidates the f32 running sums of src/sampler.rs drift by more than
+                // a candidate's weight, so its choice there is defined by its rounding, not by the draw.
+                let candidates = if top_k == 0 || top_k as usize >= vocab { vocab } else { top_k as usize };
+                if candidates > 256 {
+                    continue;
+                }
+                if near_boundary(&logits, &s, stream, position, 3e-5) {
+                    skipped += 1;
+                    continue;
+                }
+                compared += 1;
+                assert_eq!(got, sampler::sample(&logits, &s, stream, position), "{what}: src/sampler.rs");
+                // Same inputs, same token.
+                assert_eq!(got, device_sample(&d, vocab, &s, stream, position), "{what}: repeat");
+            }
+        }
+    }
+    println!("compared {compared} draws with src/sampler.rs, {skipped} skipped as within 3e-5 of a boundary");
+    assert!(skipped * 10 <= compared, "too many draws near a boundary to mean anything");
+}
+
+#[test]
+fn sampling_with_a_full_vocabulary_is_exact() {
+    if !gpu_present("sampling_with_a_full_vocabulary_is_exact") {
+        return;
+    }
+    let mut rng = Rng::fresh("sampling_with_a_full_vocabulary_is_exact");
+    let vocab = 151936;
+    let logits = rng.vec(vocab, 8.0);
+    let d = DeviceBuffer::from_slice(&logits).unwrap();
+    for (temperature, top_k, top_p) in [(1.0, 0, 1.0), (0.8, 0, 0.95), (1.5, 0, 0.6), (1.0, 2048, 0.9)] {
+        for _ in 0..4 {
+            let s = Sampling { temperature, top_k, top_p, seed: rng.next_u64() };
+            let position = rng.below(100000);
+            let got = device_sample(&d, vocab, &s, 3, position);
+            assert_eq!(got, fixed_point_sample(&logits, &s, 3, position), "{s:?} position {position}");
+        }
+    }
+}
