@@ -11,6 +11,7 @@ use crate::cuda::{self, PinnedBuffer};
 use crate::cudart as rt;
 use crate::ffi::engine_device_info;
 use crate::fit::{self, engine_fit_inputs, engine_placement, engine_plan};
+use crate::gpu::GpuModel;
 use crate::model::ModelConfig;
 use crate::placement::{Rows, RowsSource};
 use crate::status::{Result, Status};
@@ -238,17 +239,6 @@ pub fn window_of(cfg: &ModelConfig, opts: &engine_options) -> Result<u32> {
     u32::try_from(w).map_err(|_| crate::err!(InvalidArgument, "a window of {w} tokens is more than the engine counts"))
 }
 
-/// Device bytes the decode backend needs beside the rows: (weights without the rows, scratch, one stream).
-// REPLACE with crate::gpu::GpuModel::{weight_bytes, scratch_bytes, stream_bytes} once gpu.rs has them.
-fn backend_bytes(ckpt: &Checkpoint, max_batch: u32, window: u32) -> (u64, u64, u64) {
-    let cfg = &ckpt.config;
-    let weights = ckpt.weight_bytes() - ckpt.bytes_of(ckpt.embed()).len() as u64;
-    let scratch = (max_batch as u64)
-        * (4 * (cfg.hidden + cfg.q_dim() + 2 * cfg.kv_dim() + 2 * cfg.intermediate) as u64)
-        + 4 * cfg.vocab as u64;
-    (weights, scratch, window as u64 * cfg.kv_bytes_per_token())
-}
-
 /// The figures the fit rule decides on, from a checkpoint and the options. `device` is the device the
 /// engine would run on (None: no device; then `room_bytes` must be given and unified Auto is false).
 pub fn fit_inputs(
@@ -265,7 +255,13 @@ pub fn fit_inputs(
     };
     let max_batch = if opts.max_batch == 0 { DEFAULT_MAX_BATCH } else { opts.max_batch };
     let embed = ckpt.bytes_of(ckpt.embed()).len() as u64;
-    let (weights, scratch, stream) = backend_bytes(ckpt, max_batch, window);
+    // What the GPU model allocates beside the rows, from the same layout its load uses.
+    let weights = GpuModel::weight_bytes(ckpt);
+    if weights == 0 {
+        crate::bail!(BadModel, "{}: the GPU backend cannot lay out this model's weights", ckpt.path.display());
+    }
+    let scratch = GpuModel::scratch_bytes(cfg, max_batch as usize);
+    let stream = GpuModel::stream_bytes(cfg, window as usize);
     Ok(engine_fit_inputs {
         room_bytes: room,
         weight_bytes: weights + embed,

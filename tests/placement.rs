@@ -10,6 +10,7 @@ use hostembed::checkpoint::write::{write_synthetic_gguf, write_synthetic_hf};
 use hostembed::engine::{self, Engine, InitStep, engine_backend, engine_options, engine_tristate};
 use hostembed::ffi::{self, engine_device_info};
 use hostembed::fit::{self, engine_placement, engine_plan};
+use hostembed::gpu::GpuModel;
 use hostembed::model::{Arch, ModelConfig, RopeScaling};
 use hostembed::placement::{engine_memory, engine_rows};
 use hostembed::status::last_error;
@@ -162,11 +163,14 @@ fn the_plan_the_engine_derives_from_a_checkpoint() {
     let inputs = engine::fit_inputs(&ckpt, &opts, None).unwrap();
     let embed = (cfg.vocab * cfg.hidden * 2) as u64;
     assert_eq!(inputs.embed_bytes, embed);
+    assert_eq!(inputs.weight_bytes, GpuModel::weight_bytes(&ckpt) + embed);
     assert!(inputs.weight_bytes >= ckpt.weight_bytes(), "the card holds at least the stored bytes");
     // KV cache in bf16: layers x (K, V) x kv_heads x head_dim x 2 bytes a token.
     let per_token = (cfg.layers * 2 * cfg.kv_heads * cfg.head_dim * 2) as u64;
     assert_eq!(inputs.stream_bytes_per_token, per_token);
+    assert_eq!(inputs.stream_bytes, GpuModel::stream_bytes(&cfg, window as usize));
     assert!(inputs.stream_bytes >= window as u64 * per_token);
+    assert_eq!(inputs.scratch_bytes, GpuModel::scratch_bytes(&cfg, 64));
     assert!(inputs.scratch_bytes > 0);
     assert_eq!((inputs.window, inputs.room_bytes, inputs.reserve_bytes), (window, 1 << 40, 256 << 20));
     assert!(!inputs.unified && !inputs.embed_tied && !inputs.mmap_rows);
