@@ -287,6 +287,11 @@ impl GpuStream {
         self.window
     }
 
+    /// Bytes allocated for this stream: what `GpuModel::stream_bytes` predicts.
+    pub fn allocated_bytes(&self) -> u64 {
+        self.kv.bytes() as u64
+    }
+
     /// Forgets every token (the cache's memory and the captured graph are kept).
     pub fn reset(&mut self) {
         self.len = 0;
