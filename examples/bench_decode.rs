@@ -1,0 +1,333 @@
+//! Decode speed on the GPU: the matvec kernel's bandwidth on the shapes of a Llama-3-8B layer and head,
+//! and batch-1 decode tokens per second on a random model of a given shape (Llama-3-8B by default).
+//!
+//!     cargo run --release --example bench_decode -- [--hidden 4096] [--layers 32] [--heads 32]
+//!         [--kv-heads 8] [--head-dim 128] [--inter 14336] [--vocab 128256] [--dtype bf16|f16|f32|q8_0]
+//!         [--prompt 64] [--tokens 128] [--runs 5] [--tied] [--kernels-only]
+//!
+//! Prints one table per part; HOSTEMBED_CUDA_GRAPHS=0 runs the decode without CUDA graphs.
+
+use std::os::raw::{c_int, c_uint};
+use std::ptr;
+use std::time::Instant;
+
+use hostembed::checkpoint::write::{OwnedTensor, synthetic_weights};
+use hostembed::cuda::{self, DeviceBuffer, Event, Stream};
+use hostembed::cudart as rt;
+use hostembed::gpu::{GpuModel, RowsOnDevice};
+use hostembed::kernels as kn;
+use hostembed::model::{Arch, ModelConfig, RopeScaling, TensorRef, TensorSource, names};
+use hostembed::sampler::Sampling;
+use hostembed::tensor::{DType, encode_row};
+
+struct Args {
+    cfg: ModelConfig,
+    dtype: DType,
+    prompt: usize,
+    tokens: usize,
+    runs: usize,
+    kernels_only: bool,
+}
+
+fn parse() -> Args {
+    let mut cfg = ModelConfig {
+        arch: Arch::Llama,
+        vocab: 128256,
+        hidden: 4096,
+        layers: 32,
+        heads: 32,
+        kv_heads: 8,
+        head_dim: 128,
+        intermediate: 14336,
+        rms_eps: 1e-5,
+        rope_theta: 500000.0,
+        rope_scaling: RopeScaling::None,
+        rope_interleaved: false,
+        max_position: 8192,
+        tied: false,
+        qkv_bias: false,
+        qk_norm: false,
+        bos: None,
+        eos: None,
+    };
+    let (mut dtype, mut prompt, mut tokens, mut runs, mut kernels_only) = (DType::Bf16, 64, 128, 5, false);
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        let mut num =
+            || -> usize { it.next().and_then(|v| v.parse().ok()).unwrap_or_else(|| panic!("{flag} takes a number")) };
+        match flag.as_str() {
+            "--hidden" => cfg.hidden = num(),
+            "--layers" => cfg.layers = num(),
+            "--heads" => cfg.heads = num(),
+            "--kv-heads" => cfg.kv_heads = num(),
+            "--head-dim" => cfg.head_dim = num(),
+            "--inter" => cfg.intermediate = num(),
+            "--vocab" => cfg.vocab = num(),
+            "--prompt" => prompt = num(),
+            "--tokens" => tokens = num(),
+            "--runs" => runs = num(),
+            "--tied" => cfg.tied = true,
+            "--kernels-only" => kernels_only = true,
+            "--dtype" => {
+                dtype = match it.next().as_deref() {
+                    Some("bf16") => DType::Bf16,
+                    Some("f16") => DType::F16,
+                    Some("f32") => DType::F32,
+                    Some("q8_0") => DType::Q8_0,
+                    other => panic!("--dtype: bf16, f16, f32 or q8_0, not {other:?}"),
+                }
+            }
+            other => panic!("unknown flag {other} (see the comment at the top of examples/bench_decode.rs)"),
+        }
+    }
+    Args { cfg, dtype, prompt, tokens, runs, kernels_only }
+}
+
+/// cudaMemcpyDeviceToDevice (the runtime's constants are crate-private).
+const MEMCPY_DEVICE_TO_DEVICE: rt::cudaMemcpyKind = 3;
+
+fn check(code: c_int, what: &str) {
+    cuda::check(code, what).unwrap_or_else(|e| panic!("{what}: {e}"));
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+/// Random bytes of a rows x cols matrix in `dtype`, generated on several cores.
+fn random_matrix(dtype: DType, rows: usize, cols: usize, seed: u64) -> Vec<u8> {
+    let row_bytes = dtype.row_bytes(cols).expect("Q8_0 rows are whole blocks");
+    let mut out = vec![0u8; rows * row_bytes];
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let per = rows.div_ceil(threads).max(1);
+    std::thread::scope(|s| {
+        for (k, chunk) in out.chunks_mut(per * row_bytes).enumerate() {
+            s.spawn(move || {
+                let mut state = seed ^ (k as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+                let mut values = vec![0f32; cols];
+                for row in chunk.chunks_exact_mut(row_bytes) {
+                    for v in values.iter_mut() {
+                        state = hostembed::sampler::splitmix64(state);
+                        *v = ((state >> 40) as f32 / 16_777_216.0 * 2.0 - 1.0) / (cols as f32).sqrt();
+                    }
+                    row.copy_from_slice(&encode_row(dtype, &values));
+                }
+            });
+        }
+    });
+    out
+}
+
+/// Device-to-device copy bandwidth (bytes read plus written), the practical ceiling.
+fn copy_bandwidth(stream: &Stream) -> f64 {
+    let bytes = 2usize << 30;
+    let (a, b) = (DeviceBuffer::new(bytes).unwrap(), DeviceBuffer::new(bytes).unwrap());
+    a.fill_bytes(1).unwrap();
+    let copy = || {
+        check(
+            unsafe { rt::cudaMemcpyAsync(b.ptr(), a.ptr(), bytes, MEMCPY_DEVICE_TO_DEVICE, stream.raw()) },
+            "cudaMemcpyAsync",
+        )
+    };
+    copy();
+    let times: Vec<f64> = (0..5)
+        .map(|_| {
+            let (e0, e1) = (Event::new().unwrap(), Event::new().unwrap());
+            e0.record(stream.raw()).unwrap();
+            copy();
+            e1.record(stream.raw()).unwrap();
+            e1.elapsed_ms_since(&e0).unwrap() as f64
+        })
+        .collect();
+    2.0 * bytes as f64 / (median(times) * 1e-3) / 1e9
+}
+
+/// Median microseconds of one launch of `launch(copy)` over rotating copies of the weights.
+fn time_kernel(stream: &Stream, copies: usize, mut launch: impl FnMut(usize)) -> f64 {
+    for i in 0..copies.max(3) {
+        launch(i % copies);
+    }
+    let iters = 50;
+    let times: Vec<f64> = (0..7)
+        .map(|_| {
+            let (e0, e1) = (Event::new().unwrap(), Event::new().unwrap());
+            e0.record(stream.raw()).unwrap();
+            for i in 0..iters {
+                launch(i % copies);
+            }
+            e1.record(stream.raw()).unwrap();
+            e1.elapsed_ms_since(&e0).unwrap() as f64 * 1e3 / iters as f64
+        })
+        .collect();
+    median(times)
+}
+
+fn bench_kernels(stream: &Stream, peak: f64) {
+    println!("\nmatvec, batch 1 (weights rotated over copies that together exceed the L2)");
+    println!("| kernel | dtype | rows x cols | MB | us | GB/s | of copy bandwidth |");
+    println!("| --- | --- | --- | --- | --- | --- | --- |");
+    let shapes = [(4096, 4096), (4096, 14336), (14336, 4096), (128256, 4096)];
+    let mut cases: Vec<(DType, usize, usize)> = shapes.iter().map(|&(r, c)| (DType::Bf16, r, c)).collect();
+    cases.extend([(DType::F16, 4096, 14336), (DType::Q8_0, 4096, 14336), (DType::F32, 4096, 4096)]);
+    for (dtype, rows, cols) in cases {
+        let bytes = rows * dtype.row_bytes(cols).unwrap();
+        let copies = (512usize << 20).div_ceil(bytes).max(1);
+        let host = random_matrix(dtype, rows, cols, 7);
+        let weights: Vec<DeviceBuffer> = (0..copies).map(|_| DeviceBuffer::from_slice(&host).unwrap()).collect();
+        let x = DeviceBuffer::from_slice(&vec![0.5f32; cols]).unwrap();
+        let y = DeviceBuffer::new(rows * 4).unwrap();
+        let us = time_kernel(stream, copies, |i| {
+            check(
+                unsafe {
+                    kn::hostembed_matvec(
+                        weights[i].ptr(),
+                        dtype as c_int,
+                        rows as c_uint,
+                        cols as c_uint,
+                        x.ptr() as *const f32,
+                        1,
+                        ptr::null(),
+                        ptr::null(),
+                        y.ptr() as *mut f32,
+                        rows as c_uint,
+                        stream.raw(),
+                    )
+                },
+                "hostembed_matvec",
+            )
+        });
+        let gbs = bytes as f64 / (us * 1e-6) / 1e9;
+        println!(
+            "| matvec | {} | {rows} x {cols} | {:.1} | {us:.1} | {gbs:.0} | {:.0}% |",
+            dtype.name(),
+            bytes as f64 / 1e6,
+            100.0 * gbs / peak
+        );
+    }
+    // Gate and up with SwiGLU in one pass: two matrices per launch.
+    let (rows, cols) = (14336, 4096);
+    let bytes = rows * cols * 2;
+    let copies = (512usize << 20).div_ceil(2 * bytes).max(1);
+    let host = random_matrix(DType::Bf16, rows, cols, 9);
+    let weights: Vec<DeviceBuffer> = (0..2 * copies).map(|_| DeviceBuffer::from_slice(&host).unwrap()).collect();
+    let x = DeviceBuffer::from_slice(&vec![0.5f32; cols]).unwrap();
+    let y = DeviceBuffer::new(rows * 4).unwrap();
+    let us = time_kernel(stream, copies, |i| {
+        check(
+            unsafe {
+                kn::hostembed_matvec_swiglu(
+                    weights[2 * i].ptr(),
+                    weights[2 * i + 1].ptr(),
+                    DType::Bf16 as c_int,
+                    rows as c_uint,
+                    cols as c_uint,
+                    x.ptr() as *const f32,
+                    1,
+                    y.ptr() as *mut f32,
+                    stream.raw(),
+                )
+            },
+            "hostembed_matvec_swiglu",
+        )
+    });
+    let gbs = 2.0 * bytes as f64 / (us * 1e-6) / 1e9;
+    println!(
+        "| matvec_swiglu | BF16 | 2 x {rows} x {cols} | {:.1} | {us:.1} | {gbs:.0} | {:.0}% |",
+        2.0 * bytes as f64 / 1e6,
+        100.0 * gbs / peak
+    );
+}
+
+struct MemSource {
+    cfg: ModelConfig,
+    tensors: std::collections::HashMap<String, OwnedTensor>,
+}
+
+impl TensorSource for MemSource {
+    fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    fn tensor(&self, name: &str) -> hostembed::Result<TensorRef<'_>> {
+        let t = self.tensors.get(name).ok_or_else(|| hostembed::err!(BadModel, "tensor {name} is missing"))?;
+        Ok(TensorRef { dtype: t.dtype, shape: &t.shape, bytes: &t.data })
+    }
+}
+
+fn bench_decode(args: &Args, peak: f64) {
+    let cfg = &args.cfg;
+    let t0 = Instant::now();
+    let src = MemSource {
+        cfg: cfg.clone(),
+        tensors: synthetic_weights(cfg, 1, args.dtype).into_iter().map(|t| (t.name.clone(), t)).collect(),
+    };
+    let embed = src.tensor(names::EMBED).unwrap();
+    let rows_buf = DeviceBuffer::from_slice(embed.bytes).unwrap();
+    let rows = RowsOnDevice { ptr: rows_buf.ptr(), dtype: embed.dtype, vocab: embed.rows(), cols: embed.cols() };
+    let mut gpu = GpuModel::load(&src, rows, 64).unwrap();
+    let weight_bytes = GpuModel::weight_bytes(&src);
+    drop(src);
+    println!(
+        "\nmodel built and loaded in {:.1} s: {:.2} GB of weights",
+        t0.elapsed().as_secs_f64(),
+        weight_bytes as f64 / 1e9
+    );
+
+    let window = args.prompt + args.tokens + 1;
+    let prompt: Vec<u32> = (0..args.prompt as u32).map(|i| (i * 7919 + 13) % cfg.vocab as u32).collect();
+    let sampled = Sampling { temperature: 0.8, top_k: 40, top_p: 0.95, seed: 42 };
+    // Per decoded token, the bytes read: every weight but the embedding rows, one row of them, and the KV
+    // cache (about half a window on average).
+    let per_token = weight_bytes as f64
+        + embed_row_bytes(cfg, args.dtype) as f64
+        + cfg.kv_bytes_per_token() as f64 * (args.prompt + args.tokens / 2) as f64;
+    println!(
+        "\nbatch-1 decode after a {}-token prompt, {} tokens, median of {} runs",
+        args.prompt, args.tokens, args.runs
+    );
+    println!("| sampling | prompt tok/s | decode tok/s | ms/token | GB/s (weights + KV) | of copy bandwidth |");
+    println!("| --- | --- | --- | --- | --- | --- |");
+    for (name, s) in [("greedy", Sampling::GREEDY), ("sampled", sampled)] {
+        let mut prompt_rates = Vec::new();
+        let mut rates = Vec::new();
+        for _ in 0..args.runs + 1 {
+            let mut stream = gpu.new_stream(window).unwrap();
+            let t = Instant::now();
+            let mut next = gpu.step(&mut stream, &prompt, &s, 0).unwrap();
+            let prompt_s = t.elapsed().as_secs_f64();
+            let t = Instant::now();
+            for _ in 0..args.tokens {
+                next = gpu.step(&mut stream, &[next], &s, 0).unwrap();
+            }
+            prompt_rates.push(args.prompt as f64 / prompt_s);
+            rates.push(args.tokens as f64 / t.elapsed().as_secs_f64());
+        }
+        // The first run captures graphs and warms up.
+        let (p, r) = (median(prompt_rates[1..].to_vec()), median(rates[1..].to_vec()));
+        let gbs = per_token * r / 1e9;
+        println!("| {name} | {p:.0} | {r:.1} | {:.2} | {gbs:.0} | {:.0}% |", 1e3 / r, 100.0 * gbs / peak);
+    }
+}
+
+fn embed_row_bytes(cfg: &ModelConfig, dtype: DType) -> usize {
+    dtype.row_bytes(cfg.hidden).unwrap_or(cfg.hidden * 2)
+}
+
+fn main() {
+    let args = parse();
+    cuda::require_device(0).unwrap_or_else(|e| {
+        eprintln!("bench_decode: {e}");
+        std::process::exit(1);
+    });
+    let mut name = vec![0 as std::os::raw::c_char; 256];
+    check(unsafe { kn::hostembed_device_name(0, name.as_mut_ptr(), name.len()) }, "hostembed_device_name");
+    let name = unsafe { std::ffi::CStr::from_ptr(name.as_ptr()) }.to_string_lossy().into_owned();
+    let stream = Stream::new().unwrap();
+    let peak = copy_bandwidth(&stream);
+    println!("{name}: device-to-device copy {peak:.0} GB/s (read + write)");
+    bench_kernels(&stream, peak);
+    if !args.kernels_only {
+        bench_decode(&args, peak);
+    }
+}
