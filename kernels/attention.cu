@@ -177,13 +177,10 @@ __global__ __launch_bounds__(AT_THREADS, 2) void attention_split_kernel(
         for (int w = 0; w < AT_WARPS; w++) s += acc_s[w][h][c];
         part_of[(size_t)h * splits * pstride + 2 + c] = s;
     }
-    if (tid < nh) {
-        part_of[(size_t)tid * splits * pstride] = m_run[0];
-        part_of[(size_t)tid * splits * pstride + 1] = l_run[0];
-    }
-    // m_run/l_run are the same in every thread; pick head tid's without a run-time register index.
+    // m_run/l_run are the same in every thread: thread h writes head h's, indexing the registers with
+    // compile-time constants only.
 #pragma unroll
-    for (int h = 1; h < HB; h++) {
+    for (int h = 0; h < HB; h++) {
         if (tid == (unsigned int)h && (unsigned int)h < nh) {
             part_of[(size_t)h * splits * pstride] = m_run[h];
             part_of[(size_t)h * splits * pstride + 1] = l_run[h];
