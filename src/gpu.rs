@@ -242,6 +242,9 @@ fn plan<'a>(src: &'a dyn TensorSource, strict: bool) -> Result<Plan<'a>> {
     Ok(Plan { groups })
 }
 
+/// A tensor's device pointer, with (format, rows, cols) when it is a matrix.
+type Placed = (*const c_void, Option<(DType, usize, usize)>);
+
 /// A captured single-token forward pass for one stream of one model.
 struct StepGraph {
     graph: rt::cudaGraph_t,
@@ -401,7 +404,7 @@ impl GpuModel {
         let offsets: Vec<usize> = plan.groups.iter().map(|g| layout.push(g.iter().map(Item::bytes).sum())).collect();
         let weights = DeviceBuffer::new(layout.total)?;
         let base = weights.ptr() as *const u8;
-        let mut placed: Vec<(*const c_void, Option<(DType, usize, usize)>)> = Vec::new();
+        let mut placed: Vec<Placed> = Vec::new();
         for (group, &at) in plan.groups.iter().zip(&offsets) {
             let mut off = at;
             for item in group {
@@ -470,7 +473,6 @@ impl GpuModel {
                 _ => bail!(Panic, "weight plan: lm_head is not a matrix"),
             }
         };
-        drop(next);
 
         let s = ScratchLayout::new(&cfg, max_batch);
         let scratch = DeviceBuffer::new(s.total)?;
@@ -725,7 +727,7 @@ impl GpuModel {
             (f(self.s.x), f(self.s.xn), f(self.s.qkv), f(self.s.attn), f(self.s.gate), f(self.s.up));
         let ids = self.buf(self.s.ids) as *const c_int;
         let pos = self.buf(self.s.pos) as *const c_int;
-        let layer_kv = (cfg.kv_heads * stream.window * hd * 2) as usize;
+        let layer_kv = cfg.kv_heads * stream.window * hd * 2;
         let kv_base = stream.kv.ptr() as *mut u8;
         let splits = attention_splits(cfg, n) as c_uint;
         let scale = 1.0 / (hd as f32).sqrt();
@@ -876,10 +878,10 @@ impl GpuModel {
         if cfg.vocab == 0 || cfg.hidden == 0 || cfg.layers == 0 || cfg.heads == 0 || cfg.intermediate == 0 {
             bail!(BadModel, "config: vocab, hidden, layers, heads and intermediate must be positive");
         }
-        if cfg.kv_heads == 0 || cfg.heads % cfg.kv_heads != 0 {
+        if cfg.kv_heads == 0 || !cfg.heads.is_multiple_of(cfg.kv_heads) {
             bail!(BadModel, "config: {} attention heads are not a multiple of {} KV heads", cfg.heads, cfg.kv_heads);
         }
-        if cfg.head_dim == 0 || cfg.head_dim % 8 != 0 || cfg.head_dim > 256 {
+        if cfg.head_dim == 0 || !cfg.head_dim.is_multiple_of(8) || cfg.head_dim > 256 {
             bail!(Unsupported, "head_dim {}: the CUDA attention takes multiples of 8 up to 256", cfg.head_dim);
         }
         if cfg.vocab > i32::MAX as usize {
