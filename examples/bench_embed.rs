@@ -66,26 +66,33 @@ struct Timings {
     batch_gbs: f64,
 }
 
+/// Single-row latency: events around each of many back-to-back gathers (read once at the end, so the
+/// card stays busy as in a decode loop); then the bandwidth of 4096-id gathers.
 fn time_rows(rows: &Rows, stream: &Stream, ids: &DeviceBuffer, out: &DeviceBuffer) -> hostembed::Result<Timings> {
-    let (start, end) = (Event::new()?, Event::new()?);
     let id_ptr = |i: usize| unsafe { (ids.ptr() as *const i32).add(i) };
-    // Warm-up: module load and the first touches.
+    let gather = |first: usize, n: usize| unsafe {
+        rows.gather_device(id_ptr(first), n, out.ptr(), DType::F32, std::ptr::null_mut(), stream.raw())
+    };
     for i in 0..20 {
-        unsafe { rows.gather_device(id_ptr(i), 1, out.ptr(), DType::F32, std::ptr::null_mut(), stream.raw()) }?;
+        gather(i, 1)?;
     }
     stream.synchronize()?;
-    let mut single = Vec::with_capacity(SINGLE_ITERS);
-    for i in 0..SINGLE_ITERS {
+    let events: Vec<(Event, Event)> =
+        (0..SINGLE_ITERS).map(|_| Ok((Event::new()?, Event::new()?))).collect::<hostembed::Result<_>>()?;
+    for (i, (start, end)) in events.iter().enumerate() {
         start.record(stream.raw())?;
-        unsafe { rows.gather_device(id_ptr(i), 1, out.ptr(), DType::F32, std::ptr::null_mut(), stream.raw()) }?;
+        gather(i, 1)?;
         end.record(stream.raw())?;
-        single.push(end.elapsed_ms_since(&start)? as f64 * 1000.0);
     }
+    let single = events
+        .iter()
+        .map(|(s, e)| Ok(e.elapsed_ms_since(s)? as f64 * 1000.0))
+        .collect::<hostembed::Result<Vec<_>>>()?;
+    let (start, end) = (Event::new()?, Event::new()?);
     let mut batch = Vec::with_capacity(BATCH_ITERS);
     for it in 0..BATCH_ITERS {
-        let first = (it * 997) % SINGLE_ITERS;
         start.record(stream.raw())?;
-        unsafe { rows.gather_device(id_ptr(first), BATCH, out.ptr(), DType::F32, std::ptr::null_mut(), stream.raw()) }?;
+        gather((it * 997) % SINGLE_ITERS, BATCH)?;
         end.record(stream.raw())?;
         let s = end.elapsed_ms_since(&start)? as f64 / 1000.0;
         batch.push((BATCH * rows.row_bytes()) as f64 / s / 1e9);
@@ -124,14 +131,29 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     placement::read_ahead(src.bytes);
     let _ = src.bytes.iter().step_by(4096).fold(0u8, |a, b| a ^ b);
     let t = Instant::now();
-    let pinned = cuda::PinnedBuffer::new_mapped(table)?;
+    let mut pinned = cuda::PinnedBuffer::new_mapped(table)?;
     let alloc_s = t.elapsed().as_secs_f64();
+    let t = Instant::now();
+    placement::parallel_copy(&mut pinned.as_mut_slice()[..table], src.bytes);
+    let copy_s = t.elapsed().as_secs_f64();
+    let t = Instant::now();
     drop(pinned);
+    let free_s = t.elapsed().as_secs_f64();
     let mut scratch = vec![0u8; table];
     let t = Instant::now();
     scratch.copy_from_slice(src.bytes);
     let one_thread_s = t.elapsed().as_secs_f64();
     drop(scratch);
+    // For comparison: anonymous memory filled by the copy threads, then registered (pinning resident pages).
+    let t = Instant::now();
+    let mut anon = memmap2::MmapMut::map_anon(table)?;
+    placement::parallel_copy(&mut anon[..], src.bytes);
+    let anon_copy_s = t.elapsed().as_secs_f64();
+    let t = Instant::now();
+    let reg = cuda::HostRegistration::new(anon.as_mut_ptr() as *mut std::os::raw::c_void, table, 0x01 | 0x02)?;
+    let anon_reg_s = t.elapsed().as_secs_f64();
+    drop(reg);
+    drop(anon);
     let t = Instant::now();
     let host = Rows::host_mapped(&src)?;
     let host_s = t.elapsed().as_secs_f64();
@@ -145,13 +167,17 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let g = gib(table);
     println!("| placing {:.2} GiB of rows                          | seconds | GiB/s |", g);
     println!("|---------------------------------------------------|---------|-------|");
-    println!("| cudaHostAlloc(Mapped|Portable) alone              | {alloc_s:7.3} | {:5.1} |", g / alloc_s);
-    println!("| one-thread memcpy from the mapping (pageable dst) | {one_thread_s:7.3} | {:5.1} |", g / one_thread_s);
+    println!("| cudaHostAlloc(Mapped|Portable)                    | {alloc_s:7.3} | {:5.1} |", g / alloc_s);
     println!(
-        "| HOST_MAPPED: alloc + {:2}-thread copy              | {host_s:7.3} | {:5.1} |",
+        "| {:2}-thread copy from the mapping into it           | {copy_s:7.3} | {:5.1} |",
         placement::copy_threads(),
-        g / host_s
+        g / copy_s
     );
+    println!("| cudaFreeHost                                      | {free_s:7.3} |       |");
+    println!("| one-thread memcpy from the mapping (pageable dst) | {one_thread_s:7.3} | {:5.1} |", g / one_thread_s);
+    println!("| HOST_MAPPED as placed (Rows::host_mapped)         | {host_s:7.3} | {:5.1} |", g / host_s);
+    println!("| alternative: anonymous map + copy                 | {anon_copy_s:7.3} | {:5.1} |", g / anon_copy_s);
+    println!("| alternative: then cudaHostRegister(Mapped)        | {anon_reg_s:7.3} | {:5.1} |", g / anon_reg_s);
     println!("| DEVICE: cudaMalloc + upload                       | {device_s:7.3} | {:5.1} |", g / device_s);
     println!(
         "| FILE_MAPPED: register + madvise ({:<16}) | {file_s:7.3} | {:5.1} |",

@@ -44,16 +44,6 @@ template <int DT> __device__ __forceinline__ float value_at(const unsigned char 
     }
 }
 
-template <int OUT> __device__ __forceinline__ void write_zeros(void *out, size_t row, unsigned cols) {
-    if constexpr (OUT == HE_DTYPE_F32) {
-        float *o = (float *)out + row * cols;
-        for (unsigned c = threadIdx.x; c < cols; c += blockDim.x) o[c] = 0.0f;
-    } else {
-        __nv_bfloat16 *o = (__nv_bfloat16 *)out + row * cols;
-        for (unsigned c = threadIdx.x; c < cols; c += blockDim.x) o[c] = __float2bfloat16_rn(0.0f);
-    }
-}
-
 // Writes `count` values of a staged span to `o`, 16 bytes a store where the output allows it.
 template <int DT, int OUT>
 __device__ __forceinline__ void write_values(const unsigned char *s, void *o, unsigned count) {
@@ -88,25 +78,39 @@ __device__ __forceinline__ void write_values(const unsigned char *s, void *o, un
     }
 }
 
+template <int OUT> __device__ __forceinline__ void write_zeros(void *out, size_t row, unsigned cols, unsigned v0,
+                                                            unsigned count) {
+    if constexpr (OUT == HE_DTYPE_F32) {
+        float *o = (float *)out + row * cols + v0;
+        for (unsigned c = threadIdx.x; c < count; c += blockDim.x) o[c] = 0.0f;
+    } else {
+        __nv_bfloat16 *o = (__nv_bfloat16 *)out + row * cols + v0;
+        for (unsigned c = threadIdx.x; c < count; c += blockDim.x) o[c] = __float2bfloat16_rn(0.0f);
+    }
+}
+
+// Block (x, y) gathers ids x, x + gridDim.x, ... and within each row the pieces of `piece_values` values
+// y, y + gridDim.y, ...: a few ids spread each row over several SMs, so more of it is in flight at once.
 template <int DT, int OUT>
 __global__ void __launch_bounds__(kThreads) embed_gather(const unsigned char *__restrict__ rows, unsigned vocab,
-                                                           unsigned cols, size_t row_bytes, const int *__restrict__ ids,
-                                                           unsigned n, void *__restrict__ out, int *bad) {
+                                                           unsigned cols, size_t row_bytes, unsigned piece_values,
+                                                           const int *__restrict__ ids, unsigned n,
+                                                           void *__restrict__ out, int *bad) {
     __shared__ uint4 stage[kStageGranules];
     constexpr unsigned unit_bytes = Unit<DT>::bytes, unit_values = Unit<DT>::values;
-    constexpr unsigned chunk_values = kChunkSpanBytes / unit_bytes * unit_values;
     const size_t out_size = OUT == HE_DTYPE_F32 ? 4 : 2;
 
     for (unsigned i = blockIdx.x; i < n; i += gridDim.x) {
         const int id = ids[i];
-        if (id < 0 || (unsigned)id >= vocab) {
-            write_zeros<OUT>(out, i, cols);
-            if (bad != nullptr && threadIdx.x == 0) *bad = 1;
-            continue;
-        }
-        const unsigned char *row = rows + (size_t)id * row_bytes;
-        for (unsigned v0 = 0; v0 < cols; v0 += chunk_values) {
-            const unsigned count = min(chunk_values, cols - v0);
+        const bool valid = id >= 0 && (unsigned)id < vocab;
+        if (!valid && bad != nullptr && blockIdx.y == 0 && threadIdx.x == 0) *bad = 1;
+        const unsigned char *row = rows + (valid ? (size_t)id * row_bytes : 0);
+        for (unsigned v0 = blockIdx.y * piece_values; v0 < cols; v0 += gridDim.y * piece_values) {
+            const unsigned count = min(piece_values, cols - v0);
+            if (!valid) {
+                write_zeros<OUT>(out, i, cols, v0, count);
+                continue;
+            }
             const uintptr_t start = (uintptr_t)(row + (size_t)(v0 / unit_values) * unit_bytes);
             const uintptr_t end = start + (size_t)(count / unit_values) * unit_bytes;
             // The aligned granules around the span never leave its pages: every placement maps whole pages.
@@ -131,15 +135,32 @@ __global__ void __launch_bounds__(kThreads) embed_gather(const unsigned char *__
     }
 }
 
+// Fewer ids than this split their rows into pieces across blocks; more fill the card one row a block.
+constexpr unsigned kSplitBelowIds = 64;
+// A piece of a split row: 2 KiB, 128 loads of 16 bytes.
+constexpr unsigned kSplitPieceBytes = 2048;
+
 template <int DT>
 cudaError_t launch(const void *rows, unsigned vocab, unsigned cols, size_t row_bytes, const int *ids, unsigned n,
                    void *out, int out_dtype, int *bad, cudaStream_t stream) {
-    const unsigned blocks = n < 65535u ? n : 65535u;
+    constexpr unsigned unit_bytes = Unit<DT>::bytes, unit_values = Unit<DT>::values;
+    // Pieces are whole multiples of 32 values: whole Q8_0 blocks, and 16-byte aligned outputs.
+    const unsigned max_piece = kChunkSpanBytes / unit_bytes * unit_values / 32 * 32;
+    unsigned piece = max_piece, pieces = 1;
+    if (n < kSplitBelowIds && row_bytes > kSplitPieceBytes) {
+        const unsigned want = (unsigned)((row_bytes + kSplitPieceBytes - 1) / kSplitPieceBytes);
+        piece = (cols + want - 1) / want;
+        piece = (piece + 31) / 32 * 32;
+        if (piece > max_piece) piece = max_piece;
+    }
+    pieces = (cols + piece - 1) / piece;
+    if (pieces > 65535u) return cudaErrorInvalidValue;
+    const dim3 grid(n < 65535u ? n : 65535u, n < kSplitBelowIds ? pieces : 1);
     const unsigned char *r = (const unsigned char *)rows;
     if (out_dtype == HE_DTYPE_F32)
-        embed_gather<DT, HE_DTYPE_F32><<<blocks, kThreads, 0, stream>>>(r, vocab, cols, row_bytes, ids, n, out, bad);
+        embed_gather<DT, HE_DTYPE_F32><<<grid, kThreads, 0, stream>>>(r, vocab, cols, row_bytes, piece, ids, n, out, bad);
     else
-        embed_gather<DT, HE_DTYPE_BF16><<<blocks, kThreads, 0, stream>>>(r, vocab, cols, row_bytes, ids, n, out, bad);
+        embed_gather<DT, HE_DTYPE_BF16><<<grid, kThreads, 0, stream>>>(r, vocab, cols, row_bytes, piece, ids, n, out, bad);
     return cudaGetLastError();
 }
 

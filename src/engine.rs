@@ -326,10 +326,9 @@ pub struct Engine {
     ckpt: HeldCheckpoint,
 }
 
-// The log callback's user pointer is the caller's, who promises it may be used from the threads it
-// calls the engine on; everything else the engine holds is owned or immutable after init.
+// The log callback's user pointer is the caller's, who promises it may be used from the thread it
+// moves the engine to; everything else the engine holds is owned.
 unsafe impl Send for Engine {}
-unsafe impl Sync for Engine {}
 
 impl Engine {
     /// Opens `path`, plans with the fit rule, logs the start-up line and places the rows.

@@ -147,16 +147,25 @@ fn placements(path: &Path, lines: &mut Vec<String>) -> Vec<(engine_placement, en
     ]
 }
 
-fn init(path: &Path, opts: &engine_options) -> *mut ffi::engine {
+/// An engine freed when dropped, so a failed assertion does not leave it to the next test's counters.
+struct Held(*mut ffi::engine);
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        unsafe { ffi::engine_free(self.0) };
+    }
+}
+
+fn init(path: &Path, opts: &engine_options) -> Held {
     let mut e = std::ptr::null_mut();
     let st = unsafe { ffi::engine_init_fit(c_path(path).as_ptr(), opts, &mut e) };
     assert_eq!(st, Status::Ok, "engine_init_fit({}): {}", path.display(), last_error());
-    e
+    Held(e)
 }
 
-fn rows_of(e: *const ffi::engine) -> engine_rows {
+fn rows_of(e: &Held) -> engine_rows {
     let mut r: engine_rows = unsafe { std::mem::zeroed() };
-    assert_eq!(unsafe { ffi::engine_embed_rows(e, &mut r) }, Status::Ok);
+    assert_eq!(unsafe { ffi::engine_embed_rows(e.0, &mut r) }, Status::Ok);
     r
 }
 
@@ -170,7 +179,7 @@ fn reference_row(ckpt: &Checkpoint, id: usize) -> Vec<f32> {
 
 /// Gathers random ids (with 0 and vocab-1) through engine_embed in f32 and bf16 on a stream of the
 /// test's own, and compares every bit with the CPU decoding of the file's bytes.
-fn check_exact(e: *const ffi::engine, ckpt: &Checkpoint, rng: &mut Rng, count: usize, what: &str) {
+fn check_exact(e: &Held, ckpt: &Checkpoint, rng: &mut Rng, count: usize, what: &str) {
     let (vocab, cols) = (ckpt.embed().rows(), ckpt.embed().cols());
     let mut ids: Vec<i32> = (0..count).map(|_| rng.below(vocab as u64) as i32).collect();
     ids.extend([0, vocab as i32 - 1]);
@@ -181,7 +190,7 @@ fn check_exact(e: *const ffi::engine, ckpt: &Checkpoint, rng: &mut Rng, count: u
     let want: Vec<Vec<f32>> = ids.iter().map(|&id| reference_row(ckpt, id as usize)).collect();
 
     out.fill_bytes(0xff).unwrap();
-    let st = unsafe { ffi::engine_embed(e, ids_dev.ptr() as *const i32, n, out.ptr(), DType::F32, stream.raw()) };
+    let st = unsafe { ffi::engine_embed(e.0, ids_dev.ptr() as *const i32, n, out.ptr(), DType::F32, stream.raw()) };
     assert_eq!(st, Status::Ok, "{what}: {}", last_error());
     let mut got = vec![0f32; n * cols];
     out.download(&mut got).unwrap();
@@ -194,7 +203,7 @@ fn check_exact(e: *const ffi::engine, ckpt: &Checkpoint, rng: &mut Rng, count: u
 
     out.fill_bytes(0xff).unwrap();
     let st =
-        unsafe { ffi::engine_embed(e, ids_dev.ptr() as *const i32, n, out.ptr(), DType::Bf16, std::ptr::null_mut()) };
+        unsafe { ffi::engine_embed(e.0, ids_dev.ptr() as *const i32, n, out.ptr(), DType::Bf16, std::ptr::null_mut()) };
     assert_eq!(st, Status::Ok, "{what}: {}", last_error());
     let mut got = vec![0u16; n * cols];
     out.download(&mut got).unwrap();
@@ -207,14 +216,14 @@ fn check_exact(e: *const ffi::engine, ckpt: &Checkpoint, rng: &mut Rng, count: u
 }
 
 /// Ids outside the vocabulary: OUT_OF_RANGE, their rows zeros (never read), the others exact.
-fn check_out_of_range(e: *const ffi::engine, ckpt: &Checkpoint, what: &str) {
+fn check_out_of_range(e: &Held, ckpt: &Checkpoint, what: &str) {
     let (vocab, cols) = (ckpt.embed().rows(), ckpt.embed().cols());
     let ids = [vocab as i32, 5, -1, i32::MIN];
     let ids_dev = DeviceBuffer::from_slice(&ids).unwrap();
     let out = DeviceBuffer::new(ids.len() * cols * 4).unwrap();
     out.fill_bytes(0xff).unwrap();
     let st = unsafe {
-        ffi::engine_embed(e, ids_dev.ptr() as *const i32, ids.len(), out.ptr(), DType::F32, std::ptr::null_mut())
+        ffi::engine_embed(e.0, ids_dev.ptr() as *const i32, ids.len(), out.ptr(), DType::F32, std::ptr::null_mut())
     };
     assert_eq!(st, Status::OutOfRange, "{what}");
     let mut got = vec![0f32; ids.len() * cols];
@@ -231,7 +240,7 @@ fn check_out_of_range(e: *const ffi::engine, ckpt: &Checkpoint, what: &str) {
     // The flag is cleared per call: a clean call after a bad one is OK.
     let st = unsafe {
         ffi::engine_embed(
-            e,
+            e.0,
             (ids_dev.ptr() as *const i32).wrapping_add(1),
             1,
             out.ptr(),
@@ -243,7 +252,7 @@ fn check_out_of_range(e: *const ffi::engine, ckpt: &Checkpoint, what: &str) {
 }
 
 /// What an engine in `placement` must report about its rows.
-fn check_rows_report(e: *const ffi::engine, ckpt: &Checkpoint, placement: engine_placement, what: &str) {
+fn check_rows_report(e: &Held, ckpt: &Checkpoint, placement: engine_placement, what: &str) {
     let r = rows_of(e);
     let t = ckpt.embed();
     assert_eq!(r.placement, placement, "{what}");
@@ -253,9 +262,9 @@ fn check_rows_report(e: *const ffi::engine, ckpt: &Checkpoint, placement: engine
         "{what}"
     );
     assert!(r.device_usable && !r.data.is_null(), "{what}");
-    let host_ptr = unsafe { ffi::engine_host_embed_ptr(e) };
+    let host_ptr = unsafe { ffi::engine_host_embed_ptr(e.0) };
     let mut plan: engine_plan = unsafe { std::mem::zeroed() };
-    assert_eq!(unsafe { ffi::engine_plan_of(e, &mut plan) }, Status::Ok);
+    assert_eq!(unsafe { ffi::engine_plan_of(e.0, &mut plan) }, Status::Ok);
     assert_eq!(plan.placement, placement, "{what}: the plan reports where the rows went");
     if placement == engine_placement::Device {
         assert!(host_ptr.is_null() && r.host_data.is_null(), "{what}");
@@ -286,9 +295,9 @@ fn every_placement_gathers_every_format_exactly() {
             let what = format!("{} rows {}x{} {placement:?}", dtype.name(), cfg.vocab, cfg.hidden);
             lines.clear();
             let e = init(&path, &opts);
-            check_rows_report(e, &ckpt, placement, &what);
-            check_exact(e, &ckpt, &mut rng, 300, &what);
-            check_out_of_range(e, &ckpt, &what);
+            check_rows_report(&e, &ckpt, placement, &what);
+            check_exact(&e, &ckpt, &mut rng, 300, &what);
+            check_out_of_range(&e, &ckpt, &what);
             match placement {
                 engine_placement::Device => assert_eq!(lines.len(), 1, "{what}: {lines:?}"),
                 engine_placement::HostMapped => assert_eq!(
@@ -301,7 +310,7 @@ fn every_placement_gathers_every_format_exactly() {
                     assert_eq!(stats().registered_bytes, span, "{what}: the page-aligned span is registered");
                 }
             }
-            unsafe { ffi::engine_free(e) };
+            drop(e);
             assert_eq!(stats(), engine_memory::default(), "{what}: nothing held after engine_free");
         }
     }
@@ -322,25 +331,25 @@ fn ds4_embd_mmap_reads_rows_from_the_file_mapping() {
     unsafe { std::env::set_var(engine::MMAP_ROWS_ENV, "1") };
     let e = init(&path, &opts);
     unsafe { std::env::remove_var(engine::MMAP_ROWS_ENV) };
-    check_rows_report(e, &ckpt, engine_placement::FileMapped, "DS4_EMBD_MMAP=1");
+    check_rows_report(&e, &ckpt, engine_placement::FileMapped, "DS4_EMBD_MMAP=1");
     assert_eq!(lines[1], "embedding rows read from the file mapping: DS4_EMBD_MMAP=1");
-    check_exact(e, &ckpt, &mut rng, 100, "DS4_EMBD_MMAP=1");
-    unsafe { ffi::engine_free(e) };
+    check_exact(&e, &ckpt, &mut rng, 100, "DS4_EMBD_MMAP=1");
+    drop(e);
     let e = init(&path, &opts);
-    assert_eq!(rows_of(e).placement, engine_placement::Device, "unset: rows on the card");
-    unsafe { ffi::engine_free(e) };
+    assert_eq!(rows_of(&e).placement, engine_placement::Device, "unset: rows on the card");
+    drop(e);
     assert_eq!(stats(), engine_memory::default());
 }
 
-/// Both seed tables: exact in every placement, the device bytes a host placement frees, the engine's
-/// prediction against cudaMemGetInfo, and the baseline after engine_free.
+/// Both seed tables: exact in every placement, the device bytes a host placement frees, and the
+/// baseline after engine_free.
 #[test]
-fn seed_shapes_exact_and_measured() {
-    if !gpu_present("seed_shapes_exact_and_measured") {
+fn seed_shapes_exact_and_freed() {
+    if !gpu_present("seed_shapes_exact_and_freed") {
         return;
     }
     let _g = serial();
-    let mut rng = Rng::fresh("seed_shapes_exact_and_measured");
+    let mut rng = Rng::fresh("seed_shapes_exact_and_freed");
     let dir = Scratch::new("seed");
     warm_up(&dir.0);
     for (vocab, hidden, dtype) in [(248_320, 5_120, DType::Bf16), (129_280, 4_096, DType::F16)] {
@@ -355,18 +364,11 @@ fn seed_shapes_exact_and_measured() {
             let base = free_bytes();
             let e = init(&path, &opts);
             let taken = base.saturating_sub(free_bytes());
-            let mut plan: engine_plan = unsafe { std::mem::zeroed() };
-            assert_eq!(unsafe { ffi::engine_plan_of(e, &mut plan) }, Status::Ok);
-            println!("{what}: predicted on card {} MiB, measured {} MiB", plan.on_card_bytes / MIB, taken / MIB);
-            assert!(
-                plan.on_card_bytes.abs_diff(taken) <= 32 * MIB,
-                "{what}: predicted {} bytes on the card, cudaMemGetInfo says {taken}",
-                plan.on_card_bytes
-            );
+            println!("{what}: {} MiB of device memory taken", taken / MIB);
             used.push((placement, taken));
-            check_rows_report(e, &ckpt, placement, &what);
-            check_exact(e, &ckpt, &mut rng, 500, &what);
-            unsafe { ffi::engine_free(e) };
+            check_rows_report(&e, &ckpt, placement, &what);
+            check_exact(&e, &ckpt, &mut rng, 500, &what);
+            drop(e);
             assert_eq!(stats(), engine_memory::default(), "{what}");
             let back = free_bytes();
             assert!(back.abs_diff(base) <= 2 * MIB, "{what}: device memory {back} after engine_free, {base} before");
@@ -390,14 +392,45 @@ fn seed_shapes_exact_and_measured() {
     }
 }
 
+/// The engine's own prediction of what its load puts on the card (plan.on_card_bytes: weights,
+/// scratch, and the rows when they stay there) against cudaMemGetInfo, in every placement.
+#[test]
+fn predicted_on_card_bytes_match_measured() {
+    if !gpu_present("predicted_on_card_bytes_match_measured") {
+        return;
+    }
+    let _g = serial();
+    let dir = Scratch::new("predicted");
+    warm_up(&dir.0);
+    let cfg =
+        ModelConfig { layers: 2, heads: 16, kv_heads: 4, head_dim: 128, intermediate: 5632, ..config(32_000, 2_048) };
+    let path = write_model(&dir.0, &cfg, DType::Bf16, 8);
+    let mut lines = Vec::new();
+    for (placement, opts) in placements(&path, &mut lines) {
+        let base = free_bytes();
+        let e = init(&path, &opts);
+        let taken = base.saturating_sub(free_bytes());
+        let mut plan: engine_plan = unsafe { std::mem::zeroed() };
+        assert_eq!(unsafe { ffi::engine_plan_of(e.0, &mut plan) }, Status::Ok);
+        println!("{placement:?}: predicted on card {} MiB, measured {} MiB", plan.on_card_bytes / MIB, taken / MIB);
+        assert!(
+            plan.on_card_bytes.abs_diff(taken) <= 32 * MIB,
+            "{placement:?}: predicted {} bytes on the card, cudaMemGetInfo says {taken}",
+            plan.on_card_bytes
+        );
+        drop(e);
+        assert_eq!(stats(), engine_memory::default());
+    }
+}
+
 /// Module loading and the first allocations take device memory once; measure after them.
 fn warm_up(dir: &Path) {
     let path = write_model(dir, &config(512, 128), DType::Bf16, 1);
     let mut lines = Vec::new();
     let e = init(&path, &options(1 << 50, engine_tristate::No, &mut lines));
     let ckpt = Checkpoint::open(&path).unwrap();
-    check_exact(e, &ckpt, &mut Rng(1), 4, "warm-up");
-    unsafe { ffi::engine_free(e) };
+    check_exact(&e, &ckpt, &mut Rng(1), 4, "warm-up");
+    drop(e);
 }
 
 #[test]
@@ -428,11 +461,12 @@ fn room_swept_across_the_boundary_flips_where_the_rule_says() {
             assert!(e.is_null());
         } else {
             assert_eq!(st, Status::Ok, "room {room}: {}", last_error());
+            let e = Held(e);
             let mut got: engine_plan = unsafe { std::mem::zeroed() };
-            assert_eq!(unsafe { ffi::engine_plan_of(e, &mut got) }, Status::Ok);
+            assert_eq!(unsafe { ffi::engine_plan_of(e.0, &mut got) }, Status::Ok);
             assert_eq!(got, want, "room {room}: the engine's plan is the rule's");
-            assert_eq!(rows_of(e).placement, want.placement, "room {room}");
-            unsafe { ffi::engine_free(e) };
+            assert_eq!(rows_of(&e).placement, want.placement, "room {room}");
+            drop(e);
         }
         seen.insert(format!("{:?}/{}", want.placement, want.streams > 0));
         assert_eq!(stats(), engine_memory::default(), "room {room}");
