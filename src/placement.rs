@@ -159,19 +159,21 @@ pub fn parallel_copy(dst: &mut [u8], src: &[u8]) {
         dst.copy_from_slice(src);
         return;
     }
-    let pieces: Vec<(&mut [u8], &[u8])> = dst.chunks_mut(PIECE).zip(src.chunks(PIECE)).collect();
-    let pieces: Vec<std::sync::Mutex<Option<(&mut [u8], &[u8])>>> =
-        pieces.into_iter().map(|p| std::sync::Mutex::new(Some(p))).collect();
+    let pieces = src.len().div_ceil(PIECE);
     let next = AtomicUsize::new(0);
+    let dst_addr = dst.as_mut_ptr() as usize;
     std::thread::scope(|scope| {
         for _ in 0..threads {
             scope.spawn(|| {
                 loop {
                     let i = next.fetch_add(1, Ordering::Relaxed);
-                    let Some(piece) = pieces.get(i) else { break };
-                    if let Some((d, s)) = piece.lock().unwrap_or_else(|p| p.into_inner()).take() {
-                        d.copy_from_slice(s);
+                    if i >= pieces {
+                        break;
                     }
+                    let (start, end) = (i * PIECE, ((i + 1) * PIECE).min(src.len()));
+                    // SAFETY: each piece index is taken by one thread only, so no two threads write one byte.
+                    let d = unsafe { std::slice::from_raw_parts_mut((dst_addr as *mut u8).add(start), end - start) };
+                    d.copy_from_slice(&src[start..end]);
                 }
             });
         }

@@ -526,3 +526,14 @@ fn nulls_and_bad_enums_are_invalid_arguments() {
     }
     assert_eq!(stats(), engine_memory::default());
 }
+
+#[test]
+fn parallel_copy_copies_every_byte() {
+    let mut rng = Rng::fresh("parallel_copy_copies_every_byte");
+    for len in [0usize, 1, 4095, (16 << 20) + 1, (53 << 20) + 12_345] {
+        let src: Vec<u8> = (0..len.div_ceil(8)).flat_map(|_| rng.next_u64().to_le_bytes()).take(len).collect();
+        let mut dst = vec![0u8; len];
+        hostembed::placement::parallel_copy(&mut dst, &src);
+        assert!(dst == src, "{len} bytes");
+    }
+}
