@@ -8,41 +8,11 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define VERSION 3
-
-#define DEFAULT_ALIGNMENT 32
-
-// A GGUF tensor has at most this many dimensions (ggml's limit).
-#define MAX_DIMS 4
-
-// ggml type ids of the formats this crate reads.
-#define GGML_F32 0
-
-#define GGML_F16 1
-
-#define GGML_Q8_0 8
-
-#define GGML_BF16 30
-
-#define DEFAULT_MAX_BATCH 512
-
 // The ABI this header describes; a caller compares it with `engine_abi_version()`.
 #define HOSTEMBED_ABI_VERSION 1
 
 // The default reserve for the load's other buffers (kernel modules, the kit): about 85 MB measured.
 #define ENGINE_FIT_DEFAULT_RESERVE_BYTES (256 << 20)
-
-#define NORMAL 1
-
-#define UNKNOWN 2
-
-#define CONTROL 3
-
-#define USER_DEFINED 4
-
-#define UNUSED 5
-
-#define BYTE 6
 
 // What a call did; `ENGINE_STATUS_OK` is 0 so C can test `if (status)`.
 typedef enum engine_status {
@@ -256,6 +226,27 @@ typedef struct engine_memory {
   uint64_t mapped_bytes;
 } engine_memory;
 
+// What a caller needs to drive the engine.
+struct engine_model_info {
+  uint32_t vocab;
+  uint32_t layers;
+  uint32_t hidden;
+  uint32_t heads;
+  uint32_t kv_heads;
+  uint32_t head_dim;
+  // Tokens each stream holds.
+  uint32_t window;
+  // Streams the fit admitted (each steppable independently).
+  uint32_t streams;
+  // Begin- and end-of-sequence ids; -1 when the model has none.
+  int32_t bos;
+  int32_t eos;
+  // Where the embedding rows live.
+  enum engine_placement placement;
+  // True when decoding runs on CUDA, false on the CPU backend.
+  bool cuda;
+};
+
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
@@ -330,6 +321,50 @@ enum engine_status engine_memory_stats(struct engine_memory *out);
 // register the file mapping gets HOST_MAPPED). UNSUPPORTED on the CPU backend, which has no device plan.
 enum engine_status engine_plan_of(const struct engine *e,
                                   struct engine_plan *out);
+
+// Appends `n` tokens (a prompt, or the last sampled token) to stream `stream` and writes the token the
+// engine's sampler picks next to `*next` (greedy at temperature 0, else temperature/top-k/top-p drawn
+// from (seed, stream, position)). OUT_OF_RANGE for an id outside the vocabulary or a stream the fit did
+// not admit, NO_ROOM past the window; either way nothing is appended.
+enum engine_status engine_step(struct engine *e,
+                               uint32_t stream,
+                               const int32_t *tokens,
+                               size_t n,
+                               int32_t *next);
+
+// Copies the logits of the last position of stream `stream`'s last step into `out` (`len` must be at
+// least the vocabulary). Only the most recently stepped stream keeps its logits.
+enum engine_status engine_logits(const struct engine *e,
+                                 uint32_t stream,
+                                 float *out,
+                                 size_t len);
+
+// Empties stream `stream` so it can take a new prompt.
+enum engine_status engine_reset(struct engine *e, uint32_t stream);
+
+enum engine_status engine_model_info(const struct engine *e, struct engine_model_info *out);
+
+// Tokenizes `len` bytes of UTF-8 `text` (no NUL needed) into `ids`, after the model's bos when `add_bos`
+// is set and the model has one. `*n_out` is always set to the number of ids the text needs; `ids` may
+// be NULL with `cap` 0 to ask only for that. OUT_OF_RANGE when `cap` is smaller (nothing written),
+// UNSUPPORTED when the model has no usable tokenizer, INVALID_ARGUMENT for text that is not UTF-8.
+enum engine_status engine_tokenize(const struct engine *e,
+                                   const char *text,
+                                   size_t len,
+                                   bool add_bos,
+                                   int32_t *ids,
+                                   size_t cap,
+                                   size_t *n_out);
+
+// The bytes token `id` adds to the text, written into `buf` like snprintf (at most `len - 1` bytes, then
+// a NUL); returns the piece's length. Use that length rather than strlen: a piece may hold a NUL byte,
+// and a byte-level piece may be part of a UTF-8 character. An id of the model that the tokenizer lacks
+// (padding rows) is an empty piece. On failure a negative status: -OUT_OF_RANGE for an id outside the
+// vocabulary, -UNSUPPORTED when the model has no usable tokenizer, -INVALID_ARGUMENT for NULLs.
+int32_t engine_token_piece(const struct engine *e,
+                           int32_t id,
+                           char *buf,
+                           size_t len);
 
 #ifdef __cplusplus
 }  // extern "C"

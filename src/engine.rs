@@ -7,15 +7,18 @@
 #![allow(non_camel_case_types)]
 
 use crate::checkpoint::Checkpoint;
+use crate::cpu::{CpuModel, CpuStream};
 use crate::cuda::{self, PinnedBuffer};
 use crate::cudart as rt;
 use crate::ffi::engine_device_info;
 use crate::fit::{self, engine_fit_inputs, engine_placement, engine_plan};
-use crate::gpu::GpuModel;
+use crate::gpu::{GpuModel, GpuStream, RowsOnDevice};
 use crate::model::ModelConfig;
 use crate::placement::{Rows, RowsSource};
+use crate::sampler::{self, Sampling};
 use crate::status::{Result, Status};
 use crate::tensor::DType;
+use crate::tokenizer::Tokenizer;
 use std::ffi::CString;
 use std::os::raw::{c_char, c_void};
 use std::path::Path;
@@ -305,6 +308,26 @@ pub enum InitStep {
     Loaded,
 }
 
+/// Streams the CPU backend admits when `max_streams` is 0 (it has no device memory to plan).
+pub const CPU_STREAMS: u32 = 16;
+
+/// The decode backend and its streams, each allocated on first use.
+enum Backend {
+    /// Only while the engine is being built.
+    None,
+    Cpu {
+        window: usize,
+        streams: Vec<Option<CpuStream>>,
+        last: Option<(u32, Vec<f32>)>,
+    },
+    Cuda {
+        model: GpuModel,
+        window: usize,
+        streams: Vec<Option<GpuStream>>,
+        last: Option<u32>,
+    },
+}
+
 /// The backend an engine runs on, once resolved.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum BackendKind {
@@ -314,8 +337,10 @@ pub enum BackendKind {
 
 /// A loaded model with its embedding rows placed.
 pub struct Engine {
-    // Fields drop in order: the decode backend (which reads the rows; the lead's model goes first in
-    // this struct), the rows, the out-of-range flag, and last the mapping the rows may point into.
+    // Fields drop in order: the decode backend (which reads the rows), the rows, the out-of-range
+    // flag, and last the mapping the rows may point into.
+    backend: Backend,
+    tokenizer: Option<Tokenizer>,
     rows: Rows,
     bad_ids: Option<Mutex<PinnedBuffer>>,
     plan: Option<engine_plan>,
@@ -371,6 +396,8 @@ impl Engine {
             let rows = unsafe { Rows::in_mapping(&src) }?;
             injected(InitStep::RowsPlaced)?;
             let mut engine = Engine {
+                backend: Backend::None,
+                tokenizer: None,
                 rows,
                 bad_ids: None,
                 plan: None,
@@ -407,6 +434,8 @@ impl Engine {
         let bad_ids = Mutex::new(PinnedBuffer::new_mapped(std::mem::size_of::<i32>())?);
         injected(InitStep::RowsPlaced)?;
         let mut engine = Engine {
+            backend: Backend::None,
+            tokenizer: None,
             rows,
             bad_ids: Some(bad_ids),
             plan: Some(plan),
@@ -421,11 +450,159 @@ impl Engine {
         Ok(engine)
     }
 
-    /// Loads the decode backend beside the placed rows: the GPU model reading `self.rows` on CUDA,
-    /// the CPU model reading the mapping on the CPU. The decode engine fills this in; placing the rows
-    /// needs nothing from it.
+    /// Loads the decode backend beside the placed rows (the GPU model reading `self.rows` on CUDA; the
+    /// CPU model reads the mapping at each step) and the tokenizer, whose absence only costs text.
     fn load_backend(&mut self) -> Result<()> {
+        let window = window_of(&self.ckpt.config, &self.options)? as usize;
+        self.backend = match self.kind {
+            BackendKind::Cpu => {
+                // Checked once here so a bad model fails the load, not the first step.
+                CpuModel::new(&*self.ckpt)?;
+                let streams = if self.options.max_streams > 0 { self.options.max_streams } else { CPU_STREAMS };
+                Backend::Cpu { window, streams: (0..streams).map(|_| None).collect(), last: None }
+            }
+            BackendKind::Cuda => {
+                let r = self.rows.describe();
+                let rows = RowsOnDevice { ptr: r.data, dtype: r.dtype, vocab: r.rows as usize, cols: r.cols as usize };
+                let model = GpuModel::load(&*self.ckpt, rows, self.options.max_batch as usize)?;
+                let streams = self.plan.map_or(0, |p| p.streams) as usize;
+                Backend::Cuda { model, window, streams: (0..streams).map(|_| None).collect(), last: None }
+            }
+        };
+        self.tokenizer = match Tokenizer::from_source(&self.ckpt.tokenizer) {
+            Ok(t) => t,
+            Err(e) => {
+                self.logger.line(&format!("no tokenizer, token ids only: {}", e.message));
+                None
+            }
+        };
         Ok(())
+    }
+
+    pub fn tokenizer(&self) -> Option<&Tokenizer> {
+        self.tokenizer.as_ref()
+    }
+
+    /// Streams this engine admits (the plan's count on CUDA).
+    pub fn stream_count(&self) -> usize {
+        match &self.backend {
+            Backend::Cpu { streams, .. } => streams.len(),
+            Backend::Cuda { streams, .. } => streams.len(),
+            Backend::None => 0,
+        }
+    }
+
+    /// The window every stream has, in tokens.
+    pub fn window(&self) -> usize {
+        match &self.backend {
+            Backend::Cpu { window, .. } | Backend::Cuda { window, .. } => *window,
+            Backend::None => 0,
+        }
+    }
+
+    fn sampling(&self) -> Sampling {
+        let o = &self.options;
+        Sampling { temperature: o.temperature, top_k: o.top_k, top_p: o.top_p, seed: o.seed }
+    }
+
+    /// Appends `tokens` to stream `stream` and returns the token the sampler picks next.
+    /// A stream's KV cache is allocated on its first step, so admitted streams cost nothing until used.
+    pub fn step(&mut self, stream: u32, tokens: &[i32]) -> Result<u32> {
+        let vocab = self.ckpt.config.vocab;
+        if tokens.is_empty() {
+            crate::bail!(InvalidArgument, "engine_step: no tokens");
+        }
+        if let Some((i, t)) = tokens.iter().enumerate().find(|(_, t)| **t < 0 || **t as usize >= vocab) {
+            crate::bail!(OutOfRange, "engine_step: token {i} is id {t}, outside the vocabulary (0..{vocab})");
+        }
+        let ids: Vec<u32> = tokens.iter().map(|&t| t as u32).collect();
+        let sampling = self.sampling();
+        let count = self.stream_count();
+        let slot = stream as usize;
+        if slot >= count {
+            crate::bail!(OutOfRange, "engine_step: stream {stream}, but {count} streams were admitted");
+        }
+        match &mut self.backend {
+            Backend::Cpu { window, streams, last } => {
+                let model = CpuModel::new(&*self.ckpt)?;
+                let s = streams[slot].get_or_insert_with(|| model.new_stream(*window));
+                let position = (s.len() + ids.len()) as u64;
+                let logits = model.forward(s, &ids)?;
+                let next = sampler::sample(&logits, &sampling, stream, position);
+                *last = Some((stream, logits));
+                Ok(next)
+            }
+            Backend::Cuda { model, window, streams, last } => {
+                cuda::check(unsafe { rt::cudaSetDevice(self.options.device) }, "cudaSetDevice")?;
+                if streams[slot].is_none() {
+                    streams[slot] = Some(model.new_stream(*window)?);
+                }
+                let s = streams[slot].as_mut().expect("allocated above");
+                let next = model.step(s, &ids, &sampling, stream)?;
+                *last = Some(stream);
+                Ok(next)
+            }
+            Backend::None => crate::bail!(Unsupported, "engine_step: the engine has no backend"),
+        }
+    }
+
+    /// The logits after the last position of the last step; only the most recently stepped stream
+    /// keeps them (holding every stream's would cost a vocabulary-sized copy per step).
+    pub fn logits(&self, stream: u32) -> Result<Vec<f32>> {
+        let stale = || {
+            crate::err!(InvalidArgument, "logits are kept for the last stepped stream only; stream {stream} is not it")
+        };
+        match &self.backend {
+            Backend::Cpu { last: Some((s, logits)), .. } if *s == stream => Ok(logits.clone()),
+            Backend::Cuda { model, last: Some(s), .. } if *s == stream => {
+                cuda::check(unsafe { rt::cudaSetDevice(self.options.device) }, "cudaSetDevice")?;
+                model.last_logits()
+            }
+            _ if stream as usize >= self.stream_count() => {
+                crate::bail!(OutOfRange, "stream {stream}, but {} streams were admitted", self.stream_count())
+            }
+            _ => Err(stale()),
+        }
+    }
+
+    /// Empties stream `stream` (its memory is kept for the next prompt).
+    pub fn reset(&mut self, stream: u32) -> Result<()> {
+        let count = self.stream_count();
+        let slot = stream as usize;
+        if slot >= count {
+            crate::bail!(OutOfRange, "engine_reset: stream {stream}, but {count} streams were admitted");
+        }
+        match &mut self.backend {
+            Backend::Cpu { streams, last, .. } => {
+                if let Some(s) = streams[slot].as_mut() {
+                    s.reset();
+                }
+                if last.as_ref().is_some_and(|(s, _)| *s == stream) {
+                    *last = None;
+                }
+            }
+            Backend::Cuda { streams, last, .. } => {
+                if let Some(s) = streams[slot].as_mut() {
+                    s.reset();
+                }
+                if *last == Some(stream) {
+                    *last = None;
+                }
+            }
+            Backend::None => {}
+        }
+        Ok(())
+    }
+
+    /// Tokens stream `stream` holds now.
+    pub fn stream_len(&self, stream: u32) -> Result<usize> {
+        let slot = stream as usize;
+        let len = match &self.backend {
+            Backend::Cpu { streams, .. } => streams.get(slot).map(|s| s.as_ref().map_or(0, |s| s.len())),
+            Backend::Cuda { streams, .. } => streams.get(slot).map(|s| s.as_ref().map_or(0, |s| s.len())),
+            Backend::None => None,
+        };
+        len.ok_or_else(|| crate::err!(OutOfRange, "stream {stream}, but {} streams were admitted", self.stream_count()))
     }
 
     pub fn config(&self) -> &ModelConfig {

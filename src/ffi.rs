@@ -384,3 +384,205 @@ pub unsafe extern "C" fn engine_plan_of(e: *const engine, out: *mut fit::engine_
 
 // ---------------------------------------------------------------------------------------------
 // Decode
+
+unsafe fn engine_mut<'a>(e: *mut engine) -> Result<&'a mut Engine> {
+    unsafe { e.as_mut() }.map(|e| &mut e.0).ok_or_else(|| Error::new(Status::InvalidArgument, "engine is NULL"))
+}
+
+/// Appends `n` tokens (a prompt, or the last sampled token) to stream `stream` and writes the token the
+/// engine's sampler picks next to `*next` (greedy at temperature 0, else temperature/top-k/top-p drawn
+/// from (seed, stream, position)). OUT_OF_RANGE for an id outside the vocabulary or a stream the fit did
+/// not admit, NO_ROOM past the window; either way nothing is appended.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn engine_step(
+    e: *mut engine,
+    stream: u32,
+    tokens: *const i32,
+    n: usize,
+    next: *mut i32,
+) -> engine_status {
+    guard("engine_step", || {
+        let e = unsafe { engine_mut(e) }?;
+        let next = unsafe { arg_mut(next, "next") }?;
+        if tokens.is_null() {
+            crate::bail!(InvalidArgument, "tokens is NULL");
+        }
+        let tokens = unsafe { std::slice::from_raw_parts(tokens, n) };
+        *next = e.step(stream, tokens)? as i32;
+        Ok(())
+    })
+}
+
+/// Copies the logits of the last position of stream `stream`'s last step into `out` (`len` must be at
+/// least the vocabulary). Only the most recently stepped stream keeps its logits.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn engine_logits(e: *const engine, stream: u32, out: *mut f32, len: usize) -> engine_status {
+    guard("engine_logits", || {
+        let e = unsafe { engine_ref(e) }?;
+        if out.is_null() {
+            crate::bail!(InvalidArgument, "out is NULL");
+        }
+        let vocab = e.config().vocab;
+        if len < vocab {
+            crate::bail!(InvalidArgument, "out holds {len} floats; the vocabulary is {vocab}");
+        }
+        let logits = e.logits(stream)?;
+        unsafe { std::ptr::copy_nonoverlapping(logits.as_ptr(), out, vocab) };
+        Ok(())
+    })
+}
+
+/// Empties stream `stream` so it can take a new prompt.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn engine_reset(e: *mut engine, stream: u32) -> engine_status {
+    guard("engine_reset", || unsafe { engine_mut(e) }?.reset(stream))
+}
+
+/// What a caller needs to drive the engine.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct engine_model_info {
+    pub vocab: u32,
+    pub layers: u32,
+    pub hidden: u32,
+    pub heads: u32,
+    pub kv_heads: u32,
+    pub head_dim: u32,
+    /// Tokens each stream holds.
+    pub window: u32,
+    /// Streams the fit admitted (each steppable independently).
+    pub streams: u32,
+    /// Begin- and end-of-sequence ids; -1 when the model has none.
+    pub bos: i32,
+    pub eos: i32,
+    /// Where the embedding rows live.
+    pub placement: fit::engine_placement,
+    /// True when decoding runs on CUDA, false on the CPU backend.
+    pub cuda: bool,
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn engine_model_info(e: *const engine, out: *mut engine_model_info) -> engine_status {
+    guard("engine_model_info", || {
+        let e = unsafe { engine_ref(e) }?;
+        let out = unsafe { arg_mut(out, "out") }?;
+        let c = e.config();
+        *out = engine_model_info {
+            vocab: c.vocab as u32,
+            layers: c.layers as u32,
+            hidden: c.hidden as u32,
+            heads: c.heads as u32,
+            kv_heads: c.kv_heads as u32,
+            head_dim: c.head_dim as u32,
+            window: e.window() as u32,
+            streams: e.stream_count() as u32,
+            bos: c.bos.map_or(-1, |b| b as i32),
+            eos: c.eos.map_or(-1, |b| b as i32),
+            placement: e.rows().placement(),
+            cuda: e.backend() == crate::engine::BackendKind::Cuda,
+        };
+        Ok(())
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
+// Decode: tokenizer
+
+use crate::tokenizer::Tokenizer;
+
+/// The engine's text tokenizer, or UNSUPPORTED saying why text cannot be used.
+fn text_tokenizer(e: &Engine) -> Result<&Tokenizer> {
+    e.tokenizer().ok_or_else(|| {
+        Error::new(
+            Status::Unsupported,
+            "the model has no usable tokenizer (no tokenizer.json beside the weights, or a GGUF tokenizer other \
+             than gpt2 byte-level BPE: the load's log says which); token ids still work",
+        )
+    })
+}
+
+/// Tokenizes `len` bytes of UTF-8 `text` (no NUL needed) into `ids`, after the model's bos when `add_bos`
+/// is set and the model has one. `*n_out` is always set to the number of ids the text needs; `ids` may
+/// be NULL with `cap` 0 to ask only for that. OUT_OF_RANGE when `cap` is smaller (nothing written),
+/// UNSUPPORTED when the model has no usable tokenizer, INVALID_ARGUMENT for text that is not UTF-8.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn engine_tokenize(
+    e: *const engine,
+    text: *const c_char,
+    len: usize,
+    add_bos: bool,
+    ids: *mut i32,
+    cap: usize,
+    n_out: *mut usize,
+) -> engine_status {
+    guard("engine_tokenize", || {
+        let n_out = unsafe { arg_mut(n_out, "n_out") }?;
+        *n_out = 0;
+        let e = unsafe { engine_ref(e) }?;
+        let bytes: &[u8] = match (len, text.is_null()) {
+            (0, _) => &[],
+            (_, true) => crate::bail!(InvalidArgument, "text is NULL with len {len}"),
+            (_, false) => unsafe { std::slice::from_raw_parts(text as *const u8, len) },
+        };
+        let text = std::str::from_utf8(bytes)
+            .map_err(|err| crate::err!(InvalidArgument, "text is not UTF-8 at byte {}", err.valid_up_to()))?;
+        let tokenizer = text_tokenizer(e)?;
+        let tokens = tokenizer.encode(text, if add_bos { e.config().bos } else { None })?;
+        let vocab = e.config().vocab;
+        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
+            crate::bail!(OutOfRange, "the tokenizer gave id {bad}, outside the model's vocabulary (0..{vocab})");
+        }
+        *n_out = tokens.len();
+        if ids.is_null() {
+            if cap == 0 {
+                return Ok(());
+            }
+            crate::bail!(InvalidArgument, "ids is NULL with cap {cap}");
+        }
+        if tokens.len() > cap {
+            crate::bail!(OutOfRange, "the text needs {} ids, ids holds {cap}", tokens.len());
+        }
+        let out = unsafe { std::slice::from_raw_parts_mut(ids, tokens.len()) };
+        for (slot, &token) in out.iter_mut().zip(&tokens) {
+            // Below the model's vocabulary, which fits i32 (checked at load).
+            *slot = token as i32;
+        }
+        Ok(())
+    })
+}
+
+/// The bytes token `id` adds to the text, written into `buf` like snprintf (at most `len - 1` bytes, then
+/// a NUL); returns the piece's length. Use that length rather than strlen: a piece may hold a NUL byte,
+/// and a byte-level piece may be part of a UTF-8 character. An id of the model that the tokenizer lacks
+/// (padding rows) is an empty piece. On failure a negative status: -OUT_OF_RANGE for an id outside the
+/// vocabulary, -UNSUPPORTED when the model has no usable tokenizer, -INVALID_ARGUMENT for NULLs.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn engine_token_piece(e: *const engine, id: i32, buf: *mut c_char, len: usize) -> i32 {
+    if !buf.is_null() && len > 0 {
+        unsafe { *buf = 0 };
+    }
+    let mut need = 0i32;
+    let status = guard("engine_token_piece", || {
+        let e = unsafe { engine_ref(e) }?;
+        if buf.is_null() && len > 0 {
+            crate::bail!(InvalidArgument, "buf is NULL with len {len}");
+        }
+        let vocab = e.config().vocab;
+        if id < 0 || id as usize >= vocab {
+            crate::bail!(OutOfRange, "token id {id} outside the vocabulary (0..{vocab})");
+        }
+        let tokenizer = text_tokenizer(e)?;
+        let piece: &[u8] = if (id as usize) < tokenizer.vocab_size() { tokenizer.piece_ref(id as u32)? } else { &[] };
+        need = i32::try_from(piece.len())
+            .map_err(|_| crate::err!(OutOfRange, "token {id}'s piece is {} bytes", piece.len()))?;
+        if len > 0 {
+            let n = piece.len().min(len - 1);
+            unsafe {
+                std::ptr::copy_nonoverlapping(piece.as_ptr(), buf as *mut u8, n);
+                *buf.add(n) = 0;
+            }
+        }
+        Ok(())
+    });
+    if status == Status::Ok { need } else { -(status as i32) }
+}

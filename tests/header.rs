@@ -86,3 +86,16 @@ int main(void) {
     let expected = format!("header {v} library {v}\n", v = hostembed::ffi::HOSTEMBED_ABI_VERSION);
     assert_eq!(stdout, expected);
 }
+
+/// Internal constants must not leak into callers' namespace as bare macros like VERSION.
+#[test]
+fn every_macro_in_the_header_is_prefixed() {
+    let header = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/include/hostembed.h")).unwrap();
+    let bare: Vec<&str> = header
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("#define "))
+        .filter_map(|l| l.split_whitespace().next())
+        .filter(|name| !name.starts_with("HOSTEMBED_") && !name.starts_with("ENGINE_"))
+        .collect();
+    assert!(bare.is_empty(), "unprefixed macros in include/hostembed.h: {bare:?}");
+}

@@ -8,9 +8,13 @@ use hostembed::Status;
 use hostembed::checkpoint::Checkpoint;
 use hostembed::checkpoint::gguf::GgufValue;
 use hostembed::checkpoint::write::{synthetic_weights, write_gguf, write_hf_folder};
+use hostembed::engine::{default_options, engine_backend};
+use hostembed::ffi::{engine, engine_free, engine_init_fit, engine_token_piece, engine_tokenize};
 use hostembed::model::{Arch, ModelConfig, RopeScaling};
 use hostembed::tensor::DType;
 use hostembed::tokenizer::{self, GgufBpeVocab, Tokenizer, token_type};
+use std::ffi::CString;
+use std::os::raw::c_char;
 use std::path::{Path, PathBuf};
 
 fn asset(name: &str) -> PathBuf {
@@ -364,4 +368,132 @@ fn checkpoints_carry_the_same_tokenizer_in_both_formats() {
     let e = Tokenizer::from_source(&ckpt.tokenizer).unwrap_err();
     assert_eq!(e.status, Status::Unsupported);
     assert!(e.message.contains("\"llama\""), "{e}");
+}
+
+/// An engine on the CPU backend over `model`, freed on drop.
+struct CpuEngine(*mut engine);
+
+impl CpuEngine {
+    fn open(model: &Path) -> CpuEngine {
+        let mut opts = default_options();
+        opts.backend = engine_backend::Cpu;
+        let path = CString::new(model.to_str().unwrap()).unwrap();
+        let mut e = std::ptr::null_mut();
+        let s = unsafe { engine_init_fit(path.as_ptr(), &opts, &mut e) };
+        assert_eq!(s, Status::Ok, "{}: {}", model.display(), hostembed::status::last_error());
+        CpuEngine(e)
+    }
+
+    fn tokenize(&self, text: &[u8], add_bos: bool, cap: usize) -> (Status, Vec<i32>, usize) {
+        let mut ids = vec![-7i32; cap];
+        let mut n = usize::MAX;
+        let ptr = if cap == 0 { std::ptr::null_mut() } else { ids.as_mut_ptr() };
+        let s =
+            unsafe { engine_tokenize(self.0, text.as_ptr() as *const c_char, text.len(), add_bos, ptr, cap, &mut n) };
+        (s, ids, n)
+    }
+
+    fn piece(&self, id: i32) -> Result<Vec<u8>, i32> {
+        let need = unsafe { engine_token_piece(self.0, id, std::ptr::null_mut(), 0) };
+        if need < 0 {
+            return Err(need);
+        }
+        let mut buf = vec![0x55 as c_char; need as usize + 1];
+        let again = unsafe { engine_token_piece(self.0, id, buf.as_mut_ptr(), buf.len()) };
+        assert_eq!(again, need, "piece of {id}");
+        assert_eq!(buf[need as usize], 0, "piece of {id} is NUL-terminated");
+        Ok(buf[..need as usize].iter().map(|&b| b as u8).collect())
+    }
+}
+
+impl Drop for CpuEngine {
+    fn drop(&mut self) {
+        unsafe { engine_free(self.0) };
+    }
+}
+
+/// engine_tokenize and engine_token_piece through the C ABI, from safetensors and GGUF, with a model
+/// vocabulary padded past the tokenizer's.
+#[test]
+fn c_abi_tokenizes_and_returns_pieces() {
+    let dir = Scratch::new("c-abi");
+    let cfg = ModelConfig { vocab: 520, ..tiny_config() };
+    let weights = synthetic_weights(&cfg, 11, DType::F32);
+    let hf = dir.0.join("hf");
+    std::fs::create_dir_all(&hf).unwrap();
+    write_hf_folder(&hf, &cfg, &weights, 1).unwrap();
+    std::fs::copy(asset("tokenizer.json"), hf.join("tokenizer.json")).unwrap();
+    let gguf = dir.0.join("tiny.gguf");
+    write_gguf(&gguf, &cfg, &weights, &committed_vocab().gguf_kv("gpt-2")).unwrap();
+
+    let json = committed();
+    let text = "hostembed 中文 😀 <|eos|> rows";
+    let expected: Vec<i32> = json.encode(text, Some(0)).unwrap().iter().map(|&t| t as i32).collect();
+    for model in [&hf, &gguf] {
+        let e = CpuEngine::open(model);
+        // Asking for the count, then too small a buffer (nothing written), then enough.
+        let (s, _, n) = e.tokenize(text.as_bytes(), true, 0);
+        assert_eq!((s, n), (Status::Ok, expected.len()), "{}", model.display());
+        let (s, ids, n) = e.tokenize(text.as_bytes(), true, expected.len() - 1);
+        assert_eq!((s, n), (Status::OutOfRange, expected.len()));
+        assert!(ids.iter().all(|&i| i == -7), "a failed call wrote ids");
+        assert!(hostembed::status::last_error().contains(&format!("{} ids", expected.len())));
+        let (s, ids, n) = e.tokenize(text.as_bytes(), true, expected.len() + 3);
+        assert_eq!((s, n), (Status::Ok, expected.len()));
+        assert_eq!(&ids[..n], &expected[..]);
+        assert_eq!(&ids[n..], &[-7, -7, -7]);
+        let (_, ids, n) = e.tokenize(text.as_bytes(), false, 64);
+        assert_eq!(&ids[..n], &expected[1..]);
+
+        // The pieces give the text back byte for byte, a NUL byte included.
+        let pieces: Vec<u8> = expected[1..].iter().flat_map(|&id| e.piece(id).unwrap()).collect();
+        assert_eq!(pieces, text.as_bytes());
+        let nul = json.token_id(&tokenizer::byte_level_chars()[0].to_string()).unwrap() as i32;
+        assert_eq!(e.piece(nul).unwrap(), vec![0u8]);
+        // Truncation follows snprintf: the length needed comes back, len - 1 bytes and a NUL are written.
+        let mut small = [0x55 as c_char; 4];
+        let eos_len = unsafe { engine_token_piece(e.0, 1, small.as_mut_ptr(), small.len()) };
+        assert_eq!(eos_len, "<|eos|>".len() as i32);
+        assert_eq!(small.map(|c| c as u8), *b"<|e\0");
+
+        // Ids the model has and the tokenizer lacks are empty; ids outside the model are refused.
+        assert_eq!(e.piece(515).unwrap(), Vec::<u8>::new());
+        assert_eq!(e.piece(520), Err(-(Status::OutOfRange as i32)));
+        assert_eq!(e.piece(-1), Err(-(Status::OutOfRange as i32)));
+
+        let (s, _, n) = e.tokenize(&[b'a', 0xff, b'b'], false, 8);
+        assert_eq!((s, n), (Status::InvalidArgument, 0));
+        assert!(hostembed::status::last_error().contains("byte 1"), "{}", hostembed::status::last_error());
+        let (s, _, n) = e.tokenize(b"", true, 8);
+        assert_eq!((s, n), (Status::Ok, 1));
+    }
+}
+
+#[test]
+fn c_abi_without_a_tokenizer_refuses_text_only() {
+    let dir = Scratch::new("c-abi-none");
+    let cfg = tiny_config();
+    let hf = dir.0.join("hf");
+    std::fs::create_dir_all(&hf).unwrap();
+    write_hf_folder(&hf, &cfg, &synthetic_weights(&cfg, 3, DType::F32), 1).unwrap();
+    let e = CpuEngine::open(&hf);
+    let (s, _, n) = e.tokenize(b"text", false, 8);
+    assert_eq!((s, n), (Status::Unsupported, 0));
+    assert!(hostembed::status::last_error().contains("tokenizer"), "{}", hostembed::status::last_error());
+    assert_eq!(e.piece(5), Err(-(Status::Unsupported as i32)));
+
+    // NULLs: the engine, n_out, text with a length, ids with a capacity.
+    let mut n = 0usize;
+    let mut ids = [0i32; 4];
+    let null_engine =
+        unsafe { engine_tokenize(std::ptr::null(), c"x".as_ptr(), 1, false, ids.as_mut_ptr(), 4, &mut n) };
+    assert_eq!(null_engine, Status::InvalidArgument);
+    let null_n = unsafe { engine_tokenize(e.0, c"x".as_ptr(), 1, false, ids.as_mut_ptr(), 4, std::ptr::null_mut()) };
+    assert_eq!(null_n, Status::InvalidArgument);
+    let null_text = unsafe { engine_tokenize(e.0, std::ptr::null(), 3, false, ids.as_mut_ptr(), 4, &mut n) };
+    assert_eq!(null_text, Status::InvalidArgument);
+    assert_eq!(
+        unsafe { engine_token_piece(std::ptr::null(), 3, std::ptr::null_mut(), 0) },
+        -(Status::InvalidArgument as i32)
+    );
 }

@@ -1,0 +1,260 @@
+/* Decodes a prompt with hostembed: loads the model where it fits, streams the text as it decodes, and
+ * ends with prompt and decode tokens per second.
+ *
+ *   decode MODEL [-p PROMPT] [-n TOKENS] [--context N] [--temp T] [--seed S] [--room BYTES]
+ *          [--backend cpu|cuda|auto]
+ */
+#define _POSIX_C_SOURCE 200809L
+#include "hostembed.h"
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+static void usage(const char *program) {
+    fprintf(stderr,
+            "usage: %s MODEL [-p PROMPT] [-n TOKENS] [--context N] [--temp T] [--seed S] [--room BYTES]\n"
+            "       [--backend cpu|cuda|auto]\n"
+            "MODEL is an HF folder (config.json + safetensors) or a .gguf file.\n",
+            program);
+}
+
+static double seconds_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* Prints the failed call, its status and the library's message; returns 1 for main. */
+static int fail(const char *what, engine_status status) {
+    fprintf(stderr, "decode: %s: %s: %s\n", what, engine_status_str(status), engine_last_error());
+    return 1;
+}
+
+/* The library's log lines (the start-up line among them) go to stdout here, beside the text. */
+static void log_to_stdout(void *user, const char *line) {
+    (void)user;
+    printf("%s\n", line);
+    fflush(stdout);
+}
+
+static int parse_u64(const char *text, const char *flag, unsigned long long *out) {
+    char *end = NULL;
+    errno = 0;
+    *out = strtoull(text, &end, 10);
+    if (errno != 0 || end == text || *end != '\0' || text[0] == '-') {
+        fprintf(stderr, "decode: %s wants a non-negative integer, got \"%s\"\n", flag, text);
+        return 0;
+    }
+    return 1;
+}
+
+static const char *placement_name(engine_placement placement) {
+    switch (placement) {
+    case ENGINE_PLACEMENT_DEVICE: return "device";
+    case ENGINE_PLACEMENT_HOST_MAPPED: return "host mapped";
+    case ENGINE_PLACEMENT_FILE_MAPPED: return "file mapped";
+    }
+    return "?";
+}
+
+/* Writes the piece of `id` to stdout as raw bytes: a byte-level piece may be half a character, and the
+ * terminal joins the halves. */
+static int print_piece(const engine *e, int32_t id) {
+    char small[64];
+    int32_t need = engine_token_piece(e, id, small, sizeof small);
+    if (need < 0) return fail("engine_token_piece", (engine_status)-need);
+    if ((size_t)need < sizeof small) {
+        fwrite(small, 1, (size_t)need, stdout);
+    } else {
+        char *big = malloc((size_t)need + 1);
+        if (big == NULL) return fail("malloc", ENGINE_STATUS_NO_ROOM);
+        int32_t again = engine_token_piece(e, id, big, (size_t)need + 1);
+        if (again < 0) {
+            free(big);
+            return fail("engine_token_piece", (engine_status)-again);
+        }
+        fwrite(big, 1, (size_t)again, stdout);
+        free(big);
+    }
+    fflush(stdout);
+    return 0;
+}
+
+int main(int argc, char **argv) {
+    const char *model = NULL;
+    const char *prompt = "hostembed moves the embedding rows into host memory, and";
+    unsigned long long max_tokens = 32, context = 0, seed = 0, room = 0;
+    double temperature = 0.0;
+    engine_options opts = engine_default_options();
+
+    for (int i = 1; i < argc; i++) {
+        const char *arg = argv[i];
+        const char *value = i + 1 < argc ? argv[i + 1] : NULL;
+        int takes_value = strcmp(arg, "-p") == 0 || strcmp(arg, "-n") == 0 || strcmp(arg, "--context") == 0 ||
+                          strcmp(arg, "--temp") == 0 || strcmp(arg, "--seed") == 0 || strcmp(arg, "--room") == 0 ||
+                          strcmp(arg, "--backend") == 0;
+        if (strcmp(arg, "-h") == 0 || strcmp(arg, "--help") == 0) {
+            usage(argv[0]);
+            return 0;
+        }
+        if (takes_value && value == NULL) {
+            fprintf(stderr, "decode: %s needs a value\n", arg);
+            return 2;
+        }
+        if (strcmp(arg, "-p") == 0) {
+            prompt = value;
+        } else if (strcmp(arg, "-n") == 0) {
+            if (!parse_u64(value, arg, &max_tokens)) return 2;
+        } else if (strcmp(arg, "--context") == 0) {
+            if (!parse_u64(value, arg, &context)) return 2;
+        } else if (strcmp(arg, "--seed") == 0) {
+            if (!parse_u64(value, arg, &seed)) return 2;
+        } else if (strcmp(arg, "--room") == 0) {
+            if (!parse_u64(value, arg, &room)) return 2;
+        } else if (strcmp(arg, "--temp") == 0) {
+            char *end = NULL;
+            temperature = strtod(value, &end);
+            if (end == value || *end != '\0' || temperature < 0.0) {
+                fprintf(stderr, "decode: --temp wants a number >= 0, got \"%s\"\n", value);
+                return 2;
+            }
+        } else if (strcmp(arg, "--backend") == 0) {
+            if (strcmp(value, "cpu") == 0) {
+                opts.backend = ENGINE_BACKEND_CPU;
+            } else if (strcmp(value, "cuda") == 0) {
+                opts.backend = ENGINE_BACKEND_CUDA;
+            } else if (strcmp(value, "auto") == 0) {
+                opts.backend = ENGINE_BACKEND_AUTO;
+            } else {
+                fprintf(stderr, "decode: --backend is cpu, cuda or auto, not \"%s\"\n", value);
+                return 2;
+            }
+        } else if (arg[0] == '-') {
+            fprintf(stderr, "decode: unknown option %s\n", arg);
+            usage(argv[0]);
+            return 2;
+        } else if (model == NULL) {
+            model = arg;
+            continue;
+        } else {
+            fprintf(stderr, "decode: one MODEL only (got \"%s\" and \"%s\")\n", model, arg);
+            return 2;
+        }
+        i++;
+    }
+    if (model == NULL) {
+        usage(argv[0]);
+        return 2;
+    }
+
+    if (context > UINT32_MAX) {
+        fprintf(stderr, "decode: --context %llu is more than %lu tokens\n", context, (unsigned long)UINT32_MAX);
+        return 2;
+    }
+    opts.context = (uint32_t)context;
+    opts.room_bytes = (uint64_t)room;
+    opts.temperature = (float)temperature;
+    opts.seed = (uint64_t)seed;
+    opts.log = log_to_stdout;
+    opts.log_user = NULL;
+
+    engine *e = NULL;
+    engine_status s = engine_init_fit(model, &opts, &e);
+    if (s != ENGINE_STATUS_OK) return fail("engine_init_fit", s);
+
+    int rc = 1;
+    int32_t *ids = NULL;
+    struct engine_model_info info;
+    s = engine_model_info(e, &info);
+    if (s != ENGINE_STATUS_OK) {
+        fail("engine_model_info", s);
+        goto done;
+    }
+    printf("model: vocab %llu, %llu layers, hidden %llu, window %llu, %llu streams, rows on %s\n",
+           (unsigned long long)info.vocab, (unsigned long long)info.layers, (unsigned long long)info.hidden,
+           (unsigned long long)info.window, (unsigned long long)info.streams, placement_name(info.placement));
+
+    /* Ask for the count first, then tokenize into a buffer of that size. */
+    size_t n = 0;
+    bool add_bos = info.bos >= 0;
+    s = engine_tokenize(e, prompt, strlen(prompt), add_bos, NULL, 0, &n);
+    if (s != ENGINE_STATUS_OK) {
+        fail("engine_tokenize", s);
+        goto done;
+    }
+    if (n == 0) {
+        fprintf(stderr, "decode: the prompt gives no tokens\n");
+        goto done;
+    }
+    ids = malloc(n * sizeof *ids);
+    if (ids == NULL) {
+        fprintf(stderr, "decode: no memory for %zu prompt tokens\n", n);
+        goto done;
+    }
+    s = engine_tokenize(e, prompt, strlen(prompt), add_bos, ids, n, &n);
+    if (s != ENGINE_STATUS_OK) {
+        fail("engine_tokenize", s);
+        goto done;
+    }
+    if ((unsigned long long)n >= (unsigned long long)info.window) {
+        fprintf(stderr, "decode: the prompt's %zu tokens leave no room in a %llu-token window\n", n,
+                (unsigned long long)info.window);
+        goto done;
+    }
+
+    printf("%s", prompt);
+    fflush(stdout);
+
+    int32_t next = -1;
+    double start = seconds_now();
+    s = engine_step(e, 0, ids, n, &next);
+    double prompt_seconds = seconds_now() - start;
+    if (s != ENGINE_STATUS_OK) {
+        printf("\n");
+        fail("engine_step (prompt)", s);
+        goto done;
+    }
+
+    /* Each sampled token is printed, then fed back, until eos, -n tokens, or the window is full. */
+    unsigned long long generated = 0, steps = 0;
+    unsigned long long position = n;
+    const char *stop = "token limit";
+    start = seconds_now();
+    for (;;) {
+        if (info.eos >= 0 && next == info.eos) {
+            stop = "end of text";
+            break;
+        }
+        if (print_piece(e, next) != 0) goto done;
+        generated++;
+        if (generated >= max_tokens) break;
+        if (position >= (unsigned long long)info.window) {
+            stop = "window full";
+            break;
+        }
+        int32_t token = next;
+        s = engine_step(e, 0, &token, 1, &next);
+        if (s != ENGINE_STATUS_OK) {
+            printf("\n");
+            fail("engine_step", s);
+            goto done;
+        }
+        steps++;
+        position++;
+    }
+    double decode_seconds = seconds_now() - start;
+
+    printf("\n\n[%s after %llu tokens]\n", stop, generated);
+    printf("prompt: %zu tokens in %.2f ms, %.1f tok/s\n", n, prompt_seconds * 1e3,
+           prompt_seconds > 0 ? (double)n / prompt_seconds : 0.0);
+    printf("decode: %llu tokens in %.2f ms, %.1f tok/s\n", steps, decode_seconds * 1e3,
+           decode_seconds > 0 && steps > 0 ? (double)steps / decode_seconds : 0.0);
+    rc = 0;
+
+done:
+    free(ids);
+    engine_free(e);
+    return rc;
+}

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Builds hostembed, writes the tiny demo model when it is missing, compiles the C example and decodes
+# a prompt with it: from the HF folder, then from the GGUF file. The engine picks the GPU when a device
+# and kernels are present, the CPU otherwise. Extra arguments go to the example (e.g. --backend cpu).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+have_nvcc() {
+  [ -n "${NVCC:-}" ] || command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ] \
+    || [ -x .cuda/nvidia/cu13/bin/nvcc ]
+}
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && ! have_nvcc; then
+  echo "note: a GPU is present but no nvcc was found; scripts/install-cuda.sh installs one. Decoding on the CPU."
+fi
+
+cargo build --release --lib
+if [ ! -f models/tiny/model.safetensors ] || [ ! -f models/tiny.gguf ]; then
+  cargo run --release --example gen_tiny -- models
+fi
+
+cc -std=c99 -O2 -Wall -Wextra -Werror -pedantic -Iinclude examples/decode.c \
+  -Ltarget/release -lhostembed -Wl,-rpath,'$ORIGIN' -o target/release/decode
+
+prompt="hostembed moves the embedding rows into host memory, and"
+for model in models/tiny models/tiny.gguf; do
+  echo "== $model"
+  target/release/decode "$model" -p "$prompt" -n 32 "$@"
+  echo
+done
