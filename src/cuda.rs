@@ -159,6 +159,46 @@ impl Drop for DeviceBuffer {
     }
 }
 
+/// Copies host bytes (a checkpoint's file mapping, mostly) into device memory through a pinned staging
+/// buffer: the DMA runs at pinned speed, and the driver is never asked to pin the source pages itself,
+/// which file-backed read-only mappings can refuse.
+pub struct StagedUploader {
+    staging: PinnedBuffer,
+}
+
+impl StagedUploader {
+    /// Staging size: large enough that per-copy overhead vanishes, small next to any model.
+    pub const CHUNK: usize = 64 << 20;
+
+    pub fn new() -> Result<Self> {
+        Ok(StagedUploader { staging: PinnedBuffer::new_mapped(Self::CHUNK)? })
+    }
+
+    /// Copies `data` into `dst` at byte `offset` (synchronous).
+    pub fn upload(&mut self, dst: &DeviceBuffer, offset: usize, data: &[u8]) -> Result<()> {
+        if offset.checked_add(data.len()).is_none_or(|end| end > dst.bytes) {
+            crate::bail!(
+                InvalidArgument,
+                "upload of {} bytes at {offset} into a {}-byte buffer",
+                data.len(),
+                dst.bytes
+            );
+        }
+        for (i, piece) in data.chunks(Self::CHUNK).enumerate() {
+            let stage = &mut self.staging.as_mut_slice()[..piece.len()];
+            crate::placement::parallel_copy(stage, piece);
+            let at = unsafe { (dst.ptr as *mut u8).add(offset + i * Self::CHUNK) } as *mut c_void;
+            check(
+                unsafe {
+                    rt::cudaMemcpy(at, self.staging.host as *const c_void, piece.len(), rt::cudaMemcpyHostToDevice)
+                },
+                "cudaMemcpy(staged host to device)",
+            )?;
+        }
+        Ok(())
+    }
+}
+
 /// Pinned host memory mapped into the device's address space (cudaHostAlloc Mapped|Portable).
 pub struct PinnedBuffer {
     host: *mut c_void,

@@ -11,7 +11,7 @@ use std::os::raw::{c_int, c_uint, c_void};
 use std::ptr;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use crate::cuda::{self, DeviceBuffer, Stream};
+use crate::cuda::{self, DeviceBuffer, StagedUploader, Stream};
 use crate::cudart as rt;
 use crate::kernels as kn;
 use crate::model::{ModelConfig, TensorRef, TensorSource, names};
@@ -404,13 +404,14 @@ impl GpuModel {
         let offsets: Vec<usize> = plan.groups.iter().map(|g| layout.push(g.iter().map(Item::bytes).sum())).collect();
         let weights = DeviceBuffer::new(layout.total)?;
         let base = weights.ptr() as *const u8;
+        let mut uploader = StagedUploader::new()?;
         let mut placed: Vec<Placed> = Vec::new();
         for (group, &at) in plan.groups.iter().zip(&offsets) {
             let mut off = at;
             for item in group {
                 let meta = match item {
                     Item::Raw(t) => {
-                        weights.upload(t.bytes, off)?;
+                        uploader.upload(&weights, off, t.bytes)?;
                         Some((t.dtype, t.rows(), t.cols()))
                     }
                     Item::Vector(t, len) => {

@@ -12,7 +12,7 @@
 //! their owner keeps the mapping alive for as long as they live.
 #![allow(non_camel_case_types)]
 
-use crate::cuda::{self, DeviceBuffer, HostRegistration, PinnedBuffer};
+use crate::cuda::{self, DeviceBuffer, HostRegistration, PinnedBuffer, StagedUploader};
 use crate::cudart as rt;
 use crate::ffi::engine_device_info;
 use crate::fit::engine_placement;
@@ -205,11 +205,7 @@ impl Rows {
         let row_bytes = src.row_bytes()?;
         read_ahead(src.bytes);
         let buf = DeviceBuffer::new(src.bytes.len())?;
-        // Pieces keep each staged pageable copy short and let read-ahead stay in front of it.
-        const PIECE: usize = 64 << 20;
-        for (i, piece) in src.bytes.chunks(PIECE).enumerate() {
-            buf.upload(piece, i * PIECE)?;
-        }
+        StagedUploader::new()?.upload(&buf, 0, src.bytes)?;
         let data = buf.ptr() as *const c_void;
         Ok(Rows {
             holder: Holder::Device(buf),
