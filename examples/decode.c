@@ -52,9 +52,9 @@ static int parse_u64(const char *text, const char *flag, unsigned long long *out
 
 static const char *placement_name(engine_placement placement) {
     switch (placement) {
-    case ENGINE_PLACEMENT_DEVICE: return "device";
-    case ENGINE_PLACEMENT_HOST_MAPPED: return "host mapped";
-    case ENGINE_PLACEMENT_FILE_MAPPED: return "file mapped";
+    case ENGINE_PLACEMENT_DEVICE: return "on the card";
+    case ENGINE_PLACEMENT_HOST_MAPPED: return "in pinned host memory";
+    case ENGINE_PLACEMENT_FILE_MAPPED: return "read from the file mapping";
     }
     return "?";
 }
@@ -172,7 +172,7 @@ int main(int argc, char **argv) {
         fail("engine_model_info", s);
         goto done;
     }
-    printf("model: vocab %llu, %llu layers, hidden %llu, window %llu, %llu streams, rows on %s\n",
+    printf("model: vocab %llu, %llu layers, hidden %llu, window %llu, %llu streams, rows %s\n",
            (unsigned long long)info.vocab, (unsigned long long)info.layers, (unsigned long long)info.hidden,
            (unsigned long long)info.window, (unsigned long long)info.streams, placement_name(info.placement));
 
