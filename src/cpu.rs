@@ -329,25 +329,10 @@ impl<'a> CpuModel<'a> {
 
     /// Everything that could refuse the call, before any token is appended.
     fn check_tokens(&self, stream: &CpuStream, tokens: &[u32]) -> Result<()> {
-        if tokens.is_empty() {
-            bail!(InvalidArgument, "no tokens to append");
-        }
         if stream.k.len() != self.cfg.layers || stream.k.iter().any(|k| k.len() != stream.window * self.cfg.kv_dim()) {
             bail!(InvalidArgument, "stream was not made by this model");
         }
-        if let Some((i, &t)) = tokens.iter().enumerate().find(|&(_, &t)| t as usize >= self.cfg.vocab) {
-            bail!(OutOfRange, "token {i} is id {t}, outside the vocabulary of {}", self.cfg.vocab);
-        }
-        if stream.len + tokens.len() > stream.window {
-            bail!(
-                NoRoom,
-                "{} tokens after {} do not fit the stream's window of {}",
-                tokens.len(),
-                stream.len,
-                stream.window
-            );
-        }
-        Ok(())
+        self.cfg.check_append(stream.len, stream.window, tokens)
     }
 
     /// Runs one token through every layer at the stream's next position, caching its K and V;

@@ -585,22 +585,7 @@ impl GpuModel {
         if stream.model_id != self.id {
             bail!(InvalidArgument, "stream was not made by this model");
         }
-        if tokens.is_empty() {
-            bail!(InvalidArgument, "no tokens to append");
-        }
-        if let Some((i, &t)) = tokens.iter().enumerate().find(|&(_, &t)| t as usize >= self.cfg.vocab) {
-            bail!(OutOfRange, "token {i} is id {t}, outside the vocabulary of {}", self.cfg.vocab);
-        }
-        if stream.len + tokens.len() > stream.window {
-            bail!(
-                NoRoom,
-                "{} tokens after {} do not fit the stream's window of {}",
-                tokens.len(),
-                stream.len,
-                stream.window
-            );
-        }
-        Ok(())
+        self.cfg.check_append(stream.len, stream.window, tokens)
     }
 
     /// A pointer `offset` bytes into the scratch allocation.

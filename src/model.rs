@@ -61,6 +61,21 @@ impl ModelConfig {
         (self.layers * 2 * self.kv_heads * self.head_dim * 2) as u64
     }
 
+    /// What refuses appending `tokens` to a stream holding `len` of `window`: no tokens, an id outside
+    /// the vocabulary, or too many tokens. Every backend checks this before writing anything.
+    pub fn check_append(&self, len: usize, window: usize, tokens: &[u32]) -> Result<()> {
+        if tokens.is_empty() {
+            crate::bail!(InvalidArgument, "no tokens to append");
+        }
+        if let Some((i, &t)) = tokens.iter().enumerate().find(|&(_, &t)| t as usize >= self.vocab) {
+            crate::bail!(OutOfRange, "token {i} is id {t}, outside the vocabulary of {}", self.vocab);
+        }
+        if len + tokens.len() > window {
+            crate::bail!(NoRoom, "{} tokens after {len} do not fit the stream's window of {window}", tokens.len());
+        }
+        Ok(())
+    }
+
     pub fn q_dim(&self) -> usize {
         self.heads * self.head_dim
     }
