@@ -21,7 +21,7 @@ for step in $steps; do
       rc=0
       for t in "$B"/tests/*; do
         name=$(basename "$t")
-        "$t" --test-threads=1 > "$OUT/test-$name.log" 2>&1; r=$?
+        "$t" --test-threads=1 --nocapture > "$OUT/test-$name.log" 2>&1; r=$?
         echo "test $name: rc=$r $(grep -E '^test result' "$OUT/test-$name.log" | tail -1)" >> "$summary"
         [ $r -ne 0 ] && rc=$r
       done ;;
