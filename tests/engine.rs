@@ -348,23 +348,24 @@ fn bad_calls_to_logits_reset_and_model_info_are_refused() {
     assert_eq!(logits_call(e.0, 0, out.as_mut_ptr(), out.len()), Status::InvalidArgument, "before any step");
     step(&e, 1, &random_ids(&mut rng, cfg.vocab, 4));
     assert_eq!(logits_call(e.0, 1, out.as_mut_ptr(), out.len()), Status::Ok, "{}", last_error());
-    let cases = [
-        ("engine NULL", logits_call(std::ptr::null(), 1, out.as_mut_ptr(), out.len()), Status::InvalidArgument),
-        ("out NULL", logits_call(e.0, 1, std::ptr::null_mut(), out.len()), Status::InvalidArgument),
-        ("len vocab - 1", logits_call(e.0, 1, out.as_mut_ptr(), out.len() - 1), Status::InvalidArgument),
-        ("a stream not stepped last", logits_call(e.0, 0, out.as_mut_ptr(), out.len()), Status::InvalidArgument),
-        ("stream 3 of 3", logits_call(e.0, 3, out.as_mut_ptr(), out.len()), Status::OutOfRange),
-        ("reset NULL", unsafe { ffi::engine_reset(std::ptr::null_mut(), 0) }, Status::InvalidArgument),
-        ("reset stream 3 of 3", unsafe { ffi::engine_reset(e.0, 3) }, Status::OutOfRange),
-        ("reset u32::MAX", unsafe { ffi::engine_reset(e.0, u32::MAX) }, Status::OutOfRange),
-        ("model_info engine NULL", unsafe { ffi::engine_model_info(std::ptr::null(), &mut std::mem::zeroed()) }, {
-            Status::InvalidArgument
-        }),
-        ("model_info out NULL", unsafe { ffi::engine_model_info(e.0, std::ptr::null_mut()) }, Status::InvalidArgument),
-    ];
-    for (what, got, want) in cases {
-        assert_eq!(got, want, "{what}: {}", last_error());
-    }
+    // Each status checked as it comes, while engine_last_error() is still that call's.
+    let expect = |what: &str, got: Status, want: Status| assert_eq!(got, want, "{what}: {}", last_error());
+    let null_engine = logits_call(std::ptr::null(), 1, out.as_mut_ptr(), out.len());
+    expect("engine NULL", null_engine, Status::InvalidArgument);
+    expect("out NULL", logits_call(e.0, 1, std::ptr::null_mut(), out.len()), Status::InvalidArgument);
+    let short = logits_call(e.0, 1, out.as_mut_ptr(), out.len() - 1);
+    expect("len vocab - 1", short, Status::InvalidArgument);
+    let not_last = logits_call(e.0, 0, out.as_mut_ptr(), out.len());
+    expect("a stream not stepped last", not_last, Status::InvalidArgument);
+    expect("stream 3 of 3", logits_call(e.0, 3, out.as_mut_ptr(), out.len()), Status::OutOfRange);
+    expect("reset NULL", unsafe { ffi::engine_reset(std::ptr::null_mut(), 0) }, Status::InvalidArgument);
+    expect("reset stream 3 of 3", unsafe { ffi::engine_reset(e.0, 3) }, Status::OutOfRange);
+    expect("reset u32::MAX", unsafe { ffi::engine_reset(e.0, u32::MAX) }, Status::OutOfRange);
+    let mut mi: engine_model_info = unsafe { std::mem::zeroed() };
+    let null_engine = unsafe { ffi::engine_model_info(std::ptr::null(), &mut mi) };
+    expect("model_info engine NULL", null_engine, Status::InvalidArgument);
+    let null_out = unsafe { ffi::engine_model_info(e.0, std::ptr::null_mut()) };
+    expect("model_info out NULL", null_out, Status::InvalidArgument);
     assert!(out.iter().all(|v| v.is_finite()), "the one good call wrote logits");
     // A stream never stepped resets fine; resetting the last stepped stream drops its logits.
     reset(&e, 2);
