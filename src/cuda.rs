@@ -168,7 +168,7 @@ pub struct StagedUploader {
 
 impl StagedUploader {
     /// Staging size: large enough that per-copy overhead vanishes, small next to any model.
-    pub const CHUNK: usize = 64 << 20;
+    const CHUNK: usize = 64 << 20;
 
     pub fn new() -> Result<Self> {
         Ok(StagedUploader { staging: PinnedBuffer::new_mapped(Self::CHUNK)? })
