@@ -5,8 +5,9 @@
 
 mod common;
 
+use common::Scratch;
+
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicUsize, Ordering};
 
 use common::Rng;
 use hostembed::Status;
@@ -21,30 +22,6 @@ use hostembed::tensor::DType;
 
 // ---------------------------------------------------------------------------------------------
 // Helpers.
-
-/// A fresh folder under the system temp dir, removed when dropped.
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(test: &str) -> TempDir {
-        static COUNTER: AtomicUsize = AtomicUsize::new(0);
-        let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-        let path = std::env::temp_dir().join(format!("hostembed-checkpoint-{test}-{}-{n}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&path);
-        std::fs::create_dir_all(&path).unwrap();
-        TempDir(path)
-    }
-
-    fn join(&self, name: &str) -> PathBuf {
-        self.0.join(name)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
 
 fn llama_cfg() -> ModelConfig {
     ModelConfig {
@@ -191,7 +168,7 @@ fn put_u32(bytes: &mut [u8], at: usize, v: u32) {
 }
 
 /// A valid small GGUF's bytes, then `edit` applied, written beside it; returns the edited file's path.
-fn edited_gguf(dir: &TempDir, name: &str, cfg: &ModelConfig, dtype: DType, edit: impl FnOnce(&mut Vec<u8>)) -> PathBuf {
+fn edited_gguf(dir: &Scratch, name: &str, cfg: &ModelConfig, dtype: DType, edit: impl FnOnce(&mut Vec<u8>)) -> PathBuf {
     let good = dir.join(&format!("{name}-good.gguf"));
     write_small_gguf(&good, cfg, 5, dtype);
     let mut bytes = std::fs::read(&good).unwrap();
@@ -297,7 +274,7 @@ fn synthetic_weights_follow_the_formula_across_threads() {
 #[test]
 fn hf_round_trip_every_arch_and_dtype() {
     let mut rng = Rng::fresh("hf_round_trip_every_arch_and_dtype");
-    let dir = TempDir::new("hf-round-trip");
+    let dir = Scratch::new("hf-round-trip");
     for cfg in all_cfgs() {
         for dtype in [DType::F32, DType::F16, DType::Bf16] {
             let folder = dir.join(&format!("{:?}-{}", cfg.arch, dtype.name()));
@@ -321,7 +298,7 @@ fn hf_round_trip_every_arch_and_dtype() {
 #[test]
 fn hf_sharded_folder_reads_like_one_file() {
     let mut rng = Rng::fresh("hf_sharded_folder_reads_like_one_file");
-    let dir = TempDir::new("hf-sharded");
+    let dir = Scratch::new("hf-sharded");
     let cfg = llama_cfg();
     let tensors = synthetic_weights(&cfg, rng.next_u64(), DType::Bf16);
     write_hf_folder(&dir.0, &cfg, &tensors, 3).unwrap();
@@ -343,7 +320,7 @@ fn hf_sharded_folder_reads_like_one_file() {
 
 #[test]
 fn hf_index_refuses_paths_outside_the_folder() {
-    let dir = TempDir::new("hf-index-escape");
+    let dir = Scratch::new("hf-index-escape");
     let cfg = qwen3_cfg();
     write_hf_folder(&dir.0, &cfg, &synthetic_weights(&cfg, 1, DType::F16), 2).unwrap();
     let index = dir.join("model.safetensors.index.json");
@@ -358,7 +335,7 @@ fn hf_index_refuses_paths_outside_the_folder() {
 
 #[test]
 fn hf_tied_and_untied_heads() {
-    let dir = TempDir::new("hf-tied");
+    let dir = Scratch::new("hf-tied");
     // Tied by the config: no lm_head written, the output is the embedding.
     let cfg = qwen2_cfg();
     let written = write_hf(&dir.join("tied"), &cfg, 3, DType::Bf16);
@@ -396,7 +373,7 @@ fn hf_tied_and_untied_heads() {
 
 #[test]
 fn hf_config_variants_transformers_writes() {
-    let dir = TempDir::new("hf-config-variants");
+    let dir = Scratch::new("hf-config-variants");
     let cfg = llama_cfg();
     write_hf(&dir.0, &cfg, 9, DType::F16);
     // transformers 5 writes rope_parameters (theta and scaling together) and may give eos as a list.
@@ -450,7 +427,7 @@ fn hf_config_json_has_the_keys_transformers_reads() {
 
 #[test]
 fn hf_tokenizer_json_beside_the_weights() {
-    let dir = TempDir::new("hf-tokenizer");
+    let dir = Scratch::new("hf-tokenizer");
     write_hf(&dir.0, &qwen3_cfg(), 2, DType::Bf16);
     std::fs::write(dir.join("tokenizer.json"), "{}").unwrap();
     let ckpt = Checkpoint::open(&dir.0).unwrap();
@@ -502,7 +479,7 @@ fn assert_gguf_holds(ckpt: &Checkpoint, cfg: &ModelConfig, written: &[OwnedTenso
 #[test]
 fn gguf_round_trip_every_arch_and_dtype() {
     let mut rng = Rng::fresh("gguf_round_trip_every_arch_and_dtype");
-    let dir = TempDir::new("gguf-round-trip");
+    let dir = Scratch::new("gguf-round-trip");
     for cfg in all_cfgs() {
         for dtype in [DType::F32, DType::F16, DType::Bf16, DType::Q8_0] {
             let path = dir.join(&format!("{:?}-{}.gguf", cfg.arch, dtype.name()));
@@ -534,7 +511,7 @@ fn gguf_round_trip_every_arch_and_dtype() {
 /// dims in ggml order, the keys llama.cpp's loader reads present with their types.
 #[test]
 fn gguf_writer_layout_follows_llama_cpp() {
-    let dir = TempDir::new("gguf-layout");
+    let dir = Scratch::new("gguf-layout");
     let cfg = llama_cfg();
     let path = dir.join("m.gguf");
     write_small_gguf(&path, &cfg, 8, DType::Q8_0);
@@ -580,7 +557,7 @@ fn gguf_name_mapping_is_a_bijection_on_model_tensors() {
 
 #[test]
 fn gguf_tied_when_output_is_absent() {
-    let dir = TempDir::new("gguf-tied");
+    let dir = Scratch::new("gguf-tied");
     let path = dir.join("tied.gguf");
     let written = write_small_gguf(&path, &qwen2_cfg(), 6, DType::F16);
     let ckpt = Checkpoint::open(&path).unwrap();
@@ -593,7 +570,7 @@ fn gguf_tied_when_output_is_absent() {
 /// parameters the reader recognises them; other divisors are refused rather than guessed.
 #[test]
 fn gguf_llama3_from_rope_freqs_alone() {
-    let dir = TempDir::new("gguf-rope-freqs");
+    let dir = Scratch::new("gguf-rope-freqs");
     let hide_keys = |bytes: &mut Vec<u8>| {
         for _ in 0..4 {
             replace_bytes(bytes, b"hostembed.rope.llama3.", b"xostembed.rope.llama3.");
@@ -629,7 +606,7 @@ fn gguf_llama3_from_rope_freqs_alone() {
 
 #[test]
 fn gguf_tokenizer_keys() {
-    let dir = TempDir::new("gguf-tokenizer");
+    let dir = Scratch::new("gguf-tokenizer");
     let cfg = qwen2_cfg();
     let tokens: Vec<String> = (0..cfg.vocab).map(|i| format!("t{i}")).collect();
     let merges = vec!["t 1".to_string(), "t1 0".to_string()];
@@ -676,7 +653,7 @@ fn gguf_tokenizer_keys() {
 fn streaming_writers_match_in_memory_writers() {
     let mut rng = Rng::fresh("streaming_writers_match_in_memory_writers");
     let seed = rng.next_u64();
-    let dir = TempDir::new("streaming");
+    let dir = Scratch::new("streaming");
     for cfg in all_cfgs() {
         let a = dir.join(&format!("{:?}-a.gguf", cfg.arch));
         let b = dir.join(&format!("{:?}-b.gguf", cfg.arch));
@@ -703,7 +680,7 @@ fn streaming_writers_match_in_memory_writers() {
 
 #[test]
 fn gguf_truncated_after_the_rows() {
-    let dir = TempDir::new("gguf-truncated");
+    let dir = Scratch::new("gguf-truncated");
     let path = dir.join("cut.gguf");
     write_small_gguf(&path, &llama_cfg(), 1, DType::F16);
     let ckpt = Checkpoint::open(&path).unwrap();
@@ -716,7 +693,7 @@ fn gguf_truncated_after_the_rows() {
 
 #[test]
 fn gguf_header_corruptions_name_what_is_wrong() {
-    let dir = TempDir::new("gguf-header");
+    let dir = Scratch::new("gguf-header");
     let cfg = llama_cfg();
     type Edit = fn(&mut Vec<u8>);
     let cases: [(&str, Edit, Status, &[&str]); 9] = [
@@ -775,7 +752,7 @@ fn gguf_header_corruptions_name_what_is_wrong() {
 
 #[test]
 fn gguf_tensor_info_corruptions_name_the_tensor() {
-    let dir = TempDir::new("gguf-tensors");
+    let dir = Scratch::new("gguf-tensors");
     let cfg = llama_cfg();
     type Edit = fn(&mut Vec<u8>);
     let cases: [(&str, DType, Edit, Status, &[&str]); 7] = [
@@ -865,7 +842,7 @@ fn gguf_tensor_info_corruptions_name_the_tensor() {
 
 #[test]
 fn gguf_missing_tensor_key_and_unknown_architecture() {
-    let dir = TempDir::new("gguf-missing");
+    let dir = Scratch::new("gguf-missing");
     let cfg = llama_cfg();
     let path = edited_gguf(&dir, "no-up", &cfg, DType::F16, |b| {
         replace_bytes(b, b"blk.1.ffn_up.weight", b"blk.1.ffn_uq.weight")
@@ -923,7 +900,7 @@ fn gguf_missing_tensor_key_and_unknown_architecture() {
 #[test]
 fn gguf_random_corruption_never_panics() {
     let mut rng = Rng::fresh("gguf_random_corruption_never_panics");
-    let dir = TempDir::new("gguf-fuzz");
+    let dir = Scratch::new("gguf-fuzz");
     let good = dir.join("good.gguf");
     write_small_gguf(&good, &qwen3_cfg(), 2, DType::Q8_0);
     let bytes = std::fs::read(&good).unwrap();
@@ -954,7 +931,7 @@ fn gguf_random_corruption_never_panics() {
 
 #[test]
 fn hf_truncated_after_the_rows() {
-    let dir = TempDir::new("hf-truncated");
+    let dir = Scratch::new("hf-truncated");
     write_hf(&dir.0, &llama_cfg(), 1, DType::Bf16);
     let ckpt = Checkpoint::open(&dir.0).unwrap();
     let rows_end = ckpt.embed().offset + ckpt.embed().bytes;
@@ -968,7 +945,7 @@ fn hf_truncated_after_the_rows() {
 
 #[test]
 fn hf_safetensors_header_corruptions_name_the_tensor() {
-    let dir = TempDir::new("hf-header");
+    let dir = Scratch::new("hf-header");
     let cfg = qwen3_cfg();
     let embed = names::EMBED;
     type Edit = fn(&mut serde_json::Map<String, serde_json::Value>);
@@ -1009,7 +986,7 @@ fn hf_safetensors_header_corruptions_name_the_tensor() {
 
 #[test]
 fn hf_missing_and_misshapen_tensors() {
-    let dir = TempDir::new("hf-tensors");
+    let dir = Scratch::new("hf-tensors");
     let cfg = qwen2_cfg();
     let q = "model.layers.1.self_attn.q_proj.weight";
     let mut tensors = synthetic_weights(&cfg, 1, DType::Bf16);
@@ -1030,7 +1007,7 @@ fn hf_missing_and_misshapen_tensors() {
 
 #[test]
 fn hf_config_problems_name_the_key() {
-    let dir = TempDir::new("hf-config");
+    let dir = Scratch::new("hf-config");
     let cfg = llama_cfg();
     type Edit = fn(&mut serde_json::Map<String, serde_json::Value>);
     let cases: [(&str, Edit, Status, &[&str]); 8] = [
@@ -1077,7 +1054,7 @@ fn hf_config_problems_name_the_key() {
 
 #[test]
 fn hf_missing_files_are_io_errors_naming_the_path() {
-    let dir = TempDir::new("hf-files");
+    let dir = Scratch::new("hf-files");
     assert_refused(Checkpoint::open(&dir.join("nowhere")), Status::IoError, &["nowhere"]);
     // A folder without config.json.
     assert_refused(Checkpoint::open(&dir.0), Status::IoError, &["config.json"]);
@@ -1088,7 +1065,7 @@ fn hf_missing_files_are_io_errors_naming_the_path() {
 
 #[test]
 fn writers_refuse_bad_input() {
-    let dir = TempDir::new("writers");
+    let dir = Scratch::new("writers");
     let cfg = llama_cfg();
     let mut tensors = synthetic_weights(&cfg, 1, DType::Q8_0);
     assert_refused(write_hf_folder(&dir.join("q8"), &cfg, &tensors, 1), Status::InvalidArgument, &["Q8_0"]);

@@ -6,10 +6,12 @@
 
 mod common;
 
+use common::Scratch;
+
 use common::Rng;
 use hostembed::Status;
 use hostembed::checkpoint::Checkpoint;
-use hostembed::checkpoint::write::{write_synthetic_gguf, write_synthetic_hf};
+
 use hostembed::cpu::CpuModel;
 use hostembed::engine::{self, engine_backend, engine_options};
 use hostembed::ffi::{self, engine_model_info};
@@ -20,7 +22,7 @@ use hostembed::sampler::{self, Sampling};
 use hostembed::status::last_error;
 use hostembed::tensor::DType;
 use std::ffi::{CString, c_char, c_void};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::{Mutex, MutexGuard};
 
 /// The memory counters are process-wide: each test holds this while its engines live.
@@ -28,37 +30,6 @@ static SERIAL: Mutex<()> = Mutex::new(());
 
 fn serial() -> MutexGuard<'static, ()> {
     SERIAL.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-/// A fresh folder under HOSTEMBED_TEST_TMP (or the system's temp dir), removed when dropped.
-struct Scratch(PathBuf);
-
-impl Scratch {
-    fn new(name: &str) -> Scratch {
-        let base = std::env::var_os("HOSTEMBED_TEST_TMP").map(PathBuf::from).unwrap_or_else(std::env::temp_dir);
-        let dir = base.join(format!("hostembed-engine-{name}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        Scratch(dir)
-    }
-
-    fn hf(&self, name: &str, cfg: &ModelConfig, seed: u64, dtype: DType) -> PathBuf {
-        let p = self.0.join(name);
-        write_synthetic_hf(&p, cfg, seed, dtype).unwrap();
-        p
-    }
-
-    fn gguf(&self, name: &str, cfg: &ModelConfig, seed: u64, dtype: DType) -> PathBuf {
-        let p = self.0.join(format!("{name}.gguf"));
-        write_synthetic_gguf(&p, cfg, seed, dtype).unwrap();
-        p
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
 }
 
 /// A small Llama 3: GQA 2:1, llama3 rope scaling, an untied head.

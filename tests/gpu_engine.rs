@@ -6,6 +6,8 @@
 
 mod common;
 
+use common::Scratch;
+
 use common::gpu_present;
 use hostembed::Status;
 use hostembed::checkpoint::Checkpoint;
@@ -36,25 +38,6 @@ const SAMPLING_SEED: u64 = 1;
 const PROMPT: usize = 16;
 const STEPS: usize = 64;
 const WINDOW: u32 = 256;
-
-/// A fresh folder under HOSTEMBED_TEST_TMP (or the system's temp dir), removed when dropped.
-struct Scratch(PathBuf);
-
-impl Scratch {
-    fn new(name: &str) -> Scratch {
-        let base = std::env::var_os("HOSTEMBED_TEST_TMP").map(PathBuf::from).unwrap_or_else(std::env::temp_dir);
-        let dir = base.join(format!("hostembed-gpu-engine-{name}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        Scratch(dir)
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
 
 /// Untied Llama 3 with GQA 4:1 and llama3 rope scaling; every matrix's rows are whole Q8_0 blocks.
 fn config() -> ModelConfig {

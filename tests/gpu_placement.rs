@@ -5,6 +5,8 @@
 
 mod common;
 
+use common::Scratch;
+
 use common::{Rng, gpu_present};
 use hostembed::Status;
 use hostembed::checkpoint::Checkpoint;
@@ -28,25 +30,6 @@ static SERIAL: Mutex<()> = Mutex::new(());
 
 fn serial() -> MutexGuard<'static, ()> {
     SERIAL.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-/// A fresh folder under HOSTEMBED_TEST_TMP (or the system's temp dir), removed when dropped.
-struct Scratch(PathBuf);
-
-impl Scratch {
-    fn new(name: &str) -> Scratch {
-        let base = std::env::var_os("HOSTEMBED_TEST_TMP").map(PathBuf::from).unwrap_or_else(std::env::temp_dir);
-        let dir = base.join(format!("hostembed-gpu-placement-{name}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        Scratch(dir)
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
 }
 
 /// A valid model whose rows are `vocab` x `hidden` and whose rest is as small as a model can be.

@@ -3,6 +3,8 @@
 
 mod common;
 
+use common::Scratch;
+
 use common::Rng;
 use hostembed::Status;
 use hostembed::checkpoint::Checkpoint;
@@ -19,25 +21,6 @@ use std::path::{Path, PathBuf};
 
 fn asset(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("assets").join(name)
-}
-
-/// A fresh folder under HOSTEMBED_TEST_TMP (or the system's temp dir), removed when dropped.
-struct Scratch(PathBuf);
-
-impl Scratch {
-    fn new(name: &str) -> Scratch {
-        let base = std::env::var_os("HOSTEMBED_TEST_TMP").map(PathBuf::from).unwrap_or_else(std::env::temp_dir);
-        let dir = base.join(format!("hostembed-tokenizer-{name}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        Scratch(dir)
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
 }
 
 fn committed() -> Tokenizer {

@@ -2,6 +2,11 @@
 #![allow(dead_code)]
 
 use hostembed::Status;
+use hostembed::checkpoint::write::{write_synthetic_gguf, write_synthetic_hf};
+use hostembed::model::ModelConfig;
+use hostembed::tensor::DType;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// True when a CUDA device is usable; otherwise prints one skip line naming the reason.
 pub fn gpu_present(test: &str) -> bool {
@@ -47,5 +52,49 @@ impl Rng {
 
     pub fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
         (0..n).map(|_| self.uniform() * scale).collect()
+    }
+}
+
+/// A fresh folder under HOSTEMBED_TEST_TMP (or the system's temp dir), removed when dropped. Named
+/// after the test binary, the test and the process, so concurrent runs never share one.
+pub struct Scratch(pub PathBuf);
+
+impl Scratch {
+    pub fn new(name: &str) -> Scratch {
+        static COUNTER: AtomicUsize = AtomicUsize::new(0);
+        let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+        let base = std::env::var_os("HOSTEMBED_TEST_TMP").map(PathBuf::from).unwrap_or_else(std::env::temp_dir);
+        let dir = base.join(format!("hostembed-{}-{name}-{}-{n}", env!("CARGO_CRATE_NAME"), std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        Scratch(dir)
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.0
+    }
+
+    pub fn join(&self, name: &str) -> PathBuf {
+        self.0.join(name)
+    }
+
+    /// An HF folder of synthetic weights named `name` inside this folder.
+    pub fn hf(&self, name: &str, cfg: &ModelConfig, seed: u64, dtype: DType) -> PathBuf {
+        let p = self.0.join(name);
+        write_synthetic_hf(&p, cfg, seed, dtype).unwrap();
+        p
+    }
+
+    /// A GGUF file of synthetic weights named `name`.gguf inside this folder.
+    pub fn gguf(&self, name: &str, cfg: &ModelConfig, seed: u64, dtype: DType) -> PathBuf {
+        let p = self.0.join(format!("{name}.gguf"));
+        write_synthetic_gguf(&p, cfg, seed, dtype).unwrap();
+        p
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
     }
 }
