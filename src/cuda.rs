@@ -262,8 +262,12 @@ unsafe impl Send for HostRegistration {}
 unsafe impl Sync for HostRegistration {}
 
 impl HostRegistration {
-    /// Registers `[host, host+bytes)` with `flags`; `host` must be page-aligned.
-    pub fn new(host: *mut c_void, bytes: usize, flags: std::os::raw::c_uint) -> Result<Self> {
+    /// Registers `[host, host+bytes)` with `flags`.
+    ///
+    /// # Safety
+    /// `host` must be page-aligned and the range must stay mapped for the registration's whole life:
+    /// the device reads it directly.
+    pub unsafe fn new(host: *mut c_void, bytes: usize, flags: std::os::raw::c_uint) -> Result<Self> {
         let code = unsafe { rt::cudaHostRegister(host, bytes, flags) };
         let owned = match code {
             rt::cudaSuccess => true,
@@ -273,8 +277,8 @@ impl HostRegistration {
                 false
             }
             _ => {
-                return check(code, &format!("cudaHostRegister({bytes} bytes, flags {flags:#x})"))
-                    .map(|_| unreachable!());
+                check(code, &format!("cudaHostRegister({bytes} bytes, flags {flags:#x})"))?;
+                unreachable!("check fails for every code but cudaSuccess")
             }
         };
         if owned {
@@ -346,6 +350,8 @@ impl Event {
         Ok(Event(e))
     }
 
+    // The stream is an opaque handle the runtime checks; nothing here dereferences it.
+    #[allow(clippy::not_unsafe_ptr_arg_deref)]
     pub fn record(&self, stream: rt::cudaStream_t) -> Result<()> {
         check(unsafe { rt::cudaEventRecord(self.0, stream) }, "cudaEventRecord")
     }

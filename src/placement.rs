@@ -272,7 +272,8 @@ impl Rows {
         }
         let (start, len) = page_span(src.bytes);
         let flags = rt::cudaHostRegisterMapped | rt::cudaHostRegisterReadOnly | rt::cudaHostRegisterPortable;
-        match HostRegistration::new(start, len, flags) {
+        // SAFETY: the span covers the caller's mapping, which outlives the rows (see this function's contract).
+        match unsafe { HostRegistration::new(start, len, flags) } {
             Ok(reg) => {
                 let offset = host as usize - start as usize;
                 let data = unsafe { (reg.device_ptr() as *const u8).add(offset) } as *const c_void;

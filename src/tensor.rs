@@ -26,7 +26,7 @@ impl DType {
         match self {
             DType::F32 => cols.checked_mul(4),
             DType::F16 | DType::Bf16 => cols.checked_mul(2),
-            DType::Q8_0 => (cols % Q8_0_BLOCK == 0).then(|| cols / Q8_0_BLOCK * Q8_0_BLOCK_BYTES),
+            DType::Q8_0 => cols.is_multiple_of(Q8_0_BLOCK).then(|| cols / Q8_0_BLOCK * Q8_0_BLOCK_BYTES),
         }
     }
 

@@ -624,7 +624,7 @@ fn an_existing_registration_is_borrowed() {
     let src = RowsSource { bytes: &map[..], dtype: DType::Bf16, vocab, cols };
     let (start, len) = placement::page_span(src.bytes);
     // cudaHostRegisterMapped | cudaHostRegisterReadOnly, as a host process would register its mapping.
-    let theirs = HostRegistration::new(start, len, 0x02 | 0x08).unwrap();
+    let theirs = unsafe { HostRegistration::new(start, len, 0x02 | 0x08) }.unwrap();
     let registered = stats().registered_bytes;
     let rows = unsafe { Rows::file_mapped(&src, &info, &|l| println!("{l}")) }.unwrap();
     assert_eq!(rows.placement(), engine_placement::FileMapped);

@@ -359,7 +359,7 @@ fn failed_loads_without_a_device_hold_nothing() {
     assert!(matches!(expected, Status::NoCuda | Status::NoDevice));
     let opts = engine_options { backend: engine_backend::Cuda, room_bytes: 1 << 30, ..engine::default_options() };
     for _ in 0..3 {
-        let mut e = 1 as *mut ffi::engine;
+        let mut e = std::ptr::dangling_mut::<ffi::engine>();
         let st = unsafe { ffi::engine_init_fit(c_path(&dir.0).as_ptr(), &opts, &mut e) };
         assert_eq!(st, expected, "{}", last_error());
         if expected == Status::NoCuda {
