@@ -1,337 +1,675 @@
-// Token choice on the device, the algorithm of src/sampler.rs: greedy argmax at temperature <= 0; else the
-// top_k largest logits (ties to the lower index), p = exp((l - l_max) / T), the shortest prefix of them
-// (in logit order) holding top_p of the mass, and the first candidate whose running sum exceeds u times
-// the kept mass, u drawn from (seed, stream, position).
+// Token choice on the device: exactly the algorithm of src/sampler.rs's module comment (same ranking, same
+// integer weights from the same f32 operations, same top-k, top-p and draw), so the same logits give the
+// same token on both sides.
 //
-// One block of 1024 threads does it all, with no sort: each cut is found by a radix descent over the
-// logits' order-preserving keys (8 bits a pass), with per-bin counts or masses, then the tie among equal
-// logits is resolved by index. Masses are fixed point (p * 2^36 as integers), so every sum is exact and
-// independent of the order threads add in: the same logits always give the same token.
+// Many blocks of one cooperative launch, each owning a contiguous chunk of the vocabulary (its keys kept in
+// shared memory), separated by grid-wide barriers; only per-block totals, 256-bin histograms and a short
+// candidate list cross blocks, through the scratch:
+//   argmax:  per-block maxima of (key, -index), reduced by every block. Greedy stops here.
+//   top-k:   a descent to the k-th largest key tau. Each pass is a grid-wide histogram (weight, smallest
+//            and largest key per bin): the first bins x = (l_max - l) / T * log2(e) in steps of 1/8, the
+//            later ones 8 bits of the key below the common prefix of the crossing bin's smallest and
+//            largest key. It stops when that bin holds one key value: usually after one or two passes.
+//   finish:  when the keys at or above tau number at most GATHER, they are appended to a list and block 0
+//            alone sorts them into rank order, takes the first top_k, their weights, the top-p cut, sorts
+//            the kept ones by index and draws.
+//   Otherwise (no top-k, or a large one, or huge runs of ties at the cut):
+//   totals:  per block the weight of the keys above tau and how many equal it (of which the first need_k
+//            in index order are candidates); top-p's first histogram is built in the same sweep.
+//   top-p:   the same descent weighted by the weights, the kept tau logits added as one virtual item.
+//   draw:    per block the kept weight; prefix sums over blocks in index order; the one block whose range
+//            holds r scans its chunk for the token.
+// Equal keys mean equal logits and so equal weights: a cut inside a run of equal logits needs only how
+// many of them come first, which per-block counts and a prefix over blocks give.
+// On an H200 at vocab 128256: greedy about 5 us, temperature alone 11 us, top_k 40 + top_p 0.95 about
+// 26-30 us, top-p alone 20-28 us, top_k 1000 + top_p 0.9 about 46-56 us (the sorts of a thousand keys).
+// Vocabularies under ONE_BLOCK_BELOW (or a device without cooperative launch) run the same code in one
+// block, with the workspace in shared memory instead of the scratch.
+#include <algorithm>
+#include <atomic>
+
+#include <cooperative_groups.h>
+
 #include "hostembed_kernels.cuh"
 
 namespace {
 
-constexpr int S_THREADS = 1024;
-constexpr int S_WARPS = S_THREADS / 32;
-constexpr float Q_SCALE = 68719476736.0f;  // 2^36: p in (0, 1] becomes an integer up to 2^36
-constexpr unsigned int NO_BIN = 0xffffffffu;
+namespace cg = cooperative_groups;
 
-struct SampleShared {
-    unsigned long long hist[256];
-    unsigned int count[256];
-    unsigned long long warp_u64[S_WARPS];
-    unsigned int warp_u32[S_WARPS];
-    unsigned int bin;
-    unsigned long long above;
-    unsigned int index;
-    unsigned int running;
-    unsigned int chunk_total;
+constexpr int THREADS = 256;
+constexpr int WARPS = THREADS / 32;
+constexpr unsigned int FULL = 0xffffffffu;
+constexpr unsigned int BINS = 256;
+constexpr unsigned int NO_BIN = 0xffffffffu;
+constexpr int HIST_BUFFERS = 3;  // a pass fills one, the blocks read the previous one, one is being cleared
+constexpr unsigned int ONE_BLOCK_BELOW = 4096;  // smaller vocabularies: one block, all keys in shared memory
+constexpr unsigned int ITEMS_PER_BLOCK = 1024;
+constexpr unsigned int MULTI_KEY_CACHE = 2048;  // keys a block keeps in shared memory (more: read again)
+constexpr unsigned int MAX_VOCAB = (1u << 28) - 1;  // src/sampler.rs's MAX_VOCAB: weight sums fit in a u64
+constexpr unsigned long long NONE_LEFT = ~0ull;     // "every one of them" for a count of equal keys
+
+// Bits of src/sampler.rs's log2(e); its EXP2_TAYLOR coefficients are in exp2_weight.
+constexpr unsigned int LOG2E_BITS = 0x3FB8AA3Bu;
+
+// One histogram bin: summed weight (or count) and the range of keys that fell in it.
+struct Bin {
+    unsigned long long weight;
+    unsigned int kmin, kmax;
+};
+static_assert(sizeof(Bin) == 16, "Bin is two u64 words");
+
+constexpr size_t HIST_BYTES = HIST_BUFFERS * BINS * sizeof(Bin);
+constexpr unsigned int GATHER = 2048;  // top-k candidates (ties at the cut included) one block finishes alone
+// Scratch of the multi-block launch: the histograms, the gathered candidates and their count, then two
+// alternating sets of per-block (sum, count).
+constexpr size_t GATHER_OFFSET = HIST_BYTES / 8;  // in u64 words
+constexpr size_t PART_OFFSET = GATHER_OFFSET + GATHER + 1;
+constexpr size_t scratch_bytes(unsigned int blocks) { return (PART_OFFSET + 2ull * blocks * 2) * 8; }
+
+struct Shared {
+    Bin hist[BINS];
+    unsigned long long red[WARPS];
+    unsigned int cross_kmin, cross_kmax;
+    unsigned long long cross_above, cross_weight;
+    unsigned long long draw_before, draw_incl, draw_weight;
+    unsigned int found;
 };
 
-__device__ __forceinline__ unsigned long long warp_sum_u64(unsigned long long v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
+// ---- the arithmetic shared with src/sampler.rs: one IEEE rounding per operation, no contraction ----
+
+__device__ __forceinline__ float key_logit(unsigned int key) {
+    return __uint_as_float((key & 0x80000000u) ? (key & 0x7fffffffu) : ~key);
 }
 
-__device__ __forceinline__ unsigned long long warp_max_u64(unsigned long long v) {
+// src/sampler.rs exp2_weight: about 2^36 * 2^-x, 0 unless x < 40.
+__device__ __forceinline__ unsigned long long exp2_weight(float x) {
+    if (!(x < 40.f)) return 0;
+    const float n = rintf(x);  // round half to even
+    const float f = __fsub_rn(x, n);
+    // Horner over f32((-ln 2)^k / k!), k = 7 down to 0.
+    auto step = [f](float p, unsigned int c) { return __fadd_rn(__fmul_rn(p, f), __uint_as_float(c)); };
+    float p = __uint_as_float(0xB77FE5FEu);
+    p = step(p, 0x39218489u);
+    p = step(p, 0xBAAEC3FFu);
+    p = step(p, 0x3C1D955Bu);
+    p = step(p, 0xBD635847u);
+    p = step(p, 0x3E75FDF0u);
+    p = step(p, 0xBF317218u);
+    p = step(p, 0x3F800000u);
+    const float scale = __uint_as_float((unsigned int)(127 + 36 - (int)n) << 23);
+    return __float2ull_rn(__fmul_rn(p, scale));
+}
+
+__device__ __forceinline__ unsigned long long weight_of(float l, float l_max, float s) {
+    return exp2_weight(__fmul_rn(__fsub_rn(l_max, l), s));
+}
+
+// floor(a * b / 2^24) and ceil(a * b / 2^24), for a <= 2^24.
+__device__ __forceinline__ unsigned long long mul_shift24(unsigned long long a, unsigned long long b) {
+    const unsigned long long lo = a * b, hi = __umul64hi(a, b);
+    return (hi << 40) | (lo >> 24);
+}
+__device__ __forceinline__ unsigned long long mul_shift24_up(unsigned long long a, unsigned long long b) {
+    return mul_shift24(a, b) + ((a * b) & 0xffffffull ? 1 : 0);
+}
+
+// ---- the workspace: scratch (many blocks, read past L1) or shared memory (one block) ----
+
+template <bool MULTI>
+__device__ __forceinline__ unsigned long long ld(const unsigned long long *p) {
+    if constexpr (MULTI) return __ldcg(p);
+    return *p;
+}
+
+template <bool MULTI>
+__device__ __forceinline__ void grid_sync() {
+    if constexpr (MULTI) {
+        cg::this_grid().sync();
+    } else {
+        __syncthreads();
+    }
+}
+
+__device__ __forceinline__ void clear_bins(Bin *h) {
+    for (unsigned int b = threadIdx.x; b < BINS; b += THREADS) {
+        h[b].weight = 0;
+        h[b].kmin = FULL;
+        h[b].kmax = 0;
+    }
+}
+
+// ---- block primitives ----
+
+__device__ __forceinline__ unsigned long long max_u64(unsigned long long a, unsigned long long b) {
+    return a > b ? a : b;
+}
+
+// Sum (or max) over the block; every thread gets it. Contains barriers: call from all threads.
+template <bool MAX>
+__device__ unsigned long long block_reduce(Shared &sh, unsigned long long v) {
+    const unsigned int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) {
-        const unsigned long long other = __shfl_xor_sync(0xffffffffu, v, o);
-        v = other > v ? other : v;
+        const unsigned long long other = __shfl_xor_sync(FULL, v, o);
+        v = MAX ? max_u64(v, other) : v + other;
     }
-    return v;
-}
-
-__device__ unsigned long long block_sum_u64(SampleShared &sh, unsigned long long v) {
-    const unsigned int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    v = warp_sum_u64(v);
+    __syncthreads();  // sh.red may still be read by the previous call
+    if (lane == 0) sh.red[warp] = v;
     __syncthreads();
-    if (lane == 0) sh.warp_u64[warp] = v;
-    __syncthreads();
-    const unsigned long long total = warp_sum_u64(sh.warp_u64[lane]);
-    __syncthreads();
-    return total;
-}
-
-__device__ unsigned long long block_max_u64(SampleShared &sh, unsigned long long v) {
-    const unsigned int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    v = warp_max_u64(v);
-    __syncthreads();
-    if (lane == 0) sh.warp_u64[warp] = v;
-    __syncthreads();
-    const unsigned long long best = warp_max_u64(sh.warp_u64[lane]);
-    __syncthreads();
-    return best;
-}
-
-// Adds a thread's pending (bin, mass, count); a warp whose lanes all hold the same bin adds once.
-__device__ __forceinline__ void flush_bin(SampleShared &sh, unsigned int bin, unsigned long long mass,
-                                          unsigned int cnt) {
-    const unsigned int lane = threadIdx.x % 32;
-    const unsigned int peers = __match_any_sync(0xffffffffu, bin);
-    if (peers == 0xffffffffu) {
-        mass = warp_sum_u64(mass);
-        cnt = __reduce_add_sync(0xffffffffu, cnt);
-        if (lane == 0 && bin != NO_BIN) {
-            atomicAdd(&sh.hist[bin], mass);
-            atomicAdd(&sh.count[bin], cnt);
-        }
-    } else if (bin != NO_BIN) {
-        atomicAdd(&sh.hist[bin], mass);
-        atomicAdd(&sh.count[bin], cnt);
-    }
-}
-
-// Warp 0: walks the bins from the largest key down, adding their masses to `above`, and stores in sh the
-// first bin at which the running mass reaches `thresh`, with the mass of the bins before it. When the
-// whole mass stays under thresh (only rounding can do that), the last non-empty bin.
-__device__ void find_crossing(SampleShared &sh, unsigned long long above, unsigned long long thresh) {
-    const unsigned int lane = threadIdx.x % 32;
-    unsigned long long own = 0;  // lane l holds bins 255 - 8l down to 248 - 8l
+    unsigned long long r = sh.red[0];
 #pragma unroll
-    for (int j = 0; j < 8; j++) own += sh.hist[255 - 8 * lane - j];
-    unsigned long long incl = own;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        const unsigned long long v = __shfl_up_sync(0xffffffffu, incl, o);
-        if (lane >= (unsigned int)o) incl += v;
-    }
-    const unsigned long long before = above + incl - own;
-    const unsigned int crosses = __ballot_sync(0xffffffffu, above + incl >= thresh && own > 0);
-    if (crosses != 0) {
-        if (lane == (unsigned int)(__ffs(crosses) - 1)) {
-            unsigned long long acc = before;
-            for (int j = 0; j < 8; j++) {
-                const unsigned int b = 255 - 8 * lane - j;
-                if (sh.hist[b] > 0 && acc + sh.hist[b] >= thresh) {
-                    sh.bin = b;
-                    sh.above = acc;
-                    break;
-                }
-                acc += sh.hist[b];
-            }
-        }
-        return;
-    }
-    const unsigned int nonempty = __ballot_sync(0xffffffffu, own > 0);
-    if (nonempty == 0) {
-        if (lane == 0) sh.bin = 0, sh.above = above;
-        return;
-    }
-    if (lane == 31u - (unsigned int)__clz(nonempty)) {
-        unsigned long long acc = before;
-        for (int j = 0; j < 8; j++) {
-            const unsigned int b = 255 - 8 * lane - j;
-            if (sh.hist[b] > 0) sh.bin = b, sh.above = acc;
-            acc += sh.hist[b];
-        }
-    }
-}
-
-struct Cut {
-    unsigned int key;             // the key the crossing element has
-    unsigned long long above;     // mass of the items with a larger key
-    unsigned int count;           // items with exactly that key
-    unsigned long long key_mass;  // their total mass
-};
-
-// Radix descent over the items (item(i, key, mass) says whether i takes part): the key at which the mass
-// in descending key order first reaches thresh. All threads call it.
-template <typename Item>
-__device__ Cut radix_cut(SampleShared &sh, unsigned int vocab, Item item, unsigned long long thresh) {
-    unsigned int prefix = 0, mask = 0;
-    unsigned long long above = 0;
-    Cut cut{};
-    for (int shift = 24; shift >= 0; shift -= 8) {
-        for (unsigned int b = threadIdx.x; b < 256; b += S_THREADS) sh.hist[b] = 0, sh.count[b] = 0;
-        __syncthreads();
-        unsigned int cur = NO_BIN, cnt = 0;
-        unsigned long long mass = 0;
-        for (unsigned int i = threadIdx.x; i < vocab; i += S_THREADS) {
-            unsigned int key;
-            unsigned long long m;
-            if (!item(i, key, m) || (key & mask) != prefix) continue;
-            const unsigned int b = (key >> shift) & 0xffu;
-            if (b != cur) {
-                if (cur != NO_BIN) atomicAdd(&sh.hist[cur], mass), atomicAdd(&sh.count[cur], cnt);
-                cur = b, mass = 0, cnt = 0;
-            }
-            mass += m, cnt++;
-        }
-        flush_bin(sh, cur, mass, cnt);
-        __syncthreads();
-        if (threadIdx.x < 32) find_crossing(sh, above, thresh);
-        __syncthreads();
-        const unsigned int b = sh.bin;
-        above = sh.above;
-        prefix |= b << shift;
-        mask |= 0xffu << shift;
-        if (shift == 0) cut.count = sh.count[b], cut.key_mass = sh.hist[b];
-        __syncthreads();
-    }
-    cut.key = prefix;
-    cut.above = above;
-    return cut;
-}
-
-// The index of the j-th (1-based) smallest i with pred(i); `count` of them exist. All threads call it.
-template <typename Pred>
-__device__ unsigned int nth_index(SampleShared &sh, unsigned int vocab, Pred pred, unsigned int j,
-                                  unsigned int count) {
-    const unsigned int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    if (j <= 1 || j >= count) {  // the first or the last: a min or max over them
-        const bool first = j <= 1;
-        if (threadIdx.x == 0) sh.index = first ? 0xffffffffu : 0u;
-        __syncthreads();
-        for (unsigned int i = threadIdx.x; i < vocab; i += S_THREADS)
-            if (pred(i)) first ? atomicMin(&sh.index, i) : atomicMax(&sh.index, i);
-        __syncthreads();
-        const unsigned int r = sh.index;
-        __syncthreads();
-        return r;
-    }
-    if (threadIdx.x == 0) sh.running = 0, sh.index = 0xffffffffu;
-    __syncthreads();
-    for (unsigned int base = 0; base < vocab; base += S_THREADS) {
-        const unsigned int i = base + threadIdx.x;
-        const bool f = i < vocab && pred(i);
-        const unsigned int ballot = __ballot_sync(0xffffffffu, f);
-        if (lane == 0) sh.warp_u32[warp] = __popc(ballot);
-        __syncthreads();
-        if (warp == 0) {
-            const unsigned int own = sh.warp_u32[lane];
-            unsigned int incl = own;
-#pragma unroll
-            for (int o = 1; o < 32; o <<= 1) {
-                const unsigned int v = __shfl_up_sync(0xffffffffu, incl, o);
-                if (lane >= (unsigned int)o) incl += v;
-            }
-            sh.warp_u32[lane] = incl - own;
-            if (lane == 31) sh.chunk_total = incl;
-        }
-        __syncthreads();
-        if (f) {
-            const unsigned int rank = sh.running + sh.warp_u32[warp] + __popc(ballot & ((1u << lane) - 1u)) + 1;
-            if (rank == j) sh.index = i;
-        }
-        __syncthreads();
-        if (threadIdx.x == 0) sh.running += sh.chunk_total;
-        const bool done = sh.index != 0xffffffffu;
-        __syncthreads();
-        if (done) break;
-    }
-    const unsigned int r = sh.index;
-    __syncthreads();
+    for (int w = 1; w < WARPS; w++) r = MAX ? max_u64(r, sh.red[w]) : r + sh.red[w];
     return r;
 }
 
-// How many items of mass `per_item` past `above` it takes to reach thresh, within [1, count].
-__device__ __forceinline__ unsigned int items_to_reach(unsigned long long thresh, unsigned long long above,
-                                                       unsigned long long per_item, unsigned int count) {
-    if (per_item == 0 || thresh <= above) return 1;
-    const unsigned long long need = (thresh - above + per_item - 1) / per_item;
-    return (unsigned int)(need < 1 ? 1 : need > count ? count : need);
+// The sum of v over the threads before this one, and over all of them. Contains barriers.
+__device__ unsigned long long block_exclusive_scan(Shared &sh, unsigned long long v, unsigned long long &total) {
+    const unsigned int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    unsigned long long incl = v;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const unsigned long long up = __shfl_up_sync(FULL, incl, o);
+        if (lane >= (unsigned int)o) incl += up;
+    }
+    __syncthreads();
+    if (lane == 31) sh.red[warp] = incl;
+    __syncthreads();
+    unsigned long long before = 0;
+    total = 0;
+#pragma unroll
+    for (int w = 0; w < WARPS; w++) {
+        before += (unsigned int)w < warp ? sh.red[w] : 0;
+        total += sh.red[w];
+    }
+    return before + incl - v;
 }
 
-__global__ __launch_bounds__(S_THREADS) void sample_kernel(const float *__restrict__ logits, unsigned int vocab,
-                                                           float temperature, unsigned int top_k, float top_p,
-                                                           unsigned long long seed, unsigned int stream_index,
-                                                           unsigned long long position,
-                                                           unsigned long long *__restrict__ mass, int *token) {
-    __shared__ SampleShared sh;
-    const unsigned int tid = threadIdx.x;
-
-    // Argmax: the largest key, then the lowest index (packed so one max does both).
-    unsigned long long best = 0;
-    for (unsigned int i = tid; i < vocab; i += S_THREADS) {
-        const unsigned long long packed =
-            ((unsigned long long)he::float_key(logits[i]) << 32) | (unsigned long long)(0xffffffffu - i);
-        best = packed > best ? packed : best;
+// Adds (weight w, key) to bin `bin` of the block's histogram (NO_BIN: nothing). All lanes call it. Lanes
+// sharing a bin with 7 or more others add once for all of them, so a bin most items fall in costs no queue
+// of atomics; the rest, with bins of their own, add directly (grouping them would serialize more than the
+// atomics do). Weights are at most 2^36: summed as 24 low and 12 high bits, each sum within 32 bits.
+__device__ __forceinline__ void hist_add(Bin *h, unsigned int bin, unsigned long long w, unsigned int key) {
+    const unsigned int peers = __match_any_sync(FULL, bin);
+    if (bin == NO_BIN) return;
+    if (__popc(peers) >= 8) {
+        const unsigned int low = __reduce_add_sync(peers, (unsigned int)(w & 0xffffffu));
+        const unsigned int high = __reduce_add_sync(peers, (unsigned int)(w >> 24));
+        const unsigned int kmin = __reduce_min_sync(peers, key), kmax = __reduce_max_sync(peers, key);
+        if (threadIdx.x % 32 != (unsigned int)__ffs(peers) - 1) return;
+        w = ((unsigned long long)high << 24) + low;
+        atomicAdd(&h[bin].weight, w);
+        atomicMin(&h[bin].kmin, kmin);
+        atomicMax(&h[bin].kmax, kmax);
+        return;
     }
-    best = block_max_u64(sh, best);
-    const unsigned int arg = 0xffffffffu - (unsigned int)(best & 0xffffffffu);
-    if (!(temperature > 0.f) || top_k == 1) {
-        if (tid == 0) *token = (int)arg;
+    atomicAdd(&h[bin].weight, w);
+    atomicMin(&h[bin].kmin, key);
+    atomicMax(&h[bin].kmax, key);
+}
+
+// Adds the block's histogram (complete: after a barrier) into the workspace's.
+__device__ __forceinline__ void hist_push(const Shared &sh, Bin *work) {
+    for (unsigned int b = threadIdx.x; b < BINS; b += THREADS) {
+        const Bin v = sh.hist[b];
+        if (v.weight == 0) continue;
+        atomicAdd(&work[b].weight, v.weight);
+        atomicMin(&work[b].kmin, v.kmin);
+        atomicMax(&work[b].kmax, v.kmax);
+    }
+}
+
+// Warp 0, on a complete workspace histogram: walking the bins from the largest digit down with `above`
+// already counted, the first bin at which the running weight reaches `target`; into sh.cross_* with the
+// weight before it. The virtual item (vweight at key vkey) joins bin vbin (NO_BIN: none). Only a bug could
+// leave the target unreached; then the last non-empty bin, so the descent still ends.
+template <bool MULTI>
+__device__ void find_crossing(Shared &sh, const Bin *hist, unsigned long long above, unsigned long long target,
+                              unsigned int vbin, unsigned long long vweight, unsigned int vkey) {
+    const unsigned int lane = threadIdx.x % 32;
+    unsigned long long w[8];
+    unsigned int mn[8], mx[8];
+    unsigned long long own = 0;
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+        const unsigned int b = 255 - 8 * lane - j;
+        w[j] = ld<MULTI>(&hist[b].weight);
+        const unsigned long long range = ld<MULTI>(reinterpret_cast<const unsigned long long *>(&hist[b].kmin));
+        mn[j] = (unsigned int)range;
+        mx[j] = (unsigned int)(range >> 32);
+        if (b == vbin) {
+            w[j] += vweight;
+            mn[j] = min(mn[j], vkey);
+            mx[j] = max(mx[j], vkey);
+        }
+        own += w[j];
+    }
+    unsigned long long incl = own;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const unsigned long long up = __shfl_up_sync(FULL, incl, o);
+        if (lane >= (unsigned int)o) incl += up;
+    }
+    const unsigned long long before = above + incl - own;
+    const unsigned int crosses = __ballot_sync(FULL, own > 0 && before + own >= target);
+    const unsigned int nonempty = __ballot_sync(FULL, own > 0);
+    if (nonempty == 0) {
+        if (lane == 0) {
+            sh.cross_kmin = sh.cross_kmax = 0;
+            sh.cross_above = above;
+            sh.cross_weight = 0;
+        }
+        return;
+    }
+    const bool reached = crosses != 0;
+    const unsigned int who = reached ? __ffs(crosses) - 1 : 31 - __clz(nonempty);
+    if (lane != who) return;
+    unsigned long long acc = before;
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+        if (w[j] > 0 && (!reached || acc + w[j] >= target)) {
+            sh.cross_kmin = mn[j];
+            sh.cross_kmax = mx[j];
+            sh.cross_above = acc;
+            sh.cross_weight = w[j];
+            if (reached) break;
+        }
+        acc += w[j];
+    }
+}
+
+// Sorts a[0..n) (n a power of 2) ascending or descending. All threads call it.
+__device__ void bitonic_sort(unsigned long long *a, unsigned int n, bool descending) {
+    for (unsigned int k = 2; k <= n; k <<= 1) {
+        for (unsigned int j = k >> 1; j > 0; j >>= 1) {
+            for (unsigned int t = threadIdx.x; t < n / 2; t += THREADS) {
+                const unsigned int i = 2 * j * (t / j) + t % j, l = i + j;
+                const bool ascending = ((i & k) == 0) != descending;
+                const unsigned long long x = a[i], y = a[l];
+                if ((x > y) == ascending) a[i] = y, a[l] = x;
+            }
+            __syncthreads();
+        }
+    }
+}
+
+// The first p < n at which the running sum of value(0..p) reaches target (strict: exceeds it); n if none.
+// Each thread sums a contiguous run, one scan places the runs. All threads call it and get the answer.
+template <typename Value>
+__device__ unsigned int first_reaching(Shared &sh, unsigned int n, Value value, unsigned long long target,
+                                       bool strict) {
+    const unsigned int run = (n + THREADS - 1) / THREADS;
+    const unsigned int p0 = min(n, threadIdx.x * run), p1 = min(n, p0 + run);
+    unsigned long long own = 0;
+    for (unsigned int p = p0; p < p1; p++) own += value(p);
+    if (threadIdx.x == 0) sh.found = n;
+    unsigned long long total;
+    unsigned long long acc = block_exclusive_scan(sh, own, total);  // its barriers publish sh.found
+    for (unsigned int p = p0; p < p1; p++) {
+        acc += value(p);
+        if (strict ? acc > target : acc >= target) {
+            atomicMin(&sh.found, p);
+            break;
+        }
+    }
+    __syncthreads();
+    const unsigned int found = sh.found;
+    __syncthreads();
+    return found;
+}
+
+// The first pass of a descent bins by x = (l_max - l) * s, 1/8 wide, instead of the key's top bits: x is
+// monotone in the key, and the weights live in x < 40, so one pass usually isolates the cut. Larger keys get
+// larger bins; the largest key alone would have x = 0, NaN or infinite in odd cases, so it is pinned to 255.
+__device__ __forceinline__ unsigned int x_bin(unsigned int key, unsigned int key_max, float l_max, float s) {
+    if (key == key_max) return 255;
+    const float x = __fmul_rn(__fsub_rn(l_max, key_logit(key)), s);
+    return x < 31.875f ? 255 - (unsigned int)(x * 8.f) : 0;
+}
+
+template <bool MULTI>
+__global__ __launch_bounds__(THREADS) void sample_kernel(const float *__restrict__ logits, unsigned int vocab,
+                                                         float temperature, unsigned int top_k, float top_p,
+                                                         unsigned long long seed, unsigned int stream_index,
+                                                         unsigned long long position, unsigned long long *scratch,
+                                                         int *token) {
+    constexpr unsigned int CACHE = MULTI ? MULTI_KEY_CACHE : ONE_BLOCK_BELOW;
+    __shared__ Shared sh;
+    __shared__ unsigned int keys[CACHE];  // the chunk's keys, read once from the logits
+    __shared__ Bin one_block_hist[MULTI ? 1 : HIST_BUFFERS * BINS];
+    __shared__ unsigned long long one_block_part[MULTI ? 1 : 4];
+    __shared__ unsigned long long gathered[MULTI ? GATHER : 1];  // (key, -index), then (index, rank)
+    __shared__ unsigned long long gathered_weight[MULTI ? GATHER : 1];
+    Bin *const work_hist = MULTI ? reinterpret_cast<Bin *>(scratch) : one_block_hist;
+    unsigned long long *const work_part = MULTI ? scratch + PART_OFFSET : one_block_part;
+
+    const unsigned int tid = threadIdx.x, blk = blockIdx.x, blocks = gridDim.x;
+    const unsigned int chunk = (vocab + blocks - 1) / blocks;
+    const unsigned int lo = min(vocab, blk * chunk), hi = min(vocab, lo + chunk);
+    auto hist = [&](unsigned int n) { return work_hist + (n % HIST_BUFFERS) * BINS; };
+    // The (sum, count) pair of block j in alternating set n: a set is written before a barrier and read
+    // after it, while the next phase writes the other set.
+    auto part = [&](unsigned int n, unsigned int j) { return work_part + ((n & 1) * blocks + j) * 2; };
+    // Every item of the block's chunk, `valid` false past its end; the same trip count for every thread.
+    auto for_items = [&](auto body) {
+        for (unsigned int base = lo; base < hi; base += THREADS) body(base + tid, base + tid < hi);
+    };
+    auto key_at = [&](unsigned int i) { return i - lo < CACHE ? keys[i - lo] : he::float_key(logits[i]); };
+
+    const bool sampling = temperature > 0.f && top_k != 1;
+    const bool use_top_k = top_k != 0 && top_k < vocab;
+    const bool use_top_p = top_p > 0.f && top_p < 1.f;
+
+    // ---- argmax: the largest key, then the lowest index ----
+    unsigned long long best = 0;
+    for_items([&](unsigned int i, bool valid) {
+        if (!valid) return;
+        const unsigned int key = he::float_key(logits[i]);
+        if (i - lo < CACHE) keys[i - lo] = key;
+        best = max_u64(best, ((unsigned long long)key << 32) | (FULL - i));
+    });
+    best = block_reduce<true>(sh, best);  // its barriers publish keys[]
+    if (tid == 0) part(0, blk)[0] = best;
+    if (blk == 0) clear_bins(hist(0));
+    if (MULTI && blk == 0 && tid == 0) scratch[GATHER_OFFSET + GATHER] = 0;  // the gathered count
+    grid_sync<MULTI>();
+    best = 0;
+    for (unsigned int j = tid; j < blocks; j += THREADS) best = max_u64(best, ld<MULTI>(part(0, j)));
+    best = block_reduce<true>(sh, best);
+    const unsigned int arg = FULL - (unsigned int)best, key_max = (unsigned int)(best >> 32);
+    if (!sampling) {
+        if (blk == 0 && tid == 0) *token = (int)arg;
         return;
     }
     const float l_max = logits[arg];
+    const float s = __fdiv_rn(__uint_as_float(LOG2E_BITS), temperature);
+    auto weight_of_key = [&](unsigned int key) { return weight_of(key_logit(key), l_max, s); };
+    unsigned int ph = 1;  // the part set the next phase writes
+    unsigned int hc = 0;  // the histogram buffer the next pass fills (cleared)
 
-    // The top_k candidates: keys above tau, and the lowest-index ties at tau up to k in all.
-    unsigned int tau = 0, tau_cut = 0xffffffffu;
-    if (top_k != 0 && top_k < vocab) {
-        auto all = [&](unsigned int i, unsigned int &key, unsigned long long &m) {
-            key = he::float_key(logits[i]);
-            m = 1;
-            return true;
-        };
-        const Cut c = radix_cut(sh, vocab, all, top_k);
-        tau = c.key;
-        const unsigned int ties = items_to_reach(top_k, c.above, 1, c.count);
-        if (ties < c.count)
-            tau_cut = nth_index(sh, vocab, [&](unsigned int i) { return he::float_key(logits[i]) == tau; }, ties,
-                                c.count);
+    // One pass of a descent over this block's items, `take(key, w)` saying whether an item counts, with
+    // weight w. The first pass bins every item by x_bin; the later ones the items with keys in [klo, khi]
+    // by the 8 bits of the key at `shift`. Fills hist(hc) and clears the buffer after it; the caller
+    // crosses the grid barrier next.
+    auto pass = [&](bool first, unsigned int klo, unsigned int khi, int shift, auto take) {
+        clear_bins(sh.hist);
+        __syncthreads();
+        for_items([&](unsigned int i, bool valid) {
+            unsigned int key = 0, bin = NO_BIN;
+            unsigned long long w = 0;
+            if (valid) {
+                key = key_at(i);
+                if ((first || (key >= klo && key <= khi)) && take(key, w) && w > 0)
+                    bin = first ? x_bin(key, key_max, l_max, s) : (key >> shift) & 0xffu;
+            }
+            hist_add(sh.hist, bin, w, key);
+        });
+        __syncthreads();
+        hist_push(sh, hist(hc));
+        if (blk == 0) clear_bins(hist(hc + 1));
+    };
+    // A descent: the key theta at which the weight of the taken items (plus the virtual item vkey of
+    // weight vweight), walked from the largest key down, reaches target, and the weight above theta.
+    // `first_done`: the caller already ran the first pass and the barrier. Each bin narrows the keys to
+    // its smallest and largest; the next pass splits them on the 8 bits below their common prefix, so
+    // after the first pass at most 4 more end it.
+    auto descend = [&](unsigned long long target, unsigned int vkey, unsigned long long vweight, bool first_done,
+                       auto take, unsigned int &theta, unsigned long long &above, unsigned long long &at) {
+        if (!first_done) {
+            pass(true, 0, FULL, 0, take);
+            grid_sync<MULTI>();
+        }
+        above = 0;
+        bool first = true;
+        unsigned int klo = 0, khi = FULL;
+        int shift = 0;
+        for (int round = 0;; round++) {
+            unsigned int vbin = NO_BIN;
+            if (vweight > 0 && (first || (vkey >= klo && vkey <= khi)))
+                vbin = first ? x_bin(vkey, key_max, l_max, s) : (vkey >> shift) & 0xffu;
+            if (tid < 32) find_crossing<MULTI>(sh, hist(hc), above, target, vbin, vweight, vkey);
+            __syncthreads();
+            hc++;
+            klo = sh.cross_kmin;
+            khi = sh.cross_kmax;
+            above = sh.cross_above;
+            at = sh.cross_weight;
+            __syncthreads();  // sh.cross_* is written again by the next crossing
+            if (klo >= khi || round == 5) {
+                theta = khi;
+                return;
+            }
+            const int top = 31 - __clz(klo ^ khi);
+            shift = top >= 7 ? top - 7 : 0;
+            first = false;
+            pass(false, klo, khi, shift, take);
+            grid_sync<MULTI>();
+        }
+    };
+
+    // Appends every key of this block at or above `cut` to the scratch's list, as (key, -index), and counts
+    // them; past GATHER only counted.
+    auto gather = [&](unsigned int cut) {
+        unsigned long long *const list = scratch + GATHER_OFFSET, *const count = list + GATHER;
+        for_items([&](unsigned int i, bool valid) {
+            if (!valid) return;
+            const unsigned int key = key_at(i);
+            if (key < cut) return;
+            const unsigned long long slot = atomicAdd(count, 1ull);
+            if (slot < GATHER) list[slot] = ((unsigned long long)key << 32) | (FULL - i);
+        });
+    };
+    auto gathered_count = [&]() { return ld<MULTI>(scratch + GATHER_OFFSET + GATHER); };
+    // Block 0 alone, on n gathered keys holding every top-k candidate: sorts them into rank order, takes the
+    // first top_k, their weights, the top-p cut, then sorts the kept ones by index for the draw.
+    auto finish = [&](unsigned long long count) {
+        const unsigned long long *const list = scratch + GATHER_OFFSET;
+        const unsigned int n = (unsigned int)min(count, (unsigned long long)GATHER);
+        unsigned int pow2 = 1;
+        while (pow2 < n) pow2 <<= 1;
+        for (unsigned int p = tid; p < pow2; p += THREADS) gathered[p] = p < n ? ld<MULTI>(list + p) : 0;
+        __syncthreads();
+        bitonic_sort(gathered, pow2, true);  // rank order: key descending, index ascending
+        const unsigned int k = min(top_k, n);
+        unsigned long long cand_total = 0;
+        for (unsigned int p = tid; p < k; p += THREADS) {
+            gathered_weight[p] = weight_of_key((unsigned int)(gathered[p] >> 32));
+            cand_total += gathered_weight[p];
+        }
+        cand_total = block_reduce<false>(sh, cand_total);  // its barriers publish gathered_weight
+        if (cand_total == 0) {
+            if (tid == 0) *token = (int)arg;
+            return;
+        }
+        auto rank_weight = [&](unsigned int p) { return gathered_weight[p]; };
+        unsigned int kept = k;
+        if (use_top_p) {
+            const unsigned long long p24 = __float2ull_rn(__fmul_rn(top_p, 16777216.f));
+            unsigned long long thresh = mul_shift24_up(p24, cand_total);
+            thresh = thresh < 1 ? 1 : thresh;
+            if (thresh < cand_total) kept = first_reaching(sh, k, rank_weight, thresh, false) + 1;
+        }
+        // The kept candidates in index order, each with its rank to find its weight.
+        unsigned int pow2_kept = 1;
+        while (pow2_kept < kept) pow2_kept <<= 1;
+        unsigned long long kept_weight = 0;
+        for (unsigned int p = tid; p < pow2_kept; p += THREADS) {
+            if (p < kept) {
+                kept_weight += gathered_weight[p];
+                gathered[p] = ((unsigned long long)(FULL - (unsigned int)gathered[p]) << 32) | p;
+            } else {
+                gathered[p] = ~0ull;
+            }
+        }
+        kept_weight = block_reduce<false>(sh, kept_weight);  // its barriers publish gathered
+        bitonic_sort(gathered, pow2_kept, false);
+        const unsigned long long bits =
+            he::splitmix64(seed ^ he::splitmix64(((unsigned long long)stream_index << 40) ^ position)) >> 40;
+        const unsigned long long r = mul_shift24(bits, kept_weight);  // < kept_weight
+        auto index_weight = [&](unsigned int q) { return gathered_weight[(unsigned int)gathered[q]]; };
+        const unsigned int q = first_reaching(sh, kept, index_weight, r, true);
+        if (tid == 0) *token = q < kept ? (int)(gathered[q] >> 32) : (int)arg;
+    };
+
+    // ---- top-k: the cut key tau, and how many logits equal to it are kept ----
+    unsigned int tau = 0;  // with no top-k, key 0 (-NaN, weight 0) and all of its items
+    unsigned long long need_k = NONE_LEFT;
+    unsigned long long above_tau = 0, at_tau = 0;  // how many keys are above tau, and equal to it
+    if (use_top_k) {
+        descend(top_k, 0, 0, false, [](unsigned int, unsigned long long &w) { return w = 1, true; }, tau, above_tau,
+                at_tau);
+        need_k = top_k - above_tau;
+    }
+    const unsigned long long w_tau = weight_of_key(tau);
+
+    // ---- few candidates: gathered, and block 0 finishes alone with a sort ----
+    if constexpr (MULTI) {
+        if (use_top_k && above_tau + at_tau <= GATHER) {
+            gather(tau);
+            grid_sync<MULTI>();
+            if (blk == 0) finish(gathered_count());
+            return;
+        }
     }
 
-    // Fixed-point masses of the candidates (0 for the rest) and their total.
-    unsigned long long local = 0;
-    for (unsigned int i = tid; i < vocab; i += S_THREADS) {
-        const float l = logits[i];
-        const unsigned int key = he::float_key(l);
-        unsigned long long m = 0;
-        if (key > tau || (key == tau && i <= tau_cut)) m = __float2ull_rn(expf((l - l_max) / temperature) * Q_SCALE);
-        mass[i] = m;
-        local += m;
-    }
-    const unsigned long long total = block_sum_u64(sh, local);  // its barriers also publish mass[]
+    // ---- totals over the candidates (keys above tau, plus need_k of the tau run); top-p's first pass ----
+    // Per block: the weight of the keys above `cut` and how many keys equal it. Written to part(ph).
+    auto sums_above = [&](unsigned int cut) {
+        unsigned long long sum = 0, equal = 0;
+        for_items([&](unsigned int i, bool valid) {
+            if (!valid) return;
+            const unsigned int key = key_at(i);
+            if (key > cut) sum += weight_of_key(key);
+            equal += key == cut;
+        });
+        sum = block_reduce<false>(sh, sum);
+        equal = block_reduce<false>(sh, equal);
+        if (tid == 0) part(ph, blk)[0] = sum, part(ph, blk)[1] = equal;
+    };
+    auto candidate = [&](unsigned int key, unsigned long long &w) {
+        if (key <= tau) return false;
+        w = weight_of_key(key);
+        return true;
+    };
+    sums_above(tau);
+    if (use_top_p) pass(true, 0, FULL, 0, candidate);
+    grid_sync<MULTI>();
 
-    // top_p: the shortest prefix whose mass reaches top_p of the total.
-    unsigned int theta = 0, theta_cut = 0xffffffffu;
-    unsigned long long kept = total;
-    if (top_p > 0.f && top_p < 1.f) {
-        unsigned long long thresh = (unsigned long long)ceil((double)top_p * (double)total);
-        thresh = thresh < 1 ? 1 : thresh > total ? total : thresh;
-        auto candidates = [&](unsigned int i, unsigned int &key, unsigned long long &m) {
-            m = mass[i];
-            if (m == 0) return false;
-            key = he::float_key(logits[i]);
-            return true;
-        };
-        const Cut c = radix_cut(sh, vocab, candidates, thresh);
-        theta = c.key;
-        const unsigned long long per = c.count ? c.key_mass / c.count : 0;
-        const unsigned int take = items_to_reach(thresh, c.above, per, c.count);
-        kept = c.above + (unsigned long long)take * per;
-        if (take < c.count)
-            theta_cut = nth_index(
-                sh, vocab, [&](unsigned int i) { return mass[i] != 0 && he::float_key(logits[i]) == theta; }, take,
-                c.count);
+    // Every block: the totals of all blocks.
+    unsigned long long sum = 0, equal = 0;
+    for (unsigned int j = tid; j < blocks; j += THREADS) {
+        sum += ld<MULTI>(part(ph, j));
+        equal += ld<MULTI>(part(ph, j) + 1);
+    }
+    sum = block_reduce<false>(sh, sum);
+    equal = block_reduce<false>(sh, equal);
+    const unsigned long long tau_kept = use_top_k ? min(need_k, equal) : 0;
+    const unsigned long long total = sum + tau_kept * w_tau;
+    if (total == 0) {
+        if (blk == 0 && tid == 0) *token = (int)arg;
+        return;
     }
 
-    // The draw: the first kept candidate whose running mass exceeds u * kept.
+    // The draw runs over: the keys above theta, and the first `need` (in index order) equal to theta.
+    unsigned int theta = tau, sums_set = ph;
+    unsigned long long need = need_k, w_theta = w_tau;
+    ph++;
+
+    // ---- top-p: the shortest prefix of the candidates in rank order reaching thresh ----
+    if (use_top_p) {
+        const unsigned long long p24 = __float2ull_rn(__fmul_rn(top_p, 16777216.f));
+        unsigned long long thresh = mul_shift24_up(p24, total);
+        thresh = thresh < 1 ? 1 : thresh;
+        if (thresh < total) {
+            // The kept tau logits (all one weight) join the histograms as one virtual item.
+            unsigned long long above, at;
+            descend(thresh, tau, tau_kept * w_tau, true, candidate, theta, above, at);
+            w_theta = weight_of_key(theta);
+            // The crossing bin reaches thresh, so theta's logits weigh more than 0.
+            need = w_theta ? (thresh - above + w_theta - 1) / w_theta : 1;
+            sums_above(theta);
+            grid_sync<MULTI>();
+            sums_set = ph;
+            ph++;
+        }
+    }
+
+    // ---- the draw, in index order ----
+    // Block j keeps the weight above theta plus its share of the first `need` theta logits. Each thread
+    // takes a contiguous run of blocks so one scan gives the theta counts before each block.
+    const unsigned int per = (blocks + THREADS - 1) / THREADS;
+    const unsigned int j0 = min(blocks, tid * per), j1 = min(blocks, j0 + per);
+    unsigned long long run_equal = 0;
+    for (unsigned int j = j0; j < j1; j++) run_equal += ld<MULTI>(part(sums_set, j) + 1);
+    unsigned long long all;
+    unsigned long long equal_before = block_exclusive_scan(sh, run_equal, all);
+    unsigned long long run_kept = 0;
+    for (unsigned int j = j0; j < j1; j++) {
+        const unsigned long long eq = ld<MULTI>(part(sums_set, j) + 1);
+        const unsigned long long incl = need > equal_before ? min(need - equal_before, eq) : 0;
+        const unsigned long long kept_j = ld<MULTI>(part(sums_set, j)) + incl * w_theta;
+        if (j == blk) sh.draw_before = run_kept, sh.draw_incl = incl, sh.draw_weight = kept_j;
+        run_kept += kept_j;
+        equal_before += eq;
+    }
+    unsigned long long kept;
+    const unsigned long long kept_before = block_exclusive_scan(sh, run_kept, kept);  // its barriers publish sh.draw_*
+    if (blk >= j0 && blk < j1) sh.draw_before += kept_before;
+    __syncthreads();
     const unsigned long long bits =
         he::splitmix64(seed ^ he::splitmix64(((unsigned long long)stream_index << 40) ^ position)) >> 40;
-    const unsigned long long lo = bits * kept, hi = __umul64hi(bits, kept);
-    const unsigned long long r = (hi << 40) | (lo >> 24);  // floor(bits * kept / 2^24), exactly
-    auto kept_item = [&](unsigned int i, unsigned int &key, unsigned long long &m) {
-        m = mass[i];
-        if (m == 0) return false;
-        key = he::float_key(logits[i]);
-        return key > theta || (key == theta && i <= theta_cut);
+    const unsigned long long r = mul_shift24(bits, kept);  // < kept
+    const unsigned long long mine_before = sh.draw_before, mine_incl = sh.draw_incl, mine = sh.draw_weight;
+    if (!(mine > 0 && r >= mine_before && r - mine_before < mine)) return;
+
+    // This block holds the token: each thread scans a contiguous run of the chunk.
+    const unsigned long long target = r - mine_before;
+    const unsigned int run = (hi - lo + THREADS - 1) / THREADS;
+    const unsigned int i0 = min(hi, lo + tid * run), i1 = min(hi, i0 + run);
+    unsigned long long own_equal = 0;
+    for (unsigned int i = i0; i < i1; i++) own_equal += key_at(i) == theta;
+    unsigned long long unused;
+    const unsigned long long rank0 = block_exclusive_scan(sh, own_equal, unused);
+    auto kept_weight = [&](unsigned int i, unsigned long long &rank) -> unsigned long long {
+        const unsigned int key = key_at(i);
+        if (key > theta) return weight_of_key(key);
+        if (key == theta) return rank++ < mine_incl ? w_theta : 0;
+        return 0;
     };
-    const Cut c = radix_cut(sh, vocab, kept_item, r + 1);
-    const unsigned int rho = c.key;
-    const unsigned long long per = c.count ? c.key_mass / c.count : 0;
-    const unsigned int nth = items_to_reach(r + 1, c.above, per, c.count);
-    const unsigned int pick = nth_index(
-        sh, vocab,
-        [&](unsigned int i) {
-            unsigned int key;
-            unsigned long long m;
-            return kept_item(i, key, m) && key == rho;
-        },
-        nth, c.count);
-    if (tid == 0) *token = (int)pick;
+    unsigned long long own_kept = 0, rank = rank0;
+    for (unsigned int i = i0; i < i1; i++) own_kept += kept_weight(i, rank);
+    const unsigned long long before = block_exclusive_scan(sh, own_kept, unused);
+    if (!(target >= before && target - before < own_kept)) return;
+    unsigned long long acc = before;
+    rank = rank0;
+    for (unsigned int i = i0; i < i1; i++) {
+        acc += kept_weight(i, rank);
+        if (acc > target) {
+            *token = (int)i;
+            return;
+        }
+    }
+}
+
+// Blocks of the multi-block kernel that fit on the current device at once; 0 where it has no cooperative
+// launch. Asked once per device.
+unsigned int resident_blocks() {
+    static std::atomic<int> known[64];  // 0: not asked yet, -1: none
+    int dev = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess) return 0;
+    if (dev >= 0 && dev < 64) {
+        const int k = known[dev].load(std::memory_order_relaxed);
+        if (k != 0) return k > 0 ? (unsigned int)k : 0;
+    }
+    int coop = 0, sms = 0, per_sm = 0;
+    int n = -1;
+    if (cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, dev) == cudaSuccess &&
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess &&
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, sample_kernel<true>, THREADS, 0) == cudaSuccess &&
+        coop && sms * per_sm > 0)
+        n = sms * per_sm;
+    (void)cudaGetLastError();  // a failed query here is no launch error; the launch reports its own
+    if (dev >= 0 && dev < 64) known[dev].store(n, std::memory_order_relaxed);
+    return n > 0 ? (unsigned int)n : 0;
 }
 
 }  // namespace
@@ -339,9 +677,28 @@ __global__ __launch_bounds__(S_THREADS) void sample_kernel(const float *__restri
 extern "C" cudaError_t hostembed_sample(const float *logits, unsigned int vocab, float temperature,
                                         unsigned int top_k, float top_p, uint64_t seed, unsigned int stream_index,
                                         uint64_t position, void *scratch, int *token, cudaStream_t stream) {
-    if (logits == nullptr || token == nullptr || vocab == 0 || vocab > 0x7fffffffu) return cudaErrorInvalidValue;
+    if (logits == nullptr || token == nullptr || vocab == 0 || vocab > MAX_VOCAB) return cudaErrorInvalidValue;
     if (scratch == nullptr || reinterpret_cast<uintptr_t>(scratch) % 8 != 0) return cudaErrorInvalidValue;
-    sample_kernel<<<1, S_THREADS, 0, stream>>>(logits, vocab, temperature, top_k, top_p, seed, stream_index,
-                                               position, static_cast<unsigned long long *>(scratch), token);
+    unsigned long long seed_arg = seed, position_arg = position;
+    unsigned long long *work = static_cast<unsigned long long *>(scratch);
+    unsigned int blocks = 1;
+    if (vocab >= ONE_BLOCK_BELOW) {
+        blocks = (vocab + ITEMS_PER_BLOCK - 1) / ITEMS_PER_BLOCK;
+        blocks = std::min(blocks, resident_blocks());
+        // The scratch holds 8 * vocab bytes.
+        while (blocks > 1 && scratch_bytes(blocks) > 8ull * vocab) blocks--;
+    }
+    if (blocks > 1) {
+        void *args[] = {&logits, &vocab,   &temperature, &top_k, &top_p, &seed_arg, &stream_index, &position_arg,
+                        &work,   &token};
+        const cudaError_t e = cudaLaunchCooperativeKernel(reinterpret_cast<const void *>(&sample_kernel<true>),
+                                                          dim3(blocks), dim3(THREADS), args, 0, stream);
+        if (e != cudaErrorCooperativeLaunchTooLarge && e != cudaErrorNotSupported) {
+            return e != cudaSuccess ? e : cudaGetLastError();
+        }
+        (void)cudaGetLastError();  // fewer resources than asked for (another process, MPS): one block instead
+    }
+    sample_kernel<false><<<1, THREADS, 0, stream>>>(logits, vocab, temperature, top_k, top_p, seed_arg, stream_index,
+                                                    position_arg, work, token);
     return cudaGetLastError();
 }

@@ -1,15 +1,35 @@
 //! Choosing the next token from logits: greedy, or temperature + top-k + top-p with a seeded draw.
 //!
-//! The device sampler implements this same algorithm, so each step is specified exactly:
-//! 1. `temperature <= 0`: argmax, the lowest index winning ties.
-//! 2. Candidates: the `top_k` largest logits (all when `top_k` is 0 or >= vocab), ordered by logit
-//!    descending, ties by lower index.
-//! 3. Weights in f32: `p_i = exp((l_i - l_max) / T)`; `total` = their sum accumulated in f32 in
-//!    candidate order.
-//! 4. Top-p (only when 0 < top_p < 1): keep the shortest prefix whose running sum >= `top_p * total`.
-//!    `kept` is the running sum at the last kept candidate.
-//! 5. `r = u * kept` with `u = uniform(seed, stream, position)`; return the first kept candidate whose
-//!    running sum (the same f32 sums as in step 3) is > r, or the last kept candidate if none is.
+//! kernels/sample.cu implements this same algorithm on the device, and both sides compute every number
+//! in it bit for bit alike (integer arithmetic, and f32 operations that IEEE 754 rounds exactly, never a
+//! library `exp`), so they pick the same token from the same logits. The algorithm, exactly:
+//!
+//! 0. Order. `key(l)` maps an f32's bits to a u32 whose unsigned order is the total order of f32
+//!    (-NaN < -inf < .. < -0 < +0 < .. < +inf < +NaN). Tokens are ranked by key descending, then by index
+//!    ascending; "the largest logit" is the first token in that ranking.
+//! 1. Greedy when `!(temperature > 0)` (0, negative or NaN) or `top_k == 1`: the largest logit.
+//! 2. Candidates: the first `top_k` tokens of the ranking when `0 < top_k < vocab`, else every token.
+//! 3. Weights (integers): with `s = LOG2E / temperature` (`LOG2E` = f32 log2(e), bits 0x3FB8AA3B) and
+//!    `l_max` the largest logit, in f32,
+//!    `x = (l_max - l) * s` and `w = exp2_weight(x)`, about `2^36 * 2^-x` (below). `total` is the sum of
+//!    the candidates' weights (u64, exact; vocab < 2^28 keeps it below 2^64). `total == 0` (an infinite or
+//!    NaN largest logit, a temperature so small that `s` is infinite): the largest logit.
+//! 4. Top-p, when `0 < top_p < 1`: `P = round_half_even(top_p * 2^24)`,
+//!    `thresh = max(1, ceil(total * P / 2^24))`. When `thresh < total` the kept tokens are the shortest
+//!    prefix of the candidates in ranking order whose weights sum to at least `thresh`; otherwise (or with
+//!    no top-p) every candidate is kept.
+//! 5. Draw: `bits` = the top 24 bits of `splitmix64(seed ^ splitmix64((stream << 40) ^ position))`,
+//!    `kept` = the sum of the kept tokens' weights, `r = floor(bits * kept / 2^24)` (< kept). Walking the
+//!    kept tokens in INDEX order, the first whose running weight sum exceeds `r` is the token. Any fixed
+//!    order gives each kept token the probability `w / kept`; index order lets the device find it with a
+//!    prefix sum instead of a sort.
+//!
+//! `exp2_weight(x)`: 0 unless `x < 40` (so also for NaN). Else, all in f32 with one rounding per operation
+//! (no fused multiply-add): `n = round_half_even(x)`, `f = x - n` (exact, in [-0.5, 0.5]),
+//! `p = ((((((C7 f + C6) f + C5) f + C4) f + C3) f + C2) f + C1) f + C0` with `Ck = f32((-ln 2)^k / k!)`
+//! (the Taylor series of `2^-f`, within 1.6 ulp of it), and `w = round_half_even(p * 2^(36 - n))`, the
+//! product exact. So the largest logit weighs exactly 2^36, and a token whose probability is below about
+//! 2^-37 of the largest one's weighs 0 and is never drawn.
 //!
 //! The draw depends only on (seed, stream, position), where `position` is the index in the stream of
 //! the token being produced, so a run repeats exactly whatever the placement or batching.
@@ -18,7 +38,7 @@
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Sampling {
-    /// <= 0 picks greedily.
+    /// Not above 0 (0, negative, NaN) picks greedily.
     pub temperature: f32,
     /// 0 keeps every token.
     pub top_k: u32,
@@ -31,6 +51,17 @@ impl Sampling {
     pub const GREEDY: Sampling = Sampling { temperature: 0.0, top_k: 0, top_p: 1.0, seed: 0 };
 }
 
+/// The vocabulary sizes the sampler takes: every sum of weights then fits in a u64.
+const MAX_VOCAB: usize = (1 << 28) - 1;
+
+/// log2(e) in f32 (0x3FB8AA3B); kernels/sample.cu has the same bits.
+const LOG2E: f32 = std::f32::consts::LOG2_E;
+/// f32((-ln 2)^k / k!) for k = 0..=7, as bits; kernels/sample.cu has the same.
+const EXP2_TAYLOR: [u32; 8] =
+    [0x3F80_0000, 0xBF31_7218, 0x3E75_FDF0, 0xBD63_5847, 0x3C1D_955B, 0xBAAE_C3FF, 0x3921_8489, 0xB77F_E5FE];
+/// x at or beyond this weighs 0 (2^36 * 2^-40 rounds to 0).
+const WEIGHT_CUTOFF: f32 = 40.0;
+
 /// splitmix64's output function applied to `x` (wrapping arithmetic).
 pub fn splitmix64(x: u64) -> u64 {
     let mut z = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
@@ -39,53 +70,116 @@ pub fn splitmix64(x: u64) -> u64 {
     z ^ (z >> 31)
 }
 
-/// The draw for one token in [0, 1): 24 random bits, so exact in f32.
-pub fn uniform(seed: u64, stream: u32, position: u64) -> f32 {
-    let key = splitmix64(((stream as u64) << 40) ^ position);
-    (splitmix64(seed ^ key) >> 40) as f32 / 16_777_216.0
+/// The 24 random bits of the draw for one token.
+fn draw_bits(seed: u64, stream: u32, position: u64) -> u64 {
+    splitmix64(seed ^ splitmix64(((stream as u64) << 40) ^ position)) >> 40
 }
 
-/// Index of the largest logit, the lowest index among equals.
+/// The draw for one token in [0, 1): its 24 random bits over 2^24, so exact in f32.
+pub fn uniform(seed: u64, stream: u32, position: u64) -> f32 {
+    draw_bits(seed, stream, position) as f32 / 16_777_216.0
+}
+
+/// A key whose unsigned order is the total order of f32 (see the module comment).
+pub fn key(l: f32) -> u32 {
+    let u = l.to_bits();
+    if u & 0x8000_0000 != 0 { !u } else { u | 0x8000_0000 }
+}
+
+/// Index of the largest logit in the total order of f32, the lowest index among equals.
 pub fn argmax(logits: &[f32]) -> u32 {
     assert!(!logits.is_empty(), "argmax of no logits");
     let mut best = 0;
+    let mut best_key = key(logits[0]);
     for (i, &l) in logits.iter().enumerate().skip(1) {
-        if l > logits[best] {
+        let k = key(l);
+        if k > best_key {
             best = i;
+            best_key = k;
         }
     }
     best as u32
 }
 
+/// About 2^36 * 2^-x, computed as the module comment says.
+pub fn exp2_weight(x: f32) -> u64 {
+    if x.is_nan() || x >= WEIGHT_CUTOFF {
+        return 0;
+    }
+    let n = x.round_ties_even();
+    let f = x - n;
+    let mut p = f32::from_bits(EXP2_TAYLOR[7]);
+    for &c in EXP2_TAYLOR[..7].iter().rev() {
+        p = p * f + f32::from_bits(c);
+    }
+    let scale = f32::from_bits(((127 + 36 - n as i32) as u32) << 23);
+    (p * scale).round_ties_even() as u64
+}
+
+/// The weight of logit `l` against the largest logit `l_max` with `s = LOG2E / temperature`.
+fn weight(l: f32, l_max: f32, s: f32) -> u64 {
+    exp2_weight((l_max - l) * s)
+}
+
+/// floor(a * b / 2^24) for b < 2^64 and a <= 2^24.
+fn mul_shift24(a: u64, b: u64) -> u64 {
+    ((a as u128 * b as u128) >> 24) as u64
+}
+
 /// The token chosen from `logits` for `stream`'s token at `position` (see the module comment).
 pub fn sample(logits: &[f32], s: &Sampling, stream: u32, position: u64) -> u32 {
-    if s.temperature <= 0.0 {
-        return argmax(logits);
-    }
     assert!(!logits.is_empty(), "sampling from no logits");
+    assert!(logits.len() <= MAX_VOCAB, "a vocabulary of {} is above {MAX_VOCAB}", logits.len());
+    let arg = argmax(logits);
+    if s.temperature.is_nan() || s.temperature <= 0.0 || s.top_k == 1 {
+        return arg;
+    }
+    let l_max = logits[arg as usize];
+    let scale = LOG2E / s.temperature;
+    // Rank order: key descending, then index ascending.
+    let rank = |&a: &u32, &b: &u32| key(logits[b as usize]).cmp(&key(logits[a as usize])).then(a.cmp(&b));
+
     let mut candidates: Vec<u32> = (0..logits.len() as u32).collect();
-    // Logit descending, then index ascending: a strict order, so the result never depends on the sort.
-    candidates.sort_by(|&a, &b| logits[b as usize].total_cmp(&logits[a as usize]).then(a.cmp(&b)));
     if s.top_k != 0 && (s.top_k as usize) < logits.len() {
+        candidates.select_nth_unstable_by(s.top_k as usize - 1, rank);
         candidates.truncate(s.top_k as usize);
     }
-
-    let l_max = logits[candidates[0] as usize];
-    let mut running = Vec::with_capacity(candidates.len());
-    let mut total = 0f32;
-    for &c in &candidates {
-        total += ((logits[c as usize] - l_max) / s.temperature).exp();
-        running.push(total);
+    // Tokens of weight 0 add nothing to any sum and can never be drawn: only the others matter.
+    let mut weighted: Vec<(u32, u64)> =
+        candidates.into_iter().map(|c| (c, weight(logits[c as usize], l_max, scale))).filter(|&(_, w)| w > 0).collect();
+    let total: u64 = weighted.iter().map(|&(_, w)| w).sum();
+    if total == 0 {
+        return arg;
     }
 
-    let mut kept = candidates.len();
     if s.top_p > 0.0 && s.top_p < 1.0 {
-        let threshold = s.top_p * total;
-        kept = running.iter().position(|&c| c >= threshold).map_or(candidates.len(), |i| i + 1);
+        let p24 = (s.top_p * 16_777_216.0).round_ties_even() as u64;
+        let thresh = ((total as u128 * p24 as u128).div_ceil(1 << 24) as u64).max(1);
+        if thresh < total {
+            weighted.sort_unstable_by(|a, b| rank(&a.0, &b.0));
+            let mut running = 0u64;
+            let cut = weighted
+                .iter()
+                .position(|&(_, w)| {
+                    running += w;
+                    running >= thresh
+                })
+                .expect("the weights sum to total > thresh");
+            weighted.truncate(cut + 1);
+        }
     }
-    let r = uniform(s.seed, stream, position) * running[kept - 1];
-    let chosen = running[..kept].iter().position(|&c| c > r).unwrap_or(kept - 1);
-    candidates[chosen]
+
+    weighted.sort_unstable_by_key(|&(c, _)| c);
+    let kept: u64 = weighted.iter().map(|&(_, w)| w).sum();
+    let r = mul_shift24(draw_bits(s.seed, stream, position), kept);
+    let mut running = 0u64;
+    for &(c, w) in &weighted {
+        running += w;
+        if running > r {
+            return c;
+        }
+    }
+    unreachable!("r = {r} is below the kept weight {kept}")
 }
 
 #[cfg(test)]
@@ -107,5 +201,51 @@ mod tests {
         assert_ne!(u, uniform(8, 1, 2));
         assert_ne!(u, uniform(7, 2, 2));
         assert_ne!(u, uniform(7, 1, 3));
+    }
+
+    #[test]
+    fn constants_are_what_their_comments_say() {
+        assert_eq!(LOG2E.to_bits(), 0x3FB8_AA3B);
+        assert_eq!(LOG2E, std::f64::consts::LOG2_E as f32);
+        let mut fact = 1f64;
+        for (k, &bits) in EXP2_TAYLOR.iter().enumerate() {
+            if k > 0 {
+                fact *= k as f64;
+            }
+            let want = ((-std::f64::consts::LN_2).powi(k as i32) / fact) as f32;
+            assert_eq!(bits, want.to_bits(), "coefficient {k}");
+        }
+    }
+
+    #[test]
+    fn exp2_weight_follows_two_to_the_minus_x() {
+        assert_eq!(exp2_weight(0.0), 1 << 36);
+        assert_eq!(exp2_weight(-0.0), 1 << 36);
+        assert_eq!(exp2_weight(1.0), 1 << 35);
+        assert_eq!(exp2_weight(36.0), 1);
+        assert_eq!(exp2_weight(WEIGHT_CUTOFF), 0);
+        assert_eq!(exp2_weight(f32::INFINITY), 0);
+        assert_eq!(exp2_weight(f32::NAN), 0);
+        let mut prev = u64::MAX;
+        let mut x = 0f32;
+        while x < WEIGHT_CUTOFF {
+            let w = exp2_weight(x);
+            let want = 2f64.powf(36.0 - x as f64);
+            // Within 2 ulp of f32 relative, plus the final rounding to an integer.
+            assert!((w as f64 - want).abs() <= want * 2.0 * f32::EPSILON as f64 / 2.0 + 0.5, "x {x}: {w} vs {want}");
+            assert!(w <= prev, "x {x}: {w} after {prev}");
+            prev = w;
+            x += 1.0 / 1024.0 + x * 1e-4;
+        }
+    }
+
+    #[test]
+    fn key_order_is_the_total_order_of_f32() {
+        let ordered = [f32::NEG_INFINITY, -1.0, -f32::MIN_POSITIVE, -0.0, 0.0, 1e-45, 1.0, f32::INFINITY, f32::NAN];
+        for w in ordered.windows(2) {
+            assert!(key(w[0]) < key(w[1]), "{} !< {}", w[0], w[1]);
+        }
+        assert!(key(-f32::NAN) < key(f32::NEG_INFINITY));
+        assert_eq!(argmax(&[-0.0, 0.0, 0.0]), 1);
     }
 }

@@ -831,6 +831,8 @@ fn greedy_is_argmax_with_the_lowest_index_on_ties() {
         assert_eq!(sampler::sample(&logits, &sampling(-1.0, 5, 0.5, 9), 3, 7), best as u32);
     }
     assert_eq!(sampler::sample(&[1.0, 3.0, 2.0, 3.0], &Sampling::GREEDY, 0, 0), 1);
+    // A NaN temperature is not above 0: greedy too.
+    assert_eq!(sampler::sample(&[1.0, 3.0, 2.0, 3.0], &sampling(f32::NAN, 0, 1.0, 9), 0, 0), 1);
 }
 
 #[test]
@@ -846,17 +848,17 @@ fn a_draw_repeats_for_the_same_seed_stream_and_position() {
         (0..64).map(|p| sampler::sample(&logits, &Sampling { seed: s.seed ^ 1, ..s }, 2, p)).collect();
     assert_ne!(picks, other_stream);
     assert_ne!(picks, other_seed);
-    // With equal weights the pick is floor(u * n): the draw is exactly `uniform`.
+    // With equal weights the pick is floor(bits * n / 2^24), bits = uniform * 2^24: the draw is `uniform`.
     for p in 0..64u64 {
-        let u = sampler::uniform(s.seed, 2, p);
-        assert_eq!(picks[p as usize], (u * 1000.0) as u32, "position {p}");
+        let bits = (sampler::uniform(s.seed, 2, p) * 16_777_216.0) as u64;
+        assert_eq!(picks[p as usize] as u64, (bits * 1000) >> 24, "position {p}");
     }
 }
 
 #[test]
 fn a_draw_on_a_cumulative_boundary_takes_the_next_token() {
-    // 4096 equal weights: r = u * 4096 and the running sums are the integers 1..=4096, all exact in f32.
-    // Where r lands exactly on a sum k the strict "> r" picks token k, not k - 1.
+    // 4096 equal weights of 2^36: r = u * 4096 * 2^36 and the running sums are k * 2^36 for k = 1..=4096.
+    // Where r lands exactly on a sum k * 2^36 the strict "> r" picks token k, not k - 1.
     let mut rng = Rng::fresh("a_draw_on_a_cumulative_boundary_takes_the_next_token");
     let s = sampling(1.0, 0, 1.0, rng.next_u64());
     let logits = vec![0.5f32; 4096];
@@ -930,10 +932,102 @@ fn sampled_frequencies_follow_temperature_top_k_and_top_p() {
 
 #[test]
 fn equal_logits_order_candidates_by_index() {
-    // Top-k 2 of four equal logits keeps tokens 0 and 1; top-p 0.5 keeps token 0 alone.
+    // Top-k 2 of four equal logits keeps tokens 0 and 1; top-p 0.25 keeps token 0 alone.
     let logits = [1.0f32; 4];
     for p in 0..2000 {
         assert!(sampler::sample(&logits, &sampling(1.0, 2, 1.0, 3), 0, p) < 2);
         assert_eq!(sampler::sample(&logits, &sampling(1.0, 0, 0.25, 3), 0, p), 0);
     }
+}
+
+/// The sampler as src/sampler.rs's module comment defines it, written the plain way: a full sort, running
+/// sums in rank order for top-p, then in index order for the draw.
+fn sample_by_definition(logits: &[f32], s: &Sampling, stream: u32, position: u64) -> u32 {
+    let mut order: Vec<usize> = (0..logits.len()).collect();
+    order.sort_by(|&a, &b| sampler::key(logits[b]).cmp(&sampler::key(logits[a])).then(a.cmp(&b)));
+    if s.temperature.is_nan() || s.temperature <= 0.0 || s.top_k == 1 {
+        return order[0] as u32;
+    }
+    if s.top_k != 0 && (s.top_k as usize) < logits.len() {
+        order.truncate(s.top_k as usize);
+    }
+    let (l_max, scale) = (logits[order[0]], std::f32::consts::LOG2_E / s.temperature);
+    let w: Vec<u64> = order.iter().map(|&i| sampler::exp2_weight((l_max - logits[i]) * scale)).collect();
+    let total: u64 = w.iter().sum();
+    if total == 0 {
+        return order[0] as u32;
+    }
+    let mut kept = order.len();
+    if s.top_p > 0.0 && s.top_p < 1.0 {
+        let p24 = (s.top_p as f64 * 16_777_216.0).round_ties_even() as u128;
+        let thresh = (((total as u128 * p24 + (1 << 24) - 1) >> 24) as u64).max(1);
+        if thresh < total {
+            let mut running = 0;
+            kept = 0;
+            while running < thresh {
+                running += w[kept];
+                kept += 1;
+            }
+        }
+    }
+    let mut keep: Vec<(usize, u64)> = order[..kept].iter().copied().zip(w[..kept].iter().copied()).collect();
+    keep.sort();
+    let kept_weight: u64 = keep.iter().map(|k| k.1).sum();
+    let bits = (sampler::uniform(s.seed, stream, position) * 16_777_216.0) as u128;
+    let r = ((bits * kept_weight as u128) >> 24) as u64;
+    let mut running = 0;
+    for (token, weight) in keep {
+        running += weight;
+        if running > r {
+            return token as u32;
+        }
+    }
+    panic!("r = {r} is not below the kept weight {kept_weight}");
+}
+
+#[test]
+fn sample_follows_its_definition_on_tie_heavy_logits() {
+    let mut rng = Rng::fresh("sample_follows_its_definition_on_tie_heavy_logits");
+    let settings = [
+        (1.0, 0, 1.0),
+        (0.7, 40, 0.9),
+        (0.8, 40, 0.95),
+        (1.3, 0, 0.8),
+        (0.6, 5, 1.0),
+        (2.0, 100, 0.5),
+        (1.0, 700, 0.95),
+        (0.9, 3, 0.0),
+        (1.0, 0, 1e-9),
+        (0.02, 0, 0.99),
+        (1e-30, 10, 0.9),
+        (f32::INFINITY, 50, 0.5),
+    ];
+    let mut distinct = 0;
+    for case in 0..12 {
+        let vocab = [1, 2, 7, 300, 3000][case % 5];
+        // Logits on a 0.5 grid tie by the hundred: the top-k cut, the top-p cut and the draw fall inside
+        // runs of equal logits. Some are -inf (masked tokens), one case holds a NaN.
+        let mut logits: Vec<f32> = rng.vec(vocab, 4.0).into_iter().map(|l| (l * 2.0).round() / 2.0).collect();
+        for _ in 0..vocab / 10 {
+            logits[rng.below(vocab as u64) as usize] = f32::NEG_INFINITY;
+        }
+        if case == 11 {
+            logits[rng.below(vocab as u64) as usize] = f32::NAN;
+        }
+        for &(temperature, top_k, top_p) in &settings {
+            let mut picks = std::collections::HashSet::new();
+            for _ in 0..40 {
+                let s = sampling(temperature, top_k, top_p, rng.next_u64());
+                let (stream, position) = (rng.below(8) as u32, rng.below(1 << 40));
+                let got = sampler::sample(&logits, &s, stream, position);
+                let want = sample_by_definition(&logits, &s, stream, position);
+                assert_eq!(got, want, "vocab {vocab} case {case} {s:?} stream {stream} position {position}");
+                assert!(logits[got as usize] != f32::NEG_INFINITY || logits.iter().all(|&l| l == f32::NEG_INFINITY));
+                picks.insert(got);
+            }
+            distinct += picks.len();
+        }
+    }
+    // The draws did pick among many tokens, not just the argmax.
+    assert!(distinct > 500, "only {distinct} distinct picks");
 }
