@@ -21,6 +21,8 @@ for step in $steps; do
       rc=0
       for t in "$B"/tests/*; do
         name=$(basename "$t")
+        # The header test reads the build tree and runs the C compilers: it belongs to the build machine.
+        [ "$name" = header ] && continue
         "$t" --test-threads=1 --nocapture > "$OUT/test-$name.log" 2>&1; r=$?
         echo "test $name: rc=$r $(grep -E '^test result' "$OUT/test-$name.log" | tail -1)" >> "$summary"
         [ $r -ne 0 ] && rc=$r
