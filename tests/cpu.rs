@@ -400,7 +400,7 @@ fn swiglu_and_add() {
 /// tokens: the same ops in another schedule, so a cache that stores or reads the wrong rows shows.
 fn layer_major_logits(src: &MemSource, toks: &[u32]) -> Vec<Vec<f32>> {
     let cfg = &src.cfg;
-    let (n, q_dim, kv_dim, hd) = (toks.len(), cfg.q_dim(), cfg.kv_dim(), cfg.head_dim);
+    let (_n, q_dim, kv_dim, hd) = (toks.len(), cfg.q_dim(), cfg.kv_dim(), cfg.head_dim);
     let w = |name: &str| src.tensor(name).unwrap();
     let inv_freq = cpu::rope_inv_freq(cfg);
     let matvec = |name: &str, x: &[f32], rows: usize| {

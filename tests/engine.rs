@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::Scratch;
+use common::{Held, Scratch, info, init, logits, serial, stats, step, try_step};
 
 use common::Rng;
 use hostembed::Status;
@@ -21,16 +21,8 @@ use hostembed::placement::engine_memory;
 use hostembed::sampler::{self, Sampling};
 use hostembed::status::last_error;
 use hostembed::tensor::DType;
-use std::ffi::{CString, c_char, c_void};
+use std::ffi::{c_char, c_void};
 use std::path::Path;
-use std::sync::{Mutex, MutexGuard};
-
-/// The memory counters are process-wide: each test holds this while its engines live.
-static SERIAL: Mutex<()> = Mutex::new(());
-
-fn serial() -> MutexGuard<'static, ()> {
-    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
-}
 
 /// A small Llama 3: GQA 2:1, llama3 rope scaling, an untied head.
 fn llama() -> ModelConfig {
@@ -91,61 +83,8 @@ fn sampling_of(o: &engine_options) -> Sampling {
     Sampling { temperature: o.temperature, top_k: o.top_k, top_p: o.top_p, seed: o.seed }
 }
 
-fn c_path(p: &Path) -> CString {
-    CString::new(p.to_str().unwrap()).unwrap()
-}
-
-/// An engine freed when dropped, so a failed assertion does not leave it to the next test's counters.
-struct Held(*mut ffi::engine);
-
-impl Drop for Held {
-    fn drop(&mut self) {
-        unsafe { ffi::engine_free(self.0) };
-    }
-}
-
-fn init(path: &Path, opts: &engine_options) -> Held {
-    let mut e = std::ptr::null_mut();
-    let st = unsafe { ffi::engine_init_fit(c_path(path).as_ptr(), opts, &mut e) };
-    assert_eq!(st, Status::Ok, "engine_init_fit({}): {}", path.display(), last_error());
-    assert!(!e.is_null());
-    Held(e)
-}
-
-/// engine_step's status, and `next` (left at -7 unless the call succeeded).
-fn try_step(e: &Held, stream: u32, tokens: &[i32]) -> (Status, i32) {
-    let mut next = -7;
-    let st = unsafe { ffi::engine_step(e.0, stream, tokens.as_ptr(), tokens.len(), &mut next) };
-    (st, next)
-}
-
-fn step(e: &Held, stream: u32, tokens: &[i32]) -> i32 {
-    let (st, next) = try_step(e, stream, tokens);
-    assert_eq!(st, Status::Ok, "engine_step(stream {stream}, {} tokens): {}", tokens.len(), last_error());
-    next
-}
-
-fn logits(e: &Held, stream: u32) -> Vec<f32> {
-    let mut out = vec![f32::NAN; info(e).vocab as usize];
-    let st = unsafe { ffi::engine_logits(e.0, stream, out.as_mut_ptr(), out.len()) };
-    assert_eq!(st, Status::Ok, "engine_logits(stream {stream}): {}", last_error());
-    out
-}
-
-fn info(e: &Held) -> engine_model_info {
-    let mut out: engine_model_info = unsafe { std::mem::zeroed() };
-    assert_eq!(unsafe { ffi::engine_model_info(e.0, &mut out) }, Status::Ok, "{}", last_error());
-    out
-}
-
 fn reset(e: &Held, stream: u32) {
     assert_eq!(unsafe { ffi::engine_reset(e.0, stream) }, Status::Ok, "engine_reset({stream}): {}", last_error());
-}
-
-fn stats() -> engine_memory {
-    let mut m = engine_memory::default();
-    assert_eq!(unsafe { ffi::engine_memory_stats(&mut m) }, Status::Ok);
-    m
 }
 
 /// Steps `prompt`, then feeds each chosen token back `steps` times; the chosen tokens and the logits

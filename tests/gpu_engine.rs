@@ -6,30 +6,22 @@
 
 mod common;
 
-use common::Scratch;
+use common::{Held, Scratch, device_info, info, init, logits, serial, stats, step, try_step};
 
 use common::gpu_present;
 use hostembed::Status;
 use hostembed::checkpoint::Checkpoint;
 use hostembed::checkpoint::write::{write_synthetic_gguf, write_synthetic_hf};
 use hostembed::engine::{self, engine_backend, engine_options, engine_tristate};
-use hostembed::ffi::{self, engine_device_info, engine_model_info};
+use hostembed::ffi::{self};
 use hostembed::fit::{self, engine_placement};
 use hostembed::model::{Arch, ModelConfig, RopeScaling};
 use hostembed::placement::engine_memory;
 use hostembed::status::last_error;
 use hostembed::tensor::DType;
 use sha2::{Digest, Sha256};
-use std::ffi::{CString, c_char, c_void};
+use std::ffi::{c_char, c_void};
 use std::path::{Path, PathBuf};
-use std::sync::{Mutex, MutexGuard};
-
-/// The memory counters and the device are shared by every test in this binary.
-static SERIAL: Mutex<()> = Mutex::new(());
-
-fn serial() -> MutexGuard<'static, ()> {
-    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
-}
 
 /// The weights' seed: fixed, so the printed SHA-256 lines compare across runs and machines.
 const WEIGHTS_SEED: u64 = 0x6870_6f73_7465_6d62;
@@ -123,16 +115,6 @@ fn cpu() -> engine_options {
     engine_options { backend: engine_backend::Cpu, room_bytes: 0, ..greedy_cuda() }
 }
 
-fn c_path(p: &Path) -> CString {
-    CString::new(p.to_str().unwrap()).unwrap()
-}
-
-fn device_info() -> engine_device_info {
-    let mut info: engine_device_info = unsafe { std::mem::zeroed() };
-    assert_eq!(unsafe { ffi::engine_device_info(0, &mut info) }, Status::Ok, "{}", last_error());
-    info
-}
-
 /// `base` changed to put the rows in each placement: all the room there is, one byte short of the
 /// rule's need (HOST_MAPPED), and mmap_rows set (FILE_MAPPED).
 fn placements(path: &Path, base: engine_options) -> Vec<(engine_placement, engine_options)> {
@@ -144,53 +126,6 @@ fn placements(path: &Path, base: engine_options) -> Vec<(engine_placement, engin
         (engine_placement::HostMapped, engine_options { room_bytes: need - 1, ..base }),
         (engine_placement::FileMapped, engine_options { mmap_rows: engine_tristate::Yes, ..base }),
     ]
-}
-
-/// An engine freed when dropped, so a failed assertion does not leave it to the next test's counters.
-struct Held(*mut ffi::engine);
-
-impl Drop for Held {
-    fn drop(&mut self) {
-        unsafe { ffi::engine_free(self.0) };
-    }
-}
-
-fn init(path: &Path, opts: &engine_options) -> Held {
-    let mut e = std::ptr::null_mut();
-    let st = unsafe { ffi::engine_init_fit(c_path(path).as_ptr(), opts, &mut e) };
-    assert_eq!(st, Status::Ok, "engine_init_fit({}): {}", path.display(), last_error());
-    Held(e)
-}
-
-fn try_step(e: &Held, stream: u32, tokens: &[i32]) -> (Status, i32) {
-    let mut next = -7;
-    let st = unsafe { ffi::engine_step(e.0, stream, tokens.as_ptr(), tokens.len(), &mut next) };
-    (st, next)
-}
-
-fn step(e: &Held, stream: u32, tokens: &[i32]) -> i32 {
-    let (st, next) = try_step(e, stream, tokens);
-    assert_eq!(st, Status::Ok, "engine_step(stream {stream}, {} tokens): {}", tokens.len(), last_error());
-    next
-}
-
-fn info(e: &Held) -> engine_model_info {
-    let mut out: engine_model_info = unsafe { std::mem::zeroed() };
-    assert_eq!(unsafe { ffi::engine_model_info(e.0, &mut out) }, Status::Ok, "{}", last_error());
-    out
-}
-
-fn logits(e: &Held, stream: u32) -> Vec<f32> {
-    let mut out = vec![f32::NAN; info(e).vocab as usize];
-    let st = unsafe { ffi::engine_logits(e.0, stream, out.as_mut_ptr(), out.len()) };
-    assert_eq!(st, Status::Ok, "engine_logits(stream {stream}): {}", last_error());
-    out
-}
-
-fn stats() -> engine_memory {
-    let mut m = engine_memory::default();
-    assert_eq!(unsafe { ffi::engine_memory_stats(&mut m) }, Status::Ok);
-    m
 }
 
 /// Steps the prompt, then feeds each chosen token back `steps` times: the chosen tokens.

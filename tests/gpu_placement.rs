@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::Scratch;
+use common::{Held, Scratch, c_path, device_info, init, serial, stats};
 
 use common::{Rng, gpu_present};
 use hostembed::Status;
@@ -13,24 +13,16 @@ use hostembed::checkpoint::Checkpoint;
 use hostembed::checkpoint::write::{write_synthetic_gguf, write_synthetic_hf};
 use hostembed::cuda::{self, DeviceBuffer, HostRegistration, Stream};
 use hostembed::engine::{self, Engine, InitStep, engine_backend, engine_options, engine_tristate};
-use hostembed::ffi::{self, engine_device_info};
+use hostembed::ffi::{self};
 use hostembed::fit::{self, engine_placement, engine_plan};
 use hostembed::model::{Arch, ModelConfig, RopeScaling};
 use hostembed::placement::{self, Rows, RowsSource, engine_memory, engine_rows};
 use hostembed::status::last_error;
 use hostembed::tensor::{DType, decode_row, encode_row};
-use std::ffi::{CStr, CString, c_char, c_void};
+use std::ffi::{CStr, c_char, c_void};
 use std::path::{Path, PathBuf};
-use std::sync::{Mutex, MutexGuard};
 
 const MIB: u64 = 1 << 20;
-
-/// The environment, the memory counters and cudaMemGetInfo are shared by every test in this binary.
-static SERIAL: Mutex<()> = Mutex::new(());
-
-fn serial() -> MutexGuard<'static, ()> {
-    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
-}
 
 /// A valid model whose rows are `vocab` x `hidden` and whose rest is as small as a model can be.
 fn config(vocab: usize, hidden: usize) -> ModelConfig {
@@ -72,24 +64,8 @@ fn write_model(dir: &Path, cfg: &ModelConfig, dtype: DType, seed: u64) -> PathBu
     }
 }
 
-fn stats() -> engine_memory {
-    let mut m = engine_memory::default();
-    assert_eq!(unsafe { ffi::engine_memory_stats(&mut m) }, Status::Ok);
-    m
-}
-
-fn device_info() -> engine_device_info {
-    let mut info: engine_device_info = unsafe { std::mem::zeroed() };
-    assert_eq!(unsafe { ffi::engine_device_info(0, &mut info) }, Status::Ok, "{}", last_error());
-    info
-}
-
 fn free_bytes() -> u64 {
     cuda::mem_info().unwrap().0
-}
-
-fn c_path(p: &Path) -> CString {
-    CString::new(p.to_str().unwrap()).unwrap()
 }
 
 unsafe extern "C" fn collect_lines(user: *mut c_void, line: *const c_char) {
@@ -128,22 +104,6 @@ fn placements(path: &Path, lines: &mut Vec<String>) -> Vec<(engine_placement, en
         (engine_placement::HostMapped, options(plan.need_bytes - 1, engine_tristate::No, lines)),
         (engine_placement::FileMapped, options(1 << 50, engine_tristate::Yes, lines)),
     ]
-}
-
-/// An engine freed when dropped, so a failed assertion does not leave it to the next test's counters.
-struct Held(*mut ffi::engine);
-
-impl Drop for Held {
-    fn drop(&mut self) {
-        unsafe { ffi::engine_free(self.0) };
-    }
-}
-
-fn init(path: &Path, opts: &engine_options) -> Held {
-    let mut e = std::ptr::null_mut();
-    let st = unsafe { ffi::engine_init_fit(c_path(path).as_ptr(), opts, &mut e) };
-    assert_eq!(st, Status::Ok, "engine_init_fit({}): {}", path.display(), last_error());
-    Held(e)
 }
 
 fn rows_of(e: &Held) -> engine_rows {

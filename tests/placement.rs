@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::Scratch;
+use common::{Scratch, c_path, serial, stats};
 
 use common::Rng;
 use hostembed::checkpoint::Checkpoint;
@@ -18,16 +18,8 @@ use hostembed::placement::{engine_memory, engine_rows};
 use hostembed::status::last_error;
 use hostembed::tensor::{DType, decode_row};
 use hostembed::{Status, cuda};
-use std::ffi::{CStr, CString, c_char, c_void};
+use std::ffi::{CStr, c_char, c_void};
 use std::path::{Path, PathBuf};
-use std::sync::{Mutex, MutexGuard};
-
-/// The environment and the process-wide memory counters are shared by every test in this binary.
-static SERIAL: Mutex<()> = Mutex::new(());
-
-fn serial() -> MutexGuard<'static, ()> {
-    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
-}
 
 fn config(vocab: usize, hidden: usize, tied: bool) -> ModelConfig {
     ModelConfig {
@@ -54,16 +46,6 @@ fn config(vocab: usize, hidden: usize, tied: bool) -> ModelConfig {
 
 fn cpu_options() -> engine_options {
     engine_options { backend: engine_backend::Cpu, ..engine::default_options() }
-}
-
-fn stats() -> engine_memory {
-    let mut m = engine_memory::default();
-    assert_eq!(unsafe { ffi::engine_memory_stats(&mut m) }, Status::Ok);
-    m
-}
-
-fn c_path(p: &Path) -> CString {
-    CString::new(p.to_str().unwrap()).unwrap()
 }
 
 fn set_mmap_env(value: Option<&str>) {

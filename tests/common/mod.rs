@@ -3,7 +3,11 @@
 
 use hostembed::Status;
 use hostembed::checkpoint::write::{write_synthetic_gguf, write_synthetic_hf};
+use hostembed::engine::engine_options;
+use hostembed::ffi;
 use hostembed::model::ModelConfig;
+use hostembed::placement::engine_memory;
+use hostembed::status::last_error;
 use hostembed::tensor::DType;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -97,4 +101,71 @@ impl Drop for Scratch {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.0);
     }
+}
+
+/// The environment and the process-wide memory counters are shared by every test in a binary.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+pub fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+pub fn c_path(p: &Path) -> std::ffi::CString {
+    std::ffi::CString::new(p.to_str().unwrap()).unwrap()
+}
+
+/// What the library holds now, through the C ABI.
+pub fn stats() -> engine_memory {
+    let mut m = engine_memory::default();
+    assert_eq!(unsafe { ffi::engine_memory_stats(&mut m) }, Status::Ok);
+    m
+}
+
+pub fn device_info() -> ffi::engine_device_info {
+    let mut info: ffi::engine_device_info = unsafe { std::mem::zeroed() };
+    assert_eq!(unsafe { ffi::engine_device_info(0, &mut info) }, Status::Ok, "{}", last_error());
+    info
+}
+
+/// An engine freed when dropped, so a failed assertion does not leave it to the next test's counters.
+pub struct Held(pub *mut ffi::engine);
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        unsafe { ffi::engine_free(self.0) };
+    }
+}
+
+pub fn init(path: &Path, opts: &engine_options) -> Held {
+    let mut e = std::ptr::null_mut();
+    let st = unsafe { ffi::engine_init_fit(c_path(path).as_ptr(), opts, &mut e) };
+    assert_eq!(st, Status::Ok, "engine_init_fit({}): {}", path.display(), last_error());
+    assert!(!e.is_null());
+    Held(e)
+}
+
+/// engine_step's status, and `next` (left at -7 unless the call succeeded).
+pub fn try_step(e: &Held, stream: u32, tokens: &[i32]) -> (Status, i32) {
+    let mut next = -7;
+    let st = unsafe { ffi::engine_step(e.0, stream, tokens.as_ptr(), tokens.len(), &mut next) };
+    (st, next)
+}
+
+pub fn step(e: &Held, stream: u32, tokens: &[i32]) -> i32 {
+    let (st, next) = try_step(e, stream, tokens);
+    assert_eq!(st, Status::Ok, "engine_step(stream {stream}, {} tokens): {}", tokens.len(), last_error());
+    next
+}
+
+pub fn info(e: &Held) -> ffi::engine_model_info {
+    let mut out: ffi::engine_model_info = unsafe { std::mem::zeroed() };
+    assert_eq!(unsafe { ffi::engine_model_info(e.0, &mut out) }, Status::Ok, "{}", last_error());
+    out
+}
+
+pub fn logits(e: &Held, stream: u32) -> Vec<f32> {
+    let mut out = vec![f32::NAN; info(e).vocab as usize];
+    let st = unsafe { ffi::engine_logits(e.0, stream, out.as_mut_ptr(), out.len()) };
+    assert_eq!(st, Status::Ok, "engine_logits(stream {stream}): {}", last_error());
+    out
 }
