@@ -8,6 +8,7 @@ use std::path::Path;
 
 use common::Rng;
 use hostembed::Status;
+use hostembed::checkpoint::write;
 use hostembed::cpu::{self, CpuModel};
 use hostembed::model::{Arch, ModelConfig, RopeScaling, TensorRef, TensorSource, names};
 use hostembed::sampler::{self, Sampling};
@@ -64,66 +65,14 @@ impl MemSource {
     }
 }
 
-fn splitmix64(x: u64) -> u64 {
-    sampler::splitmix64(x)
-}
-
-fn fnv1a64(name: &str) -> u64 {
-    name.bytes().fold(0xCBF2_9CE4_8422_2325, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01B3))
-}
-
 /// The synthetic weight formula scripts/hf_reference.py and the checkpoint writer share.
 fn synthetic_tensor(name: &str, shape: &[usize], seed: u64) -> Vec<f32> {
-    let n: usize = shape.iter().product();
-    let key = seed ^ fnv1a64(name);
-    let col_scale = 1.0f32 / (*shape.last().unwrap() as f32).sqrt();
-    (0..n as u64)
-        .map(|i| {
-            let bits = splitmix64(key ^ i.wrapping_mul(0xD1B5_4A32_D192_ED03));
-            let u = (bits >> 40) as f32 / 16_777_216.0 * 2.0 - 1.0;
-            if name.ends_with("norm.weight") {
-                1.0 + 0.1 * u
-            } else if name.ends_with(".bias") {
-                0.05 * u
-            } else if name == names::EMBED {
-                u
-            } else {
-                assert_eq!(shape.len(), 2, "no synthetic rule for {name}");
-                u * col_scale
-            }
-        })
-        .collect()
+    (0..shape.iter().product()).map(|i| write::synthetic_element(name, shape, seed, i)).collect()
 }
 
 /// Every tensor the config needs, canonical names and HF shapes.
 fn tensor_shapes(cfg: &ModelConfig) -> Vec<(String, Vec<usize>)> {
-    let (h, q, kv, inter) = (cfg.hidden, cfg.q_dim(), cfg.kv_dim(), cfg.intermediate);
-    let mut out = vec![(names::EMBED.to_string(), vec![cfg.vocab, h]), (names::FINAL_NORM.to_string(), vec![h])];
-    if !cfg.tied {
-        out.push((names::LM_HEAD.to_string(), vec![cfg.vocab, h]));
-    }
-    for i in 0..cfg.layers {
-        let mut part = |p: &str, shape: Vec<usize>| out.push((names::layer(i, p), shape));
-        part(names::ATTN_NORM, vec![h]);
-        part(names::FFN_NORM, vec![h]);
-        part(names::Q, vec![q, h]);
-        part(names::K, vec![kv, h]);
-        part(names::V, vec![kv, h]);
-        part(names::O, vec![h, q]);
-        if cfg.qkv_bias {
-            part(names::Q_BIAS, vec![q]);
-            part(names::K_BIAS, vec![kv]);
-            part(names::V_BIAS, vec![kv]);
-        }
-        if cfg.qk_norm {
-            part(names::Q_NORM, vec![cfg.head_dim]);
-            part(names::K_NORM, vec![cfg.head_dim]);
-        }
-        part(names::GATE, vec![inter, h]);
-        part(names::UP, vec![inter, h]);
-        part(names::DOWN, vec![h, inter]);
-    }
-    out
+    hostembed::checkpoint::expected_tensors(cfg)
 }
 
 fn synthetic_model(cfg: &ModelConfig, seed: u64, dtype: DType) -> MemSource {
@@ -697,7 +646,7 @@ fn synthetic_formula_matches_the_python_generator() {
         ),
     ];
     for (name, shape, seed, fnv, picks) in cases {
-        assert_eq!(fnv1a64(name), fnv, "{name}");
+        assert_eq!(write::fnv1a64(name.as_bytes()), fnv, "{name}");
         let values = synthetic_tensor(name, shape, seed);
         for (i, bits) in picks {
             assert_eq!(values[i].to_bits(), bits, "{name}[{i}] = {}", values[i]);
