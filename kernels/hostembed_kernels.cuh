@@ -67,13 +67,13 @@ cudaError_t hostembed_swiglu(const float *gate, const float *up, float *out, siz
 // out[i] = a[i] + b[i] (out may be a or b).
 cudaError_t hostembed_add(const float *a, const float *b, float *out, size_t len, cudaStream_t stream);
 
-// Picks the next token from logits[vocab] as src/sampler.rs does (temperature <= 0: argmax, lowest index
-// on ties; else top-k, then top-p, then one draw from (seed, stream_index, position)) and writes it to
-// *token. scratch holds 8*vocab bytes (8-byte aligned).
+// Picks the next token from logits[vocab] exactly as src/sampler.rs does (temperature <= 0: argmax,
+// lowest index on ties; else integer weights, top-k, top-p, one draw from (seed, stream_index,
+// position)) and writes it to *token. scratch holds 8*vocab bytes (8-byte aligned); vocab < 2^28 so
+// the integer weights' sums fit in 64 bits.
 cudaError_t hostembed_sample(const float *logits, unsigned int vocab, float temperature, unsigned int top_k,
                              float top_p, uint64_t seed, unsigned int stream_index, uint64_t position,
                              void *scratch, int *token, cudaStream_t stream);
-
 
 // ---- device.cu ----
 // Writes the device's name (NUL-terminated, truncated to len) without exposing cudaDeviceProp to Rust.
