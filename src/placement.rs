@@ -181,23 +181,42 @@ pub fn parallel_copy(dst: &mut [u8], src: &[u8]) {
 }
 
 impl Rows {
+    /// Rows of `src`'s format and shape, owned by `holder`, read by kernels at `data` (or only by the
+    /// host, when `device_usable` is false). The host view follows from where the holder keeps them.
+    fn of(
+        src: &RowsSource,
+        row_bytes: usize,
+        holder: Holder,
+        placement: engine_placement,
+        device_usable: bool,
+        data: *const c_void,
+    ) -> Rows {
+        let host = match &holder {
+            Holder::Device(_) => std::ptr::null(),
+            Holder::Pinned(buf) => buf.host_ptr() as *const u8,
+            Holder::Mapping | Holder::Registered(_) => src.bytes.as_ptr(),
+        };
+        Rows {
+            holder,
+            placement,
+            device_usable,
+            data,
+            host,
+            dtype: src.dtype,
+            vocab: src.vocab,
+            cols: src.cols,
+            row_bytes,
+        }
+    }
+
     /// Rows the CPU backend reads straight from the mapping; nothing is allocated.
     ///
     /// # Safety
     /// The mapping behind `src.bytes` must outlive the returned `Rows`.
     pub unsafe fn in_mapping(src: &RowsSource) -> Result<Rows> {
         let row_bytes = src.row_bytes()?;
-        Ok(Rows {
-            holder: Holder::Mapping,
-            placement: engine_placement::FileMapped,
-            device_usable: false,
-            data: src.bytes.as_ptr() as *const c_void,
-            host: src.bytes.as_ptr(),
-            dtype: src.dtype,
-            vocab: src.vocab,
-            cols: src.cols,
-            row_bytes,
-        })
+        let data = src.bytes.as_ptr() as *const c_void;
+        Ok(Self::of(src, row_bytes, Holder::Mapping, engine_placement::FileMapped, false, data))
     }
 
     /// The rows in device memory, copied from the mapping.
@@ -207,17 +226,7 @@ impl Rows {
         let buf = DeviceBuffer::new(src.bytes.len())?;
         StagedUploader::new()?.upload(&buf, 0, src.bytes)?;
         let data = buf.ptr() as *const c_void;
-        Ok(Rows {
-            holder: Holder::Device(buf),
-            placement: engine_placement::Device,
-            device_usable: true,
-            data,
-            host: std::ptr::null(),
-            dtype: src.dtype,
-            vocab: src.vocab,
-            cols: src.cols,
-            row_bytes,
-        })
+        Ok(Self::of(src, row_bytes, Holder::Device(buf), engine_placement::Device, true, data))
     }
 
     /// The rows in pinned, device-mapped host memory, copied from the mapping.
@@ -226,18 +235,8 @@ impl Rows {
         read_ahead(src.bytes);
         let mut buf = PinnedBuffer::new_mapped(src.bytes.len())?;
         parallel_copy(&mut buf.as_mut_slice()[..src.bytes.len()], src.bytes);
-        let (data, host) = (buf.device_ptr() as *const c_void, buf.host_ptr() as *const u8);
-        Ok(Rows {
-            holder: Holder::Pinned(buf),
-            placement: engine_placement::HostMapped,
-            device_usable: true,
-            data,
-            host,
-            dtype: src.dtype,
-            vocab: src.vocab,
-            cols: src.cols,
-            row_bytes,
-        })
+        let data = buf.device_ptr() as *const c_void;
+        Ok(Self::of(src, row_bytes, Holder::Pinned(buf), engine_placement::HostMapped, true, data))
     }
 
     /// The rows read in place from the file mapping by device `info`; falls back to `host_mapped`
@@ -249,17 +248,7 @@ impl Rows {
         let row_bytes = src.row_bytes()?;
         read_ahead(src.bytes);
         let host = src.bytes.as_ptr();
-        let rows = |holder, data| Rows {
-            holder,
-            placement: engine_placement::FileMapped,
-            device_usable: true,
-            data,
-            host,
-            dtype: src.dtype,
-            vocab: src.vocab,
-            cols: src.cols,
-            row_bytes,
-        };
+        let rows = |holder, data| Self::of(src, row_bytes, holder, engine_placement::FileMapped, true, data);
         if info.pageable_memory_access {
             return Ok(rows(Holder::Mapping, host as *const c_void));
         }
