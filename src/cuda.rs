@@ -121,13 +121,18 @@ impl DeviceBuffer {
         self.bytes
     }
 
-    /// Copies host `data` into this buffer at byte `offset` (synchronous).
-    pub fn upload<T: Copy>(&self, data: &[T], offset: usize) -> Result<()> {
-        let n = std::mem::size_of_val(data);
+    /// The device address `offset` bytes in, once `n` bytes from there are known to fit.
+    fn upload_target(&self, offset: usize, n: usize) -> Result<*mut c_void> {
         if offset.checked_add(n).is_none_or(|end| end > self.bytes) {
             crate::bail!(InvalidArgument, "upload of {n} bytes at {offset} into a {}-byte buffer", self.bytes);
         }
-        let dst = unsafe { (self.ptr as *mut u8).add(offset) } as *mut c_void;
+        Ok(unsafe { (self.ptr as *mut u8).add(offset) } as *mut c_void)
+    }
+
+    /// Copies host `data` into this buffer at byte `offset` (synchronous).
+    pub fn upload<T: Copy>(&self, data: &[T], offset: usize) -> Result<()> {
+        let n = std::mem::size_of_val(data);
+        let dst = self.upload_target(offset, n)?;
         check(
             unsafe { rt::cudaMemcpy(dst, data.as_ptr() as *const c_void, n, rt::cudaMemcpyHostToDevice) },
             "cudaMemcpy(host to device)",
@@ -176,18 +181,11 @@ impl StagedUploader {
 
     /// Copies `data` into `dst` at byte `offset` (synchronous).
     pub fn upload(&mut self, dst: &DeviceBuffer, offset: usize, data: &[u8]) -> Result<()> {
-        if offset.checked_add(data.len()).is_none_or(|end| end > dst.bytes) {
-            crate::bail!(
-                InvalidArgument,
-                "upload of {} bytes at {offset} into a {}-byte buffer",
-                data.len(),
-                dst.bytes
-            );
-        }
+        let start = dst.upload_target(offset, data.len())? as *mut u8;
         for (i, piece) in data.chunks(Self::CHUNK).enumerate() {
             let stage = &mut self.staging.as_mut_slice()[..piece.len()];
             crate::placement::parallel_copy(stage, piece);
-            let at = unsafe { (dst.ptr as *mut u8).add(offset + i * Self::CHUNK) } as *mut c_void;
+            let at = unsafe { start.add(i * Self::CHUNK) } as *mut c_void;
             check(
                 unsafe {
                     rt::cudaMemcpy(at, self.staging.host as *const c_void, piece.len(), rt::cudaMemcpyHostToDevice)
