@@ -5,6 +5,7 @@
 //! Every checkpoint is written here; nothing depends on the demo model under models/.
 
 mod common;
+use common::{bits, max_abs_diff, rel_l2};
 
 use common::{Held, Scratch, info, init, logits, serial, stats, step, try_step};
 
@@ -101,22 +102,6 @@ fn decode(e: &Held, stream: u32, prompt: &[i32], steps: usize) -> (Vec<i32>, Vec
 
 fn random_ids(rng: &mut Rng, vocab: usize, n: usize) -> Vec<i32> {
     (0..n).map(|_| rng.below(vocab as u64) as i32).collect()
-}
-
-fn rel_l2(got: &[f32], want: &[f32]) -> f64 {
-    assert_eq!(got.len(), want.len());
-    assert!(got.iter().chain(want).all(|v| v.is_finite()), "non-finite logits");
-    let num: f64 = got.iter().zip(want).map(|(&g, &w)| (g as f64 - w as f64).powi(2)).sum();
-    let den: f64 = want.iter().map(|&w| (w as f64).powi(2)).sum();
-    (num / den).sqrt()
-}
-
-fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max)
-}
-
-fn bits(v: &[f32]) -> Vec<u32> {
-    v.iter().map(|x| x.to_bits()).collect()
 }
 
 #[test]

@@ -5,6 +5,7 @@
 //! Prints SKIP without a device.
 
 mod common;
+use common::{bits, max_abs_diff, rel_l2, top_two_gap};
 
 use common::{Held, Scratch, device_info, info, init, logits, serial, stats, step, try_step};
 
@@ -141,28 +142,6 @@ fn decode(e: &Held, prompt: &[i32], steps: usize) -> Vec<i32> {
 fn sha256_hex(tokens: &[i32]) -> String {
     let bytes: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
     Sha256::digest(&bytes).iter().map(|b| format!("{b:02x}")).collect()
-}
-
-fn rel_l2(got: &[f32], want: &[f32]) -> f64 {
-    assert_eq!(got.len(), want.len());
-    assert!(got.iter().chain(want).all(|v| v.is_finite()), "non-finite logits");
-    let num: f64 = got.iter().zip(want).map(|(&g, &w)| (g as f64 - w as f64).powi(2)).sum();
-    let den: f64 = want.iter().map(|&w| (w as f64).powi(2)).sum();
-    (num / den).sqrt()
-}
-
-fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max)
-}
-
-fn top_two_gap(l: &[f32]) -> f32 {
-    let mut v = l.to_vec();
-    v.sort_by(|a, b| b.total_cmp(a));
-    v[0] - v[1]
-}
-
-fn bits(v: &[f32]) -> Vec<u32> {
-    v.iter().map(|x| x.to_bits()).collect()
 }
 
 #[test]

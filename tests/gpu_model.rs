@@ -3,6 +3,7 @@
 //! rule relies on, the refusals, and rows in mapped host memory. Skips where no CUDA device is present.
 
 mod common;
+use common::{rel_l2, top_two_gap};
 
 use std::collections::HashMap;
 
@@ -96,23 +97,8 @@ fn rows_on_card(src: &MemSource) -> (DeviceBuffer, RowsOnDevice) {
     (buf, rows)
 }
 
-fn rel_l2(got: &[f32], want: &[f32]) -> f64 {
-    assert_eq!(got.len(), want.len());
-    assert!(got.iter().all(|v| v.is_finite()), "non-finite logits");
-    let num: f64 = got.iter().zip(want).map(|(&g, &w)| (g as f64 - w as f64).powi(2)).sum();
-    let den: f64 = want.iter().map(|&w| (w as f64).powi(2)).sum();
-    (num / den).sqrt()
-}
-
 fn random_tokens(rng: &mut Rng, vocab: usize, n: usize) -> Vec<u32> {
     (0..n).map(|_| rng.below(vocab as u64) as u32).collect()
-}
-
-/// The two largest values' gap.
-fn top_two_gap(l: &[f32]) -> f32 {
-    let mut v = l.to_vec();
-    v.sort_by(|a, b| b.total_cmp(a));
-    v[0] - v[1]
 }
 
 #[test]

@@ -169,3 +169,28 @@ pub fn logits(e: &Held, stream: u32) -> Vec<f32> {
     assert_eq!(st, Status::Ok, "engine_logits(stream {stream}): {}", last_error());
     out
 }
+
+/// Relative L2 distance of `got` from `want`, in f64; both must be finite (a NaN is an unwritten output).
+pub fn rel_l2(got: &[f32], want: &[f32]) -> f64 {
+    assert_eq!(got.len(), want.len());
+    assert!(got.iter().chain(want).all(|v| v.is_finite()), "non-finite logits");
+    let num: f64 = got.iter().zip(want).map(|(&g, &w)| (g as f64 - w as f64).powi(2)).sum();
+    let den: f64 = want.iter().map(|&w| (w as f64).powi(2)).sum();
+    (num / den).sqrt()
+}
+
+pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max)
+}
+
+/// The gap between the two largest values: below the measured error, a greedy pick may flip.
+pub fn top_two_gap(l: &[f32]) -> f32 {
+    let mut v = l.to_vec();
+    v.sort_by(|a, b| b.total_cmp(a));
+    v[0] - v[1]
+}
+
+/// Bit patterns, for comparing floats exactly.
+pub fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
