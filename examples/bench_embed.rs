@@ -6,7 +6,8 @@
 
 use hostembed::cuda::{self, DeviceBuffer, Event, Stream};
 use hostembed::ffi::engine_device_info;
-use hostembed::placement::{self, Rows, RowsSource};
+use hostembed::hostmem;
+use hostembed::placement::{Rows, RowsSource};
 use hostembed::tensor::{DType, encode_row};
 use std::io::Write;
 use std::path::PathBuf;
@@ -124,17 +125,17 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let table = src.bytes.len();
 
     println!("bench_embed on {name}: {VOCAB} rows x {COLS} BF16, {} KiB a row, {:.2} GiB", COLS * 2 / 1024, gib(table));
-    println!("copy threads: {}", placement::copy_threads());
+    println!("copy threads: {}", hostmem::copy_threads());
     println!();
 
     // Placing the rows, each from a page-cache-warm mapping.
-    placement::read_ahead(src.bytes);
+    hostmem::read_ahead(src.bytes);
     let _ = src.bytes.iter().step_by(4096).fold(0u8, |a, b| a ^ b);
     let t = Instant::now();
     let mut pinned = cuda::PinnedBuffer::new_mapped(table)?;
     let alloc_s = t.elapsed().as_secs_f64();
     let t = Instant::now();
-    placement::parallel_copy(&mut pinned.as_mut_slice()[..table], src.bytes);
+    hostmem::parallel_copy(&mut pinned.as_mut_slice()[..table], src.bytes);
     let copy_s = t.elapsed().as_secs_f64();
     let t = Instant::now();
     drop(pinned);
@@ -147,7 +148,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     // For comparison: anonymous memory filled by the copy threads, then registered (pinning resident pages).
     let t = Instant::now();
     let mut anon = memmap2::MmapMut::map_anon(table)?;
-    placement::parallel_copy(&mut anon[..], src.bytes);
+    hostmem::parallel_copy(&mut anon[..], src.bytes);
     let anon_copy_s = t.elapsed().as_secs_f64();
     let t = Instant::now();
     // SAFETY: `anon` is page-aligned and outlives `reg`, which is dropped first.
@@ -172,7 +173,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("| cudaHostAlloc(Mapped|Portable)                    | {alloc_s:7.3} | {:5.1} |", g / alloc_s);
     println!(
         "| {:2}-thread copy from the mapping into it           | {copy_s:7.3} | {:5.1} |",
-        placement::copy_threads(),
+        hostmem::copy_threads(),
         g / copy_s
     );
     println!("| cudaFreeHost                                      | {free_s:7.3} |       |");

@@ -2,6 +2,7 @@
 //! every byte it holds is counted in `memory_stats`. In a build without nvcc each call fails
 //! with `NO_CUDA` ("built without nvcc").
 
+use crate::abi::engine_device_info;
 use crate::cudart as rt;
 use crate::status::{Error, Result, Status};
 use std::ffi::CStr;
@@ -62,6 +63,39 @@ pub fn mem_info() -> Result<(u64, u64)> {
     let (mut free, mut total) = (0usize, 0usize);
     check(unsafe { rt::cudaMemGetInfo(&mut free, &mut total) }, "cudaMemGetInfo")?;
     Ok((free as u64, total as u64))
+}
+
+/// What the placements decide on, read from device `device` (which becomes current).
+pub fn device_info(device: i32) -> Result<engine_device_info> {
+    require_device(device)?;
+    let attr = |a| attribute(a, device);
+    let mut info = engine_device_info {
+        name: [0; 256],
+        compute_major: attr(rt::cudaDevAttrComputeCapabilityMajor)?,
+        compute_minor: attr(rt::cudaDevAttrComputeCapabilityMinor)?,
+        multiprocessors: attr(rt::cudaDevAttrMultiProcessorCount)?,
+        total_bytes: 0,
+        free_bytes: 0,
+        integrated: attr(rt::cudaDevAttrIntegrated)? != 0,
+        can_map_host_memory: attr(rt::cudaDevAttrCanMapHostMemory)? != 0,
+        pageable_memory_access: attr(rt::cudaDevAttrPageableMemoryAccess)? != 0,
+        pageable_memory_access_uses_host_page_tables: attr(rt::cudaDevAttrPageableMemoryAccessUsesHostPageTables)? != 0,
+        host_register_supported: attr(rt::cudaDevAttrHostRegisterSupported)? != 0,
+        host_register_read_only_supported: attr(rt::cudaDevAttrHostRegisterReadOnlySupported)? != 0,
+        can_use_host_pointer_for_registered_mem: attr(rt::cudaDevAttrCanUseHostPointerForRegisteredMem)? != 0,
+        driver_version: 0,
+        runtime_version: 0,
+    };
+    check(
+        // SAFETY: the name buffer is the struct's own array, passed with its length.
+        unsafe { crate::kernels::hostembed_device_name(device as c_int, info.name.as_mut_ptr(), info.name.len()) },
+        "cudaGetDeviceProperties",
+    )?;
+    (info.free_bytes, info.total_bytes) = mem_info()?;
+    // SAFETY: both calls write one int into the struct's own fields.
+    check(unsafe { rt::cudaDriverGetVersion(&mut info.driver_version) }, "cudaDriverGetVersion")?;
+    check(unsafe { rt::cudaRuntimeGetVersion(&mut info.runtime_version) }, "cudaRuntimeGetVersion")?;
+    Ok(info)
 }
 
 pub fn synchronize() -> Result<()> {
@@ -184,7 +218,7 @@ impl StagedUploader {
         let start = dst.upload_target(offset, data.len())? as *mut u8;
         for (i, piece) in data.chunks(Self::CHUNK).enumerate() {
             let stage = &mut self.staging.as_mut_slice()[..piece.len()];
-            crate::placement::parallel_copy(stage, piece);
+            crate::hostmem::parallel_copy(stage, piece);
             let at = unsafe { start.add(i * Self::CHUNK) } as *mut c_void;
             check(
                 unsafe {

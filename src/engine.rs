@@ -6,11 +6,11 @@
 //! the rows straight from the file mapping and has no device plan: `plan()` is None there.
 #![allow(non_camel_case_types)]
 
+use crate::abi::engine_device_info;
 use crate::checkpoint::Checkpoint;
 use crate::cpu::{CpuModel, CpuStream};
 use crate::cuda::{self, PinnedBuffer};
 use crate::cudart as rt;
-use crate::ffi::engine_device_info;
 use crate::fit::{self, engine_fit_inputs, engine_placement, engine_plan};
 use crate::gpu::{GpuModel, GpuStream, RowsOnDevice};
 use crate::model::ModelConfig;
@@ -374,8 +374,8 @@ impl Engine {
         let logger = Logger::new(opts);
         let device = match opts.backend {
             engine_backend::Cpu => None,
-            engine_backend::Cuda => Some(crate::ffi::device_info(opts.device)?),
-            engine_backend::Auto => match crate::ffi::device_info(opts.device) {
+            engine_backend::Cuda => Some(cuda::device_info(opts.device)?),
+            engine_backend::Auto => match cuda::device_info(opts.device) {
                 Ok(info) => Some(info),
                 Err(e) if matches!(e.status, Status::NoCuda | Status::NoDevice) => None,
                 Err(e) => return Err(e),

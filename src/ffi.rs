@@ -2,14 +2,13 @@
 //! Sections follow the header's order: basics, device, fit, engine, decode.
 #![allow(non_camel_case_types, clippy::missing_safety_doc)]
 
+pub use crate::abi::{engine_device_info, engine_model_info};
 use crate::cuda;
-use crate::cudart as rt;
 use crate::status::{self, Error, Result, Status, engine_status};
-use std::os::raw::{c_char, c_int};
+use std::os::raw::c_char;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
-/// The ABI this header describes; a caller compares it with `engine_abi_version()`.
-pub const HOSTEMBED_ABI_VERSION: u32 = 1;
+pub use crate::abi::HOSTEMBED_ABI_VERSION;
 
 /// Runs `f`, turning an error into its status (and the thread's last error) and a panic into
 /// `ENGINE_STATUS_PANIC`; nothing unwinds into C.
@@ -87,65 +86,12 @@ pub extern "C" fn engine_last_error() -> *const c_char {
 // ---------------------------------------------------------------------------------------------
 // Device
 
-/// What the placements decide on, read from the device.
-#[repr(C)]
-#[derive(Clone, Copy, Debug)]
-pub struct engine_device_info {
-    /// NUL-terminated device name.
-    pub name: [c_char; 256],
-    pub compute_major: i32,
-    pub compute_minor: i32,
-    pub multiprocessors: i32,
-    pub total_bytes: u64,
-    pub free_bytes: u64,
-    pub integrated: bool,
-    pub can_map_host_memory: bool,
-    pub pageable_memory_access: bool,
-    pub pageable_memory_access_uses_host_page_tables: bool,
-    pub host_register_supported: bool,
-    pub host_register_read_only_supported: bool,
-    pub can_use_host_pointer_for_registered_mem: bool,
-    /// Driver and runtime versions as CUDA encodes them (13000 = 13.0).
-    pub driver_version: i32,
-    pub runtime_version: i32,
-}
-
-pub(crate) fn device_info(device: i32) -> Result<engine_device_info> {
-    cuda::require_device(device)?;
-    let attr = |a| cuda::attribute(a, device);
-    let mut info = engine_device_info {
-        name: [0; 256],
-        compute_major: attr(rt::cudaDevAttrComputeCapabilityMajor)?,
-        compute_minor: attr(rt::cudaDevAttrComputeCapabilityMinor)?,
-        multiprocessors: attr(rt::cudaDevAttrMultiProcessorCount)?,
-        total_bytes: 0,
-        free_bytes: 0,
-        integrated: attr(rt::cudaDevAttrIntegrated)? != 0,
-        can_map_host_memory: attr(rt::cudaDevAttrCanMapHostMemory)? != 0,
-        pageable_memory_access: attr(rt::cudaDevAttrPageableMemoryAccess)? != 0,
-        pageable_memory_access_uses_host_page_tables: attr(rt::cudaDevAttrPageableMemoryAccessUsesHostPageTables)? != 0,
-        host_register_supported: attr(rt::cudaDevAttrHostRegisterSupported)? != 0,
-        host_register_read_only_supported: attr(rt::cudaDevAttrHostRegisterReadOnlySupported)? != 0,
-        can_use_host_pointer_for_registered_mem: attr(rt::cudaDevAttrCanUseHostPointerForRegisteredMem)? != 0,
-        driver_version: 0,
-        runtime_version: 0,
-    };
-    cuda::check(
-        unsafe { crate::kernels::hostembed_device_name(device as c_int, info.name.as_mut_ptr(), info.name.len()) },
-        "cudaGetDeviceProperties",
-    )?;
-    (info.free_bytes, info.total_bytes) = cuda::mem_info()?;
-    cuda::check(unsafe { rt::cudaDriverGetVersion(&mut info.driver_version) }, "cudaDriverGetVersion")?;
-    cuda::check(unsafe { rt::cudaRuntimeGetVersion(&mut info.runtime_version) }, "cudaRuntimeGetVersion")?;
-    Ok(info)
-}
-
 /// Fills `out` for CUDA device `device`. NO_CUDA without GPU code, NO_DEVICE without a driver or device.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn engine_device_info(device: i32, out: *mut engine_device_info) -> engine_status {
     guard("engine_device_info", || {
         let out = unsafe { arg_mut(out, "out") }?;
-        *out = device_info(device)?;
+        *out = cuda::device_info(device)?;
         Ok(())
     })
 }
@@ -436,29 +382,6 @@ pub unsafe extern "C" fn engine_logits(e: *const engine, stream: u32, out: *mut 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn engine_reset(e: *mut engine, stream: u32) -> engine_status {
     guard("engine_reset", || unsafe { engine_mut(e) }?.reset(stream))
-}
-
-/// What a caller needs to drive the engine.
-#[repr(C)]
-#[derive(Clone, Copy, Debug)]
-pub struct engine_model_info {
-    pub vocab: u32,
-    pub layers: u32,
-    pub hidden: u32,
-    pub heads: u32,
-    pub kv_heads: u32,
-    pub head_dim: u32,
-    /// Tokens each stream holds.
-    pub window: u32,
-    /// Streams the fit admitted (each steppable independently).
-    pub streams: u32,
-    /// Begin- and end-of-sequence ids; -1 when the model has none.
-    pub bos: i32,
-    pub eos: i32,
-    /// Where the embedding rows live.
-    pub placement: fit::engine_placement,
-    /// True when decoding runs on CUDA, false on the CPU backend.
-    pub cuda: bool,
 }
 
 #[unsafe(no_mangle)]

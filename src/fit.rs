@@ -14,104 +14,11 @@
 //! (`stream_bytes − window × stream_bytes_per_token`, which must not be negative) that stays, plus
 //! the per-token part; the drafter's stream does not grow with the window.
 
-#![allow(non_camel_case_types)]
-
 use crate::status::{Error, Result, Status};
 
+pub use crate::abi::{ENGINE_FIT_DEFAULT_RESERVE_BYTES, engine_fit_inputs, engine_placement, engine_plan};
+
 const GIB: u64 = 1 << 30;
-
-/// The default reserve for the load's other buffers (kernel modules, the kit): about 85 MB measured.
-pub const ENGINE_FIT_DEFAULT_RESERVE_BYTES: u64 = 256 << 20;
-
-/// Where the embedding rows live.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum engine_placement {
-    /// On the card, like every other weight.
-    Device = 0,
-    /// In pinned, device-mapped host memory the kernels read directly.
-    HostMapped = 1,
-    /// Read from the checkpoint's file mapping (registered with CUDA, or pageable on unified systems).
-    FileMapped = 2,
-}
-
-impl engine_placement {
-    /// The placement a C caller stored as a raw enum value, or None when it names none.
-    pub fn from_raw(raw: u32) -> Option<engine_placement> {
-        match raw {
-            0 => Some(engine_placement::Device),
-            1 => Some(engine_placement::HostMapped),
-            2 => Some(engine_placement::FileMapped),
-            _ => None,
-        }
-    }
-}
-
-/// The figures the rule decides on, in bytes.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct engine_fit_inputs {
-    /// Free device memory: the server's room probe.
-    pub room_bytes: u64,
-    /// All weights on the card with the rows on the card (rows included).
-    pub weight_bytes: u64,
-    /// The embedding rows alone.
-    pub embed_bytes: u64,
-    /// Activations and other per-engine buffers.
-    pub scratch_bytes: u64,
-    /// One stream (KV cache and state) at the asked window.
-    pub stream_bytes: u64,
-    /// Growth of one stream per token of window; 0 = unknown.
-    pub stream_bytes_per_token: u64,
-    /// A speculative drafter's weights, 0 = none.
-    pub drafter_weight_bytes: u64,
-    /// One drafter stream: ring, taps, frame scratch.
-    pub drafter_stream_bytes: u64,
-    /// The load's other buffers; default 256 MiB.
-    pub reserve_bytes: u64,
-    /// The asked window, tokens.
-    pub window: u32,
-    /// 0 = no cap.
-    pub max_streams: u32,
-    /// Host and device share memory (GB10 class).
-    pub unified: bool,
-    /// The output head is the embedding table.
-    pub embed_tied: bool,
-    /// Read rows from the checkpoint's file mapping.
-    pub mmap_rows: bool,
-}
-
-/// What the rule decided for the asked window, and the largest windows it would accept.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct engine_plan {
-    /// Where the embedding rows live.
-    pub placement: engine_placement,
-    /// Streams that start at the asked window; 0 = the engine refuses to start.
-    pub streams: u32,
-    /// The asked window, tokens.
-    pub window: u32,
-    /// What the rule compared with the room: weights, scratch, one stream, the drafter's, the reserve.
-    pub need_bytes: u64,
-    /// What the load puts on the card: weights (less the rows in host memory), scratch, drafter weights.
-    pub on_card_bytes: u64,
-    /// Room left for streams after the load (0 when the load alone does not fit).
-    pub left_bytes: u64,
-    /// One stream including the drafter's.
-    pub stream_bytes: u64,
-    /// Embedding rows held in host memory (0 when they are on the card).
-    pub embed_host_bytes: u64,
-    /// Largest window at which the rows stay on the card and one stream starts; 0 = none or unknown.
-    pub max_window_on_card: u32,
-    /// Largest window at which the engine starts at all; 0 = none or unknown (stream_bytes_per_token 0).
-    pub max_window: u32,
-    /// The placement the rule picks at `max_window` (the asked window's when `max_window` is 0).
-    pub max_window_placement: engine_placement,
-    /// Largest window at which one stream fits beside every weight on the card without the reserve,
-    /// i.e. where an engine that never maps starts; windows above `max_window_on_card` up to this one
-    /// are those the reserve maps. 0 = none or unknown.
-    pub max_window_unmapped: u32,
-}
 
 /// Reserve 256 MiB, every other figure 0 and every flag false.
 pub fn default_inputs() -> engine_fit_inputs {

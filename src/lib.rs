@@ -1,6 +1,7 @@
 //! hostembed: embedding rows in GPU-mapped host memory when the card has no room for them, and a
 //! dense decode engine around them, behind a C ABI (include/hostembed.h).
 
+pub mod abi;
 pub mod checkpoint;
 pub mod cpu;
 pub mod cuda;
@@ -9,6 +10,7 @@ pub mod engine;
 pub mod ffi;
 pub mod fit;
 pub mod gpu;
+pub mod hostmem;
 pub mod kernels;
 pub mod model;
 pub mod placement;

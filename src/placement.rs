@@ -10,49 +10,16 @@
 //! Each `Rows` owns what it allocated through the RAII owners of `cuda`, so dropping it (or failing
 //! half-way through building it) releases everything. Rows that point into the file mapping borrow it:
 //! their owner keeps the mapping alive for as long as they live.
-#![allow(non_camel_case_types)]
-
+use crate::abi::{engine_device_info, engine_placement};
+pub use crate::abi::{engine_memory, engine_rows};
 use crate::cuda::{self, DeviceBuffer, HostRegistration, PinnedBuffer, StagedUploader};
 use crate::cudart as rt;
-use crate::ffi::engine_device_info;
-use crate::fit::engine_placement;
+use crate::hostmem::{page_span, parallel_copy, read_ahead};
 use crate::status::Result;
 use crate::tensor::{self, DType};
 use half::bf16;
 use std::os::raw::c_void;
-use std::sync::atomic::{AtomicUsize, Ordering};
-
-/// Where a caller's kernels can find the rows, in whatever placement they live.
-#[repr(C)]
-#[derive(Clone, Copy, Debug)]
-pub struct engine_rows {
-    /// The rows as kernels read them: a device pointer (device memory, or host memory mapped into the
-    /// device's address space); a host pointer when `device_usable` is false (the CPU backend).
-    pub data: *const c_void,
-    /// The same rows as the host reads them when they live in host memory; NULL when on the card.
-    pub host_data: *const c_void,
-    pub dtype: tensor::engine_dtype,
-    pub placement: engine_placement,
-    /// False on the CPU backend: `data` is a host pointer and no device reads it.
-    pub device_usable: bool,
-    pub row_bytes: u64,
-    pub rows: u64,
-    pub cols: u64,
-}
-
-/// Process-wide bytes the library holds now, by kind.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct engine_memory {
-    /// cudaMalloc'd device memory.
-    pub device_bytes: u64,
-    /// Pinned host memory from cudaHostAlloc.
-    pub pinned_bytes: u64,
-    /// Host ranges registered with cudaHostRegister by the library (borrowed registrations excluded).
-    pub registered_bytes: u64,
-    /// Checkpoint file mappings held by live engines.
-    pub mapped_bytes: u64,
-}
+use std::sync::atomic::Ordering;
 
 /// The counters of `cuda::MEMORY` as they are now.
 pub fn memory_stats() -> engine_memory {
@@ -120,65 +87,6 @@ pub struct Rows {
 // The pointers are either owned by `holder` or point into a mapping the engine keeps alive.
 unsafe impl Send for Rows {}
 unsafe impl Sync for Rows {}
-
-/// The page size, for aligning the spans given to madvise and cudaHostRegister.
-pub fn page_size() -> usize {
-    let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
-    if p > 0 { p as usize } else { 4096 }
-}
-
-/// The page-aligned span `[start, start + len)` that covers `bytes`.
-pub fn page_span(bytes: &[u8]) -> (*mut c_void, usize) {
-    let page = page_size();
-    let start = bytes.as_ptr() as usize & !(page - 1);
-    let end = (bytes.as_ptr() as usize + bytes.len()).div_ceil(page) * page;
-    (start as *mut c_void, end - start)
-}
-
-/// Asks the kernel to read `bytes` ahead (a hint: a failure changes nothing but speed).
-pub fn read_ahead(bytes: &[u8]) {
-    if bytes.is_empty() {
-        return;
-    }
-    let (start, len) = page_span(bytes);
-    unsafe { libc::madvise(start, len, libc::MADV_WILLNEED) };
-}
-
-/// Threads `parallel_copy` uses: enough to keep memory bandwidth busy, not every core on big hosts.
-pub fn copy_threads() -> usize {
-    std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1).min(16)
-}
-
-/// Copies `src` into `dst` (same length) with `copy_threads()` threads taking 16 MiB pieces in turn,
-/// so page faults on the source mapping are taken by many cores at once.
-pub fn parallel_copy(dst: &mut [u8], src: &[u8]) {
-    assert_eq!(dst.len(), src.len(), "parallel_copy: lengths differ");
-    const PIECE: usize = 16 << 20;
-    let threads = copy_threads().min(src.len().div_ceil(PIECE));
-    if threads <= 1 {
-        dst.copy_from_slice(src);
-        return;
-    }
-    let pieces = src.len().div_ceil(PIECE);
-    let next = AtomicUsize::new(0);
-    let dst_addr = dst.as_mut_ptr() as usize;
-    std::thread::scope(|scope| {
-        for _ in 0..threads {
-            scope.spawn(|| {
-                loop {
-                    let i = next.fetch_add(1, Ordering::Relaxed);
-                    if i >= pieces {
-                        break;
-                    }
-                    let (start, end) = (i * PIECE, ((i + 1) * PIECE).min(src.len()));
-                    // SAFETY: each piece index is taken by one thread only, so no two threads write one byte.
-                    let d = unsafe { std::slice::from_raw_parts_mut((dst_addr as *mut u8).add(start), end - start) };
-                    d.copy_from_slice(&src[start..end]);
-                }
-            });
-        }
-    });
-}
 
 impl Rows {
     /// Rows of `src`'s format and shape, owned by `holder`, read by kernels at `data` (or only by the

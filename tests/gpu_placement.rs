@@ -15,8 +15,9 @@ use hostembed::cuda::{self, DeviceBuffer, HostRegistration, Stream};
 use hostembed::engine::{self, Engine, InitStep, engine_backend, engine_options, engine_tristate};
 use hostembed::ffi::{self};
 use hostembed::fit::{self, engine_placement, engine_plan};
+use hostembed::hostmem;
 use hostembed::model::{Arch, ModelConfig, RopeScaling};
-use hostembed::placement::{self, Rows, RowsSource, engine_memory, engine_rows};
+use hostembed::placement::{Rows, RowsSource, engine_memory, engine_rows};
 use hostembed::status::last_error;
 use hostembed::tensor::{DType, decode_row, encode_row};
 use std::ffi::{CStr, c_char, c_void};
@@ -249,7 +250,7 @@ fn every_placement_gathers_every_format_exactly() {
                 ),
                 engine_placement::FileMapped => {
                     assert_eq!(lines[1], "embedding rows read from the file mapping: options.mmap_rows is set");
-                    let span = placement::page_span(ckpt.bytes_of(ckpt.embed())).1 as u64;
+                    let span = hostmem::page_span(ckpt.bytes_of(ckpt.embed())).1 as u64;
                     assert_eq!(stats().registered_bytes, span, "{what}: the page-aligned span is registered");
                 }
             }
@@ -582,7 +583,7 @@ fn an_existing_registration_is_borrowed() {
     std::fs::write(&file, &table).unwrap();
     let map = unsafe { memmap2::Mmap::map(&std::fs::File::open(&file).unwrap()) }.unwrap();
     let src = RowsSource { bytes: &map[..], dtype: DType::Bf16, vocab, cols };
-    let (start, len) = placement::page_span(src.bytes);
+    let (start, len) = hostmem::page_span(src.bytes);
     // cudaHostRegisterMapped | cudaHostRegisterReadOnly, as a host process would register its mapping.
     let theirs = unsafe { HostRegistration::new(start, len, 0x02 | 0x08) }.unwrap();
     let registered = stats().registered_bytes;

@@ -498,7 +498,7 @@ fn parallel_copy_copies_every_byte() {
     for len in [0usize, 1, 4095, (16 << 20) + 1, (53 << 20) + 12_345] {
         let src: Vec<u8> = (0..len.div_ceil(8)).flat_map(|_| rng.next_u64().to_le_bytes()).take(len).collect();
         let mut dst = vec![0u8; len];
-        hostembed::placement::parallel_copy(&mut dst, &src);
+        hostembed::hostmem::parallel_copy(&mut dst, &src);
         assert!(dst == src, "{len} bytes");
     }
 }
