@@ -75,6 +75,12 @@ typedef enum engine_dtype {
 } engine_dtype;
 
 // A loaded model with its embedding rows placed; opaque to C.
+//
+// Threads: an engine may be called from several threads at once. Calls that touch its decode state
+// (steps, logits, resets, the rows) are serialized inside the library, so a stream's tokens are the same
+// as in a serial run; `engine_tokenize`, `engine_token_piece` and `engine_model_info` read only what
+// the load fixed and run beside them without waiting. `engine_free` while another thread is still
+// inside a call on the same engine is the caller's bug.
 typedef struct engine engine;
 
 // What the placements decide on, read from the device.
@@ -254,8 +260,9 @@ extern "C" {
 // The ABI version of the loaded library; equal to `HOSTEMBED_ABI_VERSION` when header and library match.
 uint32_t engine_abi_version(void);
 
-// A static, human-readable name for a status ("no room", "bad model", ...).
-const char *engine_status_str(enum engine_status status);
+// A static, human-readable name for a status ("no room", "bad model", ...); any integer is accepted,
+// and one outside `engine_status` gives "unknown status".
+const char *engine_status_str(int status);
 
 // The message of the last failure on the calling thread ("" when none); valid until the next failure.
 const char *engine_last_error(void);
@@ -292,7 +299,7 @@ enum engine_status engine_init_fit(const char *model_path,
                                    struct engine **out);
 
 // Frees the engine and everything it holds: device memory, pinned memory, registrations, mappings.
-// NULL is accepted.
+// NULL is accepted. No other thread may be inside a call on the same engine, or enter one later.
 void engine_free(struct engine *e);
 
 // The device-usable pointer to embedding rows in host memory (pinned, or the registered file
@@ -325,7 +332,8 @@ enum engine_status engine_plan_of(const struct engine *e,
 // Appends `n` tokens (a prompt, or the last sampled token) to stream `stream` and writes the token the
 // engine's sampler picks next to `*next` (greedy at temperature 0, else temperature/top-k/top-p drawn
 // from (seed, stream, position)). OUT_OF_RANGE for an id outside the vocabulary or a stream the fit did
-// not admit, NO_ROOM past the window; either way nothing is appended.
+// not admit, NO_ROOM past the window (checked before any id is read); either way nothing is appended.
+// Steps of one engine are serialized: threads may step different streams of it at once.
 enum engine_status engine_step(struct engine *e,
                                uint32_t stream,
                                const int32_t *tokens,
@@ -333,7 +341,8 @@ enum engine_status engine_step(struct engine *e,
                                int32_t *next);
 
 // Copies the logits of the last position of stream `stream`'s last step into `out` (`len` must be at
-// least the vocabulary). Only the most recently stepped stream keeps its logits.
+// least the vocabulary). Only the most recently stepped stream keeps its logits: with several threads
+// stepping, another stream's step in between makes this INVALID_ARGUMENT.
 enum engine_status engine_logits(const struct engine *e,
                                  uint32_t stream,
                                  float *out,
@@ -342,12 +351,14 @@ enum engine_status engine_logits(const struct engine *e,
 // Empties stream `stream` so it can take a new prompt.
 enum engine_status engine_reset(struct engine *e, uint32_t stream);
 
+// The model's figures and the engine's window and streams; runs beside steps without waiting.
 enum engine_status engine_model_info(const struct engine *e, struct engine_model_info *out);
 
 // Tokenizes `len` bytes of UTF-8 `text` (no NUL needed) into `ids`, after the model's bos when `add_bos`
 // is set and the model has one. `*n_out` is always set to the number of ids the text needs; `ids` may
 // be NULL with `cap` 0 to ask only for that. OUT_OF_RANGE when `cap` is smaller (nothing written),
-// UNSUPPORTED when the model has no usable tokenizer, INVALID_ARGUMENT for text that is not UTF-8.
+// UNSUPPORTED when the model has no usable tokenizer, INVALID_ARGUMENT for text that is not UTF-8,
+// BAD_MODEL when the model's tokenizer fails on the text. Runs beside steps without waiting.
 enum engine_status engine_tokenize(const struct engine *e,
                                    const char *text,
                                    size_t len,
@@ -360,7 +371,8 @@ enum engine_status engine_tokenize(const struct engine *e,
 // a NUL); returns the piece's length. Use that length rather than strlen: a piece may hold a NUL byte,
 // and a byte-level piece may be part of a UTF-8 character. An id of the model that the tokenizer lacks
 // (padding rows) is an empty piece. On failure a negative status: -OUT_OF_RANGE for an id outside the
-// vocabulary, -UNSUPPORTED when the model has no usable tokenizer, -INVALID_ARGUMENT for NULLs.
+// vocabulary, -UNSUPPORTED when the model has no usable tokenizer, -INVALID_ARGUMENT for NULLs. Runs
+// beside steps without waiting.
 int32_t engine_token_piece(const struct engine *e,
                            int32_t id,
                            char *buf,

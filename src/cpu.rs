@@ -305,10 +305,18 @@ impl<'a> CpuModel<'a> {
         self.cfg.arch
     }
 
-    /// An empty stream with room for `window` tokens.
+    /// An empty stream with room for `window` tokens (panics where `try_new_stream` fails).
     pub fn new_stream(&self, window: usize) -> CpuStream {
-        let cache = || (0..self.cfg.layers).map(|_| vec![0f32; window * self.cfg.kv_dim()]).collect();
-        CpuStream { k: cache(), v: cache(), len: 0, window }
+        self.try_new_stream(window).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// An empty stream with room for `window` tokens; NO_ROOM when the host cannot give its KV cache.
+    pub fn try_new_stream(&self, window: usize) -> Result<CpuStream> {
+        let len = window
+            .checked_mul(self.cfg.kv_dim())
+            .ok_or_else(|| err!(NoRoom, "a {window}-token KV cache overflows the address space"))?;
+        let cache = || (0..self.cfg.layers).map(|_| zeroed_f32(len)).collect::<Result<Vec<_>>>();
+        Ok(CpuStream { k: cache()?, v: cache()?, len: 0, window })
     }
 
     /// Appends `tokens` to the stream and returns the logits after the last one.
@@ -397,4 +405,20 @@ fn norm_heads(x: &mut [f32], w: &[f32], eps: f32) {
         rmsnorm(head, w, eps, &mut normed);
         head.copy_from_slice(&normed);
     }
+}
+
+/// `len` zeros, or NO_ROOM when the allocator refuses; fresh zeroed pages are only touched when written.
+fn zeroed_f32(len: usize) -> Result<Vec<f32>> {
+    if len == 0 {
+        return Ok(Vec::new());
+    }
+    let layout = std::alloc::Layout::array::<f32>(len)
+        .map_err(|_| err!(NoRoom, "a KV cache of {len} floats overflows the address space"))?;
+    // SAFETY: the layout's size is not zero (len > 0).
+    let ptr = unsafe { std::alloc::alloc_zeroed(layout) } as *mut f32;
+    if ptr.is_null() {
+        bail!(NoRoom, "the host has no room for a KV cache of {} bytes", layout.size());
+    }
+    // SAFETY: `ptr` comes from the global allocator with Vec's layout for `len` f32s, all zero bits.
+    Ok(unsafe { Vec::from_raw_parts(ptr, len, len) })
 }

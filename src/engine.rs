@@ -22,8 +22,8 @@ use crate::tokenizer::Tokenizer;
 use std::ffi::CString;
 use std::os::raw::{c_char, c_void};
 use std::path::Path;
-use std::sync::Mutex;
 use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
 
 /// The environment variable the seed issue gates file-mapped rows with; "1" means on.
 pub const MMAP_ROWS_ENV: &str = "DS4_EMBD_MMAP";
@@ -340,7 +340,7 @@ pub struct Engine {
     // Fields drop in order: the decode backend (which reads the rows), the rows, the out-of-range
     // flag, and last the mapping the rows may point into.
     backend: Backend,
-    tokenizer: Option<Tokenizer>,
+    tokenizer: Option<Arc<Tokenizer>>,
     rows: Rows,
     bad_ids: Option<Mutex<PinnedBuffer>>,
     plan: Option<engine_plan>,
@@ -387,10 +387,17 @@ impl Engine {
 
         let Some(info) = device else {
             let window = window_of(&ckpt.config, opts)?;
+            let want = if opts.max_streams > 0 { opts.max_streams } else { CPU_STREAMS };
+            let slot = std::mem::size_of::<Option<CpuStream>>() as u64;
+            let cpu = fit::plan_cpu(&fit::cpu_inputs(&ckpt.config, window, want, slot, opts)?);
             logger.line(&format!(
-                "model {} GiB on the CPU backend, rows read from the file mapping, a {window}-token window",
-                fit::gib(ckpt.weight_bytes())
+                "model {} GiB on the CPU backend, rows read from the file mapping, {}",
+                fit::gib(ckpt.weight_bytes()),
+                fit::describe_cpu(&cpu)
             ));
+            if let Some(why) = fit::refusal_cpu(&cpu) {
+                crate::bail!(NoRoom, "{why}");
+            }
             injected(InitStep::Planned)?;
             // SAFETY: the rows point into `ckpt`, which the engine drops after them.
             let rows = unsafe { Rows::in_mapping(&src) }?;
@@ -407,7 +414,7 @@ impl Engine {
                 kind: BackendKind::Cpu,
                 ckpt,
             };
-            engine.load_backend()?;
+            engine.load_backend(cpu.streams)?;
             injected(InitStep::Loaded)?;
             return Ok(engine);
         };
@@ -445,21 +452,26 @@ impl Engine {
             kind: BackendKind::Cuda,
             ckpt,
         };
-        engine.load_backend()?;
+        engine.load_backend(0)?;
         injected(InitStep::Loaded)?;
         Ok(engine)
     }
 
     /// Loads the decode backend beside the placed rows (the GPU model reading `self.rows` on CUDA; the
-    /// CPU model reads the mapping at each step) and the tokenizer, whose absence only costs text.
-    fn load_backend(&mut self) -> Result<()> {
+    /// CPU model reads the mapping at each step, with the `cpu_streams` its plan admitted) and the
+    /// tokenizer, whose absence only costs text; a broken one fails the load.
+    fn load_backend(&mut self, cpu_streams: u32) -> Result<()> {
         let window = window_of(&self.ckpt.config, &self.options)? as usize;
         self.backend = match self.kind {
             BackendKind::Cpu => {
                 // Checked once here so a bad model fails the load, not the first step.
                 CpuModel::new(&*self.ckpt)?;
-                let streams = if self.options.max_streams > 0 { self.options.max_streams } else { CPU_STREAMS };
-                Backend::Cpu { window, streams: (0..streams).map(|_| None).collect(), last: None }
+                let mut streams = Vec::new();
+                streams.try_reserve_exact(cpu_streams as usize).map_err(|_| {
+                    crate::err!(NoRoom, "the host has no room for a table of {cpu_streams} CPU streams")
+                })?;
+                streams.resize_with(cpu_streams as usize, || None);
+                Backend::Cpu { window, streams, last: None }
             }
             BackendKind::Cuda => {
                 let r = self.rows.describe();
@@ -469,8 +481,9 @@ impl Engine {
                 Backend::Cuda { model, window, streams: (0..streams).map(|_| None).collect(), last: None }
             }
         };
-        self.tokenizer = match Tokenizer::from_source(&self.ckpt.tokenizer) {
-            Ok(t) => t,
+        self.tokenizer = match Tokenizer::from_source(&self.ckpt.tokenizer, self.ckpt.config.vocab) {
+            Ok(t) => t.map(Arc::new),
+            Err(e) if e.status != Status::Unsupported => return Err(e),
             Err(e) => {
                 self.logger.line(&format!("no tokenizer, token ids only: {}", e.message));
                 None
@@ -480,7 +493,12 @@ impl Engine {
     }
 
     pub fn tokenizer(&self) -> Option<&Tokenizer> {
-        self.tokenizer.as_ref()
+        self.tokenizer.as_deref()
+    }
+
+    /// The tokenizer, for callers that tokenize without holding the engine.
+    pub fn shared_tokenizer(&self) -> Option<Arc<Tokenizer>> {
+        self.tokenizer.clone()
     }
 
     /// Streams this engine admits (the plan's count on CUDA).
@@ -525,7 +543,10 @@ impl Engine {
         match &mut self.backend {
             Backend::Cpu { window, streams, last } => {
                 let model = CpuModel::new(&*self.ckpt)?;
-                let s = streams[slot].get_or_insert_with(|| model.new_stream(*window));
+                if streams[slot].is_none() {
+                    streams[slot] = Some(model.try_new_stream(*window)?);
+                }
+                let s = streams[slot].as_mut().expect("allocated above");
                 let position = (s.len() + ids.len()) as u64;
                 let logits = model.forward(s, &ids)?;
                 let next = sampler::sample(&logits, &sampling, stream, position);

@@ -5,27 +5,21 @@
 pub use crate::abi::{engine_device_info, engine_model_info};
 use crate::cuda;
 use crate::status::{self, Error, Result, Status, engine_status};
-use std::os::raw::c_char;
-use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::os::raw::{c_char, c_int};
 
 pub use crate::abi::HOSTEMBED_ABI_VERSION;
 
 /// Runs `f`, turning an error into its status (and the thread's last error) and a panic into
-/// `ENGINE_STATUS_PANIC`; nothing unwinds into C.
+/// `ENGINE_STATUS_PANIC`; nothing unwinds into C and nothing is printed on the host's stderr.
 pub(crate) fn guard(what: &str, f: impl FnOnce() -> Result<()>) -> engine_status {
-    match catch_unwind(AssertUnwindSafe(f)) {
+    match status::catch_quietly(f) {
         Ok(Ok(())) => Status::Ok,
         Ok(Err(e)) => {
             status::set_last_error(&e.message);
             e.status
         }
         Err(panic) => {
-            let text = panic
-                .downcast_ref::<&str>()
-                .map(|s| s.to_string())
-                .or_else(|| panic.downcast_ref::<String>().cloned())
-                .unwrap_or_else(|| "unknown panic".into());
-            status::set_last_error(&format!("{what}: panic: {text}"));
+            status::set_last_error(&format!("{what}: panic: {}", status::panic_text(&*panic)));
             Status::Panic
         }
     }
@@ -71,10 +65,11 @@ pub extern "C" fn engine_abi_version() -> u32 {
     HOSTEMBED_ABI_VERSION
 }
 
-/// A static, human-readable name for a status ("no room", "bad model", ...).
+/// A static, human-readable name for a status ("no room", "bad model", ...); any integer is accepted,
+/// and one outside `engine_status` gives "unknown status".
 #[unsafe(no_mangle)]
-pub extern "C" fn engine_status_str(status: engine_status) -> *const c_char {
-    status.c_name().as_ptr()
+pub extern "C" fn engine_status_str(status: c_int) -> *const c_char {
+    Status::from_raw(status.into()).map_or(c"unknown status", Status::c_name).as_ptr()
 }
 
 /// The message of the last failure on the calling thread ("" when none); valid until the next failure.
@@ -163,9 +158,54 @@ use crate::engine::{self as eng, Engine, engine_backend, engine_options, engine_
 use crate::placement::{self, engine_memory, engine_rows};
 use crate::tensor::engine_dtype;
 use std::os::raw::c_void;
+use std::sync::{Arc, Mutex, MutexGuard};
 
 /// A loaded model with its embedding rows placed; opaque to C.
-pub struct engine(pub(crate) Engine);
+///
+/// Threads: an engine may be called from several threads at once. Calls that touch its decode state
+/// (steps, logits, resets, the rows) are serialized inside the library, so a stream's tokens are the same
+/// as in a serial run; `engine_tokenize`, `engine_token_piece` and `engine_model_info` read only what
+/// the load fixed and run beside them without waiting. `engine_free` while another thread is still
+/// inside a call on the same engine is the caller's bug.
+pub struct engine {
+    /// Everything a step may change, behind one lock.
+    state: Mutex<Engine>,
+    /// Fixed at the load, read without the lock.
+    info: engine_model_info,
+    tokenizer: Option<Arc<Tokenizer>>,
+}
+
+impl engine {
+    fn new(e: Engine) -> engine {
+        let c = e.config();
+        let info = engine_model_info {
+            vocab: c.vocab as u32,
+            layers: c.layers as u32,
+            hidden: c.hidden as u32,
+            heads: c.heads as u32,
+            kv_heads: c.kv_heads as u32,
+            head_dim: c.head_dim as u32,
+            window: e.window() as u32,
+            streams: e.stream_count() as u32,
+            bos: c.bos.map_or(-1, |b| b as i32),
+            eos: c.eos.map_or(-1, |b| b as i32),
+            placement: e.rows().placement(),
+            cuda: e.backend() == crate::engine::BackendKind::Cuda,
+        };
+        let tokenizer = e.shared_tokenizer();
+        engine { state: Mutex::new(e), info, tokenizer }
+    }
+
+    /// The engine's state, one caller at a time. A panic caught while the lock was held leaves the
+    /// state memory-safe (a step appends only once it has finished), so a poisoned lock is taken anyway.
+    fn lock(&self) -> MutexGuard<'_, Engine> {
+        self.state.lock().unwrap_or_else(|poisoned| {
+            let guard = poisoned.into_inner();
+            self.state.clear_poison();
+            guard
+        })
+    }
+}
 
 /// The defaults: device 0, the model's window, probed room, a 256 MiB reserve, no drafter, every
 /// stream that fits, rows placed by the fit rule (DS4_EMBD_MMAP=1 reads them from the file mapping),
@@ -203,8 +243,9 @@ unsafe fn options_from_c(p: *const engine_options) -> Result<engine_options> {
     Ok(unsafe { std::ptr::read(p) })
 }
 
-unsafe fn engine_ref<'a>(e: *const engine) -> Result<&'a Engine> {
-    Ok(&unsafe { arg_ref(e, "engine") }?.0)
+/// The handle C passed, or INVALID_ARGUMENT for NULL.
+unsafe fn handle<'a>(e: *const engine) -> Result<&'a engine> {
+    unsafe { arg_ref(e, "engine") }
 }
 
 /// Opens the checkpoint at `model_path` (an HF folder or a .gguf file), plans with the fit rule, logs
@@ -230,13 +271,13 @@ pub unsafe extern "C" fn engine_init_fit(
         let path = std::path::Path::new(<std::ffi::OsStr as std::os::unix::ffi::OsStrExt>::from_bytes(bytes));
         let opts = unsafe { options_from_c(opts) }?;
         let e = Engine::init_fit(path, &opts)?;
-        *out = Box::into_raw(Box::new(engine(e)));
+        *out = Box::into_raw(Box::new(engine::new(e)));
         Ok(())
     })
 }
 
 /// Frees the engine and everything it holds: device memory, pinned memory, registrations, mappings.
-/// NULL is accepted.
+/// NULL is accepted. No other thread may be inside a call on the same engine, or enter one later.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn engine_free(e: *mut engine) {
     guard("engine_free", || {
@@ -251,15 +292,15 @@ pub unsafe extern "C" fn engine_free(e: *mut engine) {
 /// mapping); NULL when the rows are on the card, on the CPU backend, or `e` is NULL.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn engine_host_embed_ptr(e: *const engine) -> *const c_void {
-    guard_value("engine_host_embed_ptr", std::ptr::null(), || Ok(unsafe { engine_ref(e) }?.rows().host_embed_ptr()))
+    guard_value("engine_host_embed_ptr", std::ptr::null(), || Ok(unsafe { handle(e) }?.lock().rows().host_embed_ptr()))
 }
 
 /// Where the embedding rows are and how to read them, in every placement.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn engine_embed_rows(e: *const engine, out: *mut engine_rows) -> engine_status {
     guard("engine_embed_rows", || {
-        let e = unsafe { engine_ref(e) }?;
-        *unsafe { arg_mut(out, "out") }? = e.rows().describe();
+        let e = unsafe { handle(e) }?;
+        *unsafe { arg_mut(out, "out") }? = e.lock().rows().describe();
         Ok(())
     })
 }
@@ -280,7 +321,7 @@ pub unsafe extern "C" fn engine_embed(
     // Read the dtype as the integer C passed before Rust treats it as an enum.
     let raw_dtype = unsafe { std::ptr::read(&out_dtype as *const engine_dtype as *const u32) };
     guard("engine_embed", || {
-        let e = unsafe { engine_ref(e) }?;
+        let e = unsafe { handle(e) }?;
         let dtype = match raw_dtype {
             0 => engine_dtype::F32,
             2 => engine_dtype::Bf16,
@@ -297,7 +338,7 @@ pub unsafe extern "C" fn engine_embed(
         if n > 0 && device_out.is_null() {
             return Err(Error::new(Status::InvalidArgument, "device_out is NULL"));
         }
-        unsafe { e.embed(device_ids, n, device_out, dtype, cuda_stream) }
+        unsafe { e.lock().embed(device_ids, n, device_out, dtype, cuda_stream) }
     })
 }
 
@@ -316,9 +357,9 @@ pub unsafe extern "C" fn engine_memory_stats(out: *mut engine_memory) -> engine_
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn engine_plan_of(e: *const engine, out: *mut fit::engine_plan) -> engine_status {
     guard("engine_plan_of", || {
-        let e = unsafe { engine_ref(e) }?;
+        let e = unsafe { handle(e) }?;
         let out = unsafe { arg_mut(out, "out") }?;
-        match e.plan() {
+        match e.lock().plan() {
             Some(plan) => {
                 *out = *plan;
                 Ok(())
@@ -331,14 +372,11 @@ pub unsafe extern "C" fn engine_plan_of(e: *const engine, out: *mut fit::engine_
 // ---------------------------------------------------------------------------------------------
 // Decode
 
-unsafe fn engine_mut<'a>(e: *mut engine) -> Result<&'a mut Engine> {
-    unsafe { e.as_mut() }.map(|e| &mut e.0).ok_or_else(|| Error::new(Status::InvalidArgument, "engine is NULL"))
-}
-
 /// Appends `n` tokens (a prompt, or the last sampled token) to stream `stream` and writes the token the
 /// engine's sampler picks next to `*next` (greedy at temperature 0, else temperature/top-k/top-p drawn
 /// from (seed, stream, position)). OUT_OF_RANGE for an id outside the vocabulary or a stream the fit did
-/// not admit, NO_ROOM past the window; either way nothing is appended.
+/// not admit, NO_ROOM past the window (checked before any id is read); either way nothing is appended.
+/// Steps of one engine are serialized: threads may step different streams of it at once.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn engine_step(
     e: *mut engine,
@@ -348,31 +386,40 @@ pub unsafe extern "C" fn engine_step(
     next: *mut i32,
 ) -> engine_status {
     guard("engine_step", || {
-        let e = unsafe { engine_mut(e) }?;
+        let e = unsafe { handle(e) }?;
         let next = unsafe { arg_mut(next, "next") }?;
         if tokens.is_null() {
             crate::bail!(InvalidArgument, "tokens is NULL");
         }
+        let mut state = e.lock();
+        // A wrong `n` must be refused before it is used to read the caller's buffer.
+        let (len, window) = (state.stream_len(stream)?, state.window());
+        if n > window.saturating_sub(len) {
+            crate::bail!(NoRoom, "engine_step: {n} tokens after {len} do not fit the stream's window of {window}");
+        }
+        // SAFETY: the caller promises `tokens` holds `n` ids, and `n` is at most the window.
         let tokens = unsafe { std::slice::from_raw_parts(tokens, n) };
-        *next = e.step(stream, tokens)? as i32;
+        *next = state.step(stream, tokens)? as i32;
         Ok(())
     })
 }
 
 /// Copies the logits of the last position of stream `stream`'s last step into `out` (`len` must be at
-/// least the vocabulary). Only the most recently stepped stream keeps its logits.
+/// least the vocabulary). Only the most recently stepped stream keeps its logits: with several threads
+/// stepping, another stream's step in between makes this INVALID_ARGUMENT.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn engine_logits(e: *const engine, stream: u32, out: *mut f32, len: usize) -> engine_status {
     guard("engine_logits", || {
-        let e = unsafe { engine_ref(e) }?;
+        let e = unsafe { handle(e) }?;
         if out.is_null() {
             crate::bail!(InvalidArgument, "out is NULL");
         }
-        let vocab = e.config().vocab;
+        let vocab = e.info.vocab as usize;
         if len < vocab {
             crate::bail!(InvalidArgument, "out holds {len} floats; the vocabulary is {vocab}");
         }
-        let logits = e.logits(stream)?;
+        let logits = e.lock().logits(stream)?;
+        // SAFETY: `out` holds `len` >= vocab floats (the caller's promise), and `logits` holds vocab.
         unsafe { std::ptr::copy_nonoverlapping(logits.as_ptr(), out, vocab) };
         Ok(())
     })
@@ -381,29 +428,15 @@ pub unsafe extern "C" fn engine_logits(e: *const engine, stream: u32, out: *mut 
 /// Empties stream `stream` so it can take a new prompt.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn engine_reset(e: *mut engine, stream: u32) -> engine_status {
-    guard("engine_reset", || unsafe { engine_mut(e) }?.reset(stream))
+    guard("engine_reset", || unsafe { handle(e) }?.lock().reset(stream))
 }
 
+/// The model's figures and the engine's window and streams; runs beside steps without waiting.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn engine_model_info(e: *const engine, out: *mut engine_model_info) -> engine_status {
     guard("engine_model_info", || {
-        let e = unsafe { engine_ref(e) }?;
-        let out = unsafe { arg_mut(out, "out") }?;
-        let c = e.config();
-        *out = engine_model_info {
-            vocab: c.vocab as u32,
-            layers: c.layers as u32,
-            hidden: c.hidden as u32,
-            heads: c.heads as u32,
-            kv_heads: c.kv_heads as u32,
-            head_dim: c.head_dim as u32,
-            window: e.window() as u32,
-            streams: e.stream_count() as u32,
-            bos: c.bos.map_or(-1, |b| b as i32),
-            eos: c.eos.map_or(-1, |b| b as i32),
-            placement: e.rows().placement(),
-            cuda: e.backend() == crate::engine::BackendKind::Cuda,
-        };
+        let e = unsafe { handle(e) }?;
+        *unsafe { arg_mut(out, "out") }? = e.info;
         Ok(())
     })
 }
@@ -414,8 +447,8 @@ pub unsafe extern "C" fn engine_model_info(e: *const engine, out: *mut engine_mo
 use crate::tokenizer::Tokenizer;
 
 /// The engine's text tokenizer, or UNSUPPORTED saying why text cannot be used.
-fn text_tokenizer(e: &Engine) -> Result<&Tokenizer> {
-    e.tokenizer().ok_or_else(|| {
+fn text_tokenizer(e: &engine) -> Result<&Tokenizer> {
+    e.tokenizer.as_deref().ok_or_else(|| {
         Error::new(
             Status::Unsupported,
             "the model has no usable tokenizer (no tokenizer.json beside the weights, or a GGUF tokenizer other \
@@ -427,7 +460,8 @@ fn text_tokenizer(e: &Engine) -> Result<&Tokenizer> {
 /// Tokenizes `len` bytes of UTF-8 `text` (no NUL needed) into `ids`, after the model's bos when `add_bos`
 /// is set and the model has one. `*n_out` is always set to the number of ids the text needs; `ids` may
 /// be NULL with `cap` 0 to ask only for that. OUT_OF_RANGE when `cap` is smaller (nothing written),
-/// UNSUPPORTED when the model has no usable tokenizer, INVALID_ARGUMENT for text that is not UTF-8.
+/// UNSUPPORTED when the model has no usable tokenizer, INVALID_ARGUMENT for text that is not UTF-8,
+/// BAD_MODEL when the model's tokenizer fails on the text. Runs beside steps without waiting.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn engine_tokenize(
     e: *const engine,
@@ -441,7 +475,7 @@ pub unsafe extern "C" fn engine_tokenize(
     guard("engine_tokenize", || {
         let n_out = unsafe { arg_mut(n_out, "n_out") }?;
         *n_out = 0;
-        let e = unsafe { engine_ref(e) }?;
+        let e = unsafe { handle(e) }?;
         let bytes: &[u8] = match (len, text.is_null()) {
             (0, _) => &[],
             (_, true) => crate::bail!(InvalidArgument, "text is NULL with len {len}"),
@@ -450,8 +484,9 @@ pub unsafe extern "C" fn engine_tokenize(
         let text = std::str::from_utf8(bytes)
             .map_err(|err| crate::err!(InvalidArgument, "text is not UTF-8 at byte {}", err.valid_up_to()))?;
         let tokenizer = text_tokenizer(e)?;
-        let tokens = tokenizer.encode(text, if add_bos { e.config().bos } else { None })?;
-        let vocab = e.config().vocab;
+        let bos = u32::try_from(e.info.bos).ok().filter(|_| add_bos);
+        let tokens = tokenizer.encode(text, bos)?;
+        let vocab = e.info.vocab as usize;
         if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
             crate::bail!(OutOfRange, "the tokenizer gave id {bad}, outside the model's vocabulary (0..{vocab})");
         }
@@ -478,7 +513,8 @@ pub unsafe extern "C" fn engine_tokenize(
 /// a NUL); returns the piece's length. Use that length rather than strlen: a piece may hold a NUL byte,
 /// and a byte-level piece may be part of a UTF-8 character. An id of the model that the tokenizer lacks
 /// (padding rows) is an empty piece. On failure a negative status: -OUT_OF_RANGE for an id outside the
-/// vocabulary, -UNSUPPORTED when the model has no usable tokenizer, -INVALID_ARGUMENT for NULLs.
+/// vocabulary, -UNSUPPORTED when the model has no usable tokenizer, -INVALID_ARGUMENT for NULLs. Runs
+/// beside steps without waiting.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn engine_token_piece(e: *const engine, id: i32, buf: *mut c_char, len: usize) -> i32 {
     if !buf.is_null() && len > 0 {
@@ -486,11 +522,11 @@ pub unsafe extern "C" fn engine_token_piece(e: *const engine, id: i32, buf: *mut
     }
     let mut need = 0i32;
     let status = guard("engine_token_piece", || {
-        let e = unsafe { engine_ref(e) }?;
+        let e = unsafe { handle(e) }?;
         if buf.is_null() && len > 0 {
             crate::bail!(InvalidArgument, "buf is NULL with len {len}");
         }
-        let vocab = e.config().vocab;
+        let vocab = e.info.vocab as usize;
         if id < 0 || id as usize >= vocab {
             crate::bail!(OutOfRange, "token id {id} outside the vocabulary (0..{vocab})");
         }

@@ -227,3 +227,142 @@ pub fn describe(plan: &engine_plan) -> String {
         }
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// The CPU backend: streams against host memory.
+
+/// What the CPU backend plans its streams from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CpuFitInputs {
+    pub layers: u64,
+    pub window: u64,
+    pub kv_heads: u64,
+    pub head_dim: u64,
+    /// Streams asked for (the option, or the backend's default).
+    pub want_streams: u32,
+    /// One entry of the stream table, paid for every admitted stream even before it is used.
+    pub slot_bytes: u64,
+    /// Host memory the streams may take.
+    pub room_bytes: u64,
+    /// Where `room_bytes` came from: None = the caller's `room_bytes`, Some((available, reserve)) =
+    /// MemAvailable less the reserve.
+    pub probed: Option<(u64, u64)>,
+}
+
+/// The CPU backend's decision: how many streams start, and the figures it was made from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CpuPlan {
+    pub inputs: CpuFitInputs,
+    /// One stream's f32 KV cache plus its table entry; None when it overflows 64 bits.
+    pub stream_bytes: Option<u64>,
+    /// 0 is a refusal.
+    pub streams: u32,
+}
+
+/// One stream's f32 KV cache: layers x window x kv_heads x head_dim x (K and V) x 4 bytes; None on overflow.
+pub fn cpu_kv_bytes(layers: u64, window: u64, kv_heads: u64, head_dim: u64) -> Option<u64> {
+    layers.checked_mul(window)?.checked_mul(kv_heads)?.checked_mul(head_dim)?.checked_mul(2 * 4)
+}
+
+/// Decides the CPU backend's streams: as many as asked that fit the room, none when one does not.
+pub fn plan_cpu(i: &CpuFitInputs) -> CpuPlan {
+    let stream_bytes =
+        cpu_kv_bytes(i.layers, i.window, i.kv_heads, i.head_dim).and_then(|kv| kv.checked_add(i.slot_bytes));
+    let fit = stream_bytes.map_or(0, |s| i.room_bytes.checked_div(s).unwrap_or(u64::MAX));
+    let streams = fit.min(i.want_streams as u64) as u32;
+    CpuPlan { inputs: *i, stream_bytes, streams }
+}
+
+/// Where the room came from, in the start-up line's words.
+fn cpu_room(i: &CpuFitInputs) -> String {
+    match i.probed {
+        None => format!("{} GiB of host memory (options.room_bytes)", gib(i.room_bytes)),
+        Some((available, reserve)) => format!(
+            "{} GiB of host memory (MemAvailable {} GiB less a {} GiB reserve)",
+            gib(i.room_bytes),
+            gib(available),
+            gib(reserve)
+        ),
+    }
+}
+
+/// Why the CPU backend refuses to start, with the start-up line's figures; None when a stream starts.
+pub fn refusal_cpu(p: &CpuPlan) -> Option<String> {
+    if p.streams > 0 {
+        return None;
+    }
+    let i = &p.inputs;
+    Some(match p.stream_bytes {
+        None => format!(
+            "a {}-token window's KV cache ({} layers x {} KV heads x {} dims) overflows 64 bits, {}",
+            i.window,
+            i.layers,
+            i.kv_heads,
+            i.head_dim,
+            cpu_room(i)
+        ),
+        Some(bytes) => {
+            let stream = gib(bytes);
+            format!("{} {stream} GiB stream at a {}-token window, {}", article(&stream), i.window, cpu_room(i))
+        }
+    })
+}
+
+/// The CPU backend's part of the start-up line: `16 streams of 0.01 GiB at a 512-token window, 21.33 GiB
+/// of host memory (...)`, or `refuses: ...`.
+pub fn describe_cpu(p: &CpuPlan) -> String {
+    match refusal_cpu(p) {
+        Some(why) => format!("refuses: {why}"),
+        None => format!(
+            "{} stream{} of {} GiB at a {}-token window, {}",
+            p.streams,
+            if p.streams == 1 { "" } else { "s" },
+            gib(p.stream_bytes.unwrap_or(0)),
+            p.inputs.window,
+            cpu_room(&p.inputs)
+        ),
+    }
+}
+
+/// `MemAvailable` of a /proc/meminfo text, in bytes.
+pub fn mem_available(meminfo: &str) -> Option<u64> {
+    let line = meminfo.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let mut words = line.split_whitespace().skip(1);
+    let value: u64 = words.next()?.parse().ok()?;
+    match words.next() {
+        Some("kB") => value.checked_mul(1024),
+        None => Some(value),
+        Some(_) => None,
+    }
+}
+
+/// The CPU plan's inputs for a model at `window` with `want` streams: the room is `options.room_bytes`
+/// when given, else MemAvailable less `options.reserve_bytes`. IO_ERROR when /proc/meminfo cannot tell.
+pub fn cpu_inputs(
+    cfg: &crate::model::ModelConfig,
+    window: u32,
+    want: u32,
+    slot_bytes: u64,
+    opts: &crate::engine::engine_options,
+) -> Result<CpuFitInputs> {
+    let (room_bytes, probed) = if opts.room_bytes > 0 {
+        (opts.room_bytes, None)
+    } else {
+        let text = std::fs::read_to_string("/proc/meminfo")
+            .map_err(|e| Error::new(Status::IoError, format!("/proc/meminfo: {e}; pass options.room_bytes")))?;
+        let available = mem_available(&text).ok_or_else(|| {
+            Error::new(Status::IoError, "/proc/meminfo has no MemAvailable line; pass options.room_bytes")
+        })?;
+        (available.saturating_sub(opts.reserve_bytes), Some((available, opts.reserve_bytes)))
+    };
+    Ok(CpuFitInputs {
+        layers: cfg.layers as u64,
+        window: window as u64,
+        kv_heads: cfg.kv_heads as u64,
+        head_dim: cfg.head_dim as u64,
+        want_streams: want,
+        slot_bytes,
+        room_bytes,
+        probed,
+    })
+}

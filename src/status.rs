@@ -1,6 +1,6 @@
 //! Status codes, the error type every fallible function returns, and the per-thread last error.
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::ffi::CString;
 use std::fmt;
 
@@ -54,6 +54,24 @@ impl engine_status {
 
     pub fn as_str(self) -> &'static str {
         self.c_name().to_str().unwrap_or("?")
+    }
+
+    /// The status a C integer names; None outside the enum.
+    pub fn from_raw(raw: i64) -> Option<engine_status> {
+        const ALL: [engine_status; 11] = [
+            Status::Ok,
+            Status::InvalidArgument,
+            Status::NoRoom,
+            Status::NoCuda,
+            Status::NoDevice,
+            Status::CudaError,
+            Status::IoError,
+            Status::BadModel,
+            Status::Unsupported,
+            Status::OutOfRange,
+            Status::Panic,
+        ];
+        ALL.into_iter().find(|s| *s as i64 == raw)
     }
 }
 
@@ -118,4 +136,41 @@ pub fn last_error() -> String {
 /// Pointer valid until the next failing call on this thread.
 pub(crate) fn last_error_ptr() -> *const std::os::raw::c_char {
     LAST_ERROR.with(|e| e.borrow().as_ptr())
+}
+
+thread_local! {
+    /// True while this thread runs code whose panics are caught and reported as a status.
+    static INSIDE_BOUNDARY: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Installs, once per process, a panic hook that stays silent for panics caught inside the library and
+/// hands every other panic to the hook that was there before, so the host's stderr stays the host's.
+fn install_quiet_hook() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let previous = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            if !INSIDE_BOUNDARY.with(Cell::get) {
+                previous(info);
+            }
+        }));
+    });
+}
+
+/// `catch_unwind` whose panics print nothing: the caller turns them into a status and a message.
+pub fn catch_quietly<T>(f: impl FnOnce() -> T) -> std::thread::Result<T> {
+    install_quiet_hook();
+    let was_inside = INSIDE_BOUNDARY.with(|b| b.replace(true));
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
+    INSIDE_BOUNDARY.with(|b| b.set(was_inside));
+    result
+}
+
+/// The text a panic carried ("unknown panic" when it was neither a string nor a message).
+pub fn panic_text(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "unknown panic".into())
 }

@@ -6,7 +6,7 @@ use crate::checkpoint::gguf::GgufValue;
 use crate::status::{Error, Result, Status};
 use crate::{bail, err};
 use serde_json::Value;
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::path::Path;
 use tokenizers::models::bpe::{BPE, BpeTrainer, Vocab};
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
@@ -137,13 +137,138 @@ fn tokenizer_error(what: &str, e: impl std::fmt::Display) -> Error {
     err!(BadModel, "{what}: {e}")
 }
 
+/// Runs a call into the `tokenizers` crate; a panic in it (the crate asserts on some inputs) becomes
+/// `status` with `what` and the panic's text, and prints nothing.
+fn crate_call<T>(status: Status, what: &str, f: impl FnOnce() -> T) -> Result<T> {
+    crate::status::catch_quietly(f).map_err(|panic| {
+        Error::new(status, format!("{what}: the tokenizer failed: {}", crate::status::panic_text(&*panic)))
+    })
+}
+
+/// Merges as (left, right) pairs, from ["a", "b"] pairs or the older "a b" strings, as the crate reads them.
+fn json_merges(merges: &Value, bad: &dyn Fn(&str) -> Error) -> Result<Vec<(String, String)>> {
+    let mut pairs = Vec::new();
+    for (i, merge) in merges.as_array().ok_or_else(|| bad("model.merges is not a list"))?.iter().enumerate() {
+        pairs.push(match merge {
+            Value::String(line) if line.starts_with("#version") => continue,
+            Value::String(line) => match line.split(' ').collect::<Vec<_>>().as_slice() {
+                [a, b] => (a.to_string(), b.to_string()),
+                _ => return Err(bad(&format!("model.merges[{i}] is not \"left right\""))),
+            },
+            Value::Array(pair) => match pair.as_slice() {
+                [Value::String(a), Value::String(b)] => (a.clone(), b.clone()),
+                _ => return Err(bad(&format!("model.merges[{i}] is not a pair of strings"))),
+            },
+            _ => return Err(bad(&format!("model.merges[{i}] is neither a string nor a pair"))),
+        });
+    }
+    Ok(pairs)
+}
+
+/// What the BPE builder would assert on: every merge's parts and result are in the vocabulary (a
+/// result longer than any token overruns the builder's buffer). `prefix` is continuing_subword_prefix.
+fn check_merges(vocab: &HashMap<String, u32>, merges: &[(String, String)], prefix: &str, what: &str) -> Result<()> {
+    for (i, (a, b)) in merges.iter().enumerate() {
+        for part in [a, b] {
+            if !vocab.contains_key(part) {
+                bail!(BadModel, "{what}: merges[{i}] names \"{part}\", which the vocabulary lacks");
+            }
+        }
+        let Some(rest) = b.strip_prefix(prefix) else {
+            bail!(BadModel, "{what}: merges[{i}]'s right part \"{b}\" lacks the subword prefix \"{prefix}\"");
+        };
+        if !vocab.contains_key(&format!("{a}{rest}")) {
+            bail!(BadModel, "{what}: merges[{i}] builds \"{a}{rest}\", which the vocabulary lacks");
+        }
+    }
+    Ok(())
+}
+
+/// Refuses what the crate would accept and then panic on: an empty pattern in a Replace or a Split
+/// (normalizer, pre-tokenizer or decoder), at any depth.
+fn check_patterns(node: &Value, path: &str) -> Result<()> {
+    match node {
+        Value::Object(map) => {
+            if let Some(Value::Object(pattern)) = map.get("pattern")
+                && pattern.values().any(|p| p.as_str() == Some(""))
+            {
+                bail!(BadModel, "{path}: an empty pattern matches everywhere");
+            }
+            for (key, value) in map {
+                check_patterns(value, &format!("{path}.{key}"))?;
+            }
+        }
+        Value::Array(items) => {
+            for (i, value) in items.iter().enumerate() {
+                check_patterns(value, &format!("{path}[{i}]"))?;
+            }
+        }
+        _ => {}
+    }
+    Ok(())
+}
+
+/// One past the largest id a tokenizer.json gives (vocabulary and added tokens), checked against
+/// `limit` (the model's vocabulary; None: the number of ids the file names, so ids are dense).
+fn check_json_ids(json: &Value, limit: Option<usize>, bad: &dyn Fn(&str) -> Error) -> Result<()> {
+    let model = json.get("model").ok_or_else(|| bad("no \"model\""))?;
+    let mut ids: Vec<u64> = Vec::new();
+    match model.get("vocab") {
+        // BPE, WordPiece, WordLevel: token -> id.
+        Some(Value::Object(vocab)) => {
+            for (token, id) in vocab {
+                ids.push(id.as_u64().ok_or_else(|| bad(&format!("model.vocab[\"{token}\"] is not an id")))?);
+            }
+        }
+        // Unigram: ids are positions in the list.
+        Some(Value::Array(pieces)) => ids.extend(0..pieces.len() as u64),
+        _ => {}
+    }
+    for added in json.get("added_tokens").and_then(Value::as_array).into_iter().flatten() {
+        ids.push(added.get("id").and_then(Value::as_u64).ok_or_else(|| bad("an added token has no id"))?);
+    }
+    let limit = limit.unwrap_or_else(|| ids.iter().collect::<HashSet<_>>().len()) as u64;
+    if let Some(&past) = ids.iter().find(|&&id| id >= limit) {
+        return Err(bad(&format!("token id {past} is at or past the vocabulary of {limit}")));
+    }
+    Ok(())
+}
+
 impl Tokenizer {
-    /// A HF `tokenizer.json`.
+    /// A HF `tokenizer.json` whose ids are dense (below the number of ids it names).
     pub fn from_json(path: &Path) -> Result<Tokenizer> {
-        let bytes = std::fs::read(path).map_err(|e| err!(IoError, "{}: {e}", path.display()))?;
-        let inner = tokenizers::Tokenizer::from_bytes(&bytes)
-            .map_err(|e| tokenizer_error(&format!("{}: not a usable tokenizer.json", path.display()), e))?;
-        Ok(Tokenizer::wrap(inner))
+        Tokenizer::from_json_within(path, None)
+    }
+
+    /// A HF `tokenizer.json`, every id below `vocab` (the model's vocabulary) when given. The file is
+    /// checked before the `tokenizers` crate sees it; what the crate still panics on is BAD_MODEL.
+    pub fn from_json_within(path: &Path, vocab: Option<usize>) -> Result<Tokenizer> {
+        let file = path.display().to_string();
+        let bytes = crate::checkpoint::read_regular(path)?;
+        let bad = |what: &str| err!(BadModel, "{file}: {what}");
+        let json: Value = serde_json::from_slice(&bytes).map_err(|e| bad(&format!("not valid JSON: {e}")))?;
+        check_json_ids(&json, vocab, &bad)?;
+        for part in ["normalizer", "pre_tokenizer", "decoder", "post_processor"] {
+            check_patterns(json.get(part).unwrap_or(&Value::Null), &format!("{file}: {part}"))?;
+        }
+        let model = json.get("model").ok_or_else(|| bad("no \"model\""))?;
+        let bpe_merges = match model.get("type").and_then(Value::as_str) {
+            Some("BPE") => Some(json_merges(model.get("merges").unwrap_or(&Value::Null), &bad)?),
+            _ => None,
+        };
+        if let (Some(merges), Some(Value::Object(vocab))) = (&bpe_merges, model.get("vocab")) {
+            let vocab: HashMap<String, u32> =
+                vocab.iter().map(|(t, id)| (t.clone(), id.as_u64().unwrap_or(0) as u32)).collect();
+            let prefix = model.get("continuing_subword_prefix").and_then(Value::as_str).unwrap_or("");
+            check_merges(&vocab, merges, prefix, &format!("{file}: model"))?;
+        }
+        let what = format!("{file}: not a usable tokenizer.json");
+        let mut inner = crate_call(Status::BadModel, &what, || tokenizers::Tokenizer::from_bytes(&bytes))?
+            .map_err(|e| tokenizer_error(&what, e))?;
+        if let Some(merges) = bpe_merges {
+            without_thread_cache(&mut inner, merges, &what)?;
+        }
+        Tokenizer::wrap(inner, vocab)
     }
 
     /// The tokenizer a GGUF describes in `tokenizer.ggml.*`. Only `model == "gpt2"` (byte-level BPE from
@@ -189,11 +314,13 @@ impl Tokenizer {
                 .ok_or_else(|| err!(BadModel, "GGUF tokenizer.ggml.merges[{i}] \"{merge}\" is not \"left right\""))?;
             pairs.push((a.to_string(), b.to_string()));
         }
-        let bpe = BPE::builder()
-            .vocab_and_merges(vocab, pairs)
-            .ignore_merges(ignore_merges)
-            .build()
-            .map_err(|e| tokenizer_error("GGUF tokenizer.ggml.merges", e))?;
+        let lookup: HashMap<String, u32> = vocab.iter().map(|(t, &id)| (t.clone(), id)).collect();
+        check_merges(&lookup, &pairs, "", "GGUF tokenizer.ggml")?;
+        // No per-thread cache: its entries would outlive the engine on every thread that tokenized.
+        let bpe = crate_call(Status::BadModel, "GGUF tokenizer.ggml.merges", || {
+            BPE::builder().vocab_and_merges(vocab, pairs).ignore_merges(ignore_merges).cache_capacity(0).build()
+        })?
+        .map_err(|e| tokenizer_error("GGUF tokenizer.ggml.merges", e))?;
 
         let mut inner = tokenizers::Tokenizer::new(bpe);
         let pre_tokenizer: PreTokenizerWrapper = match split {
@@ -216,9 +343,10 @@ impl Tokenizer {
                 _ => {}
             }
         }
-        inner.add_tokens(added).map_err(|e| tokenizer_error("GGUF control tokens", e))?;
+        crate_call(Status::BadModel, "GGUF control tokens", || inner.add_tokens(added))?
+            .map_err(|e| tokenizer_error("GGUF control tokens", e))?;
 
-        let mut tokenizer = Tokenizer::wrap(inner);
+        let mut tokenizer = Tokenizer::wrap(inner, Some(tokens.len()))?;
         // The GGUF's list is the vocabulary: its length and order, even where strings repeat.
         let rules = PieceRules { byte_level: true, ..PieceRules::default() };
         let char_bytes = char_bytes();
@@ -226,21 +354,31 @@ impl Tokenizer {
         Ok(tokenizer)
     }
 
-    /// The tokenizer a checkpoint points at; None when it has none. Errors keep their status: UNSUPPORTED
-    /// for a GGUF tokenizer model other than gpt2, BAD_MODEL or IO_ERROR for a broken one.
-    pub fn from_source(src: &TokenizerSource) -> Result<Option<Tokenizer>> {
+    /// The tokenizer a checkpoint points at, for a model of `vocab` ids; None when it has none. Errors
+    /// keep their status: UNSUPPORTED for a GGUF tokenizer model other than gpt2, BAD_MODEL for a broken
+    /// one or one with ids at or past `vocab`, IO_ERROR for a file that cannot be read.
+    pub fn from_source(src: &TokenizerSource, vocab: usize) -> Result<Option<Tokenizer>> {
         match src {
             TokenizerSource::None => Ok(None),
-            TokenizerSource::Json(path) => Tokenizer::from_json(path).map(Some),
+            TokenizerSource::Json(path) => Tokenizer::from_json_within(path, Some(vocab)).map(Some),
             TokenizerSource::GgufBpe { model, pre, tokens, merges, token_types } => {
+                if model == "gpt2" && tokens.len() > vocab {
+                    bail!(BadModel, "GGUF tokenizer.ggml.tokens: {} tokens for a vocabulary of {vocab}", tokens.len());
+                }
                 Tokenizer::from_gguf_bpe(model, pre.as_deref(), tokens, merges, token_types).map(Some)
             }
         }
     }
 
-    fn wrap(inner: tokenizers::Tokenizer) -> Tokenizer {
+    /// The tokenizer with its piece table; BAD_MODEL for an id at or past `limit` (None: no limit past the
+    /// dense table the crate's vocabulary gives), so no table is sized by a stray id.
+    fn wrap(inner: tokenizers::Tokenizer, limit: Option<usize>) -> Result<Tokenizer> {
         let vocab = inner.get_vocab(true);
         let size = vocab.values().map(|&id| id as usize + 1).max().unwrap_or(0);
+        let limit = limit.unwrap_or(vocab.len());
+        if size > limit {
+            bail!(BadModel, "tokenizer: token id {} is at or past the vocabulary of {limit}", size - 1);
+        }
         let rules = PieceRules::of(inner.get_decoder());
         let char_bytes = char_bytes();
         let added = inner.get_added_tokens_decoder();
@@ -252,13 +390,14 @@ impl Tokenizer {
                 None => rules.piece(&token, &char_bytes),
             };
         }
-        Tokenizer { inner, pieces }
+        Ok(Tokenizer { inner, pieces })
     }
 
     /// The ids of `text`, after `add_bos` when given. Control tokens written in the text (`<|eos|>`)
     /// become their ids; the tokenizer's own post-processing (templates) is not applied.
     pub fn encode(&self, text: &str, add_bos: Option<u32>) -> Result<Vec<u32>> {
-        let encoding = self.inner.encode_fast(text, false).map_err(|e| err!(InvalidArgument, "tokenizing: {e}"))?;
+        let encoding = crate_call(Status::BadModel, "tokenizing", || self.inner.encode_fast(text, false))?
+            .map_err(|e| err!(InvalidArgument, "tokenizing: {e}"))?;
         let mut ids = Vec::with_capacity(encoding.len() + 1);
         ids.extend(add_bos);
         ids.extend_from_slice(encoding.get_ids());
@@ -331,16 +470,20 @@ impl GgufBpeVocab {
 /// Reads the BPE vocabulary, merges and special tokens of a byte-level `tokenizer.json`, for writing
 /// them into a GGUF. BAD_MODEL when the file is not a BPE model or its ids have gaps.
 pub fn gguf_bpe_vocab(path: &Path) -> Result<GgufBpeVocab> {
-    let text = std::fs::read_to_string(path).map_err(|e| err!(IoError, "{}: {e}", path.display()))?;
-    let json: Value = serde_json::from_str(&text).map_err(|e| err!(BadModel, "{}: {e}", path.display()))?;
+    let bytes = crate::checkpoint::read_regular(path)?;
+    let json: Value = serde_json::from_slice(&bytes).map_err(|e| err!(BadModel, "{}: {e}", path.display()))?;
     let bad = |what: &str| err!(BadModel, "{}: {what}", path.display());
     let model = json.get("model").ok_or_else(|| bad("no \"model\""))?;
     if model.get("type").and_then(Value::as_str) != Some("BPE") {
         return Err(bad("model.type is not \"BPE\""));
     }
+    let entries = model.get("vocab").and_then(Value::as_object).map_or(0, |v| v.len())
+        + json.get("added_tokens").and_then(Value::as_array).map_or(0, |a| a.len());
     let mut by_id: Vec<Option<(String, i32)>> = Vec::new();
     let mut put = |token: &str, id: u64, kind: i32| -> Result<()> {
-        let id = usize::try_from(id).map_err(|_| bad("token id too large"))?;
+        // Ids past the entries leave a gap, refused below; refusing them here keeps the table small.
+        let id =
+            usize::try_from(id).ok().filter(|&id| id < entries).ok_or_else(|| bad("token id past the vocabulary"))?;
         if id >= by_id.len() {
             by_id.resize(id + 1, None);
         }
@@ -394,5 +537,36 @@ pub fn train_byte_level_bpe(text: &str, vocab_size: usize, special: &[&str]) -> 
     inner.with_decoder(Some(ByteLevel::default()));
     let mut trainer = tokenizers::models::TrainerWrapper::from(trainer);
     inner.train(&mut trainer, text.split_inclusive('\n')).map_err(|e| err!(InvalidArgument, "training BPE: {e}"))?;
-    Ok(Tokenizer::wrap(inner))
+    Tokenizer::wrap(inner, None)
+}
+
+/// Swaps the BPE the crate deserialized for the same model built without a cache: the crate's cache is
+/// thread-local and keyed per model, so its entries would outlive the engine on every thread that
+/// tokenized. `merges` are the file's, checked.
+fn without_thread_cache(inner: &mut tokenizers::Tokenizer, merges: Vec<(String, String)>, what: &str) -> Result<()> {
+    let tokenizers::ModelWrapper::BPE(bpe) = inner.get_model() else {
+        return Ok(());
+    };
+    let vocab: Vocab = bpe.get_vocab().into_iter().collect();
+    let mut builder = BPE::builder()
+        .vocab_and_merges(vocab, merges)
+        .cache_capacity(0)
+        .fuse_unk(bpe.fuse_unk)
+        .byte_fallback(bpe.byte_fallback)
+        .ignore_merges(bpe.ignore_merges);
+    if let Some(dropout) = bpe.dropout {
+        builder = builder.dropout(dropout);
+    }
+    if let Some(unk) = &bpe.unk_token {
+        builder = builder.unk_token(unk.clone());
+    }
+    if let Some(prefix) = &bpe.continuing_subword_prefix {
+        builder = builder.continuing_subword_prefix(prefix.clone());
+    }
+    if let Some(suffix) = &bpe.end_of_word_suffix {
+        builder = builder.end_of_word_suffix(suffix.clone());
+    }
+    let rebuilt = crate_call(Status::BadModel, what, || builder.build())?.map_err(|e| tokenizer_error(what, e))?;
+    inner.with_model(rebuilt);
+    Ok(())
 }

@@ -328,7 +328,7 @@ fn checkpoints_carry_the_same_tokenizer_in_both_formats() {
     write_hf_folder(&hf, &cfg, &weights, 1).unwrap();
 
     let without = Checkpoint::open(&hf).unwrap();
-    assert!(Tokenizer::from_source(&without.tokenizer).unwrap().is_none());
+    assert!(Tokenizer::from_source(&without.tokenizer, cfg.vocab).unwrap().is_none());
 
     std::fs::copy(asset("tokenizer.json"), hf.join("tokenizer.json")).unwrap();
     let gguf = dir.0.join("tiny.gguf");
@@ -338,7 +338,7 @@ fn checkpoints_carry_the_same_tokenizer_in_both_formats() {
     let text = std::fs::read_to_string(asset("hostembed.txt")).unwrap();
     for path in [&hf, &gguf] {
         let ckpt = Checkpoint::open(path).unwrap();
-        let t = Tokenizer::from_source(&ckpt.tokenizer).unwrap().expect("a tokenizer");
+        let t = Tokenizer::from_source(&ckpt.tokenizer, cfg.vocab).unwrap().expect("a tokenizer");
         assert_eq!(t.vocab_size(), 512, "{}", path.display());
         assert_eq!(t.encode(&text, Some(0)).unwrap(), json.encode(&text, Some(0)).unwrap(), "{}", path.display());
     }
@@ -348,7 +348,7 @@ fn checkpoints_carry_the_same_tokenizer_in_both_formats() {
     kv[0].1 = GgufValue::String("llama".into());
     write_gguf(&gguf, &cfg, &weights, &kv).unwrap();
     let ckpt = Checkpoint::open(&gguf).unwrap();
-    let e = Tokenizer::from_source(&ckpt.tokenizer).unwrap_err();
+    let e = Tokenizer::from_source(&ckpt.tokenizer, cfg.vocab).unwrap_err();
     assert_eq!(e.status, Status::Unsupported);
     assert!(e.message.contains("\"llama\""), "{e}");
 }

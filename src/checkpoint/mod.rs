@@ -53,6 +53,30 @@ impl TensorInfo {
     }
 }
 
+/// Opens `path` for reading if it is a regular file; IO_ERROR for a FIFO, a device, a socket or a
+/// folder. The open does not block: a FIFO without a writer would otherwise hold the caller forever.
+pub fn open_regular(path: &Path) -> Result<File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(path)
+        .map_err(|e| err!(IoError, "{}: {e}", path.display()))?;
+    let meta = file.metadata().map_err(|e| err!(IoError, "{}: {e}", path.display()))?;
+    if !meta.is_file() {
+        bail!(IoError, "{}: not a regular file", path.display());
+    }
+    Ok(file)
+}
+
+/// The whole of a regular file (see `open_regular`).
+pub fn read_regular(path: &Path) -> Result<Vec<u8>> {
+    use std::io::Read;
+    let mut bytes = Vec::new();
+    open_regular(path)?.read_to_end(&mut bytes).map_err(|e| err!(IoError, "{}: {e}", path.display()))?;
+    Ok(bytes)
+}
+
 /// One file of a checkpoint, mapped read-only (PROT_READ).
 pub struct MappedFile {
     pub path: PathBuf,
@@ -61,11 +85,7 @@ pub struct MappedFile {
 
 impl MappedFile {
     pub fn open(path: &Path) -> Result<MappedFile> {
-        let file = File::open(path).map_err(|e| err!(IoError, "{}: {e}", path.display()))?;
-        let meta = file.metadata().map_err(|e| err!(IoError, "{}: {e}", path.display()))?;
-        if !meta.is_file() {
-            bail!(IoError, "{}: not a regular file", path.display());
-        }
+        let file = open_regular(path)?;
         // SAFETY: a read-only mapping; another process truncating the file while it is mapped would
         // fault on access, which no reader of a shared file can rule out.
         let map = unsafe { Mmap::map(&file) }.map_err(|e| err!(IoError, "{}: mmap: {e}", path.display()))?;

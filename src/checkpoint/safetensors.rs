@@ -86,12 +86,13 @@ pub fn open_folder(dir: &Path) -> Result<Checkpoint> {
 
     let tokenizer_path = dir.join(TOKENIZER);
     let tokenizer =
-        if tokenizer_path.is_file() { TokenizerSource::Json(tokenizer_path) } else { TokenizerSource::None };
+        // Anything there by that name is read (and a FIFO or a device refused), not silently skipped.
+        if tokenizer_path.exists() { TokenizerSource::Json(tokenizer_path) } else { TokenizerSource::None };
     Ok(Checkpoint { path: dir.to_path_buf(), format: Format::Safetensors, config, tensors, files, tokenizer })
 }
 
 fn read_json(path: &Path) -> Result<Value> {
-    let text = std::fs::read(path).map_err(|e| err!(IoError, "{}: {e}", path.display()))?;
+    let text = super::read_regular(path)?;
     serde_json::from_slice(&text).map_err(|e| err!(BadModel, "{}: not valid JSON: {e}", path.display()))
 }
 
