@@ -296,3 +296,47 @@ fn refused_cuda_steps_append_nothing() {
     drop((e, reference));
     assert_eq!(stats(), engine_memory::default());
 }
+
+/// 8 threads step 8 streams of one CUDA engine at once; every stream's tokens are the serial run's.
+#[test]
+fn eight_threads_on_one_engine_match_the_serial_run() {
+    if !gpu_present("eight_threads_on_one_engine_match_the_serial_run") {
+        return;
+    }
+    let _g = serial();
+    let dir = Scratch::new("threads");
+    let model = &write_formats(dir.path(), &[])[0].path;
+    const STREAMS: u32 = 8;
+    let opts = engine_options { max_streams: STREAMS, ..greedy_cuda() };
+    let vocab = config().vocab as i32;
+    let prompt_of = |s: u32| -> Vec<i32> { prompt().iter().map(|&t| (t + s as i32 * 31) % vocab).collect() };
+    let run = |e: &Held, s: u32| -> Vec<i32> {
+        let mut tokens = vec![step(e, s, &prompt_of(s))];
+        for _ in 0..STEPS / 4 {
+            tokens.push(step(e, s, &[*tokens.last().unwrap()]));
+        }
+        tokens
+    };
+    let serial_engine = init(model, &opts);
+    assert_eq!(info(&serial_engine).streams, STREAMS);
+    let want: Vec<Vec<i32>> = (0..STREAMS).map(|s| run(&serial_engine, s)).collect();
+    drop(serial_engine);
+
+    let shared = init(model, &opts);
+    let handle = shared.0 as usize;
+    let got: Vec<Vec<i32>> = std::thread::scope(|scope| {
+        let threads: Vec<_> = (0..STREAMS)
+            .map(|s| {
+                scope.spawn(move || {
+                    // The engine stays owned by `shared`; this view must not free it.
+                    let e = std::mem::ManuallyDrop::new(Held(handle as *mut ffi::engine));
+                    run(&e, s)
+                })
+            })
+            .collect();
+        threads.into_iter().map(|t| t.join().unwrap()).collect()
+    });
+    for s in 0..STREAMS as usize {
+        assert_eq!(got[s], want[s], "stream {s}: threads against the serial run");
+    }
+}

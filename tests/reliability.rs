@@ -315,13 +315,12 @@ fn eight_threads_on_one_engine_match_the_serial_run() {
         let tokenizers: Vec<_> = (0..2)
             .map(|_| {
                 scope.spawn(|| {
-                    let e = Held(handle as *mut ffi::engine);
+                    let e = std::mem::ManuallyDrop::new(Held(handle as *mut ffi::engine));
                     let mut calls = 0;
                     while !stop.load(std::sync::atomic::Ordering::Relaxed) {
                         assert_eq!(tokenize(&e, &text), want_ids, "tokenize beside steps");
                         calls += 1;
                     }
-                    std::mem::forget(e);
                     calls
                 })
             })
@@ -330,7 +329,7 @@ fn eight_threads_on_one_engine_match_the_serial_run() {
             .map(|s| {
                 let (prompt, want) = (&prompts[s as usize], &want_logits[s as usize]);
                 scope.spawn(move || {
-                    let e = Held(handle as *mut ffi::engine);
+                    let e = std::mem::ManuallyDrop::new(Held(handle as *mut ffi::engine));
                     let mut out = vec![0f32; config().vocab];
                     let mut fresh = 0;
                     let mut tokens = Vec::new();
@@ -346,7 +345,6 @@ fn eight_threads_on_one_engine_match_the_serial_run() {
                             assert_eq!(st, Status::InvalidArgument, "stream {s}: {}", last_error());
                         }
                     }
-                    std::mem::forget(e);
                     (tokens, fresh)
                 })
             })
