@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use crate::cuda::{self, DeviceBuffer, StagedUploader, Stream};
 use crate::cudart as rt;
 use crate::kernels as kn;
-use crate::model::{ModelConfig, TensorRef, TensorSource, names};
+use crate::model::{LayerWeights, ModelConfig, ModelWeights, TensorRef, TensorSource, rope_inv_freq};
 use crate::sampler::Sampling;
 use crate::status::Result;
 use crate::tensor::DType;
@@ -45,16 +45,27 @@ fn align_up(x: usize) -> usize {
     x.div_ceil(ALIGN) * ALIGN
 }
 
-/// Regions laid out one after the other, each aligned.
+/// Regions laid out one after the other, each aligned; `append` continues the last region instead.
 #[derive(Default)]
 struct Layout {
+    /// End of the last region, unaligned.
+    end: usize,
     total: usize,
 }
 
 impl Layout {
     fn push(&mut self, bytes: usize) -> usize {
         let at = self.total;
-        self.total = align_up(at + bytes);
+        self.end = at + bytes;
+        self.total = align_up(self.end);
+        at
+    }
+
+    /// Places `bytes` right after the last region, with no padding between.
+    fn append(&mut self, bytes: usize) -> usize {
+        let at = self.end;
+        self.end = at + bytes;
+        self.total = align_up(self.end);
         at
     }
 }
@@ -119,131 +130,138 @@ impl ScratchLayout {
     }
 }
 
-/// A weight matrix on the device, in its stored format.
+/// A weight on the device: a matrix in its stored format, or a vector decoded to f32 (one row).
 #[derive(Clone, Copy, Debug)]
-struct Matrix {
+struct DeviceWeight {
     ptr: *const c_void,
     dtype: DType,
     rows: usize,
     cols: usize,
 }
 
+impl DeviceWeight {
+    fn f32_ptr(&self) -> *const f32 {
+        self.ptr as *const f32
+    }
+}
+
 /// q, k and v as one matrix when they share a format (one launch), else three.
 enum Qkv {
-    Fused(Matrix),
-    Split([Matrix; 3]),
+    Fused(DeviceWeight),
+    Split([DeviceWeight; 3]),
 }
 
+/// Whether q, k and v share a region and are read as one matrix.
+fn qkv_fused(q: DType, k: DType, v: DType) -> bool {
+    q == k && k == v
+}
+
+/// One layer on the device: its weights by role, and q/k/v as the projection reads them.
 struct GpuLayer {
-    attn_norm: *const f32,
-    ffn_norm: *const f32,
+    w: LayerWeights<DeviceWeight>,
     qkv: Qkv,
-    /// q, k and v biases back to back (f32), or NULL.
-    qkv_bias: *const f32,
-    q_norm: *const f32,
-    k_norm: *const f32,
-    o: Matrix,
-    gate: Matrix,
-    up: Matrix,
-    down: Matrix,
 }
 
-/// What goes where in the weight allocation. `plan` with `strict` checks every tensor the load needs;
-/// without it (for `weight_bytes`) it sizes what is there.
-enum Item<'a> {
-    /// Bytes copied as they are.
-    Raw(TensorRef<'a>),
-    /// A 1-D tensor decoded to f32, or zeros when absent.
-    Vector(Option<TensorRef<'a>>, usize),
-}
-
-impl Item<'_> {
-    fn bytes(&self) -> usize {
-        match self {
-            Item::Raw(t) => t.bytes.len(),
-            Item::Vector(_, len) => len * 4,
-        }
-    }
-}
-
-/// Items in upload order; consecutive items in one group share one aligned region (q, k, v).
-struct Plan<'a> {
-    groups: Vec<Vec<Item<'a>>>,
-}
-
-fn checked<'a>(src: &'a dyn TensorSource, name: &str, shape: &[usize], strict: bool) -> Result<Option<TensorRef<'a>>> {
-    let t = match src.try_tensor(name) {
-        Some(t) => t,
-        None if strict => return src.tensor(name).map(Some),
-        None => return Ok(None),
-    };
-    if !strict {
-        return Ok(Some(t));
-    }
-    if t.shape != shape {
-        bail!(BadModel, "tensor {name} has shape {:?}, expected {:?}", t.shape, shape);
-    }
-    let row_bytes = t.dtype.row_bytes(t.cols()).ok_or_else(|| {
-        err!(BadModel, "tensor {name}: {} columns do not fit the {} format", t.cols(), t.dtype.name())
-    })?;
-    if t.bytes.len() != t.rows() * row_bytes {
-        bail!(BadModel, "tensor {name} holds {} bytes, expected {}", t.bytes.len(), t.rows() * row_bytes);
-    }
-    Ok(Some(t))
-}
-
-fn plan<'a>(src: &'a dyn TensorSource, strict: bool) -> Result<Plan<'a>> {
-    let cfg = src.config();
-    let (hidden, q_dim, kv_dim, inter) = (cfg.hidden, cfg.q_dim(), cfg.kv_dim(), cfg.intermediate);
-    let mut groups: Vec<Vec<Item<'a>>> = Vec::new();
-    let vector =
-        |name: &str, len: usize| -> Result<Item<'a>> { Ok(Item::Vector(checked(src, name, &[len], strict)?, len)) };
-    let matrix = |name: &str, rows: usize, cols: usize| -> Result<Option<Item<'a>>> {
-        Ok(checked(src, name, &[rows, cols], strict)?.map(Item::Raw))
-    };
-    for i in 0..cfg.layers {
-        let name = |part: &str| names::layer(i, part);
-        groups.push(vec![vector(&name(names::ATTN_NORM), hidden)?]);
-        groups.push(vec![vector(&name(names::FFN_NORM), hidden)?]);
-        let q = matrix(&name(names::Q), q_dim, hidden)?;
-        let k = matrix(&name(names::K), kv_dim, hidden)?;
-        let v = matrix(&name(names::V), kv_dim, hidden)?;
-        let same = match (&q, &k, &v) {
-            (Some(Item::Raw(q)), Some(Item::Raw(k)), Some(Item::Raw(v))) => q.dtype == k.dtype && k.dtype == v.dtype,
-            _ => false,
-        };
-        let qkv: Vec<Item<'a>> = [q, k, v].into_iter().flatten().collect();
-        if same {
-            groups.push(qkv);
+impl GpuLayer {
+    fn new(w: LayerWeights<DeviceWeight>) -> GpuLayer {
+        let qkv = if qkv_fused(w.q.dtype, w.k.dtype, w.v.dtype) {
+            Qkv::Fused(DeviceWeight { rows: w.q.rows + w.k.rows + w.v.rows, ..w.q })
         } else {
-            groups.extend(qkv.into_iter().map(|t| vec![t]));
-        }
-        if cfg.qkv_bias {
-            groups.push(vec![
-                vector(&name(names::Q_BIAS), q_dim)?,
-                vector(&name(names::K_BIAS), kv_dim)?,
-                vector(&name(names::V_BIAS), kv_dim)?,
-            ]);
-        }
-        if cfg.qk_norm {
-            groups.push(vec![vector(&name(names::Q_NORM), cfg.head_dim)?]);
-            groups.push(vec![vector(&name(names::K_NORM), cfg.head_dim)?]);
-        }
-        for (part, rows, cols) in [(names::O, hidden, q_dim), (names::GATE, inter, hidden), (names::UP, inter, hidden)]
-        {
-            groups.extend(matrix(&name(part), rows, cols)?.map(|t| vec![t]));
-        }
-        groups.extend(matrix(&name(names::DOWN), hidden, inter)?.map(|t| vec![t]));
+            Qkv::Split([w.q, w.k, w.v])
+        };
+        GpuLayer { w, qkv }
     }
-    groups.push(vec![vector(names::FINAL_NORM, hidden)?]);
-    if !cfg.tied {
-        groups.extend(matrix(names::LM_HEAD, cfg.vocab, hidden)?.map(|t| vec![t]));
+
+    /// The q, k and v biases back to back (f32), or NULL.
+    fn qkv_bias(&self) -> *const f32 {
+        self.w.q_bias.map_or(ptr::null(), |b| b.f32_ptr())
     }
-    Ok(Plan { groups })
 }
 
-/// A tensor's device pointer, with (format, rows, cols) when it is a matrix.
-type Placed = (*const c_void, Option<(DType, usize, usize)>);
+/// A weight and where it goes in the weight allocation: matrices are copied as stored, vectors
+/// (norms, biases) decoded to f32.
+struct Placed<'a> {
+    tensor: TensorRef<'a>,
+    offset: usize,
+}
+
+impl Placed<'_> {
+    fn decoded(&self) -> bool {
+        self.tensor.shape.len() == 1
+    }
+}
+
+fn device_bytes(t: &TensorRef) -> usize {
+    if t.shape.len() == 1 { t.cols() * 4 } else { t.bytes.len() }
+}
+
+impl Layout {
+    /// Places `t` in a region of its own, or right after the previous weight.
+    fn place<'a>(&mut self, t: TensorRef<'a>, after_previous: bool) -> Placed<'a> {
+        let bytes = device_bytes(&t);
+        let offset = if after_previous { self.append(bytes) } else { self.push(bytes) };
+        Placed { tensor: t, offset }
+    }
+}
+
+/// Where every weight the device holds goes (all but the embedding rows, which are placed apart).
+struct WeightPlan<'a> {
+    layers: Vec<LayerWeights<Placed<'a>>>,
+    final_norm: Placed<'a>,
+    lm_head: Option<Placed<'a>>,
+    total: usize,
+}
+
+/// Reads and checks every weight of `src` (the weight table) and lays them out in one allocation.
+fn plan(src: &dyn TensorSource) -> Result<WeightPlan<'_>> {
+    let w = ModelWeights::read(src)?;
+    let mut layout = Layout::default();
+    let layers = w.layers.into_iter().map(|l| place_layer(l, &mut layout)).collect();
+    let final_norm = layout.place(w.final_norm, false);
+    let lm_head = w.lm_head.map(|t| layout.place(t, false));
+    Ok(WeightPlan { layers, final_norm, lm_head, total: layout.total })
+}
+
+/// Each weight in its own region, except q, k, v of one format and the three biases, which the fused
+/// projection reads back to back.
+fn place_layer<'a>(l: LayerWeights<TensorRef<'a>>, layout: &mut Layout) -> LayerWeights<Placed<'a>> {
+    let fused = qkv_fused(l.q.dtype, l.k.dtype, l.v.dtype);
+    let attn_norm = layout.place(l.attn_norm, false);
+    let q = layout.place(l.q, false);
+    let k = layout.place(l.k, fused);
+    let v = layout.place(l.v, fused);
+    LayerWeights {
+        attn_norm,
+        q,
+        k,
+        v,
+        q_bias: l.q_bias.map(|t| layout.place(t, false)),
+        k_bias: l.k_bias.map(|t| layout.place(t, true)),
+        v_bias: l.v_bias.map(|t| layout.place(t, true)),
+        q_norm: l.q_norm.map(|t| layout.place(t, false)),
+        k_norm: l.k_norm.map(|t| layout.place(t, false)),
+        o: layout.place(l.o, false),
+        ffn_norm: layout.place(l.ffn_norm, false),
+        gate: layout.place(l.gate, false),
+        up: layout.place(l.up, false),
+        down: layout.place(l.down, false),
+    }
+}
+
+/// Copies one placed weight into `weights` and says where it is.
+fn upload(weights: &DeviceBuffer, uploader: &mut StagedUploader, p: Placed) -> Result<DeviceWeight> {
+    let t = p.tensor;
+    let dtype = if p.decoded() {
+        weights.upload(&t.to_f32(), p.offset)?;
+        DType::F32
+    } else {
+        uploader.upload(weights, p.offset, t.bytes)?;
+        t.dtype
+    };
+    // SAFETY: the plan put every offset inside the allocation, which is `total` bytes long.
+    let ptr = unsafe { (weights.ptr() as *const u8).add(p.offset) } as *const c_void;
+    Ok(DeviceWeight { ptr, dtype, rows: t.rows(), cols: t.cols() })
+}
 
 /// A captured single-token forward pass for one stream of one model.
 struct StepGraph {
@@ -321,7 +339,7 @@ pub struct GpuModel {
     id: u64,
     layers: Vec<GpuLayer>,
     final_norm: *const f32,
-    head: Matrix,
+    head: DeviceWeight,
     rows: RowsOnDevice,
     s: ScratchLayout,
     graphs: bool,
@@ -343,12 +361,10 @@ fn u32_of(v: usize, what: &str) -> Result<c_uint> {
 }
 
 impl GpuModel {
-    /// Device bytes `load` allocates for the weights (the embedding rows excluded, an untied head included).
+    /// Device bytes `load` allocates for the weights (the embedding rows excluded, an untied head
+    /// included); 0 when `src` does not hold a model `load` accepts.
     pub fn weight_bytes(src: &dyn TensorSource) -> u64 {
-        match plan(src, false) {
-            Ok(p) => p.groups.iter().map(|g| align_up(g.iter().map(Item::bytes).sum())).sum::<usize>() as u64,
-            Err(_) => 0,
-        }
+        plan(src).map_or(0, |p| p.total as u64)
     }
 
     /// Device bytes `load` allocates for activations and scratch with prompt chunks of `max_batch`.
@@ -397,87 +413,21 @@ impl GpuModel {
         if rows.dtype.row_bytes(rows.cols).is_none() {
             bail!(BadModel, "embedding rows of {} columns do not fit the {} format", rows.cols, rows.dtype.name());
         }
-        let plan = plan(src, true)?;
-
-        // One allocation, every group at an aligned offset, items of a group back to back.
-        let mut layout = Layout::default();
-        let offsets: Vec<usize> = plan.groups.iter().map(|g| layout.push(g.iter().map(Item::bytes).sum())).collect();
-        let weights = DeviceBuffer::new(layout.total)?;
-        let base = weights.ptr() as *const u8;
+        let plan = plan(src)?;
+        let weights = DeviceBuffer::new(plan.total)?;
         let mut uploader = StagedUploader::new()?;
-        let mut placed: Vec<Placed> = Vec::new();
-        for (group, &at) in plan.groups.iter().zip(&offsets) {
-            let mut off = at;
-            for item in group {
-                let meta = match item {
-                    Item::Raw(t) => {
-                        uploader.upload(&weights, off, t.bytes)?;
-                        Some((t.dtype, t.rows(), t.cols()))
-                    }
-                    Item::Vector(t, len) => {
-                        let values = t.map(|t| t.to_f32()).unwrap_or_else(|| vec![0f32; *len]);
-                        weights.upload(&values, off)?;
-                        None
-                    }
-                };
-                placed.push((unsafe { base.add(off) } as *const c_void, meta));
-                off += item.bytes();
-            }
-        }
-
-        // Hand the pointers out in the order `plan` laid them.
-        let mut cursor = placed.into_iter();
-        let mut next = |what: &str| cursor.next().ok_or_else(|| err!(Panic, "weight plan ran out at {what}"));
-        let mut layers = Vec::with_capacity(cfg.layers);
-        for _ in 0..cfg.layers {
-            let mut vector = |what: &str| next(what).map(|(p, _)| p as *const f32);
-            let attn_norm = vector("attn_norm")?;
-            let ffn_norm = vector("ffn_norm")?;
-            let mut matrix = |what: &str| -> Result<Matrix> {
-                match next(what)? {
-                    (ptr, Some((dtype, rows, cols))) => Ok(Matrix { ptr, dtype, rows, cols }),
-                    _ => Err(err!(Panic, "weight plan: {what} is not a matrix")),
-                }
-            };
-            let (q, k, v) = (matrix("q")?, matrix("k")?, matrix("v")?);
-            let qkv = if q.dtype == k.dtype && k.dtype == v.dtype {
-                Qkv::Fused(Matrix { rows: q.rows + k.rows + v.rows, ..q })
-            } else {
-                Qkv::Split([q, k, v])
-            };
-            let mut vector = |what: &str| next(what).map(|(p, _)| p as *const f32);
-            let qkv_bias = if cfg.qkv_bias {
-                let qb = vector("q bias")?;
-                vector("k bias")?;
-                vector("v bias")?;
-                qb
-            } else {
-                ptr::null()
-            };
-            let (q_norm, k_norm) =
-                if cfg.qk_norm { (vector("q norm")?, vector("k norm")?) } else { (ptr::null(), ptr::null()) };
-            let mut matrix = |what: &str| -> Result<Matrix> {
-                match next(what)? {
-                    (ptr, Some((dtype, rows, cols))) => Ok(Matrix { ptr, dtype, rows, cols }),
-                    _ => Err(err!(Panic, "weight plan: {what} is not a matrix")),
-                }
-            };
-            let (o, gate, up, down) = (matrix("o")?, matrix("gate")?, matrix("up")?, matrix("down")?);
-            layers.push(GpuLayer { attn_norm, ffn_norm, qkv, qkv_bias, q_norm, k_norm, o, gate, up, down });
-        }
-        let final_norm = next("final norm")?.0 as *const f32;
-        let head = if cfg.tied {
-            Matrix { ptr: rows.ptr, dtype: rows.dtype, rows: rows.vocab, cols: rows.cols }
-        } else {
-            match next("lm_head")? {
-                (ptr, Some((dtype, rows, cols))) => Matrix { ptr, dtype, rows, cols },
-                _ => bail!(Panic, "weight plan: lm_head is not a matrix"),
-            }
+        let mut up = |p| upload(&weights, &mut uploader, p);
+        let layers =
+            plan.layers.into_iter().map(|l| l.try_map(&mut up).map(GpuLayer::new)).collect::<Result<Vec<_>>>()?;
+        let final_norm = up(plan.final_norm)?.f32_ptr();
+        let head = match plan.lm_head {
+            Some(p) => up(p)?,
+            None => DeviceWeight { ptr: rows.ptr, dtype: rows.dtype, rows: rows.vocab, cols: rows.cols },
         };
 
         let s = ScratchLayout::new(&cfg, max_batch);
         let scratch = DeviceBuffer::new(s.total)?;
-        scratch.upload(&crate::cpu::rope_inv_freq(&cfg), s.inv_freq)?;
+        scratch.upload(&rope_inv_freq(&cfg), s.inv_freq)?;
         let stream = Stream::new()?;
         let graphs = std::env::var("HOSTEMBED_CUDA_GRAPHS").map(|v| v != "0").unwrap_or(true);
         Ok(GpuModel {
@@ -717,26 +667,27 @@ impl GpuModel {
         let kv_base = stream.kv.ptr() as *mut u8;
         let splits = attention_splits(cfg, n) as c_uint;
         let scale = 1.0 / (hd as f32).sqrt();
-        let matvec = |m: &Matrix, x: *const f32, bias: *const f32, residual: *const f32, y: *mut f32, ldy: usize| {
-            launch(
-                unsafe {
-                    kn::hostembed_matvec(
-                        m.ptr,
-                        m.dtype as c_int,
-                        m.rows as c_uint,
-                        m.cols as c_uint,
-                        x,
-                        nu,
-                        bias,
-                        residual,
-                        y,
-                        ldy as c_uint,
-                        s,
-                    )
-                },
-                "hostembed_matvec",
-            )
-        };
+        let matvec =
+            |m: &DeviceWeight, x: *const f32, bias: *const f32, residual: *const f32, y: *mut f32, ldy: usize| {
+                launch(
+                    unsafe {
+                        kn::hostembed_matvec(
+                            m.ptr,
+                            m.dtype as c_int,
+                            m.rows as c_uint,
+                            m.cols as c_uint,
+                            x,
+                            nu,
+                            bias,
+                            residual,
+                            y,
+                            ldy as c_uint,
+                            s,
+                        )
+                    },
+                    "hostembed_matvec",
+                )
+            };
         let rmsnorm = |x: *const f32, w: *const f32, out: *mut f32, rows: c_uint| {
             launch(
                 unsafe { kn::hostembed_rmsnorm(x, w, cfg.rms_eps, out, rows, hidden as c_uint, s) },
@@ -765,13 +716,12 @@ impl GpuModel {
             let k_cache = unsafe { kv_base.add(2 * l * layer_kv) } as *mut c_void;
             let v_cache = unsafe { kv_base.add((2 * l + 1) * layer_kv) } as *mut c_void;
 
-            rmsnorm(x, layer.attn_norm, xn, nu)?;
+            rmsnorm(x, layer.w.attn_norm.f32_ptr(), xn, nu)?;
+            let qkv_bias = layer.qkv_bias();
             match &layer.qkv {
-                Qkv::Fused(m) => matvec(m, xn, layer.qkv_bias, ptr::null(), qkv, qkv_dim)?,
+                Qkv::Fused(m) => matvec(m, xn, qkv_bias, ptr::null(), qkv, qkv_dim)?,
                 Qkv::Split([mq, mk, mv]) => {
-                    let bias = |off: usize| {
-                        if layer.qkv_bias.is_null() { ptr::null() } else { unsafe { layer.qkv_bias.add(off) } }
-                    };
+                    let bias = |off: usize| if qkv_bias.is_null() { ptr::null() } else { unsafe { qkv_bias.add(off) } };
                     matvec(mq, xn, bias(0), ptr::null(), qkv, qkv_dim)?;
                     matvec(mk, xn, bias(q_dim), ptr::null(), unsafe { qkv.add(q_dim) }, qkv_dim)?;
                     matvec(mv, xn, bias(q_dim + kv_dim), ptr::null(), unsafe { qkv.add(q_dim + kv_dim) }, qkv_dim)?;
@@ -789,8 +739,8 @@ impl GpuModel {
                         hd as c_uint,
                         self.buf(self.s.inv_freq) as *const f32,
                         cfg.rope_interleaved as c_int,
-                        layer.q_norm,
-                        layer.k_norm,
+                        layer.w.q_norm.map_or(ptr::null(), |w| w.f32_ptr()),
+                        layer.w.k_norm.map_or(ptr::null(), |w| w.f32_ptr()),
                         cfg.rms_eps,
                         k_cache,
                         v_cache,
@@ -822,11 +772,11 @@ impl GpuModel {
                 },
                 "hostembed_attention",
             )?;
-            matvec(&layer.o, attn, ptr::null(), x, x, hidden)?;
+            matvec(&layer.w.o, attn, ptr::null(), x, x, hidden)?;
 
-            rmsnorm(x, layer.ffn_norm, xn, nu)?;
-            if layer.gate.dtype == layer.up.dtype {
-                let (g, u) = (&layer.gate, &layer.up);
+            rmsnorm(x, layer.w.ffn_norm.f32_ptr(), xn, nu)?;
+            if layer.w.gate.dtype == layer.w.up.dtype {
+                let (g, u) = (&layer.w.gate, &layer.w.up);
                 launch(
                     unsafe {
                         kn::hostembed_matvec_swiglu(
@@ -844,11 +794,11 @@ impl GpuModel {
                     "hostembed_matvec_swiglu",
                 )?;
             } else {
-                matvec(&layer.gate, xn, ptr::null(), ptr::null(), gate, inter)?;
-                matvec(&layer.up, xn, ptr::null(), ptr::null(), up, inter)?;
+                matvec(&layer.w.gate, xn, ptr::null(), ptr::null(), gate, inter)?;
+                matvec(&layer.w.up, xn, ptr::null(), ptr::null(), up, inter)?;
                 launch(unsafe { kn::hostembed_swiglu(gate, up, gate, n * inter, s) }, "hostembed_swiglu")?;
             }
-            matvec(&layer.down, gate, ptr::null(), x, x, hidden)?;
+            matvec(&layer.w.down, gate, ptr::null(), x, x, hidden)?;
         }
         match head {
             Head::Skip => Ok(()),
@@ -860,13 +810,9 @@ impl GpuModel {
         }
     }
 
+    /// The config's own check, then what the kernels take beyond it.
     fn check_config(cfg: &ModelConfig) -> Result<()> {
-        if cfg.vocab == 0 || cfg.hidden == 0 || cfg.layers == 0 || cfg.heads == 0 || cfg.intermediate == 0 {
-            bail!(BadModel, "config: vocab, hidden, layers, heads and intermediate must be positive");
-        }
-        if cfg.kv_heads == 0 || !cfg.heads.is_multiple_of(cfg.kv_heads) {
-            bail!(BadModel, "config: {} attention heads are not a multiple of {} KV heads", cfg.heads, cfg.kv_heads);
-        }
+        cfg.check("config")?;
         if cfg.head_dim == 0 || !cfg.head_dim.is_multiple_of(8) || cfg.head_dim > 256 {
             bail!(Unsupported, "head_dim {}: the CUDA attention takes multiples of 8 up to 256", cfg.head_dim);
         }
