@@ -4,9 +4,13 @@
 //! their stored format (F32/F16/BF16/Q8_0) and are decoded row by row as they are read. Dot products
 //! accumulate in f64 so the oracle's own rounding stays far below any kernel's.
 
-use crate::bail;
+use std::sync::Arc;
+
+use crate::backend::{Backend, DecodeStream};
 use crate::model::{Arch, LayerWeights, ModelConfig, ModelWeights, TensorRef, TensorSource};
+use crate::sampler::{self, Sampling};
 use crate::status::Result;
+use crate::{bail, err};
 
 /// RMSNorm of one row: out = w * x / sqrt(mean(x^2) + eps).
 pub fn rmsnorm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
@@ -298,5 +302,53 @@ fn norm_heads(x: &mut [f32], w: &[f32], eps: f32) {
     for head in x.chunks_exact_mut(w.len()) {
         rmsnorm(head, w, eps, &mut normed);
         head.copy_from_slice(&normed);
+    }
+}
+
+impl DecodeStream for CpuStream {
+    fn len(&self) -> usize {
+        CpuStream::len(self)
+    }
+
+    fn reset(&mut self) {
+        CpuStream::reset(self)
+    }
+}
+
+/// The CPU backend: a `CpuModel` built once at load over a source it keeps alive, and the logits of
+/// the last step.
+pub struct CpuBackend {
+    // Declared before `_source`: dropped before what it reads.
+    model: CpuModel<'static>,
+    logits: Option<Vec<f32>>,
+    _source: Arc<dyn TensorSource + Send + Sync>,
+}
+
+impl CpuBackend {
+    /// Checks the model in `source` (so a bad model fails the load, not the first step) and builds its view.
+    pub fn new(source: Arc<dyn TensorSource + Send + Sync>) -> Result<CpuBackend> {
+        // SAFETY: an Arc's pointee never moves, and this struct drops the view before its Arc.
+        let src: &'static dyn TensorSource = unsafe { &*Arc::as_ptr(&source) };
+        Ok(CpuBackend { model: CpuModel::new(src)?, logits: None, _source: source })
+    }
+}
+
+impl Backend for CpuBackend {
+    type Stream = CpuStream;
+
+    fn new_stream(&self, window: usize) -> Result<CpuStream> {
+        Ok(self.model.new_stream(window))
+    }
+
+    fn step(&mut self, stream: &mut CpuStream, tokens: &[u32], sampling: &Sampling, stream_index: u32) -> Result<u32> {
+        let position = (stream.len + tokens.len()) as u64;
+        let logits = self.model.forward(stream, tokens)?;
+        let next = sampler::sample(&logits, sampling, stream_index, position);
+        self.logits = Some(logits);
+        Ok(next)
+    }
+
+    fn last_logits(&self) -> Result<Vec<f32>> {
+        self.logits.clone().ok_or_else(|| err!(InvalidArgument, "no step has produced logits yet"))
     }
 }

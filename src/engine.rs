@@ -7,23 +7,24 @@
 #![allow(non_camel_case_types)]
 
 use crate::abi::engine_device_info;
+use crate::backend::{Decoder, Streams};
 use crate::checkpoint::Checkpoint;
-use crate::cpu::{CpuModel, CpuStream};
+use crate::cpu::CpuBackend;
 use crate::cuda::{self, PinnedBuffer};
 use crate::cudart as rt;
 use crate::fit::{self, engine_fit_inputs, engine_placement, engine_plan};
-use crate::gpu::{GpuModel, GpuStream, RowsOnDevice};
+use crate::gpu::{CudaBackend, GpuModel, RowsOnDevice};
 use crate::model::ModelConfig;
 use crate::placement::{Rows, RowsSource};
-use crate::sampler::{self, Sampling};
+use crate::sampler::Sampling;
 use crate::status::{Result, Status};
 use crate::tensor::DType;
 use crate::tokenizer::Tokenizer;
 use std::ffi::CString;
 use std::os::raw::{c_char, c_void};
 use std::path::Path;
-use std::sync::Mutex;
 use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
 
 /// The environment variable the seed issue gates file-mapped rows with; "1" means on.
 pub const MMAP_ROWS_ENV: &str = "DS4_EMBD_MMAP";
@@ -205,7 +206,7 @@ impl Logger {
 
 /// A checkpoint owned by an engine: its mapped bytes count in `engine_memory.mapped_bytes` while it lives.
 pub struct HeldCheckpoint {
-    ckpt: Checkpoint,
+    ckpt: Arc<Checkpoint>,
     mapped: u64,
 }
 
@@ -213,7 +214,12 @@ impl HeldCheckpoint {
     pub fn new(ckpt: Checkpoint) -> HeldCheckpoint {
         let mapped = ckpt.files.iter().map(|f| f.map.len() as u64).sum();
         cuda::MEMORY.mapped.fetch_add(mapped, Ordering::Relaxed);
-        HeldCheckpoint { ckpt, mapped }
+        HeldCheckpoint { ckpt: Arc::new(ckpt), mapped }
+    }
+
+    /// The checkpoint for a holder that must keep it alive on its own (the CPU backend's view).
+    pub fn shared(&self) -> Arc<Checkpoint> {
+        Arc::clone(&self.ckpt)
     }
 }
 
@@ -298,6 +304,39 @@ pub fn host_rows_reason(plan: &engine_plan, inputs: &engine_fit_inputs, opts: &e
     }
 }
 
+/// The decode backend beside the placed rows, with its stream slots: on CUDA the GPU model reading
+/// `rows` and the plan's stream count; on the CPU a model view over the checkpoint, checked here so a
+/// bad model fails the load rather than the first step.
+fn load_decoder(
+    kind: BackendKind,
+    ckpt: &HeldCheckpoint,
+    rows: &Rows,
+    plan: Option<&engine_plan>,
+    opts: &engine_options,
+) -> Result<Box<dyn Decoder>> {
+    let window = window_of(&ckpt.config, opts)? as usize;
+    Ok(match kind {
+        BackendKind::Cpu => {
+            let streams = if opts.max_streams > 0 { opts.max_streams } else { CPU_STREAMS };
+            Box::new(Streams::new(CpuBackend::new(ckpt.shared())?, window, streams as usize))
+        }
+        BackendKind::Cuda => {
+            let r = rows.describe();
+            let rows = RowsOnDevice { ptr: r.data, dtype: r.dtype, vocab: r.rows as usize, cols: r.cols as usize };
+            let model = CudaBackend::load(&**ckpt, rows, opts.max_batch as usize, opts.device)?;
+            Box::new(Streams::new(model, window, plan.map_or(0, |p| p.streams) as usize))
+        }
+    })
+}
+
+/// The checkpoint's tokenizer; its absence (or a broken one) only costs text, so it is logged.
+fn load_tokenizer(ckpt: &Checkpoint, logger: &Logger) -> Option<Tokenizer> {
+    Tokenizer::from_source(&ckpt.tokenizer).unwrap_or_else(|e| {
+        logger.line(&format!("no tokenizer, token ids only: {}", e.message));
+        None
+    })
+}
+
 /// The point after which `init_fit_failing_after` fails, to prove each step's failure frees everything.
 #[doc(hidden)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -311,23 +350,6 @@ pub enum InitStep {
 /// Streams the CPU backend admits when `max_streams` is 0 (it has no device memory to plan).
 pub const CPU_STREAMS: u32 = 16;
 
-/// The decode backend and its streams, each allocated on first use.
-enum Backend {
-    /// Only while the engine is being built.
-    None,
-    Cpu {
-        window: usize,
-        streams: Vec<Option<CpuStream>>,
-        last: Option<(u32, Vec<f32>)>,
-    },
-    Cuda {
-        model: GpuModel,
-        window: usize,
-        streams: Vec<Option<GpuStream>>,
-        last: Option<u32>,
-    },
-}
-
 /// The backend an engine runs on, once resolved.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum BackendKind {
@@ -339,7 +361,7 @@ pub enum BackendKind {
 pub struct Engine {
     // Fields drop in order: the decode backend (which reads the rows), the rows, the out-of-range
     // flag, and last the mapping the rows may point into.
-    backend: Backend,
+    backend: Box<dyn Decoder>,
     tokenizer: Option<Tokenizer>,
     rows: Rows,
     bad_ids: Option<Mutex<PinnedBuffer>>,
@@ -395,9 +417,10 @@ impl Engine {
             // SAFETY: the rows point into `ckpt`, which the engine drops after them.
             let rows = unsafe { Rows::in_mapping(&src) }?;
             injected(InitStep::RowsPlaced)?;
-            let mut engine = Engine {
-                backend: Backend::None,
-                tokenizer: None,
+            let backend = load_decoder(BackendKind::Cpu, &ckpt, &rows, None, opts)?;
+            let engine = Engine {
+                backend,
+                tokenizer: load_tokenizer(&ckpt, &logger),
                 rows,
                 bad_ids: None,
                 plan: None,
@@ -407,7 +430,6 @@ impl Engine {
                 kind: BackendKind::Cpu,
                 ckpt,
             };
-            engine.load_backend()?;
             injected(InitStep::Loaded)?;
             return Ok(engine);
         };
@@ -433,9 +455,10 @@ impl Engine {
         plan.placement = rows.placement();
         let bad_ids = Mutex::new(PinnedBuffer::new_mapped(std::mem::size_of::<i32>())?);
         injected(InitStep::RowsPlaced)?;
-        let mut engine = Engine {
-            backend: Backend::None,
-            tokenizer: None,
+        let backend = load_decoder(BackendKind::Cuda, &ckpt, &rows, Some(&plan), opts)?;
+        let engine = Engine {
+            backend,
+            tokenizer: load_tokenizer(&ckpt, &logger),
             rows,
             bad_ids: Some(bad_ids),
             plan: Some(plan),
@@ -445,38 +468,8 @@ impl Engine {
             kind: BackendKind::Cuda,
             ckpt,
         };
-        engine.load_backend()?;
         injected(InitStep::Loaded)?;
         Ok(engine)
-    }
-
-    /// Loads the decode backend beside the placed rows (the GPU model reading `self.rows` on CUDA; the
-    /// CPU model reads the mapping at each step) and the tokenizer, whose absence only costs text.
-    fn load_backend(&mut self) -> Result<()> {
-        let window = window_of(&self.ckpt.config, &self.options)? as usize;
-        self.backend = match self.kind {
-            BackendKind::Cpu => {
-                // Checked once here so a bad model fails the load, not the first step.
-                CpuModel::new(&*self.ckpt)?;
-                let streams = if self.options.max_streams > 0 { self.options.max_streams } else { CPU_STREAMS };
-                Backend::Cpu { window, streams: (0..streams).map(|_| None).collect(), last: None }
-            }
-            BackendKind::Cuda => {
-                let r = self.rows.describe();
-                let rows = RowsOnDevice { ptr: r.data, dtype: r.dtype, vocab: r.rows as usize, cols: r.cols as usize };
-                let model = GpuModel::load(&*self.ckpt, rows, self.options.max_batch as usize)?;
-                let streams = self.plan.map_or(0, |p| p.streams) as usize;
-                Backend::Cuda { model, window, streams: (0..streams).map(|_| None).collect(), last: None }
-            }
-        };
-        self.tokenizer = match Tokenizer::from_source(&self.ckpt.tokenizer) {
-            Ok(t) => t,
-            Err(e) => {
-                self.logger.line(&format!("no tokenizer, token ids only: {}", e.message));
-                None
-            }
-        };
-        Ok(())
     }
 
     pub fn tokenizer(&self) -> Option<&Tokenizer> {
@@ -485,19 +478,12 @@ impl Engine {
 
     /// Streams this engine admits (the plan's count on CUDA).
     pub fn stream_count(&self) -> usize {
-        match &self.backend {
-            Backend::Cpu { streams, .. } => streams.len(),
-            Backend::Cuda { streams, .. } => streams.len(),
-            Backend::None => 0,
-        }
+        self.backend.stream_count()
     }
 
     /// The window every stream has, in tokens.
     pub fn window(&self) -> usize {
-        match &self.backend {
-            Backend::Cpu { window, .. } | Backend::Cuda { window, .. } => *window,
-            Backend::None => 0,
-        }
+        self.backend.window()
     }
 
     fn sampling(&self) -> Sampling {
@@ -517,92 +503,23 @@ impl Engine {
         }
         let ids: Vec<u32> = tokens.iter().map(|&t| t as u32).collect();
         let sampling = self.sampling();
-        let count = self.stream_count();
-        let slot = stream as usize;
-        if slot >= count {
-            crate::bail!(OutOfRange, "engine_step: stream {stream}, but {count} streams were admitted");
-        }
-        match &mut self.backend {
-            Backend::Cpu { window, streams, last } => {
-                let model = CpuModel::new(&*self.ckpt)?;
-                let s = streams[slot].get_or_insert_with(|| model.new_stream(*window));
-                let position = (s.len() + ids.len()) as u64;
-                let logits = model.forward(s, &ids)?;
-                let next = sampler::sample(&logits, &sampling, stream, position);
-                *last = Some((stream, logits));
-                Ok(next)
-            }
-            Backend::Cuda { model, window, streams, last } => {
-                cuda::check(unsafe { rt::cudaSetDevice(self.options.device) }, "cudaSetDevice")?;
-                if streams[slot].is_none() {
-                    streams[slot] = Some(model.new_stream(*window)?);
-                }
-                let s = streams[slot].as_mut().expect("allocated above");
-                let next = model.step(s, &ids, &sampling, stream)?;
-                *last = Some(stream);
-                Ok(next)
-            }
-            Backend::None => crate::bail!(Unsupported, "engine_step: the engine has no backend"),
-        }
+        self.backend.step(stream, &ids, &sampling)
     }
 
     /// The logits after the last position of the last step; only the most recently stepped stream
     /// keeps them (holding every stream's would cost a vocabulary-sized copy per step).
     pub fn logits(&self, stream: u32) -> Result<Vec<f32>> {
-        let stale = || {
-            crate::err!(InvalidArgument, "logits are kept for the last stepped stream only; stream {stream} is not it")
-        };
-        match &self.backend {
-            Backend::Cpu { last: Some((s, logits)), .. } if *s == stream => Ok(logits.clone()),
-            Backend::Cuda { model, last: Some(s), .. } if *s == stream => {
-                cuda::check(unsafe { rt::cudaSetDevice(self.options.device) }, "cudaSetDevice")?;
-                model.last_logits()
-            }
-            _ if stream as usize >= self.stream_count() => {
-                crate::bail!(OutOfRange, "stream {stream}, but {} streams were admitted", self.stream_count())
-            }
-            _ => Err(stale()),
-        }
+        self.backend.logits(stream)
     }
 
     /// Empties stream `stream` (its memory is kept for the next prompt).
     pub fn reset(&mut self, stream: u32) -> Result<()> {
-        let count = self.stream_count();
-        let slot = stream as usize;
-        if slot >= count {
-            crate::bail!(OutOfRange, "engine_reset: stream {stream}, but {count} streams were admitted");
-        }
-        match &mut self.backend {
-            Backend::Cpu { streams, last, .. } => {
-                if let Some(s) = streams[slot].as_mut() {
-                    s.reset();
-                }
-                if last.as_ref().is_some_and(|(s, _)| *s == stream) {
-                    *last = None;
-                }
-            }
-            Backend::Cuda { streams, last, .. } => {
-                if let Some(s) = streams[slot].as_mut() {
-                    s.reset();
-                }
-                if *last == Some(stream) {
-                    *last = None;
-                }
-            }
-            Backend::None => {}
-        }
-        Ok(())
+        self.backend.reset(stream)
     }
 
     /// Tokens stream `stream` holds now.
     pub fn stream_len(&self, stream: u32) -> Result<usize> {
-        let slot = stream as usize;
-        let len = match &self.backend {
-            Backend::Cpu { streams, .. } => streams.get(slot).map(|s| s.as_ref().map_or(0, |s| s.len())),
-            Backend::Cuda { streams, .. } => streams.get(slot).map(|s| s.as_ref().map_or(0, |s| s.len())),
-            Backend::None => None,
-        };
-        len.ok_or_else(|| crate::err!(OutOfRange, "stream {stream}, but {} streams were admitted", self.stream_count()))
+        self.backend.stream_len(stream)
     }
 
     pub fn config(&self) -> &ModelConfig {

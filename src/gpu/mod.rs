@@ -20,7 +20,9 @@ use self::forward::Head;
 use self::graph::StepGraph;
 use self::scratch::ScratchLayout;
 use self::weights::{DeviceWeight, GpuLayer, plan, upload};
-use crate::cuda::{DeviceBuffer, StagedUploader, Stream};
+use crate::backend::{Backend, DecodeStream};
+use crate::cuda::{self, DeviceBuffer, StagedUploader, Stream};
+use crate::cudart as rt;
 use crate::model::{ModelConfig, TensorSource, rope_inv_freq};
 use crate::sampler::Sampling;
 use crate::status::Result;
@@ -328,5 +330,53 @@ impl GpuModel {
             u32_of(v, what)?;
         }
         Ok(())
+    }
+}
+
+impl DecodeStream for GpuStream {
+    fn len(&self) -> usize {
+        GpuStream::len(self)
+    }
+
+    fn reset(&mut self) {
+        GpuStream::reset(self)
+    }
+}
+
+/// The CUDA backend: a `GpuModel` and the device it was loaded on, made current before each call.
+pub struct CudaBackend {
+    model: GpuModel,
+    device: i32,
+}
+
+impl CudaBackend {
+    /// `GpuModel::load` on `device`, which the caller has made current.
+    pub fn load(src: &dyn TensorSource, rows: RowsOnDevice, max_batch: usize, device: i32) -> Result<CudaBackend> {
+        Ok(CudaBackend { model: GpuModel::load(src, rows, max_batch)?, device })
+    }
+
+    /// Makes the model's device current for this thread (the caller may have moved to another).
+    fn enter(&self) -> Result<()> {
+        // SAFETY: plain runtime call on a device index; an invalid one returns an error code.
+        cuda::check(unsafe { rt::cudaSetDevice(self.device) }, "cudaSetDevice")
+    }
+}
+
+impl Backend for CudaBackend {
+    type Stream = GpuStream;
+
+    fn new_stream(&self, window: usize) -> Result<GpuStream> {
+        self.enter()?;
+        self.model.new_stream(window)
+    }
+
+    fn step(&mut self, stream: &mut GpuStream, tokens: &[u32], sampling: &Sampling, stream_index: u32) -> Result<u32> {
+        self.enter()?;
+        self.model.step(stream, tokens, sampling, stream_index)
+    }
+
+    fn last_logits(&self) -> Result<Vec<f32>> {
+        self.enter()?;
+        self.model.last_logits()
     }
 }

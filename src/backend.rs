@@ -1,0 +1,127 @@
+//! The seam between the engine and a decode backend. A backend (the CPU reference, CUDA) is a model
+//! that makes streams and steps them; `Streams` holds the engine's stream slots over any backend, and
+//! the engine sees it only as a `Decoder`.
+
+use crate::sampler::Sampling;
+use crate::status::Result;
+use crate::{bail, err};
+
+/// One stream of a backend: a KV cache and the tokens in it.
+pub trait DecodeStream: Send {
+    /// Tokens in the cache.
+    fn len(&self) -> usize;
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Forgets every token (the memory is kept for the next prompt).
+    fn reset(&mut self);
+}
+
+/// A model on some device that decodes streams it made.
+pub trait Backend: Send {
+    type Stream: DecodeStream;
+
+    /// An empty stream with room for `window` tokens: the one place a backend allocates a KV cache.
+    fn new_stream(&self, window: usize) -> Result<Self::Stream>;
+
+    /// Appends `tokens` to `stream` and returns the token `sampling` picks for the position after them;
+    /// `stream_index` seeds the sampler. Refusals (checked before anything is written) leave the stream
+    /// and the last logits as they were.
+    fn step(
+        &mut self,
+        stream: &mut Self::Stream,
+        tokens: &[u32],
+        sampling: &Sampling,
+        stream_index: u32,
+    ) -> Result<u32>;
+
+    /// The logits after the last position of the last successful step.
+    fn last_logits(&self) -> Result<Vec<f32>>;
+}
+
+/// What the engine calls: its streams by index, on whichever backend runs them.
+pub trait Decoder: Send {
+    /// Streams admitted.
+    fn stream_count(&self) -> usize;
+    /// The window every stream has, in tokens.
+    fn window(&self) -> usize;
+    /// `Backend::step` on stream `stream`, allocating its cache on first use.
+    fn step(&mut self, stream: u32, tokens: &[u32], sampling: &Sampling) -> Result<u32>;
+    /// The last step's logits, kept for the last stepped stream only (holding every stream's would cost
+    /// a vocabulary-sized copy per step).
+    fn logits(&self, stream: u32) -> Result<Vec<f32>>;
+    /// Empties a stream; resetting the last stepped stream drops its logits.
+    fn reset(&mut self, stream: u32) -> Result<()>;
+    /// Tokens a stream holds now.
+    fn stream_len(&self, stream: u32) -> Result<usize>;
+}
+
+/// A backend with `count` stream slots of `window` tokens, each allocated on its first step so that
+/// admitted streams cost nothing until used.
+pub struct Streams<B: Backend> {
+    backend: B,
+    window: usize,
+    slots: Vec<Option<B::Stream>>,
+    /// The stream whose logits the backend holds.
+    last: Option<u32>,
+}
+
+impl<B: Backend> Streams<B> {
+    pub fn new(backend: B, window: usize, count: usize) -> Streams<B> {
+        Streams { backend, window, slots: (0..count).map(|_| None).collect(), last: None }
+    }
+
+    /// The slot of `stream`; OUT_OF_RANGE past the admitted count, the message led by `call`.
+    fn slot(&self, stream: u32, call: &str) -> Result<usize> {
+        let count = self.slots.len();
+        if stream as usize >= count {
+            bail!(OutOfRange, "{call}stream {stream}, but {count} streams were admitted");
+        }
+        Ok(stream as usize)
+    }
+}
+
+impl<B: Backend> Decoder for Streams<B> {
+    fn stream_count(&self) -> usize {
+        self.slots.len()
+    }
+
+    fn window(&self) -> usize {
+        self.window
+    }
+
+    fn step(&mut self, stream: u32, tokens: &[u32], sampling: &Sampling) -> Result<u32> {
+        let slot = self.slot(stream, "engine_step: ")?;
+        if self.slots[slot].is_none() {
+            self.slots[slot] = Some(self.backend.new_stream(self.window)?);
+        }
+        let s = self.slots[slot].as_mut().expect("allocated above");
+        let next = self.backend.step(s, tokens, sampling, stream)?;
+        self.last = Some(stream);
+        Ok(next)
+    }
+
+    fn logits(&self, stream: u32) -> Result<Vec<f32>> {
+        if self.last == Some(stream) {
+            return self.backend.last_logits();
+        }
+        self.slot(stream, "")?;
+        Err(err!(InvalidArgument, "logits are kept for the last stepped stream only; stream {stream} is not it"))
+    }
+
+    fn reset(&mut self, stream: u32) -> Result<()> {
+        let slot = self.slot(stream, "engine_reset: ")?;
+        if let Some(s) = self.slots[slot].as_mut() {
+            s.reset();
+        }
+        if self.last == Some(stream) {
+            self.last = None;
+        }
+        Ok(())
+    }
+
+    fn stream_len(&self, stream: u32) -> Result<usize> {
+        let slot = self.slot(stream, "")?;
+        Ok(self.slots[slot].as_ref().map_or(0, |s| s.len()))
+    }
+}
