@@ -6,30 +6,52 @@ use crate::sampler::Sampling;
 use crate::status::Result;
 use crate::{bail, err};
 
-/// One stream of a backend: a KV cache and the tokens in it.
-pub trait DecodeStream: Send {
-    /// Tokens in the cache.
-    fn len(&self) -> usize;
-    fn is_empty(&self) -> bool {
-        self.len() == 0
+/// One stream of a backend: its KV cache (`C`, in the backend's own form) and how many of its
+/// `window` positions hold tokens.
+pub struct KvStream<C> {
+    pub(crate) cache: C,
+    pub(crate) len: usize,
+    pub(crate) window: usize,
+}
+
+impl<C> KvStream<C> {
+    pub(crate) fn new(cache: C, window: usize) -> KvStream<C> {
+        KvStream { cache, len: 0, window }
     }
-    /// Forgets every token (the memory is kept for the next prompt).
-    fn reset(&mut self);
+
+    /// Tokens in the cache.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn window(&self) -> usize {
+        self.window
+    }
+
+    /// Forgets every token (the cache's memory, and whatever the backend keeps with it, stays).
+    pub fn reset(&mut self) {
+        self.len = 0;
+    }
 }
 
 /// A model on some device that decodes streams it made.
 pub trait Backend: Send {
-    type Stream: DecodeStream;
+    /// A stream's KV cache as this backend holds it.
+    type Cache: Send;
 
     /// An empty stream with room for `window` tokens: the one place a backend allocates a KV cache.
-    fn new_stream(&self, window: usize) -> Result<Self::Stream>;
+    fn new_stream(&self, window: usize) -> Result<KvStream<Self::Cache>>;
 
     /// Appends `tokens` to `stream` and returns the token `sampling` picks for the position after them;
     /// `stream_index` seeds the sampler. Refusals (checked before anything is written) leave the stream
     /// and the last logits as they were.
     fn step(
         &mut self,
-        stream: &mut Self::Stream,
+        stream: &mut KvStream<Self::Cache>,
         tokens: &[u32],
         sampling: &Sampling,
         stream_index: u32,
@@ -61,7 +83,7 @@ pub trait Decoder: Send {
 pub struct Streams<B: Backend> {
     backend: B,
     window: usize,
-    slots: Vec<Option<B::Stream>>,
+    slots: Vec<Option<KvStream<B::Cache>>>,
     /// The stream whose logits the backend holds.
     last: Option<u32>,
 }

@@ -6,7 +6,7 @@
 
 use std::sync::Arc;
 
-use crate::backend::{Backend, DecodeStream};
+use crate::backend::{Backend, KvStream};
 use crate::model::{Arch, LayerWeights, ModelConfig, ModelWeights, TensorRef, TensorSource};
 use crate::sampler::{self, Sampling};
 use crate::status::Result;
@@ -164,32 +164,12 @@ pub struct CpuModel<'a> {
 }
 
 /// One stream's f32 KV cache: per layer, `window` rows of kv_heads * head_dim for K and for V.
-pub struct CpuStream {
+pub struct CpuCache {
     k: Vec<Vec<f32>>,
     v: Vec<Vec<f32>>,
-    len: usize,
-    window: usize,
 }
 
-impl CpuStream {
-    /// Tokens in the cache.
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    pub fn window(&self) -> usize {
-        self.window
-    }
-
-    /// Forgets every token (the cache's memory is kept).
-    pub fn reset(&mut self) {
-        self.len = 0;
-    }
-}
+pub type CpuStream = KvStream<CpuCache>;
 
 impl<'a> CpuModel<'a> {
     /// Reads the config and checks every tensor the architecture needs; `BadModel` names the first at fault.
@@ -214,7 +194,7 @@ impl<'a> CpuModel<'a> {
     /// An empty stream with room for `window` tokens.
     pub fn new_stream(&self, window: usize) -> CpuStream {
         let cache = || (0..self.cfg.layers).map(|_| vec![0f32; window * self.cfg.kv_dim()]).collect();
-        CpuStream { k: cache(), v: cache(), len: 0, window }
+        KvStream::new(CpuCache { k: cache(), v: cache() }, window)
     }
 
     /// Appends `tokens` to the stream and returns the logits after the last one.
@@ -235,7 +215,8 @@ impl<'a> CpuModel<'a> {
 
     /// Everything that could refuse the call, before any token is appended.
     fn check_tokens(&self, stream: &CpuStream, tokens: &[u32]) -> Result<()> {
-        if stream.k.len() != self.cfg.layers || stream.k.iter().any(|k| k.len() != stream.window * self.cfg.kv_dim()) {
+        let k = &stream.cache.k;
+        if k.len() != self.cfg.layers || k.iter().any(|k| k.len() != stream.window * self.cfg.kv_dim()) {
             bail!(InvalidArgument, "stream was not made by this model");
         }
         self.cfg.check_append(stream.len, stream.window, tokens)
@@ -254,7 +235,9 @@ impl<'a> CpuModel<'a> {
         let mut proj = vec![0f32; hidden];
         let (mut gate, mut up) = (vec![0f32; cfg.intermediate], vec![0f32; cfg.intermediate]);
         let mut gated = vec![0f32; cfg.intermediate];
-        for (layer, (k_cache, v_cache)) in self.layers.iter().zip(stream.k.iter_mut().zip(stream.v.iter_mut())) {
+        for (layer, (k_cache, v_cache)) in
+            self.layers.iter().zip(stream.cache.k.iter_mut().zip(stream.cache.v.iter_mut()))
+        {
             rmsnorm(&x, layer.attn_norm.values(), cfg.rms_eps, &mut h);
             matvec(layer.q.matrix(), &h, &mut q);
             matvec(layer.k.matrix(), &h, &mut k);
@@ -305,16 +288,6 @@ fn norm_heads(x: &mut [f32], w: &[f32], eps: f32) {
     }
 }
 
-impl DecodeStream for CpuStream {
-    fn len(&self) -> usize {
-        CpuStream::len(self)
-    }
-
-    fn reset(&mut self) {
-        CpuStream::reset(self)
-    }
-}
-
 /// The CPU backend: a `CpuModel` built once at load over a source it keeps alive, and the logits of
 /// the last step.
 pub struct CpuBackend {
@@ -334,7 +307,7 @@ impl CpuBackend {
 }
 
 impl Backend for CpuBackend {
-    type Stream = CpuStream;
+    type Cache = CpuCache;
 
     fn new_stream(&self, window: usize) -> Result<CpuStream> {
         Ok(self.model.new_stream(window))

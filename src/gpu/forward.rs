@@ -57,7 +57,7 @@ impl GpuModel {
         let inv_freq = self.buf(self.s.inv_freq) as *const f32;
         // Device addresses are only formed here, never read on the host: wrapping arithmetic is enough.
         let layer_kv = cfg.kv_heads * stream.window * hd * 2;
-        let kv_base = stream.kv.ptr() as *mut u8;
+        let kv_base = stream.cache.kv.ptr() as *mut u8;
         let shape = AttentionShape {
             n,
             heads: cfg.heads,

@@ -42,15 +42,15 @@ impl GpuModel {
         if !self.graphs {
             return Ok(false);
         }
-        if stream.graph.as_ref().is_none_or(|g| g.model_id != self.id) {
-            stream.graph = None;
+        if stream.cache.graph.as_ref().is_none_or(|g| g.model_id != self.id) {
+            stream.cache.graph = None;
             match self.capture(stream) {
-                Ok(g) => stream.graph = Some(g),
+                Ok(g) => stream.cache.graph = Some(g),
                 // A device or driver that cannot capture: run without graphs from now on.
                 Err(_) => self.graphs = false,
             }
         }
-        let Some(g) = &stream.graph else { return Ok(false) };
+        let Some(g) = &stream.cache.graph else { return Ok(false) };
         // SAFETY: the graph was captured from this model's stream over buffers this model and stream own.
         cuda::check(unsafe { rt::cudaGraphLaunch(g.exec, self.stream.raw()) }, "cudaGraphLaunch")?;
         Ok(true)

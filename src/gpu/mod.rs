@@ -20,7 +20,7 @@ use self::forward::Head;
 use self::graph::StepGraph;
 use self::scratch::ScratchLayout;
 use self::weights::{DeviceWeight, GpuLayer, plan, upload};
-use crate::backend::{Backend, DecodeStream};
+use crate::backend::{Backend, KvStream};
 use crate::cuda::{self, DeviceBuffer, StagedUploader, Stream};
 use crate::cudart as rt;
 use crate::model::{ModelConfig, TensorSource, rope_inv_freq};
@@ -78,40 +78,22 @@ impl Layout {
     }
 }
 
-/// One stream: a bf16 KV cache for `window` tokens ([layer][K, V][kv_head][window][head_dim]).
-pub struct GpuStream {
+/// One stream's bf16 KV cache ([layer][K, V][kv_head][window][head_dim]) and its captured step.
+pub struct GpuCache {
     kv: DeviceBuffer,
-    window: usize,
-    len: usize,
     model_id: u64,
     graph: Option<StepGraph>,
 }
 
-// SAFETY: the stream owns its KV allocation and graph; CUDA handles may be used from any thread.
-unsafe impl Send for GpuStream {}
+// SAFETY: the cache owns its allocation and graph; CUDA handles may be used from any thread.
+unsafe impl Send for GpuCache {}
+
+pub type GpuStream = KvStream<GpuCache>;
 
 impl GpuStream {
-    /// Tokens in the cache.
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    pub fn window(&self) -> usize {
-        self.window
-    }
-
     /// Bytes allocated for this stream: what `GpuModel::stream_bytes` predicts.
     pub fn allocated_bytes(&self) -> u64 {
-        self.kv.bytes() as u64
-    }
-
-    /// Forgets every token (the cache's memory and the captured graph are kept).
-    pub fn reset(&mut self) {
-        self.len = 0;
+        self.cache.kv.bytes() as u64
     }
 }
 
@@ -237,7 +219,7 @@ impl GpuModel {
         let bytes = usize::try_from(Self::stream_bytes(&self.cfg, window))
             .map_err(|_| err!(NoRoom, "a window of {window} tokens does not fit in memory"))?;
         let kv = DeviceBuffer::new(bytes)?;
-        Ok(GpuStream { kv, window, len: 0, model_id: self.id, graph: None })
+        Ok(KvStream::new(GpuCache { kv, model_id: self.id, graph: None }, window))
     }
 
     /// Appends `tokens` (in chunks of max_batch) and returns the next token chosen by `sampling` for the
@@ -307,7 +289,7 @@ impl GpuModel {
 
     /// Everything that could refuse the call, checked before anything is written.
     fn check_tokens(&self, stream: &GpuStream, tokens: &[u32]) -> Result<()> {
-        if stream.model_id != self.id {
+        if stream.cache.model_id != self.id {
             bail!(InvalidArgument, "stream was not made by this model");
         }
         self.cfg.check_append(stream.len, stream.window, tokens)
@@ -333,16 +315,6 @@ impl GpuModel {
     }
 }
 
-impl DecodeStream for GpuStream {
-    fn len(&self) -> usize {
-        GpuStream::len(self)
-    }
-
-    fn reset(&mut self) {
-        GpuStream::reset(self)
-    }
-}
-
 /// The CUDA backend: a `GpuModel` and the device it was loaded on, made current before each call.
 pub struct CudaBackend {
     model: GpuModel,
@@ -363,7 +335,7 @@ impl CudaBackend {
 }
 
 impl Backend for CudaBackend {
-    type Stream = GpuStream;
+    type Cache = GpuCache;
 
     fn new_stream(&self, window: usize) -> Result<GpuStream> {
         self.enter()?;
