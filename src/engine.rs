@@ -183,9 +183,9 @@ pub struct Logger {
     user: *mut c_void,
 }
 
-// The callback and its user pointer are the caller's; the caller promises they may be used from the
-// threads it calls the engine on.
+// SAFETY: the callback and its user pointer are the caller's, who promises any calling thread may use them.
 unsafe impl Send for Logger {}
+// SAFETY: as for Send; the logger itself holds no state a call changes.
 unsafe impl Sync for Logger {}
 
 impl Logger {
@@ -197,6 +197,7 @@ impl Logger {
         match self.log {
             Some(f) => {
                 let c = CString::new(text.replace('\0', " ")).unwrap_or_default();
+                // SAFETY: the caller's callback and user pointer, with a NUL-terminated line alive for the call.
                 unsafe { f(self.user, c.as_ptr()) };
             }
             None => eprintln!("hostembed: {text}"),
@@ -373,8 +374,7 @@ pub struct Engine {
     ckpt: HeldCheckpoint,
 }
 
-// The log callback's user pointer is the caller's, who promises it may be used from the thread it
-// moves the engine to; everything else the engine holds is owned.
+// SAFETY: the log callback's user pointer is the caller's, who promises the engine's new thread may use it.
 unsafe impl Send for Engine {}
 
 impl Engine {
@@ -589,12 +589,16 @@ impl Engine {
         match (self.kind, &self.bad_ids) {
             (BackendKind::Cuda, Some(flag)) => {
                 let flag = flag.lock().unwrap_or_else(|p| p.into_inner());
+                // SAFETY: plain runtime call on a device index; an invalid one returns an error code.
                 cuda::check(unsafe { rt::cudaSetDevice(self.options.device) }, "cudaSetDevice")?;
                 let host_flag = flag.host_ptr() as *mut i32;
-                // The previous call synchronized before releasing the lock, so no kernel writes this now.
+                // SAFETY: the previous call synchronized before releasing the lock, so no kernel writes this now.
                 unsafe { host_flag.write_volatile(0) };
+                // SAFETY: the caller's pointers, as this function's contract states; the flag is mapped and live.
                 unsafe { self.rows.gather_device(ids, n, out, out_dtype, flag.device_ptr() as *mut i32, stream) }?;
+                // SAFETY: the caller's stream, on which the gather above was queued.
                 cuda::check(unsafe { rt::cudaStreamSynchronize(stream) }, "cudaStreamSynchronize")?;
+                // SAFETY: the stream is synchronized, so the kernel's write to the mapped flag is visible and done.
                 if unsafe { host_flag.read_volatile() } != 0 {
                     crate::bail!(
                         OutOfRange,
@@ -605,10 +609,12 @@ impl Engine {
             }
             _ => {
                 let size = if out_dtype == DType::F32 { 4 } else { 2 };
+                // SAFETY: the contract: `ids` holds `n` ints on the host here.
                 let ids = unsafe { std::slice::from_raw_parts(ids, n) };
                 let len = n
                     .checked_mul(self.rows.cols() * size)
                     .ok_or_else(|| crate::err!(InvalidArgument, "engine_embed: {n} rows overflow"))?;
+                // SAFETY: the contract: `out` has room for `n` rows of `cols` values in `out_dtype` on the host here.
                 let out = unsafe { std::slice::from_raw_parts_mut(out as *mut u8, len) };
                 self.rows.gather_host(ids, out, out_dtype)
             }
