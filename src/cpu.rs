@@ -4,7 +4,11 @@
 //! their stored format (F32/F16/BF16/Q8_0) and are decoded row by row as they are read. Dot products
 //! accumulate in f64 so the oracle's own rounding stays far below any kernel's.
 
-use crate::model::{Arch, ModelConfig, RopeScaling, TensorRef, TensorSource, names};
+use std::sync::Arc;
+
+use crate::backend::{Backend, KvStream};
+use crate::model::{Arch, LayerWeights, ModelConfig, ModelWeights, TensorRef, TensorSource};
+use crate::sampler::{self, Sampling};
 use crate::status::Result;
 use crate::{bail, err};
 
@@ -43,39 +47,7 @@ fn dot(a: &[f32], b: &[f32]) -> f64 {
     acc
 }
 
-/// The head_dim/2 rotary inverse frequencies, with the config's scaling, in f32 as HF computes them.
-pub fn rope_inv_freq(cfg: &ModelConfig) -> Vec<f32> {
-    let dim = cfg.head_dim;
-    let base: Vec<f32> = (0..dim / 2)
-        .map(|i| {
-            let exponent = (2 * i) as f32 / dim as f32;
-            1.0 / (cfg.rope_theta as f64).powf(exponent as f64) as f32
-        })
-        .collect();
-    match cfg.rope_scaling {
-        RopeScaling::None => base,
-        RopeScaling::Linear { factor } => base.iter().map(|f| f / factor).collect(),
-        RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position } => {
-            let old_context = original_max_position as f32;
-            let low_freq_wavelen = old_context / low_freq_factor;
-            let high_freq_wavelen = old_context / high_freq_factor;
-            base.iter()
-                .map(|&f| {
-                    let wavelen = 2.0 * std::f32::consts::PI / f;
-                    if wavelen < high_freq_wavelen {
-                        f
-                    } else if wavelen > low_freq_wavelen {
-                        f / factor
-                    } else {
-                        // Between the two wavelengths HF blends the scaled and unscaled frequency.
-                        let smooth = (old_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
-                        (1.0 - smooth) * f / factor + smooth * f
-                    }
-                })
-                .collect()
-        }
-    }
-}
+pub use crate::model::rope_inv_freq;
 
 /// Rotates each of `n_heads` heads of `x` to position `pos`. Angle of pair i = pos * inv_freq[i]
 /// (the product in f32, as HF forms it). Interleaved pairs are (2i, 2i+1); otherwise (i, i + head_dim/2).
@@ -154,21 +126,30 @@ pub fn add(a: &mut [f32], b: &[f32]) {
     }
 }
 
-/// One decoder layer's weights: matrices stay as stored, small vectors are decoded once.
-struct Layer<'a> {
-    attn_norm: Vec<f32>,
-    ffn_norm: Vec<f32>,
-    q: TensorRef<'a>,
-    k: TensorRef<'a>,
-    v: TensorRef<'a>,
-    o: TensorRef<'a>,
-    /// Qwen2's q/k/v biases.
-    qkv_bias: Option<[Vec<f32>; 3]>,
-    /// Qwen3's per-head RMSNorm weights for q and k.
-    qk_norm: Option<[Vec<f32>; 2]>,
-    gate: TensorRef<'a>,
-    up: TensorRef<'a>,
-    down: TensorRef<'a>,
+/// A weight as the CPU reads it: a matrix stays as stored, a vector (norm, bias) is decoded once.
+enum CpuWeight<'a> {
+    Matrix(TensorRef<'a>),
+    Vector(Vec<f32>),
+}
+
+impl<'a> CpuWeight<'a> {
+    fn new(t: TensorRef<'a>) -> CpuWeight<'a> {
+        if t.shape.len() == 1 { CpuWeight::Vector(t.to_f32()) } else { CpuWeight::Matrix(t) }
+    }
+
+    fn matrix(&self) -> &TensorRef<'a> {
+        match self {
+            CpuWeight::Matrix(t) => t,
+            CpuWeight::Vector(_) => unreachable!("the weight table gives this role two dimensions"),
+        }
+    }
+
+    fn values(&self) -> &[f32] {
+        match self {
+            CpuWeight::Vector(v) => v,
+            CpuWeight::Matrix(_) => unreachable!("the weight table gives this role one dimension"),
+        }
+    }
 }
 
 /// A dense decoder (Llama, Qwen2, Qwen3) read from a `TensorSource`.
@@ -178,122 +159,27 @@ pub struct CpuModel<'a> {
     final_norm: Vec<f32>,
     /// The embedding table when the head is tied.
     lm_head: TensorRef<'a>,
-    layers: Vec<Layer<'a>>,
+    layers: Vec<LayerWeights<CpuWeight<'a>>>,
     inv_freq: Vec<f32>,
 }
 
 /// One stream's f32 KV cache: per layer, `window` rows of kv_heads * head_dim for K and for V.
-pub struct CpuStream {
+pub struct CpuCache {
     k: Vec<Vec<f32>>,
     v: Vec<Vec<f32>>,
-    len: usize,
-    window: usize,
 }
 
-impl CpuStream {
-    /// Tokens in the cache.
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    pub fn window(&self) -> usize {
-        self.window
-    }
-
-    /// Forgets every token (the cache's memory is kept).
-    pub fn reset(&mut self) {
-        self.len = 0;
-    }
-}
-
-/// Fetches `name` and checks its shape and that its bytes hold exactly that shape in its format.
-fn checked<'a>(src: &'a dyn TensorSource, name: &str, shape: &[usize]) -> Result<TensorRef<'a>> {
-    let t = src.tensor(name)?;
-    validate(t, name, shape)
-}
-
-fn validate<'a>(t: TensorRef<'a>, name: &str, shape: &[usize]) -> Result<TensorRef<'a>> {
-    if t.shape != shape {
-        bail!(BadModel, "tensor {name} has shape {:?}, expected {:?}", t.shape, shape);
-    }
-    let row_bytes = t.dtype.row_bytes(t.cols()).ok_or_else(|| {
-        err!(BadModel, "tensor {name}: {} columns do not fit the {} format", t.cols(), t.dtype.name())
-    })?;
-    if t.bytes.len() != t.rows() * row_bytes {
-        bail!(
-            BadModel,
-            "tensor {name} holds {} bytes, expected {} for {:?} in {}",
-            t.bytes.len(),
-            t.rows() * row_bytes,
-            shape,
-            t.dtype.name()
-        );
-    }
-    Ok(t)
-}
-
-/// A 1-D tensor of `len` values, decoded.
-fn vector(src: &dyn TensorSource, name: &str, len: usize) -> Result<Vec<f32>> {
-    Ok(checked(src, name, &[len])?.to_f32())
-}
+pub type CpuStream = KvStream<CpuCache>;
 
 impl<'a> CpuModel<'a> {
     /// Reads the config and checks every tensor the architecture needs; `BadModel` names the first at fault.
     pub fn new(src: &'a dyn TensorSource) -> Result<Self> {
         let cfg = src.config().clone();
-        let (hidden, q_dim, kv_dim) = (cfg.hidden, cfg.q_dim(), cfg.kv_dim());
-        if cfg.vocab == 0 || hidden == 0 || cfg.layers == 0 || cfg.heads == 0 || cfg.intermediate == 0 {
-            bail!(BadModel, "config: vocab, hidden, layers, heads and intermediate must be positive: {cfg:?}");
-        }
-        if cfg.kv_heads == 0 || !cfg.heads.is_multiple_of(cfg.kv_heads) {
-            bail!(BadModel, "config: {} attention heads are not a multiple of {} KV heads", cfg.heads, cfg.kv_heads);
-        }
-        if cfg.head_dim == 0 || !cfg.head_dim.is_multiple_of(2) {
-            bail!(BadModel, "config: head_dim {} is not a positive even number", cfg.head_dim);
-        }
-        let embed = checked(src, names::EMBED, &[cfg.vocab, hidden])?;
-        let lm_head = if cfg.tied { embed } else { checked(src, names::LM_HEAD, &[cfg.vocab, hidden])? };
-        let final_norm = vector(src, names::FINAL_NORM, hidden)?;
-        let mut layers = Vec::with_capacity(cfg.layers);
-        for i in 0..cfg.layers {
-            let name = |part: &str| names::layer(i, part);
-            let qkv_bias = if cfg.qkv_bias {
-                Some([
-                    vector(src, &name(names::Q_BIAS), q_dim)?,
-                    vector(src, &name(names::K_BIAS), kv_dim)?,
-                    vector(src, &name(names::V_BIAS), kv_dim)?,
-                ])
-            } else {
-                None
-            };
-            let qk_norm = if cfg.qk_norm {
-                Some([
-                    vector(src, &name(names::Q_NORM), cfg.head_dim)?,
-                    vector(src, &name(names::K_NORM), cfg.head_dim)?,
-                ])
-            } else {
-                None
-            };
-            layers.push(Layer {
-                attn_norm: vector(src, &name(names::ATTN_NORM), hidden)?,
-                ffn_norm: vector(src, &name(names::FFN_NORM), hidden)?,
-                q: checked(src, &name(names::Q), &[q_dim, hidden])?,
-                k: checked(src, &name(names::K), &[kv_dim, hidden])?,
-                v: checked(src, &name(names::V), &[kv_dim, hidden])?,
-                o: checked(src, &name(names::O), &[hidden, q_dim])?,
-                qkv_bias,
-                qk_norm,
-                gate: checked(src, &name(names::GATE), &[cfg.intermediate, hidden])?,
-                up: checked(src, &name(names::UP), &[cfg.intermediate, hidden])?,
-                down: checked(src, &name(names::DOWN), &[hidden, cfg.intermediate])?,
-            });
-        }
+        let w = ModelWeights::read(src)?;
+        let layers = w.layers.into_iter().map(|l| l.try_map(|t| Ok(CpuWeight::new(t)))).collect::<Result<_>>()?;
+        let lm_head = w.lm_head.unwrap_or(w.embed);
         let inv_freq = rope_inv_freq(&cfg);
-        Ok(CpuModel { cfg, embed, final_norm, lm_head, layers, inv_freq })
+        Ok(CpuModel { cfg, embed: w.embed, final_norm: w.final_norm.to_f32(), lm_head, layers, inv_freq })
     }
 
     pub fn config(&self) -> &ModelConfig {
@@ -316,7 +202,7 @@ impl<'a> CpuModel<'a> {
             .checked_mul(self.cfg.kv_dim())
             .ok_or_else(|| err!(NoRoom, "a {window}-token KV cache overflows the address space"))?;
         let cache = || (0..self.cfg.layers).map(|_| zeroed_f32(len)).collect::<Result<Vec<_>>>();
-        Ok(CpuStream { k: cache()?, v: cache()?, len: 0, window })
+        Ok(KvStream::new(CpuCache { k: cache()?, v: cache()? }, window))
     }
 
     /// Appends `tokens` to the stream and returns the logits after the last one.
@@ -337,7 +223,8 @@ impl<'a> CpuModel<'a> {
 
     /// Everything that could refuse the call, before any token is appended.
     fn check_tokens(&self, stream: &CpuStream, tokens: &[u32]) -> Result<()> {
-        if stream.k.len() != self.cfg.layers || stream.k.iter().any(|k| k.len() != stream.window * self.cfg.kv_dim()) {
+        let k = &stream.cache.k;
+        if k.len() != self.cfg.layers || k.iter().any(|k| k.len() != stream.window * self.cfg.kv_dim()) {
             bail!(InvalidArgument, "stream was not made by this model");
         }
         self.cfg.check_append(stream.len, stream.window, tokens)
@@ -356,33 +243,35 @@ impl<'a> CpuModel<'a> {
         let mut proj = vec![0f32; hidden];
         let (mut gate, mut up) = (vec![0f32; cfg.intermediate], vec![0f32; cfg.intermediate]);
         let mut gated = vec![0f32; cfg.intermediate];
-        for (layer, (k_cache, v_cache)) in self.layers.iter().zip(stream.k.iter_mut().zip(stream.v.iter_mut())) {
-            rmsnorm(&x, &layer.attn_norm, cfg.rms_eps, &mut h);
-            matvec(&layer.q, &h, &mut q);
-            matvec(&layer.k, &h, &mut k);
-            matvec(&layer.v, &h, &mut v);
-            if let Some([qb, kb, vb]) = &layer.qkv_bias {
-                add(&mut q, qb);
-                add(&mut k, kb);
-                add(&mut v, vb);
+        for (layer, (k_cache, v_cache)) in
+            self.layers.iter().zip(stream.cache.k.iter_mut().zip(stream.cache.v.iter_mut()))
+        {
+            rmsnorm(&x, layer.attn_norm.values(), cfg.rms_eps, &mut h);
+            matvec(layer.q.matrix(), &h, &mut q);
+            matvec(layer.k.matrix(), &h, &mut k);
+            matvec(layer.v.matrix(), &h, &mut v);
+            if let (Some(qb), Some(kb), Some(vb)) = (&layer.q_bias, &layer.k_bias, &layer.v_bias) {
+                add(&mut q, qb.values());
+                add(&mut k, kb.values());
+                add(&mut v, vb.values());
             }
-            if let Some([qn, kn]) = &layer.qk_norm {
-                norm_heads(&mut q, qn, cfg.rms_eps);
-                norm_heads(&mut k, kn, cfg.rms_eps);
+            if let (Some(qn), Some(kn)) = (&layer.q_norm, &layer.k_norm) {
+                norm_heads(&mut q, qn.values(), cfg.rms_eps);
+                norm_heads(&mut k, kn.values(), cfg.rms_eps);
             }
             rope(&mut q, cfg.heads, head_dim, pos, &self.inv_freq, cfg.rope_interleaved);
             rope(&mut k, cfg.kv_heads, head_dim, pos, &self.inv_freq, cfg.rope_interleaved);
             k_cache[pos * kv_dim..(pos + 1) * kv_dim].copy_from_slice(&k);
             v_cache[pos * kv_dim..(pos + 1) * kv_dim].copy_from_slice(&v);
             attention(&q, k_cache, v_cache, pos + 1, cfg.heads, cfg.kv_heads, head_dim, &mut attn);
-            matvec(&layer.o, &attn, &mut proj);
+            matvec(layer.o.matrix(), &attn, &mut proj);
             add(&mut x, &proj);
 
-            rmsnorm(&x, &layer.ffn_norm, cfg.rms_eps, &mut h);
-            matvec(&layer.gate, &h, &mut gate);
-            matvec(&layer.up, &h, &mut up);
+            rmsnorm(&x, layer.ffn_norm.values(), cfg.rms_eps, &mut h);
+            matvec(layer.gate.matrix(), &h, &mut gate);
+            matvec(layer.up.matrix(), &h, &mut up);
             swiglu(&gate, &up, &mut gated);
-            matvec(&layer.down, &gated, &mut proj);
+            matvec(layer.down.matrix(), &gated, &mut proj);
             add(&mut x, &proj);
         }
         stream.len += 1;
@@ -421,4 +310,42 @@ fn zeroed_f32(len: usize) -> Result<Vec<f32>> {
     }
     // SAFETY: `ptr` comes from the global allocator with Vec's layout for `len` f32s, all zero bits.
     Ok(unsafe { Vec::from_raw_parts(ptr, len, len) })
+}
+
+/// The CPU backend: a `CpuModel` built once at load over a source it keeps alive, and the logits of
+/// the last step.
+pub struct CpuBackend {
+    // Declared before `_source`: dropped before what it reads.
+    model: CpuModel<'static>,
+    logits: Option<Vec<f32>>,
+    _source: Arc<dyn TensorSource + Send + Sync>,
+}
+
+impl CpuBackend {
+    /// Checks the model in `source` (so a bad model fails the load, not the first step) and builds its view.
+    pub fn new(source: Arc<dyn TensorSource + Send + Sync>) -> Result<CpuBackend> {
+        // SAFETY: an Arc's pointee never moves, and this struct drops the view before its Arc.
+        let src: &'static dyn TensorSource = unsafe { &*Arc::as_ptr(&source) };
+        Ok(CpuBackend { model: CpuModel::new(src)?, logits: None, _source: source })
+    }
+}
+
+impl Backend for CpuBackend {
+    type Cache = CpuCache;
+
+    fn new_stream(&self, window: usize) -> Result<CpuStream> {
+        self.model.try_new_stream(window)
+    }
+
+    fn step(&mut self, stream: &mut CpuStream, tokens: &[u32], sampling: &Sampling, stream_index: u32) -> Result<u32> {
+        let position = (stream.len + tokens.len()) as u64;
+        let logits = self.model.forward(stream, tokens)?;
+        let next = sampler::sample(&logits, sampling, stream_index, position);
+        self.logits = Some(logits);
+        Ok(next)
+    }
+
+    fn last_logits(&self) -> Result<Vec<f32>> {
+        self.logits.clone().ok_or_else(|| err!(InvalidArgument, "no step has produced logits yet"))
+    }
 }

@@ -7,15 +7,16 @@
 #![allow(non_camel_case_types)]
 
 use crate::abi::engine_device_info;
+use crate::backend::{Decoder, Streams};
 use crate::checkpoint::Checkpoint;
-use crate::cpu::{CpuModel, CpuStream};
+use crate::cpu::{CpuBackend, CpuStream};
 use crate::cuda::{self, PinnedBuffer};
 use crate::cudart as rt;
 use crate::fit::{self, engine_fit_inputs, engine_placement, engine_plan};
-use crate::gpu::{GpuModel, GpuStream, RowsOnDevice};
+use crate::gpu::{CudaBackend, GpuModel, RowsOnDevice};
 use crate::model::ModelConfig;
 use crate::placement::{Rows, RowsSource};
-use crate::sampler::{self, Sampling};
+use crate::sampler::Sampling;
 use crate::status::{Result, Status};
 use crate::tensor::DType;
 use crate::tokenizer::Tokenizer;
@@ -182,9 +183,9 @@ pub struct Logger {
     user: *mut c_void,
 }
 
-// The callback and its user pointer are the caller's; the caller promises they may be used from the
-// threads it calls the engine on.
+// SAFETY: the callback and its user pointer are the caller's, who promises any calling thread may use them.
 unsafe impl Send for Logger {}
+// SAFETY: as for Send; the logger itself holds no state a call changes.
 unsafe impl Sync for Logger {}
 
 impl Logger {
@@ -196,6 +197,7 @@ impl Logger {
         match self.log {
             Some(f) => {
                 let c = CString::new(text.replace('\0', " ")).unwrap_or_default();
+                // SAFETY: the caller's callback and user pointer, with a NUL-terminated line alive for the call.
                 unsafe { f(self.user, c.as_ptr()) };
             }
             None => eprintln!("hostembed: {text}"),
@@ -205,7 +207,7 @@ impl Logger {
 
 /// A checkpoint owned by an engine: its mapped bytes count in `engine_memory.mapped_bytes` while it lives.
 pub struct HeldCheckpoint {
-    ckpt: Checkpoint,
+    ckpt: Arc<Checkpoint>,
     mapped: u64,
 }
 
@@ -213,7 +215,12 @@ impl HeldCheckpoint {
     pub fn new(ckpt: Checkpoint) -> HeldCheckpoint {
         let mapped = ckpt.files.iter().map(|f| f.map.len() as u64).sum();
         cuda::MEMORY.mapped.fetch_add(mapped, Ordering::Relaxed);
-        HeldCheckpoint { ckpt, mapped }
+        HeldCheckpoint { ckpt: Arc::new(ckpt), mapped }
+    }
+
+    /// The checkpoint for a holder that must keep it alive on its own (the CPU backend's view).
+    pub fn shared(&self) -> Arc<Checkpoint> {
+        Arc::clone(&self.ckpt)
     }
 }
 
@@ -298,6 +305,43 @@ pub fn host_rows_reason(plan: &engine_plan, inputs: &engine_fit_inputs, opts: &e
     }
 }
 
+/// The decode backend beside the placed rows, with its stream slots: on CUDA the GPU model reading
+/// `rows` and the plan's stream count; on the CPU a model view over the checkpoint, checked here so a
+/// bad model fails the load rather than the first step.
+fn load_decoder(
+    kind: BackendKind,
+    ckpt: &HeldCheckpoint,
+    rows: &Rows,
+    streams: u32,
+    opts: &engine_options,
+) -> Result<Box<dyn Decoder>> {
+    let window = window_of(&ckpt.config, opts)? as usize;
+    Ok(match kind {
+        BackendKind::Cpu => {
+            Box::new(Streams::new(CpuBackend::new(ckpt.shared())?, window, streams as usize)?)
+        }
+        BackendKind::Cuda => {
+            let r = rows.describe();
+            let rows = RowsOnDevice { ptr: r.data, dtype: r.dtype, vocab: r.rows as usize, cols: r.cols as usize };
+            let model = CudaBackend::load(&**ckpt, rows, opts.max_batch as usize, opts.device)?;
+            Box::new(Streams::new(model, window, streams as usize)?)
+        }
+    })
+}
+
+/// The checkpoint's tokenizer; its absence (or an unsupported kind) only costs text, so it is logged;
+/// a broken one fails the load.
+fn load_tokenizer(ckpt: &Checkpoint, logger: &Logger) -> Result<Option<Arc<Tokenizer>>> {
+    match Tokenizer::from_source(&ckpt.tokenizer, ckpt.config.vocab) {
+        Ok(t) => Ok(t.map(Arc::new)),
+        Err(e) if e.status != Status::Unsupported => Err(e),
+        Err(e) => {
+            logger.line(&format!("no tokenizer, token ids only: {}", e.message));
+            Ok(None)
+        }
+    }
+}
+
 /// The point after which `init_fit_failing_after` fails, to prove each step's failure frees everything.
 #[doc(hidden)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -311,23 +355,6 @@ pub enum InitStep {
 /// Streams the CPU backend admits when `max_streams` is 0 (it has no device memory to plan).
 pub const CPU_STREAMS: u32 = 16;
 
-/// The decode backend and its streams, each allocated on first use.
-enum Backend {
-    /// Only while the engine is being built.
-    None,
-    Cpu {
-        window: usize,
-        streams: Vec<Option<CpuStream>>,
-        last: Option<(u32, Vec<f32>)>,
-    },
-    Cuda {
-        model: GpuModel,
-        window: usize,
-        streams: Vec<Option<GpuStream>>,
-        last: Option<u32>,
-    },
-}
-
 /// The backend an engine runs on, once resolved.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum BackendKind {
@@ -339,7 +366,7 @@ pub enum BackendKind {
 pub struct Engine {
     // Fields drop in order: the decode backend (which reads the rows), the rows, the out-of-range
     // flag, and last the mapping the rows may point into.
-    backend: Backend,
+    backend: Box<dyn Decoder>,
     tokenizer: Option<Arc<Tokenizer>>,
     rows: Rows,
     bad_ids: Option<Mutex<PinnedBuffer>>,
@@ -351,8 +378,7 @@ pub struct Engine {
     ckpt: HeldCheckpoint,
 }
 
-// The log callback's user pointer is the caller's, who promises it may be used from the thread it
-// moves the engine to; everything else the engine holds is owned.
+// SAFETY: the log callback's user pointer is the caller's, who promises the engine's new thread may use it.
 unsafe impl Send for Engine {}
 
 impl Engine {
@@ -402,9 +428,10 @@ impl Engine {
             // SAFETY: the rows point into `ckpt`, which the engine drops after them.
             let rows = unsafe { Rows::in_mapping(&src) }?;
             injected(InitStep::RowsPlaced)?;
-            let mut engine = Engine {
-                backend: Backend::None,
-                tokenizer: None,
+            let backend = load_decoder(BackendKind::Cpu, &ckpt, &rows, cpu.streams, opts)?;
+            let engine = Engine {
+                backend,
+                tokenizer: load_tokenizer(&ckpt, &logger)?,
                 rows,
                 bad_ids: None,
                 plan: None,
@@ -414,7 +441,6 @@ impl Engine {
                 kind: BackendKind::Cpu,
                 ckpt,
             };
-            engine.load_backend(cpu.streams)?;
             injected(InitStep::Loaded)?;
             return Ok(engine);
         };
@@ -440,9 +466,10 @@ impl Engine {
         plan.placement = rows.placement();
         let bad_ids = Mutex::new(PinnedBuffer::new_mapped(std::mem::size_of::<i32>())?);
         injected(InitStep::RowsPlaced)?;
-        let mut engine = Engine {
-            backend: Backend::None,
-            tokenizer: None,
+        let backend = load_decoder(BackendKind::Cuda, &ckpt, &rows, plan.streams, opts)?;
+        let engine = Engine {
+            backend,
+            tokenizer: load_tokenizer(&ckpt, &logger)?,
             rows,
             bad_ids: Some(bad_ids),
             plan: Some(plan),
@@ -452,44 +479,8 @@ impl Engine {
             kind: BackendKind::Cuda,
             ckpt,
         };
-        engine.load_backend(0)?;
         injected(InitStep::Loaded)?;
         Ok(engine)
-    }
-
-    /// Loads the decode backend beside the placed rows (the GPU model reading `self.rows` on CUDA; the
-    /// CPU model reads the mapping at each step, with the `cpu_streams` its plan admitted) and the
-    /// tokenizer, whose absence only costs text; a broken one fails the load.
-    fn load_backend(&mut self, cpu_streams: u32) -> Result<()> {
-        let window = window_of(&self.ckpt.config, &self.options)? as usize;
-        self.backend = match self.kind {
-            BackendKind::Cpu => {
-                // Checked once here so a bad model fails the load, not the first step.
-                CpuModel::new(&*self.ckpt)?;
-                let mut streams = Vec::new();
-                streams.try_reserve_exact(cpu_streams as usize).map_err(|_| {
-                    crate::err!(NoRoom, "the host has no room for a table of {cpu_streams} CPU streams")
-                })?;
-                streams.resize_with(cpu_streams as usize, || None);
-                Backend::Cpu { window, streams, last: None }
-            }
-            BackendKind::Cuda => {
-                let r = self.rows.describe();
-                let rows = RowsOnDevice { ptr: r.data, dtype: r.dtype, vocab: r.rows as usize, cols: r.cols as usize };
-                let model = GpuModel::load(&*self.ckpt, rows, self.options.max_batch as usize)?;
-                let streams = self.plan.map_or(0, |p| p.streams) as usize;
-                Backend::Cuda { model, window, streams: (0..streams).map(|_| None).collect(), last: None }
-            }
-        };
-        self.tokenizer = match Tokenizer::from_source(&self.ckpt.tokenizer, self.ckpt.config.vocab) {
-            Ok(t) => t.map(Arc::new),
-            Err(e) if e.status != Status::Unsupported => return Err(e),
-            Err(e) => {
-                self.logger.line(&format!("no tokenizer, token ids only: {}", e.message));
-                None
-            }
-        };
-        Ok(())
     }
 
     pub fn tokenizer(&self) -> Option<&Tokenizer> {
@@ -503,19 +494,12 @@ impl Engine {
 
     /// Streams this engine admits (the plan's count on CUDA).
     pub fn stream_count(&self) -> usize {
-        match &self.backend {
-            Backend::Cpu { streams, .. } => streams.len(),
-            Backend::Cuda { streams, .. } => streams.len(),
-            Backend::None => 0,
-        }
+        self.backend.stream_count()
     }
 
     /// The window every stream has, in tokens.
     pub fn window(&self) -> usize {
-        match &self.backend {
-            Backend::Cpu { window, .. } | Backend::Cuda { window, .. } => *window,
-            Backend::None => 0,
-        }
+        self.backend.window()
     }
 
     fn sampling(&self) -> Sampling {
@@ -535,95 +519,23 @@ impl Engine {
         }
         let ids: Vec<u32> = tokens.iter().map(|&t| t as u32).collect();
         let sampling = self.sampling();
-        let count = self.stream_count();
-        let slot = stream as usize;
-        if slot >= count {
-            crate::bail!(OutOfRange, "engine_step: stream {stream}, but {count} streams were admitted");
-        }
-        match &mut self.backend {
-            Backend::Cpu { window, streams, last } => {
-                let model = CpuModel::new(&*self.ckpt)?;
-                if streams[slot].is_none() {
-                    streams[slot] = Some(model.try_new_stream(*window)?);
-                }
-                let s = streams[slot].as_mut().expect("allocated above");
-                let position = (s.len() + ids.len()) as u64;
-                let logits = model.forward(s, &ids)?;
-                let next = sampler::sample(&logits, &sampling, stream, position);
-                *last = Some((stream, logits));
-                Ok(next)
-            }
-            Backend::Cuda { model, window, streams, last } => {
-                cuda::check(unsafe { rt::cudaSetDevice(self.options.device) }, "cudaSetDevice")?;
-                if streams[slot].is_none() {
-                    streams[slot] = Some(model.new_stream(*window)?);
-                }
-                let s = streams[slot].as_mut().expect("allocated above");
-                let next = model.step(s, &ids, &sampling, stream)?;
-                *last = Some(stream);
-                Ok(next)
-            }
-            Backend::None => crate::bail!(Unsupported, "engine_step: the engine has no backend"),
-        }
+        self.backend.step(stream, &ids, &sampling)
     }
 
     /// The logits after the last position of the last step; only the most recently stepped stream
     /// keeps them (holding every stream's would cost a vocabulary-sized copy per step).
     pub fn logits(&self, stream: u32) -> Result<Vec<f32>> {
-        let stale = || {
-            crate::err!(InvalidArgument, "logits are kept for the last stepped stream only; stream {stream} is not it")
-        };
-        match &self.backend {
-            Backend::Cpu { last: Some((s, logits)), .. } if *s == stream => Ok(logits.clone()),
-            Backend::Cuda { model, last: Some(s), .. } if *s == stream => {
-                cuda::check(unsafe { rt::cudaSetDevice(self.options.device) }, "cudaSetDevice")?;
-                model.last_logits()
-            }
-            _ if stream as usize >= self.stream_count() => {
-                crate::bail!(OutOfRange, "stream {stream}, but {} streams were admitted", self.stream_count())
-            }
-            _ => Err(stale()),
-        }
+        self.backend.logits(stream)
     }
 
     /// Empties stream `stream` (its memory is kept for the next prompt).
     pub fn reset(&mut self, stream: u32) -> Result<()> {
-        let count = self.stream_count();
-        let slot = stream as usize;
-        if slot >= count {
-            crate::bail!(OutOfRange, "engine_reset: stream {stream}, but {count} streams were admitted");
-        }
-        match &mut self.backend {
-            Backend::Cpu { streams, last, .. } => {
-                if let Some(s) = streams[slot].as_mut() {
-                    s.reset();
-                }
-                if last.as_ref().is_some_and(|(s, _)| *s == stream) {
-                    *last = None;
-                }
-            }
-            Backend::Cuda { streams, last, .. } => {
-                if let Some(s) = streams[slot].as_mut() {
-                    s.reset();
-                }
-                if *last == Some(stream) {
-                    *last = None;
-                }
-            }
-            Backend::None => {}
-        }
-        Ok(())
+        self.backend.reset(stream)
     }
 
     /// Tokens stream `stream` holds now.
     pub fn stream_len(&self, stream: u32) -> Result<usize> {
-        let slot = stream as usize;
-        let len = match &self.backend {
-            Backend::Cpu { streams, .. } => streams.get(slot).map(|s| s.as_ref().map_or(0, |s| s.len())),
-            Backend::Cuda { streams, .. } => streams.get(slot).map(|s| s.as_ref().map_or(0, |s| s.len())),
-            Backend::None => None,
-        };
-        len.ok_or_else(|| crate::err!(OutOfRange, "stream {stream}, but {} streams were admitted", self.stream_count()))
+        self.backend.stream_len(stream)
     }
 
     pub fn config(&self) -> &ModelConfig {
@@ -693,12 +605,16 @@ impl Engine {
         match (self.kind, &self.bad_ids) {
             (BackendKind::Cuda, Some(flag)) => {
                 let flag = flag.lock().unwrap_or_else(|p| p.into_inner());
+                // SAFETY: plain runtime call on a device index; an invalid one returns an error code.
                 cuda::check(unsafe { rt::cudaSetDevice(self.options.device) }, "cudaSetDevice")?;
                 let host_flag = flag.host_ptr() as *mut i32;
-                // The previous call synchronized before releasing the lock, so no kernel writes this now.
+                // SAFETY: the previous call synchronized before releasing the lock, so no kernel writes this now.
                 unsafe { host_flag.write_volatile(0) };
+                // SAFETY: the caller's pointers, as this function's contract states; the flag is mapped and live.
                 unsafe { self.rows.gather_device(ids, n, out, out_dtype, flag.device_ptr() as *mut i32, stream) }?;
+                // SAFETY: the caller's stream, on which the gather above was queued.
                 cuda::check(unsafe { rt::cudaStreamSynchronize(stream) }, "cudaStreamSynchronize")?;
+                // SAFETY: the stream is synchronized, so the kernel's write to the mapped flag is visible and done.
                 if unsafe { host_flag.read_volatile() } != 0 {
                     crate::bail!(
                         OutOfRange,
@@ -709,10 +625,12 @@ impl Engine {
             }
             _ => {
                 let size = if out_dtype == DType::F32 { 4 } else { 2 };
+                // SAFETY: the contract: `ids` holds `n` ints on the host here.
                 let ids = unsafe { std::slice::from_raw_parts(ids, n) };
                 let len = n
                     .checked_mul(self.rows.cols() * size)
                     .ok_or_else(|| crate::err!(InvalidArgument, "engine_embed: {n} rows overflow"))?;
+                // SAFETY: the contract: `out` has room for `n` rows of `cols` values in `out_dtype` on the host here.
                 let out = unsafe { std::slice::from_raw_parts_mut(out as *mut u8, len) };
                 self.rows.gather_host(ids, out, out_dtype)
             }

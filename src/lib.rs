@@ -2,6 +2,7 @@
 //! dense decode engine around them, behind a C ABI (include/hostembed.h).
 
 pub mod abi;
+pub mod backend;
 pub mod checkpoint;
 pub mod cpu;
 pub mod cuda;

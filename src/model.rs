@@ -10,6 +10,38 @@ pub enum Arch {
     Qwen3,
 }
 
+/// What sets one architecture apart from the others: the readers fill a `ModelConfig` from this.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ArchTraits {
+    /// The name in config.json `model_type` and GGUF `general.architecture`.
+    pub name: &'static str,
+    /// q/k/v projections carry a bias.
+    pub qkv_bias: bool,
+    /// RMSNorm over each head of q and k before the rotation.
+    pub qk_norm: bool,
+    /// llama.cpp's converter permutes this architecture's Q/K rows, so its GGUF files rotate adjacent
+    /// pairs; HF files (and every other GGUF) rotate halves.
+    pub gguf_rope_interleaved: bool,
+}
+
+impl Arch {
+    pub const fn traits(self) -> ArchTraits {
+        match self {
+            Arch::Llama => ArchTraits { name: "llama", qkv_bias: false, qk_norm: false, gguf_rope_interleaved: true },
+            Arch::Qwen2 => ArchTraits { name: "qwen2", qkv_bias: true, qk_norm: false, gguf_rope_interleaved: false },
+            Arch::Qwen3 => ArchTraits { name: "qwen3", qkv_bias: false, qk_norm: true, gguf_rope_interleaved: false },
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        self.traits().name
+    }
+
+    pub fn from_name(name: &str) -> Option<Arch> {
+        [Arch::Llama, Arch::Qwen2, Arch::Qwen3].into_iter().find(|a| a.name() == name)
+    }
+}
+
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum RopeScaling {
     None,
@@ -76,12 +108,105 @@ impl ModelConfig {
         Ok(())
     }
 
+    /// Checks a config read from `source` (a file and the place its keys live, or a test's name for
+    /// an in-memory model) for values no model has; every reader and every backend calls this.
+    pub fn check(&self, source: &str) -> Result<()> {
+        let dims = [
+            ("vocab", self.vocab),
+            ("hidden", self.hidden),
+            ("heads", self.heads),
+            ("kv_heads", self.kv_heads),
+            ("head_dim", self.head_dim),
+            ("intermediate", self.intermediate),
+            ("max_position", self.max_position),
+        ];
+        for (what, v) in dims {
+            if v == 0 || v > MAX_DIM {
+                crate::bail!(BadModel, "{source}: {what} = {v} is out of range (1..={MAX_DIM})");
+            }
+        }
+        if self.layers == 0 || self.layers > MAX_LAYERS {
+            crate::bail!(BadModel, "{source}: layer count {} is out of range (1..={MAX_LAYERS})", self.layers);
+        }
+        if self.heads.checked_mul(self.head_dim).is_none_or(|q| q > MAX_DIM) {
+            crate::bail!(BadModel, "{source}: heads x head_dim = {} x {} is too large", self.heads, self.head_dim);
+        }
+        if self.kv_heads > self.heads || !self.heads.is_multiple_of(self.kv_heads) {
+            crate::bail!(
+                BadModel,
+                "{source}: {} attention heads are not a multiple of {} KV heads",
+                self.heads,
+                self.kv_heads
+            );
+        }
+        if !self.head_dim.is_multiple_of(2) {
+            crate::bail!(BadModel, "{source}: head_dim {} is odd; rotary embedding needs pairs", self.head_dim);
+        }
+        if !(self.rms_eps.is_finite() && self.rms_eps > 0.0) {
+            crate::bail!(BadModel, "{source}: RMSNorm epsilon {} is not a positive number", self.rms_eps);
+        }
+        if !(self.rope_theta.is_finite() && self.rope_theta > 0.0) {
+            crate::bail!(BadModel, "{source}: rope theta {} is not a positive number", self.rope_theta);
+        }
+        let positive = |v: f32| v.is_finite() && v > 0.0;
+        match self.rope_scaling {
+            RopeScaling::None => {}
+            RopeScaling::Linear { factor } if positive(factor) => {}
+            RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position }
+                if positive(factor)
+                    && positive(low_freq_factor)
+                    && positive(high_freq_factor)
+                    && high_freq_factor > low_freq_factor
+                    && original_max_position > 0 => {}
+            other => crate::bail!(BadModel, "{source}: rope scaling {other:?} has a factor out of range"),
+        }
+        Ok(())
+    }
+
     pub fn q_dim(&self) -> usize {
         self.heads * self.head_dim
     }
 
     pub fn kv_dim(&self) -> usize {
         self.kv_heads * self.head_dim
+    }
+}
+
+/// Largest dimension accepted from a file, so every product the engine forms stays far from overflow.
+const MAX_DIM: usize = 1 << 28;
+const MAX_LAYERS: usize = 1 << 12;
+
+/// The head_dim/2 rotary inverse frequencies, with the config's scaling, in f32 as HF computes them.
+pub fn rope_inv_freq(cfg: &ModelConfig) -> Vec<f32> {
+    let dim = cfg.head_dim;
+    let base: Vec<f32> = (0..dim / 2)
+        .map(|i| {
+            let exponent = (2 * i) as f32 / dim as f32;
+            1.0 / (cfg.rope_theta as f64).powf(exponent as f64) as f32
+        })
+        .collect();
+    match cfg.rope_scaling {
+        RopeScaling::None => base,
+        RopeScaling::Linear { factor } => base.iter().map(|f| f / factor).collect(),
+        RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position } => {
+            let old_context = original_max_position as f32;
+            let low_freq_wavelen = old_context / low_freq_factor;
+            let high_freq_wavelen = old_context / high_freq_factor;
+            base.iter()
+                .map(|&f| {
+                    let wavelen = 2.0 * std::f32::consts::PI / f;
+                    if wavelen < high_freq_wavelen {
+                        f
+                    } else if wavelen > low_freq_wavelen {
+                        f / factor
+                    } else {
+                        // Between the two wavelengths HF blends the scaled and unscaled frequency.
+                        let smooth = (old_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
+                        (1.0 - smooth) * f / factor + smooth * f
+                    }
+                })
+                .collect()
+        }
     }
 }
 
@@ -154,4 +279,238 @@ pub trait TensorSource {
     fn try_tensor(&self, name: &str) -> Option<TensorRef<'_>> {
         self.tensor(name).ok()
     }
+}
+
+impl<'a> TensorRef<'a> {
+    /// Checks that the tensor has `shape` and that its bytes hold exactly that shape in its format;
+    /// `BadModel` naming `name` otherwise. Both backends load every weight through this.
+    pub fn check(self, name: &str, shape: &[usize]) -> Result<TensorRef<'a>> {
+        if self.shape != shape {
+            crate::bail!(BadModel, "tensor {name} has shape {:?}, expected {:?}", self.shape, shape);
+        }
+        let row_bytes = self.dtype.row_bytes(self.cols()).ok_or_else(|| {
+            crate::err!(BadModel, "tensor {name}: {} columns do not fit the {} format", self.cols(), self.dtype.name())
+        })?;
+        if self.bytes.len() != self.rows() * row_bytes {
+            crate::bail!(
+                BadModel,
+                "tensor {name} holds {} bytes, expected {} for {:?} in {}",
+                self.bytes.len(),
+                self.rows() * row_bytes,
+                shape,
+                self.dtype.name()
+            );
+        }
+        Ok(self)
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// The weight table: every tensor a dense decoder reads, declared once. Checkpoint validation, the CPU
+// backend and the GPU loader all walk it; a new role is a new line in `LayerWeights`, and the compiler
+// then points at each backend that must use it.
+
+/// One dimension of a weight's shape, as the config gives it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Dim {
+    Vocab,
+    Hidden,
+    QDim,
+    KvDim,
+    HeadDim,
+    Intermediate,
+}
+
+impl Dim {
+    pub fn of(self, cfg: &ModelConfig) -> usize {
+        match self {
+            Dim::Vocab => cfg.vocab,
+            Dim::Hidden => cfg.hidden,
+            Dim::QDim => cfg.q_dim(),
+            Dim::KvDim => cfg.kv_dim(),
+            Dim::HeadDim => cfg.head_dim,
+            Dim::Intermediate => cfg.intermediate,
+        }
+    }
+}
+
+/// When a model carries a weight.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Need {
+    Always,
+    /// With `ModelConfig::qkv_bias`.
+    QkvBias,
+    /// With `ModelConfig::qk_norm`.
+    QkNorm,
+    /// Unless the head is tied to the embedding.
+    Untied,
+}
+
+impl Need {
+    pub fn holds(self, cfg: &ModelConfig) -> bool {
+        match self {
+            Need::Always => true,
+            Need::QkvBias => cfg.qkv_bias,
+            Need::QkNorm => cfg.qk_norm,
+            Need::Untied => !cfg.tied,
+        }
+    }
+}
+
+/// One row of the weight table.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WeightSpec {
+    /// The role, as the field of `LayerWeights` / `ModelWeights` that holds it.
+    pub role: &'static str,
+    /// The canonical name: a full name, or for a layer weight the part after `model.layers.{i}.`.
+    pub name: &'static str,
+    /// Outermost first; one dimension for a vector (norm, bias), two for a matrix.
+    pub shape: &'static [Dim],
+    pub need: Need,
+}
+
+/// One weight of one model: its table row with the name and shape the config gives it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Weight {
+    pub spec: &'static WeightSpec,
+    pub name: String,
+    pub shape: Vec<usize>,
+}
+
+impl Weight {
+    fn new(spec: &'static WeightSpec, layer: Option<usize>, cfg: &ModelConfig) -> Weight {
+        let name = layer.map_or_else(|| spec.name.to_string(), |i| names::layer(i, spec.name));
+        Weight { spec, name, shape: spec.shape.iter().map(|d| d.of(cfg)).collect() }
+    }
+
+    /// A norm or a bias, which backends keep as f32.
+    pub fn is_vector(&self) -> bool {
+        self.shape.len() == 1
+    }
+}
+
+/// `T` for a weight every model has, `Option<T>` for one some lack.
+macro_rules! weight_field {
+    (Always, $t:ty) => { $t };
+    ($need:ident, $t:ty) => { Option<$t> };
+}
+
+/// Builds a field: `f` is asked for each weight the config calls for.
+macro_rules! weight_value {
+    (Always, $w:expr, $cfg:expr, $f:expr) => {
+        $f(&$w)?
+    };
+    ($need:ident, $w:expr, $cfg:expr, $f:expr) => {
+        if $w.spec.need.holds($cfg) { Some($f(&$w)?) } else { None }
+    };
+}
+
+macro_rules! weight_map {
+    (Always, $v:expr, $f:expr) => {
+        $f($v)?
+    };
+    ($need:ident, $v:expr, $f:expr) => {
+        match $v {
+            Some(v) => Some($f(v)?),
+            None => None,
+        }
+    };
+}
+
+macro_rules! weight_table {
+    ($( $(#[$doc:meta])* $field:ident: $name:expr, [$($dim:ident),+], $need:ident; )+) => {
+        /// One decoder layer's weights by role; `T` is what a reader keeps of each (a tensor view, a
+        /// device pointer, a region of an allocation).
+        pub struct LayerWeights<T> {
+            $( $(#[$doc])* pub $field: weight_field!($need, T), )+
+        }
+
+        /// The layer's rows of the weight table, in file order.
+        pub const LAYER_WEIGHTS: &[WeightSpec] = &[
+            $( WeightSpec { role: stringify!($field), name: $name, shape: &[$(Dim::$dim),+], need: Need::$need }, )+
+        ];
+
+        impl<T> LayerWeights<T> {
+            /// Layer `layer` of the model `cfg` describes, asking `f` for each weight it has in file order.
+            pub fn build(cfg: &ModelConfig, layer: usize, mut f: impl FnMut(&Weight) -> Result<T>) -> Result<Self> {
+                let mut specs = LAYER_WEIGHTS.iter();
+                let mut next = || Weight::new(specs.next().expect("one table row per field"), Some(layer), cfg);
+                Ok(LayerWeights { $( $field: { let w = next(); weight_value!($need, w, cfg, &mut f) }, )+ })
+            }
+
+            /// Each weight through `f`, in file order.
+            pub fn try_map<U>(self, mut f: impl FnMut(T) -> Result<U>) -> Result<LayerWeights<U>> {
+                Ok(LayerWeights { $( $field: weight_map!($need, self.$field, &mut f), )+ })
+            }
+        }
+    };
+}
+
+weight_table! {
+    /// RMSNorm weight before attention.
+    attn_norm: names::ATTN_NORM, [Hidden], Always;
+    q: names::Q, [QDim, Hidden], Always;
+    k: names::K, [KvDim, Hidden], Always;
+    v: names::V, [KvDim, Hidden], Always;
+    q_bias: names::Q_BIAS, [QDim], QkvBias;
+    k_bias: names::K_BIAS, [KvDim], QkvBias;
+    v_bias: names::V_BIAS, [KvDim], QkvBias;
+    /// RMSNorm weight over each head of q, before the rotation.
+    q_norm: names::Q_NORM, [HeadDim], QkNorm;
+    k_norm: names::K_NORM, [HeadDim], QkNorm;
+    o: names::O, [Hidden, QDim], Always;
+    /// RMSNorm weight before the feed-forward block.
+    ffn_norm: names::FFN_NORM, [Hidden], Always;
+    gate: names::GATE, [Intermediate, Hidden], Always;
+    up: names::UP, [Intermediate, Hidden], Always;
+    down: names::DOWN, [Hidden, Intermediate], Always;
+}
+
+/// The weights around the layers, in file order: the embedding first, the final norm and head last.
+pub const EMBED_WEIGHT: WeightSpec =
+    WeightSpec { role: "embed", name: names::EMBED, shape: &[Dim::Vocab, Dim::Hidden], need: Need::Always };
+pub const FINAL_NORM_WEIGHT: WeightSpec =
+    WeightSpec { role: "final_norm", name: names::FINAL_NORM, shape: &[Dim::Hidden], need: Need::Always };
+pub const LM_HEAD_WEIGHT: WeightSpec =
+    WeightSpec { role: "lm_head", name: names::LM_HEAD, shape: &[Dim::Vocab, Dim::Hidden], need: Need::Untied };
+
+/// Every weight of a model by role.
+pub struct ModelWeights<T> {
+    pub embed: T,
+    pub layers: Vec<LayerWeights<T>>,
+    pub final_norm: T,
+    /// None when the head is the embedding table.
+    pub lm_head: Option<T>,
+}
+
+impl<T> ModelWeights<T> {
+    /// The model `cfg` describes, asking `f` for each weight it has in file order.
+    pub fn build(cfg: &ModelConfig, mut f: impl FnMut(&Weight) -> Result<T>) -> Result<Self> {
+        let embed = f(&Weight::new(&EMBED_WEIGHT, None, cfg))?;
+        let layers = (0..cfg.layers).map(|i| LayerWeights::build(cfg, i, &mut f)).collect::<Result<_>>()?;
+        let final_norm = f(&Weight::new(&FINAL_NORM_WEIGHT, None, cfg))?;
+        let lm_head =
+            if LM_HEAD_WEIGHT.need.holds(cfg) { Some(f(&Weight::new(&LM_HEAD_WEIGHT, None, cfg))?) } else { None };
+        Ok(ModelWeights { embed, layers, final_norm, lm_head })
+    }
+}
+
+impl<'a> ModelWeights<TensorRef<'a>> {
+    /// Checks the config and reads every weight it calls for from `src`, each checked against its
+    /// shape; `BadModel` names the first at fault.
+    pub fn read(src: &'a dyn TensorSource) -> Result<Self> {
+        src.config().check("config")?;
+        ModelWeights::build(src.config(), |w| src.tensor(&w.name)?.check(&w.name, &w.shape))
+    }
+}
+
+/// Every tensor the model `cfg` describes reads, with its canonical shape, in file order.
+pub fn weight_list(cfg: &ModelConfig) -> Vec<Weight> {
+    let mut out = Vec::new();
+    ModelWeights::build(cfg, |w| {
+        out.push(w.clone());
+        Ok(())
+    })
+    .expect("listing fails nowhere");
+    out
 }

@@ -8,7 +8,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::Path;
 
 use super::{Checkpoint, Format, MappedFile, ROPE_FREQS, TensorInfo, TokenizerSource};
-use crate::model::{Arch, ModelConfig, RopeScaling, names};
+use crate::model::{ModelConfig, RopeScaling, names};
 use crate::status::Result;
 use crate::tensor::DType;
 use crate::{bail, err};
@@ -748,15 +748,15 @@ pub fn open_file(path: &Path) -> Result<Checkpoint> {
         rms_eps: meta.req_float(&key("attention.layer_norm_rms_epsilon"))?,
         rope_theta: meta.float(&key("rope.freq_base"))?.unwrap_or(10000.0),
         rope_scaling,
-        rope_interleaved: arch == Arch::Llama,
+        rope_interleaved: arch.traits().gguf_rope_interleaved,
         max_position: meta.req_usize(&key("context_length"))?,
         tied: !tensors.contains_key(names::LM_HEAD),
-        qkv_bias: arch == Arch::Qwen2,
-        qk_norm: arch == Arch::Qwen3,
+        qkv_bias: arch.traits().qkv_bias,
+        qk_norm: arch.traits().qk_norm,
         bos: token_id("tokenizer.ggml.bos_token_id")?,
         eos: token_id("tokenizer.ggml.eos_token_id")?,
     };
-    super::check_config(&config, file)?;
+    config.check(file)?;
     if let Some(t) = tensors.get(ROPE_FREQS) {
         config.rope_scaling = rope_scaling_from_freqs(&config, t, &mapped, &meta, &key)?;
     }

@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 
 use memmap2::Mmap;
 
-use crate::model::{Arch, ModelConfig, RopeScaling, TensorRef, TensorSource, names};
+use crate::model::{self, Arch, ModelConfig, RopeScaling, TensorRef, TensorSource, names};
 use crate::status::Result;
 use crate::tensor::DType;
 use crate::{bail, err};
@@ -200,89 +200,9 @@ impl TensorSource for Checkpoint {
 }
 
 /// Every tensor the architecture reads, with its canonical shape, in file order (embedding, layers,
-/// final norm, head).
+/// final norm, head): the weight table of `model.rs` for this config.
 pub fn expected_tensors(cfg: &ModelConfig) -> Vec<(String, Vec<usize>)> {
-    let (h, q, kv, ff) = (cfg.hidden, cfg.q_dim(), cfg.kv_dim(), cfg.intermediate);
-    let mut out = vec![(names::EMBED.to_string(), vec![cfg.vocab, h])];
-    for i in 0..cfg.layers {
-        let mut part = |p: &str, shape: Vec<usize>| out.push((names::layer(i, p), shape));
-        part(names::ATTN_NORM, vec![h]);
-        part(names::Q, vec![q, h]);
-        part(names::K, vec![kv, h]);
-        part(names::V, vec![kv, h]);
-        if cfg.qkv_bias {
-            part(names::Q_BIAS, vec![q]);
-            part(names::K_BIAS, vec![kv]);
-            part(names::V_BIAS, vec![kv]);
-        }
-        if cfg.qk_norm {
-            part(names::Q_NORM, vec![cfg.head_dim]);
-            part(names::K_NORM, vec![cfg.head_dim]);
-        }
-        part(names::O, vec![h, q]);
-        part(names::FFN_NORM, vec![h]);
-        part(names::GATE, vec![ff, h]);
-        part(names::UP, vec![ff, h]);
-        part(names::DOWN, vec![h, ff]);
-    }
-    out.push((names::FINAL_NORM.to_string(), vec![h]));
-    if !cfg.tied {
-        out.push((names::LM_HEAD.to_string(), vec![cfg.vocab, h]));
-    }
-    out
-}
-
-/// Largest dimension accepted from a file, so every product the engine forms stays far from overflow.
-const MAX_DIM: usize = 1 << 28;
-const MAX_LAYERS: usize = 1 << 12;
-
-/// Checks a config read from `source` (a file and the place its keys live) for values no model has.
-pub(crate) fn check_config(cfg: &ModelConfig, source: &str) -> Result<()> {
-    let dims = [
-        ("vocab", cfg.vocab),
-        ("hidden", cfg.hidden),
-        ("heads", cfg.heads),
-        ("kv_heads", cfg.kv_heads),
-        ("head_dim", cfg.head_dim),
-        ("intermediate", cfg.intermediate),
-        ("max_position", cfg.max_position),
-    ];
-    for (what, v) in dims {
-        if v == 0 || v > MAX_DIM {
-            bail!(BadModel, "{source}: {what} = {v} is out of range (1..={MAX_DIM})");
-        }
-    }
-    if cfg.layers == 0 || cfg.layers > MAX_LAYERS {
-        bail!(BadModel, "{source}: layer count {} is out of range (1..={MAX_LAYERS})", cfg.layers);
-    }
-    if cfg.heads.checked_mul(cfg.head_dim).is_none_or(|q| q > MAX_DIM) {
-        bail!(BadModel, "{source}: heads x head_dim = {} x {} is too large", cfg.heads, cfg.head_dim);
-    }
-    if cfg.kv_heads > cfg.heads || !cfg.heads.is_multiple_of(cfg.kv_heads) {
-        bail!(BadModel, "{source}: {} attention heads are not a multiple of {} KV heads", cfg.heads, cfg.kv_heads);
-    }
-    if !cfg.head_dim.is_multiple_of(2) {
-        bail!(BadModel, "{source}: head_dim {} is odd; rotary embedding needs pairs", cfg.head_dim);
-    }
-    if !(cfg.rms_eps.is_finite() && cfg.rms_eps > 0.0) {
-        bail!(BadModel, "{source}: RMSNorm epsilon {} is not a positive number", cfg.rms_eps);
-    }
-    if !(cfg.rope_theta.is_finite() && cfg.rope_theta > 0.0) {
-        bail!(BadModel, "{source}: rope theta {} is not a positive number", cfg.rope_theta);
-    }
-    let positive = |v: f32| v.is_finite() && v > 0.0;
-    match cfg.rope_scaling {
-        RopeScaling::None => {}
-        RopeScaling::Linear { factor } if positive(factor) => {}
-        RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position }
-            if positive(factor)
-                && positive(low_freq_factor)
-                && positive(high_freq_factor)
-                && high_freq_factor > low_freq_factor
-                && original_max_position > 0 => {}
-        other => bail!(BadModel, "{source}: rope scaling {other:?} has a factor out of range"),
-    }
-    Ok(())
+    model::weight_list(cfg).into_iter().map(|w| (w.name, w.shape)).collect()
 }
 
 /// Checks that every tensor the config calls for is present with its shape. `location` names where
@@ -339,18 +259,9 @@ pub fn llama3_rope_factors(cfg: &ModelConfig) -> Option<Vec<f32>> {
 
 /// The architecture's name in config.json `model_type` and GGUF `general.architecture`.
 pub fn arch_name(arch: Arch) -> &'static str {
-    match arch {
-        Arch::Llama => "llama",
-        Arch::Qwen2 => "qwen2",
-        Arch::Qwen3 => "qwen3",
-    }
+    arch.name()
 }
 
 pub fn arch_from_name(name: &str) -> Option<Arch> {
-    match name {
-        "llama" => Some(Arch::Llama),
-        "qwen2" => Some(Arch::Qwen2),
-        "qwen3" => Some(Arch::Qwen3),
-        _ => None,
-    }
+    Arch::from_name(name)
 }

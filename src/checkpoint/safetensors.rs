@@ -9,7 +9,7 @@ use safetensors::tensor::{Dtype, SafeTensorError, SafeTensors};
 use serde_json::{Map, Value};
 
 use super::{Checkpoint, Format, MappedFile, TensorInfo, TokenizerSource};
-use crate::model::{Arch, ModelConfig, RopeScaling, names};
+use crate::model::{ModelConfig, RopeScaling, names};
 use crate::status::{Error, Result};
 use crate::tensor::DType;
 use crate::{bail, err};
@@ -286,7 +286,7 @@ pub fn parse_config(json: &Value, file: &str) -> Result<ModelConfig> {
         bail!(Unsupported, "{file}: hidden_act \"{act}\" is not supported (silu)");
     }
     let attention_bias = j.bool("attention_bias")?.unwrap_or(false);
-    if attention_bias && arch != Arch::Qwen2 {
+    if attention_bias && !arch.traits().qkv_bias {
         bail!(
             Unsupported,
             "{file}: attention_bias = true (biases on q/k/v and o_proj) is not supported for {model_type}"
@@ -336,12 +336,12 @@ pub fn parse_config(json: &Value, file: &str) -> Result<ModelConfig> {
         rope_interleaved: false,
         max_position: j.req_usize("max_position_embeddings")?,
         tied: j.bool("tie_word_embeddings")?.unwrap_or(false),
-        qkv_bias: arch == Arch::Qwen2,
-        qk_norm: arch == Arch::Qwen3,
+        qkv_bias: arch.traits().qkv_bias,
+        qk_norm: arch.traits().qk_norm,
         bos: j.token_id("bos_token_id")?,
         eos: j.token_id("eos_token_id")?,
     };
-    super::check_config(&config, file)?;
+    config.check(file)?;
     Ok(config)
 }
 

@@ -1,0 +1,221 @@
+//! The one place that calls the kernel launchers of `kernels.rs`: typed wrappers that take device
+//! pointers and shapes, queue the kernel on a stream and turn its status into a `Result`. None waits.
+//!
+//! Every pointer passed here is a device address (NULL only where a kernel takes none) inside an
+//! allocation the caller keeps alive until the stream has run the launch, and sized for the shapes
+//! passed with it: the GPU model's weight, scratch and KV allocations, or the placed embedding rows.
+// The launchers mirror the kernels' C signatures, argument for argument.
+#![allow(clippy::too_many_arguments)]
+
+use std::os::raw::{c_int, c_uint, c_void};
+use std::ptr;
+
+use super::RowsOnDevice;
+use super::weights::DeviceWeight;
+use crate::cuda;
+use crate::cudart::cudaStream_t;
+use crate::kernels as kn;
+use crate::sampler::Sampling;
+use crate::status::Result;
+use crate::tensor::DType;
+
+/// y[t] = w x[t] (+ bias) (+ residual[t]) for `n` inputs of `w.cols`; rows of y are `ldy` apart.
+pub(super) fn matvec(
+    w: &DeviceWeight,
+    x: *const f32,
+    n: usize,
+    bias: *const f32,
+    residual: *const f32,
+    y: *mut f32,
+    ldy: usize,
+    s: cudaStream_t,
+) -> Result<()> {
+    let (rows, cols) = (w.rows as c_uint, w.cols as c_uint);
+    // SAFETY: device pointers into live allocations sized for these shapes (see the module's note).
+    let code = unsafe {
+        kn::hostembed_matvec(w.ptr, w.dtype as c_int, rows, cols, x, n as c_uint, bias, residual, y, ldy as c_uint, s)
+    };
+    cuda::check(code, "hostembed_matvec")
+}
+
+/// y[t] = silu(gate x[t]) * (up x[t]), gate and up in one format.
+pub(super) fn matvec_swiglu(
+    gate: &DeviceWeight,
+    up: &DeviceWeight,
+    x: *const f32,
+    n: usize,
+    y: *mut f32,
+    s: cudaStream_t,
+) -> Result<()> {
+    let (dtype, rows, cols, n) = (gate.dtype as c_int, gate.rows as c_uint, gate.cols as c_uint, n as c_uint);
+    // SAFETY: device pointers into live allocations sized for these shapes (see the module's note).
+    let code = unsafe { kn::hostembed_matvec_swiglu(gate.ptr, up.ptr, dtype, rows, cols, x, n, y, s) };
+    cuda::check(code, "hostembed_matvec_swiglu")
+}
+
+/// out = silu(gate) * up over `len` values.
+pub(super) fn swiglu(gate: *const f32, up: *const f32, out: *mut f32, len: usize, s: cudaStream_t) -> Result<()> {
+    // SAFETY: device pointers to `len` floats each (see the module's note).
+    cuda::check(unsafe { kn::hostembed_swiglu(gate, up, out, len, s) }, "hostembed_swiglu")
+}
+
+/// RMSNorm of `rows` rows of `cols` values.
+pub(super) fn rmsnorm(
+    x: *const f32,
+    w: *const f32,
+    eps: f32,
+    out: *mut f32,
+    rows: usize,
+    cols: usize,
+    s: cudaStream_t,
+) -> Result<()> {
+    // SAFETY: device pointers to `rows` x `cols` floats (`cols` for `w`; see the module's note).
+    let code = unsafe { kn::hostembed_rmsnorm(x, w, eps, out, rows as c_uint, cols as c_uint, s) };
+    cuda::check(code, "hostembed_rmsnorm")
+}
+
+/// The shapes of one attention pass: `n` query tokens of one stream whose KV cache holds `window`.
+#[derive(Clone, Copy)]
+pub(super) struct AttentionShape {
+    pub n: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub window: usize,
+    /// Floats between one token's q/k/v row and the next's.
+    pub qkv_stride: usize,
+}
+
+/// Per-head q/k norm (when given), rotation of q and k, and K and V written into the caches at `pos`.
+pub(super) fn rope_kv(
+    qkv: *mut f32,
+    shape: AttentionShape,
+    pos: *const c_int,
+    inv_freq: *const f32,
+    interleaved: bool,
+    q_norm: Option<&DeviceWeight>,
+    k_norm: Option<&DeviceWeight>,
+    eps: f32,
+    k_cache: *mut c_void,
+    v_cache: *mut c_void,
+    s: cudaStream_t,
+) -> Result<()> {
+    let norm = |w: Option<&DeviceWeight>| w.map_or(ptr::null(), |w| w.f32_ptr());
+    let a = shape;
+    // SAFETY: device pointers into live allocations sized for these shapes (see the module's note).
+    let code = unsafe {
+        kn::hostembed_rope_kv(
+            qkv,
+            a.qkv_stride as c_uint,
+            a.n as c_uint,
+            pos,
+            a.heads as c_uint,
+            a.kv_heads as c_uint,
+            a.head_dim as c_uint,
+            inv_freq,
+            interleaved as c_int,
+            norm(q_norm),
+            norm(k_norm),
+            eps,
+            k_cache,
+            v_cache,
+            a.window as c_uint,
+            s,
+        )
+    };
+    cuda::check(code, "hostembed_rope_kv")
+}
+
+/// Attention of `n` queries over their stream's cache, split `splits` ways along the context.
+pub(super) fn attention(
+    q: *const f32,
+    shape: AttentionShape,
+    k_cache: *const c_void,
+    v_cache: *const c_void,
+    pos: *const c_int,
+    scale: f32,
+    splits: usize,
+    partial: *mut f32,
+    out: *mut f32,
+    s: cudaStream_t,
+) -> Result<()> {
+    let a = shape;
+    // SAFETY: device pointers into live allocations sized for these shapes (see the module's note).
+    let code = unsafe {
+        kn::hostembed_attention(
+            q,
+            a.qkv_stride as c_uint,
+            k_cache,
+            v_cache,
+            a.window as c_uint,
+            pos,
+            a.n as c_uint,
+            a.heads as c_uint,
+            a.kv_heads as c_uint,
+            a.head_dim as c_uint,
+            scale,
+            splits as c_uint,
+            partial,
+            out,
+            s,
+        )
+    };
+    cuda::check(code, "hostembed_attention")
+}
+
+/// The embedding rows of `n` ids into `out` as f32.
+pub(super) fn embed_gather(
+    rows: &RowsOnDevice,
+    ids: *const c_int,
+    n: usize,
+    out: *mut f32,
+    s: cudaStream_t,
+) -> Result<()> {
+    // SAFETY: `rows` describes the placed table, which outlives the model; `ids` and `out` are scratch.
+    let code = unsafe {
+        kn::hostembed_embed_gather(
+            rows.ptr,
+            rows.dtype as c_int,
+            rows.vocab as c_uint,
+            rows.cols as c_uint,
+            ids,
+            n as c_uint,
+            out as *mut c_void,
+            DType::F32 as c_int,
+            ptr::null_mut(),
+            s,
+        )
+    };
+    cuda::check(code, "hostembed_embed_gather")
+}
+
+/// Draws the next token from `vocab` logits into `token`; `scratch` holds 8 bytes a vocabulary entry.
+pub(super) fn sample(
+    logits: *const f32,
+    vocab: usize,
+    sampling: &Sampling,
+    stream_index: u32,
+    position: u64,
+    scratch: *mut c_void,
+    token: *mut c_int,
+    s: cudaStream_t,
+) -> Result<()> {
+    let &Sampling { temperature, top_k, top_p, seed } = sampling;
+    // SAFETY: device pointers into the scratch allocation, sized for `vocab` (see the module's note).
+    let code = unsafe {
+        kn::hostembed_sample(
+            logits,
+            vocab as c_uint,
+            temperature,
+            top_k,
+            top_p,
+            seed,
+            stream_index,
+            position,
+            scratch,
+            token,
+            s,
+        )
+    };
+    cuda::check(code, "hostembed_sample")
+}

@@ -1,0 +1,143 @@
+//! The weight allocation: every weight of the table but the embedding rows, laid out in one device
+//! allocation whose size `plan` predicts exactly, and handed out by role.
+
+use std::os::raw::c_void;
+use std::ptr;
+
+use super::Layout;
+use crate::cuda::{DeviceBuffer, StagedUploader};
+use crate::model::{LayerWeights, ModelWeights, TensorRef, TensorSource};
+use crate::status::Result;
+use crate::tensor::DType;
+
+/// A weight on the device: a matrix in its stored format, or a vector decoded to f32 (one row).
+#[derive(Clone, Copy, Debug)]
+pub(super) struct DeviceWeight {
+    pub ptr: *const c_void,
+    pub dtype: DType,
+    pub rows: usize,
+    pub cols: usize,
+}
+
+impl DeviceWeight {
+    pub(super) fn f32_ptr(&self) -> *const f32 {
+        self.ptr as *const f32
+    }
+}
+
+/// q, k and v as one matrix when they share a format (one launch), else three.
+pub(super) enum Qkv {
+    Fused(DeviceWeight),
+    Split([DeviceWeight; 3]),
+}
+
+/// Whether q, k and v share a region and are read as one matrix.
+fn qkv_fused(q: DType, k: DType, v: DType) -> bool {
+    q == k && k == v
+}
+
+/// One layer on the device: its weights by role, and q/k/v as the projection reads them.
+pub(super) struct GpuLayer {
+    pub w: LayerWeights<DeviceWeight>,
+    pub qkv: Qkv,
+}
+
+impl GpuLayer {
+    pub(super) fn new(w: LayerWeights<DeviceWeight>) -> GpuLayer {
+        let qkv = if qkv_fused(w.q.dtype, w.k.dtype, w.v.dtype) {
+            Qkv::Fused(DeviceWeight { rows: w.q.rows + w.k.rows + w.v.rows, ..w.q })
+        } else {
+            Qkv::Split([w.q, w.k, w.v])
+        };
+        GpuLayer { w, qkv }
+    }
+
+    /// The q, k and v biases back to back (f32), or NULL.
+    pub(super) fn qkv_bias(&self) -> *const f32 {
+        self.w.q_bias.map_or(ptr::null(), |b| b.f32_ptr())
+    }
+}
+
+/// A weight and where it goes in the weight allocation: matrices are copied as stored, vectors
+/// (norms, biases) decoded to f32.
+pub(super) struct Placed<'a> {
+    tensor: TensorRef<'a>,
+    offset: usize,
+}
+
+impl Placed<'_> {
+    fn decoded(&self) -> bool {
+        self.tensor.shape.len() == 1
+    }
+}
+
+fn device_bytes(t: &TensorRef) -> usize {
+    if t.shape.len() == 1 { t.cols() * 4 } else { t.bytes.len() }
+}
+
+impl Layout {
+    /// Places `t` in a region of its own, or right after the previous weight.
+    fn place<'a>(&mut self, t: TensorRef<'a>, after_previous: bool) -> Placed<'a> {
+        let bytes = device_bytes(&t);
+        let offset = if after_previous { self.append(bytes) } else { self.push(bytes) };
+        Placed { tensor: t, offset }
+    }
+}
+
+/// Where every weight the device holds goes (all but the embedding rows, which are placed apart).
+pub(super) struct WeightPlan<'a> {
+    pub layers: Vec<LayerWeights<Placed<'a>>>,
+    pub final_norm: Placed<'a>,
+    pub lm_head: Option<Placed<'a>>,
+    pub total: usize,
+}
+
+/// Reads and checks every weight of `src` (the weight table) and lays them out in one allocation.
+pub(super) fn plan(src: &dyn TensorSource) -> Result<WeightPlan<'_>> {
+    let w = ModelWeights::read(src)?;
+    let mut layout = Layout::default();
+    let layers = w.layers.into_iter().map(|l| place_layer(l, &mut layout)).collect();
+    let final_norm = layout.place(w.final_norm, false);
+    let lm_head = w.lm_head.map(|t| layout.place(t, false));
+    Ok(WeightPlan { layers, final_norm, lm_head, total: layout.total })
+}
+
+/// Each weight in its own region, except q, k, v of one format and the three biases, which the fused
+/// projection reads back to back.
+fn place_layer<'a>(l: LayerWeights<TensorRef<'a>>, layout: &mut Layout) -> LayerWeights<Placed<'a>> {
+    let fused = qkv_fused(l.q.dtype, l.k.dtype, l.v.dtype);
+    let attn_norm = layout.place(l.attn_norm, false);
+    let q = layout.place(l.q, false);
+    let k = layout.place(l.k, fused);
+    let v = layout.place(l.v, fused);
+    LayerWeights {
+        attn_norm,
+        q,
+        k,
+        v,
+        q_bias: l.q_bias.map(|t| layout.place(t, false)),
+        k_bias: l.k_bias.map(|t| layout.place(t, true)),
+        v_bias: l.v_bias.map(|t| layout.place(t, true)),
+        q_norm: l.q_norm.map(|t| layout.place(t, false)),
+        k_norm: l.k_norm.map(|t| layout.place(t, false)),
+        o: layout.place(l.o, false),
+        ffn_norm: layout.place(l.ffn_norm, false),
+        gate: layout.place(l.gate, false),
+        up: layout.place(l.up, false),
+        down: layout.place(l.down, false),
+    }
+}
+
+/// Copies one placed weight into `weights` and says where it is.
+pub(super) fn upload(weights: &DeviceBuffer, uploader: &mut StagedUploader, p: Placed) -> Result<DeviceWeight> {
+    let t = p.tensor;
+    let dtype = if p.decoded() {
+        weights.upload(&t.to_f32(), p.offset)?;
+        DType::F32
+    } else {
+        uploader.upload(weights, p.offset, t.bytes)?;
+        t.dtype
+    };
+    let ptr = (weights.ptr() as *const u8).wrapping_add(p.offset) as *const c_void;
+    Ok(DeviceWeight { ptr, dtype, rows: t.rows(), cols: t.cols() })
+}
