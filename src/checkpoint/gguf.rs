@@ -180,6 +180,7 @@ impl GgufValue {
     }
 
     /// Appends the value's type id and payload, as they appear after a key.
+    #[cfg(feature = "fixtures")]
     pub(crate) fn encode(&self, out: &mut Vec<u8>) {
         use GgufValue::*;
         fn array<T>(out: &mut Vec<u8>, elem: u32, items: &[T], mut put: impl FnMut(&mut Vec<u8>, &T)) {
@@ -225,6 +226,7 @@ impl GgufValue {
 }
 
 /// A GGUF string: u64 length, then UTF-8 bytes.
+#[cfg(feature = "fixtures")]
 pub(crate) fn put_string(out: &mut Vec<u8>, s: &str) {
     out.extend_from_slice(&(s.len() as u64).to_le_bytes());
     out.extend_from_slice(s.as_bytes());

@@ -4,6 +4,7 @@
 
 pub mod gguf;
 pub mod safetensors;
+#[cfg(feature = "fixtures")]
 pub mod write;
 
 use std::collections::BTreeMap;
