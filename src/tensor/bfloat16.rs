@@ -1,24 +1,9 @@
-//! bfloat16 (the top half of an f32), little-endian; encoded with round to nearest even.
-
 use half::bf16;
 
-use super::{DType, Dtype, Format, decode_value, encode_value};
+use super::float_format;
 
-pub struct Bf16;
-
-impl Format for Bf16 {
-    const DTYPE: DType = DType::Bf16;
-    const NAME: &'static str = "BF16";
-    const GGML_TYPE: u32 = 30;
-    const SAFETENSORS: Option<Dtype> = Some(Dtype::BF16);
-    type Block = [u8; 2];
-    const BLOCK_VALUES: usize = 1;
-
-    fn decode_block(block: &[u8], out: &mut [f32]) {
-        decode_value(block, out, |b| bf16::from_le_bytes(b).to_f32())
-    }
-
-    fn encode_block(values: &[f32], out: &mut Vec<u8>) {
-        encode_value(values, out, |v| bf16::from_f32(v).to_le_bytes())
-    }
+float_format! {
+    /// bfloat16 (the top half of an f32), little-endian; encoded with round to nearest even.
+    Bf16 { dtype: Bf16, name: "BF16", ggml_type: 30, safetensors: BF16, bytes: 2,
+           decode: |b| bf16::from_le_bytes(b).to_f32(), encode: |v| bf16::from_f32(v).to_le_bytes() }
 }

@@ -1,24 +1,9 @@
-//! IEEE binary16, little-endian; encoded with round to nearest even.
-
 use half::f16;
 
-use super::{DType, Dtype, Format, decode_value, encode_value};
+use super::float_format;
 
-pub struct F16;
-
-impl Format for F16 {
-    const DTYPE: DType = DType::F16;
-    const NAME: &'static str = "F16";
-    const GGML_TYPE: u32 = 1;
-    const SAFETENSORS: Option<Dtype> = Some(Dtype::F16);
-    type Block = [u8; 2];
-    const BLOCK_VALUES: usize = 1;
-
-    fn decode_block(block: &[u8], out: &mut [f32]) {
-        decode_value(block, out, |b| f16::from_le_bytes(b).to_f32())
-    }
-
-    fn encode_block(values: &[f32], out: &mut Vec<u8>) {
-        encode_value(values, out, |v| f16::from_f32(v).to_le_bytes())
-    }
+float_format! {
+    /// IEEE binary16, little-endian; encoded with round to nearest even.
+    F16 { dtype: F16, name: "F16", ggml_type: 1, safetensors: F16, bytes: 2,
+          decode: |b| f16::from_le_bytes(b).to_f32(), encode: |v| f16::from_f32(v).to_le_bytes() }
 }

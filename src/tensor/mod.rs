@@ -153,7 +153,36 @@ pub fn encode_row(dtype: DType, values: &[f32]) -> Vec<u8> {
     out
 }
 
-/// Floats are blocks of one value: the helpers their `decode_block` and `encode_block` share.
+/// A float format: blocks of one value of `$bytes` little-endian bytes, read by `$decode` and written
+/// by `$encode` (both on byte arrays).
+macro_rules! float_format {
+    ($(#[$doc:meta])* $ty:ident {
+        dtype: $dtype:ident, name: $name:literal, ggml_type: $ggml:literal, safetensors: $st:ident,
+        bytes: $bytes:literal, decode: $decode:expr, encode: $encode:expr $(,)?
+    }) => {
+        $(#[$doc])*
+        pub struct $ty;
+
+        impl $crate::tensor::Format for $ty {
+            const DTYPE: $crate::tensor::DType = $crate::tensor::DType::$dtype;
+            const NAME: &'static str = $name;
+            const GGML_TYPE: u32 = $ggml;
+            const SAFETENSORS: Option<safetensors::Dtype> = Some(safetensors::Dtype::$st);
+            type Block = [u8; $bytes];
+            const BLOCK_VALUES: usize = 1;
+
+            fn decode_block(block: &[u8], out: &mut [f32]) {
+                $crate::tensor::decode_value::<$bytes>(block, out, $decode)
+            }
+
+            fn encode_block(values: &[f32], out: &mut Vec<u8>) {
+                $crate::tensor::encode_value::<$bytes>(values, out, $encode)
+            }
+        }
+    };
+}
+use float_format;
+
 fn decode_value<const N: usize>(block: &[u8], out: &mut [f32], from_le: fn([u8; N]) -> f32) {
     out[0] = from_le(block.try_into().expect("one value's bytes"));
 }
