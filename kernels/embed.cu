@@ -2,9 +2,7 @@
 // the aligned granules that cover it, so every format (Q8_0 rows are only 2-byte aligned) and every
 // placement takes the same wide path, and a whole row of up to 32 KiB is in flight at once: one
 // PCIe round trip per row when the rows live in host memory.
-#include "hostembed_kernels.cuh"
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
+#include "formats.cuh"
 #include <stdint.h>
 
 namespace {
@@ -16,47 +14,19 @@ constexpr unsigned kStageBytes = kStageGranules * 16;
 // Granules covering a span start and end inside an aligned granule: up to 15 bytes more each side.
 constexpr unsigned kChunkSpanBytes = kStageBytes - 32;
 
-// Bytes and values of the smallest whole piece of a row: one value, or one Q8_0 block.
-template <int DT> struct Unit;
-template <> struct Unit<HE_DTYPE_F32> { static constexpr unsigned bytes = 4, values = 1; };
-template <> struct Unit<HE_DTYPE_F16> { static constexpr unsigned bytes = 2, values = 1; };
-template <> struct Unit<HE_DTYPE_BF16> { static constexpr unsigned bytes = 2, values = 1; };
-template <> struct Unit<HE_DTYPE_Q8_0> { static constexpr unsigned bytes = 34, values = 32; };
-
-__device__ __forceinline__ unsigned short u16_at(const unsigned char *s) {
-    return (unsigned short)(s[0] | (s[1] << 8));
-}
-
-// Value `v` of a staged span that starts at `s`, decoded exactly as src/tensor.rs's decode_row does.
-template <int DT> __device__ __forceinline__ float value_at(const unsigned char *s, unsigned v) {
-    if constexpr (DT == HE_DTYPE_F32) {
-        const unsigned char *p = s + 4 * v;
-        return __uint_as_float((unsigned)p[0] | ((unsigned)p[1] << 8) | ((unsigned)p[2] << 16) | ((unsigned)p[3] << 24));
-    } else if constexpr (DT == HE_DTYPE_F16) {
-        return __half2float(__ushort_as_half(u16_at(s + 2 * v)));
-    } else if constexpr (DT == HE_DTYPE_BF16) {
-        return __bfloat162float(__ushort_as_bfloat16(u16_at(s + 2 * v)));
-    } else {
-        const unsigned char *block = s + (v / 32) * 34;
-        float scale = __half2float(__ushort_as_half(u16_at(block)));
-        // One rounded product, no fused add: the same f32 the CPU computes.
-        return __fmul_rn(scale, (float)(signed char)block[2 + v % 32]);
-    }
-}
-
 // Writes `count` values of a staged span to `o`, 16 bytes a store where the output allows it.
-template <int DT, int OUT>
+template <typename F, int OUT>
 __device__ __forceinline__ void write_values(const unsigned char *s, void *o, unsigned count) {
     if constexpr (OUT == HE_DTYPE_F32) {
         float *of = (float *)o;
         if (((uintptr_t)of & 15) == 0 && count % 4 == 0) {
             for (unsigned g = threadIdx.x; g < count / 4; g += blockDim.x) {
-                float4 x = make_float4(value_at<DT>(s, 4 * g), value_at<DT>(s, 4 * g + 1), value_at<DT>(s, 4 * g + 2),
-                                       value_at<DT>(s, 4 * g + 3));
+                float4 x = make_float4(F::value(s, 4 * g), F::value(s, 4 * g + 1), F::value(s, 4 * g + 2),
+                                       F::value(s, 4 * g + 3));
                 ((float4 *)of)[g] = x;
             }
         } else {
-            for (unsigned v = threadIdx.x; v < count; v += blockDim.x) of[v] = value_at<DT>(s, v);
+            for (unsigned v = threadIdx.x; v < count; v += blockDim.x) of[v] = F::value(s, v);
         }
     } else {
         __nv_bfloat16 *ob = (__nv_bfloat16 *)o;
@@ -64,7 +34,7 @@ __device__ __forceinline__ void write_values(const unsigned char *s, void *o, un
             for (unsigned g = threadIdx.x; g < count / 8; g += blockDim.x) {
                 unsigned short h[8];
 #pragma unroll
-                for (unsigned k = 0; k < 8; k++) h[k] = __bfloat16_as_ushort(__float2bfloat16_rn(value_at<DT>(s, 8 * g + k)));
+                for (unsigned k = 0; k < 8; k++) h[k] = __bfloat16_as_ushort(__float2bfloat16_rn(F::value(s, 8 * g + k)));
                 uint4 x;
                 x.x = h[0] | ((unsigned)h[1] << 16);
                 x.y = h[2] | ((unsigned)h[3] << 16);
@@ -73,7 +43,7 @@ __device__ __forceinline__ void write_values(const unsigned char *s, void *o, un
                 ((uint4 *)ob)[g] = x;
             }
         } else {
-            for (unsigned v = threadIdx.x; v < count; v += blockDim.x) ob[v] = __float2bfloat16_rn(value_at<DT>(s, v));
+            for (unsigned v = threadIdx.x; v < count; v += blockDim.x) ob[v] = __float2bfloat16_rn(F::value(s, v));
         }
     }
 }
@@ -91,13 +61,13 @@ template <int OUT> __device__ __forceinline__ void write_zeros(void *out, size_t
 
 // Block (x, y) gathers ids x, x + gridDim.x, ... and within each row the pieces of `piece_values` values
 // y, y + gridDim.y, ...: a few ids spread each row over several SMs, so more of it is in flight at once.
-template <int DT, int OUT>
+template <typename F, int OUT>
 __global__ void __launch_bounds__(kThreads) embed_gather(const unsigned char *__restrict__ rows, unsigned vocab,
                                                            unsigned cols, size_t row_bytes, unsigned piece_values,
                                                            const int *__restrict__ ids, unsigned n,
                                                            void *__restrict__ out, int *bad) {
     __shared__ uint4 stage[kStageGranules];
-    constexpr unsigned unit_bytes = Unit<DT>::bytes, unit_values = Unit<DT>::values;
+    constexpr unsigned unit_bytes = F::BLOCK_BYTES, unit_values = F::BLOCK_VALUES;
     const size_t out_size = OUT == HE_DTYPE_F32 ? 4 : 2;
 
     for (unsigned i = blockIdx.x; i < n; i += gridDim.x) {
@@ -129,7 +99,7 @@ __global__ void __launch_bounds__(kThreads) embed_gather(const unsigned char *__
             }
             __syncthreads();
             const unsigned char *s = (const unsigned char *)stage + (start & 15);
-            write_values<DT, OUT>(s, (unsigned char *)out + ((size_t)i * cols + v0) * out_size, count);
+            write_values<F, OUT>(s, (unsigned char *)out + ((size_t)i * cols + v0) * out_size, count);
             __syncthreads();
         }
     }
@@ -140,17 +110,18 @@ constexpr unsigned kSplitBelowIds = 64;
 // A piece of a split row: 2 KiB, 128 loads of 16 bytes.
 constexpr unsigned kSplitPieceBytes = 2048;
 
-template <int DT>
+template <typename F>
 cudaError_t launch(const void *rows, unsigned vocab, unsigned cols, size_t row_bytes, const int *ids, unsigned n,
                    void *out, int out_dtype, int *bad, cudaStream_t stream) {
-    constexpr unsigned unit_bytes = Unit<DT>::bytes, unit_values = Unit<DT>::values;
-    // Pieces are whole multiples of 32 values: whole Q8_0 blocks, and 16-byte aligned outputs.
-    const unsigned max_piece = kChunkSpanBytes / unit_bytes * unit_values / 32 * 32;
+    constexpr unsigned unit_bytes = F::BLOCK_BYTES, unit_values = F::BLOCK_VALUES;
+    // Pieces are whole blocks of every format, and multiples of 8 values: 16-byte aligned outputs.
+    constexpr unsigned piece_values = he::LARGEST_BLOCK_VALUES > 8 ? he::LARGEST_BLOCK_VALUES : 8;
+    const unsigned max_piece = kChunkSpanBytes / unit_bytes * unit_values / piece_values * piece_values;
     unsigned piece = max_piece, pieces = 1;
     if (n < kSplitBelowIds && row_bytes > kSplitPieceBytes) {
         const unsigned want = (unsigned)((row_bytes + kSplitPieceBytes - 1) / kSplitPieceBytes);
         piece = (cols + want - 1) / want;
-        piece = (piece + 31) / 32 * 32;
+        piece = (piece + piece_values - 1) / piece_values * piece_values;
         if (piece > max_piece) piece = max_piece;
     }
     pieces = (cols + piece - 1) / piece;
@@ -158,9 +129,9 @@ cudaError_t launch(const void *rows, unsigned vocab, unsigned cols, size_t row_b
     const dim3 grid(n < 65535u ? n : 65535u, n < kSplitBelowIds ? pieces : 1);
     const unsigned char *r = (const unsigned char *)rows;
     if (out_dtype == HE_DTYPE_F32)
-        embed_gather<DT, HE_DTYPE_F32><<<grid, kThreads, 0, stream>>>(r, vocab, cols, row_bytes, piece, ids, n, out, bad);
+        embed_gather<F, HE_DTYPE_F32><<<grid, kThreads, 0, stream>>>(r, vocab, cols, row_bytes, piece, ids, n, out, bad);
     else
-        embed_gather<DT, HE_DTYPE_BF16><<<grid, kThreads, 0, stream>>>(r, vocab, cols, row_bytes, piece, ids, n, out, bad);
+        embed_gather<F, HE_DTYPE_BF16><<<grid, kThreads, 0, stream>>>(r, vocab, cols, row_bytes, piece, ids, n, out, bad);
     return cudaGetLastError();
 }
 
@@ -172,13 +143,11 @@ extern "C" cudaError_t hostembed_embed_gather(const void *rows, int dtype, unsig
     if (n == 0) return cudaSuccess;
     if (rows == nullptr || ids == nullptr || out == nullptr || cols == 0) return cudaErrorInvalidValue;
     if (out_dtype != HE_DTYPE_F32 && out_dtype != HE_DTYPE_BF16) return cudaErrorInvalidValue;
-    switch (dtype) {
-        case HE_DTYPE_F32: return launch<HE_DTYPE_F32>(rows, vocab, cols, (size_t)cols * 4, ids, n, out, out_dtype, bad, stream);
-        case HE_DTYPE_F16: return launch<HE_DTYPE_F16>(rows, vocab, cols, (size_t)cols * 2, ids, n, out, out_dtype, bad, stream);
-        case HE_DTYPE_BF16: return launch<HE_DTYPE_BF16>(rows, vocab, cols, (size_t)cols * 2, ids, n, out, out_dtype, bad, stream);
-        case HE_DTYPE_Q8_0:
-            if (cols % 32 != 0) return cudaErrorInvalidValue;
-            return launch<HE_DTYPE_Q8_0>(rows, vocab, cols, (size_t)cols / 32 * 34, ids, n, out, out_dtype, bad, stream);
-        default: return cudaErrorInvalidValue;
-    }
+    cudaError_t err = cudaErrorInvalidValue;
+    he::with_format(dtype, [&](auto format) {
+        using F = decltype(format);
+        const size_t row_bytes = he::row_bytes<F>(cols);
+        if (row_bytes != 0) err = launch<F>(rows, vocab, cols, row_bytes, ids, n, out, out_dtype, bad, stream);
+    });
+    return err;
 }

@@ -5,7 +5,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-// Row and weight formats, the values of src/tensor.rs's DType.
+// Row and weight formats, the values of src/tensor/'s DType; kernels/formats.cuh has their traits.
 #define HE_DTYPE_F32 0
 #define HE_DTYPE_F16 1
 #define HE_DTYPE_BF16 2
@@ -90,7 +90,6 @@ cudaError_t hostembed_device_name(int device, char *name, size_t len);
 
 namespace he {
 
-__device__ __forceinline__ float bf16_bits_to_f32(unsigned int h) { return __uint_as_float(h << 16); }
 // The low and high bf16 of a 32-bit word.
 __device__ __forceinline__ float bf16_lo(unsigned int w) { return __uint_as_float(w << 16); }
 __device__ __forceinline__ float bf16_hi(unsigned int w) { return __uint_as_float(w & 0xffff0000u); }

@@ -13,10 +13,12 @@ if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && ! h
   echo "note: a GPU is present but no nvcc was found; scripts/install-cuda.sh installs one. Decoding on the CPU."
 fi
 
-cargo build --release --lib
 if [ ! -f models/tiny/model.safetensors ] || [ ! -f models/tiny.gguf ]; then
   cargo run --release --example gen_tiny -- models
 fi
+# After the generator: examples build the library with the checkpoint writers (feature "fixtures"),
+# and the C example must link the library as shipped.
+cargo build --release --lib
 
 cc -std=c99 -O2 -Wall -Wextra -Werror -pedantic -Iinclude examples/decode.c \
   -Ltarget/release -lhostembed -Wl,-rpath,'$ORIGIN' -o target/release/decode

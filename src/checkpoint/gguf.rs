@@ -10,7 +10,7 @@ use std::path::Path;
 use super::{Checkpoint, Format, MappedFile, ROPE_FREQS, TensorInfo, TokenizerSource};
 use crate::model::{ModelConfig, RopeScaling, names};
 use crate::status::Result;
-use crate::tensor::DType;
+use crate::tensor::{DType, supported_names};
 use crate::{bail, err};
 
 pub const MAGIC: &[u8; 4] = b"GGUF";
@@ -19,37 +19,12 @@ pub const DEFAULT_ALIGNMENT: u64 = 32;
 /// A GGUF tensor has at most this many dimensions (ggml's limit).
 pub const MAX_DIMS: usize = 4;
 
-/// ggml type ids of the formats this crate reads.
-pub const GGML_F32: u32 = 0;
-pub const GGML_F16: u32 = 1;
-pub const GGML_Q8_0: u32 = 8;
-pub const GGML_BF16: u32 = 30;
-
 /// Keys this crate writes for Llama 3 rope scaling, which GGUF has no keys for (llama.cpp's converter
 /// writes a `rope_freqs.weight` tensor instead; both are written, and the reader checks they agree).
 pub const KEY_LLAMA3_FACTOR: &str = "hostembed.rope.llama3.factor";
 pub const KEY_LLAMA3_LOW: &str = "hostembed.rope.llama3.low_freq_factor";
 pub const KEY_LLAMA3_HIGH: &str = "hostembed.rope.llama3.high_freq_factor";
 pub const KEY_LLAMA3_ORIGINAL: &str = "hostembed.rope.llama3.original_context_length";
-
-pub fn ggml_type_of(dtype: DType) -> u32 {
-    match dtype {
-        DType::F32 => GGML_F32,
-        DType::F16 => GGML_F16,
-        DType::Q8_0 => GGML_Q8_0,
-        DType::Bf16 => GGML_BF16,
-    }
-}
-
-pub fn dtype_of_ggml(ggml_type: u32) -> Option<DType> {
-    match ggml_type {
-        GGML_F32 => Some(DType::F32),
-        GGML_F16 => Some(DType::F16),
-        GGML_Q8_0 => Some(DType::Q8_0),
-        GGML_BF16 => Some(DType::Bf16),
-        _ => None,
-    }
-}
 
 /// Names of the ggml types a file may hold, for messages about the ones this crate does not read.
 fn ggml_type_name(ggml_type: u32) -> Option<&'static str> {
@@ -205,6 +180,7 @@ impl GgufValue {
     }
 
     /// Appends the value's type id and payload, as they appear after a key.
+    #[cfg(feature = "fixtures")]
     pub(crate) fn encode(&self, out: &mut Vec<u8>) {
         use GgufValue::*;
         fn array<T>(out: &mut Vec<u8>, elem: u32, items: &[T], mut put: impl FnMut(&mut Vec<u8>, &T)) {
@@ -250,6 +226,7 @@ impl GgufValue {
 }
 
 /// A GGUF string: u64 length, then UTF-8 bytes.
+#[cfg(feature = "fixtures")]
 pub(crate) fn put_string(out: &mut Vec<u8>, s: &str) {
     out.extend_from_slice(&(s.len() as u64).to_le_bytes());
     out.extend_from_slice(s.as_bytes());
@@ -509,9 +486,9 @@ fn tensor_extent(
     data_start: usize,
     file_len: usize,
 ) -> Result<(DType, usize, usize)> {
-    let Some(dtype) = dtype_of_ggml(ggml_type) else {
+    let Some(dtype) = DType::from_ggml_type(ggml_type) else {
         match ggml_type_name(ggml_type) {
-            Some(t) => bail!(Unsupported, "{file}: tensor {name} has type {t}; supported: F32, F16, BF16, Q8_0"),
+            Some(t) => bail!(Unsupported, "{file}: tensor {name} has type {t}; supported: {}", supported_names()),
             None => bail!(BadModel, "{file}: tensor {name} has unknown type {ggml_type}"),
         }
     };

@@ -4,6 +4,7 @@
 
 pub mod gguf;
 pub mod safetensors;
+#[cfg(feature = "fixtures")]
 pub mod write;
 
 use std::collections::BTreeMap;
@@ -14,7 +15,7 @@ use memmap2::Mmap;
 
 use crate::model::{self, Arch, ModelConfig, RopeScaling, TensorRef, TensorSource, names};
 use crate::status::Result;
-use crate::tensor::DType;
+use crate::tensor::{DType, supported_names};
 use crate::{bail, err};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -217,7 +218,7 @@ pub(crate) fn check_tensors(
     for (name, shape) in expected_tensors(cfg) {
         let Some(t) = tensors.get(&name) else {
             if let Some(dtype) = unsupported.get(&name) {
-                bail!(Unsupported, "{location}: tensor {name} has dtype {dtype}; supported: F32, F16, BF16, Q8_0");
+                bail!(Unsupported, "{location}: tensor {name} has dtype {dtype}; supported: {}", supported_names());
             }
             bail!(BadModel, "{location}: tensor {name} is missing");
         };

@@ -5,7 +5,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Component, Path, PathBuf};
 
-use safetensors::tensor::{Dtype, SafeTensorError, SafeTensors};
+use safetensors::tensor::{SafeTensorError, SafeTensors};
 use serde_json::{Map, Value};
 
 use super::{Checkpoint, Format, MappedFile, TensorInfo, TokenizerSource};
@@ -46,14 +46,9 @@ pub fn open_folder(dir: &Path) -> Result<Checkpoint> {
         let data_start = 8 + header_len;
         for name in metadata.offset_keys() {
             let info = metadata.info(&name).expect("offset_keys come from the metadata");
-            let dtype = match info.dtype {
-                Dtype::F32 => DType::F32,
-                Dtype::F16 => DType::F16,
-                Dtype::BF16 => DType::Bf16,
-                other => {
-                    unsupported.insert(name, other.to_string());
-                    continue;
-                }
+            let Some(dtype) = DType::from_safetensors(info.dtype) else {
+                unsupported.insert(name, info.dtype.to_string());
+                continue;
             };
             if let Some(first) = tensors.get(&name) {
                 let other = shards[first.file].display();

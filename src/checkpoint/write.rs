@@ -18,6 +18,7 @@ pub use super::gguf::GgufValue;
 use super::gguf::{self, DEFAULT_ALIGNMENT};
 use super::{ROPE_FREQS, arch_name, expected_tensors, llama3_rope_factors};
 use crate::model::{Arch, ModelConfig, RopeScaling, names};
+use crate::sampler::splitmix64;
 use crate::status::Result;
 use crate::tensor::{DType, encode_row};
 use crate::{bail, err};
@@ -81,13 +82,6 @@ pub fn stored_bytes(dtype: DType, shape: &[usize]) -> Option<usize> {
 // ---------------------------------------------------------------------------------------------------
 // The synthetic weight formula.
 
-pub fn splitmix64(x: u64) -> u64 {
-    let mut z = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
-
 pub fn fnv1a64(bytes: &[u8]) -> u64 {
     bytes.iter().fold(0xCBF2_9CE4_8422_2325, |h, &b| (h ^ b as u64).wrapping_mul(0x100_0000_01B3))
 }
@@ -145,7 +139,7 @@ pub fn synthetic_element(name: &str, shape: &[usize], seed: u64, i: usize) -> f3
 }
 
 /// The format a synthetic tensor is stored in: F32 for norms and biases, else `matrix_dtype`, except
-/// Q8_0 for rows that are not whole blocks of 32, which fall back to F16 as llama.cpp's converter does.
+/// Q8_0 for rows that are not whole Q8_0 blocks, which fall back to F16 as llama.cpp's converter does.
 pub fn synthetic_dtype(name: &str, shape: &[usize], matrix_dtype: DType) -> DType {
     if Synthetic::new(name, shape, 0).is_vector() {
         DType::F32
@@ -276,12 +270,7 @@ enum StData<'a> {
 }
 
 fn st_dtype(dtype: DType) -> Option<Dtype> {
-    match dtype {
-        DType::F32 => Some(Dtype::F32),
-        DType::F16 => Some(Dtype::F16),
-        DType::Bf16 => Some(Dtype::BF16),
-        DType::Q8_0 => None,
-    }
+    dtype.format().safetensors
 }
 
 impl View for StTensor<'_> {
@@ -373,8 +362,8 @@ pub fn write_hf_folder(dir: &Path, cfg: &ModelConfig, tensors: &[OwnedTensor], s
 /// `write_hf_folder` for `synthetic_weights(cfg, seed, dtype)`, one tensor generated at a time as the
 /// file is written, so a model far larger than memory can be written.
 pub fn write_synthetic_hf(dir: &Path, cfg: &ModelConfig, seed: u64, dtype: DType) -> Result<()> {
-    if dtype == DType::Q8_0 {
-        bail!(InvalidArgument, "Q8_0 cannot be stored in safetensors");
+    if st_dtype(dtype).is_none() {
+        bail!(InvalidArgument, "{} cannot be stored in safetensors", dtype.name());
     }
     write_config(dir, cfg)?;
     let shapes = expected_tensors(cfg);
@@ -636,7 +625,7 @@ fn write_gguf_entries(
         for d in e.shape.iter().rev() {
             header.extend_from_slice(&(*d as u64).to_le_bytes());
         }
-        header.extend_from_slice(&gguf::ggml_type_of(e.dtype).to_le_bytes());
+        header.extend_from_slice(&e.dtype.ggml_type().to_le_bytes());
         header.extend_from_slice(&(offset as u64).to_le_bytes());
         sizes.push(bytes);
         offset = (offset + bytes).next_multiple_of(align);

@@ -7,6 +7,7 @@ use hostembed::engine::engine_options;
 use hostembed::ffi;
 use hostembed::model::ModelConfig;
 use hostembed::placement::engine_memory;
+use hostembed::sampler::splitmix64;
 use hostembed::status::last_error;
 use hostembed::tensor::DType;
 use std::path::{Path, PathBuf};
@@ -38,11 +39,9 @@ impl Rng {
     }
 
     pub fn next_u64(&mut self) -> u64 {
+        let out = splitmix64(self.0);
         self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
+        out
     }
 
     /// Uniform in [-1, 1).

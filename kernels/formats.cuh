@@ -1,0 +1,61 @@
+// The weight formats on the device: one traits struct per format (kernels/formats/), and the one list
+// that maps a runtime HE_DTYPE_* to its traits. A format's traits provide:
+//   ID, BLOCK_VALUES, BLOCK_BYTES        the block layout (src/tensor/ has the same)
+//   value(row, v)                        value v of a row at any alignment (the gather, odd shapes)
+//   Chunk, CHUNK_VALUES, chunks_fit(w, cols), slots(cols), whole_slots(cols), has(slot, cols),
+//   column(slot), load_chunk(row, first, ahead), decode(chunk, floats)
+//                                        how the matrix-vector product streams a row: lane slots, each
+//                                        CHUNK_VALUES values from column(slot); slots below whole_slots
+//                                        all exist, the others where has() says so.
+#pragma once
+#include "formats/float.cuh"
+#include "formats/q8_0.cuh"
+
+namespace he {
+
+// Calls fn(Format{}) with the traits of format `dtype`; false when no format has that id.
+template <typename Fn>
+bool with_format(int dtype, Fn &&fn) {
+    switch (dtype) {
+    case FormatF32::ID: fn(FormatF32{}); return true;
+    case FormatF16::ID: fn(FormatF16{}); return true;
+    case FormatBF16::ID: fn(FormatBF16{}); return true;
+    case FormatQ8_0::ID: fn(FormatQ8_0{}); return true;
+    default: return false;
+    }
+}
+
+// The largest block of any format in with_format's list: pieces of a row that are multiples of it are
+// whole blocks in every format.
+constexpr unsigned int LARGEST_BLOCK_VALUES = [] {
+    unsigned int m = 0;
+    for (unsigned int v : {FormatF32::BLOCK_VALUES, FormatF16::BLOCK_VALUES, FormatBF16::BLOCK_VALUES,
+                           FormatQ8_0::BLOCK_VALUES})
+        m = v > m ? v : m;
+    return m;
+}();
+
+// Bytes of a row of `cols` values; 0 when cols is not a whole number of blocks.
+template <typename F>
+size_t row_bytes(unsigned int cols) {
+    return cols % F::BLOCK_VALUES == 0 ? (size_t)(cols / F::BLOCK_VALUES) * F::BLOCK_BYTES : 0;
+}
+
+// Any format read one value per slot through value(): for rows the chunked layout does not fit.
+template <typename F>
+struct ByValue {
+    static constexpr int ID = F::ID;
+    static constexpr unsigned BLOCK_VALUES = F::BLOCK_VALUES, BLOCK_BYTES = F::BLOCK_BYTES;
+    using Chunk = float;
+    static constexpr int CHUNK_VALUES = 1;
+    static __device__ __forceinline__ unsigned int slots(unsigned int cols) { return cols; }
+    static __device__ __forceinline__ unsigned int whole_slots(unsigned int cols) { return cols; }
+    static __device__ __forceinline__ bool has(unsigned int, unsigned int) { return true; }
+    static __device__ __forceinline__ size_t column(unsigned int slot) { return slot; }
+    static __device__ __forceinline__ Chunk load_chunk(const unsigned char *row, unsigned int first, unsigned int ahead) {
+        return F::value(row, first + ahead);
+    }
+    static __device__ __forceinline__ void decode(Chunk c, float *f) { f[0] = c; }
+};
+
+}  // namespace he

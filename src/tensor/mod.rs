@@ -1,0 +1,225 @@
+//! Tensor element formats: one type per format (its block layout, decode and encode of a row, its ids
+//! in GGUF, safetensors and the C enum), and [`FORMATS`], the one list every table of formats reads.
+//! kernels/formats/ holds the device side of the same formats.
+
+use safetensors::Dtype;
+
+mod bfloat16;
+mod float16;
+mod float32;
+mod q8_0;
+
+pub use self::bfloat16::Bf16;
+pub use self::float16::F16;
+pub use self::float32::F32;
+pub use self::q8_0::{BlockQ8_0, Q8_0};
+
+/// Row and weight formats. Values match HE_DTYPE_* in kernels/hostembed_kernels.cuh.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[allow(non_camel_case_types)]
+pub enum engine_dtype {
+    F32 = 0,
+    F16 = 1,
+    Bf16 = 2,
+    /// GGUF Q8_0: blocks of 32 values, a little-endian f16 scale then 32 int8 (34 bytes).
+    Q8_0 = 3,
+}
+
+pub use engine_dtype as DType;
+
+/// One weight format. A row is a whole number of blocks, each `BLOCK_VALUES` values stored as
+/// `size_of::<Block>()` bytes, little-endian.
+pub trait Format {
+    /// The C enum value.
+    const DTYPE: DType;
+    /// The name messages and GGUF use.
+    const NAME: &'static str;
+    /// ggml's type id in a GGUF tensor info.
+    const GGML_TYPE: u32;
+    /// The safetensors dtype; None when safetensors has no such dtype.
+    const SAFETENSORS: Option<Dtype>;
+    /// One block as stored; its size is the block's size in a file.
+    type Block;
+    const BLOCK_VALUES: usize;
+
+    /// Decodes one block's bytes into `out` (`BLOCK_VALUES` values).
+    fn decode_block(block: &[u8], out: &mut [f32]);
+    /// Appends `values` (`BLOCK_VALUES` of them) encoded as one block.
+    fn encode_block(values: &[f32], out: &mut Vec<u8>);
+}
+
+/// A format as a value: what [`FORMATS`] lists and [`DType::format`] returns.
+#[derive(Debug)]
+pub struct FormatInfo {
+    pub dtype: DType,
+    pub name: &'static str,
+    pub ggml_type: u32,
+    pub safetensors: Option<Dtype>,
+    pub block_values: usize,
+    pub block_bytes: usize,
+    decode_row: fn(&[u8], &mut [f32]),
+    encode_row: fn(&[f32], &mut Vec<u8>),
+}
+
+impl FormatInfo {
+    const fn of<F: Format>() -> FormatInfo {
+        FormatInfo {
+            dtype: F::DTYPE,
+            name: F::NAME,
+            ggml_type: F::GGML_TYPE,
+            safetensors: F::SAFETENSORS,
+            block_values: F::BLOCK_VALUES,
+            block_bytes: size_of::<F::Block>(),
+            decode_row: decode_blocks::<F>,
+            encode_row: encode_blocks::<F>,
+        }
+    }
+}
+
+/// Every format this crate reads, in the C enum's order.
+pub static FORMATS: [FormatInfo; 4] =
+    [FormatInfo::of::<F32>(), FormatInfo::of::<F16>(), FormatInfo::of::<Bf16>(), FormatInfo::of::<Q8_0>()];
+
+// DType::format indexes FORMATS by the enum value.
+const _: () = {
+    let order = [F32::DTYPE, F16::DTYPE, Bf16::DTYPE, Q8_0::DTYPE];
+    let mut i = 0;
+    while i < order.len() {
+        assert!(order[i] as usize == i, "FORMATS is not in the C enum's order");
+        i += 1;
+    }
+};
+
+fn decode_blocks<F: Format>(bytes: &[u8], out: &mut [f32]) {
+    for (o, block) in out.chunks_exact_mut(F::BLOCK_VALUES).zip(bytes.chunks_exact(size_of::<F::Block>())) {
+        F::decode_block(block, o);
+    }
+}
+
+fn encode_blocks<F: Format>(values: &[f32], out: &mut Vec<u8>) {
+    values.chunks_exact(F::BLOCK_VALUES).for_each(|block| F::encode_block(block, out));
+}
+
+impl DType {
+    pub fn format(self) -> &'static FormatInfo {
+        &FORMATS[self as usize]
+    }
+
+    /// Bytes of a row of `cols` values; None when `cols` is not a whole number of blocks.
+    pub fn row_bytes(self, cols: usize) -> Option<usize> {
+        let f = self.format();
+        cols.is_multiple_of(f.block_values).then(|| cols / f.block_values).and_then(|b| b.checked_mul(f.block_bytes))
+    }
+
+    pub fn name(self) -> &'static str {
+        self.format().name
+    }
+
+    pub fn ggml_type(self) -> u32 {
+        self.format().ggml_type
+    }
+
+    pub fn from_ggml_type(ggml_type: u32) -> Option<DType> {
+        FORMATS.iter().find(|f| f.ggml_type == ggml_type).map(|f| f.dtype)
+    }
+
+    pub fn from_safetensors(dtype: Dtype) -> Option<DType> {
+        FORMATS.iter().find(|f| f.safetensors == Some(dtype)).map(|f| f.dtype)
+    }
+}
+
+/// The formats' names for messages about one this crate does not read: "F32, F16, BF16, Q8_0".
+pub fn supported_names() -> String {
+    FORMATS.iter().map(|f| f.name).collect::<Vec<_>>().join(", ")
+}
+
+/// Decodes one row's bytes (exactly `row_bytes(out.len())` of them) into f32.
+pub fn decode_row(dtype: DType, bytes: &[u8], out: &mut [f32]) {
+    assert_eq!(
+        Some(bytes.len()),
+        dtype.row_bytes(out.len()),
+        "row bytes do not match {} x {}",
+        out.len(),
+        dtype.name()
+    );
+    (dtype.format().decode_row)(bytes, out)
+}
+
+/// Encodes f32 values in `dtype` (round to nearest even; Q8_0 as llama.cpp quantizes: scale = max|x|/127).
+pub fn encode_row(dtype: DType, values: &[f32]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(dtype.row_bytes(values.len()).expect("rows are whole blocks"));
+    (dtype.format().encode_row)(values, &mut out);
+    out
+}
+
+/// A float format: blocks of one value of `$bytes` little-endian bytes, read by `$decode` and written
+/// by `$encode` (both on byte arrays).
+macro_rules! float_format {
+    ($(#[$doc:meta])* $ty:ident {
+        dtype: $dtype:ident, name: $name:literal, ggml_type: $ggml:literal, safetensors: $st:ident,
+        bytes: $bytes:literal, decode: $decode:expr, encode: $encode:expr $(,)?
+    }) => {
+        $(#[$doc])*
+        pub struct $ty;
+
+        impl $crate::tensor::Format for $ty {
+            const DTYPE: $crate::tensor::DType = $crate::tensor::DType::$dtype;
+            const NAME: &'static str = $name;
+            const GGML_TYPE: u32 = $ggml;
+            const SAFETENSORS: Option<safetensors::Dtype> = Some(safetensors::Dtype::$st);
+            type Block = [u8; $bytes];
+            const BLOCK_VALUES: usize = 1;
+
+            fn decode_block(block: &[u8], out: &mut [f32]) {
+                $crate::tensor::decode_value::<$bytes>(block, out, $decode)
+            }
+
+            fn encode_block(values: &[f32], out: &mut Vec<u8>) {
+                $crate::tensor::encode_value::<$bytes>(values, out, $encode)
+            }
+        }
+    };
+}
+use float_format;
+
+fn decode_value<const N: usize>(block: &[u8], out: &mut [f32], from_le: fn([u8; N]) -> f32) {
+    out[0] = from_le(block.try_into().expect("one value's bytes"));
+}
+
+fn encode_value<const N: usize>(values: &[f32], out: &mut Vec<u8>, to_le: fn(f32) -> [u8; N]) {
+    out.extend_from_slice(&to_le(values[0]));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn row_bytes_refuses_partial_q8_0_blocks() {
+        assert_eq!(DType::Q8_0.row_bytes(Q8_0::BLOCK_VALUES + 1), None);
+        assert_eq!(DType::Bf16.row_bytes(5120), Some(10240));
+    }
+
+    #[test]
+    fn every_format_is_found_by_each_of_its_ids() {
+        for f in &FORMATS {
+            assert_eq!(f.dtype.format().name, f.name);
+            assert_eq!(DType::from_ggml_type(f.ggml_type), Some(f.dtype));
+            if let Some(st) = f.safetensors {
+                assert_eq!(DType::from_safetensors(st), Some(f.dtype));
+            }
+        }
+        assert_eq!(supported_names(), "F32, F16, BF16, Q8_0");
+    }
+
+    #[test]
+    fn float_rows_round_trip_exactly_when_representable() {
+        let values = [0.0f32, 1.5, -2.25, 1024.0, -0.125];
+        for dtype in [DType::F32, DType::F16, DType::Bf16] {
+            let mut back = [0f32; 5];
+            decode_row(dtype, &encode_row(dtype, &values), &mut back);
+            assert_eq!(back, values, "{}", dtype.name());
+        }
+    }
+}
