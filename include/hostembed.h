@@ -260,9 +260,9 @@ extern "C" {
 // The ABI version of the loaded library; equal to `HOSTEMBED_ABI_VERSION` when header and library match.
 uint32_t engine_abi_version(void);
 
-// A static, human-readable name for a status ("no room", "bad model", ...); any integer is accepted,
-// and one outside `engine_status` gives "unknown status".
-const char *engine_status_str(int status);
+// A static, human-readable name for a status ("no room", "bad model", ...); any value is accepted
+// (-1 arrives as `UINT32_MAX`), and one outside `engine_status` gives "unknown status".
+const char *engine_status_str(uint32_t status);
 
 // The message of the last failure on the calling thread ("" when none); valid until the next failure.
 const char *engine_last_error(void);

@@ -5,7 +5,7 @@
 pub use crate::abi::{engine_device_info, engine_model_info};
 use crate::cuda;
 use crate::status::{self, Error, Result, Status, engine_status};
-use std::os::raw::{c_char, c_int};
+use std::os::raw::c_char;
 
 pub use crate::abi::HOSTEMBED_ABI_VERSION;
 
@@ -65,10 +65,11 @@ pub extern "C" fn engine_abi_version() -> u32 {
     HOSTEMBED_ABI_VERSION
 }
 
-/// A static, human-readable name for a status ("no room", "bad model", ...); any integer is accepted,
-/// and one outside `engine_status` gives "unknown status".
+/// A static, human-readable name for a status ("no room", "bad model", ...); any value is accepted
+/// (-1 arrives as `UINT32_MAX`), and one outside `engine_status` gives "unknown status".
+// The enum's own ABI type, so C and Zig callers pass an `engine_status` without a cast.
 #[unsafe(no_mangle)]
-pub extern "C" fn engine_status_str(status: c_int) -> *const c_char {
+pub extern "C" fn engine_status_str(status: u32) -> *const c_char {
     Status::from_raw(status.into()).map_or(c"unknown status", Status::c_name).as_ptr()
 }
 

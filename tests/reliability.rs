@@ -175,11 +175,12 @@ fn broken_tokenizers(dir: &Scratch) {
 
 /// Reproducer 4: any integer names a status or "unknown status".
 fn status_strings() {
-    let name = |s: i32| unsafe { CStr::from_ptr(ffi::engine_status_str(s)) }.to_str().unwrap().to_string();
+    let name = |s: u32| unsafe { CStr::from_ptr(ffi::engine_status_str(s)) }.to_str().unwrap().to_string();
     let known: Vec<String> = (0..=10).map(name).collect();
     assert!(known.iter().all(|n| !n.is_empty() && n != "unknown status"), "{known:?}");
     assert_eq!(known.iter().collect::<std::collections::HashSet<_>>().len(), 11, "{known:?}");
-    for outside in [11, 99, -1, i32::MIN, i32::MAX] {
+    // -1, INT_MIN and INT_MAX as a C caller's int arrives.
+    for outside in [11, 99, -1i32 as u32, i32::MIN as u32, i32::MAX as u32] {
         assert_eq!(name(outside), "unknown status", "engine_status_str({outside})");
     }
 }
