@@ -75,6 +75,50 @@ cudaError_t hostembed_sample(const float *logits, unsigned int vocab, float temp
                              float top_p, uint64_t seed, unsigned int stream_index, uint64_t position,
                              void *scratch, int *token, cudaStream_t stream);
 
+// ---- prompt chunks on tensor cores (gemm.cu, flash.cu; sm_80 and newer) ----
+// Operands of the tensor-core paths are HE_DTYPE_BF16 or HE_DTYPE_F16 ("half" formats below); products
+// accumulate in f32.
+
+// y[t*ldy + r] = sum_c W[r][c] * a[t*lda + c] (+ bias[r]) (+ residual[t*ldy + r]) for r < rows, t < n.
+// a and W share `dtype` (a half format); cols and lda are multiples of 8 and a and w 16-byte aligned.
+// bias and residual may be NULL, residual may equal y.
+cudaError_t hostembed_gemm(const void *a, unsigned int lda, const void *w, int dtype, unsigned int rows,
+                           unsigned int cols, unsigned int n, const float *bias, const float *residual, float *y,
+                           unsigned int ldy, cudaStream_t stream);
+
+// out (rows x cols, row-major, in the half format out_dtype) = W (rows x cols in any format), each value
+// decoded as the CPU decodes it and rounded to nearest.
+cudaError_t hostembed_convert_matrix(const void *w, int w_dtype, unsigned int rows, unsigned int cols, void *out,
+                                     int out_dtype, cudaStream_t stream);
+
+// y[t*ldy + r] += bias[r] for r < rows, t < n.
+cudaError_t hostembed_add_bias(float *y, unsigned int ldy, const float *bias, unsigned int rows, unsigned int n,
+                               cudaStream_t stream);
+
+// RMSNorm as hostembed_rmsnorm, written in out_dtype (HE_DTYPE_F32 or a half format).
+cudaError_t hostembed_rmsnorm_to(const float *x, const float *w, float eps, void *out, int out_dtype,
+                                 unsigned int n, unsigned int cols, cudaStream_t stream);
+
+// out[i] = silu(gate[i]) * up[i] written in out_dtype (HE_DTYPE_F32 or a half format); out may not
+// overlap gate or up unless out_dtype is HE_DTYPE_F32.
+cudaError_t hostembed_swiglu_to(const float *gate, const float *up, void *out, int out_dtype, size_t len,
+                                cudaStream_t stream);
+
+// out[i] = x[i] in out_dtype (a half format).
+cudaError_t hostembed_convert(const float *x, void *out, int out_dtype, size_t len, cudaStream_t stream);
+
+// cudaSuccess where hostembed_flash_attention has a kernel for head_dim, else cudaErrorInvalidValue.
+cudaError_t hostembed_flash_head_dim(unsigned int head_dim);
+
+// Causal attention of a prompt chunk (flash attention on tensor cores): query t (q + t*q_stride, heads x
+// head_dim f32, already rotated) attends to cache positions [0, pos[t]] (its own chunk's K and V already
+// written there) with GQA, softmax(q.k * scale) v written to out[t*out_stride + h*head_dim] in out_dtype
+// (a half format). Q, K, V and the probabilities enter the tensor cores as bf16.
+cudaError_t hostembed_flash_attention(const float *q, unsigned int q_stride, const void *k_cache,
+                                      const void *v_cache, unsigned int window, const int *pos, unsigned int n,
+                                      unsigned int heads, unsigned int kv_heads, unsigned int head_dim, float scale,
+                                      void *out, int out_dtype, unsigned int out_stride, cudaStream_t stream);
+
 // ---- device.cu ----
 // Writes the device's name (NUL-terminated, truncated to len) without exposing cudaDeviceProp to Rust.
 cudaError_t hostembed_device_name(int device, char *name, size_t len);
@@ -87,6 +131,7 @@ cudaError_t hostembed_device_name(int device, char *name, size_t len);
 // ---- device helpers shared by the decode kernels ----
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <type_traits>
 
 namespace he {
 
@@ -149,6 +194,118 @@ __device__ __forceinline__ unsigned long long splitmix64(unsigned long long x) {
 __device__ __forceinline__ unsigned int float_key(float f) {
     unsigned int u = __float_as_uint(f);
     return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// ---- tensor cores (sm_80 and newer): operands as 32-bit pairs of halves, f32 accumulators ----
+struct Bf16Op {
+    static constexpr int ID = HE_DTYPE_BF16;
+    using T = __nv_bfloat16;
+    static __device__ __forceinline__ unsigned int pack(float lo, float hi) {
+        __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+        return *reinterpret_cast<unsigned int *>(&v);
+    }
+    // d += a b for a 16x16 (row-major) by 16x8 (column-major) product.
+    static __device__ __forceinline__ void mma(float (&d)[4], const unsigned int (&a)[4], unsigned int b0,
+                                               unsigned int b1) {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+            "{%0, %1, %2, %3};"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+};
+
+struct F16Op {
+    static constexpr int ID = HE_DTYPE_F16;
+    using T = __half;
+    static __device__ __forceinline__ unsigned int pack(float lo, float hi) {
+        __half2 v = __floats2half2_rn(lo, hi);
+        return *reinterpret_cast<unsigned int *>(&v);
+    }
+    static __device__ __forceinline__ void mma(float (&d)[4], const unsigned int (&a)[4], unsigned int b0,
+                                               unsigned int b1) {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+            "{%0, %1, %2, %3};"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+};
+
+// Calls fn(Op{}) for a half format id; false for any other.
+template <typename Fn>
+bool with_half(int dtype, Fn &&fn) {
+    switch (dtype) {
+    case HE_DTYPE_BF16: fn(Bf16Op{}); return true;
+    case HE_DTYPE_F16: fn(F16Op{}); return true;
+    default: return false;
+    }
+}
+
+// Writers for kernels whose output is f32 or a half format: put one value, or four from a float4 (16-byte
+// aligned for f32, 8-byte for halves).
+struct F32Out {
+    static constexpr int ID = HE_DTYPE_F32;
+    using T = float;
+    static __device__ __forceinline__ void put(T *o, float v) { *o = v; }
+    static __device__ __forceinline__ void put4(T *o, float4 v) { *reinterpret_cast<float4 *>(o) = v; }
+};
+template <typename Op>
+struct HalfOut {
+    static constexpr int ID = Op::ID;
+    using T = typename Op::T;
+    static __device__ __forceinline__ void put(T *o, float v) {
+        *reinterpret_cast<unsigned short *>(o) = (unsigned short)(Op::pack(v, 0.f) & 0xffffu);
+    }
+    static __device__ __forceinline__ void put4(T *o, float4 v) {
+        *reinterpret_cast<uint2 *>(o) = make_uint2(Op::pack(v.x, v.y), Op::pack(v.z, v.w));
+    }
+};
+
+// Calls fn(Out{}) for HE_DTYPE_F32 or a half format; false for any other.
+template <typename Fn>
+bool with_out(int dtype, Fn &&fn) {
+    switch (dtype) {
+    case HE_DTYPE_F32: fn(F32Out{}); return true;
+    case HE_DTYPE_BF16: fn(HalfOut<Bf16Op>{}); return true;
+    case HE_DTYPE_F16: fn(HalfOut<F16Op>{}); return true;
+    default: return false;
+    }
+}
+
+__device__ __forceinline__ unsigned int smem_addr(const void *p) {
+    return (unsigned int)__cvta_generic_to_shared(p);
+}
+
+// Four 8x8 matrices of 16-bit values; lanes 8i..8i+7 give the row addresses of matrix i, and each lane
+// gets (row lane/4, columns 2(lane%4), +1) of every matrix; .trans gives (rows 2(lane%4), +1; column lane/4).
+__device__ __forceinline__ void ldmatrix_x4(unsigned int (&r)[4], const void *row) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(row)));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned int (&r)[4], const void *row) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(row)));
+}
+
+// 16 bytes from global to shared memory without passing through registers; zeros where !valid (the
+// source is then not read, but must still be a mapped address).
+__device__ __forceinline__ void cp_async16(void *dst, const void *src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_addr(dst)), "l"(src),
+                 "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+template <int PENDING>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(PENDING));
+}
+
+// Raises a kernel's dynamic shared memory limit to `bytes` (beyond the default 48 KiB).
+template <typename Kernel>
+cudaError_t allow_smem(Kernel kernel, int bytes) {
+    return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
 }
 
 }  // namespace he

@@ -1,15 +1,17 @@
-// RMSNorm over rows of f32 activations, one block per row.
+// RMSNorm over rows of f32 activations, one block per row, written as f32 or as a half format (the
+// tensor-core products' input).
 #include "hostembed_kernels.cuh"
 
 namespace {
 
 constexpr int NORM_THREADS = 256;
 
+template <typename Out>
 __global__ __launch_bounds__(NORM_THREADS) void rmsnorm_kernel(const float *x, const float *__restrict__ w, float eps,
-                                                               float *out, unsigned int cols) {
+                                                               typename Out::T *out, unsigned int cols) {
     __shared__ float scratch[32];
     const float *xr = x + (size_t)blockIdx.x * cols;
-    float *outr = out + (size_t)blockIdx.x * cols;
+    typename Out::T *outr = out + (size_t)blockIdx.x * cols;
     const bool vec = (cols % 4 == 0) && ((reinterpret_cast<uintptr_t>(xr) | reinterpret_cast<uintptr_t>(outr) |
                                           reinterpret_cast<uintptr_t>(w)) % 16 == 0);
     float ss = 0.f;
@@ -27,20 +29,29 @@ __global__ __launch_bounds__(NORM_THREADS) void rmsnorm_kernel(const float *x, c
         for (unsigned int c = threadIdx.x; c < cols / 4; c += NORM_THREADS) {
             float4 v = reinterpret_cast<const float4 *>(xr)[c];
             float4 g = reinterpret_cast<const float4 *>(w)[c];
-            reinterpret_cast<float4 *>(outr)[c] =
-                make_float4(v.x * inv * g.x, v.y * inv * g.y, v.z * inv * g.z, v.w * inv * g.w);
+            Out::put4(outr + 4 * c, make_float4(v.x * inv * g.x, v.y * inv * g.y, v.z * inv * g.z, v.w * inv * g.w));
         }
     } else {
-        for (unsigned int c = threadIdx.x; c < cols; c += NORM_THREADS) outr[c] = xr[c] * inv * w[c];
+        for (unsigned int c = threadIdx.x; c < cols; c += NORM_THREADS) Out::put(outr + c, xr[c] * inv * w[c]);
     }
 }
 
 }  // namespace
 
-extern "C" cudaError_t hostembed_rmsnorm(const float *x, const float *w, float eps, float *out, unsigned int n,
-                                         unsigned int cols, cudaStream_t stream) {
+extern "C" cudaError_t hostembed_rmsnorm_to(const float *x, const float *w, float eps, void *out, int out_dtype,
+                                            unsigned int n, unsigned int cols, cudaStream_t stream) {
     if (x == nullptr || w == nullptr || out == nullptr || cols == 0) return cudaErrorInvalidValue;
     if (n == 0) return cudaSuccess;
-    rmsnorm_kernel<<<n, NORM_THREADS, 0, stream>>>(x, w, eps, out, cols);
-    return cudaGetLastError();
+    cudaError_t err = cudaErrorInvalidValue;
+    he::with_out(out_dtype, [&](auto o) {
+        using Out = decltype(o);
+        rmsnorm_kernel<Out><<<n, NORM_THREADS, 0, stream>>>(x, w, eps, static_cast<typename Out::T *>(out), cols);
+        err = cudaGetLastError();
+    });
+    return err;
+}
+
+extern "C" cudaError_t hostembed_rmsnorm(const float *x, const float *w, float eps, float *out, unsigned int n,
+                                         unsigned int cols, cudaStream_t stream) {
+    return hostembed_rmsnorm_to(x, w, eps, out, HE_DTYPE_F32, n, cols, stream);
 }

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine from the repo root: unpacks .gpu/bundle.tar.xz and runs the GPU suite,
 # then whatever steps are named (default: tests). Logs go to $OUT (or ./gpu-out).
-# Steps: info tests hfref bench-embed bench-decode placement-table
+# Steps: info tests hfref bench-embed bench-decode bench-prefill torch-prefill, or any example's name.
+# cuBLASLt is found where the machine's CUDA libraries are (the products fall back to the library's
+# own kernel without it); the prompt tests run a second time with HOSTEMBED_CUBLASLT=0.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu-out}"
@@ -9,8 +11,10 @@ mkdir -p "$OUT" /tmp/he && tar -C /tmp/he -xJf .gpu/bundle.tar.xz
 B=/tmp/he/bundle
 export HOSTEMBED_TEST_TMP=/tmp/he/tmp && mkdir -p "$HOSTEMBED_TEST_TMP"
 steps="${*:-info tests}"
+lt=$(find /opt /usr/local /usr/lib -name 'libcublasLt.so.1[23]' 2>/dev/null | head -1)
+[ -n "$lt" ] && export LD_LIBRARY_PATH="$(dirname "$lt")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+echo "cuBLASLt: ${lt:-none found}" >> "$OUT/summary.txt"
 summary="$OUT/summary.txt"
-: > "$summary"
 for step in $steps; do
   start=$(date +%s)
   case "$step" in
@@ -26,7 +30,18 @@ for step in $steps; do
         "$t" --test-threads=1 --nocapture > "$OUT/test-$name.log" 2>&1; r=$?
         echo "test $name: rc=$r $(grep -E '^test result' "$OUT/test-$name.log" | tail -1)" >> "$summary"
         [ $r -ne 0 ] && rc=$r
+      done
+      for name in gpu_prefill gpu_model; do
+        HOSTEMBED_CUBLASLT=0 "$B/tests/$name" --test-threads=1 --nocapture > "$OUT/test-$name-own.log" 2>&1; r=$?
+        echo "test $name (own kernel): rc=$r $(grep -E '^test result' "$OUT/test-$name-own.log" | tail -1)" >> "$summary"
+        [ $r -ne 0 ] && rc=$r
       done ;;
+    bench-prefill)
+      "$B/examples/bench_prefill" > "$OUT/bench-prefill.log" 2>&1; rc=$?
+      HOSTEMBED_CUBLASLT=0 "$B/examples/bench_prefill" --quick > "$OUT/bench-prefill-own.log" 2>&1; r=$?
+      [ $r -ne 0 ] && rc=$r ;;
+    torch-prefill)
+      PYTHONUNBUFFERED=1 python3 "$B/scripts/torch_prefill.py" > "$OUT/torch-prefill.log" 2>&1; rc=$? ;;
     hfref)
       PYTHONUNBUFFERED=1 python3 "$B/scripts/hf_reference.py" --out "$OUT/hf_reference" > "$OUT/hfref.log" 2>&1; rc=$?
       (cd "$OUT" && tar -cf hf_reference.tar hf_reference && rm -rf hf_reference) ;;

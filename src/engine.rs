@@ -270,7 +270,7 @@ pub fn fit_inputs(
     if weights == 0 {
         crate::bail!(BadModel, "{}: the GPU backend cannot lay out this model's weights", ckpt.path.display());
     }
-    let scratch = GpuModel::scratch_bytes(cfg, max_batch as usize);
+    let scratch = GpuModel::scratch_bytes(ckpt, max_batch as usize);
     let stream = GpuModel::stream_bytes(cfg, window as usize);
     Ok(engine_fit_inputs {
         room_bytes: room,
@@ -314,16 +314,16 @@ fn load_decoder(
     rows: &Rows,
     streams: u32,
     opts: &engine_options,
+    logger: &Logger,
 ) -> Result<Box<dyn Decoder>> {
     let window = window_of(&ckpt.config, opts)? as usize;
     Ok(match kind {
-        BackendKind::Cpu => {
-            Box::new(Streams::new(CpuBackend::new(ckpt.shared())?, window, streams as usize)?)
-        }
+        BackendKind::Cpu => Box::new(Streams::new(CpuBackend::new(ckpt.shared())?, window, streams as usize)?),
         BackendKind::Cuda => {
             let r = rows.describe();
             let rows = RowsOnDevice { ptr: r.data, dtype: r.dtype, vocab: r.rows as usize, cols: r.cols as usize };
             let model = CudaBackend::load(&**ckpt, rows, opts.max_batch as usize, opts.device)?;
+            logger.line(model.prompt_route());
             Box::new(Streams::new(model, window, streams as usize)?)
         }
     })
@@ -428,7 +428,7 @@ impl Engine {
             // SAFETY: the rows point into `ckpt`, which the engine drops after them.
             let rows = unsafe { Rows::in_mapping(&src) }?;
             injected(InitStep::RowsPlaced)?;
-            let backend = load_decoder(BackendKind::Cpu, &ckpt, &rows, cpu.streams, opts)?;
+            let backend = load_decoder(BackendKind::Cpu, &ckpt, &rows, cpu.streams, opts, &logger)?;
             let engine = Engine {
                 backend,
                 tokenizer: load_tokenizer(&ckpt, &logger)?,
@@ -466,7 +466,7 @@ impl Engine {
         plan.placement = rows.placement();
         let bad_ids = Mutex::new(PinnedBuffer::new_mapped(std::mem::size_of::<i32>())?);
         injected(InitStep::RowsPlaced)?;
-        let backend = load_decoder(BackendKind::Cuda, &ckpt, &rows, plan.streams, opts)?;
+        let backend = load_decoder(BackendKind::Cuda, &ckpt, &rows, plan.streams, opts, &logger)?;
         let engine = Engine {
             backend,
             tokenizer: load_tokenizer(&ckpt, &logger)?,

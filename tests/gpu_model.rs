@@ -121,7 +121,7 @@ fn gpu_logits_match_cpu_at_every_position() {
         let mut gpu = GpuModel::load(&src, rows, max_batch).unwrap();
         assert_eq!(
             gpu.allocated_bytes(),
-            (GpuModel::weight_bytes(&src), GpuModel::scratch_bytes(&cfg, max_batch)),
+            (GpuModel::weight_bytes(&src), GpuModel::scratch_bytes(&src, max_batch)),
             "{name}: allocations differ from the predicted bytes"
         );
 
@@ -313,7 +313,7 @@ fn byte_predictions_hold_for_every_shape() {
                 let gpu = GpuModel::load(&src, rows, max_batch).unwrap();
                 assert_eq!(
                     gpu.allocated_bytes(),
-                    (GpuModel::weight_bytes(&src), GpuModel::scratch_bytes(&cfg, max_batch)),
+                    (GpuModel::weight_bytes(&src), GpuModel::scratch_bytes(&src, max_batch)),
                     "{name} {} max_batch {max_batch}",
                     dtype.name()
                 );

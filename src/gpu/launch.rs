@@ -219,3 +219,147 @@ pub(super) fn sample(
     };
     cuda::check(code, "hostembed_sample")
 }
+
+/// A matrix operand of the tensor-core product: `rows` x `cols` values of a half format, row-major.
+#[derive(Clone, Copy)]
+pub(super) struct HalfMatrix {
+    pub ptr: *const c_void,
+    pub dtype: DType,
+    pub rows: usize,
+    pub cols: usize,
+}
+
+/// y[t] = w a[t] (+ bias) (+ residual[t]) for `n` rows of `a` (`lda` apart, w's format), on this
+/// library's tensor-core kernel.
+pub(super) fn gemm(
+    a: *const c_void,
+    lda: usize,
+    w: &HalfMatrix,
+    n: usize,
+    bias: *const f32,
+    residual: *const f32,
+    y: *mut f32,
+    ldy: usize,
+    s: cudaStream_t,
+) -> Result<()> {
+    let (rows, cols) = (w.rows as c_uint, w.cols as c_uint);
+    // SAFETY: device pointers into live allocations sized for these shapes (see the module's note).
+    let code = unsafe {
+        kn::hostembed_gemm(
+            a,
+            lda as c_uint,
+            w.ptr,
+            w.dtype as c_int,
+            rows,
+            cols,
+            n as c_uint,
+            bias,
+            residual,
+            y,
+            ldy as c_uint,
+            s,
+        )
+    };
+    cuda::check(code, "hostembed_gemm")
+}
+
+/// `w` decoded into `out` as a `dtype` matrix of the same shape.
+pub(super) fn convert_matrix(w: &DeviceWeight, out: *mut c_void, dtype: DType, s: cudaStream_t) -> Result<()> {
+    let (rows, cols) = (w.rows as c_uint, w.cols as c_uint);
+    // SAFETY: `w` is a placed weight; `out` holds rows x cols values of `dtype` (see the module's note).
+    let code = unsafe { kn::hostembed_convert_matrix(w.ptr, w.dtype as c_int, rows, cols, out, dtype as c_int, s) };
+    cuda::check(code, "hostembed_convert_matrix")
+}
+
+/// y[t][r] += bias[r] for `n` rows of `rows` values, `ldy` apart.
+pub(super) fn add_bias(
+    y: *mut f32,
+    ldy: usize,
+    bias: *const f32,
+    rows: usize,
+    n: usize,
+    s: cudaStream_t,
+) -> Result<()> {
+    // SAFETY: device pointers sized for these shapes (see the module's note).
+    let code = unsafe { kn::hostembed_add_bias(y, ldy as c_uint, bias, rows as c_uint, n as c_uint, s) };
+    cuda::check(code, "hostembed_add_bias")
+}
+
+/// RMSNorm of `rows` rows of `cols` values, written in `dtype` (F32 or a half format).
+pub(super) fn rmsnorm_to(
+    x: *const f32,
+    w: *const f32,
+    eps: f32,
+    out: *mut c_void,
+    dtype: DType,
+    rows: usize,
+    cols: usize,
+    s: cudaStream_t,
+) -> Result<()> {
+    // SAFETY: device pointers to `rows` x `cols` values (`cols` for `w`; see the module's note).
+    let code = unsafe { kn::hostembed_rmsnorm_to(x, w, eps, out, dtype as c_int, rows as c_uint, cols as c_uint, s) };
+    cuda::check(code, "hostembed_rmsnorm_to")
+}
+
+/// out = silu(gate) * up over `len` values, written in `dtype`.
+pub(super) fn swiglu_to(
+    gate: *const f32,
+    up: *const f32,
+    out: *mut c_void,
+    dtype: DType,
+    len: usize,
+    s: cudaStream_t,
+) -> Result<()> {
+    // SAFETY: device pointers to `len` values each (see the module's note).
+    cuda::check(unsafe { kn::hostembed_swiglu_to(gate, up, out, dtype as c_int, len, s) }, "hostembed_swiglu_to")
+}
+
+/// `len` f32 values written in the half format `dtype`.
+pub(super) fn convert(x: *const f32, out: *mut c_void, dtype: DType, len: usize, s: cudaStream_t) -> Result<()> {
+    // SAFETY: device pointers to `len` values each (see the module's note).
+    cuda::check(unsafe { kn::hostembed_convert(x, out, dtype as c_int, len, s) }, "hostembed_convert")
+}
+
+/// Whether the flash kernel takes heads of `head_dim` values.
+pub(super) fn flash_supports(head_dim: usize) -> bool {
+    // SAFETY: a pure query on a number.
+    u32::try_from(head_dim).is_ok_and(|d| unsafe { kn::hostembed_flash_head_dim(d) } == crate::cudart::cudaSuccess)
+}
+
+/// Causal flash attention of a prompt chunk's `n` queries over their stream's cache, into `out`
+/// (`dtype`, rows `out_stride` values apart).
+pub(super) fn flash_attention(
+    q: *const f32,
+    shape: AttentionShape,
+    k_cache: *const c_void,
+    v_cache: *const c_void,
+    pos: *const c_int,
+    scale: f32,
+    out: *mut c_void,
+    dtype: DType,
+    out_stride: usize,
+    s: cudaStream_t,
+) -> Result<()> {
+    let a = shape;
+    // SAFETY: device pointers into live allocations sized for these shapes (see the module's note).
+    let code = unsafe {
+        kn::hostembed_flash_attention(
+            q,
+            a.qkv_stride as c_uint,
+            k_cache,
+            v_cache,
+            a.window as c_uint,
+            pos,
+            a.n as c_uint,
+            a.heads as c_uint,
+            a.kv_heads as c_uint,
+            a.head_dim as c_uint,
+            scale,
+            out,
+            dtype as c_int,
+            out_stride as c_uint,
+            s,
+        )
+    };
+    cuda::check(code, "hostembed_flash_attention")
+}

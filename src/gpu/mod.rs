@@ -5,8 +5,11 @@
 //! allocation and one scratch allocation whose sizes `weight_bytes` and `scratch_bytes` predict
 //! exactly; each stream owns one allocation for its bf16 KV cache. All work of a step is queued on one
 //! CUDA stream; the only host wait is for the 4 bytes of the sampled token. Single-token steps replay a
-//! CUDA graph captured for that stream (HOSTEMBED_CUDA_GRAPHS=0 turns that off).
+//! CUDA graph captured for that stream (HOSTEMBED_CUDA_GRAPHS=0 turns that off). Prompt chunks of
+//! `TENSOR_CORE_MIN_TOKENS` or more run their matrix products on tensor cores (cuBLASLt when it can
+//! be loaded, else the library's own kernel) and their attention as flash attention.
 
+mod blas;
 mod forward;
 mod graph;
 mod launch;
@@ -16,10 +19,12 @@ mod weights;
 use std::os::raw::{c_int, c_uint, c_void};
 use std::sync::atomic::{AtomicU64, Ordering};
 
+pub use self::blas::CUBLASLT_ENV;
 use self::forward::Head;
+pub use self::forward::TENSOR_CORE_MIN_TOKENS;
 use self::graph::StepGraph;
 use self::scratch::ScratchLayout;
-use self::weights::{DeviceWeight, GpuLayer, plan, upload};
+use self::weights::{DeviceWeight, GpuLayer, plan, prompt_format, upload};
 use crate::backend::{Backend, KvStream};
 use crate::cuda::{self, DeviceBuffer, StagedUploader, Stream};
 use crate::cudart as rt;
@@ -111,6 +116,15 @@ pub struct GpuModel {
     s: ScratchLayout,
     graphs: bool,
     has_logits: bool,
+    /// The format of the prompt path's activations and product operands.
+    half: DType,
+    /// Whether prompt chunks may take the tensor-core path (every product width a multiple of 8).
+    tensor_cores: bool,
+    /// Whether the flash kernel takes this head size.
+    flash: bool,
+    blas: Option<blas::Blas>,
+    /// Which products the prompt path runs, for the engine's log line.
+    route: String,
     // Declared last: dropped after everything that points into them.
     stream: Stream,
     scratch: DeviceBuffer,
@@ -131,9 +145,13 @@ impl GpuModel {
         plan(src).map_or(0, |p| p.total as u64)
     }
 
-    /// Device bytes `load` allocates for activations and scratch with prompt chunks of `max_batch`.
-    pub fn scratch_bytes(cfg: &ModelConfig, max_batch: usize) -> u64 {
-        ScratchLayout::new(cfg, max_batch).total as u64
+    /// Device bytes `load` allocates for activations and scratch with prompt chunks of `max_batch`;
+    /// 0 when `src` does not hold a model `load` accepts.
+    pub fn scratch_bytes(src: &dyn TensorSource, max_batch: usize) -> u64 {
+        plan(src).map_or(0, |p| {
+            let (_, slab) = prompt_format(&p.product_matrices());
+            ScratchLayout::new(src.config(), max_batch, slab).total as u64
+        })
     }
 
     /// Device bytes `new_stream(window)` allocates: the KV cache, nothing else.
@@ -147,6 +165,11 @@ impl GpuModel {
 
     pub fn max_batch(&self) -> usize {
         self.max_batch
+    }
+
+    /// What runs a prompt chunk's products and attention, in one line for the log.
+    pub fn prompt_route(&self) -> &str {
+        &self.route
     }
 
     /// Bytes actually allocated for (weights, scratch): what `weight_bytes` and `scratch_bytes` predict.
@@ -178,6 +201,7 @@ impl GpuModel {
             bail!(BadModel, "embedding rows of {} columns do not fit the {} format", rows.cols, rows.dtype.name());
         }
         let plan = plan(src)?;
+        let (half, slab) = prompt_format(&plan.product_matrices());
         let weights = DeviceBuffer::new(plan.total)?;
         let mut uploader = StagedUploader::new()?;
         let mut up = |p| upload(&weights, &mut uploader, p);
@@ -189,11 +213,25 @@ impl GpuModel {
             None => DeviceWeight { ptr: rows.ptr, dtype: rows.dtype, rows: rows.vocab, cols: rows.cols },
         };
 
-        let s = ScratchLayout::new(&cfg, max_batch);
+        let s = ScratchLayout::new(&cfg, max_batch, slab);
         let scratch = DeviceBuffer::new(s.total)?;
         scratch.upload(&rope_inv_freq(&cfg), s.inv_freq)?;
         let stream = Stream::new()?;
         let graphs = graph::graphs_enabled();
+        let tensor_cores = [cfg.hidden, cfg.q_dim(), cfg.intermediate].iter().all(|d| d % 8 == 0);
+        let flash = launch::flash_supports(cfg.head_dim);
+        let (blas, route) = match blas::Blas::new() {
+            Ok(b) => {
+                let route = format!("prompt products on cuBLASLt ({})", b.name());
+                (Some(b), route)
+            }
+            Err(why) => (None, format!("prompt products on hostembed's tensor-core kernel (no cuBLASLt: {why})")),
+        };
+        let route = if flash {
+            format!("{route}, flash attention")
+        } else {
+            format!("{route}, split attention (no flash kernel for head_dim {})", cfg.head_dim)
+        };
         Ok(GpuModel {
             cfg,
             max_batch,
@@ -205,6 +243,11 @@ impl GpuModel {
             s,
             graphs,
             has_logits: false,
+            half,
+            tensor_cores,
+            flash,
+            blas,
+            route,
             stream,
             scratch,
             weights,
@@ -325,6 +368,11 @@ impl CudaBackend {
     /// `GpuModel::load` on `device`, which the caller has made current.
     pub fn load(src: &dyn TensorSource, rows: RowsOnDevice, max_batch: usize, device: i32) -> Result<CudaBackend> {
         Ok(CudaBackend { model: GpuModel::load(src, rows, max_batch)?, device })
+    }
+
+    /// What runs a prompt chunk's products and attention, in one line for the log.
+    pub fn prompt_route(&self) -> &str {
+        self.model.prompt_route()
     }
 
     /// Makes the model's device current for this thread (the caller may have moved to another).

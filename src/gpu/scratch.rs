@@ -1,5 +1,7 @@
-//! The scratch allocation: activations of one prompt chunk, the logits, the attention's partial
-//! results and the sampler's buffers, at offsets `ScratchLayout` fixes; and the copies in and out of it.
+//! The scratch allocation: activations of one prompt chunk (f32, and the half-format copies the
+//! tensor-core products read), the logits, the attention's partial results, the sampler's buffers, the
+//! slab weights of other formats are converted into for those products and their library's workspace,
+//! at offsets `ScratchLayout` fixes; and the copies in and out of it.
 
 use std::os::raw::c_void;
 
@@ -45,11 +47,18 @@ pub(super) struct ScratchLayout {
     pub(super) pos: usize,
     pub(super) token: usize,
     pub(super) sample: usize,
+    /// Half-format activations of a chunk: the normed input, the attention output or the SwiGLU.
+    pub(super) act: usize,
+    /// One weight matrix converted to the half format (absent when every matrix is in it).
+    pub(super) slab: usize,
+    pub(super) workspace: usize,
     pub(super) total: usize,
 }
 
 impl ScratchLayout {
-    pub(super) fn new(cfg: &ModelConfig, max_batch: usize) -> ScratchLayout {
+    /// Scratch for chunks of `max_batch` tokens; `slab_values` is the largest matrix the prompt path
+    /// converts (0 for none).
+    pub(super) fn new(cfg: &ModelConfig, max_batch: usize, slab_values: usize) -> ScratchLayout {
         let b = max_batch.max(1);
         let f = 4;
         let partial_floats =
@@ -68,7 +77,28 @@ impl ScratchLayout {
         let pos = l.push(b * 4);
         let token = l.push(4);
         let sample = l.push(cfg.vocab * 8);
-        ScratchLayout { x, xn, qkv, attn, gate, up, logits, partial, inv_freq, ids, pos, token, sample, total: l.total }
+        let act = l.push(b * cfg.hidden.max(cfg.q_dim()).max(cfg.intermediate) * 2);
+        let slab = l.push(slab_values * 2);
+        let workspace = l.push(super::blas::WORKSPACE_BYTES);
+        ScratchLayout {
+            x,
+            xn,
+            qkv,
+            attn,
+            gate,
+            up,
+            logits,
+            partial,
+            inv_freq,
+            ids,
+            pos,
+            token,
+            sample,
+            act,
+            slab,
+            workspace,
+            total: l.total,
+        }
     }
 }
 

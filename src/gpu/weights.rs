@@ -102,6 +102,33 @@ pub(super) fn plan(src: &dyn TensorSource) -> Result<WeightPlan<'_>> {
     Ok(WeightPlan { layers, final_norm, lm_head, total: layout.total })
 }
 
+impl WeightPlan<'_> {
+    /// (format, rows, cols) of every matrix a layer multiplies with, q/k/v fused as the loader fuses them.
+    pub(super) fn product_matrices(&self) -> Vec<(DType, usize, usize)> {
+        let mut out = Vec::new();
+        for l in &self.layers {
+            let m = |p: &Placed| (p.tensor.dtype, p.tensor.rows(), p.tensor.cols());
+            let (q, k, v) = (m(&l.q), m(&l.k), m(&l.v));
+            if qkv_fused(q.0, k.0, v.0) {
+                out.push((q.0, q.1 + k.1 + v.1, q.2));
+            } else {
+                out.extend([q, k, v]);
+            }
+            out.extend([m(&l.o), m(&l.gate), m(&l.up), m(&l.down)]);
+        }
+        out
+    }
+}
+
+/// The half format the prompt path's tensor-core products read (BF16 when every matrix is BF16, else
+/// F16, which holds F16, Q8_0 and F32 weights more closely) and the values of the largest matrix in
+/// another format, which is converted into the scratch slab before its product.
+pub(super) fn prompt_format(matrices: &[(DType, usize, usize)]) -> (DType, usize) {
+    let half = if matrices.iter().all(|m| m.0 == DType::Bf16) { DType::Bf16 } else { DType::F16 };
+    let slab = matrices.iter().filter(|m| m.0 != half).map(|m| m.1 * m.2).max().unwrap_or(0);
+    (half, slab)
+}
+
 /// Each weight in its own region, except q, k, v of one format and the three biases, which the fused
 /// projection reads back to back.
 fn place_layer<'a>(l: LayerWeights<TensorRef<'a>>, layout: &mut Layout) -> LayerWeights<Placed<'a>> {

@@ -1,0 +1,233 @@
+//! Prompt speed on the GPU: a whole prompt in one step (what `engine_step` runs), on a random model of
+//! the Llama-3-8B shape, median of several runs; decode right after a long prompt; the chunk size; rows
+//! in mapped host memory; Q8_0 weights against BF16.
+//!
+//!     cargo run --release --example bench_prefill -- [--lengths 512,4096,16384,65536] [--runs 5]
+//!         [--chunk 2048] [--layers 32] [--quick]
+//!
+//! `--quick` measures BF16 at 512 and 4096 tokens only (for comparing the product routes:
+//! HOSTEMBED_CUBLASLT=0 runs the library's own tensor-core kernel). Prints markdown tables.
+
+use std::collections::HashMap;
+use std::time::Instant;
+
+use hostembed::checkpoint::write::{OwnedTensor, synthetic_weights};
+use hostembed::cuda::{self, DeviceBuffer, PinnedBuffer};
+use hostembed::gpu::{GpuModel, RowsOnDevice};
+use hostembed::model::{Arch, ModelConfig, RopeScaling, TensorRef, TensorSource, names};
+use hostembed::sampler::Sampling;
+use hostembed::tensor::DType;
+
+struct MemSource {
+    cfg: ModelConfig,
+    tensors: HashMap<String, OwnedTensor>,
+}
+
+impl TensorSource for MemSource {
+    fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    fn tensor(&self, name: &str) -> hostembed::Result<TensorRef<'_>> {
+        let t = self.tensors.get(name).ok_or_else(|| hostembed::err!(BadModel, "tensor {name} is missing"))?;
+        Ok(TensorRef { dtype: t.dtype, shape: &t.shape, bytes: &t.data })
+    }
+}
+
+struct Args {
+    lengths: Vec<usize>,
+    runs: usize,
+    chunk: usize,
+    layers: usize,
+    quick: bool,
+}
+
+fn parse() -> Args {
+    let mut a = Args { lengths: vec![512, 4096, 16384, 65536], runs: 5, chunk: 2048, layers: 32, quick: false };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        let mut value = || it.next().unwrap_or_else(|| panic!("{flag} takes a value"));
+        let num = |v: String| -> usize { v.parse().unwrap_or_else(|_| panic!("not a number: {v}")) };
+        match flag.as_str() {
+            "--lengths" => a.lengths = value().split(',').map(|v| num(v.to_string())).collect(),
+            "--runs" => a.runs = num(value()),
+            "--chunk" => a.chunk = num(value()),
+            "--layers" => a.layers = num(value()),
+            "--quick" => a.quick = true,
+            other => panic!("unknown flag {other} (see the comment at the top of examples/bench_prefill.rs)"),
+        }
+    }
+    if a.quick {
+        a.lengths = vec![512, 4096];
+    }
+    a
+}
+
+fn llama3_8b(layers: usize) -> ModelConfig {
+    ModelConfig {
+        arch: Arch::Llama,
+        vocab: 128256,
+        hidden: 4096,
+        layers,
+        heads: 32,
+        kv_heads: 8,
+        head_dim: 128,
+        intermediate: 14336,
+        rms_eps: 1e-5,
+        rope_theta: 500000.0,
+        rope_scaling: RopeScaling::None,
+        rope_interleaved: false,
+        max_position: 131072,
+        tied: false,
+        qkv_bias: false,
+        qk_norm: false,
+        bos: None,
+        eos: None,
+    }
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+fn prompt_of(len: usize, vocab: usize) -> Vec<u32> {
+    (0..len as u32).map(|i| (i.wrapping_mul(7919) + 13) % vocab as u32).collect()
+}
+
+/// Median tokens per second of a `len`-token prompt in one step (after one warm-up run), and the
+/// tokens per second of `decode` greedy steps right after the last run's prompt.
+fn prompt_rate(gpu: &mut GpuModel, len: usize, runs: usize, decode: usize) -> (f64, f64) {
+    let prompt = prompt_of(len, gpu.config().vocab);
+    let mut rates = Vec::new();
+    let mut decode_rate = 0.0;
+    for run in 0..runs + 1 {
+        let mut stream = gpu.new_stream(len + decode + 1).unwrap();
+        let t = Instant::now();
+        let mut next = gpu.step(&mut stream, &prompt, &Sampling::GREEDY, 0).unwrap();
+        let s = t.elapsed().as_secs_f64();
+        if run > 0 {
+            rates.push(len as f64 / s);
+        }
+        if run == runs && decode > 0 {
+            let t = Instant::now();
+            for _ in 0..decode {
+                next = gpu.step(&mut stream, &[next], &Sampling::GREEDY, 0).unwrap();
+            }
+            decode_rate = decode as f64 / t.elapsed().as_secs_f64();
+        }
+    }
+    (median(rates), decode_rate)
+}
+
+/// The model's rows on the card, or in pinned mapped host memory: held to keep them alive.
+#[allow(dead_code)]
+enum Rows {
+    Card(DeviceBuffer),
+    Host(PinnedBuffer),
+}
+
+impl Rows {
+    fn new(src: &MemSource, host: bool) -> (Rows, RowsOnDevice) {
+        let e = src.tensor(names::EMBED).unwrap();
+        let (rows, ptr) = if host {
+            let mut p = PinnedBuffer::new_mapped(e.bytes.len()).unwrap();
+            p.as_mut_slice().copy_from_slice(e.bytes);
+            let ptr = p.device_ptr();
+            (Rows::Host(p), ptr)
+        } else {
+            let b = DeviceBuffer::from_slice(e.bytes).unwrap();
+            let ptr = b.ptr();
+            (Rows::Card(b), ptr)
+        };
+        (rows, RowsOnDevice { ptr, dtype: e.dtype, vocab: e.rows(), cols: e.cols() })
+    }
+}
+
+fn build(cfg: &ModelConfig, dtype: DType) -> MemSource {
+    let t = Instant::now();
+    let src = MemSource {
+        cfg: cfg.clone(),
+        tensors: synthetic_weights(cfg, 1, dtype).into_iter().map(|t| (t.name.clone(), t)).collect(),
+    };
+    println!("built the {} model in {:.1} s", dtype.name(), t.elapsed().as_secs_f64());
+    src
+}
+
+fn load(src: &MemSource, rows: RowsOnDevice, chunk: usize) -> GpuModel {
+    let gpu = GpuModel::load(src, rows, chunk).unwrap_or_else(|e| panic!("load: {e}"));
+    gpu
+}
+
+fn main() {
+    let args = parse();
+    cuda::require_device(0).unwrap_or_else(|e| {
+        eprintln!("bench_prefill: {e}");
+        std::process::exit(1);
+    });
+    let cfg = llama3_8b(args.layers);
+    let src = build(&cfg, DType::Bf16);
+    let (_rows, rows) = Rows::new(&src, false);
+    let mut gpu = load(&src, rows, args.chunk);
+    println!("{}", gpu.prompt_route());
+    let scratch = GpuModel::scratch_bytes(&src, args.chunk);
+    println!(
+        "chunk {} tokens: scratch {:.2} GiB (weights {:.2} GiB)",
+        args.chunk,
+        scratch as f64 / (1u64 << 30) as f64,
+        GpuModel::weight_bytes(&src) as f64 / (1u64 << 30) as f64
+    );
+
+    println!("\n| prompt tokens | BF16 tok/s | seconds | decode right after, tok/s |");
+    println!("| --- | --- | --- | --- |");
+    let mut bf16_at = HashMap::new();
+    for &len in &args.lengths {
+        let decode = if len >= 16384 { 64 } else { 0 };
+        let runs = if len >= 65536 { args.runs.min(3) } else { args.runs };
+        let (rate, dec) = prompt_rate(&mut gpu, len, runs, decode);
+        bf16_at.insert(len, rate);
+        let dec = if decode > 0 { format!("{dec:.1}") } else { "-".into() };
+        println!("| {len} | {rate:.0} | {:.2} | {dec} |", len as f64 / rate);
+    }
+    if args.quick {
+        return;
+    }
+    let (_, short) = prompt_rate(&mut gpu, 64, args.runs, 128);
+    println!("\ndecode after a 64-token prompt: {short:.1} tok/s");
+
+    println!("\n| chunk (tokens) | 4096-token prompt, tok/s | scratch GiB |");
+    println!("| --- | --- | --- |");
+    for chunk in [512, 1024, 2048, 4096] {
+        drop(gpu);
+        gpu = load(&src, rows, chunk);
+        let (rate, _) = prompt_rate(&mut gpu, 4096, args.runs, 0);
+        let gib = GpuModel::scratch_bytes(&src, chunk) as f64 / (1u64 << 30) as f64;
+        println!("| {chunk} | {rate:.0} | {gib:.2} |");
+    }
+    drop(gpu);
+
+    // Rows in pinned host memory the card reads over the bus.
+    let (_host_rows, host) = Rows::new(&src, true);
+    let mut gpu = load(&src, host, args.chunk);
+    let (mapped, _) = prompt_rate(&mut gpu, 4096, args.runs, 0);
+    let card = bf16_at.get(&4096).copied().unwrap_or(f64::NAN);
+    println!(
+        "\nrows in mapped host memory, 4096-token prompt: {mapped:.0} tok/s against {card:.0} on the card ({:+.1}%)",
+        100.0 * (mapped / card - 1.0)
+    );
+    drop(gpu);
+    drop(_host_rows);
+    drop(_rows);
+    drop(src);
+
+    let q8 = build(&cfg, DType::Q8_0);
+    let (_q8_rows, rows) = Rows::new(&q8, false);
+    let mut gpu = load(&q8, rows, args.chunk);
+    println!("\n| prompt tokens | Q8_0 tok/s | of BF16 |");
+    println!("| --- | --- | --- |");
+    for len in [512, 4096] {
+        let (rate, _) = prompt_rate(&mut gpu, len, args.runs, 0);
+        let of = bf16_at.get(&len).map_or("-".to_string(), |b| format!("{:.0}%", 100.0 * rate / b));
+        println!("| {len} | {rate:.0} | {of} |");
+    }
+}

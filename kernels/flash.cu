@@ -1,0 +1,242 @@
+// Causal attention of a prompt chunk over the bf16 KV cache on tensor cores (flash attention, FA2 order):
+// a block takes 64 query tokens of one head; each of its 4 warps holds 16 queries' Q fragments, scores,
+// online-softmax state and output in registers, while 64-position K and V tiles stream through a
+// double-buffered cp.async pipeline in shared memory. Q K^T and P V are mma.sync m16n8k16 in bf16 with f32
+// accumulators; the score fragments become P's A fragments without leaving registers.
+#include "hostembed_kernels.cuh"
+
+namespace {
+
+constexpr int FA_THREADS = 128, FA_BM = 64, FA_BN = 64;
+// Scores in log2 units (q pre-scaled by scale * log2(e)): the exponentials are exp2.
+constexpr float FA_LOG2E = 1.4426950408889634f;
+
+template <int D>
+constexpr int fa_stride() {
+    return D + 8;  // padded rows: fragment reads of 8 rows land in distinct banks
+}
+template <int D>
+constexpr int fa_smem() {
+    return 2 /* stages */ * 2 /* K, V */ * FA_BN * fa_stride<D>() * 2;
+}
+
+template <int D, typename Out>
+__global__ __launch_bounds__(FA_THREADS) void flash_kernel(const float *__restrict__ q, unsigned int q_stride,
+                                                           const unsigned short *__restrict__ k_cache,
+                                                           const unsigned short *__restrict__ v_cache,
+                                                           unsigned int window, const int *__restrict__ pos,
+                                                           unsigned int n, unsigned int heads, unsigned int kv_heads,
+                                                           float scale_log2, typename Out::T *__restrict__ out,
+                                                           unsigned int out_stride) {
+    constexpr int S = fa_stride<D>(), KSTEPS = D / 16, DT = D / 8;
+    extern __shared__ __align__(16) unsigned short fa_smem_buf[];
+    __shared__ int block_max_pos, block_min_pos;
+    unsigned short *k_s = fa_smem_buf;               // [2][FA_BN][S]
+    unsigned short *v_s = fa_smem_buf + 2 * FA_BN * S;  // [2][FA_BN][S]
+
+    const unsigned int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, g = lane / 4, t4 = lane % 4;
+    const unsigned int h = blockIdx.y, kvh = h / (heads / kv_heads);
+    const unsigned int q0 = blockIdx.x * FA_BM;
+
+    if (tid == 0) block_max_pos = -1, block_min_pos = 0x7fffffff;
+    __syncthreads();
+    if (tid < FA_BM && q0 + tid < n) {
+        atomicMax(&block_max_pos, pos[q0 + tid]);
+        atomicMin(&block_min_pos, pos[q0 + tid]);
+    }
+    __syncthreads();
+    const int p_max = block_max_pos, p_min = block_min_pos;
+    const unsigned int ctx = p_max < 0 ? 0u : min((unsigned int)p_max + 1, window);
+
+    // This lane's two query rows: g and g + 8 of the warp's 16.
+    const unsigned int r_lo = q0 + warp * 16 + g, r_hi = r_lo + 8;
+    const int p_lo = r_lo < n ? pos[r_lo] : -1, p_hi = r_hi < n ? pos[r_hi] : -1;
+
+    unsigned int qf[KSTEPS][4];
+    {
+        const float *q_lo = q + (size_t)r_lo * q_stride + (size_t)h * D;
+        const float *q_hi = q + (size_t)r_hi * q_stride + (size_t)h * D;
+#pragma unroll
+        for (int kk = 0; kk < KSTEPS; kk++) {
+#pragma unroll
+            for (int part = 0; part < 2; part++) {  // columns 16kk + 2t4 (+8 for part 1)
+                const unsigned int c = kk * 16 + part * 8 + 2 * t4;
+                float2 lo = make_float2(0.f, 0.f), hi = make_float2(0.f, 0.f);
+                if (r_lo < n) lo = make_float2(q_lo[c], q_lo[c + 1]);
+                if (r_hi < n) hi = make_float2(q_hi[c], q_hi[c + 1]);
+                qf[kk][part * 2] = he::Bf16Op::pack(lo.x * scale_log2, lo.y * scale_log2);
+                qf[kk][part * 2 + 1] = he::Bf16Op::pack(hi.x * scale_log2, hi.y * scale_log2);
+            }
+        }
+    }
+
+    float o[DT][4];
+#pragma unroll
+    for (int d = 0; d < DT; d++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) o[d][e] = 0.f;
+    float m_lo = -INFINITY, m_hi = -INFINITY, l_lo = 0.f, l_hi = 0.f;
+
+    const unsigned short *k_head = k_cache + (size_t)kvh * window * D;
+    const unsigned short *v_head = v_cache + (size_t)kvh * window * D;
+    auto load_tile = [&](unsigned int stage, unsigned int tile) {
+        constexpr int PIECES = FA_BN * D / 8;  // 16-byte pieces per K or V tile
+        const unsigned int base = tile * FA_BN;
+#pragma unroll
+        for (int i = tid; i < PIECES; i += FA_THREADS) {
+            const unsigned int r = i / (D / 8), c = (i % (D / 8)) * 8;
+            const bool ok = base + r < ctx;  // later rows are zeros: a zero V row times a zero weight
+            const size_t at = ok ? (size_t)(base + r) * D + c : 0;
+            he::cp_async16(k_s + (stage * FA_BN + r) * S + c, k_head + at, ok);
+            he::cp_async16(v_s + (stage * FA_BN + r) * S + c, v_head + at, ok);
+        }
+    };
+
+    const unsigned int tiles = (ctx + FA_BN - 1) / FA_BN;
+    if (tiles > 0) load_tile(0, 0);
+    he::cp_async_commit();
+    for (unsigned int tile = 0; tile < tiles; tile++) {
+        if (tile + 1 < tiles) load_tile((tile + 1) % 2, tile + 1);
+        he::cp_async_commit();
+        he::cp_async_wait<1>();
+        __syncthreads();
+        const unsigned short *ks = k_s + (tile % 2) * FA_BN * S;
+        const unsigned short *vs = v_s + (tile % 2) * FA_BN * S;
+
+        // Scores of 16 queries by 64 positions: 8 accumulators of 8 positions.
+        float s[FA_BN / 8][4];
+#pragma unroll
+        for (int j = 0; j < FA_BN / 8; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) s[j][e] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < KSTEPS; kk++) {
+#pragma unroll
+            for (int j = 0; j < FA_BN / 8; j++) {
+                const unsigned short *kr = ks + (j * 8 + g) * S + kk * 16 + 2 * t4;
+                he::Bf16Op::mma(s[j], qf[kk], *reinterpret_cast<const unsigned int *>(kr),
+                                *reinterpret_cast<const unsigned int *>(kr + 8));
+            }
+        }
+        // Positions past a query's own are masked; only tiles that reach past the block's first query need it.
+        const unsigned int base = tile * FA_BN;
+        if ((int)(base + FA_BN - 1) > p_min) {
+#pragma unroll
+            for (int j = 0; j < FA_BN / 8; j++) {
+                const int key = (int)(base + j * 8 + 2 * t4);
+                if (key > p_lo) s[j][0] = -INFINITY;
+                if (key + 1 > p_lo) s[j][1] = -INFINITY;
+                if (key > p_hi) s[j][2] = -INFINITY;
+                if (key + 1 > p_hi) s[j][3] = -INFINITY;
+            }
+        }
+        float mx_lo = m_lo, mx_hi = m_hi;
+#pragma unroll
+        for (int j = 0; j < FA_BN / 8; j++) {
+            mx_lo = fmaxf(mx_lo, fmaxf(s[j][0], s[j][1]));
+            mx_hi = fmaxf(mx_hi, fmaxf(s[j][2], s[j][3]));
+        }
+#pragma unroll
+        for (int o_ = 1; o_ < 4; o_ <<= 1) {  // the 4 lanes of a row
+            mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, o_));
+            mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, o_));
+        }
+        // A row with nothing unmasked yet (only rows past n) keeps zero weights instead of NaNs.
+        const float base_lo = mx_lo == -INFINITY ? 0.f : mx_lo, base_hi = mx_hi == -INFINITY ? 0.f : mx_hi;
+        const float corr_lo = exp2f(m_lo - base_lo), corr_hi = exp2f(m_hi - base_hi);
+        m_lo = mx_lo, m_hi = mx_hi;
+        float sum_lo = 0.f, sum_hi = 0.f;
+#pragma unroll
+        for (int j = 0; j < FA_BN / 8; j++) {
+            s[j][0] = exp2f(s[j][0] - base_lo), s[j][1] = exp2f(s[j][1] - base_lo);
+            s[j][2] = exp2f(s[j][2] - base_hi), s[j][3] = exp2f(s[j][3] - base_hi);
+            sum_lo += s[j][0] + s[j][1];
+            sum_hi += s[j][2] + s[j][3];
+        }
+        l_lo = l_lo * corr_lo + sum_lo;  // this lane's share; the row's 4 lanes are summed at the end
+        l_hi = l_hi * corr_hi + sum_hi;
+#pragma unroll
+        for (int d = 0; d < DT; d++) o[d][0] *= corr_lo, o[d][1] *= corr_lo, o[d][2] *= corr_hi, o[d][3] *= corr_hi;
+
+        // O += P V, 16 positions a step: two score accumulators make one A fragment.
+#pragma unroll
+        for (int ks_ = 0; ks_ < FA_BN / 16; ks_++) {
+            const unsigned int pa[4] = {
+                he::Bf16Op::pack(s[2 * ks_][0], s[2 * ks_][1]), he::Bf16Op::pack(s[2 * ks_][2], s[2 * ks_][3]),
+                he::Bf16Op::pack(s[2 * ks_ + 1][0], s[2 * ks_ + 1][1]),
+                he::Bf16Op::pack(s[2 * ks_ + 1][2], s[2 * ks_ + 1][3])};
+#pragma unroll
+            for (int dp = 0; dp < D / 16; dp++) {
+                unsigned int vb[4];
+                he::ldmatrix_x4_trans(vb, vs + (ks_ * 16 + lane % 8 + ((lane / 8) % 2) * 8) * S + dp * 16 + (lane / 16) * 8);
+                he::Bf16Op::mma(o[2 * dp], pa, vb[0], vb[1]);
+                he::Bf16Op::mma(o[2 * dp + 1], pa, vb[2], vb[3]);
+            }
+        }
+        __syncthreads();  // the next iteration's load overwrites this stage
+    }
+    he::cp_async_wait<0>();
+
+#pragma unroll
+    for (int o_ = 1; o_ < 4; o_ <<= 1) {
+        l_lo += __shfl_xor_sync(0xffffffffu, l_lo, o_);
+        l_hi += __shfl_xor_sync(0xffffffffu, l_hi, o_);
+    }
+    const float inv_lo = l_lo > 0.f ? 1.f / l_lo : 0.f, inv_hi = l_hi > 0.f ? 1.f / l_hi : 0.f;
+    typename Out::T *out_lo = out + (size_t)r_lo * out_stride + (size_t)h * D;
+    typename Out::T *out_hi = out + (size_t)r_hi * out_stride + (size_t)h * D;
+#pragma unroll
+    for (int d = 0; d < DT; d++) {
+        const unsigned int c = d * 8 + 2 * t4;
+        if (r_lo < n) *reinterpret_cast<unsigned int *>(out_lo + c) = Out::pack(o[d][0] * inv_lo, o[d][1] * inv_lo);
+        if (r_hi < n) *reinterpret_cast<unsigned int *>(out_hi + c) = Out::pack(o[d][2] * inv_hi, o[d][3] * inv_hi);
+    }
+}
+
+// Calls fn(std::integral_constant<int, D>) for a head size with a kernel; false for any other.
+template <typename Fn>
+bool with_head_dim(unsigned int head_dim, Fn &&fn) {
+    switch (head_dim) {
+    case 16: fn(std::integral_constant<int, 16>{}); return true;
+    case 32: fn(std::integral_constant<int, 32>{}); return true;
+    case 64: fn(std::integral_constant<int, 64>{}); return true;
+    case 128: fn(std::integral_constant<int, 128>{}); return true;
+    default: return false;
+    }
+}
+
+}  // namespace
+
+extern "C" cudaError_t hostembed_flash_head_dim(unsigned int head_dim) {
+    return with_head_dim(head_dim, [](auto) {}) ? cudaSuccess : cudaErrorInvalidValue;
+}
+
+extern "C" cudaError_t hostembed_flash_attention(const float *q, unsigned int q_stride, const void *k_cache,
+                                                 const void *v_cache, unsigned int window, const int *pos,
+                                                 unsigned int n, unsigned int heads, unsigned int kv_heads,
+                                                 unsigned int head_dim, float scale, void *out, int out_dtype,
+                                                 unsigned int out_stride, cudaStream_t stream) {
+    if (q == nullptr || k_cache == nullptr || v_cache == nullptr || pos == nullptr || out == nullptr || heads == 0 ||
+        kv_heads == 0 || heads % kv_heads != 0 || window == 0 || q_stride < heads * head_dim ||
+        out_stride < heads * head_dim || out_stride % 2 != 0 || reinterpret_cast<uintptr_t>(out) % 4 != 0 ||
+        reinterpret_cast<uintptr_t>(k_cache) % 16 != 0 || reinterpret_cast<uintptr_t>(v_cache) % 16 != 0)
+        return cudaErrorInvalidValue;
+    if (n == 0) return cudaSuccess;
+    if (heads > 65535) return cudaErrorInvalidValue;
+    cudaError_t err = cudaErrorInvalidValue;
+    with_head_dim(head_dim, [&](auto dim) {
+        constexpr int D = decltype(dim)::value;
+        he::with_half(out_dtype, [&](auto op) {
+            using Out = decltype(op);
+            auto kernel = flash_kernel<D, Out>;
+            err = he::allow_smem(kernel, fa_smem<D>());
+            if (err != cudaSuccess) return;
+            const dim3 grid((n + FA_BM - 1) / FA_BM, heads);
+            kernel<<<grid, FA_THREADS, fa_smem<D>(), stream>>>(
+                q, q_stride, static_cast<const unsigned short *>(k_cache), static_cast<const unsigned short *>(v_cache),
+                window, pos, n, heads, kv_heads, scale * FA_LOG2E, static_cast<typename Out::T *>(out), out_stride);
+            err = cudaGetLastError();
+        });
+    });
+    return err;
+}

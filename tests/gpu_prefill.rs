@@ -1,0 +1,543 @@
+//! The prompt path on the GPU: the tensor-core product, the weight conversion, the half-format writers
+//! and flash attention against the CPU oracle on fresh random data with poisoned outputs; then whole
+//! prompts (2,048 tokens on each architecture, 32,768 on a small model, chunk boundaries) against the
+//! CPU backend and against stepping the same prompt one token at a time. Skips where no CUDA device is
+//! present. Run it once more with HOSTEMBED_CUBLASLT=0 to cover the library's own product kernel.
+
+mod common;
+
+use std::collections::HashMap;
+use std::os::raw::{c_int, c_uint, c_void};
+use std::ptr;
+
+use common::{Rng, gpu_present, rel_l2};
+use hostembed::Status;
+use hostembed::checkpoint::write::{OwnedTensor, synthetic_weights};
+use hostembed::cpu::{self, CpuModel};
+use hostembed::cuda::{self, DeviceBuffer};
+use hostembed::gpu::{GpuModel, RowsOnDevice};
+use hostembed::kernels as kn;
+use hostembed::model::{Arch, ModelConfig, RopeScaling, TensorRef, TensorSource, names};
+use hostembed::sampler::Sampling;
+use hostembed::tensor::{DType, decode_row, encode_row};
+
+const NULL_STREAM: *mut c_void = ptr::null_mut();
+
+fn ok(code: c_int, what: &str) {
+    cuda::check(code, what).unwrap_or_else(|e| panic!("{what}: {e}"));
+    cuda::synchronize().unwrap_or_else(|e| panic!("{what} while running: {e}"));
+}
+
+fn poisoned(bytes: usize) -> DeviceBuffer {
+    let b = DeviceBuffer::new(bytes.max(1)).unwrap();
+    b.fill_bytes(0xFF).unwrap();
+    b
+}
+
+fn download<T: Copy + Default>(b: &DeviceBuffer, n: usize) -> Vec<T> {
+    let mut out = vec![T::default(); n];
+    b.download(&mut out).unwrap();
+    out
+}
+
+/// Values of a half format (2 bytes each, little-endian) as f32.
+fn halves_to_f32(dtype: DType, bits: &[u16]) -> Vec<f32> {
+    let bytes: Vec<u8> = bits.iter().flat_map(|b| b.to_le_bytes()).collect();
+    let mut out = vec![0f32; bits.len()];
+    decode_row(dtype, &bytes, &mut out);
+    out
+}
+
+/// `values` rounded to the half format, as its bits and as the f32 they now are.
+fn to_half(dtype: DType, values: &[f32]) -> (Vec<u16>, Vec<f32>) {
+    let bytes = encode_row(dtype, values);
+    let bits: Vec<u16> = bytes.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect();
+    let back = halves_to_f32(dtype, &bits);
+    (bits, back)
+}
+
+fn finite(what: &str, v: &[f32]) {
+    if let Some(i) = v.iter().position(|x| !x.is_finite()) {
+        panic!("{what}: element {i} of {} is {} (not written?)", v.len(), v[i]);
+    }
+}
+
+const HALVES: [DType; 2] = [DType::Bf16, DType::F16];
+
+#[test]
+fn tensor_core_product_matches_cpu() {
+    if !gpu_present("tensor_core_product_matches_cpu") {
+        return;
+    }
+    let mut rng = Rng::fresh("tensor_core_product_matches_cpu");
+    // (weight rows, cols, tokens, bias, residual in place, ldy padding): tiles, tails in every dimension.
+    let cases = [
+        (128, 64, 128, false, false, 0),
+        (300, 72, 17, true, false, 3),
+        (1000, 512, 200, false, true, 0),
+        (4096, 4096, 256, true, true, 0),
+        (7, 8, 1, false, false, 1),
+        (129, 264, 129, true, false, 0),
+    ];
+    for dtype in HALVES {
+        for &(rows, cols, n, bias, in_place, pad) in &cases {
+            let ldy = rows + pad;
+            let (w_bits, w) = to_half(dtype, &rng.vec(rows * cols, 1.0));
+            let (a_bits, a) = to_half(dtype, &rng.vec(n * cols, 1.0));
+            let b = rng.vec(rows, 1.0);
+            let res = rng.vec(n * ldy, 1.0);
+            let mut want = vec![0f32; n * ldy];
+            for t in 0..n {
+                for r in 0..ldy {
+                    let at = t * ldy + r;
+                    if r >= rows {
+                        want[at] = if in_place { res[at] } else { f32::NAN };
+                        continue;
+                    }
+                    let dot: f64 = (0..cols).map(|c| w[r * cols + c] as f64 * a[t * cols + c] as f64).sum();
+                    let extra = if bias { b[r] as f64 } else { 0.0 } + if in_place { res[at] as f64 } else { 0.0 };
+                    want[at] = (dot + extra) as f32;
+                }
+            }
+            let wb = DeviceBuffer::from_slice(&w_bits).unwrap();
+            let ab = DeviceBuffer::from_slice(&a_bits).unwrap();
+            let bb = DeviceBuffer::from_slice(&b).unwrap();
+            let y = if in_place { DeviceBuffer::from_slice(&res).unwrap() } else { poisoned(n * ldy * 4) };
+            let yp = y.ptr() as *mut f32;
+            ok(
+                unsafe {
+                    kn::hostembed_gemm(
+                        ab.ptr(),
+                        cols as c_uint,
+                        wb.ptr(),
+                        dtype as c_int,
+                        rows as c_uint,
+                        cols as c_uint,
+                        n as c_uint,
+                        if bias { bb.ptr() as *const f32 } else { ptr::null() },
+                        if in_place { yp } else { ptr::null() },
+                        yp,
+                        ldy as c_uint,
+                        NULL_STREAM,
+                    )
+                },
+                "hostembed_gemm",
+            );
+            let got: Vec<f32> = download(&y, n * ldy);
+            let what = format!("gemm {} {rows}x{cols} n {n} bias {bias} residual {in_place} ldy {ldy}", dtype.name());
+            let (g, wv): (Vec<f32>, Vec<f32>) =
+                got.iter().zip(&want).enumerate().filter(|(i, _)| i % ldy < rows).map(|(_, (g, w))| (*g, *w)).unzip();
+            finite(&what, &g);
+            // Padding columns are left as they were: poison (NaN) or the residual.
+            for t in 0..n {
+                for r in rows..ldy {
+                    let (gv, wv) = (got[t * ldy + r], want[t * ldy + r]);
+                    assert!(gv.to_bits() == wv.to_bits() || (gv.is_nan() && wv.is_nan()), "{what}: padding written");
+                }
+            }
+            let err = rel_l2(&g, &wv);
+            println!("{what}: relative L2 {err:.2e}");
+            assert!(err < 2e-5, "{what}: relative L2 {err:.3e}");
+        }
+    }
+}
+
+#[test]
+fn weight_conversion_is_exact() {
+    if !gpu_present("weight_conversion_is_exact") {
+        return;
+    }
+    let mut rng = Rng::fresh("weight_conversion_is_exact");
+    for src in [DType::F32, DType::F16, DType::Bf16, DType::Q8_0] {
+        for out in HALVES {
+            let (rows, cols) = (37, 96);
+            let mut values = rng.vec(rows * cols, 3.0);
+            values[5] = 0.0;
+            values[6] = -0.0;
+            values[7] = 1e-7;
+            let bytes: Vec<u8> = values.chunks(cols).flat_map(|r| encode_row(src, r)).collect();
+            let mut want = Vec::new();
+            let row_bytes = src.row_bytes(cols).unwrap();
+            for r in 0..rows {
+                let mut row = vec![0f32; cols];
+                decode_row(src, &bytes[r * row_bytes..(r + 1) * row_bytes], &mut row);
+                want.extend(to_half(out, &row).0);
+            }
+            let wb = DeviceBuffer::from_slice(&bytes).unwrap();
+            let ob = poisoned(rows * cols * 2);
+            ok(
+                unsafe {
+                    kn::hostembed_convert_matrix(
+                        wb.ptr(),
+                        src as c_int,
+                        rows as c_uint,
+                        cols as c_uint,
+                        ob.ptr(),
+                        out as c_int,
+                        NULL_STREAM,
+                    )
+                },
+                "hostembed_convert_matrix",
+            );
+            let got: Vec<u16> = download(&ob, rows * cols);
+            let diff = got.iter().zip(&want).position(|(g, w)| g != w);
+            assert!(diff.is_none(), "{} to {}: value {:?} differs", src.name(), out.name(), diff);
+        }
+    }
+}
+
+#[test]
+fn half_writers_round_once() {
+    if !gpu_present("half_writers_round_once") {
+        return;
+    }
+    let mut rng = Rng::fresh("half_writers_round_once");
+    for out in HALVES {
+        let (n, cols) = (5, 1000);
+        let x = rng.vec(n * cols, 3.0);
+        let w = rng.vec(cols, 1.0);
+        let mut want = vec![0f32; n * cols];
+        for (xr, wr) in x.chunks(cols).zip(want.chunks_mut(cols)) {
+            cpu::rmsnorm(xr, &w, 1e-5, wr);
+        }
+        let (xb, wb, ob) =
+            (DeviceBuffer::from_slice(&x).unwrap(), DeviceBuffer::from_slice(&w).unwrap(), poisoned(n * cols * 2));
+        ok(
+            unsafe {
+                kn::hostembed_rmsnorm_to(
+                    xb.ptr() as *const f32,
+                    wb.ptr() as *const f32,
+                    1e-5,
+                    ob.ptr(),
+                    out as c_int,
+                    n as c_uint,
+                    cols as c_uint,
+                    NULL_STREAM,
+                )
+            },
+            "hostembed_rmsnorm_to",
+        );
+        let got = halves_to_f32(out, &download::<u16>(&ob, n * cols));
+        let bound = if out == DType::Bf16 { 4e-3 } else { 5e-4 };
+        finite("rmsnorm_to", &got);
+        let err = rel_l2(&got, &want);
+        println!("rmsnorm_to {}: relative L2 {err:.2e}", out.name());
+        assert!(err < bound, "rmsnorm_to {}: {err:.3e}", out.name());
+
+        let len = 4099;
+        let (gate, up) = (rng.vec(len, 3.0), rng.vec(len, 2.0));
+        let mut want = vec![0f32; len];
+        cpu::swiglu(&gate, &up, &mut want);
+        let (gb, ub, ob) =
+            (DeviceBuffer::from_slice(&gate).unwrap(), DeviceBuffer::from_slice(&up).unwrap(), poisoned(len * 2));
+        ok(
+            unsafe {
+                kn::hostembed_swiglu_to(
+                    gb.ptr() as *const f32,
+                    ub.ptr() as *const f32,
+                    ob.ptr(),
+                    out as c_int,
+                    len,
+                    NULL_STREAM,
+                )
+            },
+            "hostembed_swiglu_to",
+        );
+        let got = halves_to_f32(out, &download::<u16>(&ob, len));
+        finite("swiglu_to", &got);
+        let err = rel_l2(&got, &want);
+        println!("swiglu_to {}: relative L2 {err:.2e}", out.name());
+        assert!(err < bound, "swiglu_to {}: {err:.3e}", out.name());
+
+        let ob = poisoned(len * 2);
+        ok(
+            unsafe { kn::hostembed_convert(gb.ptr() as *const f32, ob.ptr(), out as c_int, len, NULL_STREAM) },
+            "hostembed_convert",
+        );
+        let got: Vec<u16> = download(&ob, len);
+        assert_eq!(got, to_half(out, &gate).0, "convert {}: not the nearest half", out.name());
+    }
+}
+
+#[test]
+fn flash_attention_matches_cpu() {
+    if !gpu_present("flash_attention_matches_cpu") {
+        return;
+    }
+    let mut rng = Rng::fresh("flash_attention_matches_cpu");
+    for d in [16usize, 32, 64, 128] {
+        assert_eq!(unsafe { kn::hostembed_flash_head_dim(d as c_uint) }, 0, "head_dim {d} has a kernel");
+        for &(heads, kv_heads) in &[(8usize, 2usize), (4, 4), (7, 1)] {
+            for &(p0, n) in &[(0usize, 1usize), (0, 64), (0, 65), (37, 63), (130, 200), (5, 300)] {
+                for out in HALVES {
+                    run_flash(&mut rng, d, heads, kv_heads, p0, n, out);
+                }
+            }
+        }
+    }
+    for d in [8u32, 24, 96, 256] {
+        assert_ne!(unsafe { kn::hostembed_flash_head_dim(d) }, 0, "head_dim {d} claims a kernel");
+    }
+}
+
+fn run_flash(rng: &mut Rng, d: usize, heads: usize, kv_heads: usize, p0: usize, n: usize, out: DType) {
+    let window = p0 + n + 19;
+    let kv_dim = kv_heads * d;
+    let q_stride = heads * d + 2 * kv_dim;
+    let ctx = p0 + n;
+    // The cache: K and V rounded to bf16 for the first ctx positions, 0xFFFF (NaN) beyond.
+    let mut k_bits = vec![0xFFFFu16; kv_heads * window * d];
+    let mut v_bits = k_bits.clone();
+    let mut k = vec![0f32; ctx * kv_dim]; // [pos][kv_head * d], as cpu::attention reads it
+    let mut v = k.clone();
+    for (bits, flat) in [(&mut k_bits, &mut k), (&mut v_bits, &mut v)] {
+        let (b, f) = to_half(DType::Bf16, &rng.vec(kv_heads * ctx * d, 1.0));
+        for h in 0..kv_heads {
+            for p in 0..ctx {
+                for c in 0..d {
+                    let i = (h * ctx + p) * d + c;
+                    bits[(h * window + p) * d + c] = b[i];
+                    flat[p * kv_dim + h * d + c] = f[i];
+                }
+            }
+        }
+    }
+    let q = rng.vec(n * q_stride, 1.0);
+    let pos: Vec<i32> = (0..n).map(|t| (p0 + t) as i32).collect();
+    let mut want = vec![0f32; n * heads * d];
+    for t in 0..n {
+        let qt = &q[t * q_stride..t * q_stride + heads * d];
+        cpu::attention(qt, &k, &v, p0 + t + 1, heads, kv_heads, d, &mut want[t * heads * d..(t + 1) * heads * d]);
+    }
+    let (qb, kb, vb, pb) = (
+        DeviceBuffer::from_slice(&q).unwrap(),
+        DeviceBuffer::from_slice(&k_bits).unwrap(),
+        DeviceBuffer::from_slice(&v_bits).unwrap(),
+        DeviceBuffer::from_slice(&pos).unwrap(),
+    );
+    let ob = poisoned(n * heads * d * 2);
+    let what = format!("flash d {d} heads {heads}/{kv_heads} from {p0}, {n} queries, {}", out.name());
+    ok(
+        unsafe {
+            kn::hostembed_flash_attention(
+                qb.ptr() as *const f32,
+                q_stride as c_uint,
+                kb.ptr(),
+                vb.ptr(),
+                window as c_uint,
+                pb.ptr() as *const c_int,
+                n as c_uint,
+                heads as c_uint,
+                kv_heads as c_uint,
+                d as c_uint,
+                1.0 / (d as f32).sqrt(),
+                ob.ptr(),
+                out as c_int,
+                (heads * d) as c_uint,
+                NULL_STREAM,
+            )
+        },
+        &what,
+    );
+    let got = halves_to_f32(out, &download::<u16>(&ob, n * heads * d));
+    finite(&what, &got);
+    let err = rel_l2(&got, &want);
+    println!("{what}: relative L2 {err:.2e}");
+    assert!(err < 1e-2, "{what}: relative L2 {err:.3e}");
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Whole prompts.
+
+struct MemSource {
+    cfg: ModelConfig,
+    tensors: HashMap<String, OwnedTensor>,
+}
+
+impl TensorSource for MemSource {
+    fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    fn tensor(&self, name: &str) -> hostembed::Result<TensorRef<'_>> {
+        let t = self.tensors.get(name).ok_or_else(|| hostembed::err!(BadModel, "tensor {name} is missing"))?;
+        Ok(TensorRef { dtype: t.dtype, shape: &t.shape, bytes: &t.data })
+    }
+}
+
+fn model(cfg: ModelConfig, dtype: DType, seed: u64) -> MemSource {
+    let tensors = synthetic_weights(&cfg, seed, dtype).into_iter().map(|t| (t.name.clone(), t)).collect();
+    MemSource { cfg, tensors }
+}
+
+fn rows_on_card(src: &MemSource) -> (DeviceBuffer, RowsOnDevice) {
+    let e = src.tensor(names::EMBED).unwrap();
+    let buf = DeviceBuffer::from_slice(e.bytes).unwrap();
+    let rows = RowsOnDevice { ptr: buf.ptr(), dtype: e.dtype, vocab: e.rows(), cols: e.cols() };
+    (buf, rows)
+}
+
+fn base(arch: Arch) -> ModelConfig {
+    ModelConfig {
+        arch,
+        vocab: 1000,
+        hidden: 256,
+        layers: 2,
+        heads: 4,
+        kv_heads: 1,
+        head_dim: 64,
+        intermediate: 512,
+        rms_eps: 1e-5,
+        rope_theta: 10000.0,
+        rope_scaling: RopeScaling::None,
+        rope_interleaved: false,
+        max_position: 65536,
+        tied: false,
+        qkv_bias: false,
+        qk_norm: false,
+        bos: None,
+        eos: None,
+    }
+}
+
+/// Llama (GQA 4:1, head_dim 64, llama3 rope), Qwen2 (biases, tied head, head_dim 32), Qwen3 (q/k norms,
+/// head_dim 128 beside hidden 256).
+fn configs() -> Vec<(&'static str, ModelConfig)> {
+    let llama = ModelConfig {
+        rope_scaling: RopeScaling::Llama3 {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position: 512,
+        },
+        rope_interleaved: true,
+        rope_theta: 500000.0,
+        ..base(Arch::Llama)
+    };
+    let qwen2 = ModelConfig {
+        heads: 8,
+        kv_heads: 2,
+        head_dim: 32,
+        tied: true,
+        qkv_bias: true,
+        vocab: 777,
+        ..base(Arch::Qwen2)
+    };
+    let qwen3 =
+        ModelConfig { heads: 4, kv_heads: 2, head_dim: 128, qk_norm: true, rope_theta: 1000000.0, ..base(Arch::Qwen3) };
+    vec![("llama", llama), ("qwen2", qwen2), ("qwen3", qwen3)]
+}
+
+fn random_tokens(rng: &mut Rng, vocab: usize, n: usize) -> Vec<u32> {
+    (0..n).map(|_| rng.below(vocab as u64) as u32).collect()
+}
+
+#[test]
+fn prompt_logits_match_cpu_on_every_architecture() {
+    if !gpu_present("prompt_logits_match_cpu_on_every_architecture") {
+        return;
+    }
+    let mut rng = Rng::fresh("prompt_logits_match_cpu_on_every_architecture");
+    let n = 2048;
+    for (name, cfg) in configs() {
+        let src = model(cfg.clone(), DType::Bf16, rng.next_u64());
+        let (_rows_buf, rows) = rows_on_card(&src);
+        let mut gpu = GpuModel::load(&src, rows, 512).unwrap();
+        println!("{name}: {}", gpu.prompt_route());
+        let tokens = random_tokens(&mut rng, cfg.vocab, n);
+        let mut gs = gpu.new_stream(n + 64).unwrap();
+        let got = gpu.all_logits(&mut gs, &tokens).unwrap();
+        let cpu = CpuModel::new(&src).unwrap();
+        let mut cs = cpu.new_stream(n + 64);
+        let want = cpu.forward_all(&mut cs, &tokens).unwrap();
+        let mut worst = 0f64;
+        for p in [0, 1, 15, 16, 511, 512, 1000, 1537, n - 1] {
+            let e = rel_l2(&got[p], &want[p]);
+            println!("{name}: position {p}: relative L2 {e:.2e}");
+            worst = worst.max(e);
+        }
+        assert!(worst <= 2e-3, "{name}: prompt logits differ from the CPU's by {worst:.3e}");
+
+        // The same prompt in one step, then 64 greedy tokens, against the prompt stepped token by token.
+        let mut one = gpu.new_stream(n + 64).unwrap();
+        let mut by_token = gpu.new_stream(n + 64).unwrap();
+        let mut a = gpu.step(&mut one, &tokens, &Sampling::GREEDY, 0).unwrap();
+        let mut b = 0;
+        for &t in &tokens {
+            b = gpu.step(&mut by_token, &[t], &Sampling::GREEDY, 0).unwrap();
+        }
+        let mut differ = 0;
+        for i in 0..64 {
+            differ += (a != b) as usize;
+            assert_eq!(a, b, "{name}: greedy token {i} after the prompt: {a} in one step, {b} token by token");
+            a = gpu.step(&mut one, &[a], &Sampling::GREEDY, 0).unwrap();
+            b = gpu.step(&mut by_token, &[b], &Sampling::GREEDY, 0).unwrap();
+        }
+        println!("{name}: 64 greedy tokens after the prompt, {differ} differ between one step and token by token");
+    }
+}
+
+#[test]
+fn a_32k_prompt_matches_cpu_at_the_last_position() {
+    if !gpu_present("a_32k_prompt_matches_cpu_at_the_last_position") {
+        return;
+    }
+    let mut rng = Rng::fresh("a_32k_prompt_matches_cpu_at_the_last_position");
+    let cfg = ModelConfig { hidden: 128, heads: 2, kv_heads: 1, head_dim: 64, intermediate: 256, ..base(Arch::Llama) };
+    let n = 32768;
+    let src = model(cfg.clone(), DType::Bf16, rng.next_u64());
+    let (_rows_buf, rows) = rows_on_card(&src);
+    let mut gpu = GpuModel::load(&src, rows, 2048).unwrap();
+    let tokens = random_tokens(&mut rng, cfg.vocab, n);
+    let mut gs = gpu.new_stream(n).unwrap();
+    gpu.step(&mut gs, &tokens, &Sampling::GREEDY, 0).unwrap();
+    let got = gpu.last_logits().unwrap();
+    let cpu = CpuModel::new(&src).unwrap();
+    let mut cs = cpu.new_stream(n);
+    let t = std::time::Instant::now();
+    let want = cpu.forward(&mut cs, &tokens).unwrap();
+    let err = rel_l2(&got, &want);
+    println!(
+        "32768-token prompt: relative L2 at the last position {err:.2e} (CPU took {:.1} s)",
+        t.elapsed().as_secs_f64()
+    );
+    assert!(err <= 2e-3, "32k prompt: {err:.3e}");
+}
+
+#[test]
+fn chunk_boundaries_and_refusals() {
+    if !gpu_present("chunk_boundaries_and_refusals") {
+        return;
+    }
+    let mut rng = Rng::fresh("chunk_boundaries_and_refusals");
+    let (_, cfg) = configs().remove(0);
+    let src = model(cfg.clone(), DType::Bf16, rng.next_u64());
+    let (_rows_buf, rows) = rows_on_card(&src);
+    let chunk = 64;
+    let mut gpu = GpuModel::load(&src, rows, chunk).unwrap();
+    let cpu = CpuModel::new(&src).unwrap();
+    for len in [1, chunk - 1, chunk, chunk + 1, 3 * chunk + 17] {
+        let tokens = random_tokens(&mut rng, cfg.vocab, len);
+        // A stream that already holds 10 tokens, so a chunk starts in the middle of a KV tile.
+        let lead = random_tokens(&mut rng, cfg.vocab, 10);
+        let mut gs = gpu.new_stream(512).unwrap();
+        let mut cs = cpu.new_stream(512);
+        gpu.step(&mut gs, &lead, &Sampling::GREEDY, 0).unwrap();
+        cpu.forward(&mut cs, &lead).unwrap();
+        gpu.step(&mut gs, &tokens, &Sampling::GREEDY, 0).unwrap();
+        let want = cpu.forward(&mut cs, &tokens).unwrap();
+        let err = rel_l2(&gpu.last_logits().unwrap(), &want);
+        println!("prompt of {len} after 10, chunks of {chunk}: relative L2 {err:.2e}");
+        assert!(err <= 2e-3, "prompt of {len}: {err:.3e}");
+    }
+    // Past the window: NO_ROOM at any chunk count, nothing appended, the last logits kept.
+    let mut gs = gpu.new_stream(200).unwrap();
+    gpu.step(&mut gs, &random_tokens(&mut rng, cfg.vocab, 50), &Sampling::GREEDY, 0).unwrap();
+    let before = gpu.last_logits().unwrap();
+    for extra in [151, 200, 3 * chunk + 151] {
+        let e = gpu.step(&mut gs, &random_tokens(&mut rng, cfg.vocab, extra), &Sampling::GREEDY, 0).unwrap_err();
+        assert_eq!(e.status, Status::NoRoom, "{extra} tokens past a 200 window: {e}");
+        assert_eq!(gs.len(), 50, "a refused prompt appended tokens");
+        assert_eq!(gpu.last_logits().unwrap(), before, "a refused prompt changed the logits");
+    }
+}
