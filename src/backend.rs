@@ -92,7 +92,9 @@ impl<B: Backend> Streams<B> {
     /// NO_ROOM where the host cannot give the slot table (its size comes from the caller's options).
     pub fn new(backend: B, window: usize, count: usize) -> Result<Streams<B>> {
         let mut slots = Vec::new();
-        slots.try_reserve_exact(count).map_err(|_| err!(NoRoom, "the host has no room for a table of {count} streams"))?;
+        slots
+            .try_reserve_exact(count)
+            .map_err(|_| err!(NoRoom, "the host has no room for a table of {count} streams"))?;
         slots.resize_with(count, || None);
         Ok(Streams { backend, window, slots, last: None })
     }

@@ -317,9 +317,7 @@ fn load_decoder(
 ) -> Result<Box<dyn Decoder>> {
     let window = window_of(&ckpt.config, opts)? as usize;
     Ok(match kind {
-        BackendKind::Cpu => {
-            Box::new(Streams::new(CpuBackend::new(ckpt.shared())?, window, streams as usize)?)
-        }
+        BackendKind::Cpu => Box::new(Streams::new(CpuBackend::new(ckpt.shared())?, window, streams as usize)?),
         BackendKind::Cuda => {
             let r = rows.describe();
             let rows = RowsOnDevice { ptr: r.data, dtype: r.dtype, vocab: r.rows as usize, cols: r.cols as usize };
