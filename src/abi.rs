@@ -5,6 +5,23 @@
 
 use std::os::raw::{c_char, c_void};
 
+/// `from_raw` for a C enum: the variant a raw value C passed names, or None. The list names every
+/// variant; a match on it fails to build when one is left out.
+macro_rules! from_raw {
+    ($ty:ident($raw:ty): $($variant:ident),+ $(,)?) => {
+        impl $ty {
+            /// The variant a raw value C passed names; None when it names none.
+            pub fn from_raw(raw: $raw) -> Option<$ty> {
+                [$($ty::$variant),+].into_iter().find(|v| *v as $raw == raw)
+            }
+        }
+
+        const _: fn($ty) = |v| match v {
+            $($ty::$variant)|+ => (),
+        };
+    };
+}
+
 /// The ABI this header describes; a caller compares it with `engine_abi_version()`.
 pub const HOSTEMBED_ABI_VERSION: u32 = 1;
 
@@ -38,6 +55,10 @@ pub enum engine_status {
     Panic = 10,
 }
 
+from_raw!(engine_status(i64):
+    Ok, InvalidArgument, NoRoom, NoCuda, NoDevice, CudaError, IoError, BadModel, Unsupported, OutOfRange, Panic
+);
+
 // ---------------------------------------------------------------------------------------------
 // Fit
 
@@ -56,17 +77,7 @@ pub enum engine_placement {
     FileMapped = 2,
 }
 
-impl engine_placement {
-    /// The placement a C caller stored as a raw enum value, or None when it names none.
-    pub fn from_raw(raw: u32) -> Option<engine_placement> {
-        match raw {
-            0 => Some(engine_placement::Device),
-            1 => Some(engine_placement::HostMapped),
-            2 => Some(engine_placement::FileMapped),
-            _ => None,
-        }
-    }
-}
+from_raw!(engine_placement(u32): Device, HostMapped, FileMapped);
 
 /// The figures the rule decides on, in bytes.
 #[repr(C)]
@@ -216,16 +227,7 @@ pub enum engine_tristate {
     No = 2,
 }
 
-impl engine_tristate {
-    pub fn from_raw(raw: u32) -> Option<engine_tristate> {
-        match raw {
-            0 => Some(engine_tristate::Auto),
-            1 => Some(engine_tristate::Yes),
-            2 => Some(engine_tristate::No),
-            _ => None,
-        }
-    }
-}
+from_raw!(engine_tristate(u32): Auto, Yes, No);
 
 /// Which backend decodes.
 #[repr(C)]
@@ -237,16 +239,7 @@ pub enum engine_backend {
     Cpu = 2,
 }
 
-impl engine_backend {
-    pub fn from_raw(raw: u32) -> Option<engine_backend> {
-        match raw {
-            0 => Some(engine_backend::Auto),
-            1 => Some(engine_backend::Cuda),
-            2 => Some(engine_backend::Cpu),
-            _ => None,
-        }
-    }
-}
+from_raw!(engine_backend(u32): Auto, Cuda, Cpu);
 
 /// Receives each log line (no trailing newline); `user` is `engine_options.log_user`.
 pub type engine_log_fn = Option<unsafe extern "C" fn(user: *mut c_void, line: *const c_char)>;

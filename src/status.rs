@@ -28,24 +28,6 @@ impl engine_status {
     pub fn as_str(self) -> &'static str {
         self.c_name().to_str().unwrap_or("?")
     }
-
-    /// The status a C integer names; None outside the enum.
-    pub fn from_raw(raw: i64) -> Option<engine_status> {
-        const ALL: [engine_status; 11] = [
-            Status::Ok,
-            Status::InvalidArgument,
-            Status::NoRoom,
-            Status::NoCuda,
-            Status::NoDevice,
-            Status::CudaError,
-            Status::IoError,
-            Status::BadModel,
-            Status::Unsupported,
-            Status::OutOfRange,
-            Status::Panic,
-        ];
-        ALL.into_iter().find(|s| *s as i64 == raw)
-    }
 }
 
 /// A failure with its status and a message for `engine_last_error()`.
