@@ -72,10 +72,9 @@ pub static FORMATS: [FormatInfo; 4] =
 
 // DType::format indexes FORMATS by the enum value.
 const _: () = {
-    let order = [F32::DTYPE, F16::DTYPE, Bf16::DTYPE, Q8_0::DTYPE];
     let mut i = 0;
-    while i < order.len() {
-        assert!(order[i] as usize == i, "FORMATS is not in the C enum's order");
+    while i < FORMATS.len() {
+        assert!(FORMATS[i].dtype as usize == i, "FORMATS is not in the C enum's order");
         i += 1;
     }
 };
