@@ -25,6 +25,9 @@ pub struct ArchTraits {
 }
 
 impl Arch {
+    /// Every architecture the readers accept.
+    pub const ALL: [Arch; 3] = [Arch::Llama, Arch::Qwen2, Arch::Qwen3];
+
     pub const fn traits(self) -> ArchTraits {
         match self {
             Arch::Llama => ArchTraits { name: "llama", qkv_bias: false, qk_norm: false, gguf_rope_interleaved: true },
@@ -38,7 +41,12 @@ impl Arch {
     }
 
     pub fn from_name(name: &str) -> Option<Arch> {
-        [Arch::Llama, Arch::Qwen2, Arch::Qwen3].into_iter().find(|a| a.name() == name)
+        Arch::ALL.into_iter().find(|a| a.name() == name)
+    }
+
+    /// The names, for messages about an architecture the readers do not accept: "llama, qwen2, qwen3".
+    pub fn supported_names() -> String {
+        Arch::ALL.map(Arch::name).join(", ")
     }
 }
 

@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 
 use memmap2::Mmap;
 
-use crate::model::{self, Arch, ModelConfig, RopeScaling, TensorRef, TensorSource, names};
+use crate::model::{self, ModelConfig, RopeScaling, TensorRef, TensorSource, names};
 use crate::status::Result;
 use crate::tensor::{DType, supported_names};
 use crate::{bail, err};
@@ -256,13 +256,4 @@ pub fn llama3_rope_factors(cfg: &ModelConfig) -> Option<Vec<f32>> {
         })
         .collect();
     Some(factors)
-}
-
-/// The architecture's name in config.json `model_type` and GGUF `general.architecture`.
-pub fn arch_name(arch: Arch) -> &'static str {
-    arch.name()
-}
-
-pub fn arch_from_name(name: &str) -> Option<Arch> {
-    Arch::from_name(name)
 }

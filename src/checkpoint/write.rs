@@ -16,7 +16,7 @@ use serde_json::{Value, json};
 
 pub use super::gguf::GgufValue;
 use super::gguf::{self, DEFAULT_ALIGNMENT};
-use super::{ROPE_FREQS, arch_name, expected_tensors, llama3_rope_factors};
+use super::{ROPE_FREQS, expected_tensors, llama3_rope_factors};
 use crate::model::{Arch, ModelConfig, RopeScaling, names};
 use crate::sampler::splitmix64;
 use crate::status::Result;
@@ -469,7 +469,7 @@ fn u32_of(what: &str, v: usize) -> Result<GgufValue> {
 
 /// The metadata llama.cpp's converter writes for `cfg` (general.*, `{arch}.*`, bos/eos ids).
 pub fn gguf_metadata(cfg: &ModelConfig) -> Result<Vec<(String, GgufValue)>> {
-    let arch = arch_name(cfg.arch);
+    let arch = cfg.arch.name();
     let key = |k: &str| format!("{arch}.{k}");
     let mut kv = vec![
         ("general.architecture".to_string(), GgufValue::String(arch.to_string())),
