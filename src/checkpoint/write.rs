@@ -210,10 +210,10 @@ fn json_f32(x: f32) -> Value {
 /// config.json for `cfg`, in the keys transformers reads (HF rotates halves: `rope_interleaved` has no
 /// place here; weights given to the HF writers are in HF row order).
 pub fn hf_config_json(cfg: &ModelConfig) -> Value {
-    let (architecture, model_type) = match cfg.arch {
-        Arch::Llama => ("LlamaForCausalLM", "llama"),
-        Arch::Qwen2 => ("Qwen2ForCausalLM", "qwen2"),
-        Arch::Qwen3 => ("Qwen3ForCausalLM", "qwen3"),
+    let architecture = match cfg.arch {
+        Arch::Llama => "LlamaForCausalLM",
+        Arch::Qwen2 => "Qwen2ForCausalLM",
+        Arch::Qwen3 => "Qwen3ForCausalLM",
     };
     let rope_scaling = match cfg.rope_scaling {
         RopeScaling::None => Value::Null,
@@ -228,7 +228,7 @@ pub fn hf_config_json(cfg: &ModelConfig) -> Value {
     };
     let mut config = json!({
         "architectures": [architecture],
-        "model_type": model_type,
+        "model_type": cfg.arch.name(),
         "vocab_size": cfg.vocab,
         "hidden_size": cfg.hidden,
         "intermediate_size": cfg.intermediate,
@@ -414,9 +414,10 @@ fn reorder_qk_rows(data: &[u8], row_bytes: usize, heads: usize, inverse: bool) -
     out
 }
 
-/// The head count whose rows llama.cpp permutes in `canonical` (llama Q and K, weights and biases).
+/// The head count whose rows llama.cpp permutes in `canonical` (Q and K, weights and biases, of the
+/// architectures whose GGUF files rotate adjacent pairs).
 fn permuted_heads(cfg: &ModelConfig, canonical: &str) -> Option<usize> {
-    if cfg.arch != Arch::Llama {
+    if !cfg.arch.traits().gguf_rope_interleaved {
         return None;
     }
     let part = canonical.strip_prefix("model.layers.")?.split_once('.')?.1;
