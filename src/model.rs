@@ -254,13 +254,24 @@ pub struct TensorRef<'a> {
     pub bytes: &'a [u8],
 }
 
+/// Rows of a tensor of `shape` (outermost first): every dimension but the last, multiplied; a vector
+/// is one row.
+pub fn shape_rows(shape: &[usize]) -> usize {
+    if shape.len() < 2 { 1 } else { shape[..shape.len() - 1].iter().product() }
+}
+
+/// Columns of a tensor of `shape`: its last dimension.
+pub fn shape_cols(shape: &[usize]) -> usize {
+    *shape.last().unwrap_or(&1)
+}
+
 impl TensorRef<'_> {
     pub fn rows(&self) -> usize {
-        if self.shape.len() < 2 { 1 } else { self.shape[..self.shape.len() - 1].iter().product() }
+        shape_rows(self.shape)
     }
 
     pub fn cols(&self) -> usize {
-        *self.shape.last().unwrap_or(&1)
+        shape_cols(self.shape)
     }
 
     /// Decodes row `r` into f32.

@@ -41,11 +41,11 @@ pub struct TensorInfo {
 
 impl TensorInfo {
     pub fn rows(&self) -> usize {
-        if self.shape.len() < 2 { 1 } else { self.shape[..self.shape.len() - 1].iter().product() }
+        model::shape_rows(&self.shape)
     }
 
     pub fn cols(&self) -> usize {
-        *self.shape.last().unwrap_or(&1)
+        model::shape_cols(&self.shape)
     }
 
     /// Bytes of one row in the stored format.

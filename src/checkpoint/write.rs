@@ -17,7 +17,7 @@ use serde_json::{Value, json};
 pub use super::gguf::GgufValue;
 use super::gguf::{self, DEFAULT_ALIGNMENT};
 use super::{ROPE_FREQS, expected_tensors, llama3_rope_factors};
-use crate::model::{Arch, ModelConfig, RopeScaling, names};
+use crate::model::{Arch, ModelConfig, RopeScaling, names, shape_cols, shape_rows};
 use crate::sampler::splitmix64;
 use crate::status::Result;
 use crate::tensor::{DType, encode_row};
@@ -36,7 +36,7 @@ pub struct OwnedTensor {
 impl OwnedTensor {
     /// Encodes `values` (row-major over `shape`) in `dtype`.
     pub fn from_f32(name: &str, dtype: DType, shape: &[usize], values: &[f32]) -> Result<OwnedTensor> {
-        let cols = *shape.last().unwrap_or(&1);
+        let cols = shape_cols(shape);
         if values.len() != shape.iter().product::<usize>() || dtype.row_bytes(cols).is_none() {
             bail!(InvalidArgument, "tensor {name}: {} values do not fill {shape:?} in {}", values.len(), dtype.name());
         }
@@ -74,9 +74,7 @@ impl OwnedTensor {
 
 /// Bytes of a tensor of `shape` in `dtype`; None when its rows are not whole Q8_0 blocks.
 pub fn stored_bytes(dtype: DType, shape: &[usize]) -> Option<usize> {
-    let cols = *shape.last().unwrap_or(&1);
-    let rows = if shape.len() < 2 { 1 } else { shape[..shape.len() - 1].iter().product() };
-    dtype.row_bytes(cols)?.checked_mul(rows)
+    dtype.row_bytes(shape_cols(shape))?.checked_mul(shape_rows(shape))
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -111,7 +109,7 @@ impl Synthetic {
         } else if name == names::EMBED {
             Rule::Embed
         } else {
-            Rule::Matrix { scale: 1.0 / (*shape.last().unwrap_or(&1) as f32).sqrt() }
+            Rule::Matrix { scale: 1.0 / (shape_cols(shape) as f32).sqrt() }
         };
         Synthetic { key: seed ^ fnv1a64(name.as_bytes()), rule }
     }
@@ -153,8 +151,7 @@ pub fn synthetic_dtype(name: &str, shape: &[usize], matrix_dtype: DType) -> DTyp
 /// Generates one synthetic tensor's bytes in `dtype` (which `synthetic_dtype` chose), across cores.
 fn synthetic_bytes(name: &str, shape: &[usize], dtype: DType, seed: u64) -> Vec<u8> {
     let synthetic = Synthetic::new(name, shape, seed);
-    let cols = *shape.last().unwrap_or(&1);
-    let rows = if shape.len() < 2 { 1 } else { shape[..shape.len() - 1].iter().product() };
+    let (rows, cols) = (shape_rows(shape), shape_cols(shape));
     let row_bytes = dtype.row_bytes(cols).expect("synthetic_dtype picks a format the rows fit");
     let mut out = vec![0u8; rows * row_bytes];
     if out.is_empty() {
