@@ -240,10 +240,15 @@ fn tag_only(mut text: String) -> String {
     text
 }
 
+/// The modules that hold the C ABI: the types and constants C sees, and the exported functions. cbindgen
+/// reads only these, so nothing else the crate makes `pub` reaches the header.
+const ABI_SOURCES: &[&str] = &["src/abi.rs", "src/ffi.rs"];
+
 fn generate_header(manifest: &Path, out: &Path) {
     let config = cbindgen::Config::from_file(manifest.join("cbindgen.toml")).expect("cbindgen.toml");
     let target = out.join("hostembed.h");
-    match cbindgen::Builder::new().with_crate(manifest).with_config(config).generate() {
+    let builder = ABI_SOURCES.iter().fold(cbindgen::Builder::new(), |b, src| b.with_src(manifest.join(src)));
+    match builder.with_config(config).generate() {
         Ok(bindings) => {
             let mut text = Vec::new();
             bindings.write(&mut text);

@@ -1,14 +1,63 @@
-//! Every type and constant C callers see, in one module that cbindgen reads beside the functions of
-//! `ffi`. The modules that work with these types import them from here; nothing here has behaviour
-//! beyond reading raw enum values C passed.
+//! Every type and constant C callers see, in the one module cbindgen reads beside the functions of
+//! `ffi` (build.rs names the two files). The modules that work with these types import them from here;
+//! nothing here has behaviour beyond reading raw enum values C passed.
 #![allow(non_camel_case_types)]
 
 use std::os::raw::{c_char, c_void};
 
-use crate::tensor::engine_dtype;
+/// `from_raw` for a C enum: the variant a raw value C passed names, or None. The list names every
+/// variant; a match on it fails to build when one is left out.
+macro_rules! from_raw {
+    ($ty:ident($raw:ty): $($variant:ident),+ $(,)?) => {
+        impl $ty {
+            /// The variant a raw value C passed names; None when it names none.
+            pub fn from_raw(raw: $raw) -> Option<$ty> {
+                [$($ty::$variant),+].into_iter().find(|v| *v as $raw == raw)
+            }
+        }
+
+        const _: fn($ty) = |v| match v {
+            $($ty::$variant)|+ => (),
+        };
+    };
+}
 
 /// The ABI this header describes; a caller compares it with `engine_abi_version()`.
 pub const HOSTEMBED_ABI_VERSION: u32 = 1;
+
+// ---------------------------------------------------------------------------------------------
+// Status
+
+/// What a call did; `ENGINE_STATUS_OK` is 0 so C can test `if (status)`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum engine_status {
+    Ok = 0,
+    /// A NULL pointer, a bad enum value, a size that overflows, an option out of range.
+    InvalidArgument = 1,
+    /// The model, the window or the asked streams do not fit in the room given.
+    NoRoom = 2,
+    /// The library was built without nvcc, so no GPU code is in it.
+    NoCuda = 3,
+    /// No CUDA driver or no device with that index.
+    NoDevice = 4,
+    /// A CUDA call failed; the message names the call and the error.
+    CudaError = 5,
+    /// A file could not be opened, mapped or read.
+    IoError = 6,
+    /// A checkpoint is malformed: the message names the file and the tensor or key.
+    BadModel = 7,
+    /// A valid request this build or this model does not support.
+    Unsupported = 8,
+    /// A token id, stream index or position outside its range.
+    OutOfRange = 9,
+    /// A bug inside the library, caught at the C boundary.
+    Panic = 10,
+}
+
+from_raw!(engine_status(i64):
+    Ok, InvalidArgument, NoRoom, NoCuda, NoDevice, CudaError, IoError, BadModel, Unsupported, OutOfRange, Panic
+);
 
 // ---------------------------------------------------------------------------------------------
 // Fit
@@ -28,17 +77,7 @@ pub enum engine_placement {
     FileMapped = 2,
 }
 
-impl engine_placement {
-    /// The placement a C caller stored as a raw enum value, or None when it names none.
-    pub fn from_raw(raw: u32) -> Option<engine_placement> {
-        match raw {
-            0 => Some(engine_placement::Device),
-            1 => Some(engine_placement::HostMapped),
-            2 => Some(engine_placement::FileMapped),
-            _ => None,
-        }
-    }
-}
+from_raw!(engine_placement(u32): Device, HostMapped, FileMapped);
 
 /// The figures the rule decides on, in bytes.
 #[repr(C)]
@@ -132,6 +171,17 @@ pub struct engine_device_info {
     pub runtime_version: i32,
 }
 
+/// Row and weight formats. Values match HE_DTYPE_* in kernels/hostembed_kernels.cuh.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum engine_dtype {
+    F32 = 0,
+    F16 = 1,
+    Bf16 = 2,
+    /// GGUF Q8_0: blocks of 32 values, a little-endian f16 scale then 32 int8 (34 bytes).
+    Q8_0 = 3,
+}
+
 /// Where a caller's kernels can find the rows, in whatever placement they live.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
@@ -166,6 +216,70 @@ pub struct engine_memory {
 
 // ---------------------------------------------------------------------------------------------
 // Engine
+
+/// A yes/no option that can also be left to the library.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum engine_tristate {
+    /// Decided by the library (the option's documentation says how).
+    Auto = 0,
+    Yes = 1,
+    No = 2,
+}
+
+from_raw!(engine_tristate(u32): Auto, Yes, No);
+
+/// Which backend decodes.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum engine_backend {
+    /// CUDA when the library has kernels and a device is present, else the CPU.
+    Auto = 0,
+    Cuda = 1,
+    Cpu = 2,
+}
+
+from_raw!(engine_backend(u32): Auto, Cuda, Cpu);
+
+/// Receives each log line (no trailing newline); `user` is `engine_options.log_user`.
+pub type engine_log_fn = Option<unsafe extern "C" fn(user: *mut c_void, line: *const c_char)>;
+
+/// How to start an engine; take `engine_default_options()` and change what you need.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct engine_options {
+    /// CUDA device index.
+    pub device: i32,
+    /// The window in tokens; 0 = the model's own (max_position_embeddings / context_length).
+    pub context: u32,
+    /// Free device memory to plan with; 0 = probe with cudaMemGetInfo. A server passes its own probe.
+    pub room_bytes: u64,
+    /// The load's other buffers, counted in the decision to map rows (default 256 MiB).
+    pub reserve_bytes: u64,
+    /// A speculative drafter's weights on the card, 0 = none.
+    pub drafter_weight_bytes: u64,
+    /// One drafter stream: ring, taps, frame scratch.
+    pub drafter_stream_bytes: u64,
+    /// Most streams to start; 0 = as many as fit.
+    pub max_streams: u32,
+    /// Most prompt tokens in one batch (sizes the scratch); 0 = the default, 512.
+    pub max_batch: u32,
+    /// Host and device share memory. Auto = the device is integrated and has pageable memory access.
+    pub unified: engine_tristate,
+    /// Read the rows from the checkpoint's file mapping. Auto = DS4_EMBD_MMAP is "1".
+    pub mmap_rows: engine_tristate,
+    pub backend: engine_backend,
+    /// Sampling: 0 = greedy.
+    pub temperature: f32,
+    /// 0 = no top-k cut.
+    pub top_k: u32,
+    /// 1 = no nucleus cut.
+    pub top_p: f32,
+    pub seed: u64,
+    /// Log lines go here; NULL = standard error, prefixed "hostembed: ".
+    pub log: engine_log_fn,
+    pub log_user: *mut c_void,
+}
 
 /// What a caller needs to drive the engine.
 #[repr(C)]

@@ -21,7 +21,7 @@ use crate::status::{Result, Status};
 use crate::tensor::DType;
 use crate::tokenizer::Tokenizer;
 use std::ffi::CString;
-use std::os::raw::{c_char, c_void};
+use std::os::raw::c_void;
 use std::path::Path;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
@@ -29,87 +29,7 @@ use std::sync::{Arc, Mutex};
 /// The environment variable the seed issue gates file-mapped rows with; "1" means on.
 pub const MMAP_ROWS_ENV: &str = "DS4_EMBD_MMAP";
 
-/// A yes/no option that can also be left to the library.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum engine_tristate {
-    /// Decided by the library (the option's documentation says how).
-    Auto = 0,
-    Yes = 1,
-    No = 2,
-}
-
-impl engine_tristate {
-    pub fn from_raw(raw: u32) -> Option<engine_tristate> {
-        match raw {
-            0 => Some(engine_tristate::Auto),
-            1 => Some(engine_tristate::Yes),
-            2 => Some(engine_tristate::No),
-            _ => None,
-        }
-    }
-}
-
-/// Which backend decodes.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum engine_backend {
-    /// CUDA when the library has kernels and a device is present, else the CPU.
-    Auto = 0,
-    Cuda = 1,
-    Cpu = 2,
-}
-
-impl engine_backend {
-    pub fn from_raw(raw: u32) -> Option<engine_backend> {
-        match raw {
-            0 => Some(engine_backend::Auto),
-            1 => Some(engine_backend::Cuda),
-            2 => Some(engine_backend::Cpu),
-            _ => None,
-        }
-    }
-}
-
-/// Receives each log line (no trailing newline); `user` is `engine_options.log_user`.
-pub type engine_log_fn = Option<unsafe extern "C" fn(user: *mut c_void, line: *const c_char)>;
-
-/// How to start an engine; take `engine_default_options()` and change what you need.
-#[repr(C)]
-#[derive(Clone, Copy, Debug)]
-pub struct engine_options {
-    /// CUDA device index.
-    pub device: i32,
-    /// The window in tokens; 0 = the model's own (max_position_embeddings / context_length).
-    pub context: u32,
-    /// Free device memory to plan with; 0 = probe with cudaMemGetInfo. A server passes its own probe.
-    pub room_bytes: u64,
-    /// The load's other buffers, counted in the decision to map rows (default 256 MiB).
-    pub reserve_bytes: u64,
-    /// A speculative drafter's weights on the card, 0 = none.
-    pub drafter_weight_bytes: u64,
-    /// One drafter stream: ring, taps, frame scratch.
-    pub drafter_stream_bytes: u64,
-    /// Most streams to start; 0 = as many as fit.
-    pub max_streams: u32,
-    /// Most prompt tokens in one batch (sizes the scratch); 0 = the default, 512.
-    pub max_batch: u32,
-    /// Host and device share memory. Auto = the device is integrated and has pageable memory access.
-    pub unified: engine_tristate,
-    /// Read the rows from the checkpoint's file mapping. Auto = DS4_EMBD_MMAP is "1".
-    pub mmap_rows: engine_tristate,
-    pub backend: engine_backend,
-    /// Sampling: 0 = greedy.
-    pub temperature: f32,
-    /// 0 = no top-k cut.
-    pub top_k: u32,
-    /// 1 = no nucleus cut.
-    pub top_p: f32,
-    pub seed: u64,
-    /// Log lines go here; NULL = standard error, prefixed "hostembed: ".
-    pub log: engine_log_fn,
-    pub log_user: *mut c_void,
-}
+pub use crate::abi::{engine_backend, engine_log_fn, engine_options, engine_tristate};
 
 pub const DEFAULT_MAX_BATCH: u32 = 512;
 

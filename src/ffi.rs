@@ -2,6 +2,10 @@
 //! Sections follow the header's order: basics, device, fit, engine, decode.
 #![allow(non_camel_case_types, clippy::missing_safety_doc)]
 
+use crate::abi::{
+    engine_backend, engine_dtype, engine_fit_inputs, engine_memory, engine_options, engine_placement, engine_plan,
+    engine_rows, engine_tristate,
+};
 pub use crate::abi::{engine_device_info, engine_model_info};
 use crate::cuda;
 use crate::status::{self, Error, Result, Status, engine_status};
@@ -99,7 +103,7 @@ use crate::fit;
 
 /// The fit rule's defaults: a 256 MiB reserve, every other figure 0 and every flag false.
 #[unsafe(no_mangle)]
-pub extern "C" fn engine_fit_default_inputs() -> fit::engine_fit_inputs {
+pub extern "C" fn engine_fit_default_inputs() -> engine_fit_inputs {
     fit::default_inputs()
 }
 
@@ -107,10 +111,7 @@ pub extern "C" fn engine_fit_default_inputs() -> fit::engine_fit_inputs {
 /// `engine_last_error()` says why ("a 10.90 GiB stream, 8.93 GiB left"). INVALID_ARGUMENT for NULL,
 /// figures that overflow 64 bits, or figures that contradict each other.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn engine_fit_plan(
-    inputs: *const fit::engine_fit_inputs,
-    out: *mut fit::engine_plan,
-) -> engine_status {
+pub unsafe extern "C" fn engine_fit_plan(inputs: *const engine_fit_inputs, out: *mut engine_plan) -> engine_status {
     guard("engine_fit_plan", || {
         let inputs = unsafe { arg_ref(inputs, "inputs") }?;
         let out = unsafe { arg_mut(out, "out") }?;
@@ -126,7 +127,7 @@ pub unsafe extern "C" fn engine_fit_plan(
 /// Writes the plan's start-up line into `buf` (NUL-terminated, truncated to `len`) and returns the
 /// length it needed, like snprintf; 0 with `engine_last_error()` set for NULL or a bad placement.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn engine_plan_describe(plan: *const fit::engine_plan, buf: *mut c_char, len: usize) -> usize {
+pub unsafe extern "C" fn engine_plan_describe(plan: *const engine_plan, buf: *mut c_char, len: usize) -> usize {
     if !buf.is_null() && len > 0 {
         unsafe { *buf = 0 };
     }
@@ -136,11 +137,11 @@ pub unsafe extern "C" fn engine_plan_describe(plan: *const fit::engine_plan, buf
         }
         // The enums came from C: check their raw values before Rust reads them as enums.
         for (offset, field) in [
-            (std::mem::offset_of!(fit::engine_plan, placement), "placement"),
-            (std::mem::offset_of!(fit::engine_plan, max_window_placement), "max_window_placement"),
+            (std::mem::offset_of!(engine_plan, placement), "placement"),
+            (std::mem::offset_of!(engine_plan, max_window_placement), "max_window_placement"),
         ] {
             let raw = unsafe { std::ptr::read_unaligned((plan as *const u8).add(offset) as *const u32) };
-            if fit::engine_placement::from_raw(raw).is_none() {
+            if engine_placement::from_raw(raw).is_none() {
                 return Err(Error::new(
                     Status::InvalidArgument,
                     format!("plan->{field} is {raw}, not an engine_placement"),
@@ -155,9 +156,8 @@ pub unsafe extern "C" fn engine_plan_describe(plan: *const fit::engine_plan, buf
 // ---------------------------------------------------------------------------------------------
 // Engine
 
-use crate::engine::{self as eng, Engine, engine_backend, engine_options, engine_tristate};
-use crate::placement::{self, engine_memory, engine_rows};
-use crate::tensor::engine_dtype;
+use crate::engine::{self as eng, Engine};
+use crate::placement;
 use std::os::raw::c_void;
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -356,7 +356,7 @@ pub unsafe extern "C" fn engine_memory_stats(out: *mut engine_memory) -> engine_
 /// The plan the engine started with; its placement is where the rows went (a device that cannot
 /// register the file mapping gets HOST_MAPPED). UNSUPPORTED on the CPU backend, which has no device plan.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn engine_plan_of(e: *const engine, out: *mut fit::engine_plan) -> engine_status {
+pub unsafe extern "C" fn engine_plan_of(e: *const engine, out: *mut engine_plan) -> engine_status {
     guard("engine_plan_of", || {
         let e = unsafe { handle(e) }?;
         let out = unsafe { arg_mut(out, "out") }?;

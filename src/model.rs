@@ -25,6 +25,9 @@ pub struct ArchTraits {
 }
 
 impl Arch {
+    /// Every architecture the readers accept.
+    pub const ALL: [Arch; 3] = [Arch::Llama, Arch::Qwen2, Arch::Qwen3];
+
     pub const fn traits(self) -> ArchTraits {
         match self {
             Arch::Llama => ArchTraits { name: "llama", qkv_bias: false, qk_norm: false, gguf_rope_interleaved: true },
@@ -38,7 +41,12 @@ impl Arch {
     }
 
     pub fn from_name(name: &str) -> Option<Arch> {
-        [Arch::Llama, Arch::Qwen2, Arch::Qwen3].into_iter().find(|a| a.name() == name)
+        Arch::ALL.into_iter().find(|a| a.name() == name)
+    }
+
+    /// The names, for messages about an architecture the readers do not accept: "llama, qwen2, qwen3".
+    pub fn supported_names() -> String {
+        Arch::ALL.map(Arch::name).join(", ")
     }
 }
 
@@ -246,13 +254,24 @@ pub struct TensorRef<'a> {
     pub bytes: &'a [u8],
 }
 
+/// Rows of a tensor of `shape` (outermost first): every dimension but the last, multiplied; a vector
+/// is one row.
+pub fn shape_rows(shape: &[usize]) -> usize {
+    if shape.len() < 2 { 1 } else { shape[..shape.len() - 1].iter().product() }
+}
+
+/// Columns of a tensor of `shape`: its last dimension.
+pub fn shape_cols(shape: &[usize]) -> usize {
+    *shape.last().unwrap_or(&1)
+}
+
 impl TensorRef<'_> {
     pub fn rows(&self) -> usize {
-        if self.shape.len() < 2 { 1 } else { self.shape[..self.shape.len() - 1].iter().product() }
+        shape_rows(self.shape)
     }
 
     pub fn cols(&self) -> usize {
-        *self.shape.last().unwrap_or(&1)
+        shape_cols(self.shape)
     }
 
     /// Decodes row `r` into f32.

@@ -4,34 +4,7 @@ use std::cell::{Cell, RefCell};
 use std::ffi::CString;
 use std::fmt;
 
-/// What a call did; `ENGINE_STATUS_OK` is 0 so C can test `if (status)`.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-#[allow(non_camel_case_types)]
-pub enum engine_status {
-    Ok = 0,
-    /// A NULL pointer, a bad enum value, a size that overflows, an option out of range.
-    InvalidArgument = 1,
-    /// The model, the window or the asked streams do not fit in the room given.
-    NoRoom = 2,
-    /// The library was built without nvcc, so no GPU code is in it.
-    NoCuda = 3,
-    /// No CUDA driver or no device with that index.
-    NoDevice = 4,
-    /// A CUDA call failed; the message names the call and the error.
-    CudaError = 5,
-    /// A file could not be opened, mapped or read.
-    IoError = 6,
-    /// A checkpoint is malformed: the message names the file and the tensor or key.
-    BadModel = 7,
-    /// A valid request this build or this model does not support.
-    Unsupported = 8,
-    /// A token id, stream index or position outside its range.
-    OutOfRange = 9,
-    /// A bug inside the library, caught at the C boundary.
-    Panic = 10,
-}
-
+pub use crate::abi::engine_status;
 pub use engine_status as Status;
 
 impl engine_status {
@@ -54,24 +27,6 @@ impl engine_status {
 
     pub fn as_str(self) -> &'static str {
         self.c_name().to_str().unwrap_or("?")
-    }
-
-    /// The status a C integer names; None outside the enum.
-    pub fn from_raw(raw: i64) -> Option<engine_status> {
-        const ALL: [engine_status; 11] = [
-            Status::Ok,
-            Status::InvalidArgument,
-            Status::NoRoom,
-            Status::NoCuda,
-            Status::NoDevice,
-            Status::CudaError,
-            Status::IoError,
-            Status::BadModel,
-            Status::Unsupported,
-            Status::OutOfRange,
-            Status::Panic,
-        ];
-        ALL.into_iter().find(|s| *s as i64 == raw)
     }
 }
 

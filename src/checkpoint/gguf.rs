@@ -8,7 +8,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::Path;
 
 use super::{Checkpoint, Format, MappedFile, ROPE_FREQS, TensorInfo, TokenizerSource};
-use crate::model::{ModelConfig, RopeScaling, names};
+use crate::model::{Arch, ModelConfig, RopeScaling, names};
 use crate::status::Result;
 use crate::tensor::{DType, supported_names};
 use crate::{bail, err};
@@ -657,8 +657,9 @@ pub fn open_file(path: &Path) -> Result<Checkpoint> {
     let arch_name = meta
         .str("general.architecture")?
         .ok_or_else(|| err!(BadModel, "{file}: key general.architecture is missing"))?;
-    let arch = super::arch_from_name(arch_name).ok_or_else(|| {
-        err!(Unsupported, "{file}: general.architecture \"{arch_name}\" is not supported (llama, qwen2, qwen3)")
+    let arch = Arch::from_name(arch_name).ok_or_else(|| {
+        let supported = Arch::supported_names();
+        err!(Unsupported, "{file}: general.architecture \"{arch_name}\" is not supported ({supported})")
     })?;
     let key = |k: &str| format!("{arch_name}.{k}");
 

@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 
 use memmap2::Mmap;
 
-use crate::model::{self, Arch, ModelConfig, RopeScaling, TensorRef, TensorSource, names};
+use crate::model::{self, ModelConfig, RopeScaling, TensorRef, TensorSource, names};
 use crate::status::Result;
 use crate::tensor::{DType, supported_names};
 use crate::{bail, err};
@@ -41,11 +41,11 @@ pub struct TensorInfo {
 
 impl TensorInfo {
     pub fn rows(&self) -> usize {
-        if self.shape.len() < 2 { 1 } else { self.shape[..self.shape.len() - 1].iter().product() }
+        model::shape_rows(&self.shape)
     }
 
     pub fn cols(&self) -> usize {
-        *self.shape.last().unwrap_or(&1)
+        model::shape_cols(&self.shape)
     }
 
     /// Bytes of one row in the stored format.
@@ -256,13 +256,4 @@ pub fn llama3_rope_factors(cfg: &ModelConfig) -> Option<Vec<f32>> {
         })
         .collect();
     Some(factors)
-}
-
-/// The architecture's name in config.json `model_type` and GGUF `general.architecture`.
-pub fn arch_name(arch: Arch) -> &'static str {
-    arch.name()
-}
-
-pub fn arch_from_name(name: &str) -> Option<Arch> {
-    Arch::from_name(name)
 }

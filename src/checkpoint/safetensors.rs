@@ -9,7 +9,7 @@ use safetensors::tensor::{SafeTensorError, SafeTensors};
 use serde_json::{Map, Value};
 
 use super::{Checkpoint, Format, MappedFile, TensorInfo, TokenizerSource};
-use crate::model::{ModelConfig, RopeScaling, names};
+use crate::model::{Arch, ModelConfig, RopeScaling, names};
 use crate::status::{Error, Result};
 use crate::tensor::DType;
 use crate::{bail, err};
@@ -271,8 +271,8 @@ pub fn parse_config(json: &Value, file: &str) -> Result<ModelConfig> {
     };
     let j = Keys { obj, file, prefix: "" };
     let model_type = j.str("model_type")?.ok_or_else(|| j.missing("model_type"))?;
-    let arch = super::arch_from_name(model_type).ok_or_else(|| {
-        err!(Unsupported, "{file}: model_type \"{model_type}\" is not supported (llama, qwen2, qwen3)")
+    let arch = Arch::from_name(model_type).ok_or_else(|| {
+        err!(Unsupported, "{file}: model_type \"{model_type}\" is not supported ({})", Arch::supported_names())
     })?;
 
     if let Some(act) = j.str("hidden_act")?

@@ -16,8 +16,8 @@ use serde_json::{Value, json};
 
 pub use super::gguf::GgufValue;
 use super::gguf::{self, DEFAULT_ALIGNMENT};
-use super::{ROPE_FREQS, arch_name, expected_tensors, llama3_rope_factors};
-use crate::model::{Arch, ModelConfig, RopeScaling, names};
+use super::{ROPE_FREQS, expected_tensors, llama3_rope_factors};
+use crate::model::{Arch, ModelConfig, RopeScaling, names, shape_cols, shape_rows};
 use crate::sampler::splitmix64;
 use crate::status::Result;
 use crate::tensor::{DType, encode_row};
@@ -36,7 +36,7 @@ pub struct OwnedTensor {
 impl OwnedTensor {
     /// Encodes `values` (row-major over `shape`) in `dtype`.
     pub fn from_f32(name: &str, dtype: DType, shape: &[usize], values: &[f32]) -> Result<OwnedTensor> {
-        let cols = *shape.last().unwrap_or(&1);
+        let cols = shape_cols(shape);
         if values.len() != shape.iter().product::<usize>() || dtype.row_bytes(cols).is_none() {
             bail!(InvalidArgument, "tensor {name}: {} values do not fill {shape:?} in {}", values.len(), dtype.name());
         }
@@ -74,9 +74,7 @@ impl OwnedTensor {
 
 /// Bytes of a tensor of `shape` in `dtype`; None when its rows are not whole Q8_0 blocks.
 pub fn stored_bytes(dtype: DType, shape: &[usize]) -> Option<usize> {
-    let cols = *shape.last().unwrap_or(&1);
-    let rows = if shape.len() < 2 { 1 } else { shape[..shape.len() - 1].iter().product() };
-    dtype.row_bytes(cols)?.checked_mul(rows)
+    dtype.row_bytes(shape_cols(shape))?.checked_mul(shape_rows(shape))
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -111,7 +109,7 @@ impl Synthetic {
         } else if name == names::EMBED {
             Rule::Embed
         } else {
-            Rule::Matrix { scale: 1.0 / (*shape.last().unwrap_or(&1) as f32).sqrt() }
+            Rule::Matrix { scale: 1.0 / (shape_cols(shape) as f32).sqrt() }
         };
         Synthetic { key: seed ^ fnv1a64(name.as_bytes()), rule }
     }
@@ -153,8 +151,7 @@ pub fn synthetic_dtype(name: &str, shape: &[usize], matrix_dtype: DType) -> DTyp
 /// Generates one synthetic tensor's bytes in `dtype` (which `synthetic_dtype` chose), across cores.
 fn synthetic_bytes(name: &str, shape: &[usize], dtype: DType, seed: u64) -> Vec<u8> {
     let synthetic = Synthetic::new(name, shape, seed);
-    let cols = *shape.last().unwrap_or(&1);
-    let rows = if shape.len() < 2 { 1 } else { shape[..shape.len() - 1].iter().product() };
+    let (rows, cols) = (shape_rows(shape), shape_cols(shape));
     let row_bytes = dtype.row_bytes(cols).expect("synthetic_dtype picks a format the rows fit");
     let mut out = vec![0u8; rows * row_bytes];
     if out.is_empty() {
@@ -210,10 +207,10 @@ fn json_f32(x: f32) -> Value {
 /// config.json for `cfg`, in the keys transformers reads (HF rotates halves: `rope_interleaved` has no
 /// place here; weights given to the HF writers are in HF row order).
 pub fn hf_config_json(cfg: &ModelConfig) -> Value {
-    let (architecture, model_type) = match cfg.arch {
-        Arch::Llama => ("LlamaForCausalLM", "llama"),
-        Arch::Qwen2 => ("Qwen2ForCausalLM", "qwen2"),
-        Arch::Qwen3 => ("Qwen3ForCausalLM", "qwen3"),
+    let architecture = match cfg.arch {
+        Arch::Llama => "LlamaForCausalLM",
+        Arch::Qwen2 => "Qwen2ForCausalLM",
+        Arch::Qwen3 => "Qwen3ForCausalLM",
     };
     let rope_scaling = match cfg.rope_scaling {
         RopeScaling::None => Value::Null,
@@ -228,7 +225,7 @@ pub fn hf_config_json(cfg: &ModelConfig) -> Value {
     };
     let mut config = json!({
         "architectures": [architecture],
-        "model_type": model_type,
+        "model_type": cfg.arch.name(),
         "vocab_size": cfg.vocab,
         "hidden_size": cfg.hidden,
         "intermediate_size": cfg.intermediate,
@@ -414,9 +411,10 @@ fn reorder_qk_rows(data: &[u8], row_bytes: usize, heads: usize, inverse: bool) -
     out
 }
 
-/// The head count whose rows llama.cpp permutes in `canonical` (llama Q and K, weights and biases).
+/// The head count whose rows llama.cpp permutes in `canonical` (Q and K, weights and biases, of the
+/// architectures whose GGUF files rotate adjacent pairs).
 fn permuted_heads(cfg: &ModelConfig, canonical: &str) -> Option<usize> {
-    if cfg.arch != Arch::Llama {
+    if !cfg.arch.traits().gguf_rope_interleaved {
         return None;
     }
     let part = canonical.strip_prefix("model.layers.")?.split_once('.')?.1;
@@ -469,7 +467,7 @@ fn u32_of(what: &str, v: usize) -> Result<GgufValue> {
 
 /// The metadata llama.cpp's converter writes for `cfg` (general.*, `{arch}.*`, bos/eos ids).
 pub fn gguf_metadata(cfg: &ModelConfig) -> Result<Vec<(String, GgufValue)>> {
-    let arch = arch_name(cfg.arch);
+    let arch = cfg.arch.name();
     let key = |k: &str| format!("{arch}.{k}");
     let mut kv = vec![
         ("general.architecture".to_string(), GgufValue::String(arch.to_string())),

@@ -14,18 +14,7 @@ pub use self::float16::F16;
 pub use self::float32::F32;
 pub use self::q8_0::{BlockQ8_0, Q8_0};
 
-/// Row and weight formats. Values match HE_DTYPE_* in kernels/hostembed_kernels.cuh.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-#[allow(non_camel_case_types)]
-pub enum engine_dtype {
-    F32 = 0,
-    F16 = 1,
-    Bf16 = 2,
-    /// GGUF Q8_0: blocks of 32 values, a little-endian f16 scale then 32 int8 (34 bytes).
-    Q8_0 = 3,
-}
-
+pub use crate::abi::engine_dtype;
 pub use engine_dtype as DType;
 
 /// One weight format. A row is a whole number of blocks, each `BLOCK_VALUES` values stored as
@@ -83,10 +72,9 @@ pub static FORMATS: [FormatInfo; 4] =
 
 // DType::format indexes FORMATS by the enum value.
 const _: () = {
-    let order = [F32::DTYPE, F16::DTYPE, Bf16::DTYPE, Q8_0::DTYPE];
     let mut i = 0;
-    while i < order.len() {
-        assert!(order[i] as usize == i, "FORMATS is not in the C enum's order");
+    while i < FORMATS.len() {
+        assert!(FORMATS[i].dtype as usize == i, "FORMATS is not in the C enum's order");
         i += 1;
     }
 };
