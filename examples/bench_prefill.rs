@@ -11,28 +11,12 @@
 use std::collections::HashMap;
 use std::time::Instant;
 
-use hostembed::checkpoint::write::{OwnedTensor, synthetic_weights};
+use hostembed::checkpoint::write::MemSource;
 use hostembed::cuda::{self, DeviceBuffer, PinnedBuffer};
 use hostembed::gpu::{GpuModel, RowsOnDevice};
-use hostembed::model::{Arch, ModelConfig, RopeScaling, TensorRef, TensorSource, names};
+use hostembed::model::{Arch, ModelConfig, RopeScaling, TensorSource, names};
 use hostembed::sampler::Sampling;
 use hostembed::tensor::DType;
-
-struct MemSource {
-    cfg: ModelConfig,
-    tensors: HashMap<String, OwnedTensor>,
-}
-
-impl TensorSource for MemSource {
-    fn config(&self) -> &ModelConfig {
-        &self.cfg
-    }
-
-    fn tensor(&self, name: &str) -> hostembed::Result<TensorRef<'_>> {
-        let t = self.tensors.get(name).ok_or_else(|| hostembed::err!(BadModel, "tensor {name} is missing"))?;
-        Ok(TensorRef { dtype: t.dtype, shape: &t.shape, bytes: &t.data })
-    }
-}
 
 struct Args {
     lengths: Vec<usize>,
@@ -146,17 +130,13 @@ impl Rows {
 
 fn build(cfg: &ModelConfig, dtype: DType) -> MemSource {
     let t = Instant::now();
-    let src = MemSource {
-        cfg: cfg.clone(),
-        tensors: synthetic_weights(cfg, 1, dtype).into_iter().map(|t| (t.name.clone(), t)).collect(),
-    };
+    let src = MemSource::synthetic(cfg, 1, dtype);
     println!("built the {} model in {:.1} s", dtype.name(), t.elapsed().as_secs_f64());
     src
 }
 
 fn load(src: &MemSource, rows: RowsOnDevice, chunk: usize) -> GpuModel {
-    let gpu = GpuModel::load(src, rows, chunk).unwrap_or_else(|e| panic!("load: {e}"));
-    gpu
+    GpuModel::load(src, rows, chunk).unwrap_or_else(|e| panic!("load: {e}"))
 }
 
 fn main() {

@@ -6,18 +6,17 @@
 
 mod common;
 
-use std::collections::HashMap;
 use std::os::raw::{c_int, c_uint, c_void};
 use std::ptr;
 
 use common::{Rng, gpu_present, rel_l2};
 use hostembed::Status;
-use hostembed::checkpoint::write::{OwnedTensor, synthetic_weights};
+use hostembed::checkpoint::write::MemSource;
 use hostembed::cpu::{self, CpuModel};
 use hostembed::cuda::{self, DeviceBuffer};
 use hostembed::gpu::{GpuModel, RowsOnDevice};
 use hostembed::kernels as kn;
-use hostembed::model::{Arch, ModelConfig, RopeScaling, TensorRef, TensorSource, names};
+use hostembed::model::{Arch, ModelConfig, RopeScaling, TensorSource, names};
 use hostembed::sampler::Sampling;
 use hostembed::tensor::{DType, decode_row, encode_row};
 
@@ -349,25 +348,8 @@ fn run_flash(rng: &mut Rng, d: usize, heads: usize, kv_heads: usize, p0: usize, 
 // ---------------------------------------------------------------------------------------------------
 // Whole prompts.
 
-struct MemSource {
-    cfg: ModelConfig,
-    tensors: HashMap<String, OwnedTensor>,
-}
-
-impl TensorSource for MemSource {
-    fn config(&self) -> &ModelConfig {
-        &self.cfg
-    }
-
-    fn tensor(&self, name: &str) -> hostembed::Result<TensorRef<'_>> {
-        let t = self.tensors.get(name).ok_or_else(|| hostembed::err!(BadModel, "tensor {name} is missing"))?;
-        Ok(TensorRef { dtype: t.dtype, shape: &t.shape, bytes: &t.data })
-    }
-}
-
 fn model(cfg: ModelConfig, dtype: DType, seed: u64) -> MemSource {
-    let tensors = synthetic_weights(&cfg, seed, dtype).into_iter().map(|t| (t.name.clone(), t)).collect();
-    MemSource { cfg, tensors }
+    MemSource::synthetic(&cfg, seed, dtype)
 }
 
 fn rows_on_card(src: &MemSource) -> (DeviceBuffer, RowsOnDevice) {

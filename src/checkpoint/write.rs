@@ -195,6 +195,32 @@ pub fn synthetic_weights(cfg: &ModelConfig, seed: u64, matrix_dtype: DType) -> V
         .collect()
 }
 
+/// A model held in memory: the synthetic weights of `cfg` as a `TensorSource`, for tests and benchmarks
+/// that load the backends without writing a checkpoint.
+pub struct MemSource {
+    pub cfg: ModelConfig,
+    pub tensors: HashMap<String, OwnedTensor>,
+}
+
+impl MemSource {
+    /// `synthetic_weights(cfg, seed, matrix_dtype)`, by name.
+    pub fn synthetic(cfg: &ModelConfig, seed: u64, matrix_dtype: DType) -> MemSource {
+        let tensors = synthetic_weights(cfg, seed, matrix_dtype).into_iter().map(|t| (t.name.clone(), t)).collect();
+        MemSource { cfg: cfg.clone(), tensors }
+    }
+}
+
+impl crate::model::TensorSource for MemSource {
+    fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    fn tensor(&self, name: &str) -> Result<crate::model::TensorRef<'_>> {
+        let t = self.tensors.get(name).ok_or_else(|| err!(BadModel, "tensor {name} is missing"))?;
+        Ok(crate::model::TensorRef { dtype: t.dtype, shape: &t.shape, bytes: &t.data })
+    }
+}
+
 // ---------------------------------------------------------------------------------------------------
 // HF folders.
 
