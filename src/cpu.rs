@@ -1,8 +1,18 @@
-//! The CPU reference backend: the model in plain f32 Rust, readable rather than fast.
+//! The CPU reference backend: the model in plain f32 Rust with f64 dot products, batched and threaded
+//! so that long prompts stay cheap to check against.
 //!
 //! Every GPU kernel is tested against the ops here, and CI decodes with `CpuModel`. Weights stay in
-//! their stored format (F32/F16/BF16/Q8_0) and are decoded row by row as they are read. Dot products
-//! accumulate in f64 so the oracle's own rounding stays far below any kernel's.
+//! their stored format (F32/F16/BF16/Q8_0) and are decoded as they are read. Dot products accumulate in
+//! f64 so the oracle's own rounding stays far below any kernel's.
+//!
+//! A step of n tokens runs through the layers as a batch, in chunks of at most `CHUNK_TOKENS` so that
+//! its scratch does not grow with the prompt. Each matrix product decodes a weight row once per chunk
+//! and dots it with every token (cpu/matmul.rs); attention runs each token over the stream's cache up
+//! to its own position, its softmax over position-aligned blocks with a running max and this
+//! backend's own exp (cpu/attention.rs, cpu/exp.rs). Both split their work across threads
+//! (cpu/parallel.rs: HOSTEMBED_CPU_THREADS, else every core). Every output value is the same sequence
+//! of f64 operations however the tokens are batched and whatever the thread count or the host's libm,
+//! so a prompt stepped at once gives the logits it gives token by token, bit for bit.
 
 use std::sync::Arc;
 
@@ -12,39 +22,45 @@ use crate::sampler::{self, Sampling};
 use crate::status::Result;
 use crate::{bail, err};
 
+mod attention;
+mod exp;
+mod matmul;
+mod parallel;
+
+use self::attention::{AttentionScratch, Batch};
+use self::matmul::{RowTile, Write, pack_tokens};
+pub use self::parallel::{MAX_THREADS, THREADS_ENV, thread_count};
+
+/// Tokens a step runs through the layers together; a longer step runs in chunks of this many. Past a
+/// few dozen tokens a decoded row is reused enough that larger chunks only cost scratch.
+pub const CHUNK_TOKENS: usize = 64;
+
 /// RMSNorm of one row: out = w * x / sqrt(mean(x^2) + eps).
 pub fn rmsnorm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     assert_eq!(x.len(), w.len(), "rmsnorm: input and weight lengths differ");
     assert_eq!(x.len(), out.len(), "rmsnorm: input and output lengths differ");
-    let mean_square = x.iter().map(|&v| v as f64 * v as f64).sum::<f64>() / x.len() as f64;
-    let inv_rms = (1.0 / (mean_square + eps as f64).sqrt()) as f32;
+    let inv_rms = inverse_rms(x, eps);
     for ((o, &v), &g) in out.iter_mut().zip(x).zip(w) {
         *o = g * (v * inv_rms);
     }
 }
 
-/// out[r] = sum_c w[r][c] * x[c] over a [rows, cols] weight in any stored format.
+/// 1 / sqrt(mean(x^2) + eps), the mean in f64.
+fn inverse_rms(x: &[f32], eps: f32) -> f32 {
+    let mean_square = x.iter().map(|&v| v as f64 * v as f64).sum::<f64>() / x.len() as f64;
+    (1.0 / (mean_square + eps as f64).sqrt()) as f32
+}
+
+/// out[r] = sum_c w[r][c] * x[c] over a [rows, cols] weight in any stored format, on this thread.
 pub fn matvec(w: &TensorRef, x: &[f32], out: &mut [f32]) {
     let (rows, cols) = (w.rows(), w.cols());
     assert_eq!(x.len(), cols, "matvec: input length does not match the weight's columns");
     assert_eq!(out.len(), rows, "matvec: output length does not match the weight's rows");
-    let row_bytes = w.dtype.row_bytes(cols).expect("matvec: row size invalid for the weight's format");
-    let mut row = vec![0f32; cols];
-    for (r, o) in out.iter_mut().enumerate() {
-        crate::tensor::decode_row(w.dtype, &w.bytes[r * row_bytes..(r + 1) * row_bytes], &mut row);
-        *o = dot(&row, x) as f32;
-    }
-}
-
-/// sum a[i] * b[i] in f64. A plain indexed loop: unoptimized builds (the test suite) run it faster than
-/// an iterator chain.
-fn dot(a: &[f32], b: &[f32]) -> f64 {
-    assert_eq!(a.len(), b.len());
-    let mut acc = 0f64;
-    for i in 0..a.len() {
-        acc += a[i] as f64 * b[i] as f64;
-    }
-    acc
+    let mut packed = vec![0f64; cols];
+    pack_tokens(x, cols, &mut packed);
+    let (tile_len, decoded_len) = RowTile::len(cols);
+    let mut tile = [RowTile { rows: vec![0f64; tile_len], decoded: vec![0f32; decoded_len] }];
+    matmul::matmul(w, &packed, 1, out, Write::Set, &mut tile);
 }
 
 pub use crate::model::rope_inv_freq;
@@ -52,13 +68,26 @@ pub use crate::model::rope_inv_freq;
 /// Rotates each of `n_heads` heads of `x` to position `pos`. Angle of pair i = pos * inv_freq[i]
 /// (the product in f32, as HF forms it). Interleaved pairs are (2i, 2i+1); otherwise (i, i + head_dim/2).
 pub fn rope(x: &mut [f32], n_heads: usize, head_dim: usize, pos: usize, inv_freq: &[f32], interleaved: bool) {
-    let half = head_dim / 2;
     assert_eq!(x.len(), n_heads * head_dim, "rope: input is not n_heads x head_dim");
-    assert_eq!(inv_freq.len(), half, "rope: need head_dim/2 frequencies");
+    assert_eq!(inv_freq.len(), head_dim / 2, "rope: need head_dim/2 frequencies");
+    let mut rotation = vec![(0f32, 0f32); head_dim / 2];
+    rotation_at(pos, inv_freq, &mut rotation);
+    rotate(x, head_dim, &rotation, interleaved);
+}
+
+/// (cos, sin) of each pair's angle at `pos`: computed once a token, then applied to every head.
+fn rotation_at(pos: usize, inv_freq: &[f32], out: &mut [(f32, f32)]) {
+    for (r, &freq) in out.iter_mut().zip(inv_freq) {
+        let angle = (pos as f32 * freq) as f64;
+        *r = (angle.cos() as f32, angle.sin() as f32);
+    }
+}
+
+/// Rotates each head_dim slice of `x` by `rotation` (one (cos, sin) a pair).
+fn rotate(x: &mut [f32], head_dim: usize, rotation: &[(f32, f32)], interleaved: bool) {
+    let half = head_dim / 2;
     for head in x.chunks_exact_mut(head_dim) {
-        for (i, &freq) in inv_freq.iter().enumerate() {
-            let angle = (pos as f32 * freq) as f64;
-            let (sin, cos) = (angle.sin() as f32, angle.cos() as f32);
+        for (i, &(cos, sin)) in rotation.iter().enumerate() {
             let (a, b) = if interleaved { (2 * i, 2 * i + 1) } else { (i, i + half) };
             let (xa, xb) = (head[a], head[b]);
             head[a] = xa * cos - xb * sin;
@@ -69,7 +98,8 @@ pub fn rope(x: &mut [f32], n_heads: usize, head_dim: usize, pos: usize, inv_freq
 
 /// One query (`heads` x `head_dim`) attending over `n_ctx` cached positions; `k` and `v` hold
 /// [n_ctx][kv_heads * head_dim] (longer slices are fine: only the first n_ctx rows are read).
-/// Query head h reads KV head h / (heads / kv_heads); scores are scaled by 1/sqrt(head_dim).
+/// Query head h reads KV head h / (heads / kv_heads); scores are scaled by 1/sqrt(head_dim). The
+/// same arithmetic as the model's batched attention, on this thread.
 #[allow(clippy::too_many_arguments)]
 pub fn attention(
     q: &[f32],
@@ -81,41 +111,24 @@ pub fn attention(
     head_dim: usize,
     out: &mut [f32],
 ) {
-    let kv_dim = kv_heads * head_dim;
     assert!(kv_heads > 0 && heads.is_multiple_of(kv_heads), "attention: heads must be a multiple of kv_heads");
     assert_eq!(q.len(), heads * head_dim, "attention: query is not heads x head_dim");
-    assert_eq!(out.len(), heads * head_dim, "attention: output is not heads x head_dim");
-    assert!(k.len() >= n_ctx * kv_dim && v.len() >= n_ctx * kv_dim, "attention: cache shorter than n_ctx");
-    let group = heads / kv_heads;
-    let scale = 1.0 / (head_dim as f64).sqrt();
-    let mut scores = vec![0f64; n_ctx];
-    for h in 0..heads {
-        let qh = &q[h * head_dim..(h + 1) * head_dim];
-        let kv_off = (h / group) * head_dim;
-        for (t, s) in scores.iter_mut().enumerate() {
-            let kt = &k[t * kv_dim + kv_off..t * kv_dim + kv_off + head_dim];
-            *s = dot(qh, kt) * scale;
-        }
-        let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-        let mut total = 0f64;
-        for s in scores.iter_mut() {
-            *s = (*s - max).exp();
-            total += *s;
-        }
-        let oh = &mut out[h * head_dim..(h + 1) * head_dim];
-        for (d, o) in oh.iter_mut().enumerate() {
-            let acc: f64 = scores.iter().enumerate().map(|(t, &p)| p * v[t * kv_dim + kv_off + d] as f64).sum();
-            *o = (acc / total) as f32;
-        }
-    }
+    assert!(n_ctx > 0, "attention: a query sees at least its own position");
+    let batch = Batch { q, k, v, first_pos: n_ctx - 1, heads, kv_heads, head_dim };
+    let mut scratch = [AttentionScratch::new(heads / kv_heads, head_dim).unwrap_or_else(|e| panic!("{e}"))];
+    batch.run(out, &mut scratch);
 }
 
 /// SwiGLU: out = silu(gate) * up, silu(g) = g / (1 + exp(-g)).
 pub fn swiglu(gate: &[f32], up: &[f32], out: &mut [f32]) {
     assert!(gate.len() == up.len() && up.len() == out.len(), "swiglu: lengths differ");
     for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
-        *o = (g / (1.0 + (-g).exp())) * u;
+        *o = silu_times(g, u);
     }
+}
+
+fn silu_times(g: f32, u: f32) -> f32 {
+    (g / (1.0 + (-g).exp())) * u
 }
 
 /// a += b (the residual connection).
@@ -161,6 +174,7 @@ pub struct CpuModel<'a> {
     lm_head: TensorRef<'a>,
     layers: Vec<LayerWeights<CpuWeight<'a>>>,
     inv_freq: Vec<f32>,
+    threads: usize,
 }
 
 /// One stream's f32 KV cache: per layer, `window` rows of kv_heads * head_dim for K and for V.
@@ -172,14 +186,26 @@ pub struct CpuCache {
 pub type CpuStream = KvStream<CpuCache>;
 
 impl<'a> CpuModel<'a> {
-    /// Reads the config and checks every tensor the architecture needs; `BadModel` names the first at fault.
+    /// Reads the config and checks every tensor the architecture needs; `BadModel` names the first at
+    /// fault. The model runs on `thread_count()` threads.
     pub fn new(src: &'a dyn TensorSource) -> Result<Self> {
         let cfg = src.config().clone();
         let w = ModelWeights::read(src)?;
         let layers = w.layers.into_iter().map(|l| l.try_map(|t| Ok(CpuWeight::new(t)))).collect::<Result<_>>()?;
         let lm_head = w.lm_head.unwrap_or(w.embed);
         let inv_freq = rope_inv_freq(&cfg);
-        Ok(CpuModel { cfg, embed: w.embed, final_norm: w.final_norm.to_f32(), lm_head, layers, inv_freq })
+        let final_norm = w.final_norm.to_f32();
+        Ok(CpuModel { cfg, embed: w.embed, final_norm, lm_head, layers, inv_freq, threads: thread_count() })
+    }
+
+    /// The same model on `threads` threads (1..=MAX_THREADS); the logits do not change.
+    pub fn with_threads(mut self, threads: usize) -> Self {
+        self.threads = threads.clamp(1, MAX_THREADS);
+        self
+    }
+
+    pub fn threads(&self) -> usize {
+        self.threads
     }
 
     pub fn config(&self) -> &ModelConfig {
@@ -208,17 +234,36 @@ impl<'a> CpuModel<'a> {
     /// Appends `tokens` to the stream and returns the logits after the last one.
     pub fn forward(&self, stream: &mut CpuStream, tokens: &[u32]) -> Result<Vec<f32>> {
         self.check_tokens(stream, tokens)?;
-        let mut hidden = Vec::new();
-        for &t in tokens {
-            hidden = self.advance(stream, t);
+        let mut s = Scratch::new(&self.cfg, tokens.len().min(CHUNK_TOKENS), self.step_threads(stream))?;
+        let mut logits = try_filled(self.cfg.vocab as u128, 0f32)?;
+        let mut last = 0;
+        for chunk in tokens.chunks(CHUNK_TOKENS) {
+            self.advance(stream, chunk, &mut s);
+            last = chunk.len() - 1;
         }
-        Ok(self.logits(&hidden))
+        self.logits(&mut s, last..last + 1, &mut logits);
+        Ok(logits)
     }
 
     /// Appends `tokens` and returns the logits after each of them (teacher forcing).
     pub fn forward_all(&self, stream: &mut CpuStream, tokens: &[u32]) -> Result<Vec<Vec<f32>>> {
         self.check_tokens(stream, tokens)?;
-        Ok(tokens.iter().map(|&t| self.logits(&self.advance(stream, t))).collect())
+        let chunk_tokens = tokens.len().min(CHUNK_TOKENS);
+        let mut s = Scratch::new(&self.cfg, chunk_tokens, self.step_threads(stream))?;
+        let mut logits = try_filled(chunk_tokens as u128 * self.cfg.vocab as u128, 0f32)?;
+        let mut all = Vec::with_capacity(tokens.len());
+        for chunk in tokens.chunks(CHUNK_TOKENS) {
+            self.advance(stream, chunk, &mut s);
+            let logits = &mut logits[..chunk.len() * self.cfg.vocab];
+            self.logits(&mut s, 0..chunk.len(), logits);
+            all.extend(logits.chunks_exact(self.cfg.vocab).map(<[f32]>::to_vec));
+        }
+        Ok(all)
+    }
+
+    /// Threads a step of `stream` runs on (those the plan counts at the stream's window).
+    fn step_threads(&self, stream: &CpuStream) -> usize {
+        step_threads(&self.cfg, stream.window, self.threads)
     }
 
     /// Everything that could refuse the call, before any token is appended.
@@ -230,70 +275,236 @@ impl<'a> CpuModel<'a> {
         self.cfg.check_append(stream.len, stream.window, tokens)
     }
 
-    /// Runs one token through every layer at the stream's next position, caching its K and V;
-    /// returns the final hidden state (before the final norm).
-    fn advance(&self, stream: &mut CpuStream, token: u32) -> Vec<f32> {
+    /// Runs a chunk of tokens through every layer at the stream's next positions, caching their K and
+    /// V; leaves their final hidden states (before the final norm) in `s.x`.
+    fn advance(&self, stream: &mut CpuStream, tokens: &[u32], s: &mut Scratch) {
         let cfg = &self.cfg;
-        let (hidden, q_dim, kv_dim, head_dim) = (cfg.hidden, cfg.q_dim(), cfg.kv_dim(), cfg.head_dim);
-        let pos = stream.len;
-        let mut x = self.embed.row_f32(token as usize);
-        let mut h = vec![0f32; hidden];
-        let (mut q, mut k, mut v) = (vec![0f32; q_dim], vec![0f32; kv_dim], vec![0f32; kv_dim]);
-        let mut attn = vec![0f32; q_dim];
-        let mut proj = vec![0f32; hidden];
-        let (mut gate, mut up) = (vec![0f32; cfg.intermediate], vec![0f32; cfg.intermediate]);
-        let mut gated = vec![0f32; cfg.intermediate];
+        let (n, hidden, q_dim, kv_dim, head_dim) = (tokens.len(), cfg.hidden, cfg.q_dim(), cfg.kv_dim(), cfg.head_dim);
+        let first_pos = stream.len;
+        let Scratch { x, h, q, attn, gate, up, packed, rotation, tiles, attention } = s;
+        let (x, h, q, attn) = (&mut x[..n * hidden], &mut h[..n * hidden], &mut q[..n * q_dim], &mut attn[..n * q_dim]);
+        let (gate, up) = (&mut gate[..n * cfg.intermediate], &mut up[..n * cfg.intermediate]);
+        let embed_row_bytes = self.embed.dtype.row_bytes(hidden).expect("validated at load");
+        for (row, &t) in x.chunks_exact_mut(hidden).zip(tokens) {
+            let t = t as usize;
+            crate::tensor::decode_row(
+                self.embed.dtype,
+                &self.embed.bytes[t * embed_row_bytes..(t + 1) * embed_row_bytes],
+                row,
+            );
+        }
+        // Projects `input` (n tokens) through `w` into (or onto) `out`.
+        let mut project = |w: &CpuWeight, input: &[f32], out: &mut [f32], mode: Write| {
+            let w = w.matrix();
+            let packed = &mut packed[..n * w.cols()];
+            pack_tokens(input, w.cols(), packed);
+            matmul::matmul(w, packed, n, out, mode, tiles);
+        };
         for (layer, (k_cache, v_cache)) in
             self.layers.iter().zip(stream.cache.k.iter_mut().zip(stream.cache.v.iter_mut()))
         {
-            rmsnorm(&x, layer.attn_norm.values(), cfg.rms_eps, &mut h);
-            matvec(layer.q.matrix(), &h, &mut q);
-            matvec(layer.k.matrix(), &h, &mut k);
-            matvec(layer.v.matrix(), &h, &mut v);
+            let new_rows = first_pos * kv_dim..(first_pos + n) * kv_dim;
+            norm_rows(x, layer.attn_norm.values(), cfg.rms_eps, h);
+            project(&layer.q, h, q, Write::Set);
+            project(&layer.k, h, &mut k_cache[new_rows.clone()], Write::Set);
+            project(&layer.v, h, &mut v_cache[new_rows.clone()], Write::Set);
+            let (k, v) = (&mut k_cache[new_rows.clone()], &mut v_cache[new_rows]);
             if let (Some(qb), Some(kb), Some(vb)) = (&layer.q_bias, &layer.k_bias, &layer.v_bias) {
-                add(&mut q, qb.values());
-                add(&mut k, kb.values());
-                add(&mut v, vb.values());
+                q.chunks_exact_mut(q_dim).for_each(|row| add(row, qb.values()));
+                k.chunks_exact_mut(kv_dim).for_each(|row| add(row, kb.values()));
+                v.chunks_exact_mut(kv_dim).for_each(|row| add(row, vb.values()));
             }
             if let (Some(qn), Some(kn)) = (&layer.q_norm, &layer.k_norm) {
-                norm_heads(&mut q, qn.values(), cfg.rms_eps);
-                norm_heads(&mut k, kn.values(), cfg.rms_eps);
+                norm_heads(q, qn.values(), cfg.rms_eps);
+                norm_heads(k, kn.values(), cfg.rms_eps);
             }
-            rope(&mut q, cfg.heads, head_dim, pos, &self.inv_freq, cfg.rope_interleaved);
-            rope(&mut k, cfg.kv_heads, head_dim, pos, &self.inv_freq, cfg.rope_interleaved);
-            k_cache[pos * kv_dim..(pos + 1) * kv_dim].copy_from_slice(&k);
-            v_cache[pos * kv_dim..(pos + 1) * kv_dim].copy_from_slice(&v);
-            attention(&q, k_cache, v_cache, pos + 1, cfg.heads, cfg.kv_heads, head_dim, &mut attn);
-            matvec(layer.o.matrix(), &attn, &mut proj);
-            add(&mut x, &proj);
+            for (t, (q_row, k_row)) in q.chunks_exact_mut(q_dim).zip(k.chunks_exact_mut(kv_dim)).enumerate() {
+                rotation_at(first_pos + t, &self.inv_freq, rotation);
+                rotate(q_row, head_dim, rotation, cfg.rope_interleaved);
+                rotate(k_row, head_dim, rotation, cfg.rope_interleaved);
+            }
+            let batch = Batch {
+                q: &q[..],
+                k: k_cache,
+                v: v_cache,
+                first_pos,
+                heads: cfg.heads,
+                kv_heads: cfg.kv_heads,
+                head_dim,
+            };
+            batch.run(attn, attention);
+            project(&layer.o, attn, x, Write::Add);
 
-            rmsnorm(&x, layer.ffn_norm.values(), cfg.rms_eps, &mut h);
-            matvec(layer.gate.matrix(), &h, &mut gate);
-            matvec(layer.up.matrix(), &h, &mut up);
-            swiglu(&gate, &up, &mut gated);
-            matvec(layer.down.matrix(), &gated, &mut proj);
-            add(&mut x, &proj);
+            norm_rows(x, layer.ffn_norm.values(), cfg.rms_eps, h);
+            project(&layer.gate, h, gate, Write::Set);
+            project(&layer.up, h, up, Write::Set);
+            for (g, &u) in gate.iter_mut().zip(up.iter()) {
+                *g = silu_times(*g, u);
+            }
+            project(&layer.down, gate, x, Write::Add);
         }
-        stream.len += 1;
-        x
+        stream.len += n;
     }
 
-    fn logits(&self, x: &[f32]) -> Vec<f32> {
-        let mut h = vec![0f32; self.cfg.hidden];
-        rmsnorm(x, &self.final_norm, self.cfg.rms_eps, &mut h);
-        let mut logits = vec![0f32; self.cfg.vocab];
-        matvec(&self.lm_head, &h, &mut logits);
-        logits
+    /// The logits of the chunk's tokens `tokens` (hidden states in `s.x`), one row of `out` each.
+    fn logits(&self, s: &mut Scratch, tokens: std::ops::Range<usize>, out: &mut [f32]) {
+        let hidden = self.cfg.hidden;
+        let n = tokens.len();
+        let (x, h) = (&s.x[tokens.start * hidden..tokens.end * hidden], &mut s.h[..n * hidden]);
+        norm_rows(x, &self.final_norm, self.cfg.rms_eps, h);
+        let packed = &mut s.packed[..n * hidden];
+        pack_tokens(h, hidden, packed);
+        matmul::matmul(&self.lm_head, packed, n, out, Write::Set, &mut s.tiles);
     }
 }
 
-/// Qwen3's RMSNorm over each head_dim slice of a projected q or k.
-fn norm_heads(x: &mut [f32], w: &[f32], eps: f32) {
-    let mut normed = vec![0f32; w.len()];
-    for head in x.chunks_exact_mut(w.len()) {
-        rmsnorm(head, w, eps, &mut normed);
-        head.copy_from_slice(&normed);
+/// RMSNorm of each token of `x` into the same row of `out`.
+fn norm_rows(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+    for (x, o) in x.chunks_exact(w.len()).zip(out.chunks_exact_mut(w.len())) {
+        rmsnorm(x, w, eps, o);
     }
+}
+
+/// Qwen3's RMSNorm over each head_dim slice of projected q or k rows, in place.
+fn norm_heads(x: &mut [f32], w: &[f32], eps: f32) {
+    for head in x.chunks_exact_mut(w.len()) {
+        let inv_rms = inverse_rms(head, eps);
+        for (v, &g) in head.iter_mut().zip(w) {
+            *v = g * (*v * inv_rms);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Scratch: what a step allocates beside the streams, sized once for the plan and for the allocation.
+
+/// Every buffer of a step, for chunks of up to `tokens` tokens on `threads` threads, as counts of
+/// values (u128: the plan sizes any window without overflow). Nothing here grows with the context.
+struct ScratchLens {
+    /// f32s of x and h each (tokens x hidden), of q and attn each (tokens x q_dim), of gate and up
+    /// each (tokens x intermediate).
+    hidden: u128,
+    q: u128,
+    intermediate: u128,
+    /// f64s: the chunk packed for a product, at the widest input.
+    packed: u128,
+    /// (cos, sin) pairs: head_dim / 2.
+    rotation: u128,
+    /// f32s: the logits a step returns.
+    logits: u128,
+    threads: u128,
+    /// Per thread: f64s and f32s of its row tile.
+    tile: (u128, u128),
+    /// Per thread: its attention buffers, as `AttentionScratch::lens` counts them.
+    attention: [u128; 7],
+}
+
+impl ScratchLens {
+    fn new(cfg: &ModelConfig, tokens: u128, threads: u128) -> ScratchLens {
+        let widest = cfg.hidden.max(cfg.q_dim()).max(cfg.intermediate);
+        let (tile, decoded) = RowTile::len(widest);
+        ScratchLens {
+            hidden: tokens * cfg.hidden as u128,
+            q: tokens * cfg.q_dim() as u128,
+            intermediate: tokens * cfg.intermediate as u128,
+            packed: tokens * widest as u128,
+            rotation: cfg.head_dim as u128 / 2,
+            logits: cfg.vocab as u128,
+            threads,
+            tile: (tile as u128, decoded as u128),
+            attention: AttentionScratch::lens(cfg.heads / cfg.kv_heads, cfg.head_dim).map(|n| n as u128),
+        }
+    }
+
+    fn bytes(&self) -> u128 {
+        let shared =
+            (2 * (self.hidden + self.q + self.intermediate) + self.logits) * 4 + (self.packed + self.rotation) * 8;
+        let attention = self.attention.iter().sum::<u128>() * 8;
+        shared + self.threads * (self.tile.0 * 8 + self.tile.1 * 4 + attention)
+    }
+}
+
+/// Host bytes a CPU step takes beside the streams' caches, at most, at a `window`-token window with
+/// `threads` allowed: the activations of a chunk (at most CHUNK_TOKENS, and never more than the
+/// window), the packed tokens, the logits, and a row tile and attention blocks for each of
+/// `step_threads` threads. u64::MAX where that overflows 64 bits.
+pub fn scratch_bytes(cfg: &ModelConfig, window: usize, threads: usize) -> u64 {
+    let threads = step_threads(cfg, window, threads);
+    let lens = ScratchLens::new(cfg, window.min(CHUNK_TOKENS) as u128, threads as u128);
+    u64::try_from(lens.bytes()).unwrap_or(u64::MAX)
+}
+
+/// Threads a step at a `window`-token window gets, of `threads` allowed: no more than a full chunk's
+/// multiply-adds (every weight, and attention over the whole window) keep busy, so that a small
+/// model does not hold a scratch for every core.
+pub fn step_threads(cfg: &ModelConfig, window: usize, threads: usize) -> usize {
+    let (hidden, q, kv, inter) =
+        (cfg.hidden as u128, cfg.q_dim() as u128, cfg.kv_dim() as u128, cfg.intermediate as u128);
+    let weights = hidden * (q + 2 * kv) + q * hidden + 3 * hidden * inter;
+    let attention = 2 * q * window as u128;
+    let work = window.min(CHUNK_TOKENS) as u128 * cfg.layers as u128 * (weights + attention);
+    let worth = work / (4 * parallel::MIN_THREAD_WORK as u128);
+    threads.min(usize::try_from(worth).unwrap_or(usize::MAX)).clamp(1, MAX_THREADS)
+}
+
+/// The buffers `ScratchLens` sizes; the KV rows of a chunk are written straight into the cache.
+struct Scratch {
+    x: Vec<f32>,
+    h: Vec<f32>,
+    q: Vec<f32>,
+    attn: Vec<f32>,
+    gate: Vec<f32>,
+    up: Vec<f32>,
+    packed: Vec<f64>,
+    rotation: Vec<(f32, f32)>,
+    tiles: Vec<RowTile>,
+    attention: Vec<AttentionScratch>,
+}
+
+impl Scratch {
+    /// Buffers for chunks of up to `tokens` tokens; NO_ROOM when the host cannot give them (before
+    /// any token is appended).
+    fn new(cfg: &ModelConfig, tokens: usize, threads: usize) -> Result<Scratch> {
+        let l = ScratchLens::new(cfg, tokens as u128, threads as u128);
+        let (mut tiles, mut attention) = (Vec::new(), Vec::new());
+        tiles
+            .try_reserve_exact(threads)
+            .map_err(|_| err!(NoRoom, "the host has no room for {threads} threads' scratch"))?;
+        attention
+            .try_reserve_exact(threads)
+            .map_err(|_| err!(NoRoom, "the host has no room for {threads} threads' scratch"))?;
+        for _ in 0..threads {
+            tiles.push(RowTile { rows: try_filled(l.tile.0, 0.0)?, decoded: try_filled(l.tile.1, 0.0)? });
+            attention.push(AttentionScratch::new(cfg.heads / cfg.kv_heads, cfg.head_dim)?);
+        }
+        Ok(Scratch {
+            x: try_filled(l.hidden, 0.0)?,
+            h: try_filled(l.hidden, 0.0)?,
+            q: try_filled(l.q, 0.0)?,
+            attn: try_filled(l.q, 0.0)?,
+            gate: try_filled(l.intermediate, 0.0)?,
+            up: try_filled(l.intermediate, 0.0)?,
+            packed: try_filled(l.packed, 0.0)?,
+            rotation: try_filled(l.rotation, (0.0, 0.0))?,
+            tiles,
+            attention,
+        })
+    }
+}
+
+/// `len` zeros, or NO_ROOM when the allocator refuses or `len` overflows the address space.
+fn try_zeros(len: u128) -> Result<Vec<f64>> {
+    try_filled(len, 0.0)
+}
+
+/// `len` copies of `value`, or NO_ROOM when the allocator refuses or `len` overflows the address space.
+fn try_filled<T: Clone>(len: u128, value: T) -> Result<Vec<T>> {
+    let len = usize::try_from(len).map_err(|_| err!(NoRoom, "a buffer of {len} values overflows the address space"))?;
+    let mut v = Vec::new();
+    v.try_reserve_exact(len)
+        .map_err(|_| err!(NoRoom, "the host has no room for a buffer of {len} x {} bytes", size_of::<T>()))?;
+    v.resize(len, value);
+    Ok(v)
 }
 
 /// `len` zeros, or NO_ROOM when the allocator refuses; fresh zeroed pages are only touched when written.

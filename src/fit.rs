@@ -242,7 +242,10 @@ pub struct CpuFitInputs {
     pub want_streams: u32,
     /// One entry of the stream table, paid for every admitted stream even before it is used.
     pub slot_bytes: u64,
-    /// Host memory the streams may take.
+    /// What one step takes beside the caches (a prompt chunk's activations, each thread's buffers),
+    /// paid once: only one step runs at a time.
+    pub scratch_bytes: u64,
+    /// Host memory the streams and the step scratch may take.
     pub room_bytes: u64,
     /// Where `room_bytes` came from: None = the caller's `room_bytes`, Some((available, reserve)) =
     /// MemAvailable less the reserve.
@@ -264,18 +267,20 @@ pub fn cpu_kv_bytes(layers: u64, window: u64, kv_heads: u64, head_dim: u64) -> O
     layers.checked_mul(window)?.checked_mul(kv_heads)?.checked_mul(head_dim)?.checked_mul(2 * 4)
 }
 
-/// Decides the CPU backend's streams: as many as asked that fit the room, none when one does not.
+/// Decides the CPU backend's streams: as many as asked that fit the room left beside the step
+/// scratch, none when one does not.
 pub fn plan_cpu(i: &CpuFitInputs) -> CpuPlan {
     let stream_bytes =
         cpu_kv_bytes(i.layers, i.window, i.kv_heads, i.head_dim).and_then(|kv| kv.checked_add(i.slot_bytes));
-    let fit = stream_bytes.map_or(0, |s| i.room_bytes.checked_div(s).unwrap_or(u64::MAX));
+    let room = i.room_bytes.saturating_sub(i.scratch_bytes);
+    let fit = stream_bytes.map_or(0, |s| room.checked_div(s).unwrap_or(u64::MAX));
     let streams = fit.min(i.want_streams as u64) as u32;
     CpuPlan { inputs: *i, stream_bytes, streams }
 }
 
-/// Where the room came from, in the start-up line's words.
+/// The step scratch and where the room came from, in the start-up line's words.
 fn cpu_room(i: &CpuFitInputs) -> String {
-    match i.probed {
+    let room = match i.probed {
         None => format!("{} GiB of host memory (options.room_bytes)", gib(i.room_bytes)),
         Some((available, reserve)) => format!(
             "{} GiB of host memory (MemAvailable {} GiB less a {} GiB reserve)",
@@ -283,7 +288,8 @@ fn cpu_room(i: &CpuFitInputs) -> String {
             gib(available),
             gib(reserve)
         ),
-    }
+    };
+    format!("beside {} GiB of step scratch, in {room}", gib(i.scratch_bytes))
 }
 
 /// Why the CPU backend refuses to start, with the start-up line's figures; None when a stream starts.
@@ -308,8 +314,8 @@ pub fn refusal_cpu(p: &CpuPlan) -> Option<String> {
     })
 }
 
-/// The CPU backend's part of the start-up line: `16 streams of 0.01 GiB at a 512-token window, 21.33 GiB
-/// of host memory (...)`, or `refuses: ...`.
+/// The CPU backend's part of the start-up line: `16 streams of 0.01 GiB at a 512-token window, beside
+/// 0.01 GiB of step scratch, in 21.33 GiB of host memory (...)`, or `refuses: ...`.
 pub fn describe_cpu(p: &CpuPlan) -> String {
     match refusal_cpu(p) {
         Some(why) => format!("refuses: {why}"),
@@ -337,7 +343,8 @@ pub fn mem_available(meminfo: &str) -> Option<u64> {
 }
 
 /// The CPU plan's inputs for a model at `window` with `want` streams: the room is `options.room_bytes`
-/// when given, else MemAvailable less `options.reserve_bytes`. IO_ERROR when /proc/meminfo cannot tell.
+/// when given, else MemAvailable less `options.reserve_bytes`; the step scratch is the CPU backend's
+/// at `cpu::thread_count()` threads. IO_ERROR when /proc/meminfo cannot tell.
 pub fn cpu_inputs(
     cfg: &crate::model::ModelConfig,
     window: u32,
@@ -362,6 +369,7 @@ pub fn cpu_inputs(
         head_dim: cfg.head_dim as u64,
         want_streams: want,
         slot_bytes,
+        scratch_bytes: crate::cpu::scratch_bytes(cfg, window as usize, crate::cpu::thread_count()),
         room_bytes,
         probed,
     })

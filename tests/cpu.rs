@@ -340,9 +340,17 @@ fn swiglu_and_add() {
 // ---------------------------------------------------------------------------------------------
 // The model.
 
+/// `cpu::attention`'s signature: one query over `n_ctx` cached positions.
+type AttentionFn = fn(&[f32], &[f32], &[f32], usize, usize, usize, usize, &mut [f32]);
+
 /// The model computed layer by layer over the whole sequence at once, with no cache carried between
 /// tokens: the same ops in another schedule, so a cache that stores or reads the wrong rows shows.
 fn layer_major_logits(src: &MemSource, toks: &[u32]) -> Vec<Vec<f32>> {
+    layer_major_logits_with(src, toks, cpu::attention)
+}
+
+/// `layer_major_logits` with another attention.
+fn layer_major_logits_with(src: &MemSource, toks: &[u32], attention: AttentionFn) -> Vec<Vec<f32>> {
     let cfg = &src.cfg;
     let (_n, q_dim, kv_dim, hd) = (toks.len(), cfg.q_dim(), cfg.kv_dim(), cfg.head_dim);
     let w = |name: &str| src.tensor(name).unwrap();
@@ -383,7 +391,7 @@ fn layer_major_logits(src: &MemSource, toks: &[u32]) -> Vec<Vec<f32>> {
         }
         for (pos, x) in xs.iter_mut().enumerate() {
             let mut attn = vec![0f32; q_dim];
-            cpu::attention(&qs[pos], &ks, &vs, pos + 1, cfg.heads, cfg.kv_heads, hd, &mut attn);
+            attention(&qs[pos], &ks, &vs, pos + 1, cfg.heads, cfg.kv_heads, hd, &mut attn);
             cpu::add(x, &matvec(&l(names::O), &attn, cfg.hidden));
             let h = norm(x, &src.f32_values(&l(names::FFN_NORM)));
             let mut gated = vec![0f32; cfg.intermediate];
@@ -531,6 +539,196 @@ fn stored_formats_decode_to_the_same_model() {
             assert!(err < bound && err > 0.0, "{dtype:?} position {pos}: relative L2 {err}");
         }
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Prompts as batches: the batched model against the plain definitions and against itself token by
+// token.
+
+/// matvec as a plain loop: each row decoded, then one f64 sum from zero in column order.
+fn plain_matvec(w: &TensorRef, x: &[f32]) -> Vec<f32> {
+    (0..w.rows())
+        .map(|r| {
+            let row = w.row_f32(r);
+            let mut acc = 0f64;
+            for c in 0..x.len() {
+                acc += row[c] as f64 * x[c] as f64;
+            }
+            acc as f32
+        })
+        .collect()
+}
+
+/// Attention as a plain loop over one query: the exact max, the host's exp, each sum in position order.
+#[allow(clippy::too_many_arguments)]
+fn plain_attention(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    n_ctx: usize,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    out: &mut [f32],
+) {
+    let (kv_dim, group) = (kv_heads * head_dim, heads / kv_heads);
+    let scale = 1.0 / (head_dim as f64).sqrt();
+    for h in 0..heads {
+        let (qh, off) = (&q[h * head_dim..(h + 1) * head_dim], (h / group) * head_dim);
+        let scores: Vec<f64> = (0..n_ctx)
+            .map(|t| (0..head_dim).map(|d| qh[d] as f64 * k[t * kv_dim + off + d] as f64).sum::<f64>() * scale)
+            .collect();
+        let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        let weights: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
+        let total: f64 = weights.iter().sum();
+        for d in 0..head_dim {
+            let acc: f64 = weights.iter().enumerate().map(|(t, &p)| p * v[t * kv_dim + off + d] as f64).sum();
+            out[h * head_dim + d] = (acc / total) as f32;
+        }
+    }
+}
+
+#[test]
+fn matvec_is_the_plain_f64_dot_bit_for_bit() {
+    let mut rng = Rng::fresh("matvec_is_the_plain_f64_dot_bit_for_bit");
+    // 13 rows: three tiles of four and one row alone.
+    let (rows, cols) = (13, 96);
+    let values = rng.vec(rows * cols, 1.0);
+    let x = rng.vec(cols, 2.0);
+    for dtype in [DType::F32, DType::F16, DType::Bf16, DType::Q8_0] {
+        let bytes: Vec<u8> = values.chunks(cols).flat_map(|r| encode_row(dtype, r)).collect();
+        let shape = [rows, cols];
+        let w = TensorRef { dtype, shape: &shape, bytes: &bytes };
+        let mut out = vec![0f32; rows];
+        cpu::matvec(&w, &x, &mut out);
+        assert_eq!(common::bits(&out), common::bits(&plain_matvec(&w, &x)), "{dtype:?}");
+    }
+}
+
+#[test]
+fn attention_stays_within_rounding_of_the_plain_softmax() {
+    let mut rng = Rng::fresh("attention_stays_within_rounding_of_the_plain_softmax");
+    // head_dim 20 takes every column path (16, then 4); 6 heads over 2 KV heads make groups of 3.
+    for (heads, kv_heads, head_dim) in [(6, 2, 20), (4, 4, 8), (8, 1, 16)] {
+        let kv_dim = kv_heads * head_dim;
+        let most = 300;
+        let (k, v) = (rng.vec(most * kv_dim, 1.5), rng.vec(most * kv_dim, 1.0));
+        for n_ctx in [1, 2, 31, 32, 33, 64, 65, 100, most] {
+            let q = rng.vec(heads * head_dim, 3.0);
+            let (mut got, mut want) = (vec![0f32; heads * head_dim], vec![0f32; heads * head_dim]);
+            cpu::attention(&q, &k, &v, n_ctx, heads, kv_heads, head_dim, &mut got);
+            plain_attention(&q, &k, &v, n_ctx, heads, kv_heads, head_dim, &mut want);
+            let err = rel_l2(&got, &want);
+            assert!(err < 1e-12, "{heads}:{kv_heads} x {head_dim} over {n_ctx}: relative L2 {err}");
+        }
+    }
+}
+
+#[test]
+fn the_model_stays_within_rounding_of_the_plain_definitions() {
+    let mut rng = Rng::fresh("the_model_stays_within_rounding_of_the_plain_definitions");
+    for arch in ARCHS {
+        let cfg = small_config(arch);
+        let src = synthetic_model(&cfg, rng.next_u64(), DType::F32);
+        let model = CpuModel::new(&src).unwrap();
+        let toks = tokens(&mut rng, 64, cfg.vocab);
+        let got = model.forward_all(&mut model.new_stream(64), &toks).unwrap();
+        for (pos, (g, want)) in got.iter().zip(layer_major_logits_with(&src, &toks, plain_attention)).enumerate() {
+            let err = rel_l2(g, &want);
+            assert!(err < 1e-9, "{arch:?} position {pos}: relative L2 {err}");
+        }
+    }
+}
+
+#[test]
+fn step_scratch_is_bounded_by_a_chunk_not_by_the_prompt_or_the_window() {
+    let cfg = long_context_config(1 << 20);
+    // Past one chunk the window adds nothing but threads, and here both windows get all of them.
+    let threads = cpu::step_threads(&cfg, 1 << 14, 2);
+    assert_eq!((threads, cpu::step_threads(&cfg, 1 << 20, 2)), (2, 2));
+    assert_eq!(cpu::scratch_bytes(&cfg, 1 << 14, 2), cpu::scratch_bytes(&cfg, 1 << 20, 2));
+    assert!(cpu::scratch_bytes(&cfg, 1 << 20, 2) < 1 << 20, "{} bytes", cpu::scratch_bytes(&cfg, 1 << 20, 2));
+    // A short window holds a shorter chunk; a tiny model at a tiny window is not worth many threads.
+    assert!(cpu::scratch_bytes(&cfg, 8, 2) < cpu::scratch_bytes(&cfg, 1 << 14, 2));
+    assert!(cpu::step_threads(&cfg, 8, 64) < 64);
+    assert_eq!(cpu::step_threads(&cfg, 1 << 14, 1), 1);
+}
+
+/// The logits after each token of `toks`, stepped one token a call.
+fn token_by_token(model: &CpuModel, toks: &[u32], window: usize) -> Vec<Vec<f32>> {
+    let mut stream = model.new_stream(window);
+    toks.iter().map(|&t| model.forward(&mut stream, &[t]).unwrap()).collect()
+}
+
+#[test]
+fn a_prompt_in_one_step_gives_the_logits_of_the_prompt_token_by_token() {
+    let mut rng = Rng::fresh("a_prompt_in_one_step_gives_the_logits_of_the_prompt_token_by_token");
+    for arch in ARCHS {
+        let cfg = small_config(arch);
+        let src = synthetic_model(&cfg, rng.next_u64(), DType::Bf16);
+        // Longer than a chunk of the batch and than a block of attention, and not a multiple of either.
+        let n = 2 * cpu::CHUNK_TOKENS + 37;
+        let toks = tokens(&mut rng, n, cfg.vocab);
+        let one = CpuModel::new(&src).unwrap().with_threads(1);
+        let want = token_by_token(&one, &toks, n);
+        for threads in [1, 2, 5] {
+            let model = CpuModel::new(&src).unwrap().with_threads(threads);
+            let at_once = model.forward(&mut model.new_stream(n), &toks).unwrap();
+            assert_eq!(common::bits(&at_once), common::bits(&want[n - 1]), "{arch:?} on {threads} threads");
+            let all = model.forward_all(&mut model.new_stream(n), &toks).unwrap();
+            for (pos, (got, want)) in all.iter().zip(&want).enumerate() {
+                assert_eq!(common::bits(got), common::bits(want), "{arch:?} on {threads} threads, position {pos}");
+            }
+        }
+    }
+}
+
+/// A small GQA model (hidden 64, 2 layers, 4 heads over 2 KV heads of 16) with a `window`-token window.
+fn long_context_config(window: usize) -> ModelConfig {
+    ModelConfig { max_position: window, ..small_config(Arch::Llama) }
+}
+
+#[test]
+fn a_4096_token_prompt_matches_the_token_by_token_run_at_its_last_position() {
+    let mut rng = Rng::fresh("a_4096_token_prompt_matches_the_token_by_token_run_at_its_last_position");
+    let n = 4096;
+    let cfg = long_context_config(n);
+    let src = synthetic_model(&cfg, rng.next_u64(), DType::F16);
+    let model = CpuModel::new(&src).unwrap();
+    let toks = tokens(&mut rng, n, cfg.vocab);
+    let start = std::time::Instant::now();
+    let at_once = model.forward(&mut model.new_stream(n), &toks).unwrap();
+    println!("{n} tokens in one step: {:.2} s on {} threads", start.elapsed().as_secs_f64(), model.threads());
+    let start = std::time::Instant::now();
+    let mut stream = model.new_stream(n);
+    let mut last = Vec::new();
+    for &t in &toks {
+        last = model.forward(&mut stream, &[t]).unwrap();
+    }
+    println!("{n} tokens one a step: {:.2} s", start.elapsed().as_secs_f64());
+    assert!(at_once.iter().all(|v| v.is_finite()));
+    assert_eq!(common::bits(&at_once), common::bits(&last), "relative L2 {}", rel_l2(&at_once, &last));
+}
+
+/// Run with `cargo test --release --test cpu -- --ignored`: the long-prompt budget, printed.
+#[test]
+#[ignore = "a 32k-token prompt: about half a minute on two cores"]
+fn a_32768_token_prompt_runs_in_well_under_a_minute() {
+    let mut rng = Rng::fresh("a_32768_token_prompt_runs_in_well_under_a_minute");
+    let n = 32768;
+    let cfg = long_context_config(n);
+    let src = synthetic_model(&cfg, rng.next_u64(), DType::Bf16);
+    let model = CpuModel::new(&src).unwrap();
+    let toks = tokens(&mut rng, n, cfg.vocab);
+    let start = std::time::Instant::now();
+    let at_once = model.forward(&mut model.new_stream(n), &toks).unwrap();
+    let seconds = start.elapsed().as_secs_f64();
+    println!("{n} tokens in one step: {seconds:.2} s on {} threads", model.threads());
+    // The same prompt less its last token, then that token: the same logits.
+    let mut stream = model.new_stream(n);
+    model.forward(&mut stream, &toks[..n - 1]).unwrap();
+    assert_eq!(common::bits(&at_once), common::bits(&model.forward(&mut stream, &toks[n - 1..]).unwrap()));
+    assert!(seconds < 60.0, "{seconds:.1} s");
 }
 
 #[test]

@@ -445,3 +445,37 @@ fn c_abi_describe_has_snprintf_semantics() {
     let message = unsafe { CStr::from_ptr(engine_last_error()) }.to_str().unwrap().to_string();
     assert!(message.contains("placement is 7"), "{message}");
 }
+
+/// The CPU plan: a model of 2 layers x 2 KV heads x 16 dims at a 256-token window (128 KiB a stream).
+fn cpu(room_bytes: u64, scratch_bytes: u64) -> fit::CpuFitInputs {
+    fit::CpuFitInputs {
+        layers: 2,
+        window: 256,
+        kv_heads: 2,
+        head_dim: 16,
+        want_streams: 100,
+        slot_bytes: 64,
+        scratch_bytes,
+        room_bytes,
+        probed: None,
+    }
+}
+
+#[test]
+fn cpu_streams_leave_room_for_the_step_scratch() {
+    let stream = fit::cpu_kv_bytes(2, 256, 2, 16).unwrap() + 64;
+    let scratch = 3 * MIB;
+    assert_eq!(fit::plan_cpu(&cpu(scratch + 3 * stream, scratch)).streams, 3);
+    assert_eq!(fit::plan_cpu(&cpu(scratch + 3 * stream - 1, scratch)).streams, 2);
+    // The same room with no scratch to pay holds the scratch's worth of streams more.
+    assert_eq!(fit::plan_cpu(&cpu(scratch + 3 * stream, 0)).streams as u64, 3 + scratch / stream);
+    let line = fit::describe_cpu(&fit::plan_cpu(&cpu(scratch + 3 * stream, scratch)));
+    assert!(line.starts_with("3 streams of 0.00 GiB at a 256-token window, beside 0.00 GiB of step scratch"), "{line}");
+    // Room for the scratch and not one stream: refused, the refusal naming both.
+    let refused = fit::plan_cpu(&cpu(scratch + stream - 1, scratch));
+    assert_eq!(refused.streams, 0);
+    let why = fit::refusal_cpu(&refused).unwrap();
+    assert!(why.contains("256-token window") && why.contains("step scratch"), "{why}");
+    // Scratch larger than the room: refused, not wrapped around.
+    assert_eq!(fit::plan_cpu(&cpu(MIB, u64::MAX)).streams, 0);
+}
