@@ -9,26 +9,10 @@
 
 use std::time::Instant;
 
-use hostembed::checkpoint::write::{OwnedTensor, synthetic_weights};
+use hostembed::checkpoint::write::MemSource;
 use hostembed::cpu::CpuModel;
-use hostembed::model::{Arch, ModelConfig, RopeScaling, TensorRef, TensorSource};
+use hostembed::model::{Arch, ModelConfig, RopeScaling};
 use hostembed::tensor::DType;
-
-struct MemSource {
-    cfg: ModelConfig,
-    tensors: std::collections::HashMap<String, OwnedTensor>,
-}
-
-impl TensorSource for MemSource {
-    fn config(&self) -> &ModelConfig {
-        &self.cfg
-    }
-
-    fn tensor(&self, name: &str) -> hostembed::Result<TensorRef<'_>> {
-        let t = self.tensors.get(name).ok_or_else(|| hostembed::err!(BadModel, "tensor {name} is missing"))?;
-        Ok(TensorRef { dtype: t.dtype, shape: &t.shape, bytes: &t.data })
-    }
-}
 
 fn main() {
     let mut cfg = ModelConfig {
@@ -81,10 +65,7 @@ fn main() {
     }
     let traits = cfg.arch.traits();
     (cfg.qkv_bias, cfg.qk_norm, cfg.max_position) = (traits.qkv_bias, traits.qk_norm, prompt);
-    let src = MemSource {
-        cfg: cfg.clone(),
-        tensors: synthetic_weights(&cfg, 1, dtype).into_iter().map(|t| (t.name.clone(), t)).collect(),
-    };
+    let src = MemSource::synthetic(&cfg, 1, dtype);
     let model = CpuModel::new(&src).expect("the random model loads");
     let tokens: Vec<u32> = (0..prompt).map(|i| (i * 7919 % cfg.vocab) as u32).collect();
     println!(

@@ -11,12 +11,12 @@ use std::os::raw::{c_int, c_uint};
 use std::ptr;
 use std::time::Instant;
 
-use hostembed::checkpoint::write::{OwnedTensor, synthetic_weights};
+use hostembed::checkpoint::write::MemSource;
 use hostembed::cuda::{self, DeviceBuffer, Event, Stream};
 use hostembed::cudart as rt;
 use hostembed::gpu::{GpuModel, RowsOnDevice};
 use hostembed::kernels as kn;
-use hostembed::model::{Arch, ModelConfig, RopeScaling, TensorRef, TensorSource, names};
+use hostembed::model::{Arch, ModelConfig, RopeScaling, TensorSource, names};
 use hostembed::sampler::Sampling;
 use hostembed::tensor::{DType, encode_row};
 
@@ -239,29 +239,10 @@ fn bench_kernels(stream: &Stream, peak: f64) {
     );
 }
 
-struct MemSource {
-    cfg: ModelConfig,
-    tensors: std::collections::HashMap<String, OwnedTensor>,
-}
-
-impl TensorSource for MemSource {
-    fn config(&self) -> &ModelConfig {
-        &self.cfg
-    }
-
-    fn tensor(&self, name: &str) -> hostembed::Result<TensorRef<'_>> {
-        let t = self.tensors.get(name).ok_or_else(|| hostembed::err!(BadModel, "tensor {name} is missing"))?;
-        Ok(TensorRef { dtype: t.dtype, shape: &t.shape, bytes: &t.data })
-    }
-}
-
 fn bench_decode(args: &Args, peak: f64) {
     let cfg = &args.cfg;
     let t0 = Instant::now();
-    let src = MemSource {
-        cfg: cfg.clone(),
-        tensors: synthetic_weights(cfg, 1, args.dtype).into_iter().map(|t| (t.name.clone(), t)).collect(),
-    };
+    let src = MemSource::synthetic(cfg, 1, args.dtype);
     let embed = src.tensor(names::EMBED).unwrap();
     let rows_buf = DeviceBuffer::from_slice(embed.bytes).unwrap();
     let rows = RowsOnDevice { ptr: rows_buf.ptr(), dtype: embed.dtype, vocab: embed.rows(), cols: embed.cols() };

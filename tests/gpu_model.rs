@@ -5,37 +5,18 @@
 mod common;
 use common::{rel_l2, top_two_gap};
 
-use std::collections::HashMap;
-
 use common::{Rng, gpu_present};
 use hostembed::Status;
-use hostembed::checkpoint::write::{OwnedTensor, synthetic_weights};
+use hostembed::checkpoint::write::MemSource;
 use hostembed::cpu::CpuModel;
 use hostembed::cuda::{DeviceBuffer, PinnedBuffer};
 use hostembed::gpu::{GpuModel, RowsOnDevice};
-use hostembed::model::{Arch, ModelConfig, RopeScaling, TensorRef, TensorSource, names};
+use hostembed::model::{Arch, ModelConfig, RopeScaling, TensorSource, names};
 use hostembed::sampler::{self, Sampling};
 use hostembed::tensor::DType;
 
-struct MemSource {
-    cfg: ModelConfig,
-    tensors: HashMap<String, OwnedTensor>,
-}
-
-impl TensorSource for MemSource {
-    fn config(&self) -> &ModelConfig {
-        &self.cfg
-    }
-
-    fn tensor(&self, name: &str) -> hostembed::Result<TensorRef<'_>> {
-        let t = self.tensors.get(name).ok_or_else(|| hostembed::err!(BadModel, "tensor {name} is missing"))?;
-        Ok(TensorRef { dtype: t.dtype, shape: &t.shape, bytes: &t.data })
-    }
-}
-
 fn model(cfg: ModelConfig, dtype: DType, seed: u64) -> MemSource {
-    let tensors = synthetic_weights(&cfg, seed, dtype).into_iter().map(|t| (t.name.clone(), t)).collect();
-    MemSource { cfg, tensors }
+    MemSource::synthetic(&cfg, seed, dtype)
 }
 
 fn base(arch: Arch) -> ModelConfig {
