@@ -3,7 +3,10 @@
 //! pinned host memory (HOST_MAPPED) and in the registered file mapping (FILE_MAPPED), greedy and sampled.
 //!
 //!     cargo run --release --example bench_placements -- [DIR] [--layers 32] [--prompt 64] [--tokens 128]
-//!         [--runs 5] [--window 4096]
+//!         [--runs 5] [--window 4096] [--max-batch N]
+//!
+//! --max-batch 8 keeps a 64-token prompt on the matrix-vector path (chunks under 16 tokens), as before
+//! prompts ran on tensor cores, so the token hashes compare with figures from before that path.
 //!
 //! DIR (default $HOSTEMBED_TEST_TMP, else the system's temp dir) receives the checkpoint as an HF folder,
 //! written one tensor at a time (16 GB at 32 layers) and reused when already there. --layers 4 makes a
@@ -41,11 +44,12 @@ struct Args {
     tokens: usize,
     runs: usize,
     window: u32,
+    max_batch: u32,
 }
 
 fn parse() -> Args {
     let default_dir = std::env::var_os("HOSTEMBED_TEST_TMP").map(PathBuf::from).unwrap_or_else(std::env::temp_dir);
-    let mut args = Args { dir: default_dir, layers: 32, prompt: 64, tokens: 128, runs: 5, window: 4096 };
+    let mut args = Args { dir: default_dir, layers: 32, prompt: 64, tokens: 128, runs: 5, window: 4096, max_batch: 0 };
     let mut it = std::env::args().skip(1);
     while let Some(arg) = it.next() {
         let mut num = || -> usize {
@@ -57,6 +61,7 @@ fn parse() -> Args {
             "--tokens" => args.tokens = num(),
             "--runs" => args.runs = num(),
             "--window" => args.window = num() as u32,
+            "--max-batch" => args.max_batch = num() as u32,
             flag if flag.starts_with("--") => {
                 fail(&format!("unknown flag {flag} (see the comment at the top of examples/bench_placements.rs)"))
             }
@@ -282,6 +287,7 @@ fn main() {
         backend: engine_backend::Cuda,
         context: args.window,
         max_streams: 1,
+        max_batch: args.max_batch,
         log: Some(collect_lines),
         ..engine::default_options()
     };
