@@ -555,6 +555,9 @@ fn q4_k_m_recipe_picks_llama_cpp_formats() {
             assert_eq!(dtype(&names::layer(i, part)), DType::Q4_K, "layer {i} {part}");
         }
     }
+    assert_eq!(write::Recipe::from_name("q4_k_m"), Some(write::Recipe::Q4KM));
+    assert_eq!(write::Recipe::from_name("Q6_K"), Some(write::Recipe::Uniform(DType::Q6_K)));
+    assert_eq!(write::Recipe::from_name("Q4_K_S"), None);
     let tied = ModelConfig { tied: true, ..cfg.clone() };
     let tied_weights = synthetic_weights(&tied, 3, write::Recipe::Q4KM);
     assert_eq!(tied_weights.iter().find(|t| t.name == names::EMBED).unwrap().dtype, DType::Q6_K);

@@ -188,6 +188,15 @@ impl Recipe {
             Recipe::Q4KM => "Q4_K_M",
         }
     }
+
+    /// "Q4_K_M", or a format's name for every matrix in it ("q8_0", "Q6_K", "bf16"), in any case.
+    pub fn from_name(name: &str) -> Option<Recipe> {
+        if name.eq_ignore_ascii_case("Q4_K_M") {
+            Some(Recipe::Q4KM)
+        } else {
+            DType::from_name(name).map(Recipe::Uniform)
+        }
+    }
 }
 
 /// llama.cpp's choice for a Q4_K_M matrix (before its fallback for rows that are not whole blocks).
