@@ -1,16 +1,16 @@
 //! Quantized GGUF models through the C ABI on the CPU backend: a Q4_K_M file decodes to exactly the
 //! logits of an F32 file holding its decoded values (so the reader, llama's permuted Q/K rows of whole
-//! super-blocks and the backend take the blocks as stored), and a file whose blocks carry NaN or
-//! infinite scales loads and steps without a panic, as llama.cpp reads such files (the values are what
-//! the scales make them).
+//! super-blocks and the backend take the blocks as stored) and the fit counts its rows as stored; a
+//! file whose blocks carry NaN or infinite scales loads and steps without a panic, as llama.cpp reads
+//! such files (the values are what the scales make them).
 
 mod common;
 
 use common::{Held, Rng, Scratch, bits, init, logits, step, try_step};
 
 use hostembed::Status;
-use hostembed::checkpoint::gguf;
 use hostembed::checkpoint::write::{OwnedTensor, Recipe, synthetic_weights, write_gguf};
+use hostembed::checkpoint::{Checkpoint, gguf};
 use hostembed::engine::{self, engine_backend, engine_options};
 use hostembed::ffi;
 use hostembed::model::{Arch, ModelConfig, RopeScaling};
@@ -91,6 +91,18 @@ fn q4_k_m_decodes_to_the_logits_of_its_decoded_values() {
     let (st, plain_rows) = embed(&f, &prompt, cfg.hidden);
     assert_eq!(st, Status::Ok, "{}", last_error());
     assert_eq!(bits(&rows), bits(&plain_rows), "engine_embed dequantizes the Q4_K rows");
+
+    // The fit counts the rows as stored: vocab rows of hidden / 256 Q4_K super-blocks of 144 bytes.
+    let ckpt = Checkpoint::open(&quantized).unwrap();
+    let inputs = engine::fit_inputs(&ckpt, &engine_options { room_bytes: 1 << 34, ..cpu_options() }, None).unwrap();
+    assert_eq!(inputs.embed_bytes, (cfg.vocab * cfg.hidden / 256 * 144) as u64);
+    let plain_inputs = engine::fit_inputs(
+        &Checkpoint::open(&plain).unwrap(),
+        &engine_options { room_bytes: 1 << 34, ..cpu_options() },
+        None,
+    )
+    .unwrap();
+    assert_eq!(plain_inputs.embed_bytes, (cfg.vocab * cfg.hidden * 4) as u64);
 }
 
 /// Sets the f16 at byte `at` of tensor `name`'s data.
