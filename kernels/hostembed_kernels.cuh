@@ -10,6 +10,15 @@
 #define HE_DTYPE_F16 1
 #define HE_DTYPE_BF16 2
 #define HE_DTYPE_Q8_0 3
+#define HE_DTYPE_Q4_0 4
+#define HE_DTYPE_Q4_1 5
+#define HE_DTYPE_Q5_0 6
+#define HE_DTYPE_Q5_1 7
+#define HE_DTYPE_Q2_K 8
+#define HE_DTYPE_Q3_K 9
+#define HE_DTYPE_Q4_K 10
+#define HE_DTYPE_Q5_K 11
+#define HE_DTYPE_Q6_K 12
 
 #ifdef __cplusplus
 extern "C" {
