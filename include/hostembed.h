@@ -72,6 +72,24 @@ typedef enum engine_dtype {
   ENGINE_DTYPE_BF16 = 2,
   // GGUF Q8_0: blocks of 32 values, a little-endian f16 scale then 32 int8 (34 bytes).
   ENGINE_DTYPE_Q8_0 = 3,
+  // GGUF Q4_0: blocks of 32 values, an f16 scale then 4-bit quants (18 bytes).
+  ENGINE_DTYPE_Q4_0 = 4,
+  // GGUF Q4_1: blocks of 32 values, an f16 scale and minimum then 4-bit quants (20 bytes).
+  ENGINE_DTYPE_Q4_1 = 5,
+  // GGUF Q5_0: blocks of 32 values, an f16 scale, the fifth bits, then the low nibbles (22 bytes).
+  ENGINE_DTYPE_Q5_0 = 6,
+  // GGUF Q5_1: blocks of 32 values, an f16 scale and minimum, the fifth bits, the low nibbles (24 bytes).
+  ENGINE_DTYPE_Q5_1 = 7,
+  // GGUF Q2_K: super-blocks of 256 values, 4-bit sub-block scales and minimums (84 bytes).
+  ENGINE_DTYPE_Q2_K = 8,
+  // GGUF Q3_K: super-blocks of 256 values, 6-bit sub-block scales, 3-bit quants (110 bytes).
+  ENGINE_DTYPE_Q3_K = 9,
+  // GGUF Q4_K: super-blocks of 256 values, 6-bit sub-block scales and minimums (144 bytes).
+  ENGINE_DTYPE_Q4_K = 10,
+  // GGUF Q5_K: super-blocks of 256 values, 6-bit sub-block scales and minimums (176 bytes).
+  ENGINE_DTYPE_Q5_K = 11,
+  // GGUF Q6_K: super-blocks of 256 values, 8-bit sub-block scales, 6-bit quants (210 bytes).
+  ENGINE_DTYPE_Q6_K = 12,
 } engine_dtype;
 
 // A loaded model with its embedding rows placed; opaque to C.

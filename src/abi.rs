@@ -180,6 +180,24 @@ pub enum engine_dtype {
     Bf16 = 2,
     /// GGUF Q8_0: blocks of 32 values, a little-endian f16 scale then 32 int8 (34 bytes).
     Q8_0 = 3,
+    /// GGUF Q4_0: blocks of 32 values, an f16 scale then 4-bit quants (18 bytes).
+    Q4_0 = 4,
+    /// GGUF Q4_1: blocks of 32 values, an f16 scale and minimum then 4-bit quants (20 bytes).
+    Q4_1 = 5,
+    /// GGUF Q5_0: blocks of 32 values, an f16 scale, the fifth bits, then the low nibbles (22 bytes).
+    Q5_0 = 6,
+    /// GGUF Q5_1: blocks of 32 values, an f16 scale and minimum, the fifth bits, the low nibbles (24 bytes).
+    Q5_1 = 7,
+    /// GGUF Q2_K: super-blocks of 256 values, 4-bit sub-block scales and minimums (84 bytes).
+    Q2_K = 8,
+    /// GGUF Q3_K: super-blocks of 256 values, 6-bit sub-block scales, 3-bit quants (110 bytes).
+    Q3_K = 9,
+    /// GGUF Q4_K: super-blocks of 256 values, 6-bit sub-block scales and minimums (144 bytes).
+    Q4_K = 10,
+    /// GGUF Q5_K: super-blocks of 256 values, 6-bit sub-block scales and minimums (176 bytes).
+    Q5_K = 11,
+    /// GGUF Q6_K: super-blocks of 256 values, 8-bit sub-block scales, 6-bit quants (210 bytes).
+    Q6_K = 12,
 }
 
 /// Where a caller's kernels can find the rows, in whatever placement they live.

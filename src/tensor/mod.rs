@@ -7,11 +7,32 @@ use safetensors::Dtype;
 mod bfloat16;
 mod float16;
 mod float32;
+pub mod k_quants;
+mod q2_k;
+mod q3_k;
+mod q4_0;
+mod q4_1;
+mod q4_k;
+mod q5_0;
+mod q5_1;
+mod q5_k;
+mod q6_k;
 mod q8_0;
+
+use half::f16;
 
 pub use self::bfloat16::Bf16;
 pub use self::float16::F16;
 pub use self::float32::F32;
+pub use self::q2_k::{BlockQ2_K, Q2_K};
+pub use self::q3_k::{BlockQ3_K, Q3_K};
+pub use self::q4_0::{BlockQ4_0, Q4_0};
+pub use self::q4_1::{BlockQ4_1, Q4_1};
+pub use self::q4_k::{BlockQ4_K, Q4_K};
+pub use self::q5_0::{BlockQ5_0, Q5_0};
+pub use self::q5_1::{BlockQ5_1, Q5_1};
+pub use self::q5_k::{BlockQ5_K, Q5_K};
+pub use self::q6_k::{BlockQ6_K, Q6_K};
 pub use self::q8_0::{BlockQ8_0, Q8_0};
 
 pub use crate::abi::engine_dtype;
@@ -67,8 +88,33 @@ impl FormatInfo {
 }
 
 /// Every format this crate reads, in the C enum's order.
-pub static FORMATS: [FormatInfo; 4] =
-    [FormatInfo::of::<F32>(), FormatInfo::of::<F16>(), FormatInfo::of::<Bf16>(), FormatInfo::of::<Q8_0>()];
+pub static FORMATS: [FormatInfo; 13] = [
+    FormatInfo::of::<F32>(),
+    FormatInfo::of::<F16>(),
+    FormatInfo::of::<Bf16>(),
+    FormatInfo::of::<Q8_0>(),
+    FormatInfo::of::<Q4_0>(),
+    FormatInfo::of::<Q4_1>(),
+    FormatInfo::of::<Q5_0>(),
+    FormatInfo::of::<Q5_1>(),
+    FormatInfo::of::<Q2_K>(),
+    FormatInfo::of::<Q3_K>(),
+    FormatInfo::of::<Q4_K>(),
+    FormatInfo::of::<Q5_K>(),
+    FormatInfo::of::<Q6_K>(),
+];
+
+/// The largest block any format has, in values (the k-quants' super-block).
+pub const MAX_BLOCK_VALUES: usize = k_quants::SUPER_BLOCK;
+
+// Buffers sized by MAX_BLOCK_VALUES hold a block of every format.
+const _: () = {
+    let mut i = 0;
+    while i < FORMATS.len() {
+        assert!(FORMATS[i].block_values <= MAX_BLOCK_VALUES, "a format's block exceeds MAX_BLOCK_VALUES");
+        i += 1;
+    }
+};
 
 // DType::format indexes FORMATS by the enum value.
 const _: () = {
@@ -117,7 +163,7 @@ impl DType {
     }
 }
 
-/// The formats' names for messages about one this crate does not read: "F32, F16, BF16, Q8_0".
+/// The formats' names for messages about one this crate does not read: "F32, F16, BF16, Q8_0, ...".
 pub fn supported_names() -> String {
     FORMATS.iter().map(|f| f.name).collect::<Vec<_>>().join(", ")
 }
@@ -134,7 +180,8 @@ pub fn decode_row(dtype: DType, bytes: &[u8], out: &mut [f32]) {
     (dtype.format().decode_row)(bytes, out)
 }
 
-/// Encodes f32 values in `dtype` (round to nearest even; Q8_0 as llama.cpp quantizes: scale = max|x|/127).
+/// Encodes f32 values in `dtype` (floats round to nearest even; quantized formats as llama.cpp's
+/// reference quantizers do it).
 pub fn encode_row(dtype: DType, values: &[f32]) -> Vec<u8> {
     let mut out = Vec::with_capacity(dtype.row_bytes(values.len()).expect("rows are whole blocks"));
     (dtype.format().encode_row)(values, &mut out);
@@ -171,6 +218,38 @@ macro_rules! float_format {
 }
 use float_format;
 
+/// The little-endian f16 at byte `at` of a block, as f32.
+fn f16_at(block: &[u8], at: usize) -> f32 {
+    f16::from_le_bytes([block[at], block[at + 1]]).to_f32()
+}
+
+/// `v` rounded to f16 (nearest even), as little-endian bytes.
+fn f16_le(v: f32) -> [u8; 2] {
+    f16::from_f32(v).to_le_bytes()
+}
+
+/// `v` as it reads back after a round trip through f16: what a decoder sees of a stored scale.
+fn f16_round(v: f32) -> f32 {
+    f16::from_f32(v).to_f32()
+}
+
+/// The value of largest magnitude, its sign kept (the first of equal magnitudes; 0 when all are zero).
+fn signed_absmax(values: &[f32]) -> f32 {
+    let (mut amax, mut max) = (0f32, 0f32);
+    for &v in values {
+        if amax < v.abs() {
+            amax = v.abs();
+            max = v;
+        }
+    }
+    max
+}
+
+/// The smallest and largest value, starting from (f32::MAX, -f32::MAX) as llama.cpp does.
+fn min_max(values: &[f32]) -> (f32, f32) {
+    values.iter().fold((f32::MAX, -f32::MAX), |(lo, hi), &v| (if v < lo { v } else { lo }, if v > hi { v } else { hi }))
+}
+
 fn decode_value<const N: usize>(block: &[u8], out: &mut [f32], from_le: fn([u8; N]) -> f32) {
     out[0] = from_le(block.try_into().expect("one value's bytes"));
 }
@@ -198,7 +277,54 @@ mod tests {
                 assert_eq!(DType::from_safetensors(st), Some(f.dtype));
             }
         }
-        assert_eq!(supported_names(), "F32, F16, BF16, Q8_0");
+        assert_eq!(supported_names(), "F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K");
+    }
+
+    /// Root-mean-square error of a round trip over rms(x), for uniform values in [-1, 1) with an offset.
+    fn relative_rms_error(dtype: DType, offset: f32) -> f64 {
+        let n = 4 * MAX_BLOCK_VALUES;
+        let values: Vec<f32> =
+            (0..n).map(|i| ((i as u64 * 2_654_435_761 % 1000) as f32 / 500.0 - 1.0) + offset).collect();
+        let mut back = vec![0f32; n];
+        decode_row(dtype, &encode_row(dtype, &values), &mut back);
+        let err: f64 = values.iter().zip(&back).map(|(a, b)| ((a - b) as f64).powi(2)).sum();
+        let norm: f64 = values.iter().map(|a| (*a as f64).powi(2)).sum();
+        (err / norm).sqrt()
+    }
+
+    #[test]
+    fn quantized_rows_round_trip_within_their_bits() {
+        // Uniform values: the error of b bits is about 2^-b of the range, times a margin.
+        let bounds = [
+            (DType::Q8_0, 0.006),
+            (DType::Q6_K, 0.02),
+            (DType::Q5_0, 0.04),
+            (DType::Q5_1, 0.04),
+            (DType::Q5_K, 0.04),
+            (DType::Q4_0, 0.08),
+            (DType::Q4_1, 0.08),
+            (DType::Q4_K, 0.08),
+            (DType::Q3_K, 0.18),
+            (DType::Q2_K, 0.4),
+        ];
+        for (dtype, bound) in bounds {
+            for offset in [0.0, 0.5] {
+                let e = relative_rms_error(dtype, offset);
+                assert!(e < bound, "{} offset {offset}: relative error {e}", dtype.name());
+            }
+        }
+    }
+
+    #[test]
+    fn zero_rows_decode_to_zero() {
+        for f in &FORMATS {
+            let zeros = vec![0f32; 2 * MAX_BLOCK_VALUES];
+            let bytes = encode_row(f.dtype, &zeros);
+            assert_eq!(bytes.len(), f.dtype.row_bytes(zeros.len()).unwrap(), "{}", f.name);
+            let mut back = vec![1f32; zeros.len()];
+            decode_row(f.dtype, &bytes, &mut back);
+            assert!(back.iter().all(|v| *v == 0.0), "{}", f.name);
+        }
     }
 
     #[test]

@@ -1,0 +1,73 @@
+//! GGUF Q5_K: super-blocks of 256 values in 8 sub-blocks of 32, scales and minimums as Q4_K; value =
+//! d * scale * q - dmin * min, q in 0..=31: its low four bits as Q4_K packs them, its fifth bit in `qh`
+//! (value 64c + l: byte l % 32, bit 2c + l / 32).
+
+use std::mem::offset_of;
+
+use super::k_quants::{SUPER_BLOCK, scale_min_k4};
+use super::q4_k::encode_scale_min;
+use super::{DType, Dtype, Format, f16_at};
+
+#[allow(non_camel_case_types)]
+pub struct Q5_K;
+
+/// ggml's `block_q5_K`, byte for byte.
+#[repr(C)]
+#[allow(non_camel_case_types)]
+pub struct BlockQ5_K {
+    pub d: [u8; 2],
+    pub dmin: [u8; 2],
+    /// Eight 6-bit scales and minimums, as `k_quants::scale_min_k4` reads them.
+    pub scales: [u8; 12],
+    pub qh: [u8; SUPER_BLOCK / 8],
+    pub quants: [u8; SUPER_BLOCK / 2],
+}
+
+// The size GGUF files and the device formats assume.
+const _: () = assert!(size_of::<BlockQ5_K>() == 176);
+
+const DMIN: usize = offset_of!(BlockQ5_K, dmin);
+const SCALES: usize = offset_of!(BlockQ5_K, scales);
+const QH: usize = offset_of!(BlockQ5_K, qh);
+const QUANTS: usize = offset_of!(BlockQ5_K, quants);
+
+impl Format for Q5_K {
+    const DTYPE: DType = DType::Q5_K;
+    const NAME: &'static str = "Q5_K";
+    const GGML_TYPE: u32 = 13;
+    const SAFETENSORS: Option<Dtype> = None;
+    type Block = BlockQ5_K;
+    const BLOCK_VALUES: usize = SUPER_BLOCK;
+
+    fn decode_block(block: &[u8], out: &mut [f32]) {
+        let (d, dmin) = (f16_at(block, 0), f16_at(block, DMIN));
+        let packed = &block[SCALES..SCALES + 12];
+        let qh = &block[QH..QH + 32];
+        for (sub, out) in out.chunks_exact_mut(32).enumerate() {
+            let (sc, m) = scale_min_k4(sub, packed);
+            let (scale, min) = (d * sc as f32, dmin * m as f32);
+            let shift = 4 * (sub % 2);
+            let low = &block[QUANTS + 32 * (sub / 2)..][..32];
+            for ((v, q), h) in out.iter_mut().zip(low).zip(qh) {
+                let q = (q >> shift & 0x0F) as u32 + if h >> sub & 1 != 0 { 16 } else { 0 };
+                *v = scale * q as f32 - min;
+            }
+        }
+    }
+
+    /// As llama.cpp's `quantize_row_q5_K_ref`.
+    fn encode_block(values: &[f32], out: &mut Vec<u8>) {
+        let quants = encode_scale_min(values, 31, -0.5, 0.1, 15, out);
+        let mut qh = [0u8; 32];
+        let mut low = Vec::with_capacity(SUPER_BLOCK / 2);
+        for (c, chunk) in quants.chunks_exact(64).enumerate() {
+            for l in 0..32 {
+                let (a, b) = (chunk[l], chunk[l + 32]);
+                qh[l] |= (a >> 4) << (2 * c) | (b >> 4) << (2 * c + 1);
+                low.push((a & 0x0F) | (b & 0x0F) << 4);
+            }
+        }
+        out.extend_from_slice(&qh);
+        out.extend_from_slice(&low);
+    }
+}

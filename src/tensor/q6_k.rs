@@ -1,0 +1,99 @@
+//! GGUF Q6_K: super-blocks of 256 values in 16 sub-blocks of 16, each with a signed 8-bit scale
+//! relative to the super-block's f16 `d`; value = d * scale * (q - 32), q in 0..=63. In each half of
+//! 128 values, value l + 32k (k 0..4, l 0..32) has its low four bits in `ql` byte l + 32 (k % 2), nibble
+//! k / 2, and its top two bits in `qh` byte l, bits 2k.
+
+use std::mem::offset_of;
+
+use super::k_quants::{SUPER_BLOCK, make_qx_quants, nearest_int};
+use super::{DType, Dtype, Format, f16_at, f16_le, f16_round};
+
+#[allow(non_camel_case_types)]
+pub struct Q6_K;
+
+/// ggml's `block_q6_K`, byte for byte.
+#[repr(C)]
+#[allow(non_camel_case_types)]
+pub struct BlockQ6_K {
+    pub ql: [u8; SUPER_BLOCK / 2],
+    pub qh: [u8; SUPER_BLOCK / 4],
+    pub scales: [i8; SUPER_BLOCK / 16],
+    pub d: [u8; 2],
+}
+
+// The size GGUF files and the device formats assume.
+const _: () = assert!(size_of::<BlockQ6_K>() == 210);
+
+const QH: usize = offset_of!(BlockQ6_K, qh);
+const SCALES: usize = offset_of!(BlockQ6_K, scales);
+const D: usize = offset_of!(BlockQ6_K, d);
+
+impl Format for Q6_K {
+    const DTYPE: DType = DType::Q6_K;
+    const NAME: &'static str = "Q6_K";
+    const GGML_TYPE: u32 = 14;
+    const SAFETENSORS: Option<Dtype> = None;
+    type Block = BlockQ6_K;
+    const BLOCK_VALUES: usize = SUPER_BLOCK;
+
+    fn decode_block(block: &[u8], out: &mut [f32]) {
+        let d = f16_at(block, D);
+        for (sub, out) in out.chunks_exact_mut(16).enumerate() {
+            let (half, k, part) = (sub / 8, sub % 8 / 2, 16 * (sub % 2));
+            let ql = &block[64 * half + 32 * (k % 2) + part..][..16];
+            let qh = &block[QH + 32 * half + part..][..16];
+            let dl = d * block[SCALES + sub] as i8 as f32;
+            for ((v, lo), hi) in out.iter_mut().zip(ql).zip(qh) {
+                let q = (lo >> (4 * (k / 2)) & 0x0F) | (hi >> (2 * k) & 3) << 4;
+                *v = dl * (q as i32 - 32) as f32;
+            }
+        }
+    }
+
+    /// As llama.cpp's `quantize_row_q6_K_ref`: each sub-block fitted by `make_qx_quants`, the 16 scales
+    /// quantized to 8 bits against the one of largest magnitude, then every value requantized against
+    /// its sub-block's stored scale.
+    fn encode_block(values: &[f32], out: &mut Vec<u8>) {
+        let mut levels = [0i8; SUPER_BLOCK];
+        let mut scales = [0f32; 16];
+        let (mut max_scale, mut max_abs) = (0f32, 0f32);
+        for (j, x) in values.chunks_exact(16).enumerate() {
+            scales[j] = make_qx_quants(32, x, &mut levels[16 * j..16 * j + 16]);
+            if scales[j].abs() > max_abs {
+                max_abs = scales[j].abs();
+                max_scale = scales[j];
+            }
+        }
+        if max_abs < 1e-15 {
+            out.extend(std::iter::repeat_n(0, size_of::<BlockQ6_K>()));
+            return;
+        }
+        let iscale = -128.0 / max_scale;
+        let d = 1.0 / iscale;
+        let packed: [i8; 16] = std::array::from_fn(|j| nearest_int(iscale * scales[j]).min(127) as i8);
+        let d_stored = f16_round(d);
+        for (j, x) in values.chunks_exact(16).enumerate() {
+            let dl = d_stored * packed[j] as f32;
+            if dl == 0.0 {
+                continue;
+            }
+            for (q, v) in levels[16 * j..16 * j + 16].iter_mut().zip(x) {
+                *q = (nearest_int(v / dl).clamp(-32, 31) + 32) as i8;
+            }
+        }
+        let mut ql = [0u8; SUPER_BLOCK / 2];
+        let mut qh = [0u8; SUPER_BLOCK / 4];
+        for (half, levels) in levels.chunks_exact(128).enumerate() {
+            for l in 0..32 {
+                let q: [u8; 4] = std::array::from_fn(|k| levels[l + 32 * k] as u8);
+                ql[64 * half + l] = (q[0] & 0x0F) | (q[2] & 0x0F) << 4;
+                ql[64 * half + l + 32] = (q[1] & 0x0F) | (q[3] & 0x0F) << 4;
+                qh[32 * half + l] = q[0] >> 4 | (q[1] >> 4) << 2 | (q[2] >> 4) << 4 | (q[3] >> 4) << 6;
+            }
+        }
+        out.extend_from_slice(&ql);
+        out.extend_from_slice(&qh);
+        out.extend(packed.iter().map(|&s| s as u8));
+        out.extend_from_slice(&f16_le(d));
+    }
+}
