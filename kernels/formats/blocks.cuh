@@ -4,8 +4,8 @@
 //
 // A block format's traits add to those kernels/formats.cuh lists:
 //   UNITS, UNIT_VALUES (32)      a block is UNITS units of 32 consecutive values (unit u: values 32u..)
-//   unit(block, u, w)            decodes unit u of the block at `block` (2-byte aligned, in any memory)
-//                                into w[0..32) in f32, each value within one rounding of value()'s
+//   unit<EXACT>(block, u, w)     decodes unit u of the block at `block` (2-byte aligned, in any memory)
+//                                into w[0..32) in f32: value()'s bits when EXACT, else within one rounding
 // which the staged matrix-vector product (kernels/matvec.cu) and the prompt path's conversion read.
 #pragma once
 #include "formats/float.cuh"
@@ -64,16 +64,16 @@ __device__ __forceinline__ unsigned int spread_bits(unsigned int m, int b, int t
     return ((((m >> b) & 0xFu) * 0x00204081u) & 0x01010101u) << to;
 }
 
-// Decodes N words of quants held as bytes: w[i] = scale * (byte i - bias), or fma(scale, byte i, add) when
-// MIN (formats with an offset).
-template <bool MIN, int N>
+// Decodes N words of quants held as bytes: w[i] = scale * (byte i - bias), or scale * byte i + add when MIN
+// (formats with an offset): one fused rounding, or the CPU's two when EXACT.
+template <bool MIN, bool EXACT = false, int N>
 __device__ __forceinline__ void scale_words(const unsigned int (&q)[N], float bias, float scale, float add, float *w) {
 #pragma unroll
     for (int i = 0; i < N; i++) {
         float f[4];
         bytes_to_floats(q[i], bias, f);
 #pragma unroll
-        for (int k = 0; k < 4; k++) w[4 * i + k] = MIN ? fmaf(scale, f[k], add) : scale * f[k];
+        for (int k = 0; k < 4; k++) w[4 * i + k] = !MIN ? scale * f[k] : EXACT ? __fadd_rn(__fmul_rn(scale, f[k]), add) : fmaf(scale, f[k], add);
     }
 }
 

@@ -21,6 +21,7 @@ struct FormatQ2_K {
         return __fsub_rn(__fmul_rn(dl, (float)q), ml);
     }
     // Unit u: groups 2u and 2u + 1, the two halves of the 32 bytes at 32 * (u / 4), bit 2 * (u % 4).
+    template <bool EXACT = false>
     static __device__ __forceinline__ void unit(const unsigned char *block, unsigned int u, float *w) {
         const float d = load_f16(block + D), dmin = load_f16(block + DMIN);
         unsigned int r[8];
@@ -34,7 +35,7 @@ struct FormatQ2_K {
             const unsigned int s = block[SCALES + 2 * u + h];
             const float dl = d * (float)(s & 0xFu), ml = dmin * (float)(s >> 4);
             const unsigned int half[4] = {q[4 * h], q[4 * h + 1], q[4 * h + 2], q[4 * h + 3]};
-            scale_words<true>(half, 0.f, dl, -ml, w + 16 * h);
+            scale_words<true, EXACT>(half, 0.f, dl, -ml, w + 16 * h);
         }
     }
 };

@@ -28,6 +28,7 @@ struct FormatQ3_K {
         return __fmul_rn(dl, (float)q);
     }
     // Unit u: groups 2u and 2u + 1.
+    template <bool EXACT = false>
     static __device__ __forceinline__ void unit(const unsigned char *block, unsigned int u, float *w) {
         const float d = load_f16(block + D);
         const unsigned int n = u / 4, pair = u % 4;

@@ -22,6 +22,7 @@ struct FormatQ4_K {
         const float m1 = __fmul_rn(f16_bits_to_f32(u16_le(block + DMIN)), (float)m);
         return __fsub_rn(__fmul_rn(d1, q), m1);
     }
+    template <bool EXACT = false>
     static __device__ __forceinline__ void unit(const unsigned char *block, unsigned int s, float *w) {
         unsigned int sc, m;
         scale_min_k4(block + SCALES, (int)s, sc, m);
@@ -31,7 +32,7 @@ struct FormatQ4_K {
         unsigned int q[8];
 #pragma unroll
         for (int i = 0; i < 8; i++) q[i] = s % 2 ? high_nibbles(r[i]) : low_nibbles(r[i]);
-        scale_words<true>(q, 0.f, d1, -m1, w);
+        scale_words<true, EXACT>(q, 0.f, d1, -m1, w);
     }
 };
 

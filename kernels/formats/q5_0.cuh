@@ -18,6 +18,7 @@ struct FormatQ5_0 {
         const int q = (int)((j < 16 ? byte & 0xFu : byte >> 4) | (high << 4)) - 16;
         return __fmul_rn((float)q, f16_bits_to_f32(u16_le(block)));
     }
+    template <bool EXACT = false>
     static __device__ __forceinline__ void unit(const unsigned char *block, unsigned int, float *w) {
         const float d = load_f16(block);
         unsigned int r[5];  // qh, then the four words of nibbles

@@ -17,6 +17,7 @@ struct FormatQ5_1 {
         const float q = (float)((j < 16 ? byte & 0xFu : byte >> 4) | (high << 4));
         return __fadd_rn(__fmul_rn(q, f16_bits_to_f32(u16_le(block))), f16_bits_to_f32(u16_le(block + M)));
     }
+    template <bool EXACT = false>
     static __device__ __forceinline__ void unit(const unsigned char *block, unsigned int, float *w) {
         const float d = load_f16(block), m = load_f16(block + M);
         unsigned int r[5];  // qh, then the four words of nibbles
@@ -27,7 +28,7 @@ struct FormatQ5_1 {
             q[i] = low_nibbles(r[1 + i]) | spread_bits(r[0], 4 * i, 4);
             q[4 + i] = high_nibbles(r[1 + i]) | spread_bits(r[0], 16 + 4 * i, 4);
         }
-        scale_words<true>(q, 0.f, d, m, w);
+        scale_words<true, EXACT>(q, 0.f, d, m, w);
     }
 };
 

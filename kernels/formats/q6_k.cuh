@@ -20,6 +20,7 @@ struct FormatQ6_K {
         const float scale = (float)(signed char)block[SCALES + 8 * n + 2 * k + l / 16];
         return __fmul_rn(__fmul_rn(f16_bits_to_f32(u16_le(block + D)), scale), (float)((int)q - 32));
     }
+    template <bool EXACT = false>
     static __device__ __forceinline__ void unit(const unsigned char *block, unsigned int u, float *w) {
         const float d = load_f16(block + D);
         const unsigned int n = u / 4, k = u % 4;

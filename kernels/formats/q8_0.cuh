@@ -22,6 +22,7 @@ struct FormatQ8_0 {
         return __fmul_rn(f16_bits_to_f32(u16_le(block)), (float)(signed char)block[QUANTS + v % BLOCK_VALUES]);
     }
     // The whole block is the unit; bytes biased by 128 so the exact-float trick applies to signed values.
+    template <bool EXACT = false>
     static __device__ __forceinline__ void unit(const unsigned char *block, unsigned int, float *w) {
         const float d = load_f16(block);
         unsigned int q[8];
