@@ -147,7 +147,7 @@ __global__ void convert_units_kernel(const unsigned char *__restrict__ w, unsign
         const unsigned int r = (unsigned int)(i / row_units), k = (unsigned int)(i % row_units);
         const unsigned char *block = w + (size_t)r * row_bytes + (size_t)(k / F::UNITS) * F::BLOCK_BYTES;
         float v[he::UNIT_VALUES];
-        F::template unit<true>(block, k % F::UNITS, v);
+        he::decode_unit<F, true>(block, k % F::UNITS, v);
         uint4 *o = reinterpret_cast<uint4 *>(out + (size_t)r * cols + (size_t)k * he::UNIT_VALUES);
 #pragma unroll
         for (unsigned int j = 0; j < he::UNIT_VALUES / 8; j++)

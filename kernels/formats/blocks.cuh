@@ -4,9 +4,13 @@
 //
 // A block format's traits add to those kernels/formats.cuh lists:
 //   UNITS, UNIT_VALUES (32)      a block is UNITS units of 32 consecutive values (unit u: values 32u..)
-//   unit<EXACT>(block, u, w)     decodes unit u of the block at `block` (2-byte aligned, in any memory)
-//                                into w[0..32) in f32: value()'s bits when EXACT, else within one rounding
-// which the staged matrix-vector product (kernels/matvec.cu) and the prompt path's conversion read.
+//   HAS_MIN                      whether values carry an offset (scale * q + add) or not (scale * q)
+//   parts(block, u, q, scale, add)
+//                                unit u of the block at `block` (2-byte aligned, in any memory): its
+//                                quants as exact floats q[0..32) and the scale (and offset) of each half
+//                                of 16 values, rounded as the CPU rounds them
+// decode_unit() below turns them into values; the staged matrix-vector product (kernels/matvec.cu) can
+// instead apply the scales to whole dot products, and the prompt path's conversion reads decode_unit.
 #pragma once
 #include "formats/float.cuh"
 
@@ -64,16 +68,25 @@ __device__ __forceinline__ unsigned int spread_bits(unsigned int m, int b, int t
     return ((((m >> b) & 0xFu) * 0x00204081u) & 0x01010101u) << to;
 }
 
-// Decodes N words of quants held as bytes: w[i] = scale * (byte i - bias), or scale * byte i + add when MIN
-// (formats with an offset): one fused rounding, or the CPU's two when EXACT.
-template <bool MIN, bool EXACT = false, int N>
-__device__ __forceinline__ void scale_words(const unsigned int (&q)[N], float bias, float scale, float add, float *w) {
+// The bytes of N words of quants, each less `bias`, as exact floats in q[0..4N).
+template <int N>
+__device__ __forceinline__ void words_to_floats(const unsigned int (&words)[N], float bias, float *q) {
 #pragma unroll
-    for (int i = 0; i < N; i++) {
-        float f[4];
-        bytes_to_floats(q[i], bias, f);
+    for (int i = 0; i < N; i++) bytes_to_floats(words[i], bias, q + 4 * i);
+}
+
+// Unit u of a block format's block as values: w[i] = scale[i / 16] * q[i] (+ add[i / 16] when the format
+// has offsets), with one fused rounding, or the CPU's two when EXACT.
+template <typename F, bool EXACT = false>
+__device__ __forceinline__ void decode_unit(const unsigned char *block, unsigned int u, float *w) {
+    float q[UNIT_VALUES], scale[2], add[2];
+    F::parts(block, u, q, scale, add);
 #pragma unroll
-        for (int k = 0; k < 4; k++) w[4 * i + k] = !MIN ? scale * f[k] : EXACT ? __fadd_rn(__fmul_rn(scale, f[k]), add) : fmaf(scale, f[k], add);
+    for (int i = 0; i < (int)UNIT_VALUES; i++) {
+        const int h = i / 16;
+        w[i] = !F::HAS_MIN ? scale[h] * q[i]
+               : EXACT     ? __fadd_rn(__fmul_rn(scale[h], q[i]), add[h])
+                           : fmaf(scale[h], q[i], add[h]);
     }
 }
 

@@ -9,6 +9,7 @@ namespace he {
 struct FormatQ2_K {
     static constexpr int ID = HE_DTYPE_Q2_K;
     static constexpr unsigned BLOCK_VALUES = 256, BLOCK_BYTES = 84, UNITS = 8;
+    static constexpr bool HAS_MIN = true;
     static constexpr unsigned SCALES = 0, QS = 16, D = 80, DMIN = 82;
 
     static __device__ __forceinline__ float value(const unsigned char *row, unsigned int v) {
@@ -21,22 +22,22 @@ struct FormatQ2_K {
         return __fsub_rn(__fmul_rn(dl, (float)q), ml);
     }
     // Unit u: groups 2u and 2u + 1, the two halves of the 32 bytes at 32 * (u / 4), bit 2 * (u % 4).
-    template <bool EXACT = false>
-    static __device__ __forceinline__ void unit(const unsigned char *block, unsigned int u, float *w) {
+    // Unit u: groups 2u and 2u + 1, the two halves of the 32 bytes at 32 * (u / 4), bit 2 * (u % 4).
+    static __device__ __forceinline__ void parts(const unsigned char *block, unsigned int u, float *q, float *scale,
+                                                 float *add) {
         const float d = load_f16(block + D), dmin = load_f16(block + DMIN);
-        unsigned int r[8];
-        load_words<8, true>(block + QS + 32 * (u / 4), r);
-        const unsigned int shift = 2 * (u % 4);
-        unsigned int q[8];
-#pragma unroll
-        for (int i = 0; i < 8; i++) q[i] = (r[i] >> shift) & 0x03030303u;
 #pragma unroll
         for (int h = 0; h < 2; h++) {
             const unsigned int s = block[SCALES + 2 * u + h];
-            const float dl = d * (float)(s & 0xFu), ml = dmin * (float)(s >> 4);
-            const unsigned int half[4] = {q[4 * h], q[4 * h + 1], q[4 * h + 2], q[4 * h + 3]};
-            scale_words<true, EXACT>(half, 0.f, dl, -ml, w + 16 * h);
+            scale[h] = d * (float)(s & 0xFu);
+            add[h] = -(dmin * (float)(s >> 4));
         }
+        unsigned int r[8];
+        load_words<8, true>(block + QS + 32 * (u / 4), r);
+        const unsigned int shift = 2 * (u % 4);
+#pragma unroll
+        for (int i = 0; i < 8; i++) r[i] = (r[i] >> shift) & 0x03030303u;
+        words_to_floats(r, 0.f, q);
     }
 };
 

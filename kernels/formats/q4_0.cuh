@@ -8,6 +8,7 @@ namespace he {
 struct FormatQ4_0 {
     static constexpr int ID = HE_DTYPE_Q4_0;
     static constexpr unsigned BLOCK_VALUES = 32, BLOCK_BYTES = 18, UNITS = 1;
+    static constexpr bool HAS_MIN = false;
     static constexpr unsigned QS = 2;
 
     static __device__ __forceinline__ float value(const unsigned char *row, unsigned int v) {
@@ -16,14 +17,15 @@ struct FormatQ4_0 {
         const int q = (int)(j < 16 ? byte & 0xFu : byte >> 4) - 8;
         return __fmul_rn((float)q, f16_bits_to_f32(u16_le(block)));
     }
-    template <bool EXACT = false>
-    static __device__ __forceinline__ void unit(const unsigned char *block, unsigned int, float *w) {
-        const float d = load_f16(block);
+    static __device__ __forceinline__ void parts(const unsigned char *block, unsigned int u, float *q, float *scale,
+                                                 float *add) {
+        scale[0] = scale[1] = load_f16(block);
+        add[0] = add[1] = 0.f;
         unsigned int qs[4];
         load_words<4, false>(block + QS, qs);
-        const unsigned int q[8] = {low_nibbles(qs[0]),  low_nibbles(qs[1]),  low_nibbles(qs[2]),  low_nibbles(qs[3]),
+        const unsigned int w[8] = {low_nibbles(qs[0]),  low_nibbles(qs[1]),  low_nibbles(qs[2]),  low_nibbles(qs[3]),
                                    high_nibbles(qs[0]), high_nibbles(qs[1]), high_nibbles(qs[2]), high_nibbles(qs[3])};
-        scale_words<false>(q, 8.f, d, 0.f, w);
+        words_to_floats(w, 8.f, q);
     }
 };
 

@@ -8,6 +8,7 @@ namespace he {
 struct FormatQ4_1 {
     static constexpr int ID = HE_DTYPE_Q4_1;
     static constexpr unsigned BLOCK_VALUES = 32, BLOCK_BYTES = 20, UNITS = 1;
+    static constexpr bool HAS_MIN = true;
     static constexpr unsigned M = 2, QS = 4;
 
     static __device__ __forceinline__ float value(const unsigned char *row, unsigned int v) {
@@ -16,14 +17,15 @@ struct FormatQ4_1 {
         const float q = (float)(j < 16 ? byte & 0xFu : byte >> 4);
         return __fadd_rn(__fmul_rn(q, f16_bits_to_f32(u16_le(block))), f16_bits_to_f32(u16_le(block + M)));
     }
-    template <bool EXACT = false>
-    static __device__ __forceinline__ void unit(const unsigned char *block, unsigned int, float *w) {
-        const float d = load_f16(block), m = load_f16(block + M);
+    static __device__ __forceinline__ void parts(const unsigned char *block, unsigned int u, float *q, float *scale,
+                                                 float *add) {
+        scale[0] = scale[1] = load_f16(block);
+        add[0] = add[1] = load_f16(block + M);
         unsigned int qs[4];
         load_words<4, true>(block + QS, qs);
-        const unsigned int q[8] = {low_nibbles(qs[0]),  low_nibbles(qs[1]),  low_nibbles(qs[2]),  low_nibbles(qs[3]),
+        const unsigned int w[8] = {low_nibbles(qs[0]),  low_nibbles(qs[1]),  low_nibbles(qs[2]),  low_nibbles(qs[3]),
                                    high_nibbles(qs[0]), high_nibbles(qs[1]), high_nibbles(qs[2]), high_nibbles(qs[3])};
-        scale_words<true, EXACT>(q, 0.f, d, m, w);
+        words_to_floats(w, 0.f, q);
     }
 };
 

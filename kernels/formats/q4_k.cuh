@@ -9,6 +9,7 @@ namespace he {
 struct FormatQ4_K {
     static constexpr int ID = HE_DTYPE_Q4_K;
     static constexpr unsigned BLOCK_VALUES = 256, BLOCK_BYTES = 144, UNITS = 8;
+    static constexpr bool HAS_MIN = true;
     static constexpr unsigned D = 0, DMIN = 2, SCALES = 4, QS = 16;
 
     static __device__ __forceinline__ float value(const unsigned char *row, unsigned int v) {
@@ -22,17 +23,17 @@ struct FormatQ4_K {
         const float m1 = __fmul_rn(f16_bits_to_f32(u16_le(block + DMIN)), (float)m);
         return __fsub_rn(__fmul_rn(d1, q), m1);
     }
-    template <bool EXACT = false>
-    static __device__ __forceinline__ void unit(const unsigned char *block, unsigned int s, float *w) {
+    static __device__ __forceinline__ void parts(const unsigned char *block, unsigned int u, float *q, float *scale,
+                                                 float *add) {
         unsigned int sc, m;
-        scale_min_k4(block + SCALES, (int)s, sc, m);
-        const float d1 = load_f16(block + D) * (float)sc, m1 = load_f16(block + DMIN) * (float)m;
+        scale_min_k4(block + SCALES, (int)u, sc, m);
+        scale[0] = scale[1] = load_f16(block + D) * (float)sc;
+        add[0] = add[1] = -(load_f16(block + DMIN) * (float)m);
         unsigned int r[8];
-        load_words<8, true>(block + QS + 32 * (s / 2), r);
-        unsigned int q[8];
+        load_words<8, true>(block + QS + 32 * (u / 2), r);
 #pragma unroll
-        for (int i = 0; i < 8; i++) q[i] = s % 2 ? high_nibbles(r[i]) : low_nibbles(r[i]);
-        scale_words<true, EXACT>(q, 0.f, d1, -m1, w);
+        for (int i = 0; i < 8; i++) r[i] = u % 2 ? high_nibbles(r[i]) : low_nibbles(r[i]);
+        words_to_floats(r, 0.f, q);
     }
 };
 

@@ -9,6 +9,7 @@ namespace he {
 struct FormatQ5_0 {
     static constexpr int ID = HE_DTYPE_Q5_0;
     static constexpr unsigned BLOCK_VALUES = 32, BLOCK_BYTES = 22, UNITS = 1;
+    static constexpr bool HAS_MIN = false;
     static constexpr unsigned QH = 2, QS = 6;
 
     static __device__ __forceinline__ float value(const unsigned char *row, unsigned int v) {
@@ -18,18 +19,19 @@ struct FormatQ5_0 {
         const int q = (int)((j < 16 ? byte & 0xFu : byte >> 4) | (high << 4)) - 16;
         return __fmul_rn((float)q, f16_bits_to_f32(u16_le(block)));
     }
-    template <bool EXACT = false>
-    static __device__ __forceinline__ void unit(const unsigned char *block, unsigned int, float *w) {
-        const float d = load_f16(block);
+    static __device__ __forceinline__ void parts(const unsigned char *block, unsigned int u, float *q, float *scale,
+                                                 float *add) {
+        scale[0] = scale[1] = load_f16(block);
+        add[0] = add[1] = 0.f;
         unsigned int r[5];  // qh, then the four words of nibbles
         load_words<5, false>(block + QH, r);
-        unsigned int q[8];
+        unsigned int w[8];
 #pragma unroll
         for (int i = 0; i < 4; i++) {
-            q[i] = low_nibbles(r[1 + i]) | spread_bits(r[0], 4 * i, 4);
-            q[4 + i] = high_nibbles(r[1 + i]) | spread_bits(r[0], 16 + 4 * i, 4);
+            w[i] = low_nibbles(r[1 + i]) | spread_bits(r[0], 4 * i, 4);
+            w[4 + i] = high_nibbles(r[1 + i]) | spread_bits(r[0], 16 + 4 * i, 4);
         }
-        scale_words<false>(q, 16.f, d, 0.f, w);
+        words_to_floats(w, 16.f, q);
     }
 };
 

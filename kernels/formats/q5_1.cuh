@@ -8,6 +8,7 @@ namespace he {
 struct FormatQ5_1 {
     static constexpr int ID = HE_DTYPE_Q5_1;
     static constexpr unsigned BLOCK_VALUES = 32, BLOCK_BYTES = 24, UNITS = 1;
+    static constexpr bool HAS_MIN = true;
     static constexpr unsigned M = 2, QH = 4, QS = 8;
 
     static __device__ __forceinline__ float value(const unsigned char *row, unsigned int v) {
@@ -17,18 +18,19 @@ struct FormatQ5_1 {
         const float q = (float)((j < 16 ? byte & 0xFu : byte >> 4) | (high << 4));
         return __fadd_rn(__fmul_rn(q, f16_bits_to_f32(u16_le(block))), f16_bits_to_f32(u16_le(block + M)));
     }
-    template <bool EXACT = false>
-    static __device__ __forceinline__ void unit(const unsigned char *block, unsigned int, float *w) {
-        const float d = load_f16(block), m = load_f16(block + M);
+    static __device__ __forceinline__ void parts(const unsigned char *block, unsigned int u, float *q, float *scale,
+                                                 float *add) {
+        scale[0] = scale[1] = load_f16(block);
+        add[0] = add[1] = load_f16(block + M);
         unsigned int r[5];  // qh, then the four words of nibbles
         load_words<5, true>(block + QH, r);
-        unsigned int q[8];
+        unsigned int w[8];
 #pragma unroll
         for (int i = 0; i < 4; i++) {
-            q[i] = low_nibbles(r[1 + i]) | spread_bits(r[0], 4 * i, 4);
-            q[4 + i] = high_nibbles(r[1 + i]) | spread_bits(r[0], 16 + 4 * i, 4);
+            w[i] = low_nibbles(r[1 + i]) | spread_bits(r[0], 4 * i, 4);
+            w[4 + i] = high_nibbles(r[1 + i]) | spread_bits(r[0], 16 + 4 * i, 4);
         }
-        scale_words<true, EXACT>(q, 0.f, d, m, w);
+        words_to_floats(w, 0.f, q);
     }
 };
 

@@ -10,6 +10,7 @@ namespace he {
 struct FormatQ6_K {
     static constexpr int ID = HE_DTYPE_Q6_K;
     static constexpr unsigned BLOCK_VALUES = 256, BLOCK_BYTES = 210, UNITS = 8;
+    static constexpr bool HAS_MIN = false;
     static constexpr unsigned QL = 0, QH = 128, SCALES = 192, D = 208;
 
     static __device__ __forceinline__ float value(const unsigned char *row, unsigned int v) {
@@ -20,23 +21,20 @@ struct FormatQ6_K {
         const float scale = (float)(signed char)block[SCALES + 8 * n + 2 * k + l / 16];
         return __fmul_rn(__fmul_rn(f16_bits_to_f32(u16_le(block + D)), scale), (float)((int)q - 32));
     }
-    template <bool EXACT = false>
-    static __device__ __forceinline__ void unit(const unsigned char *block, unsigned int u, float *w) {
+    static __device__ __forceinline__ void parts(const unsigned char *block, unsigned int u, float *q, float *scale,
+                                                 float *add) {
         const float d = load_f16(block + D);
         const unsigned int n = u / 4, k = u % 4;
+        scale[0] = d * (float)(signed char)block[SCALES + 8 * n + 2 * k];
+        scale[1] = d * (float)(signed char)block[SCALES + 8 * n + 2 * k + 1];
+        add[0] = add[1] = 0.f;
         unsigned int ql[8], qh[8];
         load_words<8, false>(block + QL + 64 * n + 32 * (k % 2), ql);
         load_words<8, false>(block + QH + 32 * n, qh);
-        unsigned int q[8];
 #pragma unroll
         for (int i = 0; i < 8; i++)
-            q[i] = (k < 2 ? low_nibbles(ql[i]) : high_nibbles(ql[i])) | (((qh[i] >> (2 * k)) & 0x03030303u) << 4);
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-            const float dl = d * (float)(signed char)block[SCALES + 8 * n + 2 * k + h];
-            const unsigned int half[4] = {q[4 * h], q[4 * h + 1], q[4 * h + 2], q[4 * h + 3]};
-            scale_words<false>(half, 32.f, dl, 0.f, w + 16 * h);
-        }
+            ql[i] = (k < 2 ? low_nibbles(ql[i]) : high_nibbles(ql[i])) | (((qh[i] >> (2 * k)) & 0x03030303u) << 4);
+        words_to_floats(ql, 32.f, q);
     }
 };
 

@@ -15,6 +15,7 @@ struct FormatQ8_0 {
     static constexpr int ID = HE_DTYPE_Q8_0;
     static constexpr unsigned BLOCK_VALUES = sizeof(BlockQ8_0::quants), BLOCK_BYTES = sizeof(BlockQ8_0);
     static constexpr unsigned QUANTS = offsetof(BlockQ8_0, quants), UNITS = 1;
+    static constexpr bool HAS_MIN = false;
 
     static __device__ __forceinline__ float value(const unsigned char *row, unsigned int v) {
         const unsigned char *block = row + (size_t)(v / BLOCK_VALUES) * BLOCK_BYTES;
@@ -22,14 +23,16 @@ struct FormatQ8_0 {
         return __fmul_rn(f16_bits_to_f32(u16_le(block)), (float)(signed char)block[QUANTS + v % BLOCK_VALUES]);
     }
     // The whole block is the unit; bytes biased by 128 so the exact-float trick applies to signed values.
-    template <bool EXACT = false>
-    static __device__ __forceinline__ void unit(const unsigned char *block, unsigned int, float *w) {
-        const float d = load_f16(block);
-        unsigned int q[8];
-        load_words<8, false>(block + QUANTS, q);
+    // The whole block is the unit; bytes biased by 128 so the exact-float trick applies to signed values.
+    static __device__ __forceinline__ void parts(const unsigned char *block, unsigned int u, float *q, float *scale,
+                                                 float *add) {
+        scale[0] = scale[1] = load_f16(block);
+        add[0] = add[1] = 0.f;
+        unsigned int w[8];
+        load_words<8, false>(block + QUANTS, w);
 #pragma unroll
-        for (int i = 0; i < 8; i++) q[i] ^= 0x80808080u;
-        scale_words<false>(q, 128.f, d, 0.f, w);
+        for (int i = 0; i < 8; i++) w[i] ^= 0x80808080u;
+        words_to_floats(w, 128.f, q);
     }
 };
 
