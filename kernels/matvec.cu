@@ -367,10 +367,28 @@ struct Batch1<Staged<F>> {
     static bool fits(unsigned int cols) { return !F::HAS_MIN || cols / 16 <= MV_XSUM_GROUPS; }
 };
 
+// Warps per row for kernel K: the staged kernel gives a row no more warps than it has stretches.
+template <typename K>
+struct SplitOf {
+    template <int T, bool GLU>
+    static unsigned int of(unsigned int split, unsigned int) { return split; }
+};
+template <typename F>
+struct SplitOf<Staged<F>> {
+    template <int T, bool GLU>
+    static unsigned int of(unsigned int split, unsigned int cols) {
+        using S = Staging<F, GLU, T == 1 && F::HAS_MIN>;
+        const unsigned int stretches = (cols / F::BLOCK_VALUES + S::STRETCH_BLOCKS - 1) / S::STRETCH_BLOCKS;
+        while (split > 1 && split > stretches) split /= 2;
+        return split;
+    }
+};
+
 template <typename K, int T, bool GLU>
 void launch_tile(const unsigned char *w, const unsigned char *w2, unsigned int rows, unsigned int cols,
                  unsigned int split, const float *x, unsigned int nt, const float *bias, const float *residual,
                  float *y, unsigned int ldy, cudaStream_t stream) {
+    split = SplitOf<K>::template of<T, GLU>(split, cols);
     const unsigned int per_block = MV_WARPS / split;
     const unsigned int grid = (rows + per_block - 1) / per_block;
     KernelOf<K>::template get<T, GLU>()<<<grid, MV_THREADS, 0, stream>>>(w, w2, rows, cols, split, x, nt, bias,
