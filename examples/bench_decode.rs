@@ -8,15 +8,15 @@
 //!
 //! Prints one table per part; HOSTEMBED_CUDA_GRAPHS=0 runs the decode without CUDA graphs. The matvec
 //! table's GB/s counts the bytes of the stored blocks read per second. `--dtype q4_k_m` is llama.cpp's
-//! Q4_K_M recipe: Q4_K, with Q6_K for the head and attn_v / ffn_down of every other layer. For the block
-//! formats the decode model's matrices repeat 64 encoded random rows (the reference encoders are too
-//! slow for 8B values, and the bytes read per token are the same).
+//! Q4_K_M mix (`Recipe::Q4KM`: Q4_K, with Q6_K for the head and for attn_v / ffn_down of about half the
+//! layers). For the block formats the decode model's matrices repeat 64 encoded random rows (the
+//! reference encoders are too slow for 8B values, and the bytes read per token are the same).
 
 use std::os::raw::{c_int, c_uint};
 use std::ptr;
 use std::time::Instant;
 
-use hostembed::checkpoint::write::MemSource;
+use hostembed::checkpoint::write::{MemSource, Recipe};
 use hostembed::cuda::{self, DeviceBuffer, Event, Stream};
 use hostembed::cudart as rt;
 use hostembed::gpu::{GpuModel, RowsOnDevice};
@@ -257,25 +257,19 @@ fn bench_kernels(stream: &Stream, peak: f64) {
 }
 
 /// The decode run's model: the synthetic model in a float format, or for the block formats the BF16
-/// synthetic model with every matrix replaced by 64 encoded random rows repeated (Q4_K_M: Q6_K for the
-/// head and for attn_v / ffn_down of every other layer).
+/// synthetic model with every matrix replaced by 64 encoded random rows repeated (formats by `Recipe`).
 fn bench_model(args: &Args) -> MemSource {
     let cfg = &args.cfg;
     if args.dtype.format().block_values == 1 {
         return MemSource::synthetic(cfg, 1, args.dtype);
     }
     let mut src = MemSource::synthetic(cfg, 1, DType::Bf16);
-    let more_bits: Vec<String> =
-        (0..cfg.layers).step_by(2).flat_map(|i| [names::layer(i, names::V), names::layer(i, names::DOWN)]).collect();
     for (k, t) in src.tensors.values_mut().enumerate() {
         if t.shape.len() != 2 {
             continue;
         }
-        let dtype = if args.q4_k_m && (t.name == names::LM_HEAD || more_bits.contains(&t.name)) {
-            DType::Q6_K
-        } else {
-            args.dtype
-        };
+        let recipe = if args.q4_k_m { Recipe::Q4KM } else { Recipe::Uniform(args.dtype) };
+        let dtype = recipe.dtype(cfg, &t.name, &t.shape);
         let (rows, cols) = (t.shape[0], t.shape[1]);
         if dtype.row_bytes(cols).is_none() {
             continue; // stays BF16, as a converter keeps rows that are not whole blocks

@@ -13,7 +13,7 @@
 use std::collections::HashMap;
 use std::time::Instant;
 
-use hostembed::checkpoint::write::MemSource;
+use hostembed::checkpoint::write::{MemSource, Recipe};
 use hostembed::cuda::{self, DeviceBuffer, PinnedBuffer};
 use hostembed::gpu::{GpuModel, RowsOnDevice};
 use hostembed::model::{Arch, ModelConfig, RopeScaling, TensorSource, names};
@@ -141,19 +141,16 @@ fn build(cfg: &ModelConfig, dtype: DType) -> MemSource {
 }
 
 /// The Q4_K_M mix of the model: the BF16 synthetic model with every matrix replaced by 64 encoded random
-/// rows repeated, in Q6_K for the head and attn_v / ffn_down of every other layer, Q4_K elsewhere.
+/// rows repeated, each in the format `Recipe::Q4KM` gives it.
 fn build_q4_k_m(cfg: &ModelConfig) -> MemSource {
     let t = Instant::now();
     let mut src = MemSource::synthetic(cfg, 1, DType::Bf16);
-    let more_bits: Vec<String> =
-        (0..cfg.layers).step_by(2).flat_map(|i| [names::layer(i, names::V), names::layer(i, names::DOWN)]).collect();
     let mut state = 0x5eed_u64;
     for tensor in src.tensors.values_mut() {
         if tensor.shape.len() != 2 {
             continue;
         }
-        let q6 = tensor.name == names::LM_HEAD || more_bits.contains(&tensor.name);
-        let dtype = if q6 { DType::Q6_K } else { DType::Q4_K };
+        let dtype = Recipe::Q4KM.dtype(cfg, &tensor.name, &tensor.shape);
         let (rows, cols) = (tensor.shape[0], tensor.shape[1]);
         let Some(row_bytes) = dtype.row_bytes(cols) else { continue };
         let mut sample = Vec::new();

@@ -1,12 +1,13 @@
 //! Writes the tiny demo model: the same random weights as an HF folder (OUT_DIR/tiny: config.json,
-//! model.safetensors, tokenizer.json) and as GGUF (OUT_DIR/tiny.gguf in BF16, OUT_DIR/tiny-q8_0.gguf),
-//! with the repo's byte-level BPE tokenizer. Deterministic: the same command writes the same bytes.
+//! model.safetensors, tokenizer.json) and as GGUF (OUT_DIR/tiny.gguf in BF16, OUT_DIR/tiny-q8_0.gguf,
+//! and OUT_DIR/tiny-q4_k_m.gguf in llama.cpp's Q4_K_M mix of Q4_K and Q6_K), with the repo's byte-level
+//! BPE tokenizer. Deterministic: the same command writes the same bytes.
 //!
 //! cargo run --release --example gen_tiny -- [OUT_DIR (default models)] [--retrain-tokenizer]
 //!
 //! --retrain-tokenizer trains assets/tokenizer.json again from assets/hostembed.txt before writing.
 
-use hostembed::checkpoint::write::{synthetic_weights, write_gguf, write_hf_folder};
+use hostembed::checkpoint::write::{Recipe, synthetic_weights, write_gguf, write_hf_folder};
 use hostembed::model::{Arch, ModelConfig, RopeScaling};
 use hostembed::tensor::DType;
 use hostembed::tokenizer::{self, Tokenizer};
@@ -17,17 +18,18 @@ const TOKENIZER_VOCAB: usize = 512;
 /// The weights' seed; changing it changes every file written.
 const SEED: u64 = 0x686f_7374_656d_6264;
 
-/// A two-layer Llama with grouped-query attention and an untied head, sized for the tokenizer.
+/// A two-layer Llama with grouped-query attention and an untied head, sized for the tokenizer. Every
+/// matrix row is a multiple of 256 values, so the k-quants' super-blocks fit it.
 fn tiny_config(vocab: usize, bos: u32, eos: u32) -> ModelConfig {
     ModelConfig {
         arch: Arch::Llama,
         vocab,
-        hidden: 64,
+        hidden: 256,
         layers: 2,
         heads: 4,
         kv_heads: 2,
-        head_dim: 16,
-        intermediate: 128,
+        head_dim: 64,
+        intermediate: 512,
         rms_eps: 1e-5,
         rope_theta: 10000.0,
         rope_scaling: RopeScaling::None,
@@ -64,6 +66,10 @@ fn write_models(out_dir: &Path, tokenizer_json: &Path, tokenizer: &Tokenizer) ->
     let q8 = out_dir.join("tiny-q8_0.gguf");
     write_gguf(&q8, &cfg, &synthetic_weights(&cfg, SEED, DType::Q8_0), &tokenizer_kv)?;
     println!("wrote {}", q8.display());
+
+    let q4_k_m = out_dir.join("tiny-q4_k_m.gguf");
+    write_gguf(&q4_k_m, &cfg, &synthetic_weights(&cfg, SEED, Recipe::Q4KM), &tokenizer_kv)?;
+    println!("wrote {}", q4_k_m.display());
     Ok(())
 }
 

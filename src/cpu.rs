@@ -2,8 +2,8 @@
 //! so that long prompts stay cheap to check against.
 //!
 //! Every GPU kernel is tested against the ops here, and CI decodes with `CpuModel`. Weights stay in
-//! their stored format (F32/F16/BF16/Q8_0) and are decoded as they are read. Dot products accumulate in
-//! f64 so the oracle's own rounding stays far below any kernel's.
+//! their stored format (any of `tensor::FORMATS`) and are decoded as they are read. Dot products
+//! accumulate in f64 so the oracle's own rounding stays far below any kernel's.
 //!
 //! A step of n tokens runs through the layers as a batch, in chunks of at most `CHUNK_TOKENS` so that
 //! its scratch does not grow with the prompt. Each matrix product decodes a weight row once per chunk

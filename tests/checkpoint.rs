@@ -18,7 +18,7 @@ use hostembed::checkpoint::write::{
 };
 use hostembed::checkpoint::{Checkpoint, Format, ROPE_FREQS, TokenizerSource, expected_tensors, llama3_rope_factors};
 use hostembed::model::{Arch, ModelConfig, RopeScaling, TensorSource, names};
-use hostembed::tensor::DType;
+use hostembed::tensor::{DType, FORMATS};
 
 // ---------------------------------------------------------------------------------------------
 // Helpers.
@@ -481,7 +481,7 @@ fn gguf_round_trip_every_arch_and_dtype() {
     let mut rng = Rng::fresh("gguf_round_trip_every_arch_and_dtype");
     let dir = Scratch::new("gguf-round-trip");
     for cfg in all_cfgs() {
-        for dtype in [DType::F32, DType::F16, DType::Bf16, DType::Q8_0] {
+        for dtype in FORMATS.iter().map(|f| f.dtype) {
             let path = dir.join(&format!("{:?}-{}.gguf", cfg.arch, dtype.name()));
             let written = write_small_gguf(&path, &cfg, rng.next_u64(), dtype);
             let ckpt = Checkpoint::open(&path).unwrap();
@@ -505,6 +505,87 @@ fn gguf_round_trip_every_arch_and_dtype() {
             }
         }
     }
+}
+
+/// A Llama whose rows are all whole k-quant super-blocks (256 values).
+fn llama_256() -> ModelConfig {
+    ModelConfig { hidden: 256, heads: 4, kv_heads: 2, head_dim: 64, intermediate: 512, vocab: 300, ..llama_cfg() }
+}
+
+/// Every quantized format through a GGUF file and back on rows of whole super-blocks, with no
+/// fallback; the stored values decode as the writer's blocks do.
+#[test]
+fn gguf_round_trip_quantized_formats_on_super_block_rows() {
+    let dir = Scratch::new("gguf-round-trip-quantized");
+    let cfg = llama_256();
+    for f in FORMATS.iter().filter(|f| f.block_values > 1) {
+        let path = dir.join(&format!("{}.gguf", f.name));
+        let written = write_small_gguf(&path, &cfg, 11, f.dtype);
+        let ckpt = Checkpoint::open(&path).unwrap();
+        assert_gguf_holds(&ckpt, &cfg, &written);
+        let matrices: Vec<_> = written.iter().filter(|t| t.shape.len() == 2).collect();
+        assert!(matrices.iter().all(|t| t.dtype == f.dtype), "{}: a matrix fell back", f.name);
+        let embed = ckpt.tensor(names::EMBED).unwrap();
+        assert_eq!(embed.dtype, f.dtype);
+        assert_eq!(embed.bytes.len(), cfg.vocab * 256 / f.block_values * f.block_bytes, "{}", f.name);
+        let values = embed.to_f32();
+        let max = values.iter().fold(0f32, |m, v| m.max(v.abs()));
+        // Values in [-1, 1), within the coarsest format's rounding (Q2_K's 4-bit scales reach past 1).
+        assert!(values.iter().all(|v| v.is_finite()) && max > 0.5 && max < 1.5, "{}: max {max}", f.name);
+    }
+}
+
+/// llama.cpp's Q4_K_M mix: Q6_K for the head and for attn_v / ffn_down of the layers that get more
+/// bits, Q4_K elsewhere, F32 vectors; rows that are not whole super-blocks fall back as llama.cpp does.
+#[test]
+fn q4_k_m_recipe_picks_llama_cpp_formats() {
+    let cfg = ModelConfig { layers: 16, ..llama_256() };
+    let weights = synthetic_weights(&cfg, 3, write::Recipe::Q4KM);
+    let dtype = |name: &str| weights.iter().find(|t| t.name == name).unwrap_or_else(|| panic!("{name}")).dtype;
+    assert_eq!(dtype(names::LM_HEAD), DType::Q6_K);
+    assert_eq!(dtype(names::EMBED), DType::Q4_K);
+    assert_eq!(dtype(&names::layer(3, names::ATTN_NORM)), DType::F32);
+    // 16 layers: the first 2 and last 2, and layers 2 + 3k + 2 between, get Q6_K.
+    let more_bits = [0, 1, 4, 7, 10, 13, 14, 15];
+    for i in 0..16 {
+        let want = if more_bits.contains(&i) { DType::Q6_K } else { DType::Q4_K };
+        assert_eq!(dtype(&names::layer(i, names::V)), want, "layer {i} v");
+        assert_eq!(dtype(&names::layer(i, names::DOWN)), want, "layer {i} down");
+        for part in [names::Q, names::K, names::O, names::GATE, names::UP] {
+            assert_eq!(dtype(&names::layer(i, part)), DType::Q4_K, "layer {i} {part}");
+        }
+    }
+    assert_eq!(write::Recipe::from_name("q4_k_m"), Some(write::Recipe::Q4KM));
+    assert_eq!(write::Recipe::from_name("Q6_K"), Some(write::Recipe::Uniform(DType::Q6_K)));
+    assert_eq!(write::Recipe::from_name("Q4_K_S"), None);
+    let tied = ModelConfig { tied: true, ..cfg.clone() };
+    let tied_weights = synthetic_weights(&tied, 3, write::Recipe::Q4KM);
+    assert_eq!(tied_weights.iter().find(|t| t.name == names::EMBED).unwrap().dtype, DType::Q6_K);
+    // 64-value rows: Q4_K falls back to Q5_0 and Q6_K to Q8_0.
+    let small = synthetic_weights(&llama_cfg(), 3, write::Recipe::Q4KM);
+    assert_eq!(small.iter().find(|t| t.name == names::LM_HEAD).unwrap().dtype, DType::Q8_0);
+    assert_eq!(small.iter().find(|t| t.name == names::EMBED).unwrap().dtype, DType::Q5_0);
+    let dir = Scratch::new("q4_k_m");
+    let path = dir.join("m.gguf");
+    write_gguf(&path, &cfg, &weights, &[]).unwrap();
+    assert_gguf_holds(&Checkpoint::open(&path).unwrap(), &cfg, &weights);
+}
+
+/// A quantized tensor cut short at the end of the file names the tensor.
+#[test]
+fn gguf_truncated_quantized_rows() {
+    let dir = Scratch::new("gguf-truncated-quantized");
+    let path = dir.join("cut.gguf");
+    let cfg = llama_256();
+    write_small_gguf(&path, &cfg, 1, DType::Q4_K);
+    let bytes = std::fs::read(&path).unwrap();
+    let g = gguf::parse(&bytes, "cut.gguf").unwrap();
+    // The last quantized tensor; only rope_freqs.weight, which the reader checks after it, follows.
+    let last = g.tensors.iter().filter(|t| t.dtype == DType::Q4_K).max_by_key(|t| t.start).unwrap();
+    // Half a super-block short.
+    std::fs::write(&path, &bytes[..last.start + last.bytes - 72]).unwrap();
+    let name = last.name.clone();
+    assert_refused(Checkpoint::open(&path), Status::BadModel, &["cut.gguf", &name, "run past the end of the file"]);
 }
 
 /// The file as llama.cpp's gguf reader sees it: v3, 32-byte alignment, every tensor aligned, names and
@@ -755,7 +836,7 @@ fn gguf_tensor_info_corruptions_name_the_tensor() {
     let dir = Scratch::new("gguf-tensors");
     let cfg = llama_cfg();
     type Edit = fn(&mut Vec<u8>);
-    let cases: [(&str, DType, Edit, Status, &[&str]); 7] = [
+    let cases: [(&str, DType, Edit, Status, &[&str]); 8] = [
         (
             "misaligned",
             DType::F16,
@@ -808,7 +889,7 @@ fn gguf_tensor_info_corruptions_name_the_tensor() {
                 put_u64(b, dim0, 48);
             },
             Status::BadModel,
-            &["blk.0.attn_q.weight", "Q8_0", "not a whole number of rows"],
+            &["blk.0.attn_q.weight", "rows of 48 values", "not a whole number of Q8_0 blocks"],
         ),
         (
             "unknown-type",
@@ -821,14 +902,25 @@ fn gguf_tensor_info_corruptions_name_the_tensor() {
             &["blk.1.ffn_up.weight", "unknown type 99"],
         ),
         (
-            "q4_k",
+            // 64 values a row: a quarter of a Q4_K super-block.
+            "partial-q4_k-block",
             DType::F16,
             |b| {
                 let (.., ty, _) = tensor_fields(b, "blk.1.ffn_up.weight");
                 put_u32(b, ty, 12);
             },
+            Status::BadModel,
+            &["blk.1.ffn_up.weight", "rows of 64 values", "Q4_K blocks (256 values)"],
+        ),
+        (
+            "iq2_xs",
+            DType::F16,
+            |b| {
+                let (.., ty, _) = tensor_fields(b, "blk.1.ffn_up.weight");
+                put_u32(b, ty, 17);
+            },
             Status::Unsupported,
-            &["blk.1.ffn_up.weight", "Q4_K"],
+            &["blk.1.ffn_up.weight", "type IQ2_XS", "supported: F32, F16, BF16, Q8_0, Q4_0"],
         ),
     ];
     for (name, dtype, edit, status, needles) in cases {

@@ -81,6 +81,7 @@ fn write_formats(dir: &Path, gguf: &[DType]) -> Vec<Format> {
             DType::Q8_0 => "GGUF Q8_0",
             DType::Bf16 => "GGUF BF16",
             DType::F32 => "GGUF F32",
+            other => panic!("write_formats: no label for {}", other.name()),
         };
         assert_eq!(Checkpoint::open(&path).unwrap().embed().dtype, dtype, "{label}: the rows' format");
         out.push(Format { label, path });

@@ -7,7 +7,7 @@ use common::{rel_l2, top_two_gap};
 
 use common::{Rng, gpu_present};
 use hostembed::Status;
-use hostembed::checkpoint::write::{MemSource, OwnedTensor};
+use hostembed::checkpoint::write::{MemSource, Recipe};
 use hostembed::cpu::CpuModel;
 use hostembed::cuda::{DeviceBuffer, PinnedBuffer};
 use hostembed::gpu::{GpuModel, RowsOnDevice};
@@ -17,22 +17,6 @@ use hostembed::tensor::DType;
 
 fn model(cfg: ModelConfig, dtype: DType, seed: u64) -> MemSource {
     MemSource::synthetic(&cfg, seed, dtype)
-}
-
-/// The synthetic model in llama.cpp's Q4_K_M recipe: Q4_K matrices, Q6_K for the output head and for
-/// attn_v and ffn_down in every other layer (the recipe's "more bits" half), norms in F32.
-fn q4_k_m(cfg: ModelConfig, seed: u64) -> MemSource {
-    let mut src = MemSource::synthetic(&cfg, seed, DType::F32);
-    let more_bits: Vec<String> =
-        (0..cfg.layers).step_by(2).flat_map(|i| [names::layer(i, names::V), names::layer(i, names::DOWN)]).collect();
-    for t in src.tensors.values_mut() {
-        if t.shape.len() != 2 {
-            continue;
-        }
-        let dtype = if t.name == names::LM_HEAD || more_bits.contains(&t.name) { DType::Q6_K } else { DType::Q4_K };
-        *t = OwnedTensor::from_f32(&t.name, dtype, &t.shape, &t.to_f32()).unwrap();
-    }
-    src
 }
 
 fn base(arch: Arch) -> ModelConfig {
@@ -128,7 +112,7 @@ fn gpu_logits_match_cpu_at_every_position() {
     cases.push(("llama Q4_K_M", llama.clone(), DType::Q4_K));
     for (name, cfg, dtype) in cases {
         let src = if name.ends_with("Q4_K_M") {
-            q4_k_m(cfg.clone(), rng.next_u64())
+            MemSource::synthetic(&cfg, rng.next_u64(), Recipe::Q4KM)
         } else {
             model(cfg.clone(), dtype, rng.next_u64())
         };

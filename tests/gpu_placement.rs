@@ -49,7 +49,7 @@ fn config(vocab: usize, hidden: usize) -> ModelConfig {
     }
 }
 
-/// Writes safetensors for F32/BF16 rows and GGUF for F16 and the block formats; returns the path to open.
+/// Writes safetensors for F32/BF16 rows and GGUF for the other formats; returns the path to open.
 fn write_model(dir: &Path, cfg: &ModelConfig, dtype: DType, seed: u64) -> PathBuf {
     match dtype {
         DType::F32 | DType::Bf16 => {
@@ -57,17 +57,7 @@ fn write_model(dir: &Path, cfg: &ModelConfig, dtype: DType, seed: u64) -> PathBu
             write_synthetic_hf(&p, cfg, seed, dtype).unwrap();
             p
         }
-        DType::F16
-        | DType::Q8_0
-        | DType::Q4_0
-        | DType::Q4_1
-        | DType::Q5_0
-        | DType::Q5_1
-        | DType::Q2_K
-        | DType::Q3_K
-        | DType::Q4_K
-        | DType::Q5_K
-        | DType::Q6_K => {
+        _ => {
             let p = dir.join(format!("m-{}-{}x{}.gguf", dtype.name(), cfg.vocab, cfg.hidden));
             write_synthetic_gguf(&p, cfg, seed, dtype).unwrap();
             p

@@ -16,7 +16,7 @@ use hostembed::gpu::GpuModel;
 use hostembed::model::{Arch, ModelConfig, RopeScaling};
 use hostembed::placement::{engine_memory, engine_rows};
 use hostembed::status::last_error;
-use hostembed::tensor::{DType, decode_row};
+use hostembed::tensor::{DType, FORMATS, decode_row};
 use hostembed::{Status, cuda};
 use std::ffi::{CStr, c_char, c_void};
 use std::path::{Path, PathBuf};
@@ -222,8 +222,10 @@ fn cpu_backend_reads_rows_from_the_mapping() {
     let _g = serial();
     let mut rng = Rng::fresh("cpu_backend_reads_rows_from_the_mapping");
     let dir = Scratch::new("cpu");
-    for dtype in [DType::Bf16, DType::F16, DType::Q8_0, DType::F32] {
-        let cfg = config(200 + rng.below(100) as usize, 64, false);
+    for dtype in FORMATS.iter().map(|f| f.dtype) {
+        // Rows of whole blocks: one k-quant super-block, or two Q8_0 blocks.
+        let hidden = if dtype.format().block_values > 32 { 256 } else { 64 };
+        let cfg = config(200 + rng.below(100) as usize, hidden, false);
         let path = if dtype == DType::Bf16 || dtype == DType::F32 {
             let p = dir.0.join(format!("hf-{}", dtype.name()));
             write_synthetic_hf(&p, &cfg, rng.next_u64(), dtype).unwrap();

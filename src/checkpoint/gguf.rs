@@ -28,10 +28,10 @@ pub const KEY_LLAMA3_ORIGINAL: &str = "hostembed.rope.llama3.original_context_le
 
 /// Names of the ggml types a file may hold, for messages about the ones this crate does not read.
 fn ggml_type_name(ggml_type: u32) -> Option<&'static str> {
-    const NAMES: [&str; 40] = [
+    const NAMES: [&str; 42] = [
         "F32", "F16", "Q4_0", "Q4_1", "", "", "Q5_0", "Q5_1", "Q8_0", "Q8_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
         "Q8_K", "IQ2_XXS", "IQ2_XS", "IQ3_XXS", "IQ1_S", "IQ4_NL", "IQ3_S", "IQ2_S", "IQ4_XS", "I8", "I16", "I32",
-        "I64", "F64", "IQ1_M", "BF16", "", "", "", "TQ1_0", "TQ2_0", "", "", "", "MXFP4",
+        "I64", "F64", "IQ1_M", "BF16", "", "", "", "TQ1_0", "TQ2_0", "", "", "", "MXFP4", "NVFP4", "Q1_0",
     ];
     NAMES.get(ggml_type as usize).copied().filter(|n| !n.is_empty())
 }
@@ -496,6 +496,16 @@ fn tensor_extent(
         bail!(BadModel, "{file}: tensor {name} has an empty dimension {dims:?}");
     }
     let cols = usize::try_from(dims[0]).ok();
+    let block = dtype.format().block_values;
+    if let Some(c) = cols
+        && !c.is_multiple_of(block)
+    {
+        bail!(
+            BadModel,
+            "{file}: tensor {name}: rows of {c} values are not a whole number of {} blocks ({block} values)",
+            dtype.name()
+        );
+    }
     let rows = dims[1..].iter().try_fold(1usize, |acc, &d| acc.checked_mul(usize::try_from(d).ok()?));
     let row_bytes = cols.and_then(|c| dtype.row_bytes(c));
     let Some(bytes) = rows.zip(row_bytes).and_then(|(r, rb)| r.checked_mul(rb)) else {

@@ -72,7 +72,7 @@ impl OwnedTensor {
     }
 }
 
-/// Bytes of a tensor of `shape` in `dtype`; None when its rows are not whole Q8_0 blocks.
+/// Bytes of a tensor of `shape` in `dtype`; None when its rows are not whole blocks of it.
 pub fn stored_bytes(dtype: DType, shape: &[usize]) -> Option<usize> {
     dtype.row_bytes(shape_cols(shape))?.checked_mul(shape_rows(shape))
 }
@@ -137,15 +137,81 @@ pub fn synthetic_element(name: &str, shape: &[usize], seed: u64, i: usize) -> f3
 }
 
 /// The format a synthetic tensor is stored in: F32 for norms and biases, else `matrix_dtype`, except
-/// Q8_0 for rows that are not whole Q8_0 blocks, which fall back to F16 as llama.cpp's converter does.
+/// where its rows are not whole blocks of it: then llama.cpp's fallback (Q2_K/Q3_K to Q4_0, Q4_K to
+/// Q5_0, Q5_K to Q5_1, Q6_K to Q8_0), and F16 where those do not fit either, as llama.cpp does.
 pub fn synthetic_dtype(name: &str, shape: &[usize], matrix_dtype: DType) -> DType {
-    if Synthetic::new(name, shape, 0).is_vector() {
-        DType::F32
-    } else if stored_bytes(matrix_dtype, shape).is_none() {
-        DType::F16
-    } else {
-        matrix_dtype
+    if Synthetic::new(name, shape, 0).is_vector() { DType::F32 } else { fitting(shape, matrix_dtype) }
+}
+
+/// `dtype`, or what llama.cpp falls back to when `shape`'s rows are not whole blocks of it.
+fn fitting(shape: &[usize], dtype: DType) -> DType {
+    let fallback = match dtype {
+        DType::Q2_K | DType::Q3_K => DType::Q4_0,
+        DType::Q4_K => DType::Q5_0,
+        DType::Q5_K => DType::Q5_1,
+        DType::Q6_K => DType::Q8_0,
+        _ => DType::F16,
+    };
+    [dtype, fallback, DType::F16].into_iter().find(|d| stored_bytes(*d, shape).is_some()).unwrap_or(DType::F32)
+}
+
+/// Which format each matrix of a synthetic model is stored in (norms and biases are always F32).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Recipe {
+    /// Every matrix in one format (see `synthetic_dtype` for rows that are not whole blocks).
+    Uniform(DType),
+    /// llama.cpp's Q4_K_M mix: Q4_K, with Q6_K for the output head (the embedding when the head is tied)
+    /// and for the `attn_v` and `ffn_down` matrices of the layers llama.cpp gives more bits (the first
+    /// and last eighth of the layers and every third between: about half).
+    Q4KM,
+}
+
+impl From<DType> for Recipe {
+    fn from(dtype: DType) -> Recipe {
+        Recipe::Uniform(dtype)
     }
+}
+
+impl Recipe {
+    /// The format of tensor `name` (canonical) of shape `shape` in a model of `cfg`.
+    pub fn dtype(self, cfg: &ModelConfig, name: &str, shape: &[usize]) -> DType {
+        let matrix = match self {
+            Recipe::Uniform(dtype) => dtype,
+            Recipe::Q4KM => q4_k_m_dtype(cfg, name),
+        };
+        synthetic_dtype(name, shape, matrix)
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Recipe::Uniform(dtype) => dtype.name(),
+            Recipe::Q4KM => "Q4_K_M",
+        }
+    }
+
+    /// "Q4_K_M", or a format's name for every matrix in it ("q8_0", "Q6_K", "bf16"), in any case.
+    pub fn from_name(name: &str) -> Option<Recipe> {
+        if name.eq_ignore_ascii_case("Q4_K_M") {
+            Some(Recipe::Q4KM)
+        } else {
+            DType::from_name(name).map(Recipe::Uniform)
+        }
+    }
+}
+
+/// llama.cpp's choice for a Q4_K_M matrix (before its fallback for rows that are not whole blocks).
+fn q4_k_m_dtype(cfg: &ModelConfig, name: &str) -> DType {
+    let head = if cfg.tied { names::EMBED } else { names::LM_HEAD };
+    if name == head {
+        return DType::Q6_K;
+    }
+    let layer_part = name.strip_prefix("model.layers.").and_then(|rest| rest.split_once('.'));
+    let Some((layer, part)) = layer_part.and_then(|(i, part)| Some((i.parse::<i64>().ok()?, part))) else {
+        return DType::Q4_K;
+    };
+    let n = cfg.layers as i64;
+    let more_bits = layer < n / 8 || layer >= 7 * n / 8 || (layer - n / 8) % 3 == 2;
+    if (part == names::V || part == names::DOWN) && more_bits { DType::Q6_K } else { DType::Q4_K }
 }
 
 /// Generates one synthetic tensor's bytes in `dtype` (which `synthetic_dtype` chose), across cores.
@@ -183,12 +249,14 @@ fn synthetic_bytes(name: &str, shape: &[usize], dtype: DType, seed: u64) -> Vec<
 }
 
 /// Every tensor the architecture reads (embedding, layers, final norm, the head unless tied), filled by
-/// the synthetic formula; matrices in `matrix_dtype` (see `synthetic_dtype`), norms and biases in F32.
-pub fn synthetic_weights(cfg: &ModelConfig, seed: u64, matrix_dtype: DType) -> Vec<OwnedTensor> {
+/// the synthetic formula; matrices in the formats `recipe` picks (a `DType` for all of them, or a mix),
+/// norms and biases in F32.
+pub fn synthetic_weights(cfg: &ModelConfig, seed: u64, recipe: impl Into<Recipe>) -> Vec<OwnedTensor> {
+    let recipe = recipe.into();
     expected_tensors(cfg)
         .into_iter()
         .map(|(name, shape)| {
-            let dtype = synthetic_dtype(&name, &shape, matrix_dtype);
+            let dtype = recipe.dtype(cfg, &name, &shape);
             let data = synthetic_bytes(&name, &shape, dtype, seed);
             OwnedTensor { name, dtype, shape, data }
         })
@@ -203,9 +271,10 @@ pub struct MemSource {
 }
 
 impl MemSource {
-    /// `synthetic_weights(cfg, seed, matrix_dtype)`, by name.
-    pub fn synthetic(cfg: &ModelConfig, seed: u64, matrix_dtype: DType) -> MemSource {
-        let tensors = synthetic_weights(cfg, seed, matrix_dtype).into_iter().map(|t| (t.name.clone(), t)).collect();
+    /// `synthetic_weights(cfg, seed, recipe)`, by name: `DType::Q8_0` for every matrix in Q8_0,
+    /// `Recipe::Q4KM` for llama.cpp's Q4_K_M mix.
+    pub fn synthetic(cfg: &ModelConfig, seed: u64, recipe: impl Into<Recipe>) -> MemSource {
+        let tensors = synthetic_weights(cfg, seed, recipe).into_iter().map(|t| (t.name.clone(), t)).collect();
         MemSource { cfg: cfg.clone(), tensors }
     }
 }
@@ -342,7 +411,7 @@ fn write_config(dir: &Path, cfg: &ModelConfig) -> Result<()> {
 }
 
 /// Writes an HF folder: config.json from `cfg`, and the tensors in model.safetensors (`shards` <= 1)
-/// or in `shards` files with model.safetensors.index.json. Q8_0 tensors are refused.
+/// or in `shards` files with model.safetensors.index.json. Quantized tensors are refused.
 pub fn write_hf_folder(dir: &Path, cfg: &ModelConfig, tensors: &[OwnedTensor], shards: usize) -> Result<()> {
     tensors.iter().try_for_each(OwnedTensor::check)?;
     write_config(dir, cfg)?;
@@ -576,14 +645,15 @@ pub fn write_gguf(
     write_gguf_entries(path, cfg, &entries, extra_kv)
 }
 
-/// `write_gguf` for `synthetic_weights(cfg, seed, dtype)`, one tensor generated at a time as the file
+/// `write_gguf` for `synthetic_weights(cfg, seed, recipe)`, one tensor generated at a time as the file
 /// is written, so a model far larger than memory can be written.
-pub fn write_synthetic_gguf(path: &Path, cfg: &ModelConfig, seed: u64, dtype: DType) -> Result<()> {
+pub fn write_synthetic_gguf(path: &Path, cfg: &ModelConfig, seed: u64, recipe: impl Into<Recipe>) -> Result<()> {
+    let recipe = recipe.into();
     let mut entries: Vec<GgufEntry> = expected_tensors(cfg)
         .into_iter()
         .map(|(canonical, shape)| GgufEntry {
             gguf_name: gguf::gguf_name(&canonical).expect("every expected tensor has a GGUF name"),
-            dtype: synthetic_dtype(&canonical, &shape, dtype),
+            dtype: recipe.dtype(cfg, &canonical, &shape),
             canonical,
             shape,
             data: GgufData::Synthetic { seed },

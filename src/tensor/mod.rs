@@ -154,6 +154,11 @@ impl DType {
         self.format().ggml_type
     }
 
+    /// The format named `name` as messages and GGUF spell it ("Q4_K", "BF16"), in any case.
+    pub fn from_name(name: &str) -> Option<DType> {
+        FORMATS.iter().find(|f| f.name.eq_ignore_ascii_case(name)).map(|f| f.dtype)
+    }
+
     pub fn from_ggml_type(ggml_type: u32) -> Option<DType> {
         FORMATS.iter().find(|f| f.ggml_type == ggml_type).map(|f| f.dtype)
     }
@@ -273,6 +278,7 @@ mod tests {
         for f in &FORMATS {
             assert_eq!(f.dtype.format().name, f.name);
             assert_eq!(DType::from_ggml_type(f.ggml_type), Some(f.dtype));
+            assert_eq!(DType::from_name(&f.name.to_lowercase()), Some(f.dtype));
             if let Some(st) = f.safetensors {
                 assert_eq!(DType::from_safetensors(st), Some(f.dtype));
             }
