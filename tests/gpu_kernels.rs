@@ -249,10 +249,11 @@ fn matvec_matches_cpu_for_every_format() {
             MatvecCase { w_offset: elem, x_offset: 4, ..case(45, 512, 2) }, // misaligned pointers
             MatvecCase { bias: true, residual: true, ldy_pad: 5, ..case(300, 768, 3) },
             MatvecCase { bias: true, ..case(20, 64, 1) },
-            case(6144, 4096, 1), // one warp a row, several stretches of blocks each (double buffering)
-            case(700, 14336, 2), // 8 warps a row, long rows: many stretches per warp
+            case(6144, 512, 1),                            // one warp a row, batch 1
+            case(700, 14336, 2),                           // a few warps a row, rows of several stretches
             MatvecCase { w_offset: 1, ..case(9, 512, 1) }, // an odd address: the one-value path
             case(5, 32768 + 256, 1), // past the batch-1 sums table: offsets formats take the 2-token kernel
+            case(2, 104 * 1024, 1),  // 8 warps a row, several stretches each: both buffers refilled
         ];
         for c in &cases {
             run_matvec(&mut rng, dtype, c);
