@@ -1,7 +1,8 @@
-//! The quantized formats against an independent reference: tests/data/quants/ holds blocks and the
+//! The quantized formats against independent references: tests/data/quants/ holds blocks and the
 //! values the `gguf` Python package decodes them to, and rows with the blocks it quantizes them to
-//! (scripts/quant_vectors.py made them). Decoding must match bit for bit (any NaN for a NaN), and so
-//! must encoding wherever gguf can quantize the format.
+//! (scripts/quant_vectors.py made them), and rows with the blocks llama.cpp's own reference
+//! quantizers make of them (scripts/llama_cpp_quant_vectors.sh). Decoding must match bit for bit (any
+//! NaN for a NaN), and so must encoding, for every format.
 
 use std::path::PathBuf;
 
@@ -67,8 +68,28 @@ fn encoding_matches_the_reference_where_it_quantizes() {
     assert_eq!(checked, ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"]);
 }
 
-/// The k-quants have no second encoder to compare with: their encodings of the reference rows must decode
-/// back close to the input, and re-encoding what they decode to must be stable in size and error.
+/// Every encoder against llama.cpp's reference quantizers themselves (quantize_row_*_ref, compiled by
+/// scripts/llama_cpp_quant_vectors.sh), on rows with every edge it has: the k-quants' sub-block fits
+/// included, bit for bit.
+#[test]
+fn encoding_matches_llama_cpp_reference_quantizers() {
+    let input = f32s(&data("llama_cpp.input").expect("tests/data/quants/llama_cpp.input"));
+    let mut checked = 0;
+    for dtype in quantized_formats() {
+        let name = dtype.name();
+        let expected = data(&format!("{name}.llama_cpp")).unwrap_or_else(|| panic!("no llama.cpp blocks for {name}"));
+        let got = encode_row(dtype, &input);
+        assert_eq!(got.len(), expected.len(), "{name}");
+        let block = dtype.format().block_bytes;
+        for (b, (g, e)) in got.chunks(block).zip(expected.chunks(block)).enumerate() {
+            assert_eq!(g, e, "{name}: block {b} (row {})", b * dtype.format().block_values / 256);
+        }
+        checked += 1;
+    }
+    assert_eq!(checked, 10);
+}
+
+/// Round trips of the gguf rows through the k-quants stay within their bits.
 #[test]
 fn k_quant_encodings_of_extreme_rows_decode_close() {
     let input = f32s(&data("Q4_0.input").unwrap());

@@ -3,11 +3,13 @@
 //! (`make_qkx2_quants`, `make_qx_quants`, `make_q3_quants` in ggml-quants.c), re-expressed with the same
 //! float operations in the same order so the encoders quantize as llama.cpp's reference does.
 
+use super::signed_absmax;
+
 /// Values in a k-quant super-block.
 pub const SUPER_BLOCK: usize = 256;
 
 /// Below this a sub-block's largest magnitude counts as zero.
-const GROUP_MAX_EPS: f32 = 1e-15;
+pub const GROUP_MAX_EPS: f32 = 1e-15;
 
 /// Round to nearest, ties to even, for |x| < 2^22, as llama.cpp does it: the float's mantissa after
 /// adding 1.5 * 2^23. Outside that range (and for NaN) the result is meaningless but never a panic.
@@ -96,6 +98,7 @@ pub fn make_qkx2_quants(
         quants[i] = l as u8;
         best_error += weights[i] * error(scale * l as f32 + min - x[i]);
     }
+    // Sub-blocks are 16 or 32 values.
     let mut trial = [0u8; 32];
     let trial = &mut trial[..n];
     for is in 0..=nstep {
@@ -136,7 +139,7 @@ pub fn make_qkx2_quants(
 /// that maps the value of largest magnitude to -nmax, then 18 nearby scales, keeping the best
 /// least-squares fit (llama.cpp's `make_qx_quants` with rmse_type 1 and no importance weights).
 pub fn make_qx_quants(nmax: i32, x: &[f32], quants: &mut [i8]) -> f32 {
-    let max = signed_absmax_of(x);
+    let max = signed_absmax(x);
     if max.abs() < GROUP_MAX_EPS {
         quants.fill(0);
         return 0.0;
@@ -179,7 +182,7 @@ pub fn make_qx_quants(nmax: i32, x: &[f32], quants: &mut [i8]) -> f32 {
 /// magnitude to -nmax, then up to five passes that move single quants while the x^2-weighted
 /// least-squares fit improves (llama.cpp's `make_q3_quants` with do_rmse).
 pub fn make_q3_quants(nmax: i32, x: &[f32], quants: &mut [i8]) -> f32 {
-    let max = signed_absmax_of(x);
+    let max = signed_absmax(x);
     if max.abs() < GROUP_MAX_EPS {
         quants.fill(0);
         return 0.0;
@@ -221,11 +224,6 @@ pub fn make_q3_quants(nmax: i32, x: &[f32], quants: &mut [i8]) -> f32 {
         *q = (l + nmax) as i8;
     }
     if suml2 > 0.0 { sumlx / suml2 } else { 0.0 }
-}
-
-/// The value of largest magnitude, sign kept (the first of equal magnitudes); 0 for an empty slice.
-fn signed_absmax_of(x: &[f32]) -> f32 {
-    super::signed_absmax(x)
 }
 
 /// Packs 256 two-bit quants as Q2_K and Q3_K store them: in each half of 128, byte l holds quants

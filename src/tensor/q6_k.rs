@@ -5,7 +5,7 @@
 
 use std::mem::offset_of;
 
-use super::k_quants::{SUPER_BLOCK, make_qx_quants, nearest_int};
+use super::k_quants::{GROUP_MAX_EPS, SUPER_BLOCK, make_qx_quants, nearest_int};
 use super::{DType, Dtype, Format, f16_at, f16_le, f16_round};
 
 #[allow(non_camel_case_types)]
@@ -64,7 +64,7 @@ impl Format for Q6_K {
                 max_scale = scales[j];
             }
         }
-        if max_abs < 1e-15 {
+        if max_abs < GROUP_MAX_EPS {
             out.extend(std::iter::repeat_n(0, size_of::<BlockQ6_K>()));
             return;
         }
