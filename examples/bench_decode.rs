@@ -2,27 +2,34 @@
 //! and batch-1 decode tokens per second on a random model of a given shape (Llama-3-8B by default).
 //!
 //!     cargo run --release --example bench_decode -- [--hidden 4096] [--layers 32] [--heads 32]
-//!         [--kv-heads 8] [--head-dim 128] [--inter 14336] [--vocab 128256] [--dtype bf16|f16|f32|q8_0]
-//!         [--prompt 64] [--tokens 128] [--runs 5] [--tied] [--kernels-only]
+//!         [--kv-heads 8] [--head-dim 128] [--inter 14336] [--vocab 128256] [--dtype bf16|f16|f32|q8_0|
+//!         q4_0|q4_1|q5_0|q5_1|q2_k|q3_k|q4_k|q5_k|q6_k|q4_k_m] [--prompt 64] [--tokens 128] [--runs 5]
+//!         [--tied] [--kernels-only]
 //!
-//! Prints one table per part; HOSTEMBED_CUDA_GRAPHS=0 runs the decode without CUDA graphs.
+//! Prints one table per part; HOSTEMBED_CUDA_GRAPHS=0 runs the decode without CUDA graphs. The matvec
+//! table's GB/s counts the bytes of the stored blocks read per second. `--dtype q4_k_m` is llama.cpp's
+//! Q4_K_M mix (`Recipe::Q4KM`: Q4_K, with Q6_K for the head and for attn_v / ffn_down of about half the
+//! layers). For the block formats the decode model's matrices repeat 64 encoded random rows (the
+//! reference encoders are too slow for 8B values, and the bytes read per token are the same).
 
 use std::os::raw::{c_int, c_uint};
 use std::ptr;
 use std::time::Instant;
 
-use hostembed::checkpoint::write::MemSource;
+use hostembed::checkpoint::write::{MemSource, Recipe};
 use hostembed::cuda::{self, DeviceBuffer, Event, Stream};
 use hostembed::cudart as rt;
 use hostembed::gpu::{GpuModel, RowsOnDevice};
 use hostembed::kernels as kn;
 use hostembed::model::{Arch, ModelConfig, RopeScaling, TensorSource, names};
 use hostembed::sampler::Sampling;
-use hostembed::tensor::{DType, encode_row};
+use hostembed::tensor::{DType, FORMATS, encode_row};
 
 struct Args {
     cfg: ModelConfig,
     dtype: DType,
+    /// The Q4_K_M mix (dtype is then Q4_K).
+    q4_k_m: bool,
     prompt: usize,
     tokens: usize,
     runs: usize,
@@ -51,6 +58,7 @@ fn parse() -> Args {
         eos: None,
     };
     let (mut dtype, mut prompt, mut tokens, mut runs, mut kernels_only) = (DType::Bf16, 64, 128, 5, false);
+    let mut q4_k_m = false;
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
         let mut num =
@@ -69,18 +77,19 @@ fn parse() -> Args {
             "--tied" => cfg.tied = true,
             "--kernels-only" => kernels_only = true,
             "--dtype" => {
-                dtype = match it.next().as_deref() {
-                    Some("bf16") => DType::Bf16,
-                    Some("f16") => DType::F16,
-                    Some("f32") => DType::F32,
-                    Some("q8_0") => DType::Q8_0,
-                    other => panic!("--dtype: bf16, f16, f32 or q8_0, not {other:?}"),
-                }
+                let name = it.next().unwrap_or_default().to_ascii_lowercase();
+                q4_k_m = name == "q4_k_m";
+                let lookup = if q4_k_m { "q4_k" } else { name.as_str() };
+                dtype = FORMATS
+                    .iter()
+                    .find(|f| f.name.eq_ignore_ascii_case(lookup))
+                    .unwrap_or_else(|| panic!("--dtype: a format name or q4_k_m, not {name:?}"))
+                    .dtype;
             }
             other => panic!("unknown flag {other} (see the comment at the top of examples/bench_decode.rs)"),
         }
     }
-    Args { cfg, dtype, prompt, tokens, runs, kernels_only }
+    Args { cfg, dtype, q4_k_m, prompt, tokens, runs, kernels_only }
 }
 
 /// cudaMemcpyDeviceToDevice (the runtime's constants are crate-private).
@@ -97,7 +106,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 /// Random bytes of a rows x cols matrix in `dtype`, generated on several cores.
 fn random_matrix(dtype: DType, rows: usize, cols: usize, seed: u64) -> Vec<u8> {
-    let row_bytes = dtype.row_bytes(cols).expect("Q8_0 rows are whole blocks");
+    let row_bytes = dtype.row_bytes(cols).expect("rows of whole blocks");
     let mut out = vec![0u8; rows * row_bytes];
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     let per = rows.div_ceil(threads).max(1);
@@ -169,7 +178,10 @@ fn bench_kernels(stream: &Stream, peak: f64) {
     println!("| --- | --- | --- | --- | --- | --- | --- |");
     let shapes = [(4096, 4096), (4096, 14336), (14336, 4096), (128256, 4096)];
     let mut cases: Vec<(DType, usize, usize)> = shapes.iter().map(|&(r, c)| (DType::Bf16, r, c)).collect();
-    cases.extend([(DType::F16, 4096, 14336), (DType::Q8_0, 4096, 14336), (DType::F32, 4096, 4096)]);
+    cases.extend([(DType::F16, 4096, 14336), (DType::F32, 4096, 4096)]);
+    // Every block format on the down projection's shape, and Q4_K / Q6_K on the others of a Q4_K_M layer.
+    cases.extend(FORMATS.iter().filter(|f| f.block_values > 1).map(|f| (f.dtype, 4096, 14336)));
+    cases.extend([(DType::Q4_K, 4096, 4096), (DType::Q4_K, 14336, 4096), (DType::Q6_K, 128256, 4096)]);
     for (dtype, rows, cols) in cases {
         let bytes = rows * dtype.row_bytes(cols).unwrap();
         let copies = (512usize << 20).div_ceil(bytes).max(1);
@@ -198,8 +210,10 @@ fn bench_kernels(stream: &Stream, peak: f64) {
             )
         });
         let gbs = bytes as f64 / (us * 1e-6) / 1e9;
+        // What 70% of the copy bandwidth would take, the target for the block formats.
+        let target_us = bytes as f64 / (0.7 * peak * 1e9) * 1e6;
         println!(
-            "| matvec | {} | {rows} x {cols} | {:.1} | {us:.1} | {gbs:.0} | {:.0}% |",
+            "| matvec | {} | {rows} x {cols} | {:.1} | {us:.1} (70%: {target_us:.1}) | {gbs:.0} | {:.0}% |",
             dtype.name(),
             bytes as f64 / 1e6,
             100.0 * gbs / peak
@@ -207,50 +221,81 @@ fn bench_kernels(stream: &Stream, peak: f64) {
     }
     // Gate and up with SwiGLU in one pass: two matrices per launch.
     let (rows, cols) = (14336, 4096);
-    let bytes = rows * cols * 2;
-    let copies = (512usize << 20).div_ceil(2 * bytes).max(1);
-    let host = random_matrix(DType::Bf16, rows, cols, 9);
-    let weights: Vec<DeviceBuffer> = (0..2 * copies).map(|_| DeviceBuffer::from_slice(&host).unwrap()).collect();
-    let x = DeviceBuffer::from_slice(&vec![0.5f32; cols]).unwrap();
-    let y = DeviceBuffer::new(rows * 4).unwrap();
-    let us = time_kernel(stream, copies, |i| {
-        check(
-            unsafe {
-                kn::hostembed_matvec_swiglu(
-                    weights[2 * i].ptr(),
-                    weights[2 * i + 1].ptr(),
-                    DType::Bf16 as c_int,
-                    rows as c_uint,
-                    cols as c_uint,
-                    x.ptr() as *const f32,
-                    1,
-                    y.ptr() as *mut f32,
-                    stream.raw(),
-                )
-            },
-            "hostembed_matvec_swiglu",
-        )
-    });
-    let gbs = 2.0 * bytes as f64 / (us * 1e-6) / 1e9;
-    println!(
-        "| matvec_swiglu | BF16 | 2 x {rows} x {cols} | {:.1} | {us:.1} | {gbs:.0} | {:.0}% |",
-        2.0 * bytes as f64 / 1e6,
-        100.0 * gbs / peak
-    );
+    for dtype in [DType::Bf16, DType::Q4_K, DType::Q8_0] {
+        let bytes = rows * dtype.row_bytes(cols).unwrap();
+        let copies = (512usize << 20).div_ceil(2 * bytes).max(1);
+        let host = random_matrix(dtype, rows, cols, 9);
+        let weights: Vec<DeviceBuffer> = (0..2 * copies).map(|_| DeviceBuffer::from_slice(&host).unwrap()).collect();
+        let x = DeviceBuffer::from_slice(&vec![0.5f32; cols]).unwrap();
+        let y = DeviceBuffer::new(rows * 4).unwrap();
+        let us = time_kernel(stream, copies, |i| {
+            check(
+                unsafe {
+                    kn::hostembed_matvec_swiglu(
+                        weights[2 * i].ptr(),
+                        weights[2 * i + 1].ptr(),
+                        dtype as c_int,
+                        rows as c_uint,
+                        cols as c_uint,
+                        x.ptr() as *const f32,
+                        1,
+                        y.ptr() as *mut f32,
+                        stream.raw(),
+                    )
+                },
+                "hostembed_matvec_swiglu",
+            )
+        });
+        let gbs = 2.0 * bytes as f64 / (us * 1e-6) / 1e9;
+        println!(
+            "| matvec_swiglu | {} | 2 x {rows} x {cols} | {:.1} | {us:.1} | {gbs:.0} | {:.0}% |",
+            dtype.name(),
+            2.0 * bytes as f64 / 1e6,
+            100.0 * gbs / peak
+        );
+    }
+}
+
+/// The decode run's model: the synthetic model in a float format, or for the block formats the BF16
+/// synthetic model with every matrix replaced by 64 encoded random rows repeated (formats by `Recipe`).
+fn bench_model(args: &Args) -> MemSource {
+    let cfg = &args.cfg;
+    if args.dtype.format().block_values == 1 {
+        return MemSource::synthetic(cfg, 1, args.dtype);
+    }
+    let mut src = MemSource::synthetic(cfg, 1, DType::Bf16);
+    for (k, t) in src.tensors.values_mut().enumerate() {
+        if t.shape.len() != 2 {
+            continue;
+        }
+        let recipe = if args.q4_k_m { Recipe::Q4KM } else { Recipe::Uniform(args.dtype) };
+        let dtype = recipe.dtype(cfg, &t.name, &t.shape);
+        let (rows, cols) = (t.shape[0], t.shape[1]);
+        if dtype.row_bytes(cols).is_none() {
+            continue; // stays BF16, as a converter keeps rows that are not whole blocks
+        }
+        let sample = random_matrix(dtype, rows.min(64), cols, 100 + k as u64);
+        let data: Vec<u8> = sample.iter().copied().cycle().take(rows * dtype.row_bytes(cols).unwrap()).collect();
+        t.dtype = dtype;
+        t.data = data;
+    }
+    src
 }
 
 fn bench_decode(args: &Args, peak: f64) {
     let cfg = &args.cfg;
     let t0 = Instant::now();
-    let src = MemSource::synthetic(cfg, 1, args.dtype);
+    let src = bench_model(args);
+    let recipe = if args.q4_k_m { "Q4_K_M".to_string() } else { args.dtype.name().to_string() };
     let embed = src.tensor(names::EMBED).unwrap();
+    let embed_dtype = embed.dtype;
     let rows_buf = DeviceBuffer::from_slice(embed.bytes).unwrap();
     let rows = RowsOnDevice { ptr: rows_buf.ptr(), dtype: embed.dtype, vocab: embed.rows(), cols: embed.cols() };
     let mut gpu = GpuModel::load(&src, rows, 64).unwrap();
     let weight_bytes = GpuModel::weight_bytes(&src);
     drop(src);
     println!(
-        "\nmodel built and loaded in {:.1} s: {:.2} GB of weights",
+        "\n{recipe} model built and loaded in {:.1} s: {:.2} GB of weights",
         t0.elapsed().as_secs_f64(),
         weight_bytes as f64 / 1e9
     );
@@ -261,7 +306,7 @@ fn bench_decode(args: &Args, peak: f64) {
     // Per decoded token, the bytes read: every weight but the embedding rows, one row of them, and the KV
     // cache (about half a window on average).
     let per_token = weight_bytes as f64
-        + embed_row_bytes(cfg, args.dtype) as f64
+        + embed_row_bytes(cfg, embed_dtype) as f64
         + cfg.kv_bytes_per_token() as f64 * (args.prompt + args.tokens / 2) as f64;
     println!(
         "\nbatch-1 decode after a {}-token prompt, {} tokens, median of {} runs",

@@ -1,22 +1,24 @@
 //! Prompt speed on the GPU: a whole prompt in one step (what `engine_step` runs), on a random model of
 //! the Llama-3-8B shape, median of several runs; decode right after a long prompt; the chunk size; rows
-//! in mapped host memory; Q8_0 weights against BF16.
+//! in mapped host memory; Q8_0 weights against BF16; with `--q4-k-m`, llama.cpp's Q4_K_M mix against BF16.
 //!
 //!     cargo run --release --example bench_prefill -- [--lengths 512,4096,16384,65536] [--runs 5]
-//!         [--chunk 2048] [--layers 32] [--quick]
+//!         [--chunk 2048] [--layers 32] [--quick] [--q4-k-m]
 //!
 //! `--quick` measures BF16 at 512 and 4096 tokens only (for comparing the product routes:
-//! HOSTEMBED_CUBLASLT=0 runs the library's own tensor-core kernel). Prints markdown tables.
+//! HOSTEMBED_CUBLASLT=0 runs the library's own tensor-core kernel), then Q4_K_M when asked. Prints
+//! markdown tables. The Q4_K_M model's matrices repeat 64 encoded random rows (the reference encoders
+//! are too slow for 8B values; the bytes and the conversions per product are the same).
 
 use std::collections::HashMap;
 use std::time::Instant;
 
-use hostembed::checkpoint::write::MemSource;
+use hostembed::checkpoint::write::{MemSource, Recipe};
 use hostembed::cuda::{self, DeviceBuffer, PinnedBuffer};
 use hostembed::gpu::{GpuModel, RowsOnDevice};
 use hostembed::model::{Arch, ModelConfig, RopeScaling, TensorSource, names};
 use hostembed::sampler::Sampling;
-use hostembed::tensor::DType;
+use hostembed::tensor::{DType, encode_row};
 
 struct Args {
     lengths: Vec<usize>,
@@ -24,10 +26,12 @@ struct Args {
     chunk: usize,
     layers: usize,
     quick: bool,
+    q4_k_m: bool,
 }
 
 fn parse() -> Args {
-    let mut a = Args { lengths: vec![512, 4096, 16384, 65536], runs: 5, chunk: 2048, layers: 32, quick: false };
+    let mut a =
+        Args { lengths: vec![512, 4096, 16384, 65536], runs: 5, chunk: 2048, layers: 32, quick: false, q4_k_m: false };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
         let mut value = || it.next().unwrap_or_else(|| panic!("{flag} takes a value"));
@@ -38,6 +42,7 @@ fn parse() -> Args {
             "--chunk" => a.chunk = num(value()),
             "--layers" => a.layers = num(value()),
             "--quick" => a.quick = true,
+            "--q4-k-m" => a.q4_k_m = true,
             other => panic!("unknown flag {other} (see the comment at the top of examples/bench_prefill.rs)"),
         }
     }
@@ -135,6 +140,53 @@ fn build(cfg: &ModelConfig, dtype: DType) -> MemSource {
     src
 }
 
+/// The Q4_K_M mix of the model: the BF16 synthetic model with every matrix replaced by 64 encoded random
+/// rows repeated, each in the format `Recipe::Q4KM` gives it.
+fn build_q4_k_m(cfg: &ModelConfig) -> MemSource {
+    let t = Instant::now();
+    let mut src = MemSource::synthetic(cfg, 1, DType::Bf16);
+    let mut state = 0x5eed_u64;
+    for tensor in src.tensors.values_mut() {
+        if tensor.shape.len() != 2 {
+            continue;
+        }
+        let dtype = Recipe::Q4KM.dtype(cfg, &tensor.name, &tensor.shape);
+        let (rows, cols) = (tensor.shape[0], tensor.shape[1]);
+        let Some(row_bytes) = dtype.row_bytes(cols) else { continue };
+        let mut sample = Vec::new();
+        for _ in 0..rows.min(64) {
+            let values: Vec<f32> = (0..cols)
+                .map(|_| {
+                    state = hostembed::sampler::splitmix64(state);
+                    ((state >> 40) as f32 / 16_777_216.0 * 2.0 - 1.0) / (cols as f32).sqrt()
+                })
+                .collect();
+            sample.extend(encode_row(dtype, &values));
+        }
+        tensor.data = sample.iter().copied().cycle().take(rows * row_bytes).collect();
+        tensor.dtype = dtype;
+    }
+    println!("built the Q4_K_M model in {:.1} s", t.elapsed().as_secs_f64());
+    src
+}
+
+/// Prompt speed of the Q4_K_M mix against the BF16 rates measured before.
+fn q4_k_m_table(cfg: &ModelConfig, args: &Args, bf16_at: &HashMap<usize, f64>) {
+    let src = build_q4_k_m(cfg);
+    let (_rows, rows) = Rows::new(&src, false);
+    let mut gpu = load(&src, rows, args.chunk);
+    println!("{}", gpu.prompt_route());
+    println!("\n| prompt tokens | Q4_K_M tok/s | of BF16 |");
+    println!("| --- | --- | --- |");
+    for len in [512, 4096] {
+        let (rate, _) = prompt_rate(&mut gpu, len, args.runs, 0);
+        let of = bf16_at.get(&len).map_or("-".to_string(), |b| format!("{:.0}%", 100.0 * rate / b));
+        println!("| {len} | {rate:.0} | {of} |");
+    }
+    let (_, decode) = prompt_rate(&mut gpu, 64, args.runs, 128);
+    println!("\nQ4_K_M decode after a 64-token prompt: {decode:.1} tok/s");
+}
+
 fn load(src: &MemSource, rows: RowsOnDevice, chunk: usize) -> GpuModel {
     GpuModel::load(src, rows, chunk).unwrap_or_else(|e| panic!("load: {e}"))
 }
@@ -170,6 +222,12 @@ fn main() {
         println!("| {len} | {rate:.0} | {:.2} | {dec} |", len as f64 / rate);
     }
     if args.quick {
+        if args.q4_k_m {
+            drop(gpu);
+            drop(_rows);
+            drop(src);
+            q4_k_m_table(&cfg, &args, &bf16_at);
+        }
         return;
     }
     let (_, short) = prompt_rate(&mut gpu, 64, args.runs, 128);
@@ -209,5 +267,11 @@ fn main() {
         let (rate, _) = prompt_rate(&mut gpu, len, args.runs, 0);
         let of = bf16_at.get(&len).map_or("-".to_string(), |b| format!("{:.0}%", 100.0 * rate / b));
         println!("| {len} | {rate:.0} | {of} |");
+    }
+    if args.q4_k_m {
+        drop(gpu);
+        drop(_q8_rows);
+        drop(q8);
+        q4_k_m_table(&cfg, &args, &bf16_at);
     }
 }

@@ -1,14 +1,29 @@
 // The weight formats on the device: one traits struct per format (kernels/formats/), and the one list
 // that maps a runtime HE_DTYPE_* to its traits. A format's traits provide:
 //   ID, BLOCK_VALUES, BLOCK_BYTES        the block layout (src/tensor/ has the same)
-//   value(row, v)                        value v of a row at any alignment (the gather, odd shapes)
+//   value(row, v)                        value v of a row at any alignment (the gather, odd shapes), as
+//                                        the CPU decodes it, bit for bit
+// and then one of two ways for the matrix-vector product to stream a row:
 //   Chunk, CHUNK_VALUES, chunks_fit(w, cols), slots(cols), whole_slots(cols), has(slot, cols),
 //   column(slot), load_chunk(row, first, ahead), decode(chunk, floats)
-//                                        how the matrix-vector product streams a row: lane slots, each
-//                                        CHUNK_VALUES values from column(slot); slots below whole_slots
-//                                        all exist, the others where has() says so.
+//                                        lane slots, each CHUNK_VALUES values from column(slot); slots
+//                                        below whole_slots all exist, the others where has() says so
+//                                        (the float formats, and Q8_0 on 2-byte aligned rows);
+//   UNITS, unit(block, u, floats)        blocks of UNITS units of 32 values (kernels/formats/blocks.cuh),
+//                                        decoded from rows staged in shared memory (every block format).
 #pragma once
+#include <type_traits>
+
 #include "formats/float.cuh"
+#include "formats/q2_k.cuh"
+#include "formats/q3_k.cuh"
+#include "formats/q4_0.cuh"
+#include "formats/q4_1.cuh"
+#include "formats/q4_k.cuh"
+#include "formats/q5_0.cuh"
+#include "formats/q5_1.cuh"
+#include "formats/q5_k.cuh"
+#include "formats/q6_k.cuh"
 #include "formats/q8_0.cuh"
 
 namespace he {
@@ -21,6 +36,15 @@ bool with_format(int dtype, Fn &&fn) {
     case FormatF16::ID: fn(FormatF16{}); return true;
     case FormatBF16::ID: fn(FormatBF16{}); return true;
     case FormatQ8_0::ID: fn(FormatQ8_0{}); return true;
+    case FormatQ4_0::ID: fn(FormatQ4_0{}); return true;
+    case FormatQ4_1::ID: fn(FormatQ4_1{}); return true;
+    case FormatQ5_0::ID: fn(FormatQ5_0{}); return true;
+    case FormatQ5_1::ID: fn(FormatQ5_1{}); return true;
+    case FormatQ2_K::ID: fn(FormatQ2_K{}); return true;
+    case FormatQ3_K::ID: fn(FormatQ3_K{}); return true;
+    case FormatQ4_K::ID: fn(FormatQ4_K{}); return true;
+    case FormatQ5_K::ID: fn(FormatQ5_K{}); return true;
+    case FormatQ6_K::ID: fn(FormatQ6_K{}); return true;
     default: return false;
     }
 }
@@ -30,10 +54,19 @@ bool with_format(int dtype, Fn &&fn) {
 constexpr unsigned int LARGEST_BLOCK_VALUES = [] {
     unsigned int m = 0;
     for (unsigned int v : {FormatF32::BLOCK_VALUES, FormatF16::BLOCK_VALUES, FormatBF16::BLOCK_VALUES,
-                           FormatQ8_0::BLOCK_VALUES})
+                           FormatQ8_0::BLOCK_VALUES, FormatQ4_0::BLOCK_VALUES, FormatQ4_1::BLOCK_VALUES,
+                           FormatQ5_0::BLOCK_VALUES, FormatQ5_1::BLOCK_VALUES, FormatQ2_K::BLOCK_VALUES,
+                           FormatQ3_K::BLOCK_VALUES, FormatQ4_K::BLOCK_VALUES, FormatQ5_K::BLOCK_VALUES,
+                           FormatQ6_K::BLOCK_VALUES})
         m = v > m ? v : m;
     return m;
 }();
+
+// Whether F is a block format (has units of 32 values to decode).
+template <typename F, typename = void>
+struct HasUnits : std::false_type {};
+template <typename F>
+struct HasUnits<F, std::void_t<decltype(F::UNITS)>> : std::true_type {};
 
 // Bytes of a row of `cols` values; 0 when cols is not a whole number of blocks.
 template <typename F>

@@ -136,6 +136,26 @@ __global__ void convert_matrix_kernel(const unsigned char *__restrict__ w, unsig
     }
 }
 
+// A block format a 32-value unit per thread step: the unit decoded once (its scales read once, not per
+// value) with the CPU's roundings and written as four 16-byte stores.
+template <typename F, typename Op>
+__global__ void convert_units_kernel(const unsigned char *__restrict__ w, unsigned int rows, unsigned int cols,
+                                     size_t row_bytes, typename Op::T *__restrict__ out) {
+    const unsigned int row_units = cols / he::UNIT_VALUES;
+    const size_t total = (size_t)rows * row_units;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (size_t)gridDim.x * blockDim.x) {
+        const unsigned int r = (unsigned int)(i / row_units), k = (unsigned int)(i % row_units);
+        const unsigned char *block = w + (size_t)r * row_bytes + (size_t)(k / F::UNITS) * F::BLOCK_BYTES;
+        float v[he::UNIT_VALUES];
+        he::decode_unit<F, true>(block, k % F::UNITS, v);
+        uint4 *o = reinterpret_cast<uint4 *>(out + (size_t)r * cols + (size_t)k * he::UNIT_VALUES);
+#pragma unroll
+        for (unsigned int j = 0; j < he::UNIT_VALUES / 8; j++)
+            o[j] = make_uint4(Op::pack(v[8 * j], v[8 * j + 1]), Op::pack(v[8 * j + 2], v[8 * j + 3]),
+                              Op::pack(v[8 * j + 4], v[8 * j + 5]), Op::pack(v[8 * j + 6], v[8 * j + 7]));
+    }
+}
+
 __global__ void add_bias_kernel(float *y, unsigned int ldy, const float *__restrict__ bias, unsigned int rows,
                                 unsigned int n) {
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < (size_t)rows * n;
@@ -189,8 +209,19 @@ extern "C" cudaError_t hostembed_convert_matrix(const void *w, int w_dtype, unsi
         he::with_half(out_dtype, [&](auto op) {
             using Op = decltype(op);
             constexpr unsigned int threads = 256;
-            convert_matrix_kernel<F, Op><<<grid_of((size_t)rows * cols / 2, threads), threads, 0, stream>>>(
-                static_cast<const unsigned char *>(w), rows, cols, row_bytes, static_cast<typename Op::T *>(out));
+            const unsigned char *wb = static_cast<const unsigned char *>(w);
+            typename Op::T *ob = static_cast<typename Op::T *>(out);
+            bool by_unit = false;
+            if constexpr (he::HasUnits<F>::value) {
+                constexpr uintptr_t field_align = F::BLOCK_BYTES % 4 == 0 ? 4 : 2;
+                by_unit = reinterpret_cast<uintptr_t>(w) % field_align == 0 && reinterpret_cast<uintptr_t>(out) % 16 == 0;
+                if (by_unit)
+                    convert_units_kernel<F, Op><<<grid_of((size_t)rows * (cols / he::UNIT_VALUES), threads), threads, 0,
+                                                  stream>>>(wb, rows, cols, row_bytes, ob);
+            }
+            if (!by_unit)
+                convert_matrix_kernel<F, Op><<<grid_of((size_t)rows * cols / 2, threads), threads, 0, stream>>>(
+                    wb, rows, cols, row_bytes, ob);
             err = cudaGetLastError();
         });
     });

@@ -64,6 +64,11 @@ fn assert_close(what: &str, got: &[f32], want: &[f32], tol: f64) {
     assert!(err < tol, "{what}: relative L2 error {err:.3e} >= {tol:.0e}");
 }
 
+/// The matvec bound: F32 products differ from the CPU's f64 sums only by f32 accumulation; every other
+/// format is decoded in registers to the CPU's f32 values (block formats within one rounding, where the
+/// kernel fuses scale and offset into one FMA) and multiplied in f32, so the error is f32 rounding over
+/// a few thousand terms (~1e-6 relative); 1e-3 still fails on any misread value (one wrong quant in a
+/// row of 256 moves the row by ~1e-2).
 fn weight_tol(dtype: DType) -> f64 {
     if dtype == DType::F32 { 1e-5 } else { 1e-3 }
 }
@@ -76,11 +81,26 @@ fn bf16_round(v: f32) -> f32 {
     half::bf16::from_f32(v).to_f32()
 }
 
-const DTYPES: [DType; 4] = [DType::F32, DType::F16, DType::Bf16, DType::Q8_0];
+const DTYPES: [DType; 13] = [
+    DType::F32,
+    DType::F16,
+    DType::Bf16,
+    DType::Q8_0,
+    DType::Q4_0,
+    DType::Q4_1,
+    DType::Q5_0,
+    DType::Q5_1,
+    DType::Q2_K,
+    DType::Q3_K,
+    DType::Q4_K,
+    DType::Q5_K,
+    DType::Q6_K,
+];
 
-/// Columns for a shape that is a whole number of Q8_0 blocks when the format needs it.
+/// Columns for a shape, rounded up to whole blocks of formats with blocks of more than one value.
 fn cols_for(dtype: DType, cols: usize) -> usize {
-    if dtype == DType::Q8_0 { cols.div_ceil(32) * 32 } else { cols }
+    let block = dtype.format().block_values;
+    cols.div_ceil(block) * block
 }
 
 #[test]
@@ -214,6 +234,8 @@ fn matvec_matches_cpu_for_every_format() {
         ldy_pad: 0,
     };
     for dtype in DTYPES {
+        // A 2-byte offset keeps Q8_0 / Q4_0 / Q5_0 / Q3_K / Q6_K rows on the staged path (their blocks are
+        // 2-byte aligned anyway) and sends the 4-byte aligned block formats and the floats to the slow one.
         let elem = match dtype {
             DType::F32 => 4,
             _ => 2,
@@ -227,6 +249,11 @@ fn matvec_matches_cpu_for_every_format() {
             MatvecCase { w_offset: elem, x_offset: 4, ..case(45, 512, 2) }, // misaligned pointers
             MatvecCase { bias: true, residual: true, ldy_pad: 5, ..case(300, 768, 3) },
             MatvecCase { bias: true, ..case(20, 64, 1) },
+            case(6144, 512, 1),                            // one warp a row, batch 1
+            case(700, 14336, 2),                           // a few warps a row, rows of several stretches
+            MatvecCase { w_offset: 1, ..case(9, 512, 1) }, // an odd address: the one-value path
+            case(5, 32768 + 256, 1), // past the batch-1 sums table: offsets formats take the 2-token kernel
+            case(2, 104 * 1024, 1),  // 8 warps a row, several stretches each: both buffers refilled
         ];
         for c in &cases {
             run_matvec(&mut rng, dtype, c);
@@ -314,6 +341,8 @@ fn matvec_refuses_bad_arguments() {
     assert_eq!(call(ptr::null(), DType::F32 as c_int, 4, 4, 4), invalid, "NULL weights");
     assert_eq!(call(p, 9, 4, 4, 4), invalid, "unknown format");
     assert_eq!(call(p, DType::Q8_0 as c_int, 4, 33, 4), invalid, "Q8_0 rows of partial blocks");
+    assert_eq!(call(p, DType::Q4_K as c_int, 4, 128, 4), invalid, "Q4_K rows of partial super-blocks");
+    assert_eq!(call(p, 13, 4, 4, 4), invalid, "no format has id 13");
     assert_eq!(call(p, DType::F32 as c_int, 4, 4, 3), invalid, "ldy below rows");
     assert_eq!(call(p, DType::F32 as c_int, 0, 4, 4), invalid, "no rows");
 }

@@ -1,5 +1,5 @@
 //! The CUDA backend against the CPU reference on small random models (Llama, Qwen2, Qwen3; BF16, F16,
-//! F32, Q8_0): logits at every position, greedy and sampled decoding, the byte predictions the fit
+//! F32, every GGUF block format, the Q4_K_M mix): logits at every position, greedy and sampled decoding, the byte predictions the fit
 //! rule relies on, the refusals, and rows in mapped host memory. Skips where no CUDA device is present.
 
 mod common;
@@ -7,7 +7,7 @@ use common::{rel_l2, top_two_gap};
 
 use common::{Rng, gpu_present};
 use hostembed::Status;
-use hostembed::checkpoint::write::MemSource;
+use hostembed::checkpoint::write::{MemSource, Recipe};
 use hostembed::cpu::CpuModel;
 use hostembed::cuda::{DeviceBuffer, PinnedBuffer};
 use hostembed::gpu::{GpuModel, RowsOnDevice};
@@ -91,11 +91,35 @@ fn gpu_logits_match_cpu_at_every_position() {
     let mut cases: Vec<(&str, ModelConfig, DType)> =
         configs().into_iter().map(|(name, cfg)| (name, cfg, DType::Bf16)).collect();
     let llama = configs()[0].1.clone();
-    for dtype in [DType::F16, DType::F32, DType::Q8_0] {
+    // Every block format whose blocks fit the Llama shape (hidden 256, intermediate 512), and (below, as
+    // "Q4_K_M") the mixed recipe most quantized files use.
+    for dtype in [
+        DType::F16,
+        DType::F32,
+        DType::Q8_0,
+        DType::Q4_0,
+        DType::Q4_1,
+        DType::Q5_0,
+        DType::Q5_1,
+        DType::Q2_K,
+        DType::Q3_K,
+        DType::Q4_K,
+        DType::Q5_K,
+        DType::Q6_K,
+    ] {
         cases.push(("llama", llama.clone(), dtype));
     }
+    cases.push(("llama Q4_K_M", llama.clone(), DType::Q4_K));
     for (name, cfg, dtype) in cases {
-        let src = model(cfg.clone(), dtype, rng.next_u64());
+        let src = if name.ends_with("Q4_K_M") {
+            MemSource::synthetic(&cfg, rng.next_u64(), Recipe::Q4KM)
+        } else {
+            model(cfg.clone(), dtype, rng.next_u64())
+        };
+        if !name.ends_with("Q4_K_M") {
+            let head = if cfg.tied { names::EMBED } else { names::LM_HEAD };
+            assert_eq!(src.tensor(head).unwrap().dtype, dtype, "{name}: the synthetic model is in {}", dtype.name());
+        }
         let cpu = CpuModel::new(&src).unwrap();
         let (_rows_buf, rows) = rows_on_card(&src);
         let max_batch = 16;

@@ -229,8 +229,25 @@ fn every_placement_gathers_every_format_exactly() {
     let _g = serial();
     let mut rng = Rng::fresh("every_placement_gathers_every_format_exactly");
     let dir = Scratch::new("formats");
-    for dtype in [DType::Bf16, DType::F16, DType::Q8_0, DType::F32] {
-        let cfg = config(1000 + rng.below(3000) as usize, 64 * (2 + rng.below(8) as usize));
+    let formats = [
+        DType::Bf16,
+        DType::F16,
+        DType::Q8_0,
+        DType::F32,
+        DType::Q4_0,
+        DType::Q4_1,
+        DType::Q5_0,
+        DType::Q5_1,
+        DType::Q2_K,
+        DType::Q3_K,
+        DType::Q4_K,
+        DType::Q5_K,
+        DType::Q6_K,
+    ];
+    for dtype in formats {
+        // Rows of whole blocks (256 values for the K formats), else the writer falls back to F16.
+        let unit = dtype.format().block_values.max(64);
+        let cfg = config(1000 + rng.below(3000) as usize, unit * (2 + rng.below(8) as usize / (unit / 64)));
         let path = write_model(&dir.0, &cfg, dtype, rng.next_u64());
         let ckpt = Checkpoint::open(&path).unwrap();
         assert_eq!(ckpt.embed().dtype, dtype);
@@ -494,6 +511,15 @@ fn gather_reads_any_alignment_and_width() {
         (DType::Bf16, 20_002),
         (DType::Q8_0, 96),
         (DType::Q8_0, 32 * 1000),
+        (DType::Q4_0, 96),
+        (DType::Q4_1, 32 * 300),
+        (DType::Q5_0, 64),
+        (DType::Q5_1, 160),
+        (DType::Q2_K, 256),
+        (DType::Q3_K, 512),
+        (DType::Q4_K, 256 * 300), // 43200 bytes a row: more than one stage
+        (DType::Q5_K, 768),
+        (DType::Q6_K, 256 * 200),
     ];
     let bad = DeviceBuffer::new(4).unwrap();
     for (dtype, cols) in cases {

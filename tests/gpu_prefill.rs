@@ -147,9 +147,25 @@ fn weight_conversion_is_exact() {
         return;
     }
     let mut rng = Rng::fresh("weight_conversion_is_exact");
-    for src in [DType::F32, DType::F16, DType::Bf16, DType::Q8_0] {
+    let formats = [
+        DType::F32,
+        DType::F16,
+        DType::Bf16,
+        DType::Q8_0,
+        DType::Q4_0,
+        DType::Q4_1,
+        DType::Q5_0,
+        DType::Q5_1,
+        DType::Q2_K,
+        DType::Q3_K,
+        DType::Q4_K,
+        DType::Q5_K,
+        DType::Q6_K,
+    ];
+    for src in formats {
         for out in HALVES {
-            let (rows, cols) = (37, 96);
+            // Whole blocks: 96 values, or two super-blocks of the K formats.
+            let (rows, cols) = (37, if src.format().block_values > 32 { 512 } else { 96 });
             let mut values = rng.vec(rows * cols, 3.0);
             values[5] = 0.0;
             values[6] = -0.0;
