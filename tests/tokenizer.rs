@@ -640,6 +640,10 @@ fn malformed_sentencepiece_vocabularies_are_bad_models() {
     let e = Tokenizer::from_gguf_spm(&named, &[], &bad, true).unwrap_err();
     assert_eq!(e.status, Status::BadModel);
     assert!(e.message.contains("<0xZZ>"), "{e}");
+    // Neither byte pieces nor an unknown token: some text could not be spelled, so no text tokenizer.
+    let words: Vec<String> = ["a", "b", "ab"].map(String::from).to_vec();
+    let e = Tokenizer::from_gguf_spm(&words, &[0.0, 0.0, 1.0], &[token_type::NORMAL; 3], true).unwrap_err();
+    assert_eq!(e.status, Status::Unsupported, "{e}");
 }
 
 // ---------------------------------------------------------------------------------------------

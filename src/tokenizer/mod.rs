@@ -402,8 +402,9 @@ impl Tokenizer {
     }
 
     /// The tokenizer a checkpoint points at, for a model of `vocab` ids; None when it has none. Errors
-    /// keep their status: UNSUPPORTED for a GGUF tokenizer model other than gpt2, BAD_MODEL for a broken
-    /// one or one with ids at or past `vocab`, IO_ERROR for a file that cannot be read.
+    /// keep their status: UNSUPPORTED for a GGUF tokenizer model other than gpt2 and llama (or a
+    /// SentencePiece vocabulary that cannot spell every text), BAD_MODEL for a broken one or one with ids
+    /// at or past `vocab`, IO_ERROR for a file that cannot be read.
     pub fn from_source(src: &TokenizerSource, vocab: usize) -> Result<Option<Tokenizer>> {
         match src {
             TokenizerSource::None => Ok(None),
@@ -439,6 +440,7 @@ impl Tokenizer {
         for (token, id) in vocab {
             // Added tokens are literal text, not byte-level characters.
             pieces[id as usize] = match added.get(&id) {
+                _ if is_padding(&token, None) => Vec::new(),
                 Some(t) => t.content.clone().into_bytes(),
                 None => rules.piece(&token, &char_bytes),
             };

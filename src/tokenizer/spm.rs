@@ -111,6 +111,14 @@ impl Spm {
             }
             unknown = ids.get("<unk>").copied();
         }
+        // A character the pieces lack becomes its bytes' pieces, or unknown: with neither, text is lost.
+        if unknown.is_none() && byte_ids.iter().any(Option::is_none) {
+            bail!(
+                Unsupported,
+                "GGUF SentencePiece vocabulary has neither an unknown token nor a <0xNN> piece for every byte, so \
+                 some text has no ids"
+            );
+        }
         specials.retain(|(text, _)| !text.is_empty());
         specials.sort_by(|a, b| b.0.len().cmp(&a.0.len()).then(a.1.cmp(&b.1)));
         Ok(Spm { ids, scores: merge_scores, byte_ids, unknown, specials, add_space_prefix })
