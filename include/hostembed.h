@@ -87,8 +87,9 @@ typedef enum engine_dtype {
 //
 // Threads: an engine may be called from several threads at once. Calls that touch its decode state
 // (steps, logits, resets, the rows) are serialized inside the library, so a stream's tokens are the same
-// as in a serial run; `engine_tokenize`, `engine_token_piece` and `engine_model_info` read only what
-// the load fixed and run beside them without waiting. `engine_free` while another thread is still
+// as in a serial run; `engine_tokenize`, `engine_token_piece`, `engine_model_info`, `engine_is_eog`,
+// `engine_eog_ids` and `engine_chat_template` read only what the load fixed and run beside them
+// without waiting. `engine_free` while another thread is still
 // inside a call on the same engine is the caller's bug.
 typedef struct engine engine;
 
