@@ -15,10 +15,10 @@ tests/data/tokenizer/spm_vocab.json and spm_expected.json: a SentencePiece BPE m
 fallback (Llama 2's settings) trained here with the `sentencepiece` package, as GGUF's pieces, scores
 and token types, and the ids `sentencepiece` itself gives for the test texts.
 
-tests/data/tokenizer/chat_expected.json: the Llama 3, Qwen2.5 and SmolLM2 chat templates
+tests/data/tokenizer/chat_expected.json: the Llama 3, Llama 3.1, Qwen2.5 and SmolLM2 chat templates
 (tests/data/tokenizer/templates/, as their tokenizer_config.json files give them) rendered by
 transformers' `apply_chat_template` over a few conversations, with and without a system message and
-the generation prompt.
+the generation prompt. Llama 3.1 writes today's date (strftime_now): "date" records the one rendered.
 
 Training is deterministic for a given package version; the files are committed, so tests need neither
 package.
@@ -286,6 +286,7 @@ def spm_data(text, texts):
 # template file -> (bos_token, eos_token) as the model's tokenizer_config.json names them.
 TEMPLATES = {
     "llama3.jinja": ("<|begin_of_text|>", "<|eot_id|>"),
+    "llama3.1.jinja": ("<|begin_of_text|>", "<|eot_id|>"),
     "qwen2.5.jinja": ("<|endoftext|>", "<|im_end|>"),
     "smollm2.jinja": ("<|im_start|>", "<|im_end|>"),
 }
@@ -308,6 +309,8 @@ CONVERSATIONS = [
 
 
 def chat_data():
+    import datetime
+
     from transformers import PreTrainedTokenizerFast
 
     cases = []
@@ -319,8 +322,10 @@ def chat_data():
         tok.chat_template = template
         for messages in CONVERSATIONS:
             for add_generation_prompt in (False, True):
+                date = datetime.datetime.now().strftime("%d %b %Y")
                 text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
                 cases.append({
+                    "date": date,
                     "template": name,
                     "bos_token": bos,
                     "eos_token": eos,
