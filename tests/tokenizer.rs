@@ -965,3 +965,41 @@ fn c_abi_renders_the_models_chat_template() {
     let e = CpuEngine::open(&hf);
     assert_eq!(chat_through_c(&e, &[(&user, &hello), (&user, &hello)], false).unwrap(), "<|bos|>2");
 }
+
+unsafe extern "C" fn collect_line(user: *mut std::os::raw::c_void, line: *const c_char) {
+    // SAFETY: the test passes a live Vec<String> as `user`, and the library a NUL-terminated line.
+    let lines = unsafe { &mut *(user as *mut Vec<String>) };
+    lines.push(unsafe { std::ffi::CStr::from_ptr(line) }.to_string_lossy().into_owned());
+}
+
+/// A GGUF whose pre-tokenizer name hostembed does not know loads, tokenizes, and logs one line naming it.
+#[test]
+fn unknown_pre_tokenizer_is_logged_once_at_load() {
+    let dir = Scratch::new("unknown-pre");
+    let cfg = tiny_config();
+    let path = dir.0.join("made-up.gguf");
+    write_gguf(&path, &cfg, &synthetic_weights(&cfg, 3, DType::F32), &committed_vocab().gguf_kv("made-up")).unwrap();
+    let mut lines: Vec<String> = Vec::new();
+    let mut opts = default_options();
+    opts.backend = engine_backend::Cpu;
+    opts.log = Some(collect_line);
+    opts.log_user = &mut lines as *mut Vec<String> as *mut std::os::raw::c_void;
+    let c_path = CString::new(path.to_str().unwrap()).unwrap();
+    let mut e = std::ptr::null_mut();
+    assert_eq!(
+        unsafe { engine_init_fit(c_path.as_ptr(), &opts, &mut e) },
+        Status::Ok,
+        "{}",
+        hostembed::status::last_error()
+    );
+    let e = CpuEngine(e);
+    let named: Vec<&String> = lines.iter().filter(|l| l.contains("made-up")).collect();
+    assert_eq!(named.len(), 1, "{lines:?}");
+    assert!(named[0].contains("pre-tokenizer") && named[0].contains("GPT-2"), "{}", named[0]);
+    let (s, ids, n) = e.tokenize(b"hostembed rows", ENGINE_BOS_NO, 16);
+    assert_eq!(s, Status::Ok);
+    assert_eq!(
+        &ids[..n],
+        &committed().encode("hostembed rows", None).unwrap().iter().map(|&i| i as i32).collect::<Vec<_>>()[..]
+    );
+}
