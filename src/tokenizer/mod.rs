@@ -45,8 +45,8 @@ pub struct Tokenizer {
 
 /// What turns text into ids.
 enum Model {
-    Hf(tokenizers::Tokenizer),
-    Spm(spm::Spm),
+    Hf(Box<tokenizers::Tokenizer>),
+    Spm(Box<spm::Spm>),
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -398,7 +398,7 @@ impl Tokenizer {
                 if is_padding(t, kind) { Vec::new() } else { spm::piece(t, kind.unwrap_or(token_type::NORMAL)) }
             })
             .collect();
-        Ok(Tokenizer { model: Model::Spm(model), pieces, notes: Vec::new(), default_add_bos: Some(true) })
+        Ok(Tokenizer { model: Model::Spm(Box::new(model)), pieces, notes: Vec::new(), default_add_bos: Some(true) })
     }
 
     /// The tokenizer a checkpoint points at, for a model of `vocab` ids; None when it has none. Errors
@@ -446,7 +446,7 @@ impl Tokenizer {
             };
         }
         // A tokenizer.json says through its post-processor whether BOS goes first (special.rs asks it).
-        Ok(Tokenizer { model: Model::Hf(inner), pieces, notes: Vec::new(), default_add_bos: None })
+        Ok(Tokenizer { model: Model::Hf(Box::new(inner)), pieces, notes: Vec::new(), default_add_bos: None })
     }
 
     /// The ids of `text`, after `add_bos` when given. Control tokens written in the text (`<|eos|>`)
