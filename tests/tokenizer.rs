@@ -1003,3 +1003,54 @@ fn unknown_pre_tokenizer_is_logged_once_at_load() {
         &committed().encode("hostembed rows", None).unwrap().iter().map(|&i| i as i32).collect::<Vec<_>>()[..]
     );
 }
+
+/// A GGUF carrying a SentencePiece vocabulary (`tokenizer.ggml.model = "llama"`, scores, byte pieces)
+/// loads with a text tokenizer that gives the sentencepiece package's ids, BOS first by default as
+/// llama.cpp does, and `tokenizer.ggml.add_space_prefix = false` honoured.
+#[test]
+fn gguf_sentencepiece_through_the_c_abi() {
+    let v = data("spm_vocab.json");
+    let tokens = strings(&v["tokens"]);
+    let scores: Vec<f32> = v["scores"].as_array().unwrap().iter().map(|s| s.as_f64().unwrap() as f32).collect();
+    let types: Vec<i32> = v["token_types"].as_array().unwrap().iter().map(|t| t.as_i64().unwrap() as i32).collect();
+    let expected = data("spm_expected.json");
+    let texts = strings(&expected["texts"]);
+    let dir = Scratch::new("gguf-spm");
+    let cfg = ModelConfig { vocab: tokens.len(), bos: Some(1), eos: Some(2), ..tiny_config() };
+    let weights = synthetic_weights(&cfg, 9, DType::F32);
+    let kv = |extra: Vec<(String, GgufValue)>| {
+        let mut kv = vec![
+            ("tokenizer.ggml.model".to_string(), GgufValue::String("llama".into())),
+            ("tokenizer.ggml.tokens".to_string(), GgufValue::ArrayString(tokens.clone())),
+            ("tokenizer.ggml.scores".to_string(), GgufValue::ArrayF32(scores.clone())),
+            ("tokenizer.ggml.token_type".to_string(), GgufValue::ArrayI32(types.clone())),
+        ];
+        kv.extend(extra);
+        kv
+    };
+    let path = dir.0.join("spm.gguf");
+    write_gguf(&path, &cfg, &weights, &kv(vec![])).unwrap();
+    let e = CpuEngine::open(&path);
+    let info = model_info(&e);
+    assert_eq!((info.add_bos, info.add_eos), (true, false));
+    assert_eq!(eog_ids(&e), vec![2]);
+    for (i, text) in texts.iter().enumerate() {
+        let want: Vec<i32> =
+            [1].into_iter().chain(ids_of(&expected["ids"][i]).into_iter().map(|id| id as i32)).collect();
+        let (s, ids, n) = e.tokenize(text.as_bytes(), ENGINE_BOS_MODEL, 4096);
+        assert_eq!(s, Status::Ok, "{}", hostembed::status::last_error());
+        assert_eq!(&ids[..n], &want[..], "text {text:?}");
+    }
+    // Byte pieces come back as their bytes through the C ABI.
+    let newline = tokens.iter().position(|t| t == "<0x0A>").unwrap() as i32;
+    assert_eq!(e.piece(newline).unwrap(), b"\n");
+    drop(e);
+
+    let bare = dir.0.join("bare.gguf");
+    write_gguf(&bare, &cfg, &weights, &kv(vec![("tokenizer.ggml.add_space_prefix".into(), GgufValue::Bool(false))]))
+        .unwrap();
+    let e = CpuEngine::open(&bare);
+    let (_, ids, n) = e.tokenize(b"the row", ENGINE_BOS_NO, 64);
+    let joined: Vec<u8> = ids[..n].iter().flat_map(|&id| e.piece(id).unwrap()).collect();
+    assert_eq!(joined, b"the row");
+}
