@@ -569,6 +569,7 @@ pub unsafe extern "C" fn engine_token_piece(e: *const engine, id: i32, buf: *mut
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn engine_is_eog(e: *const engine, id: i32) -> bool {
     guard_value("engine_is_eog", false, || {
+        // SAFETY: the caller passes an engine from engine_init_fit (or NULL, refused), not yet freed.
         let e = unsafe { handle(e) }?;
         Ok(u32::try_from(id).is_ok_and(|id| e.text.is_eog(id)))
     })
@@ -580,8 +581,10 @@ pub unsafe extern "C" fn engine_is_eog(e: *const engine, id: i32) -> bool {
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn engine_eog_ids(e: *const engine, out: *mut i32, cap: usize, n: *mut usize) -> engine_status {
     guard("engine_eog_ids", || {
+        // SAFETY: `n` is NULL (refused) or points at a size_t the caller owns.
         let n = unsafe { arg_mut(n, "n") }?;
         *n = 0;
+        // SAFETY: the caller passes an engine from engine_init_fit (or NULL, refused), not yet freed.
         let e = unsafe { handle(e) }?;
         let ids = &e.text.eog;
         *n = ids.len();
@@ -629,6 +632,7 @@ pub unsafe extern "C" fn engine_chat_template(
     }
     let mut need = 0i32;
     let status = guard("engine_chat_template", || {
+        // SAFETY: the caller passes an engine from engine_init_fit (or NULL, refused), not yet freed.
         let e = unsafe { handle(e) }?;
         if buf.is_null() && len > 0 {
             crate::bail!(InvalidArgument, "buf is NULL with len {len}");
