@@ -1,8 +1,10 @@
 /* Decodes a prompt with hostembed: loads the model where it fits, streams the text as it decodes, and
- * ends with prompt and decode tokens per second.
+ * ends with prompt and decode tokens per second. BOS goes first when the model says so; decoding stops
+ * at any of the model's end-of-generation tokens. With --chat the prompt is a user message (after an
+ * optional --system message) put in the model's own chat template.
  *
  *   decode MODEL [-p PROMPT] [-n TOKENS] [--context N] [--temp T] [--seed S] [--room BYTES]
- *          [--backend cpu|cuda|auto]
+ *          [--backend cpu|cuda|auto] [--chat [--system TEXT]]
  */
 #define _POSIX_C_SOURCE 200809L
 #include "hostembed.h"
@@ -15,7 +17,7 @@
 static void usage(const char *program) {
     fprintf(stderr,
             "usage: %s MODEL [-p PROMPT] [-n TOKENS] [--context N] [--temp T] [--seed S] [--room BYTES]\n"
-            "       [--backend cpu|cuda|auto]\n"
+            "       [--backend cpu|cuda|auto] [--chat [--system TEXT]]\n"
             "MODEL is an HF folder (config.json + safetensors) or a .gguf file.\n",
             program);
 }
@@ -85,6 +87,8 @@ static int print_piece(const engine *e, int32_t id) {
 int main(int argc, char **argv) {
     const char *model = NULL;
     const char *prompt = "hostembed moves the embedding rows into host memory, and";
+    const char *system_message = NULL;
+    int chat = 0;
     unsigned long long max_tokens = 32, context = 0, seed = 0, room = 0;
     double temperature = 0.0;
     engine_options opts = engine_default_options();
@@ -94,10 +98,14 @@ int main(int argc, char **argv) {
         const char *value = i + 1 < argc ? argv[i + 1] : NULL;
         int takes_value = strcmp(arg, "-p") == 0 || strcmp(arg, "-n") == 0 || strcmp(arg, "--context") == 0 ||
                           strcmp(arg, "--temp") == 0 || strcmp(arg, "--seed") == 0 || strcmp(arg, "--room") == 0 ||
-                          strcmp(arg, "--backend") == 0;
+                          strcmp(arg, "--backend") == 0 || strcmp(arg, "--system") == 0;
         if (strcmp(arg, "-h") == 0 || strcmp(arg, "--help") == 0) {
             usage(argv[0]);
             return 0;
+        }
+        if (strcmp(arg, "--chat") == 0) {
+            chat = 1;
+            continue;
         }
         if (takes_value && value == NULL) {
             fprintf(stderr, "decode: %s needs a value\n", arg);
@@ -105,6 +113,8 @@ int main(int argc, char **argv) {
         }
         if (strcmp(arg, "-p") == 0) {
             prompt = value;
+        } else if (strcmp(arg, "--system") == 0) {
+            system_message = value;
         } else if (strcmp(arg, "-n") == 0) {
             if (!parse_u64(value, arg, &max_tokens)) return 2;
         } else if (strcmp(arg, "--context") == 0) {
@@ -148,6 +158,10 @@ int main(int argc, char **argv) {
         usage(argv[0]);
         return 2;
     }
+    if (system_message != NULL && !chat) {
+        fprintf(stderr, "decode: --system goes with --chat\n");
+        return 2;
+    }
 
     if (context > UINT32_MAX) {
         fprintf(stderr, "decode: --context %llu is more than %lu tokens\n", context, (unsigned long)UINT32_MAX);
@@ -166,6 +180,7 @@ int main(int argc, char **argv) {
 
     int rc = 1;
     int32_t *ids = NULL;
+    char *chat_text = NULL;
     struct engine_model_info info;
     s = engine_model_info(e, &info);
     if (s != ENGINE_STATUS_OK) {
@@ -176,9 +191,39 @@ int main(int argc, char **argv) {
            (unsigned long long)info.vocab, (unsigned long long)info.layers, (unsigned long long)info.hidden,
            (unsigned long long)info.window, (unsigned long long)info.streams, placement_name(info.placement));
 
+    /* With --chat, the model's template turns the messages into the prompt; it writes BOS itself when
+     * the model wants one, so the text is tokenized as it stands. */
+    int32_t add_bos = ENGINE_BOS_MODEL;
+    if (chat) {
+        engine_chat_message messages[2];
+        size_t count = 0;
+        if (system_message != NULL) {
+            messages[count].role = "system";
+            messages[count++].content = system_message;
+        }
+        messages[count].role = "user";
+        messages[count++].content = prompt;
+        int32_t need = engine_chat_template(e, messages, count, true, NULL, 0);
+        if (need < 0) {
+            fail("engine_chat_template", (engine_status)-need);
+            goto done;
+        }
+        chat_text = malloc((size_t)need + 1);
+        if (chat_text == NULL) {
+            fprintf(stderr, "decode: no memory for a %d-byte chat prompt\n", need);
+            goto done;
+        }
+        int32_t again = engine_chat_template(e, messages, count, true, chat_text, (size_t)need + 1);
+        if (again != need) {
+            fail("engine_chat_template", again < 0 ? (engine_status)-again : ENGINE_STATUS_INVALID_ARGUMENT);
+            goto done;
+        }
+        prompt = chat_text;
+        add_bos = ENGINE_BOS_NO;
+    }
+
     /* Ask for the count first, then tokenize into a buffer of that size. */
     size_t n = 0;
-    bool add_bos = info.bos >= 0;
     s = engine_tokenize(e, prompt, strlen(prompt), add_bos, NULL, 0, &n);
     if (s != ENGINE_STATUS_OK) {
         fail("engine_tokenize", s);
@@ -217,13 +262,14 @@ int main(int argc, char **argv) {
         goto done;
     }
 
-    /* Each sampled token is printed, then fed back, until eos, -n tokens, or the window is full. */
+    /* Each sampled token is printed, then fed back, until an end-of-generation token (eos, end of turn),
+     * -n tokens, or the window is full. */
     unsigned long long generated = 0, steps = 0;
     unsigned long long position = n;
     const char *stop = "token limit";
     start = seconds_now();
     for (;;) {
-        if (info.eos >= 0 && next == info.eos) {
+        if (engine_is_eog(e, next)) {
             stop = "end of text";
             break;
         }
@@ -254,6 +300,7 @@ int main(int argc, char **argv) {
     rc = 0;
 
 done:
+    free(chat_text);
     free(ids);
     engine_free(e);
     return rc;

@@ -9,10 +9,19 @@
 #include <stdint.h>
 
 // The ABI this header describes; a caller compares it with `engine_abi_version()`.
-#define HOSTEMBED_ABI_VERSION 1
+#define HOSTEMBED_ABI_VERSION 2
 
 // The default reserve for the load's other buffers (kernel modules, the kit): about 85 MB measured.
 #define ENGINE_FIT_DEFAULT_RESERVE_BYTES (256 << 20)
+
+// `engine_tokenize`'s `add_bos`: no BOS (C's `false`).
+#define ENGINE_BOS_NO 0
+
+// BOS first when the model has one (C's `true`; any value but the two others means this too).
+#define ENGINE_BOS_YES 1
+
+// As the model says: BOS first when `engine_model_info.add_bos`, EOS last when `add_eos`.
+#define ENGINE_BOS_MODEL -1
 
 // What a call did; `ENGINE_STATUS_OK` is 0 so C can test `if (status)`.
 typedef enum engine_status {
@@ -96,8 +105,9 @@ typedef enum engine_dtype {
 //
 // Threads: an engine may be called from several threads at once. Calls that touch its decode state
 // (steps, logits, resets, the rows) are serialized inside the library, so a stream's tokens are the same
-// as in a serial run; `engine_tokenize`, `engine_token_piece` and `engine_model_info` read only what
-// the load fixed and run beside them without waiting. `engine_free` while another thread is still
+// as in a serial run; `engine_tokenize`, `engine_token_piece`, `engine_model_info`, `engine_is_eog`,
+// `engine_eog_ids` and `engine_chat_template` read only what the load fixed and run beside them
+// without waiting. `engine_free` while another thread is still
 // inside a call on the same engine is the caller's bug.
 typedef struct engine engine;
 
@@ -269,7 +279,18 @@ struct engine_model_info {
   enum engine_placement placement;
   // True when decoding runs on CUDA, false on the CPU backend.
   bool cuda;
+  // The model wants BOS before a prompt / EOS after it (GGUF `tokenizer.ggml.add_bos_token`,
+  // tokenizer_config.json's `add_bos_token`, else what its tokenizer does); false without the id.
+  bool add_bos;
+  bool add_eos;
 };
+
+// One message of a chat for `engine_chat_template`: NUL-terminated UTF-8 role ("system", "user",
+// "assistant", ...) and content.
+typedef struct engine_chat_message {
+  const char *role;
+  const char *content;
+} engine_chat_message;
 
 #ifdef __cplusplus
 extern "C" {
@@ -372,15 +393,17 @@ enum engine_status engine_reset(struct engine *e, uint32_t stream);
 // The model's figures and the engine's window and streams; runs beside steps without waiting.
 enum engine_status engine_model_info(const struct engine *e, struct engine_model_info *out);
 
-// Tokenizes `len` bytes of UTF-8 `text` (no NUL needed) into `ids`, after the model's bos when `add_bos`
-// is set and the model has one. `*n_out` is always set to the number of ids the text needs; `ids` may
+// Tokenizes `len` bytes of UTF-8 `text` (no NUL needed) into `ids`. `add_bos`: `ENGINE_BOS_NO` (0,
+// C's false) adds nothing; `ENGINE_BOS_MODEL` adds BOS and EOS as the model says
+// (`engine_model_info.add_bos` / `add_eos`); any other value (C's true) puts the model's BOS first
+// when it has one. `*n_out` is always set to the number of ids the text needs; `ids` may
 // be NULL with `cap` 0 to ask only for that. OUT_OF_RANGE when `cap` is smaller (nothing written),
 // UNSUPPORTED when the model has no usable tokenizer, INVALID_ARGUMENT for text that is not UTF-8,
 // BAD_MODEL when the model's tokenizer fails on the text. Runs beside steps without waiting.
 enum engine_status engine_tokenize(const struct engine *e,
                                    const char *text,
                                    size_t len,
-                                   bool add_bos,
+                                   int32_t add_bos,
                                    int32_t *ids,
                                    size_t cap,
                                    size_t *n_out);
@@ -395,6 +418,37 @@ int32_t engine_token_piece(const struct engine *e,
                            int32_t id,
                            char *buf,
                            size_t len);
+
+// Whether `id` ends a generation: the model's EOS, its end-of-turn and end-of-message ids, every token
+// whose text is a known end marker (`<|im_end|>`, `<|eot_id|>`, `<|end_of_text|>`, ...), and the eos
+// ids of generation_config.json. False for NULL or an id outside the vocabulary. Runs beside steps.
+bool engine_is_eog(const struct engine *e,
+                   int32_t id);
+
+// The end-of-generation ids (as `engine_is_eog` tests them), ascending, into `out`. `*n` is always set
+// to their number; `out` may be NULL with `cap` 0 to ask only for that; OUT_OF_RANGE when `cap` is
+// smaller (nothing written). Runs beside steps without waiting.
+enum engine_status engine_eog_ids(const struct engine *e,
+                                  int32_t *out,
+                                  size_t cap,
+                                  size_t *n);
+
+// Renders `n` messages with the model's own chat template (GGUF `tokenizer.chat_template`, or an HF
+// folder's tokenizer_config.json `chat_template` / chat_template.jinja) as transformers'
+// `apply_chat_template` does, with the model's BOS and EOS texts as `bos_token` / `eos_token`; with
+// `add_generation_prompt`, the text ends where the assistant's reply begins. The text is written into
+// `buf` like snprintf (at most `len - 1` bytes, then a NUL; `buf` may be NULL with `len` 0) and its
+// length is returned: call again with a larger buffer when it is `len` or more. The text is not
+// tokenized: pass it to `engine_tokenize` with `ENGINE_BOS_NO` when the template writes BOS itself.
+// On failure a negative status: -UNSUPPORTED when the model has no chat template, -BAD_MODEL for a
+// template that does not parse, -INVALID_ARGUMENT for NULLs, text that is not UTF-8, or messages the
+// template refuses (its raise_exception; the message says why). Runs beside steps without waiting.
+int32_t engine_chat_template(const struct engine *e,
+                             const struct engine_chat_message *messages,
+                             size_t n,
+                             bool add_generation_prompt,
+                             char *buf,
+                             size_t len);
 
 #ifdef __cplusplus
 }  // extern "C"

@@ -23,7 +23,7 @@ macro_rules! from_raw {
 }
 
 /// The ABI this header describes; a caller compares it with `engine_abi_version()`.
-pub const HOSTEMBED_ABI_VERSION: u32 = 1;
+pub const HOSTEMBED_ABI_VERSION: u32 = 2;
 
 // ---------------------------------------------------------------------------------------------
 // Status
@@ -320,4 +320,27 @@ pub struct engine_model_info {
     pub placement: engine_placement,
     /// True when decoding runs on CUDA, false on the CPU backend.
     pub cuda: bool,
+    /// The model wants BOS before a prompt / EOS after it (GGUF `tokenizer.ggml.add_bos_token`,
+    /// tokenizer_config.json's `add_bos_token`, else what its tokenizer does); false without the id.
+    pub add_bos: bool,
+    pub add_eos: bool,
+}
+
+// ---------------------------------------------------------------------------------------------
+// Text
+
+/// `engine_tokenize`'s `add_bos`: no BOS (C's `false`).
+pub const ENGINE_BOS_NO: i32 = 0;
+/// BOS first when the model has one (C's `true`; any value but the two others means this too).
+pub const ENGINE_BOS_YES: i32 = 1;
+/// As the model says: BOS first when `engine_model_info.add_bos`, EOS last when `add_eos`.
+pub const ENGINE_BOS_MODEL: i32 = -1;
+
+/// One message of a chat for `engine_chat_template`: NUL-terminated UTF-8 role ("system", "user",
+/// "assistant", ...) and content.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct engine_chat_message {
+    pub role: *const c_char,
+    pub content: *const c_char,
 }

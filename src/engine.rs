@@ -253,7 +253,12 @@ fn load_decoder(
 /// a broken one fails the load.
 fn load_tokenizer(ckpt: &Checkpoint, logger: &Logger) -> Result<Option<Arc<Tokenizer>>> {
     match Tokenizer::from_source(&ckpt.tokenizer, ckpt.config.vocab) {
-        Ok(t) => Ok(t.map(Arc::new)),
+        Ok(t) => {
+            for note in t.iter().flat_map(|t| t.notes()) {
+                logger.line(note);
+            }
+            Ok(t.map(Arc::new))
+        }
         Err(e) if e.status != Status::Unsupported => Err(e),
         Err(e) => {
             logger.line(&format!("no tokenizer, token ids only: {}", e.message));

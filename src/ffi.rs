@@ -165,8 +165,9 @@ use std::sync::{Arc, Mutex, MutexGuard};
 ///
 /// Threads: an engine may be called from several threads at once. Calls that touch its decode state
 /// (steps, logits, resets, the rows) are serialized inside the library, so a stream's tokens are the same
-/// as in a serial run; `engine_tokenize`, `engine_token_piece` and `engine_model_info` read only what
-/// the load fixed and run beside them without waiting. `engine_free` while another thread is still
+/// as in a serial run; `engine_tokenize`, `engine_token_piece`, `engine_model_info`, `engine_is_eog`,
+/// `engine_eog_ids` and `engine_chat_template` read only what the load fixed and run beside them
+/// without waiting. `engine_free` while another thread is still
 /// inside a call on the same engine is the caller's bug.
 pub struct engine {
     /// Everything a step may change, behind one lock.
@@ -174,6 +175,8 @@ pub struct engine {
     /// Fixed at the load, read without the lock.
     info: engine_model_info,
     tokenizer: Option<Arc<Tokenizer>>,
+    /// BOS/EOS flags, end-of-generation ids and the chat template, fixed at the load.
+    text: TextRules,
 }
 
 impl engine {
@@ -192,9 +195,13 @@ impl engine {
             eos: c.eos.map_or(-1, |b| b as i32),
             placement: e.rows().placement(),
             cuda: e.backend() == crate::engine::BackendKind::Cuda,
+            add_bos: false,
+            add_eos: false,
         };
         let tokenizer = e.shared_tokenizer();
-        engine { state: Mutex::new(e), info, tokenizer }
+        let text = special::resolve(&e.checkpoint().special, c.bos, c.eos, c.vocab, tokenizer.as_deref());
+        let info = engine_model_info { add_bos: text.add_bos, add_eos: text.add_eos, ..info };
+        engine { state: Mutex::new(e), info, tokenizer, text }
     }
 
     /// The engine's state, one caller at a time. A panic caught while the lock was held leaves the
@@ -445,7 +452,9 @@ pub unsafe extern "C" fn engine_model_info(e: *const engine, out: *mut engine_mo
 // ---------------------------------------------------------------------------------------------
 // Decode: tokenizer
 
-use crate::tokenizer::Tokenizer;
+use crate::abi::{ENGINE_BOS_MODEL, ENGINE_BOS_NO, engine_chat_message};
+use crate::tokenizer::special::{self, TextRules};
+use crate::tokenizer::{Tokenizer, chat};
 
 /// The engine's text tokenizer, or UNSUPPORTED saying why text cannot be used.
 fn text_tokenizer(e: &engine) -> Result<&Tokenizer> {
@@ -453,13 +462,15 @@ fn text_tokenizer(e: &engine) -> Result<&Tokenizer> {
         Error::new(
             Status::Unsupported,
             "the model has no usable tokenizer (no tokenizer.json beside the weights, or a GGUF tokenizer other \
-             than gpt2 byte-level BPE: the load's log says which); token ids still work",
+             than gpt2 byte-level BPE and llama SentencePiece: the load's log says which); token ids still work",
         )
     })
 }
 
-/// Tokenizes `len` bytes of UTF-8 `text` (no NUL needed) into `ids`, after the model's bos when `add_bos`
-/// is set and the model has one. `*n_out` is always set to the number of ids the text needs; `ids` may
+/// Tokenizes `len` bytes of UTF-8 `text` (no NUL needed) into `ids`. `add_bos`: `ENGINE_BOS_NO` (0,
+/// C's false) adds nothing; `ENGINE_BOS_MODEL` adds BOS and EOS as the model says
+/// (`engine_model_info.add_bos` / `add_eos`); any other value (C's true) puts the model's BOS first
+/// when it has one. `*n_out` is always set to the number of ids the text needs; `ids` may
 /// be NULL with `cap` 0 to ask only for that. OUT_OF_RANGE when `cap` is smaller (nothing written),
 /// UNSUPPORTED when the model has no usable tokenizer, INVALID_ARGUMENT for text that is not UTF-8,
 /// BAD_MODEL when the model's tokenizer fails on the text. Runs beside steps without waiting.
@@ -468,7 +479,7 @@ pub unsafe extern "C" fn engine_tokenize(
     e: *const engine,
     text: *const c_char,
     len: usize,
-    add_bos: bool,
+    add_bos: i32,
     ids: *mut i32,
     cap: usize,
     n_out: *mut usize,
@@ -485,8 +496,13 @@ pub unsafe extern "C" fn engine_tokenize(
         let text = std::str::from_utf8(bytes)
             .map_err(|err| crate::err!(InvalidArgument, "text is not UTF-8 at byte {}", err.valid_up_to()))?;
         let tokenizer = text_tokenizer(e)?;
-        let bos = u32::try_from(e.info.bos).ok().filter(|_| add_bos);
-        let tokens = tokenizer.encode(text, bos)?;
+        let (bos, eos) = match add_bos {
+            ENGINE_BOS_NO => (None, None),
+            ENGINE_BOS_MODEL => (e.text.bos.filter(|_| e.text.add_bos), e.text.eos.filter(|_| e.text.add_eos)),
+            _ => (e.text.bos, None),
+        };
+        let mut tokens = tokenizer.encode(text, bos)?;
+        tokens.extend(eos);
         let vocab = e.info.vocab as usize;
         if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
             crate::bail!(OutOfRange, "the tokenizer gave id {bad}, outside the model's vocabulary (0..{vocab})");
@@ -542,6 +558,113 @@ pub unsafe extern "C" fn engine_token_piece(e: *const engine, id: i32, buf: *mut
                 *buf.add(n) = 0;
             }
         }
+        Ok(())
+    });
+    if status == Status::Ok { need } else { -(status as i32) }
+}
+
+/// Whether `id` ends a generation: the model's EOS, its end-of-turn and end-of-message ids, every token
+/// whose text is a known end marker (`<|im_end|>`, `<|eot_id|>`, `<|end_of_text|>`, ...), and the eos
+/// ids of generation_config.json. False for NULL or an id outside the vocabulary. Runs beside steps.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn engine_is_eog(e: *const engine, id: i32) -> bool {
+    guard_value("engine_is_eog", false, || {
+        // SAFETY: the caller passes an engine from engine_init_fit (or NULL, refused), not yet freed.
+        let e = unsafe { handle(e) }?;
+        Ok(u32::try_from(id).is_ok_and(|id| e.text.is_eog(id)))
+    })
+}
+
+/// The end-of-generation ids (as `engine_is_eog` tests them), ascending, into `out`. `*n` is always set
+/// to their number; `out` may be NULL with `cap` 0 to ask only for that; OUT_OF_RANGE when `cap` is
+/// smaller (nothing written). Runs beside steps without waiting.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn engine_eog_ids(e: *const engine, out: *mut i32, cap: usize, n: *mut usize) -> engine_status {
+    guard("engine_eog_ids", || {
+        // SAFETY: `n` is NULL (refused) or points at a size_t the caller owns.
+        let n = unsafe { arg_mut(n, "n") }?;
+        *n = 0;
+        // SAFETY: the caller passes an engine from engine_init_fit (or NULL, refused), not yet freed.
+        let e = unsafe { handle(e) }?;
+        let ids = &e.text.eog;
+        *n = ids.len();
+        if out.is_null() {
+            if cap == 0 {
+                return Ok(());
+            }
+            crate::bail!(InvalidArgument, "out is NULL with cap {cap}");
+        }
+        if ids.len() > cap {
+            crate::bail!(OutOfRange, "the model has {} end-of-generation ids, out holds {cap}", ids.len());
+        }
+        // SAFETY: the caller promises `out` holds `cap` ids, and ids.len() <= cap.
+        let out = unsafe { std::slice::from_raw_parts_mut(out, ids.len()) };
+        for (slot, &id) in out.iter_mut().zip(ids) {
+            // Below the model's vocabulary, which fits i32 (checked at load).
+            *slot = id as i32;
+        }
+        Ok(())
+    })
+}
+
+/// Renders `n` messages with the model's own chat template (GGUF `tokenizer.chat_template`, or an HF
+/// folder's tokenizer_config.json `chat_template` / chat_template.jinja) as transformers'
+/// `apply_chat_template` does, with the model's BOS and EOS texts as `bos_token` / `eos_token`; with
+/// `add_generation_prompt`, the text ends where the assistant's reply begins. The text is written into
+/// `buf` like snprintf (at most `len - 1` bytes, then a NUL; `buf` may be NULL with `len` 0) and its
+/// length is returned: call again with a larger buffer when it is `len` or more. The text is not
+/// tokenized: pass it to `engine_tokenize` with `ENGINE_BOS_NO` when the template writes BOS itself.
+/// On failure a negative status: -UNSUPPORTED when the model has no chat template, -BAD_MODEL for a
+/// template that does not parse, -INVALID_ARGUMENT for NULLs, text that is not UTF-8, or messages the
+/// template refuses (its raise_exception; the message says why). Runs beside steps without waiting.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn engine_chat_template(
+    e: *const engine,
+    messages: *const engine_chat_message,
+    n: usize,
+    add_generation_prompt: bool,
+    buf: *mut c_char,
+    len: usize,
+) -> i32 {
+    if !buf.is_null() && len > 0 {
+        // SAFETY: the caller promises `buf` holds `len` bytes.
+        unsafe { *buf = 0 };
+    }
+    let mut need = 0i32;
+    let status = guard("engine_chat_template", || {
+        // SAFETY: the caller passes an engine from engine_init_fit (or NULL, refused), not yet freed.
+        let e = unsafe { handle(e) }?;
+        if buf.is_null() && len > 0 {
+            crate::bail!(InvalidArgument, "buf is NULL with len {len}");
+        }
+        if messages.is_null() && n > 0 {
+            crate::bail!(InvalidArgument, "messages is NULL with n {n}");
+        }
+        let template = e.text.chat_template.as_deref().ok_or_else(|| {
+            Error::new(Status::Unsupported, "the model has no chat template (tokenizer.chat_template, chat_template)")
+        })?;
+        let raw: &[engine_chat_message] =
+            // SAFETY: the caller promises `messages` holds `n` messages; n is 0 when it is NULL.
+            if n == 0 { &[] } else { unsafe { std::slice::from_raw_parts(messages, n) } };
+        let mut chat_messages = Vec::with_capacity(n);
+        for (i, m) in raw.iter().enumerate() {
+            let text = |p: *const c_char, field: &str| -> Result<&str> {
+                if p.is_null() {
+                    crate::bail!(InvalidArgument, "messages[{i}].{field} is NULL");
+                }
+                // SAFETY: the caller promises a NUL-terminated string that outlives the call.
+                unsafe { std::ffi::CStr::from_ptr(p) }.to_str().map_err(|err| {
+                    crate::err!(InvalidArgument, "messages[{i}].{field} is not UTF-8 at byte {}", err.valid_up_to())
+                })
+            };
+            chat_messages.push(chat::ChatMessage { role: text(m.role, "role")?, content: text(m.content, "content")? });
+        }
+        let rendered =
+            chat::render(template, &chat_messages, add_generation_prompt, &e.text.bos_text, &e.text.eos_text)?;
+        need = i32::try_from(rendered.len())
+            .map_err(|_| crate::err!(OutOfRange, "the rendered chat is {} bytes", rendered.len()))?;
+        // SAFETY: `buf` holds `len` bytes or is NULL with `len` 0.
+        unsafe { write_c_string(&rendered, buf, len) };
         Ok(())
     });
     if status == Status::Ok { need } else { -(status as i32) }

@@ -315,7 +315,7 @@ fn child(path: &Path) -> i32 {
     let text = "hostembed rows, 12345 and é";
     let statuses = [
         unsafe { ffi::engine_step(e, 0, [1i32, 2].as_ptr(), 2, &mut next) },
-        unsafe { ffi::engine_tokenize(e, text.as_ptr() as *const _, text.len(), true, ids.as_mut_ptr(), 64, &mut n) },
+        unsafe { ffi::engine_tokenize(e, text.as_ptr() as *const _, text.len(), 1, ids.as_mut_ptr(), 64, &mut n) },
         unsafe { ffi::engine_reset(e, 0) },
     ];
     let piece = unsafe { ffi::engine_token_piece(e, 5, std::ptr::null_mut(), 0) };

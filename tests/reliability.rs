@@ -369,15 +369,7 @@ fn tokenize(e: &Held, text: &str) -> Vec<i32> {
     let mut ids = vec![0i32; text.len() + 8];
     let mut n = 0usize;
     let st = unsafe {
-        ffi::engine_tokenize(
-            e.0,
-            text.as_ptr() as *const c_char,
-            text.len(),
-            false,
-            ids.as_mut_ptr(),
-            ids.len(),
-            &mut n,
-        )
+        ffi::engine_tokenize(e.0, text.as_ptr() as *const c_char, text.len(), 0, ids.as_mut_ptr(), ids.len(), &mut n)
     };
     assert_eq!(st, Status::Ok, "engine_tokenize: {}", last_error());
     ids.truncate(n);

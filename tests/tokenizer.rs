@@ -1,5 +1,8 @@
 //! The committed byte-level BPE: it loads, it round-trips any UTF-8 through its pieces, and the GGUF
-//! form of the same vocabulary tokenizes exactly as the tokenizer.json does.
+//! form of the same vocabulary tokenizes exactly as the tokenizer.json does. Every GGUF pre-tokenizer
+//! name and the SentencePiece tokenizer against ids another implementation gave
+//! (scripts/tokenizer_reference.py, tests/data/tokenizer/); BOS, EOS and end-of-generation ids as the
+//! model's files say; chat templates against transformers' renderings.
 
 mod common;
 
@@ -7,14 +10,21 @@ use common::Scratch;
 
 use common::Rng;
 use hostembed::Status;
+use hostembed::abi::{ENGINE_BOS_MODEL, ENGINE_BOS_NO, ENGINE_BOS_YES, engine_chat_message};
 use hostembed::checkpoint::Checkpoint;
 use hostembed::checkpoint::gguf::GgufValue;
 use hostembed::checkpoint::write::{synthetic_weights, write_gguf, write_hf_folder};
 use hostembed::engine::{default_options, engine_backend};
-use hostembed::ffi::{engine, engine_free, engine_init_fit, engine_token_piece, engine_tokenize};
+use hostembed::ffi::{
+    engine, engine_chat_template, engine_eog_ids, engine_free, engine_init_fit, engine_is_eog, engine_model_info,
+    engine_token_piece, engine_tokenize,
+};
 use hostembed::model::{Arch, ModelConfig, RopeScaling};
 use hostembed::tensor::DType;
+use hostembed::tokenizer::chat::{self, ChatMessage};
+use hostembed::tokenizer::pre;
 use hostembed::tokenizer::{self, GgufBpeVocab, Tokenizer, token_type};
+use serde_json::Value;
 use std::ffi::CString;
 use std::os::raw::c_char;
 use std::path::{Path, PathBuf};
@@ -223,9 +233,19 @@ fn unsupported_gguf_tokenizers_are_named() {
         assert_eq!(e.status, Status::Unsupported, "{model}: {e}");
         assert!(e.message.contains(&format!("\"{model}\"")), "{e}");
     }
-    let e = Tokenizer::from_gguf_bpe("gpt2", Some("made-up"), &v.tokens, &v.merges, &v.token_types).unwrap_err();
-    assert_eq!(e.status, Status::Unsupported);
-    assert!(e.message.contains("made-up"), "{e}");
+}
+
+/// A pre-tokenizer name no family lists still loads: GPT-2's split, and one note naming it.
+#[test]
+fn unknown_pre_tokenizer_names_fall_back_to_gpt2_with_a_note() {
+    let v = committed_vocab();
+    let made_up = Tokenizer::from_gguf_bpe("gpt2", Some("made-up"), &v.tokens, &v.merges, &v.token_types).unwrap();
+    assert_eq!(made_up.notes().len(), 1, "{:?}", made_up.notes());
+    assert!(made_up.notes()[0].contains("\"made-up\""), "{:?}", made_up.notes());
+    let gpt2 = gguf_form(Some("gpt-2"));
+    assert!(gpt2.notes().is_empty(), "{:?}", gpt2.notes());
+    let text = std::fs::read_to_string(asset("hostembed.txt")).unwrap() + " 12345 (x) 中文";
+    assert_eq!(made_up.encode(&text, None).unwrap(), gpt2.encode(&text, None).unwrap());
 }
 
 #[test]
@@ -343,14 +363,15 @@ fn checkpoints_carry_the_same_tokenizer_in_both_formats() {
         assert_eq!(t.encode(&text, Some(0)).unwrap(), json.encode(&text, Some(0)).unwrap(), "{}", path.display());
     }
 
-    // A GGUF whose tokenizer is not byte-level BPE still opens; its text tokenizer is refused by name.
+    // A GGUF whose tokenizer is neither byte-level BPE nor SentencePiece still opens; its text
+    // tokenizer is refused by name.
     let mut kv = committed_vocab().gguf_kv("gpt-2");
-    kv[0].1 = GgufValue::String("llama".into());
+    kv[0].1 = GgufValue::String("bert".into());
     write_gguf(&gguf, &cfg, &weights, &kv).unwrap();
     let ckpt = Checkpoint::open(&gguf).unwrap();
     let e = Tokenizer::from_source(&ckpt.tokenizer, cfg.vocab).unwrap_err();
     assert_eq!(e.status, Status::Unsupported);
-    assert!(e.message.contains("\"llama\""), "{e}");
+    assert!(e.message.contains("\"bert\""), "{e}");
 }
 
 /// An engine on the CPU backend over `model`, freed on drop.
@@ -367,7 +388,7 @@ impl CpuEngine {
         CpuEngine(e)
     }
 
-    fn tokenize(&self, text: &[u8], add_bos: bool, cap: usize) -> (Status, Vec<i32>, usize) {
+    fn tokenize(&self, text: &[u8], add_bos: i32, cap: usize) -> (Status, Vec<i32>, usize) {
         let mut ids = vec![-7i32; cap];
         let mut n = usize::MAX;
         let ptr = if cap == 0 { std::ptr::null_mut() } else { ids.as_mut_ptr() };
@@ -415,17 +436,17 @@ fn c_abi_tokenizes_and_returns_pieces() {
     for model in [&hf, &gguf] {
         let e = CpuEngine::open(model);
         // Asking for the count, then too small a buffer (nothing written), then enough.
-        let (s, _, n) = e.tokenize(text.as_bytes(), true, 0);
+        let (s, _, n) = e.tokenize(text.as_bytes(), ENGINE_BOS_YES, 0);
         assert_eq!((s, n), (Status::Ok, expected.len()), "{}", model.display());
-        let (s, ids, n) = e.tokenize(text.as_bytes(), true, expected.len() - 1);
+        let (s, ids, n) = e.tokenize(text.as_bytes(), ENGINE_BOS_YES, expected.len() - 1);
         assert_eq!((s, n), (Status::OutOfRange, expected.len()));
         assert!(ids.iter().all(|&i| i == -7), "a failed call wrote ids");
         assert!(hostembed::status::last_error().contains(&format!("{} ids", expected.len())));
-        let (s, ids, n) = e.tokenize(text.as_bytes(), true, expected.len() + 3);
+        let (s, ids, n) = e.tokenize(text.as_bytes(), ENGINE_BOS_YES, expected.len() + 3);
         assert_eq!((s, n), (Status::Ok, expected.len()));
         assert_eq!(&ids[..n], &expected[..]);
         assert_eq!(&ids[n..], &[-7, -7, -7]);
-        let (_, ids, n) = e.tokenize(text.as_bytes(), false, 64);
+        let (_, ids, n) = e.tokenize(text.as_bytes(), ENGINE_BOS_NO, 64);
         assert_eq!(&ids[..n], &expected[1..]);
 
         // The pieces give the text back byte for byte, a NUL byte included.
@@ -444,10 +465,10 @@ fn c_abi_tokenizes_and_returns_pieces() {
         assert_eq!(e.piece(520), Err(-(Status::OutOfRange as i32)));
         assert_eq!(e.piece(-1), Err(-(Status::OutOfRange as i32)));
 
-        let (s, _, n) = e.tokenize(&[b'a', 0xff, b'b'], false, 8);
+        let (s, _, n) = e.tokenize(&[b'a', 0xff, b'b'], ENGINE_BOS_NO, 8);
         assert_eq!((s, n), (Status::InvalidArgument, 0));
         assert!(hostembed::status::last_error().contains("byte 1"), "{}", hostembed::status::last_error());
-        let (s, _, n) = e.tokenize(b"", true, 8);
+        let (s, _, n) = e.tokenize(b"", ENGINE_BOS_YES, 8);
         assert_eq!((s, n), (Status::Ok, 1));
     }
 }
@@ -460,7 +481,7 @@ fn c_abi_without_a_tokenizer_refuses_text_only() {
     std::fs::create_dir_all(&hf).unwrap();
     write_hf_folder(&hf, &cfg, &synthetic_weights(&cfg, 3, DType::F32), 1).unwrap();
     let e = CpuEngine::open(&hf);
-    let (s, _, n) = e.tokenize(b"text", false, 8);
+    let (s, _, n) = e.tokenize(b"text", ENGINE_BOS_NO, 8);
     assert_eq!((s, n), (Status::Unsupported, 0));
     assert!(hostembed::status::last_error().contains("tokenizer"), "{}", hostembed::status::last_error());
     assert_eq!(e.piece(5), Err(-(Status::Unsupported as i32)));
@@ -469,14 +490,567 @@ fn c_abi_without_a_tokenizer_refuses_text_only() {
     let mut n = 0usize;
     let mut ids = [0i32; 4];
     let null_engine =
-        unsafe { engine_tokenize(std::ptr::null(), c"x".as_ptr(), 1, false, ids.as_mut_ptr(), 4, &mut n) };
+        unsafe { engine_tokenize(std::ptr::null(), c"x".as_ptr(), 1, ENGINE_BOS_NO, ids.as_mut_ptr(), 4, &mut n) };
     assert_eq!(null_engine, Status::InvalidArgument);
-    let null_n = unsafe { engine_tokenize(e.0, c"x".as_ptr(), 1, false, ids.as_mut_ptr(), 4, std::ptr::null_mut()) };
+    let null_n =
+        unsafe { engine_tokenize(e.0, c"x".as_ptr(), 1, ENGINE_BOS_NO, ids.as_mut_ptr(), 4, std::ptr::null_mut()) };
     assert_eq!(null_n, Status::InvalidArgument);
-    let null_text = unsafe { engine_tokenize(e.0, std::ptr::null(), 3, false, ids.as_mut_ptr(), 4, &mut n) };
+    let null_text = unsafe { engine_tokenize(e.0, std::ptr::null(), 3, ENGINE_BOS_NO, ids.as_mut_ptr(), 4, &mut n) };
     assert_eq!(null_text, Status::InvalidArgument);
     assert_eq!(
         unsafe { engine_token_piece(std::ptr::null(), 3, std::ptr::null_mut(), 0) },
         -(Status::InvalidArgument as i32)
     );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Reference data from scripts/tokenizer_reference.py
+
+fn data(name: &str) -> Value {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/tokenizer").join(name);
+    serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+fn strings(v: &Value) -> Vec<String> {
+    v.as_array().unwrap().iter().map(|s| s.as_str().unwrap().to_string()).collect()
+}
+
+fn ids_of(v: &Value) -> Vec<u32> {
+    v.as_array().unwrap().iter().map(|id| id.as_u64().unwrap() as u32).collect()
+}
+
+struct BpeVocab {
+    tokens: Vec<String>,
+    merges: Vec<String>,
+    types: Vec<i32>,
+}
+
+fn reference_bpe_vocab() -> BpeVocab {
+    let v = data("bpe_vocab.json");
+    BpeVocab {
+        tokens: strings(&v["tokens"]),
+        merges: strings(&v["merges"]),
+        types: v["token_types"].as_array().unwrap().iter().map(|t| t.as_i64().unwrap() as i32).collect(),
+    }
+}
+
+/// Each `tokenizer.ggml.pre` name gives, on a vocabulary trained on mixed scripts, the ids the Python
+/// `tokenizers` package gives with the model family's own pre-tokenizer; and the reference covers
+/// exactly the names hostembed knows.
+#[test]
+fn every_pre_tokenizer_name_matches_the_reference() {
+    let v = reference_bpe_vocab();
+    let expected = data("bpe_expected.json");
+    let texts = strings(&expected["texts"]);
+    let names = expected["names"].as_object().unwrap();
+    let known: Vec<&str> = pre::PRE_TOKENIZERS.iter().flat_map(|p| p.names.iter().copied()).collect();
+    let mut reference: Vec<&str> = names.keys().map(String::as_str).collect();
+    let mut ours = known.clone();
+    reference.sort_unstable();
+    ours.sort_unstable();
+    assert_eq!(ours, reference, "the table and the reference name different pre-tokenizers");
+    assert!(known.len() >= 60, "{} names", known.len());
+    let mut distinct = std::collections::HashSet::new();
+    for (name, index) in names {
+        let results = &expected["results"][index.as_u64().unwrap() as usize];
+        let t = Tokenizer::from_gguf_bpe("gpt2", Some(name), &v.tokens, &v.merges, &v.types)
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert!(t.notes().is_empty(), "{name}: {:?}", t.notes());
+        let mut all = Vec::new();
+        for (i, text) in texts.iter().enumerate() {
+            let ids = t.encode(text, None).unwrap();
+            assert_eq!(ids, ids_of(&results[i]), "pre-tokenizer {name}, text {i} {text:?}");
+            // Whatever the split, the pieces give the text back.
+            assert_eq!(pieces_joined(&t, &ids), text.as_bytes(), "{name}: text {text:?}");
+            all.extend(ids);
+        }
+        distinct.insert(all);
+    }
+    // The texts tell the families apart: most give ids of their own.
+    assert!(distinct.len() >= 12, "only {} distinct tokenizations", distinct.len());
+}
+
+/// Padding rows (type UNUSED, `[PAD123]` names) are empty pieces, as ids a tokenizer.json lacks are.
+#[test]
+fn padding_tokens_are_empty_pieces() {
+    let mut v = reference_bpe_vocab();
+    let pads: Vec<usize> = (0..v.tokens.len()).filter(|&i| v.types[i] == token_type::UNUSED).collect();
+    assert_eq!(pads.len(), 2);
+    // A [PAD..] name marked NORMAL, as some converters write them, and a look-alike that is not one.
+    v.tokens.push(format!("[PAD{}]", v.tokens.len()));
+    v.types.push(token_type::NORMAL);
+    v.tokens.push("[PAD]x".into());
+    v.types.push(token_type::NORMAL);
+    let t = Tokenizer::from_gguf_bpe("gpt2", Some("qwen2"), &v.tokens, &v.merges, &v.types).unwrap();
+    for &id in &pads {
+        assert!(v.tokens[id].starts_with("[PAD"), "{}", v.tokens[id]);
+        assert_eq!(t.piece(id as u32).unwrap(), b"", "piece of {}", v.tokens[id]);
+    }
+    let n = v.tokens.len() as u32;
+    assert_eq!(t.piece(n - 2).unwrap(), b"");
+    assert_eq!(t.piece(n - 1).unwrap(), b"[PAD]x");
+    assert_eq!(t.piece(0).unwrap(), b"<|bos|>", "control tokens keep their text");
+}
+
+/// The SentencePiece form (Llama 2's `tokenizer.ggml.model = "llama"`) gives the ids the
+/// `sentencepiece` package gives for the same model, and its pieces give the text back after the
+/// space it puts first.
+#[test]
+fn sentencepiece_matches_the_reference() {
+    let v = data("spm_vocab.json");
+    let tokens = strings(&v["tokens"]);
+    let scores: Vec<f32> = v["scores"].as_array().unwrap().iter().map(|s| s.as_f64().unwrap() as f32).collect();
+    let types: Vec<i32> = v["token_types"].as_array().unwrap().iter().map(|t| t.as_i64().unwrap() as i32).collect();
+    let t = Tokenizer::from_gguf_spm(&tokens, &scores, &types, true).unwrap();
+    let expected = data("spm_expected.json");
+    let texts = strings(&expected["texts"]);
+    let mut saw_bytes = false;
+    for (i, text) in texts.iter().enumerate() {
+        let ids = t.encode(text, None).unwrap();
+        assert_eq!(ids, ids_of(&expected["ids"][i]), "text {i} {text:?}");
+        let joined = pieces_joined(&t, &ids);
+        let want = if text.is_empty() { String::new() } else { format!(" {text}") };
+        assert_eq!(joined, want.as_bytes(), "text {text:?}");
+        saw_bytes |= ids.iter().any(|&id| types[id as usize] == token_type::BYTE);
+    }
+    assert!(saw_bytes, "no text fell back to byte pieces");
+    assert!(texts.len() >= 15, "{} texts", texts.len());
+    // Control tokens written in the text are their ids; the text after one gets the space again.
+    let (bos, eos) = (t.token_id("<s>").unwrap(), t.token_id("</s>").unwrap());
+    let ids = t.encode("the</s><s>the", None).unwrap();
+    let the = t.encode("the", None).unwrap();
+    assert_eq!(ids, [the.clone(), vec![eos, bos], the].concat());
+    // Without the space prefix, text starts as written.
+    let bare = Tokenizer::from_gguf_spm(&tokens, &scores, &types, false).unwrap();
+    assert_eq!(pieces_joined(&bare, &bare.encode("the row", None).unwrap()), b"the row");
+}
+
+#[test]
+fn malformed_sentencepiece_vocabularies_are_bad_models() {
+    let v = data("spm_vocab.json");
+    let tokens = strings(&v["tokens"]);
+    let types: Vec<i32> = v["token_types"].as_array().unwrap().iter().map(|t| t.as_i64().unwrap() as i32).collect();
+    let e = Tokenizer::from_gguf_spm(&tokens, &[0.0; 3], &types, true).unwrap_err();
+    assert_eq!(e.status, Status::BadModel);
+    assert!(e.message.contains("scores"), "{e}");
+    let mut bad = types.clone();
+    bad[10] = token_type::BYTE;
+    let mut named = tokens.clone();
+    named[10] = "<0xZZ>".into();
+    let e = Tokenizer::from_gguf_spm(&named, &[], &bad, true).unwrap_err();
+    assert_eq!(e.status, Status::BadModel);
+    assert!(e.message.contains("<0xZZ>"), "{e}");
+    // Neither byte pieces nor an unknown token: some text could not be spelled, so no text tokenizer.
+    let words: Vec<String> = ["a", "b", "ab"].map(String::from).to_vec();
+    let e = Tokenizer::from_gguf_spm(&words, &[0.0, 0.0, 1.0], &[token_type::NORMAL; 3], true).unwrap_err();
+    assert_eq!(e.status, Status::Unsupported, "{e}");
+}
+
+// ---------------------------------------------------------------------------------------------
+// BOS, EOS and end of generation through the C ABI
+
+fn model_info(e: &CpuEngine) -> engine_model_info {
+    let mut info: engine_model_info = unsafe { std::mem::zeroed() };
+    assert_eq!(unsafe { hostembed::ffi::engine_model_info(e.0, &mut info) }, Status::Ok);
+    info
+}
+
+fn eog_ids(e: &CpuEngine) -> Vec<i32> {
+    let mut n = usize::MAX;
+    assert_eq!(unsafe { engine_eog_ids(e.0, std::ptr::null_mut(), 0, &mut n) }, Status::Ok);
+    let mut out = vec![-9i32; n + 2];
+    let mut again = 0usize;
+    if n > 0 {
+        assert_eq!(unsafe { engine_eog_ids(e.0, out.as_mut_ptr(), n - 1, &mut again) }, Status::OutOfRange);
+        assert_eq!(again, n);
+        assert!(out.iter().all(|&i| i == -9), "a refused call wrote ids");
+    }
+    assert_eq!(unsafe { engine_eog_ids(e.0, out.as_mut_ptr(), out.len(), &mut again) }, Status::Ok);
+    assert_eq!(again, n);
+    assert_eq!(&out[n..], &[-9, -9]);
+    out.truncate(n);
+    out
+}
+
+/// The reference BPE vocabulary as a GGUF model, with extra tokenizer keys.
+fn reference_gguf(dir: &Scratch, name: &str, extra: Vec<(String, GgufValue)>) -> PathBuf {
+    let v = reference_bpe_vocab();
+    let cfg = ModelConfig { vocab: v.tokens.len() + 6, bos: Some(0), eos: Some(1), ..tiny_config() };
+    let mut kv = GgufBpeVocab { tokens: v.tokens, merges: v.merges, token_types: v.types }.gguf_kv("smollm");
+    kv.extend(extra);
+    let path = dir.0.join(name);
+    write_gguf(&path, &cfg, &synthetic_weights(&cfg, 3, DType::F32), &kv).unwrap();
+    path
+}
+
+/// GGUF keys decide BOS and EOS; ENGINE_BOS_MODEL follows them, the old true/false still work, and the
+/// end-of-generation ids are EOS, the eot/eom keys and the vocabulary's known end markers.
+#[test]
+fn gguf_keys_decide_bos_eos_and_end_of_generation() {
+    let dir = Scratch::new("gguf-special");
+    let v = reference_bpe_vocab();
+    let id = |t: &str| v.tokens.iter().position(|x| x == t).unwrap() as i32;
+    let text = b"rows in host memory";
+
+    // SmolLM2's keys: no BOS. The smollm pre-tokenizer loads without a note.
+    let quiet = reference_gguf(
+        &dir,
+        "no-bos.gguf",
+        vec![
+            ("tokenizer.ggml.add_bos_token".into(), GgufValue::Bool(false)),
+            ("tokenizer.ggml.eot_token_id".into(), GgufValue::U32(2)),
+        ],
+    );
+    let e = CpuEngine::open(&quiet);
+    let info = model_info(&e);
+    assert_eq!((info.bos, info.eos, info.add_bos, info.add_eos), (0, 1, false, false));
+    let (s, plain, n) = e.tokenize(text, ENGINE_BOS_NO, 64);
+    assert_eq!(s, Status::Ok);
+    let plain = plain[..n].to_vec();
+    let (_, ids, n) = e.tokenize(text, ENGINE_BOS_MODEL, 64);
+    assert_eq!(&ids[..n], &plain[..], "the model says no BOS");
+    let (_, ids, n) = e.tokenize(text, ENGINE_BOS_YES, 64);
+    assert_eq!(&ids[..n], &[&[0], &plain[..]].concat()[..], "asked for BOS, BOS comes first");
+    // EOS (1), the eot key (2 = <|im_start|>, named so here), and the markers <|im_end|> and <|eot_id|>.
+    let mut want = vec![1, 2, id("<|im_end|>"), id("<|eot_id|>")];
+    want.sort_unstable();
+    assert_eq!(eog_ids(&e), want);
+    for i in 0..v.tokens.len() as i32 + 6 {
+        assert_eq!(unsafe { engine_is_eog(e.0, i) }, want.contains(&i), "id {i}");
+    }
+    assert!(!unsafe { engine_is_eog(e.0, -1) });
+    assert!(!unsafe { engine_is_eog(e.0, i32::MAX) });
+    assert!(!unsafe { engine_is_eog(std::ptr::null(), 1) });
+    drop(e);
+
+    // Keys asking for both: ENGINE_BOS_MODEL puts BOS first and EOS last.
+    let both = reference_gguf(
+        &dir,
+        "both.gguf",
+        vec![
+            ("tokenizer.ggml.add_bos_token".into(), GgufValue::Bool(true)),
+            ("tokenizer.ggml.add_eos_token".into(), GgufValue::Bool(true)),
+        ],
+    );
+    let e = CpuEngine::open(&both);
+    let info = model_info(&e);
+    assert_eq!((info.add_bos, info.add_eos), (true, true));
+    let (_, ids, n) = e.tokenize(text, ENGINE_BOS_MODEL, 64);
+    assert_eq!(&ids[..n], &[&[0], &plain[..], &[1]].concat()[..]);
+    drop(e);
+
+    // No keys: the pre-tokenizer family decides (llama-bpe wants BOS, as llama.cpp has it).
+    let dir2 = Scratch::new("gguf-special-default");
+    let v2 = reference_bpe_vocab();
+    let cfg = ModelConfig { vocab: v2.tokens.len(), bos: Some(0), eos: Some(1), ..tiny_config() };
+    let vocab = GgufBpeVocab { tokens: v2.tokens, merges: v2.merges, token_types: v2.types };
+    for (pre, want) in [("llama-bpe", true), ("qwen2", false)] {
+        let path = dir2.0.join(format!("{pre}.gguf"));
+        write_gguf(&path, &cfg, &synthetic_weights(&cfg, 3, DType::F32), &vocab.gguf_kv(pre)).unwrap();
+        let e = CpuEngine::open(&path);
+        assert_eq!(model_info(&e).add_bos, want, "{pre}");
+    }
+}
+
+/// tokenizer_config.json decides BOS and EOS on the HF path, else the tokenizer.json post-processor;
+/// config.json and generation_config.json eos lists end generation.
+#[test]
+fn hf_configs_decide_bos_eos_and_end_of_generation() {
+    let dir = Scratch::new("hf-special");
+    let cfg = tiny_config();
+    let hf = dir.0.join("hf");
+    std::fs::create_dir_all(&hf).unwrap();
+    write_hf_folder(&hf, &cfg, &synthetic_weights(&cfg, 5, DType::F32), 1).unwrap();
+    std::fs::copy(asset("tokenizer.json"), hf.join("tokenizer.json")).unwrap();
+    let text = b"host memory";
+
+    // Nothing says: the committed tokenizer.json has no post-processor, so no BOS.
+    let e = CpuEngine::open(&hf);
+    assert_eq!((model_info(&e).add_bos, model_info(&e).add_eos), (false, false));
+    assert_eq!(eog_ids(&e), vec![1]);
+    let (_, plain, n) = e.tokenize(text, ENGINE_BOS_NO, 64);
+    let plain = plain[..n].to_vec();
+    drop(e);
+
+    std::fs::write(hf.join("tokenizer_config.json"), r#"{"add_bos_token": true, "add_eos_token": false, "bos_token": {"content": "<|bos|>"}, "eos_token": "<|eos|>"}"#).unwrap();
+    std::fs::write(hf.join("generation_config.json"), r#"{"eos_token_id": [1, 7, 9]}"#).unwrap();
+    let e = CpuEngine::open(&hf);
+    assert_eq!((model_info(&e).add_bos, model_info(&e).add_eos), (true, false));
+    let (_, ids, n) = e.tokenize(text, ENGINE_BOS_MODEL, 64);
+    assert_eq!(&ids[..n], &[&[0], &plain[..]].concat()[..]);
+    assert_eq!(eog_ids(&e), vec![1, 7, 9]);
+    drop(e);
+
+    // A post-processor that puts BOS first is what transformers applies when the config is silent.
+    let mut json: Value = serde_json::from_str(&std::fs::read_to_string(asset("tokenizer.json")).unwrap()).unwrap();
+    json["post_processor"] = serde_json::json!({
+        "type": "TemplateProcessing",
+        "single": [{"SpecialToken": {"id": "<|bos|>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {"<|bos|>": {"id": "<|bos|>", "ids": [0], "tokens": ["<|bos|>"]}}
+    });
+    std::fs::write(hf.join("tokenizer.json"), serde_json::to_string(&json).unwrap()).unwrap();
+    std::fs::write(hf.join("tokenizer_config.json"), "{}").unwrap();
+    let e = CpuEngine::open(&hf);
+    assert!(model_info(&e).add_bos, "the post-processor adds BOS");
+    drop(e);
+
+    // A broken optional file is a clear BAD_MODEL naming it.
+    std::fs::write(hf.join("tokenizer_config.json"), r#"{"add_bos_token": "yes"}"#).unwrap();
+    let path = CString::new(hf.to_str().unwrap()).unwrap();
+    let mut opts = default_options();
+    opts.backend = engine_backend::Cpu;
+    let mut e = std::ptr::null_mut();
+    assert_eq!(unsafe { engine_init_fit(path.as_ptr(), &opts, &mut e) }, Status::BadModel);
+    assert!(e.is_null());
+    assert!(hostembed::status::last_error().contains("tokenizer_config.json"), "{}", hostembed::status::last_error());
+}
+
+// ---------------------------------------------------------------------------------------------
+// Chat templates
+
+fn template(name: &str) -> String {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/tokenizer/templates").join(name);
+    std::fs::read_to_string(path).unwrap()
+}
+
+/// Llama 3, Llama 3.1, Qwen2.5 and SmolLM2 templates render what transformers' apply_chat_template
+/// renders.
+#[test]
+fn chat_templates_match_transformers() {
+    let cases = data("chat_expected.json");
+    let cases = cases.as_array().unwrap();
+    assert_eq!(cases.len(), 32);
+    let today = chat::render("{{ strftime_now('%d %b %Y') }}", &[], false, "", "").unwrap();
+    let mut dated = 0;
+    let mut names = std::collections::BTreeSet::new();
+    for case in cases {
+        let name = case["template"].as_str().unwrap();
+        names.insert(name);
+        let messages: Vec<ChatMessage> = case["messages"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|m| ChatMessage { role: m["role"].as_str().unwrap(), content: m["content"].as_str().unwrap() })
+            .collect();
+        let generation = case["add_generation_prompt"].as_bool().unwrap();
+        let got = chat::render(
+            &template(name),
+            &messages,
+            generation,
+            case["bos_token"].as_str().unwrap(),
+            case["eos_token"].as_str().unwrap(),
+        )
+        .unwrap_or_else(|e| panic!("{name}: {e}"));
+        // Llama 3.1 writes the date it renders on: the reference's, here today's.
+        let date = case["date"].as_str().unwrap();
+        let want = case["text"].as_str().unwrap();
+        dated += want.contains(&format!("Today Date: {date}")) as usize;
+        let want = want.replace(&format!("Today Date: {date}"), &format!("Today Date: {today}"));
+        assert_eq!(got, want, "{name}, {} messages, generation {generation}", messages.len());
+    }
+    assert_eq!(names.len(), 4);
+    assert_eq!(dated, 4, "the Llama 3.1 cases with a system message carry a date");
+}
+
+/// What templates use beyond plain Jinja: raise_exception, loop controls, Python string methods,
+/// tojson as Python writes it, strftime_now.
+#[test]
+fn chat_template_functions() {
+    let m = [ChatMessage { role: "user", content: "  Hi \"you\"\n" }];
+    let render = |t: &str| chat::render(t, &m, false, "<s>", "</s>");
+    let e = render("{{ raise_exception('roles must alternate') }}").unwrap_err();
+    assert_eq!(e.status, Status::InvalidArgument);
+    assert!(e.message.contains("roles must alternate"), "{e}");
+    assert_eq!(render("{% for i in [1,2,3,4] %}{% if i == 2 %}{% continue %}{% endif %}{% if i == 4 %}{% break %}{% endif %}{{ i }}{% endfor %}").unwrap(), "13");
+    assert_eq!(
+        render("{{ messages[0].content.strip() }}|{{ messages[0]['role'].upper() }}|{{ 'a,b'.split(',') | length }}")
+            .unwrap(),
+        "Hi \"you\"|USER|2"
+    );
+    assert_eq!(render("{{ messages[0] | tojson }}").unwrap(), r#"{"content": "  Hi \"you\"\n", "role": "user"}"#);
+    assert_eq!(
+        render("{{ [1, 'é', none, true] | tojson(indent=2) }}").unwrap(),
+        "[\n  1,\n  \"é\",\n  null,\n  true\n]"
+    );
+    assert_eq!(
+        render("{{ bos_token }}{{ eos_token }}{{ tools is none }}").unwrap(),
+        "<s></s>True",
+        "Python's spelling"
+    );
+    let year = render("{{ strftime_now('%Y') }}").unwrap();
+    assert!(year.len() == 4 && year.starts_with("20"), "{year}");
+    let e = render("{% if %}").unwrap_err();
+    assert_eq!(e.status, Status::BadModel, "{e}");
+}
+
+fn chat_through_c(e: &CpuEngine, messages: &[(&CString, &CString)], generation: bool) -> Result<String, i32> {
+    let raw: Vec<engine_chat_message> =
+        messages.iter().map(|(r, c)| engine_chat_message { role: r.as_ptr(), content: c.as_ptr() }).collect();
+    let need = unsafe { engine_chat_template(e.0, raw.as_ptr(), raw.len(), generation, std::ptr::null_mut(), 0) };
+    if need < 0 {
+        return Err(need);
+    }
+    // Too small a buffer: truncated like snprintf, the full length still returned.
+    let mut small = vec![0x55 as c_char; 5];
+    let again = unsafe { engine_chat_template(e.0, raw.as_ptr(), raw.len(), generation, small.as_mut_ptr(), 5) };
+    assert_eq!(again, need);
+    assert_eq!(small[4], 0);
+    let mut buf = vec![0x55 as c_char; need as usize + 1];
+    let again = unsafe { engine_chat_template(e.0, raw.as_ptr(), raw.len(), generation, buf.as_mut_ptr(), buf.len()) };
+    assert_eq!(again, need);
+    assert_eq!(buf[need as usize], 0);
+    assert_eq!(&small[..4], &buf[..4]);
+    Ok(String::from_utf8(buf[..need as usize].iter().map(|&c| c as u8).collect()).unwrap())
+}
+
+/// engine_chat_template renders the GGUF's tokenizer.chat_template and an HF folder's
+/// tokenizer_config.json template with the model's BOS text; models without one are UNSUPPORTED.
+#[test]
+fn c_abi_renders_the_models_chat_template() {
+    let dir = Scratch::new("chat-c");
+    let llama3 = template("llama3.jinja");
+    let gguf =
+        reference_gguf(&dir, "chat.gguf", vec![("tokenizer.chat_template".into(), GgufValue::String(llama3.clone()))]);
+    let (system, user) = (CString::new("system").unwrap(), CString::new("user").unwrap());
+    let (be_brief, hello) = (CString::new("Be brief.").unwrap(), CString::new("Hello é").unwrap());
+    let e = CpuEngine::open(&gguf);
+    let text = chat_through_c(&e, &[(&system, &be_brief), (&user, &hello)], true).unwrap();
+    let want = chat::render(
+        &llama3,
+        &[ChatMessage { role: "system", content: "Be brief." }, ChatMessage { role: "user", content: "Hello é" }],
+        true,
+        "<|bos|>",
+        "<|eos|>",
+    )
+    .unwrap();
+    assert_eq!(text, want);
+    assert!(text.starts_with("<|bos|><|start_header_id|>system"), "{text}");
+    assert!(text.ends_with("<|start_header_id|>assistant<|end_header_id|>\n\n"), "{text}");
+    // NULLs and bad text are refused by name.
+    let bad = engine_chat_message { role: std::ptr::null(), content: hello.as_ptr() };
+    let s = unsafe { engine_chat_template(e.0, &bad, 1, true, std::ptr::null_mut(), 0) };
+    assert_eq!(s, -(Status::InvalidArgument as i32));
+    assert!(hostembed::status::last_error().contains("messages[0].role"), "{}", hostembed::status::last_error());
+    let s = unsafe { engine_chat_template(e.0, std::ptr::null(), 2, true, std::ptr::null_mut(), 0) };
+    assert_eq!(s, -(Status::InvalidArgument as i32));
+    let s = unsafe { engine_chat_template(std::ptr::null(), std::ptr::null(), 0, true, std::ptr::null_mut(), 0) };
+    assert_eq!(s, -(Status::InvalidArgument as i32));
+    let latin1 = [0xe9u8, 0];
+    let bad = engine_chat_message { role: user.as_ptr(), content: latin1.as_ptr() as *const c_char };
+    let s = unsafe { engine_chat_template(e.0, &bad, 1, true, std::ptr::null_mut(), 0) };
+    assert_eq!(s, -(Status::InvalidArgument as i32));
+    drop(e);
+
+    // HF folder: the template and the BOS text from tokenizer_config.json.
+    let cfg = tiny_config();
+    let hf = dir.0.join("hf");
+    std::fs::create_dir_all(&hf).unwrap();
+    write_hf_folder(&hf, &cfg, &synthetic_weights(&cfg, 5, DType::F32), 1).unwrap();
+    std::fs::copy(asset("tokenizer.json"), hf.join("tokenizer.json")).unwrap();
+    let e = CpuEngine::open(&hf);
+    assert_eq!(chat_through_c(&e, &[(&user, &hello)], true), Err(-(Status::Unsupported as i32)));
+    drop(e);
+    let config = serde_json::json!({"chat_template": template("smollm2.jinja"), "bos_token": "<|bos|>"});
+    std::fs::write(hf.join("tokenizer_config.json"), config.to_string()).unwrap();
+    let e = CpuEngine::open(&hf);
+    let text = chat_through_c(&e, &[(&user, &hello)], false).unwrap();
+    assert_eq!(
+        text,
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n<|im_start|>user\nHello é<|im_end|>\n"
+    );
+    // chat_template.jinja beside the weights wins, as transformers reads it.
+    std::fs::write(hf.join("chat_template.jinja"), "{{ bos_token }}{{ messages | length }}").unwrap();
+    drop(e);
+    let e = CpuEngine::open(&hf);
+    assert_eq!(chat_through_c(&e, &[(&user, &hello), (&user, &hello)], false).unwrap(), "<|bos|>2");
+}
+
+unsafe extern "C" fn collect_line(user: *mut std::os::raw::c_void, line: *const c_char) {
+    // SAFETY: the test passes a live Vec<String> as `user`, and the library a NUL-terminated line.
+    let lines = unsafe { &mut *(user as *mut Vec<String>) };
+    lines.push(unsafe { std::ffi::CStr::from_ptr(line) }.to_string_lossy().into_owned());
+}
+
+/// A GGUF whose pre-tokenizer name hostembed does not know loads, tokenizes, and logs one line naming it.
+#[test]
+fn unknown_pre_tokenizer_is_logged_once_at_load() {
+    let dir = Scratch::new("unknown-pre");
+    let cfg = tiny_config();
+    let path = dir.0.join("made-up.gguf");
+    write_gguf(&path, &cfg, &synthetic_weights(&cfg, 3, DType::F32), &committed_vocab().gguf_kv("made-up")).unwrap();
+    let mut lines: Vec<String> = Vec::new();
+    let mut opts = default_options();
+    opts.backend = engine_backend::Cpu;
+    opts.log = Some(collect_line);
+    opts.log_user = &mut lines as *mut Vec<String> as *mut std::os::raw::c_void;
+    let c_path = CString::new(path.to_str().unwrap()).unwrap();
+    let mut e = std::ptr::null_mut();
+    assert_eq!(
+        unsafe { engine_init_fit(c_path.as_ptr(), &opts, &mut e) },
+        Status::Ok,
+        "{}",
+        hostembed::status::last_error()
+    );
+    let e = CpuEngine(e);
+    let named: Vec<&String> = lines.iter().filter(|l| l.contains("made-up")).collect();
+    assert_eq!(named.len(), 1, "{lines:?}");
+    assert!(named[0].contains("pre-tokenizer") && named[0].contains("GPT-2"), "{}", named[0]);
+    let (s, ids, n) = e.tokenize(b"hostembed rows", ENGINE_BOS_NO, 16);
+    assert_eq!(s, Status::Ok);
+    assert_eq!(
+        &ids[..n],
+        &committed().encode("hostembed rows", None).unwrap().iter().map(|&i| i as i32).collect::<Vec<_>>()[..]
+    );
+}
+
+/// A GGUF carrying a SentencePiece vocabulary (`tokenizer.ggml.model = "llama"`, scores, byte pieces)
+/// loads with a text tokenizer that gives the sentencepiece package's ids, BOS first by default as
+/// llama.cpp does, and `tokenizer.ggml.add_space_prefix = false` honoured.
+#[test]
+fn gguf_sentencepiece_through_the_c_abi() {
+    let v = data("spm_vocab.json");
+    let tokens = strings(&v["tokens"]);
+    let scores: Vec<f32> = v["scores"].as_array().unwrap().iter().map(|s| s.as_f64().unwrap() as f32).collect();
+    let types: Vec<i32> = v["token_types"].as_array().unwrap().iter().map(|t| t.as_i64().unwrap() as i32).collect();
+    let expected = data("spm_expected.json");
+    let texts = strings(&expected["texts"]);
+    let dir = Scratch::new("gguf-spm");
+    let cfg = ModelConfig { vocab: tokens.len(), bos: Some(1), eos: Some(2), ..tiny_config() };
+    let weights = synthetic_weights(&cfg, 9, DType::F32);
+    let kv = |extra: Vec<(String, GgufValue)>| {
+        let mut kv = vec![
+            ("tokenizer.ggml.model".to_string(), GgufValue::String("llama".into())),
+            ("tokenizer.ggml.tokens".to_string(), GgufValue::ArrayString(tokens.clone())),
+            ("tokenizer.ggml.scores".to_string(), GgufValue::ArrayF32(scores.clone())),
+            ("tokenizer.ggml.token_type".to_string(), GgufValue::ArrayI32(types.clone())),
+        ];
+        kv.extend(extra);
+        kv
+    };
+    let path = dir.0.join("spm.gguf");
+    write_gguf(&path, &cfg, &weights, &kv(vec![])).unwrap();
+    let e = CpuEngine::open(&path);
+    let info = model_info(&e);
+    assert_eq!((info.add_bos, info.add_eos), (true, false));
+    assert_eq!(eog_ids(&e), vec![2]);
+    for (i, text) in texts.iter().enumerate() {
+        let want: Vec<i32> =
+            [1].into_iter().chain(ids_of(&expected["ids"][i]).into_iter().map(|id| id as i32)).collect();
+        let (s, ids, n) = e.tokenize(text.as_bytes(), ENGINE_BOS_MODEL, 4096);
+        assert_eq!(s, Status::Ok, "{}", hostembed::status::last_error());
+        assert_eq!(&ids[..n], &want[..], "text {text:?}");
+    }
+    // Byte pieces come back as their bytes through the C ABI.
+    let newline = tokens.iter().position(|t| t == "<0x0A>").unwrap() as i32;
+    assert_eq!(e.piece(newline).unwrap(), b"\n");
+    drop(e);
+
+    let bare = dir.0.join("bare.gguf");
+    write_gguf(&bare, &cfg, &weights, &kv(vec![("tokenizer.ggml.add_space_prefix".into(), GgufValue::Bool(false))]))
+        .unwrap();
+    let e = CpuEngine::open(&bare);
+    let (_, ids, n) = e.tokenize(b"the row", ENGINE_BOS_NO, 64);
+    let joined: Vec<u8> = ids[..n].iter().flat_map(|&id| e.piece(id).unwrap()).collect();
+    assert_eq!(joined, b"the row");
 }

@@ -11,6 +11,7 @@ use super::{Checkpoint, Format, MappedFile, ROPE_FREQS, TensorInfo, TokenizerSou
 use crate::model::{Arch, ModelConfig, RopeScaling, names};
 use crate::status::Result;
 use crate::tensor::{DType, supported_names};
+use crate::tokenizer::special::SpecialTokens;
 use crate::{bail, err};
 
 pub const MAGIC: &[u8; 4] = b"GGUF";
@@ -629,6 +630,14 @@ impl Meta<'_> {
         self.float(key)?.ok_or_else(|| err!(BadModel, "{}: key {key} is missing", self.file))
     }
 
+    fn flag(&self, key: &str) -> Result<Option<bool>> {
+        match self.kv.get(key) {
+            None => Ok(None),
+            Some(GgufValue::Bool(b)) => Ok(Some(*b)),
+            Some(v) => bail!(BadModel, "{}: key {key} is {}, expected a bool", self.file, v.type_name()),
+        }
+    }
+
     fn str(&self, key: &str) -> Result<Option<&str>> {
         match self.kv.get(key) {
             None => Ok(None),
@@ -751,6 +760,18 @@ pub fn open_file(path: &Path) -> Result<Checkpoint> {
     let files = vec![mapped];
     super::check_tensors(&config, &tensors, &files, file, &BTreeMap::new())?;
 
+    let special = SpecialTokens {
+        add_bos: meta.flag("tokenizer.ggml.add_bos_token")?,
+        add_eos: meta.flag("tokenizer.ggml.add_eos_token")?,
+        eog: [token_id("tokenizer.ggml.eot_token_id")?, token_id("tokenizer.ggml.eom_token_id")?]
+            .into_iter()
+            .flatten()
+            .collect(),
+        chat_template: meta.str("tokenizer.chat_template")?.map(str::to_string),
+        bos_text: None,
+        eos_text: None,
+    };
+
     let tokenizer = match meta.take_strings("tokenizer.ggml.tokens")? {
         None => TokenizerSource::None,
         Some(tokens) => {
@@ -765,8 +786,6 @@ pub fn open_file(path: &Path) -> Result<Checkpoint> {
                 .str("tokenizer.ggml.model")?
                 .ok_or_else(|| err!(BadModel, "{file}: key tokenizer.ggml.model is missing"))?
                 .to_string();
-            let pre = meta.str("tokenizer.ggml.pre")?.map(str::to_string);
-            let merges = meta.take_strings("tokenizer.ggml.merges")?.unwrap_or_default();
             let token_types = match meta.kv.remove("tokenizer.ggml.token_type") {
                 None => Vec::new(),
                 Some(GgufValue::ArrayI32(a)) if a.len() == tokens.len() => a,
@@ -778,11 +797,28 @@ pub fn open_file(path: &Path) -> Result<Checkpoint> {
                     tokens.len()
                 ),
             };
-            TokenizerSource::GgufBpe { model, pre, tokens, merges, token_types }
+            if model == "llama" {
+                let scores = match meta.kv.remove("tokenizer.ggml.scores") {
+                    None => Vec::new(),
+                    Some(GgufValue::ArrayF32(a)) if a.len() == tokens.len() => a,
+                    Some(v) => bail!(
+                        BadModel,
+                        "{file}: key tokenizer.ggml.scores is {} {}, expected {} f32 values",
+                        v.type_name(),
+                        if let GgufValue::ArrayF32(a) = &v { a.len() } else { 1 },
+                        tokens.len()
+                    ),
+                };
+                let add_space_prefix = meta.flag("tokenizer.ggml.add_space_prefix")?.unwrap_or(true);
+                TokenizerSource::GgufSpm { tokens, scores, token_types, add_space_prefix }
+            } else {
+                let pre = meta.str("tokenizer.ggml.pre")?.map(str::to_string);
+                let merges = meta.take_strings("tokenizer.ggml.merges")?.unwrap_or_default();
+                TokenizerSource::GgufBpe { model, pre, tokens, merges, token_types }
+            }
         }
     };
-
-    Ok(Checkpoint { path: path.to_path_buf(), format: Format::Gguf, config, tensors, files, tokenizer })
+    Ok(Checkpoint { path: path.to_path_buf(), format: Format::Gguf, config, tensors, files, tokenizer, special })
 }
 
 /// Rope scaling for a file carrying llama.cpp's `rope_freqs.weight` divisors: the scaling the keys give

@@ -101,7 +101,7 @@ impl std::fmt::Debug for MappedFile {
 }
 
 /// Where the text tokenizer comes from.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub enum TokenizerSource {
     None,
     /// tokenizer.json beside the weights.
@@ -116,6 +116,15 @@ pub enum TokenizerSource {
         merges: Vec<String>,
         token_types: Vec<i32>,
     },
+    /// A GGUF SentencePiece vocabulary (`tokenizer.ggml.model` "llama").
+    GgufSpm {
+        tokens: Vec<String>,
+        /// tokenizer.ggml.scores (empty when absent).
+        scores: Vec<f32>,
+        token_types: Vec<i32>,
+        /// tokenizer.ggml.add_space_prefix (default true).
+        add_space_prefix: bool,
+    },
 }
 
 /// A model on disk: its config, its tensors by canonical name, and the mappings that hold their bytes.
@@ -128,6 +137,8 @@ pub struct Checkpoint {
     pub tensors: BTreeMap<String, TensorInfo>,
     pub files: Vec<MappedFile>,
     pub tokenizer: TokenizerSource,
+    /// What the files say about BOS, EOS, end of generation and the chat template.
+    pub special: crate::tokenizer::special::SpecialTokens,
 }
 
 /// Name of the extra tensor holding llama.cpp's per-frequency rope divisors (GGUF `rope_freqs.weight`).

@@ -12,6 +12,7 @@ use super::{Checkpoint, Format, MappedFile, TensorInfo, TokenizerSource};
 use crate::model::{Arch, ModelConfig, RopeScaling, names};
 use crate::status::{Error, Result};
 use crate::tensor::DType;
+use crate::tokenizer::special::SpecialTokens;
 use crate::{bail, err};
 
 pub const CONFIG: &str = "config.json";
@@ -83,7 +84,88 @@ pub fn open_folder(dir: &Path) -> Result<Checkpoint> {
     let tokenizer =
         // Anything there by that name is read (and a FIFO or a device refused), not silently skipped.
         if tokenizer_path.exists() { TokenizerSource::Json(tokenizer_path) } else { TokenizerSource::None };
-    Ok(Checkpoint { path: dir.to_path_buf(), format: Format::Safetensors, config, tensors, files, tokenizer })
+    let special = special_tokens(dir)?;
+    Ok(Checkpoint { path: dir.to_path_buf(), format: Format::Safetensors, config, tensors, files, tokenizer, special })
+}
+
+pub const TOKENIZER_CONFIG: &str = "tokenizer_config.json";
+pub const GENERATION_CONFIG: &str = "generation_config.json";
+pub const CHAT_TEMPLATE: &str = "chat_template.jinja";
+
+/// What tokenizer_config.json, generation_config.json, chat_template.jinja and config.json say about
+/// special tokens; each file is optional, one that is there must parse.
+fn special_tokens(dir: &Path) -> Result<SpecialTokens> {
+    let optional_json = |name: &str| -> Result<Option<(Value, String)>> {
+        let path = dir.join(name);
+        if !path.exists() {
+            return Ok(None);
+        }
+        Ok(Some((read_json(&path)?, path.display().to_string())))
+    };
+    let mut special = SpecialTokens::default();
+    // Every eos id config.json and generation_config.json list ends a generation.
+    for name in [CONFIG, GENERATION_CONFIG] {
+        if let Some((json, file)) = optional_json(name)? {
+            match json.get("eos_token_id") {
+                None | Some(Value::Null) => {}
+                Some(Value::Array(ids)) => {
+                    for id in ids {
+                        special.eog.push(json_id(id, &file)?);
+                    }
+                }
+                Some(id) => special.eog.push(json_id(id, &file)?),
+            }
+        }
+    }
+    if let Some((json, file)) = optional_json(TOKENIZER_CONFIG)? {
+        let flag = |key: &str| -> Result<Option<bool>> {
+            match json.get(key) {
+                None | Some(Value::Null) => Ok(None),
+                Some(Value::Bool(b)) => Ok(Some(*b)),
+                Some(v) => bail!(BadModel, "{file}: {key} is {v}, expected true or false"),
+            }
+        };
+        special.add_bos = flag("add_bos_token")?;
+        special.add_eos = flag("add_eos_token")?;
+        // A token is its text, or an AddedToken object with the text in "content".
+        let text = |key: &str| -> Result<Option<String>> {
+            match json.get(key) {
+                None | Some(Value::Null) => Ok(None),
+                Some(Value::String(s)) => Ok(Some(s.clone())),
+                Some(v) => match v.get("content").and_then(Value::as_str) {
+                    Some(s) => Ok(Some(s.to_string())),
+                    None => bail!(BadModel, "{file}: {key} is neither a string nor an object with \"content\""),
+                },
+            }
+        };
+        special.bos_text = text("bos_token")?;
+        special.eos_text = text("eos_token")?;
+        special.chat_template = match json.get("chat_template") {
+            None | Some(Value::Null) => None,
+            Some(Value::String(s)) => Some(s.clone()),
+            // Several named templates: the one named "default", as transformers picks.
+            Some(Value::Array(named)) => named
+                .iter()
+                .find(|t| t.get("name").and_then(Value::as_str) == Some("default"))
+                .and_then(|t| t.get("template"))
+                .and_then(Value::as_str)
+                .map(str::to_string),
+            Some(v) => bail!(BadModel, "{file}: chat_template is {v}, expected a string or a list of named templates"),
+        };
+    }
+    let jinja = dir.join(CHAT_TEMPLATE);
+    if jinja.exists() {
+        let bytes = super::read_regular(&jinja)?;
+        let text = String::from_utf8(bytes).map_err(|_| err!(BadModel, "{}: not UTF-8", jinja.display()))?;
+        special.chat_template = Some(text);
+    }
+    Ok(special)
+}
+
+fn json_id(id: &Value, file: &str) -> Result<u32> {
+    id.as_u64()
+        .and_then(|id| u32::try_from(id).ok())
+        .ok_or_else(|| err!(BadModel, "{file}: eos_token_id holds {id}, not a token id"))
 }
 
 fn read_json(path: &Path) -> Result<Value> {

@@ -1,5 +1,12 @@
-//! Text to token ids and back: a `tokenizer.json` beside the weights, or the byte-level BPE a GGUF
-//! carries in `tokenizer.ggml.*`, both run by the `tokenizers` crate.
+//! Text to token ids and back: a `tokenizer.json` beside the weights, or the vocabulary a GGUF
+//! carries in `tokenizer.ggml.*`: byte-level BPE (`gpt2`, with the split its `pre` names, `pre.rs`)
+//! run by the `tokenizers` crate, or SentencePiece (`llama`, `spm.rs`). `special.rs` holds what the
+//! model says about BOS, EOS and end of generation, `chat.rs` its chat template.
+
+pub mod chat;
+pub mod pre;
+pub mod special;
+pub mod spm;
 
 use crate::checkpoint::TokenizerSource;
 use crate::checkpoint::gguf::GgufValue;
@@ -24,17 +31,22 @@ pub mod token_type {
     pub const BYTE: i32 = 6;
 }
 
-/// Llama 3's split (also used by its GGUF `llama-bpe` pre-tokenizer): digits in groups of three.
-const LLAMA3_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
-/// Qwen2's split: like Llama 3's with single digits.
-const QWEN2_SPLIT: &str =
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
-
 /// A loaded tokenizer and the bytes each of its tokens stands for.
 pub struct Tokenizer {
-    inner: tokenizers::Tokenizer,
-    /// Indexed by id: what the token adds to the text (empty for ids the vocabulary skips).
+    model: Model,
+    /// Indexed by id: what the token adds to the text (empty for ids the vocabulary skips and padding).
     pieces: Vec<Vec<u8>>,
+    /// What the load has to say that does not stop it (an unknown pre-tokenizer name), one line each.
+    notes: Vec<String>,
+    /// Whether BOS goes first when the model's keys do not say, for a GGUF vocabulary (its kind or its
+    /// pre-tokenizer family); None for a tokenizer.json, whose post-processor says.
+    default_add_bos: Option<bool>,
+}
+
+/// What turns text into ids.
+enum Model {
+    Hf(Box<tokenizers::Tokenizer>),
+    Spm(Box<spm::Spm>),
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -271,8 +283,9 @@ impl Tokenizer {
         Tokenizer::wrap(inner, vocab)
     }
 
-    /// The tokenizer a GGUF describes in `tokenizer.ggml.*`. Only `model == "gpt2"` (byte-level BPE from
-    /// tokens and merges) is built; `pre` picks the split of the text before BPE.
+    /// The byte-level BPE a GGUF describes in `tokenizer.ggml.*` (`model == "gpt2"`): tokens, merges
+    /// and token types; `pre` names the split of the text before BPE (`pre.rs`). A name the table lacks
+    /// falls back to GPT-2's split and leaves a note saying so.
     pub fn from_gguf_bpe(
         model: &str,
         pre: Option<&str>,
@@ -281,24 +294,23 @@ impl Tokenizer {
         token_types: &[i32],
     ) -> Result<Tokenizer> {
         if model != "gpt2" {
-            bail!(Unsupported, "GGUF tokenizer.ggml.model \"{model}\": only \"gpt2\" (byte-level BPE) is supported");
-        }
-        if !token_types.is_empty() && token_types.len() != tokens.len() {
             bail!(
-                BadModel,
-                "GGUF tokenizer.ggml.token_type has {} entries for {} tokens",
-                token_types.len(),
-                tokens.len()
+                Unsupported,
+                "GGUF tokenizer.ggml.model \"{model}\": only \"gpt2\" (byte-level BPE) and \"llama\" (SentencePiece) \
+                 are supported"
             );
         }
-        if tokens.len() > u32::MAX as usize {
-            bail!(BadModel, "GGUF tokenizer.ggml.tokens: {} tokens do not fit u32 ids", tokens.len());
-        }
-        let (split, ignore_merges) = match pre.unwrap_or("default") {
-            "default" | "gpt2" | "gpt-2" => (None, false),
-            "llama3" | "llama-v3" | "llama-bpe" => (Some(LLAMA3_SPLIT), true),
-            "qwen2" | "deepseek-r1-qwen" => (Some(QWEN2_SPLIT), false),
-            other => bail!(Unsupported, "GGUF tokenizer.ggml.pre \"{other}\": unknown pre-tokenizer"),
+        check_token_types(tokens, token_types)?;
+        let mut notes = Vec::new();
+        let family = match pre {
+            None => pre::FALLBACK,
+            Some(name) => pre::find(name).unwrap_or_else(|| {
+                notes.push(format!(
+                    "GGUF tokenizer.ggml.pre \"{name}\" is not a pre-tokenizer hostembed knows: splitting as GPT-2 \
+                     does, so some texts may tokenize differently from the model's own tokenizer"
+                ));
+                pre::FALLBACK
+            }),
         };
 
         // The first id wins where a vocabulary repeats a string, as the model's own lookups do.
@@ -318,18 +330,22 @@ impl Tokenizer {
         check_merges(&lookup, &pairs, "", "GGUF tokenizer.ggml")?;
         // No per-thread cache: its entries would outlive the engine on every thread that tokenized.
         let bpe = crate_call(Status::BadModel, "GGUF tokenizer.ggml.merges", || {
-            BPE::builder().vocab_and_merges(vocab, pairs).ignore_merges(ignore_merges).cache_capacity(0).build()
+            BPE::builder().vocab_and_merges(vocab, pairs).ignore_merges(family.ignore_merges).cache_capacity(0).build()
         })?
         .map_err(|e| tokenizer_error("GGUF tokenizer.ggml.merges", e))?;
 
         let mut inner = tokenizers::Tokenizer::new(bpe);
-        let pre_tokenizer: PreTokenizerWrapper = match split {
-            None => ByteLevel::new(false, true, true).into(),
-            Some(regex) => {
-                let split = Split::new(SplitPattern::Regex(regex.into()), SplitDelimiterBehavior::Isolated, false)
+        let pre_tokenizer: PreTokenizerWrapper = if family.splits.is_empty() {
+            ByteLevel::new(false, true, true).into()
+        } else {
+            let mut steps = Vec::with_capacity(family.splits.len() + 1);
+            for pattern in family.splits {
+                let split = Split::new(SplitPattern::Regex((*pattern).into()), SplitDelimiterBehavior::Isolated, false)
                     .map_err(|e| tokenizer_error("pre-tokenizer regex", e))?;
-                Sequence::new(vec![split.into(), ByteLevel::new(false, true, false).into()]).into()
+                steps.push(split.into());
             }
+            steps.push(ByteLevel::new(false, true, false).into());
+            Sequence::new(steps).into()
         };
         inner.with_pre_tokenizer(Some(pre_tokenizer));
         inner.with_decoder(Some(ByteLevel::default()));
@@ -350,13 +366,45 @@ impl Tokenizer {
         // The GGUF's list is the vocabulary: its length and order, even where strings repeat.
         let rules = PieceRules { byte_level: true, ..PieceRules::default() };
         let char_bytes = char_bytes();
-        tokenizer.pieces = tokens.iter().map(|t| rules.piece(t, &char_bytes)).collect();
+        tokenizer.pieces = tokens
+            .iter()
+            .enumerate()
+            .map(
+                |(id, t)| {
+                    if is_padding(t, token_types.get(id).copied()) { Vec::new() } else { rules.piece(t, &char_bytes) }
+                },
+            )
+            .collect();
+        tokenizer.notes = notes;
+        tokenizer.default_add_bos = Some(family.add_bos);
         Ok(tokenizer)
     }
 
+    /// The SentencePiece vocabulary a GGUF describes (`model == "llama"`): pieces, scores and token
+    /// types, run as llama.cpp runs it (`spm.rs`).
+    pub fn from_gguf_spm(
+        tokens: &[String],
+        scores: &[f32],
+        token_types: &[i32],
+        add_space_prefix: bool,
+    ) -> Result<Tokenizer> {
+        check_token_types(tokens, token_types)?;
+        let model = spm::Spm::new(tokens, scores, token_types, add_space_prefix)?;
+        let pieces = tokens
+            .iter()
+            .enumerate()
+            .map(|(id, t)| {
+                let kind = token_types.get(id).copied();
+                if is_padding(t, kind) { Vec::new() } else { spm::piece(t, kind.unwrap_or(token_type::NORMAL)) }
+            })
+            .collect();
+        Ok(Tokenizer { model: Model::Spm(Box::new(model)), pieces, notes: Vec::new(), default_add_bos: Some(true) })
+    }
+
     /// The tokenizer a checkpoint points at, for a model of `vocab` ids; None when it has none. Errors
-    /// keep their status: UNSUPPORTED for a GGUF tokenizer model other than gpt2, BAD_MODEL for a broken
-    /// one or one with ids at or past `vocab`, IO_ERROR for a file that cannot be read.
+    /// keep their status: UNSUPPORTED for a GGUF tokenizer model other than gpt2 and llama (or a
+    /// SentencePiece vocabulary that cannot spell every text), BAD_MODEL for a broken one or one with ids
+    /// at or past `vocab`, IO_ERROR for a file that cannot be read.
     pub fn from_source(src: &TokenizerSource, vocab: usize) -> Result<Option<Tokenizer>> {
         match src {
             TokenizerSource::None => Ok(None),
@@ -366,6 +414,12 @@ impl Tokenizer {
                     bail!(BadModel, "GGUF tokenizer.ggml.tokens: {} tokens for a vocabulary of {vocab}", tokens.len());
                 }
                 Tokenizer::from_gguf_bpe(model, pre.as_deref(), tokens, merges, token_types).map(Some)
+            }
+            TokenizerSource::GgufSpm { tokens, scores, token_types, add_space_prefix } => {
+                if tokens.len() > vocab {
+                    bail!(BadModel, "GGUF tokenizer.ggml.tokens: {} tokens for a vocabulary of {vocab}", tokens.len());
+                }
+                Tokenizer::from_gguf_spm(tokens, scores, token_types, *add_space_prefix).map(Some)
             }
         }
     }
@@ -386,22 +440,52 @@ impl Tokenizer {
         for (token, id) in vocab {
             // Added tokens are literal text, not byte-level characters.
             pieces[id as usize] = match added.get(&id) {
+                _ if is_padding(&token, None) => Vec::new(),
                 Some(t) => t.content.clone().into_bytes(),
                 None => rules.piece(&token, &char_bytes),
             };
         }
-        Ok(Tokenizer { inner, pieces })
+        // A tokenizer.json says through its post-processor whether BOS goes first (special.rs asks it).
+        Ok(Tokenizer { model: Model::Hf(Box::new(inner)), pieces, notes: Vec::new(), default_add_bos: None })
     }
 
     /// The ids of `text`, after `add_bos` when given. Control tokens written in the text (`<|eos|>`)
     /// become their ids; the tokenizer's own post-processing (templates) is not applied.
     pub fn encode(&self, text: &str, add_bos: Option<u32>) -> Result<Vec<u32>> {
-        let encoding = crate_call(Status::BadModel, "tokenizing", || self.inner.encode_fast(text, false))?
-            .map_err(|e| err!(InvalidArgument, "tokenizing: {e}"))?;
-        let mut ids = Vec::with_capacity(encoding.len() + 1);
+        let mut ids = Vec::new();
         ids.extend(add_bos);
-        ids.extend_from_slice(encoding.get_ids());
+        match &self.model {
+            Model::Hf(inner) => {
+                let encoding = crate_call(Status::BadModel, "tokenizing", || inner.encode_fast(text, false))?
+                    .map_err(|e| err!(InvalidArgument, "tokenizing: {e}"))?;
+                ids.extend_from_slice(encoding.get_ids());
+            }
+            Model::Spm(spm) => spm.encode(text, &mut ids),
+        }
         Ok(ids)
+    }
+
+    /// What the load noted without failing, one line each (the engine logs them).
+    pub fn notes(&self) -> &[String] {
+        &self.notes
+    }
+
+    /// Whether the tokenizer itself puts BOS first: a tokenizer.json's post-processor, SentencePiece,
+    /// or the GGUF pre-tokenizer family that llama.cpp ties BOS to. The model's keys override it.
+    pub fn default_add_bos(&self, bos: Option<u32>) -> bool {
+        match (&self.model, self.default_add_bos) {
+            (_, Some(add)) => add,
+            (Model::Hf(inner), None) => special::post_processor_adds(inner, bos, true),
+            (Model::Spm(_), None) => true,
+        }
+    }
+
+    /// Whether the tokenizer itself appends EOS (a tokenizer.json's post-processor; never for GGUF).
+    pub fn default_add_eos(&self, eos: Option<u32>) -> bool {
+        match (&self.model, self.default_add_bos) {
+            (Model::Hf(inner), None) => special::post_processor_adds(inner, eos, false),
+            _ => false,
+        }
     }
 
     /// The bytes token `id` adds to the text; a byte-level piece may be part of a UTF-8 character.
@@ -432,13 +516,40 @@ impl Tokenizer {
 
     /// The id of a token string (a special token such as `<|eos|>`), if the vocabulary has it.
     pub fn token_id(&self, token: &str) -> Option<u32> {
-        self.inner.token_to_id(token)
+        match &self.model {
+            Model::Hf(inner) => inner.token_to_id(token),
+            Model::Spm(spm) => spm.token_id(token),
+        }
     }
 
-    /// Saves the tokenizer as `tokenizer.json`.
+    /// Saves the tokenizer as `tokenizer.json` (one read from a tokenizer.json or built from GGUF BPE).
     pub fn save_json(&self, path: &Path) -> Result<()> {
-        self.inner.save(path, true).map_err(|e| err!(IoError, "{}: {e}", path.display()))
+        match &self.model {
+            Model::Hf(inner) => inner.save(path, true).map_err(|e| err!(IoError, "{}: {e}", path.display())),
+            Model::Spm(_) => bail!(Unsupported, "a SentencePiece vocabulary is not saved as tokenizer.json"),
+        }
     }
+}
+
+/// GGUF's token types, when given, are one per token.
+fn check_token_types(tokens: &[String], token_types: &[i32]) -> Result<()> {
+    if !token_types.is_empty() && token_types.len() != tokens.len() {
+        bail!(BadModel, "GGUF tokenizer.ggml.token_type has {} entries for {} tokens", token_types.len(), tokens.len());
+    }
+    if tokens.len() > u32::MAX as usize {
+        bail!(BadModel, "GGUF tokenizer.ggml.tokens: {} tokens do not fit u32 ids", tokens.len());
+    }
+    Ok(())
+}
+
+/// Padding rows of a GGUF vocabulary: type UNUSED, or the `[PAD123]` names converters fill them with.
+/// Their piece is empty, as it is for the ids a tokenizer.json lacks.
+fn is_padding(token: &str, kind: Option<i32>) -> bool {
+    kind == Some(token_type::UNUSED)
+        || token
+            .strip_prefix("[PAD")
+            .and_then(|rest| rest.strip_suffix(']'))
+            .is_some_and(|digits| !digits.is_empty() && digits.bytes().all(|b| b.is_ascii_digit()))
 }
 
 fn char_bytes() -> std::collections::HashMap<char, u8> {
