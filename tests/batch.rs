@@ -6,6 +6,7 @@
 
 mod common;
 use common::{Held, Rng, Scratch, bits, info, init, logits, serial, stats, step, try_step};
+use common::{kv_stats, reset, set_sampling, stream_len, truncate, try_batch};
 
 use hostembed::Status;
 use hostembed::abi::{engine_batch_item, engine_sampling};
@@ -66,48 +67,6 @@ fn model(dir: &Scratch, rng: &mut Rng) -> PathBuf {
 
 fn random_ids(rng: &mut Rng, n: usize) -> Vec<i32> {
     (0..n).map(|_| rng.below(qwen2().vocab as u64) as i32).collect()
-}
-
-/// engine_step_batch's status and each item's (status, next).
-fn try_batch(e: &Held, items: &[(u32, &[i32])]) -> (Status, Vec<(Status, i32)>) {
-    let mut c: Vec<engine_batch_item> = items
-        .iter()
-        .map(|&(stream, tokens)| engine_batch_item {
-            stream,
-            tokens: if tokens.is_empty() { std::ptr::null() } else { tokens.as_ptr() },
-            n: tokens.len(),
-            next: -7,
-            status: Status::Panic,
-        })
-        .collect();
-    let st = unsafe { ffi::engine_step_batch(e.0, c.as_mut_ptr(), c.len()) };
-    (st, c.iter().map(|i| (i.status, i.next)).collect())
-}
-
-fn kv_stats(e: &Held) -> (u64, u64) {
-    let (mut total, mut free) = (0, 0);
-    assert_eq!(unsafe { ffi::engine_kv_stats(e.0, &mut total, &mut free) }, Status::Ok, "{}", last_error());
-    (total, free)
-}
-
-fn stream_len(e: &Held, stream: u32) -> u32 {
-    let mut len = u32::MAX;
-    assert_eq!(unsafe { ffi::engine_stream_len(e.0, stream, &mut len) }, Status::Ok, "{}", last_error());
-    len
-}
-
-fn truncate(e: &Held, stream: u32, len: u32) {
-    let st = unsafe { ffi::engine_truncate(e.0, stream, len) };
-    assert_eq!(st, Status::Ok, "engine_truncate({stream}, {len}): {}", last_error());
-}
-
-fn reset(e: &Held, stream: u32) {
-    assert_eq!(unsafe { ffi::engine_reset(e.0, stream) }, Status::Ok, "{}", last_error());
-}
-
-fn set_sampling(e: &Held, stream: u32, s: &engine_sampling) {
-    let st = unsafe { ffi::engine_set_sampling(e.0, stream, s) };
-    assert_eq!(st, Status::Ok, "engine_set_sampling({stream}): {}", last_error());
 }
 
 /// Uniform in [0, 1).
