@@ -633,16 +633,37 @@ fn swiglu_and_add_match_cpu() {
 
 /// Runs the device sampler once, on a poisoned scratch of the size GpuModel gives it (8 bytes a token).
 fn device_sample(logits: &DeviceBuffer, vocab: usize, s: &Sampling, stream: u32, position: u64) -> u32 {
+    device_sample_penalized(logits, vocab, s, stream, position, &[])
+}
+
+/// `device_sample` with the repetition penalty on the distinct ids `penalty`; checks the launch leaves
+/// the logits as they were.
+fn device_sample_penalized(
+    logits: &DeviceBuffer,
+    vocab: usize,
+    s: &Sampling,
+    stream: u32,
+    position: u64,
+    penalty: &[u32],
+) -> u32 {
     let scratch = poisoned(vocab * 8);
     let token = poisoned(4);
+    let ids = poisoned(penalty.len().max(1) * 8);
+    let ids_host: Vec<i32> = penalty.iter().map(|&t| t as i32).collect();
+    ids.upload(&ids_host, 0).unwrap();
+    let before = download_f32(logits, vocab);
     ok(
         unsafe {
             kn::hostembed_sample(
-                logits.ptr() as *const f32,
+                logits.ptr() as *mut f32,
                 vocab as c_uint,
                 s.temperature,
                 s.top_k,
                 s.top_p,
+                s.min_p,
+                s.repeat_penalty,
+                ids.ptr() as *mut c_int,
+                penalty.len() as c_uint,
                 s.seed,
                 stream,
                 position,
@@ -656,6 +677,8 @@ fn device_sample(logits: &DeviceBuffer, vocab: usize, s: &Sampling, stream: u32,
     let mut t = [0i32];
     token.download(&mut t).unwrap();
     assert!(t[0] >= 0 && (t[0] as usize) < vocab, "sampled token {} outside the vocabulary of {vocab}", t[0]);
+    let after = download_f32(logits, vocab);
+    assert!(before.iter().zip(&after).all(|(a, b)| a.to_bits() == b.to_bits()), "the sampler left the logits changed");
     t[0] as u32
 }
 
@@ -688,7 +711,7 @@ fn greedy_sampling_is_the_cpu_argmax() {
             );
         }
         // top_k = 1 is greedy at any temperature.
-        let s = Sampling { temperature: 0.8, top_k: 1, top_p: 0.9, seed: rng.next_u64() };
+        let s = Sampling { temperature: 0.8, top_k: 1, top_p: 0.9, seed: rng.next_u64(), ..Sampling::GREEDY };
         assert_eq!(device_sample(&d, vocab, &s, 1, 5), sampler::argmax(&logits), "vocab {vocab}, top_k 1");
     }
     // The total order of f32: +0 above -0, and the largest logit at the very last index.
@@ -748,7 +771,7 @@ fn sampled_tokens_match_the_cpu_sampler() {
             let arg = sampler::argmax(&logits);
             for &(temperature, top_k, top_p) in &SAMPLE_SETTINGS {
                 for _ in 0..3 {
-                    let s = Sampling { temperature, top_k, top_p, seed: rng.next_u64() };
+                    let s = Sampling { temperature, top_k, top_p, seed: rng.next_u64(), ..Sampling::GREEDY };
                     let (stream, position) = (rng.below(8) as u32, rng.below(1 << 40));
                     let got = device_sample(&d, vocab, &s, stream, position);
                     let want = sampler::sample(&logits, &s, stream, position);
@@ -763,6 +786,73 @@ fn sampled_tokens_match_the_cpu_sampler() {
     println!("{compared} draws identical to src/sampler.rs, {not_argmax} of them not the argmax");
     // The draws did sample: most settings spread over many tokens.
     assert!(not_argmax * 3 > compared, "only {not_argmax} of {compared} draws left the argmax");
+}
+
+/// Min-p and the repetition penalty on the device: the same token as `sampler::sample_stream` from the
+/// same logits and stream history, over every vocabulary size and kind of logits, with every other cut
+/// beside them; the launch leaves the logits as they were (`device_sample_penalized` checks).
+#[test]
+fn min_p_and_repetition_penalty_match_the_cpu_sampler() {
+    if !gpu_present("min_p_and_repetition_penalty_match_the_cpu_sampler") {
+        return;
+    }
+    let mut rng = Rng::fresh("min_p_and_repetition_penalty_match_the_cpu_sampler");
+    // (min_p, repeat_penalty, repeat_last_n) beside each (temperature, top_k, top_p).
+    let extra: [(f32, f32, u32); 7] = [
+        (0.05, 1.0, 64),
+        (0.3, 1.0, 64),
+        (1.0, 1.0, 64),
+        (0.0, 1.3, 64),
+        (0.1, 1.8, 256),
+        (0.02, 0.7, 32),
+        (0.5, 3.0, 4096),
+    ];
+    let (mut compared, mut changed) = (0, 0);
+    for vocab in SAMPLE_VOCABS {
+        for kind in 0..3 {
+            let logits = sample_logits(&mut rng, vocab, kind);
+            let d = DeviceBuffer::from_slice(&logits).unwrap();
+            // A history that repeats the likeliest tokens, so the penalty moves the draw.
+            let mut order: Vec<u32> = (0..vocab as u32).collect();
+            order.sort_by(|&a, &b| logits[b as usize].total_cmp(&logits[a as usize]));
+            let history: Vec<u32> = (0..300)
+                .map(|i| {
+                    if i % 3 == 0 {
+                        order[rng.below(order.len().min(20) as u64) as usize]
+                    } else {
+                        rng.below(vocab as u64) as u32
+                    }
+                })
+                .collect();
+            let new = [history[0], order[0]];
+            let greedy_settings = [(0.0f32, 0u32, 1.0f32)];
+            for &(temperature, top_k, top_p) in SAMPLE_SETTINGS.iter().chain(&greedy_settings) {
+                for &(min_p, repeat_penalty, repeat_last_n) in &extra {
+                    let s = Sampling {
+                        temperature,
+                        top_k,
+                        top_p,
+                        min_p,
+                        repeat_penalty,
+                        repeat_last_n,
+                        seed: rng.next_u64(),
+                    };
+                    let stream = rng.below(8) as u32;
+                    let position = (history.len() + new.len()) as u64;
+                    let ids = sampler::penalty_ids(&history, &new, &s);
+                    let got = device_sample_penalized(&d, vocab, &s, stream, position, &ids);
+                    let want = sampler::sample_stream(&logits, &s, stream, &history, &new);
+                    assert_eq!(got, want, "vocab {vocab} kind {kind} {s:?} stream {stream}: {} ids", ids.len());
+                    let plain =
+                        sampler::sample(&logits, &Sampling { min_p: 0.0, repeat_penalty: 1.0, ..s }, stream, position);
+                    changed += (want != plain) as usize;
+                    compared += 1;
+                }
+            }
+        }
+    }
+    println!("{compared} draws with min-p or a penalty identical to src/sampler.rs, {changed} moved by them");
+    assert!(changed * 5 > compared, "min-p and the penalty moved only {changed} of {compared} draws");
 }
 
 #[test]
@@ -802,7 +892,7 @@ fn sampling_handles_degenerate_logits_like_the_cpu() {
         let d = DeviceBuffer::from_slice(logits).unwrap();
         for &(temperature, top_k, top_p) in &settings {
             for _ in 0..4 {
-                let s = Sampling { temperature, top_k, top_p, seed: rng.next_u64() };
+                let s = Sampling { temperature, top_k, top_p, seed: rng.next_u64(), ..Sampling::GREEDY };
                 let position = rng.below(1 << 30);
                 let got = device_sample(&d, vocab, &s, 2, position);
                 assert_eq!(got, sampler::sample(logits, &s, 2, position), "{name}: {s:?} position {position}");
@@ -818,13 +908,48 @@ fn sampler_refuses_bad_arguments() {
     }
     let b = poisoned(1 << 16);
     let p = b.ptr();
-    let call = |logits: *const f32, vocab: c_uint, scratch: *mut c_void, token: *mut c_int| unsafe {
-        kn::hostembed_sample(logits, vocab, 1.0, 0, 1.0, 1, 0, 0, scratch, token, NULL_STREAM)
+    let call = |logits: *mut f32, vocab: c_uint, scratch: *mut c_void, token: *mut c_int| unsafe {
+        kn::hostembed_sample(
+            logits,
+            vocab,
+            1.0,
+            0,
+            1.0,
+            0.0,
+            1.0,
+            ptr::null_mut(),
+            0,
+            1,
+            0,
+            0,
+            scratch,
+            token,
+            NULL_STREAM,
+        )
     };
-    let (logits, token, scratch) =
-        (p as *const f32, p as *mut c_int, unsafe { (p as *mut u8).add(4096) } as *mut c_void);
+    let (logits, token, scratch) = (p as *mut f32, p as *mut c_int, unsafe { (p as *mut u8).add(4096) } as *mut c_void);
     let invalid = 1; // cudaErrorInvalidValue
-    assert_eq!(call(ptr::null(), 16, scratch, token), invalid, "NULL logits");
+    assert_eq!(call(ptr::null_mut(), 16, scratch, token), invalid, "NULL logits");
+    let penalty_null = unsafe {
+        kn::hostembed_sample(
+            logits,
+            16,
+            1.0,
+            0,
+            1.0,
+            0.0,
+            1.3,
+            ptr::null_mut(),
+            2,
+            1,
+            0,
+            0,
+            scratch,
+            token,
+            NULL_STREAM,
+        )
+    };
+    assert_eq!(penalty_null, invalid, "NULL penalty ids with 2 of them");
     assert_eq!(call(logits, 16, scratch, ptr::null_mut()), invalid, "NULL token");
     assert_eq!(call(logits, 16, ptr::null_mut(), token), invalid, "NULL scratch");
     assert_eq!(call(logits, 16, unsafe { (scratch as *mut u8).add(4) } as *mut c_void, token), invalid, "misaligned");

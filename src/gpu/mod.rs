@@ -25,11 +25,11 @@ pub use self::forward::TENSOR_CORE_MIN_TOKENS;
 use self::graph::StepGraph;
 use self::scratch::ScratchLayout;
 use self::weights::{DeviceWeight, GpuLayer, plan, prompt_format, upload};
-use crate::backend::{Backend, KvStream};
+use crate::backend::{Backend, KvStream, StepItem};
 use crate::cuda::{self, DeviceBuffer, StagedUploader, Stream};
 use crate::cudart as rt;
 use crate::model::{ModelConfig, TensorSource, rope_inv_freq};
-use crate::sampler::Sampling;
+use crate::sampler::{self, Sampling};
 use crate::status::Result;
 use crate::tensor::DType;
 use crate::{bail, err};
@@ -266,7 +266,7 @@ impl GpuModel {
     }
 
     /// Appends `tokens` (in chunks of max_batch) and returns the next token chosen by `sampling` for the
-    /// position after them.
+    /// position after them, with no repetition penalty.
     pub fn step(
         &mut self,
         stream: &mut GpuStream,
@@ -274,21 +274,42 @@ impl GpuModel {
         sampling: &Sampling,
         stream_index: u32,
     ) -> Result<u32> {
+        self.step_penalized(stream, tokens, sampling, stream_index, &[])
+    }
+
+    /// `step` with the repetition penalty on the ids `penalty` (`sampler::penalty_ids`).
+    pub fn step_penalized(
+        &mut self,
+        stream: &mut GpuStream,
+        tokens: &[u32],
+        sampling: &Sampling,
+        stream_index: u32,
+        penalty: &[u32],
+    ) -> Result<u32> {
         self.check_tokens(stream, tokens)?;
+        if penalty.len() > self.cfg.vocab {
+            bail!(InvalidArgument, "{} penalized ids for a vocabulary of {}", penalty.len(), self.cfg.vocab);
+        }
         let chunks = tokens.len().div_ceil(self.max_batch);
         for (i, chunk) in tokens.chunks(self.max_batch).enumerate() {
             self.run_chunk(stream, chunk, if i + 1 == chunks { Head::Last } else { Head::Skip })?;
         }
         self.has_logits = true;
         let position = stream.len as u64;
+        if !penalty.is_empty() {
+            let ids: Vec<i32> = penalty.iter().map(|&t| t as i32).collect();
+            self.scratch.upload(&ids, self.s.penalty)?;
+        }
         let (logits, scratch, token) = (self.buf(self.s.logits), self.buf(self.s.sample), self.buf(self.s.token));
         let s = self.stream.raw();
         launch::sample(
-            logits as *const f32,
+            logits as *mut f32,
             self.cfg.vocab,
             sampling,
             stream_index,
             position,
+            self.buf(self.s.penalty) as *mut c_int,
+            penalty.len(),
             scratch,
             token as *mut c_int,
             s,
@@ -358,16 +379,27 @@ impl GpuModel {
     }
 }
 
-/// The CUDA backend: a `GpuModel` and the device it was loaded on, made current before each call.
+/// The CUDA backend: a `GpuModel` and the device it was loaded on, made current before each call, and
+/// the logits of each item of the last batch.
 pub struct CudaBackend {
     model: GpuModel,
     device: i32,
+    logits: Vec<Option<Vec<f32>>>,
 }
 
 impl CudaBackend {
-    /// `GpuModel::load` on `device`, which the caller has made current.
-    pub fn load(src: &dyn TensorSource, rows: RowsOnDevice, max_batch: usize, device: i32) -> Result<CudaBackend> {
-        Ok(CudaBackend { model: GpuModel::load(src, rows, max_batch)?, device })
+    /// `GpuModel::load` on `device`, which the caller has made current, with a KV pool of `pool_pages`
+    /// pages of `PAGE_TOKENS` positions.
+    pub fn load(
+        src: &dyn TensorSource,
+        rows: RowsOnDevice,
+        max_batch: usize,
+        device: i32,
+        pool_pages: usize,
+    ) -> Result<CudaBackend> {
+        // Each stream still holds a whole window of its own; the pool's pages are counted, not yet used.
+        let _ = pool_pages;
+        Ok(CudaBackend { model: GpuModel::load(src, rows, max_batch)?, device, logits: Vec::new() })
     }
 
     /// What runs a prompt chunk's products and attention, in one line for the log.
@@ -385,18 +417,38 @@ impl CudaBackend {
 impl Backend for CudaBackend {
     type Cache = GpuCache;
 
+    const PAGE_TOKENS: usize = 64;
+
     fn new_stream(&self, window: usize) -> Result<GpuStream> {
         self.enter()?;
         self.model.new_stream(window)
     }
 
-    fn step(&mut self, stream: &mut GpuStream, tokens: &[u32], sampling: &Sampling, stream_index: u32) -> Result<u32> {
+    fn step_batch(&mut self, items: &mut [StepItem<'_, GpuCache>]) -> Result<()> {
         self.enter()?;
-        self.model.step(stream, tokens, sampling, stream_index)
+        self.logits.clear();
+        // One item at a time, each keeping a copy of its logits.
+        for item in items.iter_mut() {
+            let penalty = sampler::penalty_ids(&item.stream.tokens, item.tokens, &item.sampling);
+            item.next = self.model.step_penalized(item.stream, item.tokens, &item.sampling, item.index, &penalty);
+            let logits = match &item.next {
+                Ok(_) => Some(self.model.last_logits()?),
+                Err(e) if e.status == crate::Status::CudaError => return Err(e.clone()),
+                Err(_) => None,
+            };
+            self.logits.push(logits);
+        }
+        Ok(())
     }
 
-    fn last_logits(&self) -> Result<Vec<f32>> {
-        self.enter()?;
-        self.model.last_logits()
+    fn logits(&self, i: usize) -> Result<Vec<f32>> {
+        self.logits
+            .get(i)
+            .and_then(Option::clone)
+            .ok_or_else(|| err!(InvalidArgument, "item {i} of the last batch has no logits"))
+    }
+
+    fn truncate(&mut self, stream: &mut GpuStream, len: usize) {
+        stream.len = len;
     }
 }

@@ -47,6 +47,8 @@ pub(super) struct ScratchLayout {
     pub(super) pos: usize,
     pub(super) token: usize,
     pub(super) sample: usize,
+    /// The repetition penalty's ids and saved logits (`launch::sample`): 8 bytes a vocabulary entry.
+    pub(super) penalty: usize,
     /// Half-format activations of a chunk: the normed input, the attention output or the SwiGLU.
     pub(super) act: usize,
     /// One weight matrix converted to the half format (absent when every matrix is in it).
@@ -77,6 +79,7 @@ impl ScratchLayout {
         let pos = l.push(b * 4);
         let token = l.push(4);
         let sample = l.push(cfg.vocab * 8);
+        let penalty = l.push(cfg.vocab * 8);
         let act = l.push(b * cfg.hidden.max(cfg.q_dim()).max(cfg.intermediate) * 2);
         let slab = l.push(slab_values * 2);
         let workspace = l.push(super::blas::WORKSPACE_BYTES);
@@ -94,6 +97,7 @@ impl ScratchLayout {
             pos,
             token,
             sample,
+            penalty,
             act,
             slab,
             workspace,
