@@ -6,17 +6,97 @@ use crate::sampler::Sampling;
 use crate::status::Result;
 use crate::{bail, err};
 
-/// One stream of a backend: its KV cache (`C`, in the backend's own form) and how many of its
-/// `window` positions hold tokens.
+/// The page ids of one KV pool: which are free, and how many positions a page holds.
+#[derive(Debug)]
+pub struct PagePool {
+    page_tokens: usize,
+    total: usize,
+    /// Free page ids; the next page taken is the last one.
+    free: Vec<u32>,
+}
+
+impl PagePool {
+    /// `pages` pages of `page_tokens` positions, all free; NO_ROOM where the host cannot hold the list.
+    pub fn new(page_tokens: usize, pages: usize) -> Result<PagePool> {
+        if page_tokens == 0 {
+            bail!(InvalidArgument, "a KV page of 0 tokens");
+        }
+        if pages > u32::MAX as usize {
+            bail!(NoRoom, "a KV pool of {pages} pages is more than page ids count");
+        }
+        let mut free = Vec::new();
+        free.try_reserve_exact(pages).map_err(|_| err!(NoRoom, "the host has no room for a list of {pages} pages"))?;
+        // Reversed, so pages are taken in id order from a fresh pool.
+        free.extend((0..pages as u32).rev());
+        Ok(PagePool { page_tokens, total: pages, free })
+    }
+
+    pub fn page_tokens(&self) -> usize {
+        self.page_tokens
+    }
+
+    pub fn total_pages(&self) -> usize {
+        self.total
+    }
+
+    pub fn free_pages(&self) -> usize {
+        self.free.len()
+    }
+
+    /// Pages a stream of `tokens` positions holds.
+    pub fn pages_for(&self, tokens: usize) -> usize {
+        tokens.div_ceil(self.page_tokens)
+    }
+
+    /// `n` free pages, or None (and nothing taken) when fewer are free.
+    pub fn take(&mut self, n: usize) -> Option<Vec<u32>> {
+        let keep = self.free.len().checked_sub(n)?;
+        Some(self.free.split_off(keep))
+    }
+
+    /// Returns pages to the pool.
+    pub fn give_back(&mut self, pages: impl IntoIterator<Item = u32>) {
+        self.free.extend(pages);
+        debug_assert!(self.free.len() <= self.total, "a page was given back twice");
+    }
+}
+
+/// One stream of a backend: its cache state (`C`, in the backend's own form), the pool pages holding
+/// its positions, its tokens, and its window.
 pub struct KvStream<C> {
     pub(crate) cache: C,
+    /// Positions written (the backend advances it as it appends).
     pub(crate) len: usize,
     pub(crate) window: usize,
+    /// The pool pages holding its positions, in position order: page `i` holds positions
+    /// `i * PAGE_TOKENS ..`. A step's pages are here before the backend runs it.
+    pub(crate) pages: Vec<u32>,
+    /// Every token appended (for the repetition penalty and truncate); `Streams` keeps it, a backend
+    /// reads it as the history before the step's own tokens.
+    pub(crate) tokens: Vec<u32>,
+}
+
+/// One item of a batched step, as a backend sees it.
+pub struct StepItem<'a, C> {
+    pub stream: &'a mut KvStream<C>,
+    /// The stream's index: seeds the sampler's draw.
+    pub index: u32,
+    /// Ids to append (checked against the vocabulary and the window already).
+    pub tokens: &'a [u32],
+    /// The stream's own sampler settings.
+    pub sampling: Sampling,
+    /// Out: the token the sampler picks after `tokens`; an Err item appended nothing.
+    pub next: Result<u32>,
 }
 
 impl<C> KvStream<C> {
     pub(crate) fn new(cache: C, window: usize) -> KvStream<C> {
-        KvStream { cache, len: 0, window }
+        KvStream { cache, len: 0, window, pages: Vec::new(), tokens: Vec::new() }
+    }
+
+    /// The pool pages this stream holds, in position order.
+    pub fn pages(&self) -> &[u32] {
+        &self.pages
     }
 
     /// Tokens in the cache.

@@ -242,7 +242,8 @@ fn load_decoder(
         BackendKind::Cuda => {
             let r = rows.describe();
             let rows = RowsOnDevice { ptr: r.data, dtype: r.dtype, vocab: r.rows as usize, cols: r.cols as usize };
-            let model = CudaBackend::load(&**ckpt, rows, opts.max_batch as usize, opts.device)?;
+            let pages = streams as usize * (window as usize).div_ceil(crate::gpu::PAGE_TOKENS);
+            let model = CudaBackend::load(&**ckpt, rows, opts.max_batch as usize, opts.device, pages)?;
             logger.line(model.prompt_route());
             Box::new(Streams::new(model, window, streams as usize)?)
         }
