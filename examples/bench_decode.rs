@@ -258,7 +258,7 @@ fn bench_decode(args: &Args, peak: f64) {
     );
 
     let prompt: Vec<u32> = (0..args.prompt as u32).map(|i| (i * 7919 + 13) % cfg.vocab as u32).collect();
-    let sampled = Sampling { temperature: 0.8, top_k: 40, top_p: 0.95, seed: 42 };
+    let sampled = Sampling { temperature: 0.8, top_k: 40, top_p: 0.95, seed: 42, ..Sampling::GREEDY };
     // Per decoded token, the bytes read: every weight but the embedding rows, one row of them, and the KV
     // cache (about half a window on average).
     let per_token = weight_bytes as f64

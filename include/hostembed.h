@@ -9,7 +9,7 @@
 #include <stdint.h>
 
 // The ABI this header describes; a caller compares it with `engine_abi_version()`.
-#define HOSTEMBED_ABI_VERSION 1
+#define HOSTEMBED_ABI_VERSION 2
 
 // The default reserve for the load's other buffers (kernel modules, the kit): about 85 MB measured.
 #define ENGINE_FIT_DEFAULT_RESERVE_BYTES (256 << 20)
@@ -199,6 +199,12 @@ typedef struct engine_options {
   // 1 = no nucleus cut.
   float top_p;
   uint64_t seed;
+  // 0 = no min-p cut; else tokens less likely than min_p times the likeliest are dropped.
+  float min_p;
+  // 1 = no penalty; else the logits of tokens among the last `repeat_last_n` are made less likely.
+  float repeat_penalty;
+  // How many of a stream's last tokens the repetition penalty looks at; 0 = none.
+  uint32_t repeat_last_n;
   // Log lines go here; NULL = standard error, prefixed "hostembed: ".
   engine_log_fn log;
   void *log_user;
@@ -231,6 +237,39 @@ typedef struct engine_memory {
   // Checkpoint file mappings held by live engines.
   uint64_t mapped_bytes;
 } engine_memory;
+
+// One stream's part of `engine_step_batch`: its input, and what the call wrote back.
+typedef struct engine_batch_item {
+  // The stream to advance.
+  uint32_t stream;
+  // A prompt (or a chunk of one), or the last sampled token: `n` ids.
+  const int32_t *tokens;
+  size_t n;
+  // Out: the token this stream's sampler picks next (-1 when the item failed).
+  int32_t next;
+  // Out: this item's status; a failed item appends nothing.
+  enum engine_status status;
+} engine_batch_item;
+
+// How one stream picks its next token; `engine_default_sampling()` is greedy with no penalty.
+// A stream starts with the engine options' settings; `engine_set_sampling` changes them.
+typedef struct engine_sampling {
+  // Not above 0 picks greedily (the largest logit).
+  float temperature;
+  // 0 keeps every token.
+  uint32_t top_k;
+  // 1 keeps every token; else the smallest set of likeliest tokens holding top_p of the probability.
+  float top_p;
+  // 0 keeps every token; else only tokens at least min_p times as likely as the likeliest (0..=1).
+  float min_p;
+  // 1 = none; above 1 a token among the last `repeat_last_n` has its logit divided by it (positive
+  // logits) or multiplied by it (negative ones) before sampling, greedy included.
+  float repeat_penalty;
+  // How many of the stream's last tokens (prompt included) the penalty looks at; 0 = none.
+  uint32_t repeat_last_n;
+  // The draw depends on (seed, stream index, position) only.
+  uint64_t seed;
+} engine_sampling;
 
 // What a caller needs to drive the engine.
 struct engine_model_info {
@@ -340,15 +379,62 @@ enum engine_status engine_step(struct engine *e,
                                size_t n,
                                int32_t *next);
 
-// Copies the logits of the last position of stream `stream`'s last step into `out` (`len` must be at
-// least the vocabulary). Only the most recently stepped stream keeps its logits: with several threads
-// stepping, another stream's step in between makes this INVALID_ARGUMENT.
+// Steps several streams at once: each item appends its `n` tokens (a prompt, a chunk of one, or the
+// last sampled token) to its stream and gets the token that stream's sampler picks next in `next`,
+// with its own status in `status` (a failed item appends nothing and gets `next` -1; the others
+// proceed). Items may mix prompt chunks and single tokens. Per item: OUT_OF_RANGE for a stream that
+// does not exist or an id outside the vocabulary, NO_ROOM past the window (checked before its tokens
+// are read) or when the KV pool has no free page for it, INVALID_ARGUMENT for `n` 0. The call returns
+// INVALID_ARGUMENT, stepping nothing, only when it is malformed: `e` NULL, `items` NULL with
+// `n_items` > 0, an item's `tokens` NULL with `n` > 0, a stream named twice; otherwise OK (or the
+// device's failure). A stream's tokens and logits are the same whether it steps alone or in a batch.
+enum engine_status engine_step_batch(struct engine *e,
+                                     struct engine_batch_item *items,
+                                     size_t n_items);
+
+// Greedy sampling with no cut and no penalty (temperature 0, top_k 0, top_p 1, min_p 0,
+// repeat_penalty 1, repeat_last_n 64, seed 0).
+struct engine_sampling engine_default_sampling(void);
+
+// Sets stream `stream`'s sampler from its next step on (a stream starts with the engine options'
+// settings, and keeps its own across `engine_reset`). INVALID_ARGUMENT for NULL or a setting out of its
+// range (temperature < 0, top_p outside (0, 1], min_p outside [0, 1], repeat_penalty <= 0, any NaN),
+// OUT_OF_RANGE for a stream that does not exist.
+enum engine_status engine_set_sampling(struct engine *e,
+                                       uint32_t stream,
+                                       const struct engine_sampling *s);
+
+// Stream `stream`'s sampler settings, into `*out`.
+enum engine_status engine_get_sampling(const struct engine *e,
+                                       uint32_t stream,
+                                       struct engine_sampling *out);
+
+// Keeps the first `len` positions of stream `stream` and gives the KV pages past them back to the
+// pool; stepping the same tokens again gives the same logits, bit for bit. OUT_OF_RANGE when `len` is
+// more than the stream holds or the stream does not exist. The stream's logits are dropped when it loses
+// positions.
+enum engine_status engine_truncate(struct engine *e,
+                                   uint32_t stream,
+                                   uint32_t len);
+
+// Tokens stream `stream` holds now, into `*len`.
+enum engine_status engine_stream_len(const struct engine *e, uint32_t stream, uint32_t *len);
+
+// The KV pool: positions it holds in all, and positions free (whole free pages), into the two outputs.
+enum engine_status engine_kv_stats(const struct engine *e,
+                                   uint64_t *tokens_total,
+                                   uint64_t *tokens_free);
+
+// Copies the logits of the last position of stream `stream` into `out` (`len` must be at least the
+// vocabulary). Logits are kept for every stream the last step or batch that stepped anything stepped:
+// with several threads stepping, another call's step in between makes this INVALID_ARGUMENT.
 enum engine_status engine_logits(const struct engine *e,
                                  uint32_t stream,
                                  float *out,
                                  size_t len);
 
-// Empties stream `stream` so it can take a new prompt.
+// Empties stream `stream` so it can take a new prompt, giving its KV pages back to the pool; its
+// sampler settings stay.
 enum engine_status engine_reset(struct engine *e, uint32_t stream);
 
 // The model's figures and the engine's window and streams; runs beside steps without waiting.

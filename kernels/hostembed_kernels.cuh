@@ -79,13 +79,16 @@ cudaError_t hostembed_swiglu(const float *gate, const float *up, float *out, siz
 // out[i] = a[i] + b[i] (out may be a or b).
 cudaError_t hostembed_add(const float *a, const float *b, float *out, size_t len, cudaStream_t stream);
 
-// Picks the next token from logits[vocab] exactly as src/sampler.rs does (temperature <= 0: argmax,
-// lowest index on ties; else integer weights, top-k, top-p, one draw from (seed, stream_index,
-// position)) and writes it to *token. scratch holds 8*vocab bytes (8-byte aligned); vocab < 2^28 so
-// the integer weights' sums fit in 64 bits.
-cudaError_t hostembed_sample(const float *logits, unsigned int vocab, float temperature, unsigned int top_k,
-                             float top_p, uint64_t seed, unsigned int stream_index, uint64_t position,
-                             void *scratch, int *token, cudaStream_t stream);
+// Picks the next token from logits[vocab] exactly as src/sampler.rs does (the repetition penalty on the
+// n_penalty distinct ids in penalty[0..n_penalty); then temperature <= 0: argmax, lowest index on ties;
+// else integer weights, top-k, min-p, top-p, one draw from (seed, stream_index, position)) and writes it
+// to *token. penalty holds 2*n_penalty ints: the ids, then room where their logits are saved while
+// penalized; logits are restored before the call's work ends. scratch holds 8*vocab bytes (8-byte
+// aligned); vocab < 2^28 so the integer weights' sums fit in 64 bits.
+cudaError_t hostembed_sample(float *logits, unsigned int vocab, float temperature, unsigned int top_k, float top_p,
+                             float min_p, float repeat_penalty, int *penalty, unsigned int n_penalty, uint64_t seed,
+                             unsigned int stream_index, uint64_t position, void *scratch, int *token,
+                             cudaStream_t stream);
 
 // ---- prompt chunks on tensor cores (gemm.cu, flash.cu; sm_80 and newer) ----
 // Operands of the tensor-core paths are HE_DTYPE_BF16 or HE_DTYPE_F16 ("half" formats below); products

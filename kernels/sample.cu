@@ -329,7 +329,7 @@ __device__ __forceinline__ unsigned int x_bin(unsigned int key, unsigned int key
 template <bool MULTI>
 __global__ __launch_bounds__(THREADS) void sample_kernel(const float *__restrict__ logits, unsigned int vocab,
                                                          float temperature, unsigned int top_k, float top_p,
-                                                         unsigned long long seed, unsigned int stream_index,
+                                                         float min_p, unsigned long long seed, unsigned int stream_index,
                                                          unsigned long long position, unsigned long long *scratch,
                                                          int *token) {
     constexpr unsigned int CACHE = MULTI ? MULTI_KEY_CACHE : ONE_BLOCK_BELOW;
@@ -382,7 +382,13 @@ __global__ __launch_bounds__(THREADS) void sample_kernel(const float *__restrict
     }
     const float l_max = logits[arg];
     const float s = __fdiv_rn(__uint_as_float(LOG2E_BITS), temperature);
-    auto weight_of_key = [&](unsigned int key) { return weight_of(key_logit(key), l_max, s); };
+    // src/sampler.rs min_p_floor: weights below it count as 0 everywhere (the largest weighs 2^36 >= it).
+    const unsigned long long floor_w =
+        min_p > 0.f ? min(__float2ull_rn(__fmul_rn(min_p, 16777216.f)), 1ull << 24) << 12 : 0ull;
+    auto weight_of_key = [&](unsigned int key) {
+        const unsigned long long w = weight_of(key_logit(key), l_max, s);
+        return w >= floor_w ? w : 0ull;
+    };
     unsigned int ph = 1;  // the part set the next phase writes
     unsigned int hc = 0;  // the histogram buffer the next pass fills (cleared)
 
@@ -672,13 +678,33 @@ unsigned int resident_blocks() {
     return n > 0 ? (unsigned int)n : 0;
 }
 
-}  // namespace
 
-extern "C" cudaError_t hostembed_sample(const float *logits, unsigned int vocab, float temperature,
-                                        unsigned int top_k, float top_p, uint64_t seed, unsigned int stream_index,
-                                        uint64_t position, void *scratch, int *token, cudaStream_t stream) {
-    if (logits == nullptr || token == nullptr || vocab == 0 || vocab > MAX_VOCAB) return cudaErrorInvalidValue;
-    if (scratch == nullptr || reinterpret_cast<uintptr_t>(scratch) % 8 != 0) return cudaErrorInvalidValue;
+// src/sampler.rs step P on the n distinct ids ids[0..n): saves their logits to saved[0..n) and writes
+// the penalized values; restore_penalized puts the saved ones back after the draw. Ids outside the
+// vocabulary are skipped.
+__global__ void penalize(float *logits, unsigned int vocab, const int *ids, float *saved, unsigned int n,
+                         float penalty) {
+    for (unsigned int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+        const int id = ids[i];
+        if (id < 0 || (unsigned int)id >= vocab) continue;
+        const float l = logits[id];
+        saved[i] = l;
+        logits[id] = l > 0.f ? __fdiv_rn(l, penalty) : (l <= 0.f ? __fmul_rn(l, penalty) : l);
+    }
+}
+
+__global__ void restore_penalized(float *logits, unsigned int vocab, const int *ids, const float *saved,
+                                  unsigned int n) {
+    for (unsigned int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+        const int id = ids[i];
+        if (id >= 0 && (unsigned int)id < vocab) logits[id] = saved[i];
+    }
+}
+
+// The draw itself, on logits already penalized.
+cudaError_t launch_sample(const float *logits, unsigned int vocab, float temperature, unsigned int top_k,
+                          float top_p, float min_p, uint64_t seed, unsigned int stream_index, uint64_t position,
+                          void *scratch, int *token, cudaStream_t stream) {
     unsigned long long seed_arg = seed, position_arg = position;
     unsigned long long *work = static_cast<unsigned long long *>(scratch);
     unsigned int blocks = 1;
@@ -689,8 +715,8 @@ extern "C" cudaError_t hostembed_sample(const float *logits, unsigned int vocab,
         while (blocks > 1 && scratch_bytes(blocks) > 8ull * vocab) blocks--;
     }
     if (blocks > 1) {
-        void *args[] = {&logits, &vocab,   &temperature, &top_k, &top_p, &seed_arg, &stream_index, &position_arg,
-                        &work,   &token};
+        void *args[] = {&logits,   &vocab,        &temperature,  &top_k, &top_p, &min_p,
+                        &seed_arg, &stream_index, &position_arg, &work,  &token};
         const cudaError_t e = cudaLaunchCooperativeKernel(reinterpret_cast<const void *>(&sample_kernel<true>),
                                                           dim3(blocks), dim3(THREADS), args, 0, stream);
         if (e != cudaErrorCooperativeLaunchTooLarge && e != cudaErrorNotSupported) {
@@ -698,7 +724,38 @@ extern "C" cudaError_t hostembed_sample(const float *logits, unsigned int vocab,
         }
         (void)cudaGetLastError();  // fewer resources than asked for (another process, MPS): one block instead
     }
-    sample_kernel<false><<<1, THREADS, 0, stream>>>(logits, vocab, temperature, top_k, top_p, seed_arg, stream_index,
-                                                    position_arg, work, token);
+    sample_kernel<false><<<1, THREADS, 0, stream>>>(logits, vocab, temperature, top_k, top_p, min_p, seed_arg,
+                                                    stream_index, position_arg, work, token);
     return cudaGetLastError();
+}
+
+}  // namespace
+
+extern "C" cudaError_t hostembed_sample(float *logits, unsigned int vocab, float temperature, unsigned int top_k,
+                                        float top_p, float min_p, float repeat_penalty, int *penalty,
+                                        unsigned int n_penalty, uint64_t seed, unsigned int stream_index,
+                                        uint64_t position, void *scratch, int *token, cudaStream_t stream) {
+    if (logits == nullptr || token == nullptr || vocab == 0 || vocab > MAX_VOCAB) return cudaErrorInvalidValue;
+    if (scratch == nullptr || reinterpret_cast<uintptr_t>(scratch) % 8 != 0) return cudaErrorInvalidValue;
+    if (n_penalty > 0 && (penalty == nullptr || reinterpret_cast<uintptr_t>(penalty) % 4 != 0))
+        return cudaErrorInvalidValue;
+    // The same condition as src/sampler.rs Sampling::penalizes (the caller sends no ids otherwise).
+    const bool penalize_ids = n_penalty > 0 && repeat_penalty == repeat_penalty && repeat_penalty != 1.f;
+    float *saved = reinterpret_cast<float *>(penalty + n_penalty);
+    const unsigned int grid = std::min(64u, (n_penalty + THREADS - 1) / THREADS);
+    if (penalize_ids) {
+        penalize<<<grid, THREADS, 0, stream>>>(logits, vocab, penalty, saved, n_penalty, repeat_penalty);
+        const cudaError_t e = cudaGetLastError();
+        if (e != cudaSuccess) return e;
+    }
+    const cudaError_t drawn =
+        launch_sample(logits, vocab, temperature, top_k, top_p, min_p, seed, stream_index, position, scratch, token,
+                      stream);
+    if (penalize_ids) {
+        // Restored even after a failed draw, so the caller's logits are never left penalized.
+        restore_penalized<<<grid, THREADS, 0, stream>>>(logits, vocab, penalty, saved, n_penalty);
+        const cudaError_t e = cudaGetLastError();
+        if (drawn == cudaSuccess && e != cudaSuccess) return e;
+    }
+    return drawn;
 }

@@ -23,7 +23,7 @@ macro_rules! from_raw {
 }
 
 /// The ABI this header describes; a caller compares it with `engine_abi_version()`.
-pub const HOSTEMBED_ABI_VERSION: u32 = 1;
+pub const HOSTEMBED_ABI_VERSION: u32 = 2;
 
 // ---------------------------------------------------------------------------------------------
 // Status
@@ -276,9 +276,52 @@ pub struct engine_options {
     /// 1 = no nucleus cut.
     pub top_p: f32,
     pub seed: u64,
+    /// 0 = no min-p cut; else tokens less likely than min_p times the likeliest are dropped.
+    pub min_p: f32,
+    /// 1 = no penalty; else the logits of tokens among the last `repeat_last_n` are made less likely.
+    pub repeat_penalty: f32,
+    /// How many of a stream's last tokens the repetition penalty looks at; 0 = none.
+    pub repeat_last_n: u32,
     /// Log lines go here; NULL = standard error, prefixed "hostembed: ".
     pub log: engine_log_fn,
     pub log_user: *mut c_void,
+}
+
+/// How one stream picks its next token; `engine_default_sampling()` is greedy with no penalty.
+/// A stream starts with the engine options' settings; `engine_set_sampling` changes them.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct engine_sampling {
+    /// Not above 0 picks greedily (the largest logit).
+    pub temperature: f32,
+    /// 0 keeps every token.
+    pub top_k: u32,
+    /// 1 keeps every token; else the smallest set of likeliest tokens holding top_p of the probability.
+    pub top_p: f32,
+    /// 0 keeps every token; else only tokens at least min_p times as likely as the likeliest (0..=1).
+    pub min_p: f32,
+    /// 1 = none; above 1 a token among the last `repeat_last_n` has its logit divided by it (positive
+    /// logits) or multiplied by it (negative ones) before sampling, greedy included.
+    pub repeat_penalty: f32,
+    /// How many of the stream's last tokens (prompt included) the penalty looks at; 0 = none.
+    pub repeat_last_n: u32,
+    /// The draw depends on (seed, stream index, position) only.
+    pub seed: u64,
+}
+
+/// One stream's part of `engine_step_batch`: its input, and what the call wrote back.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct engine_batch_item {
+    /// The stream to advance.
+    pub stream: u32,
+    /// A prompt (or a chunk of one), or the last sampled token: `n` ids.
+    pub tokens: *const i32,
+    pub n: usize,
+    /// Out: the token this stream's sampler picks next (-1 when the item failed).
+    pub next: i32,
+    /// Out: this item's status; a failed item appends nothing.
+    pub status: engine_status,
 }
 
 /// What a caller needs to drive the engine.

@@ -1,9 +1,15 @@
 //! The seam between the engine and a decode backend. A backend (the CPU reference, CUDA) is a model
-//! that makes streams and steps them; `Streams` holds the engine's stream slots over any backend, and
-//! the engine sees it only as a `Decoder`.
+//! that makes streams and steps a batch of them at once; `Streams` holds the engine's stream slots, their
+//! sampler settings and the KV page pool over any backend, and the engine sees it only as a `Decoder`.
+//!
+//! KV memory comes in pages of `Backend::PAGE_TOKENS` positions from one `PagePool`, sized by the
+//! engine from the fit. `Streams` does all of the pool's accounting: before a batch runs it gives each
+//! item the pages its new positions need (an item that cannot get them fails with NO_ROOM, untouched),
+//! and truncate, reset and failed items give pages back. A backend only reads `KvStream::pages` to
+//! find where each position lives in its pool memory.
 
 use crate::sampler::Sampling;
-use crate::status::Result;
+use crate::status::{Error, Result, Status};
 use crate::{bail, err};
 
 /// The page ids of one KV pool: which are free, and how many positions a page holds.
@@ -76,27 +82,14 @@ pub struct KvStream<C> {
     pub(crate) tokens: Vec<u32>,
 }
 
-/// One item of a batched step, as a backend sees it.
-pub struct StepItem<'a, C> {
-    pub stream: &'a mut KvStream<C>,
-    /// The stream's index: seeds the sampler's draw.
-    pub index: u32,
-    /// Ids to append (checked against the vocabulary and the window already).
-    pub tokens: &'a [u32],
-    /// The stream's own sampler settings.
-    pub sampling: Sampling,
-    /// Out: the token the sampler picks after `tokens`; an Err item appended nothing.
-    pub next: Result<u32>,
-}
-
 impl<C> KvStream<C> {
     pub(crate) fn new(cache: C, window: usize) -> KvStream<C> {
         KvStream { cache, len: 0, window, pages: Vec::new(), tokens: Vec::new() }
     }
 
-    /// The pool pages this stream holds, in position order.
-    pub fn pages(&self) -> &[u32] {
-        &self.pages
+    /// A stream over the given pages (a backend's own, outside any engine pool).
+    pub(crate) fn with_pages(cache: C, window: usize, pages: Vec<u32>) -> KvStream<C> {
+        KvStream { cache, len: 0, window, pages, tokens: Vec::new() }
     }
 
     /// Tokens in the cache.
@@ -112,71 +105,133 @@ impl<C> KvStream<C> {
         self.window
     }
 
+    /// The pool pages this stream holds, in position order.
+    pub fn pages(&self) -> &[u32] {
+        &self.pages
+    }
+
     /// Forgets every token (the cache's memory, and whatever the backend keeps with it, stays).
     pub fn reset(&mut self) {
         self.len = 0;
+        self.tokens.clear();
     }
+}
+
+/// One item of a batched step, as a backend sees it.
+pub struct StepItem<'a, C> {
+    pub stream: &'a mut KvStream<C>,
+    /// The stream's index: seeds the sampler's draw.
+    pub index: u32,
+    /// Ids to append (checked against the vocabulary and the window already).
+    pub tokens: &'a [u32],
+    /// The stream's own sampler settings.
+    pub sampling: Sampling,
+    /// Out: the token the sampler picks after `tokens`; an Err item appended nothing.
+    pub next: Result<u32>,
+}
+
+/// What an item holds until its backend sets it.
+fn not_run() -> Error {
+    Error::new(Status::Panic, "the backend left this batch item unstepped")
 }
 
 /// A model on some device that decodes streams it made.
 pub trait Backend: Send {
-    /// A stream's KV cache as this backend holds it.
+    /// A stream's cache state as this backend holds it.
     type Cache: Send;
 
-    /// An empty stream with room for `window` tokens: the one place a backend allocates a KV cache.
+    /// Positions in one KV page.
+    const PAGE_TOKENS: usize;
+
+    /// An empty stream with room for `window` tokens; it takes no KV memory (its pages come from the pool).
     fn new_stream(&self, window: usize) -> Result<KvStream<Self::Cache>>;
 
-    /// Appends `tokens` to `stream` and returns the token `sampling` picks for the position after them;
-    /// `stream_index` seeds the sampler. Refusals (checked before anything is written) leave the stream
-    /// and the last logits as they were.
-    fn step(
-        &mut self,
-        stream: &mut KvStream<Self::Cache>,
-        tokens: &[u32],
-        sampling: &Sampling,
-        stream_index: u32,
-    ) -> Result<u32>;
+    /// Appends each item's tokens to its stream (each stream appears once) and sets its `next`. The
+    /// pages every item's new positions need are already in its stream's `pages`. An item refused here is
+    /// left as it was (its `len` unchanged); the others proceed. Err only when the device failed.
+    fn step_batch(&mut self, items: &mut [StepItem<'_, Self::Cache>]) -> Result<()>;
 
-    /// The logits after the last position of the last successful step.
-    fn last_logits(&self) -> Result<Vec<f32>>;
+    /// The logits after the last position of item `i` of the last `step_batch` (a stepped item).
+    fn logits(&self, i: usize) -> Result<Vec<f32>>;
+
+    /// Cuts `stream` to its first `len` positions (`len` <= its length); the backend drops whatever it
+    /// keeps for the positions cut. `Streams` then gives back the pages past `len`.
+    fn truncate(&mut self, stream: &mut KvStream<Self::Cache>, len: usize) {
+        stream.len = len;
+    }
+}
+
+/// One item of `Decoder::step_batch`: a stream, the ids to append, and (out) the token sampled next.
+pub struct BatchStep<'a> {
+    pub stream: u32,
+    pub tokens: &'a [u32],
+    pub next: Result<u32>,
+}
+
+impl<'a> BatchStep<'a> {
+    pub fn new(stream: u32, tokens: &'a [u32]) -> BatchStep<'a> {
+        BatchStep { stream, tokens, next: Err(not_run()) }
+    }
 }
 
 /// What the engine calls: its streams by index, on whichever backend runs them.
 pub trait Decoder: Send {
-    /// Streams admitted.
+    /// Streams that exist (the bound on how many are open at once, not on how many full windows fit).
     fn stream_count(&self) -> usize;
     /// The window every stream has, in tokens.
     fn window(&self) -> usize;
-    /// `Backend::step` on stream `stream`, allocating its cache on first use.
-    fn step(&mut self, stream: u32, tokens: &[u32], sampling: &Sampling) -> Result<u32>;
-    /// The last step's logits, kept for the last stepped stream only (holding every stream's would cost
-    /// a vocabulary-sized copy per step).
+    /// Steps every item at once, each with its own status in `next`. INVALID_ARGUMENT (nothing done)
+    /// for a stream named twice; another Err only when the device failed.
+    fn step_batch(&mut self, items: &mut [BatchStep<'_>]) -> Result<()>;
+    /// The logits after the last position of stream `stream`, kept for the streams stepped by the last
+    /// batch that stepped anything.
     fn logits(&self, stream: u32) -> Result<Vec<f32>>;
-    /// Empties a stream; resetting the last stepped stream drops its logits.
+    /// Empties a stream and gives back its pages; its sampler settings stay.
     fn reset(&mut self, stream: u32) -> Result<()>;
+    /// Keeps the first `len` positions of a stream (OUT_OF_RANGE past its length).
+    fn truncate(&mut self, stream: u32, len: usize) -> Result<()>;
     /// Tokens a stream holds now.
     fn stream_len(&self, stream: u32) -> Result<usize>;
+    /// A stream's sampler settings (checked by the caller).
+    fn set_sampling(&mut self, stream: u32, s: Sampling) -> Result<()>;
+    fn sampling(&self, stream: u32) -> Result<Sampling>;
+    /// (positions in the pool, positions free).
+    fn kv_stats(&self) -> (u64, u64);
 }
 
-/// A backend with `count` stream slots of `window` tokens, each allocated on its first step so that
-/// admitted streams cost nothing until used.
+/// A backend with `count` stream slots of `window` tokens over one page pool; a slot gets its stream on
+/// its first step.
 pub struct Streams<B: Backend> {
     backend: B,
     window: usize,
     slots: Vec<Option<KvStream<B::Cache>>>,
-    /// The stream whose logits the backend holds.
-    last: Option<u32>,
+    sampling: Vec<Sampling>,
+    pool: PagePool,
+    /// The streams whose logits the backend holds, with their item index in its last batch.
+    last: Vec<(u32, usize)>,
 }
 
 impl<B: Backend> Streams<B> {
-    /// NO_ROOM where the host cannot give the slot table (its size comes from the caller's options).
-    pub fn new(backend: B, window: usize, count: usize) -> Result<Streams<B>> {
+    /// `count` streams sampling with `sampling`, over a pool of `pages` pages of `B::PAGE_TOKENS`.
+    /// NO_ROOM where the host cannot give the tables (their sizes come from the caller's options).
+    pub fn new(backend: B, window: usize, count: usize, pages: usize, sampling: Sampling) -> Result<Streams<B>> {
         let mut slots = Vec::new();
         slots
             .try_reserve_exact(count)
             .map_err(|_| err!(NoRoom, "the host has no room for a table of {count} streams"))?;
         slots.resize_with(count, || None);
-        Ok(Streams { backend, window, slots, last: None })
+        let mut settings = Vec::new();
+        settings
+            .try_reserve_exact(count)
+            .map_err(|_| err!(NoRoom, "the host has no room for a table of {count} streams"))?;
+        settings.resize(count, sampling);
+        let pool = PagePool::new(B::PAGE_TOKENS, pages)?;
+        Ok(Streams { backend, window, slots, sampling: settings, pool, last: Vec::new() })
+    }
+
+    /// The backend, for tests that look under the seam.
+    pub fn backend(&self) -> &B {
+        &self.backend
     }
 
     /// The slot of `stream`; OUT_OF_RANGE past the admitted count, the message led by `call`.
@@ -186,6 +241,55 @@ impl<B: Backend> Streams<B> {
             bail!(OutOfRange, "{call}stream {stream}, but {count} streams were admitted");
         }
         Ok(stream as usize)
+    }
+
+    /// Readies item `item` for the backend: its stream exists and holds the pages its new positions need.
+    fn admit(&mut self, item: &BatchStep) -> Result<()> {
+        let slot = self.slot(item.stream, "")?;
+        let n = item.tokens.len();
+        if n == 0 {
+            bail!(InvalidArgument, "stream {}: no tokens", item.stream);
+        }
+        let len = self.slots[slot].as_ref().map_or(0, |s| s.len);
+        if n > self.window - len.min(self.window) {
+            bail!(
+                NoRoom,
+                "stream {}: {n} tokens after {len} do not fit the stream's window of {}",
+                item.stream,
+                self.window
+            );
+        }
+        if self.slots[slot].is_none() {
+            self.slots[slot] = Some(self.backend.new_stream(self.window)?);
+        }
+        let s = self.slots[slot].as_mut().expect("made above");
+        let need = self.pool.pages_for(len + n).saturating_sub(s.pages.len());
+        let free = self.pool.free_pages();
+        let Some(pages) = self.pool.take(need) else {
+            bail!(
+                NoRoom,
+                "stream {}: {n} tokens after {len} need {need} more KV pages of {} tokens; {free} of {} are free",
+                item.stream,
+                self.pool.page_tokens(),
+                self.pool.total_pages()
+            );
+        };
+        s.pages.extend(pages);
+        Ok(())
+    }
+
+    /// Gives back the pages of stream slot `slot` past its length.
+    fn trim_pages(&mut self, slot: usize) {
+        if let Some(s) = self.slots[slot].as_mut() {
+            let keep = self.pool.pages_for(s.len);
+            if s.pages.len() > keep {
+                self.pool.give_back(s.pages.drain(keep..));
+            }
+        }
+    }
+
+    fn forget_logits(&mut self, stream: u32) {
+        self.last.retain(|&(s, _)| s != stream);
     }
 }
 
@@ -198,38 +302,111 @@ impl<B: Backend> Decoder for Streams<B> {
         self.window
     }
 
-    fn step(&mut self, stream: u32, tokens: &[u32], sampling: &Sampling) -> Result<u32> {
-        let slot = self.slot(stream, "engine_step: ")?;
-        if self.slots[slot].is_none() {
-            self.slots[slot] = Some(self.backend.new_stream(self.window)?);
+    fn step_batch(&mut self, items: &mut [BatchStep<'_>]) -> Result<()> {
+        let mut named = std::collections::HashSet::with_capacity(items.len());
+        if let Some(twice) = items.iter().find(|i| !named.insert(i.stream)) {
+            bail!(InvalidArgument, "stream {} is named twice in one batch", twice.stream);
         }
-        let s = self.slots[slot].as_mut().expect("allocated above");
-        let next = self.backend.step(s, tokens, sampling, stream)?;
-        self.last = Some(stream);
-        Ok(next)
+        // Which items run, in the caller's order; the others have their status already.
+        let mut run = Vec::with_capacity(items.len());
+        for (i, item) in items.iter_mut().enumerate() {
+            match self.admit(item) {
+                Ok(()) => run.push(i),
+                Err(e) => item.next = Err(e),
+            }
+        }
+        if run.is_empty() {
+            return Ok(());
+        }
+        let mut by_slot: Vec<Option<&mut KvStream<B::Cache>>> = self.slots.iter_mut().map(Option::as_mut).collect();
+        let mut step: Vec<StepItem<'_, B::Cache>> = run
+            .iter()
+            .map(|&i| {
+                let stream = items[i].stream;
+                StepItem {
+                    stream: by_slot[stream as usize].take().expect("admitted, and named once"),
+                    index: stream,
+                    tokens: items[i].tokens,
+                    sampling: self.sampling[stream as usize],
+                    next: Err(not_run()),
+                }
+            })
+            .collect();
+        let ran = self.backend.step_batch(&mut step);
+        let mut last = Vec::new();
+        for (k, s) in step.iter_mut().enumerate() {
+            let next = std::mem::replace(&mut s.next, Err(not_run()));
+            let next = match (&ran, next) {
+                (Err(e), Err(_)) => Err(e.clone()),
+                (_, next) => next,
+            };
+            if next.is_ok() {
+                s.stream.tokens.extend_from_slice(s.tokens);
+                last.push((s.index, k));
+            }
+            items[run[k]].next = next;
+        }
+        drop(step);
+        for &i in &run {
+            if items[i].next.is_err() {
+                self.trim_pages(items[i].stream as usize);
+            }
+        }
+        self.last = last;
+        ran
     }
 
     fn logits(&self, stream: u32) -> Result<Vec<f32>> {
-        if self.last == Some(stream) {
-            return self.backend.last_logits();
+        if let Some(&(_, i)) = self.last.iter().find(|&&(s, _)| s == stream) {
+            return self.backend.logits(i);
         }
         self.slot(stream, "")?;
-        Err(err!(InvalidArgument, "logits are kept for the last stepped stream only; stream {stream} is not it"))
+        Err(err!(InvalidArgument, "no logits for stream {stream}: it was not stepped by the last batch"))
     }
 
     fn reset(&mut self, stream: u32) -> Result<()> {
-        let slot = self.slot(stream, "engine_reset: ")?;
-        if let Some(s) = self.slots[slot].as_mut() {
-            s.reset();
+        self.truncate(stream, 0)?;
+        self.forget_logits(stream);
+        Ok(())
+    }
+
+    fn truncate(&mut self, stream: u32, len: usize) -> Result<()> {
+        let slot = self.slot(stream, "")?;
+        let Some(s) = self.slots[slot].as_mut() else {
+            if len > 0 {
+                bail!(OutOfRange, "stream {stream} holds 0 tokens; it cannot keep {len}");
+            }
+            return Ok(());
+        };
+        if len > s.len {
+            bail!(OutOfRange, "stream {stream} holds {} tokens; it cannot keep {len}", s.len);
         }
-        if self.last == Some(stream) {
-            self.last = None;
+        if len < s.len {
+            self.backend.truncate(s, len);
+            s.tokens.truncate(len);
+            self.forget_logits(stream);
         }
+        self.trim_pages(slot);
         Ok(())
     }
 
     fn stream_len(&self, stream: u32) -> Result<usize> {
         let slot = self.slot(stream, "")?;
         Ok(self.slots[slot].as_ref().map_or(0, |s| s.len()))
+    }
+
+    fn set_sampling(&mut self, stream: u32, s: Sampling) -> Result<()> {
+        let slot = self.slot(stream, "")?;
+        self.sampling[slot] = s;
+        Ok(())
+    }
+
+    fn sampling(&self, stream: u32) -> Result<Sampling> {
+        Ok(self.sampling[self.slot(stream, "")?])
+    }
+
+    fn kv_stats(&self) -> (u64, u64) {
+        let page = self.pool.page_tokens() as u64;
+        (self.pool.total_pages() as u64 * page, self.pool.free_pages() as u64 * page)
     }
 }

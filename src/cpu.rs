@@ -16,9 +16,9 @@
 
 use std::sync::Arc;
 
-use crate::backend::{Backend, KvStream};
+use crate::backend::{Backend, KvStream, StepItem};
 use crate::model::{Arch, LayerWeights, ModelConfig, ModelWeights, TensorRef, TensorSource};
-use crate::sampler::{self, Sampling};
+use crate::sampler;
 use crate::status::Result;
 use crate::{bail, err};
 
@@ -34,6 +34,9 @@ pub use self::parallel::{MAX_THREADS, THREADS_ENV, thread_count};
 /// Tokens a step runs through the layers together; a longer step runs in chunks of this many. Past a
 /// few dozen tokens a decoded row is reused enough that larger chunks only cost scratch.
 pub const CHUNK_TOKENS: usize = 64;
+
+/// Positions in one page of the KV pool.
+pub const PAGE_TOKENS: usize = 32;
 
 /// RMSNorm of one row: out = w * x / sqrt(mean(x^2) + eps).
 pub fn rmsnorm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
@@ -524,11 +527,11 @@ fn zeroed_f32(len: usize) -> Result<Vec<f32>> {
 }
 
 /// The CPU backend: a `CpuModel` built once at load over a source it keeps alive, and the logits of
-/// the last step.
+/// each item of the last batch.
 pub struct CpuBackend {
     // Declared before `_source`: dropped before what it reads.
     model: CpuModel<'static>,
-    logits: Option<Vec<f32>>,
+    logits: Vec<Option<Vec<f32>>>,
     _source: Arc<dyn TensorSource + Send + Sync>,
 }
 
@@ -537,26 +540,41 @@ impl CpuBackend {
     pub fn new(source: Arc<dyn TensorSource + Send + Sync>) -> Result<CpuBackend> {
         // SAFETY: an Arc's pointee never moves, and this struct drops the view before its Arc.
         let src: &'static dyn TensorSource = unsafe { &*Arc::as_ptr(&source) };
-        Ok(CpuBackend { model: CpuModel::new(src)?, logits: None, _source: source })
+        Ok(CpuBackend { model: CpuModel::new(src)?, logits: Vec::new(), _source: source })
     }
 }
 
 impl Backend for CpuBackend {
     type Cache = CpuCache;
 
+    const PAGE_TOKENS: usize = PAGE_TOKENS;
+
     fn new_stream(&self, window: usize) -> Result<CpuStream> {
         self.model.try_new_stream(window)
     }
 
-    fn step(&mut self, stream: &mut CpuStream, tokens: &[u32], sampling: &Sampling, stream_index: u32) -> Result<u32> {
-        let position = (stream.len + tokens.len()) as u64;
-        let logits = self.model.forward(stream, tokens)?;
-        let next = sampler::sample(&logits, sampling, stream_index, position);
-        self.logits = Some(logits);
-        Ok(next)
+    fn step_batch(&mut self, items: &mut [StepItem<'_, CpuCache>]) -> Result<()> {
+        self.logits.clear();
+        for item in items.iter_mut() {
+            match self.model.forward(item.stream, item.tokens) {
+                Ok(logits) => {
+                    let history = &item.stream.tokens;
+                    item.next = Ok(sampler::sample_stream(&logits, &item.sampling, item.index, history, item.tokens));
+                    self.logits.push(Some(logits));
+                }
+                Err(e) => {
+                    item.next = Err(e);
+                    self.logits.push(None);
+                }
+            }
+        }
+        Ok(())
     }
 
-    fn last_logits(&self) -> Result<Vec<f32>> {
-        self.logits.clone().ok_or_else(|| err!(InvalidArgument, "no step has produced logits yet"))
+    fn logits(&self, i: usize) -> Result<Vec<f32>> {
+        self.logits
+            .get(i)
+            .and_then(Option::clone)
+            .ok_or_else(|| err!(InvalidArgument, "item {i} of the last batch has no logits"))
     }
 }

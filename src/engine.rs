@@ -7,7 +7,7 @@
 #![allow(non_camel_case_types)]
 
 use crate::abi::engine_device_info;
-use crate::backend::{Decoder, Streams};
+use crate::backend::{Backend, BatchStep, Decoder, Streams};
 use crate::checkpoint::Checkpoint;
 use crate::cpu::{CpuBackend, CpuStream};
 use crate::cuda::{self, PinnedBuffer};
@@ -52,6 +52,9 @@ pub fn default_options() -> engine_options {
         top_k: 0,
         top_p: 1.0,
         seed: 0,
+        min_p: 0.0,
+        repeat_penalty: 1.0,
+        repeat_last_n: Sampling::GREEDY.repeat_last_n,
         log: None,
         log_user: std::ptr::null_mut(),
     }
@@ -87,13 +90,54 @@ pub fn check_options(o: &engine_options) -> Result<()> {
     if o.device < 0 {
         crate::bail!(InvalidArgument, "options.device is {}", o.device);
     }
-    if !(o.temperature.is_finite() && o.temperature >= 0.0) {
-        crate::bail!(InvalidArgument, "options.temperature is {}; it must be a number >= 0", o.temperature);
+    sampling_of(o).check("options.")
+}
+
+/// The sampler settings the options give every stream to start with.
+pub fn sampling_of(o: &engine_options) -> Sampling {
+    Sampling {
+        temperature: o.temperature,
+        top_k: o.top_k,
+        top_p: o.top_p,
+        min_p: o.min_p,
+        repeat_penalty: o.repeat_penalty,
+        repeat_last_n: o.repeat_last_n,
+        seed: o.seed,
     }
-    if !(o.top_p > 0.0 && o.top_p <= 1.0) {
-        crate::bail!(InvalidArgument, "options.top_p is {}; it must be in (0, 1]", o.top_p);
+}
+
+/// The KV pool: `pages` pages of `page_tokens` positions, `bytes` of memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KvPool {
+    pub page_tokens: usize,
+    pub pages: usize,
+    pub bytes: u64,
+}
+
+impl KvPool {
+    /// Pages for `windows` full windows of `window` tokens, or for `room` bytes at `per_token` bytes a
+    /// position, whichever is more.
+    pub fn sized(page_tokens: usize, window: usize, windows: u64, room: u64, per_token: u64) -> KvPool {
+        let per_page = per_token.max(1).saturating_mul(page_tokens as u64);
+        let for_windows = windows.saturating_mul(window.div_ceil(page_tokens) as u64);
+        let pages = for_windows.max(room / per_page).min(u32::MAX as u64) as usize;
+        KvPool { page_tokens, pages, bytes: (pages as u64).saturating_mul(per_page) }
     }
-    Ok(())
+
+    pub fn tokens(&self) -> u64 {
+        self.pages as u64 * self.page_tokens as u64
+    }
+
+    /// The start-up line's words for it.
+    pub fn describe(&self) -> String {
+        format!(
+            "KV pool of {} tokens ({} GiB, {} pages of {} tokens)",
+            self.tokens(),
+            fit::gib(self.bytes),
+            self.pages,
+            self.page_tokens
+        )
+    }
 }
 
 /// Where log lines go.
@@ -225,27 +269,31 @@ pub fn host_rows_reason(plan: &engine_plan, inputs: &engine_fit_inputs, opts: &e
     }
 }
 
-/// The decode backend beside the placed rows, with its stream slots: on CUDA the GPU model reading
-/// `rows` and the plan's stream count; on the CPU a model view over the checkpoint, checked here so a
-/// bad model fails the load rather than the first step.
+/// The decode backend beside the placed rows, with its stream slots over one KV page pool: on CUDA the
+/// GPU model reading `rows`; on the CPU a model view over the checkpoint, checked here so a bad model
+/// fails the load rather than the first step.
 fn load_decoder(
     kind: BackendKind,
     ckpt: &HeldCheckpoint,
     rows: &Rows,
     streams: u32,
+    pool: &KvPool,
     opts: &engine_options,
     logger: &Logger,
 ) -> Result<Box<dyn Decoder>> {
     let window = window_of(&ckpt.config, opts)? as usize;
+    let sampling = sampling_of(opts);
+    let streams = streams as usize;
     Ok(match kind {
-        BackendKind::Cpu => Box::new(Streams::new(CpuBackend::new(ckpt.shared())?, window, streams as usize)?),
+        BackendKind::Cpu => {
+            Box::new(Streams::new(CpuBackend::new(ckpt.shared())?, window, streams, pool.pages, sampling)?)
+        }
         BackendKind::Cuda => {
             let r = rows.describe();
             let rows = RowsOnDevice { ptr: r.data, dtype: r.dtype, vocab: r.rows as usize, cols: r.cols as usize };
-            let pages = streams as usize * (window as usize).div_ceil(crate::gpu::PAGE_TOKENS);
-            let model = CudaBackend::load(&**ckpt, rows, opts.max_batch as usize, opts.device, pages)?;
+            let model = CudaBackend::load(&**ckpt, rows, opts.max_batch as usize, opts.device, pool.pages)?;
             logger.line(model.prompt_route());
-            Box::new(Streams::new(model, window, streams as usize)?)
+            Box::new(Streams::new(model, window, streams, pool.pages, sampling)?)
         }
     })
 }
@@ -271,6 +319,13 @@ pub enum InitStep {
     Planned,
     RowsPlaced,
     Loaded,
+}
+
+/// One item of `Engine::step_batch`: the ids as C passed them, and (out) the token sampled next.
+pub struct BatchItem<'a> {
+    pub stream: u32,
+    pub tokens: &'a [i32],
+    pub next: Result<u32>,
 }
 
 /// Streams the CPU backend admits when `max_streams` is 0 (it has no device memory to plan).
@@ -337,8 +392,23 @@ impl Engine {
             let want = if opts.max_streams > 0 { opts.max_streams } else { CPU_STREAMS };
             let slot = std::mem::size_of::<Option<CpuStream>>() as u64;
             let cpu = fit::plan_cpu(&fit::cpu_inputs(&ckpt.config, window, want, slot, opts)?);
+            // The pool holds the full windows that fit; `want` streams share it.
+            let pool = KvPool::sized(
+                CpuBackend::PAGE_TOKENS,
+                window as usize,
+                cpu.streams as u64,
+                0,
+                fit::cpu_kv_bytes(
+                    ckpt.config.layers as u64,
+                    1,
+                    ckpt.config.kv_heads as u64,
+                    ckpt.config.head_dim as u64,
+                )
+                .unwrap_or(u64::MAX),
+            );
+            let pool_line = if cpu.streams > 0 { format!(", {}", pool.describe()) } else { String::new() };
             logger.line(&format!(
-                "model {} GiB on the CPU backend, rows read from the file mapping, {}",
+                "model {} GiB on the CPU backend, rows read from the file mapping, {}{pool_line}",
                 fit::gib(ckpt.weight_bytes()),
                 fit::describe_cpu(&cpu)
             ));
@@ -349,7 +419,7 @@ impl Engine {
             // SAFETY: the rows point into `ckpt`, which the engine drops after them.
             let rows = unsafe { Rows::in_mapping(&src) }?;
             injected(InitStep::RowsPlaced)?;
-            let backend = load_decoder(BackendKind::Cpu, &ckpt, &rows, cpu.streams, opts, &logger)?;
+            let backend = load_decoder(BackendKind::Cpu, &ckpt, &rows, want, &pool, opts, &logger)?;
             let engine = Engine {
                 backend,
                 tokenizer: load_tokenizer(&ckpt, &logger)?,
@@ -368,9 +438,20 @@ impl Engine {
 
         let inputs = fit_inputs(&ckpt, opts, Some(&info))?;
         let mut plan = fit::plan(&inputs)?;
-        logger.line(&fit::describe(&plan));
-        if let Some(why) = fit::refusal(&plan) {
-            crate::bail!(NoRoom, "{why}");
+        // The pool takes the room the plan leaves beside the reserve, and at least its full windows.
+        let pool = KvPool::sized(
+            CudaBackend::PAGE_TOKENS,
+            plan.window as usize,
+            plan.streams as u64,
+            plan.left_bytes.saturating_sub(inputs.reserve_bytes),
+            inputs.stream_bytes_per_token,
+        );
+        match fit::refusal(&plan) {
+            Some(why) => {
+                logger.line(&fit::describe(&plan));
+                crate::bail!(NoRoom, "{why}");
+            }
+            None => logger.line(&format!("{}, {}", fit::describe(&plan), pool.describe())),
         }
         if let Some(reason) = host_rows_reason(&plan, &inputs, opts) {
             logger.line(&reason);
@@ -387,7 +468,9 @@ impl Engine {
         plan.placement = rows.placement();
         let bad_ids = Mutex::new(PinnedBuffer::new_mapped(std::mem::size_of::<i32>())?);
         injected(InitStep::RowsPlaced)?;
-        let backend = load_decoder(BackendKind::Cuda, &ckpt, &rows, plan.streams, opts, &logger)?;
+        // `max_streams` bounds the streams, which share the pool however many full windows it holds.
+        let streams = if opts.max_streams > 0 { opts.max_streams } else { plan.streams };
+        let backend = load_decoder(BackendKind::Cuda, &ckpt, &rows, streams, &pool, opts, &logger)?;
         let engine = Engine {
             backend,
             tokenizer: load_tokenizer(&ckpt, &logger)?,
@@ -423,40 +506,83 @@ impl Engine {
         self.backend.window()
     }
 
-    fn sampling(&self) -> Sampling {
-        let o = &self.options;
-        Sampling { temperature: o.temperature, top_k: o.top_k, top_p: o.top_p, seed: o.seed }
-    }
-
-    /// Appends `tokens` to stream `stream` and returns the token the sampler picks next.
-    /// A stream's KV cache is allocated on its first step, so admitted streams cost nothing until used.
+    /// Appends `tokens` to stream `stream` and returns the token its sampler picks next: a batch of one.
     pub fn step(&mut self, stream: u32, tokens: &[i32]) -> Result<u32> {
-        let vocab = self.ckpt.config.vocab;
-        if tokens.is_empty() {
-            crate::bail!(InvalidArgument, "engine_step: no tokens");
-        }
-        if let Some((i, t)) = tokens.iter().enumerate().find(|(_, t)| **t < 0 || **t as usize >= vocab) {
-            crate::bail!(OutOfRange, "engine_step: token {i} is id {t}, outside the vocabulary (0..{vocab})");
-        }
-        let ids: Vec<u32> = tokens.iter().map(|&t| t as u32).collect();
-        let sampling = self.sampling();
-        self.backend.step(stream, &ids, &sampling)
+        let mut items = [BatchItem { stream, tokens, next: Err(crate::err!(Panic, "not stepped")) }];
+        self.step_batch(&mut items)?;
+        let [item] = items;
+        item.next.map_err(|e| crate::Error::new(e.status, format!("engine_step: {}", e.message)))
     }
 
-    /// The logits after the last position of the last step; only the most recently stepped stream
-    /// keeps them (holding every stream's would cost a vocabulary-sized copy per step).
+    /// Steps every item at once, each with its own outcome in `next` (a failed item appends nothing).
+    /// INVALID_ARGUMENT, with nothing done, for a stream named twice; another Err only when the device
+    /// failed (the items say which were stepped before).
+    pub fn step_batch(&mut self, items: &mut [BatchItem<'_>]) -> Result<()> {
+        let mut named = std::collections::HashSet::with_capacity(items.len());
+        if let Some(twice) = items.iter().find(|i| !named.insert(i.stream)) {
+            crate::bail!(InvalidArgument, "stream {} is named twice in one batch", twice.stream);
+        }
+        let vocab = self.ckpt.config.vocab;
+        let ids: Vec<Result<Vec<u32>>> = items
+            .iter()
+            .map(|item| {
+                if let Some((i, t)) = item.tokens.iter().enumerate().find(|(_, t)| **t < 0 || **t as usize >= vocab) {
+                    crate::bail!(OutOfRange, "token {i} is id {t}, outside the vocabulary (0..{vocab})");
+                }
+                Ok(item.tokens.iter().map(|&t| t as u32).collect())
+            })
+            .collect();
+        let mut steps: Vec<BatchStep> = Vec::with_capacity(items.len());
+        let mut run = Vec::with_capacity(items.len());
+        for (i, (item, ids)) in items.iter_mut().zip(&ids).enumerate() {
+            match ids {
+                Ok(ids) => {
+                    steps.push(BatchStep::new(item.stream, ids));
+                    run.push(i);
+                }
+                Err(e) => item.next = Err(e.clone()),
+            }
+        }
+        let ran = self.backend.step_batch(&mut steps);
+        for (step, &i) in steps.into_iter().zip(&run) {
+            items[i].next = step.next;
+        }
+        ran
+    }
+
+    /// The logits after the last position of stream `stream`, for the streams the last batch stepped.
     pub fn logits(&self, stream: u32) -> Result<Vec<f32>> {
         self.backend.logits(stream)
     }
 
-    /// Empties stream `stream` (its memory is kept for the next prompt).
+    /// Empties stream `stream` and gives its KV pages back to the pool; its sampler settings stay.
     pub fn reset(&mut self, stream: u32) -> Result<()> {
         self.backend.reset(stream)
+    }
+
+    /// Keeps the first `len` positions of stream `stream`, giving back the pages past them.
+    pub fn truncate(&mut self, stream: u32, len: usize) -> Result<()> {
+        self.backend.truncate(stream, len)
     }
 
     /// Tokens stream `stream` holds now.
     pub fn stream_len(&self, stream: u32) -> Result<usize> {
         self.backend.stream_len(stream)
+    }
+
+    /// Stream `stream`'s sampler settings from its next step on.
+    pub fn set_sampling(&mut self, stream: u32, s: &Sampling) -> Result<()> {
+        s.check("sampling.")?;
+        self.backend.set_sampling(stream, *s)
+    }
+
+    pub fn sampling(&self, stream: u32) -> Result<Sampling> {
+        self.backend.sampling(stream)
+    }
+
+    /// (positions the KV pool holds, positions free).
+    pub fn kv_stats(&self) -> (u64, u64) {
+        self.backend.kv_stats()
     }
 
     pub fn config(&self) -> &ModelConfig {

@@ -3,8 +3,8 @@
 #![allow(non_camel_case_types, clippy::missing_safety_doc)]
 
 use crate::abi::{
-    engine_backend, engine_dtype, engine_fit_inputs, engine_memory, engine_options, engine_placement, engine_plan,
-    engine_rows, engine_tristate,
+    engine_backend, engine_batch_item, engine_dtype, engine_fit_inputs, engine_memory, engine_options,
+    engine_placement, engine_plan, engine_rows, engine_sampling, engine_tristate,
 };
 pub use crate::abi::{engine_device_info, engine_model_info};
 use crate::cuda;
@@ -405,9 +405,186 @@ pub unsafe extern "C" fn engine_step(
     })
 }
 
-/// Copies the logits of the last position of stream `stream`'s last step into `out` (`len` must be at
-/// least the vocabulary). Only the most recently stepped stream keeps its logits: with several threads
-/// stepping, another stream's step in between makes this INVALID_ARGUMENT.
+/// Steps several streams at once: each item appends its `n` tokens (a prompt, a chunk of one, or the
+/// last sampled token) to its stream and gets the token that stream's sampler picks next in `next`,
+/// with its own status in `status` (a failed item appends nothing and gets `next` -1; the others
+/// proceed). Items may mix prompt chunks and single tokens. Per item: OUT_OF_RANGE for a stream that
+/// does not exist or an id outside the vocabulary, NO_ROOM past the window (checked before its tokens
+/// are read) or when the KV pool has no free page for it, INVALID_ARGUMENT for `n` 0. The call returns
+/// INVALID_ARGUMENT, stepping nothing, only when it is malformed: `e` NULL, `items` NULL with
+/// `n_items` > 0, an item's `tokens` NULL with `n` > 0, a stream named twice; otherwise OK (or the
+/// device's failure). A stream's tokens and logits are the same whether it steps alone or in a batch.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn engine_step_batch(
+    e: *mut engine,
+    items: *mut engine_batch_item,
+    n_items: usize,
+) -> engine_status {
+    guard("engine_step_batch", || {
+        let e = unsafe { handle(e) }?;
+        if n_items == 0 {
+            return Ok(());
+        }
+        if items.is_null() {
+            crate::bail!(InvalidArgument, "items is NULL with n_items {n_items}");
+        }
+        if n_items > isize::MAX as usize / std::mem::size_of::<engine_batch_item>() {
+            crate::bail!(InvalidArgument, "n_items {n_items} overflows the address space");
+        }
+        // SAFETY: the caller promises `items` holds `n_items` items, which this call may write.
+        let items = unsafe { std::slice::from_raw_parts_mut(items, n_items) };
+        let malformed = items
+            .iter()
+            .position(|i| i.tokens.is_null() && i.n > 0)
+            .map(|k| format!("items[{k}].tokens is NULL with n {}", items[k].n))
+            .or_else(|| {
+                let mut named = std::collections::HashSet::with_capacity(n_items);
+                items
+                    .iter()
+                    .position(|i| !named.insert(i.stream))
+                    .map(|k| format!("items[{k}] names stream {}, which an earlier item names too", items[k].stream))
+            });
+        for item in items.iter_mut() {
+            item.next = -1;
+            item.status = Status::InvalidArgument;
+        }
+        if let Some(why) = malformed {
+            crate::bail!(InvalidArgument, "engine_step_batch: {why}");
+        }
+        let mut state = e.lock();
+        let window = state.window();
+        let mut batch = Vec::with_capacity(n_items);
+        let mut at = Vec::with_capacity(n_items);
+        let mut first_error: Option<(usize, Error)> = None;
+        for (k, item) in items.iter_mut().enumerate() {
+            // A wrong `n` must be refused before it is used to read the caller's buffer.
+            let checked = state.stream_len(item.stream).and_then(|len| {
+                if item.n > window.saturating_sub(len) {
+                    crate::bail!(
+                        NoRoom,
+                        "stream {}: {} tokens after {len} do not fit the stream's window of {window}",
+                        item.stream,
+                        item.n
+                    );
+                }
+                Ok(())
+            });
+            match checked {
+                Ok(()) => {
+                    let tokens: &[i32] = if item.n == 0 {
+                        &[]
+                    } else {
+                        // SAFETY: the caller promises `tokens` holds `n` ids, and `n` is at most the window.
+                        unsafe { std::slice::from_raw_parts(item.tokens, item.n) }
+                    };
+                    batch.push(eng::BatchItem { stream: item.stream, tokens, next: Ok(0) });
+                    at.push(k);
+                }
+                Err(err) => {
+                    item.status = err.status;
+                    first_error.get_or_insert((k, err));
+                }
+            }
+        }
+        let ran = state.step_batch(&mut batch);
+        drop(state);
+        for (b, &k) in batch.into_iter().zip(&at) {
+            match b.next {
+                Ok(t) => {
+                    items[k].next = t as i32;
+                    items[k].status = Status::Ok;
+                }
+                Err(err) => {
+                    items[k].status = err.status;
+                    if first_error.as_ref().is_none_or(|(f, _)| *f > k) {
+                        first_error = Some((k, err));
+                    }
+                }
+            }
+        }
+        ran?;
+        if let Some((k, err)) = first_error {
+            status::set_last_error(&format!("engine_step_batch: items[{k}]: {}", err.message));
+        }
+        Ok(())
+    })
+}
+
+/// Greedy sampling with no cut and no penalty (temperature 0, top_k 0, top_p 1, min_p 0,
+/// repeat_penalty 1, repeat_last_n 64, seed 0).
+#[unsafe(no_mangle)]
+pub extern "C" fn engine_default_sampling() -> engine_sampling {
+    crate::sampler::Sampling::GREEDY
+}
+
+/// Sets stream `stream`'s sampler from its next step on (a stream starts with the engine options'
+/// settings, and keeps its own across `engine_reset`). INVALID_ARGUMENT for NULL or a setting out of its
+/// range (temperature < 0, top_p outside (0, 1], min_p outside [0, 1], repeat_penalty <= 0, any NaN),
+/// OUT_OF_RANGE for a stream that does not exist.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn engine_set_sampling(e: *mut engine, stream: u32, s: *const engine_sampling) -> engine_status {
+    guard("engine_set_sampling", || {
+        let e = unsafe { handle(e) }?;
+        let s = unsafe { arg_ref(s, "sampling") }?;
+        e.lock().set_sampling(stream, s)
+    })
+}
+
+/// Stream `stream`'s sampler settings, into `*out`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn engine_get_sampling(
+    e: *const engine,
+    stream: u32,
+    out: *mut engine_sampling,
+) -> engine_status {
+    guard("engine_get_sampling", || {
+        let e = unsafe { handle(e) }?;
+        let out = unsafe { arg_mut(out, "out") }?;
+        *out = e.lock().sampling(stream)?;
+        Ok(())
+    })
+}
+
+/// Keeps the first `len` positions of stream `stream` and gives the KV pages past them back to the
+/// pool; stepping the same tokens again gives the same logits, bit for bit. OUT_OF_RANGE when `len` is
+/// more than the stream holds or the stream does not exist. The stream's logits are dropped when it loses
+/// positions.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn engine_truncate(e: *mut engine, stream: u32, len: u32) -> engine_status {
+    guard("engine_truncate", || unsafe { handle(e) }?.lock().truncate(stream, len as usize))
+}
+
+/// Tokens stream `stream` holds now, into `*len`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn engine_stream_len(e: *const engine, stream: u32, len: *mut u32) -> engine_status {
+    guard("engine_stream_len", || {
+        let e = unsafe { handle(e) }?;
+        let len = unsafe { arg_mut(len, "len") }?;
+        // At most the window, which fits u32.
+        *len = e.lock().stream_len(stream)? as u32;
+        Ok(())
+    })
+}
+
+/// The KV pool: positions it holds in all, and positions free (whole free pages), into the two outputs.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn engine_kv_stats(
+    e: *const engine,
+    tokens_total: *mut u64,
+    tokens_free: *mut u64,
+) -> engine_status {
+    guard("engine_kv_stats", || {
+        let e = unsafe { handle(e) }?;
+        let total = unsafe { arg_mut(tokens_total, "tokens_total") }?;
+        let free = unsafe { arg_mut(tokens_free, "tokens_free") }?;
+        (*total, *free) = e.lock().kv_stats();
+        Ok(())
+    })
+}
+
+/// Copies the logits of the last position of stream `stream` into `out` (`len` must be at least the
+/// vocabulary). Logits are kept for every stream the last step or batch that stepped anything stepped:
+/// with several threads stepping, another call's step in between makes this INVALID_ARGUMENT.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn engine_logits(e: *const engine, stream: u32, out: *mut f32, len: usize) -> engine_status {
     guard("engine_logits", || {
@@ -426,7 +603,8 @@ pub unsafe extern "C" fn engine_logits(e: *const engine, stream: u32, out: *mut 
     })
 }
 
-/// Empties stream `stream` so it can take a new prompt.
+/// Empties stream `stream` so it can take a new prompt, giving its KV pages back to the pool; its
+/// sampler settings stay.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn engine_reset(e: *mut engine, stream: u32) -> engine_status {
     guard("engine_reset", || unsafe { handle(e) }?.lock().reset(stream))

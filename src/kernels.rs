@@ -19,7 +19,7 @@ cuda_fns! {
     pub fn hostembed_attention(q: *const f32, q_stride: c_uint, kv_pool: *const c_void, tables: *const *const c_uint, pool_pages: c_uint, pos: *const c_int, n: c_uint, heads: c_uint, kv_heads: c_uint, head_dim: c_uint, scale: f32, splits: c_uint, partial: *mut f32, out: *mut f32, stream: cudaStream_t) -> cudaError_t;
     pub fn hostembed_swiglu(gate: *const f32, up: *const f32, out: *mut f32, len: usize, stream: cudaStream_t) -> cudaError_t;
     pub fn hostembed_add(a: *const f32, b: *const f32, out: *mut f32, len: usize, stream: cudaStream_t) -> cudaError_t;
-    pub fn hostembed_sample(logits: *const f32, vocab: c_uint, temperature: f32, top_k: c_uint, top_p: f32, seed: u64, stream_index: c_uint, position: u64, scratch: *mut c_void, token: *mut c_int, stream: cudaStream_t) -> cudaError_t;
+    pub fn hostembed_sample(logits: *mut f32, vocab: c_uint, temperature: f32, top_k: c_uint, top_p: f32, min_p: f32, repeat_penalty: f32, penalty: *mut c_int, n_penalty: c_uint, seed: u64, stream_index: c_uint, position: u64, scratch: *mut c_void, token: *mut c_int, stream: cudaStream_t) -> cudaError_t;
     // prompt chunks on tensor cores: gemm.cu, flash.cu, and the half-format writers of norm.cu and act.cu
     pub fn hostembed_gemm(a: *const c_void, lda: c_uint, w: *const c_void, dtype: c_int, rows: c_uint, cols: c_uint, n: c_uint, bias: *const f32, residual: *const f32, y: *mut f32, ldy: c_uint, stream: cudaStream_t) -> cudaError_t;
     pub fn hostembed_convert_matrix(w: *const c_void, w_dtype: c_int, rows: c_uint, cols: c_uint, out: *mut c_void, out_dtype: c_int, stream: cudaStream_t) -> cudaError_t;

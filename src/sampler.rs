@@ -1,9 +1,14 @@
-//! Choosing the next token from logits: greedy, or temperature + top-k + top-p with a seeded draw.
+//! Choosing the next token from logits: a repetition penalty, then greedy, or temperature + top-k +
+//! min-p + top-p with a seeded draw.
 //!
 //! kernels/sample.cu implements this same algorithm on the device, and both sides compute every number
 //! in it bit for bit alike (integer arithmetic, and f32 operations that IEEE 754 rounds exactly, never a
 //! library `exp`), so they pick the same token from the same logits. The algorithm, exactly:
 //!
+//! P. Penalty, when `repeat_penalty` is neither 1 nor NaN and `repeat_last_n > 0`: each distinct id among
+//!    the stream's last `repeat_last_n` tokens (those of this step included) has its logit `l` replaced
+//!    by `l / repeat_penalty` when `l > 0`, by `l * repeat_penalty` when `l <= 0` (one f32 operation,
+//!    rounded to nearest even), and kept when NaN. Every step below reads the penalized logits.
 //! 0. Order. `key(l)` maps an f32's bits to a u32 whose unsigned order is the total order of f32
 //!    (-NaN < -inf < .. < -0 < +0 < .. < +inf < +NaN). Tokens are ranked by key descending, then by index
 //!    ascending; "the largest logit" is the first token in that ranking.
@@ -14,6 +19,9 @@
 //!    `x = (l_max - l) * s` and `w = exp2_weight(x)`, about `2^36 * 2^-x` (below). `total` is the sum of
 //!    the candidates' weights (u64, exact; vocab < 2^28 keeps it below 2^64). `total == 0` (an infinite or
 //!    NaN largest logit, a temperature so small that `s` is infinite): the largest logit.
+//! 3b. Min-p, when `min_p > 0` (NaN: off): `m = min(round_half_even(min_p * 2^24), 2^24) * 2^12`, and
+//!    every candidate whose weight is below `m` weighs 0 from here on. The largest logit weighs 2^36 >= m,
+//!    so it always stays; the cut keeps the tokens at least `min_p` times as likely as the likeliest.
 //! 4. Top-p, when `0 < top_p < 1`: `P = round_half_even(top_p * 2^24)`,
 //!    `thresh = max(1, ceil(total * P / 2^24))`. When `thresh < total` the kept tokens are the shortest
 //!    prefix of the candidates in ranking order whose weights sum to at least `thresh`; otherwise (or with
@@ -23,6 +31,8 @@
 //!    kept tokens in INDEX order, the first whose running weight sum exceeds `r` is the token. Any fixed
 //!    order gives each kept token the probability `w / kept`; index order lets the device find it with a
 //!    prefix sum instead of a sort.
+//!
+//! (Top-p's `total` is the sum after the min-p cut.)
 //!
 //! `exp2_weight(x)`: 0 unless `x < 40` (so also for NaN). Else, all in f32 with one rounding per operation
 //! (no fused multiply-add): `n = round_half_even(x)`, `f = x - n` (exact, in [-0.5, 0.5]),
@@ -34,21 +44,86 @@
 //! The draw depends only on (seed, stream, position), where `position` is the index in the stream of
 //! the token being produced, so a run repeats exactly whatever the placement or batching.
 
-/// The sampler's options; part of the engine options handed in from C.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct Sampling {
-    /// Not above 0 (0, negative, NaN) picks greedily.
-    pub temperature: f32,
-    /// 0 keeps every token.
-    pub top_k: u32,
-    /// >= 1 or <= 0 keeps every token.
-    pub top_p: f32,
-    pub seed: u64,
-}
+/// A stream's sampler settings: the C type `engine_sampling` (the engine options give the default).
+pub use crate::abi::engine_sampling as Sampling;
 
 impl Sampling {
-    pub const GREEDY: Sampling = Sampling { temperature: 0.0, top_k: 0, top_p: 1.0, seed: 0 };
+    /// Greedy, no cut, no penalty: `engine_default_sampling()`.
+    pub const GREEDY: Sampling = Sampling {
+        temperature: 0.0,
+        top_k: 0,
+        top_p: 1.0,
+        min_p: 0.0,
+        repeat_penalty: 1.0,
+        repeat_last_n: 64,
+        seed: 0,
+    };
+
+    /// Whether the repetition penalty changes anything (see the module comment, step P).
+    pub fn penalizes(&self) -> bool {
+        self.repeat_last_n > 0 && !self.repeat_penalty.is_nan() && self.repeat_penalty != 1.0
+    }
+
+    /// Settings no stream may take: INVALID_ARGUMENT naming the field, led by `what`.
+    pub fn check(&self, what: &str) -> crate::status::Result<()> {
+        if !(self.temperature.is_finite() && self.temperature >= 0.0) {
+            crate::bail!(InvalidArgument, "{what}temperature is {}; it must be a number >= 0", self.temperature);
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            crate::bail!(InvalidArgument, "{what}top_p is {}; it must be in (0, 1]", self.top_p);
+        }
+        if !(self.min_p >= 0.0 && self.min_p <= 1.0) {
+            crate::bail!(InvalidArgument, "{what}min_p is {}; it must be in [0, 1]", self.min_p);
+        }
+        if !(self.repeat_penalty.is_finite() && self.repeat_penalty > 0.0) {
+            crate::bail!(InvalidArgument, "{what}repeat_penalty is {}; it must be a number > 0", self.repeat_penalty);
+        }
+        Ok(())
+    }
+}
+
+/// The ids the repetition penalty touches for a stream whose tokens are `history` then `new`: the
+/// distinct ids among the last `repeat_last_n` of them, ascending; none when `s` does not penalize.
+pub fn penalty_ids(history: &[u32], new: &[u32], s: &Sampling) -> Vec<u32> {
+    if !s.penalizes() {
+        return Vec::new();
+    }
+    let last_n = s.repeat_last_n as usize;
+    let from_new = new.len().min(last_n);
+    let from_history = history.len().min(last_n - from_new);
+    let mut ids: Vec<u32> =
+        history[history.len() - from_history..].iter().chain(&new[new.len() - from_new..]).copied().collect();
+    ids.sort_unstable();
+    ids.dedup();
+    ids
+}
+
+/// The penalized logit of step P.
+pub fn penalize(l: f32, penalty: f32) -> f32 {
+    if l > 0.0 {
+        l / penalty
+    } else if l <= 0.0 {
+        l * penalty
+    } else {
+        l
+    }
+}
+
+/// The token chosen for a stream whose tokens are `history` then `new` (the step just run), from
+/// the logits after them: the penalty of step P on a copy of the logits, then `sample`.
+pub fn sample_stream(logits: &[f32], s: &Sampling, stream: u32, history: &[u32], new: &[u32]) -> u32 {
+    let position = (history.len() + new.len()) as u64;
+    let ids = penalty_ids(history, new, s);
+    if ids.is_empty() {
+        return sample(logits, s, stream, position);
+    }
+    let mut penalized = logits.to_vec();
+    for &id in &ids {
+        if let Some(l) = penalized.get_mut(id as usize) {
+            *l = penalize(*l, s.repeat_penalty);
+        }
+    }
+    sample(&penalized, s, stream, position)
 }
 
 /// The vocabulary sizes the sampler takes: every sum of weights then fits in a u64.
@@ -126,7 +201,13 @@ fn mul_shift24(a: u64, b: u64) -> u64 {
     ((a as u128 * b as u128) >> 24) as u64
 }
 
-/// The token chosen from `logits` for `stream`'s token at `position` (see the module comment).
+/// The min-p floor `m` of step 3b (0: no cut).
+pub fn min_p_floor(min_p: f32) -> u64 {
+    if min_p > 0.0 { ((min_p * 16_777_216.0).round_ties_even() as u64).min(1 << 24) << 12 } else { 0 }
+}
+
+/// The token chosen from `logits` for `stream`'s token at `position` (see the module comment), with
+/// no repetition penalty (`sample_stream` applies it).
 pub fn sample(logits: &[f32], s: &Sampling, stream: u32, position: u64) -> u32 {
     assert!(!logits.is_empty(), "sampling from no logits");
     assert!(logits.len() <= MAX_VOCAB, "a vocabulary of {} is above {MAX_VOCAB}", logits.len());
@@ -145,8 +226,12 @@ pub fn sample(logits: &[f32], s: &Sampling, stream: u32, position: u64) -> u32 {
         candidates.truncate(s.top_k as usize);
     }
     // Tokens of weight 0 add nothing to any sum and can never be drawn: only the others matter.
-    let mut weighted: Vec<(u32, u64)> =
-        candidates.into_iter().map(|c| (c, weight(logits[c as usize], l_max, scale))).filter(|&(_, w)| w > 0).collect();
+    let floor = min_p_floor(s.min_p);
+    let mut weighted: Vec<(u32, u64)> = candidates
+        .into_iter()
+        .map(|c| (c, weight(logits[c as usize], l_max, scale)))
+        .filter(|&(_, w)| w > 0 && w >= floor)
+        .collect();
     let total: u64 = weighted.iter().map(|&(_, w)| w).sum();
     if total == 0 {
         return arg;

@@ -960,7 +960,7 @@ fn check_against_hf(dir: &Path) {
 // The sampler.
 
 fn sampling(temperature: f32, top_k: u32, top_p: f32, seed: u64) -> Sampling {
-    Sampling { temperature, top_k, top_p, seed }
+    Sampling { temperature, top_k, top_p, seed, ..Sampling::GREEDY }
 }
 
 #[test]

@@ -81,7 +81,7 @@ fn sampled(seed: u64) -> engine_options {
 }
 
 fn sampling_of(o: &engine_options) -> Sampling {
-    Sampling { temperature: o.temperature, top_k: o.top_k, top_p: o.top_p, seed: o.seed }
+    hostembed::engine::sampling_of(o)
 }
 
 fn reset(e: &Held, stream: u32) {

@@ -681,16 +681,37 @@ fn swiglu_and_add_match_cpu() {
 
 /// Runs the device sampler once, on a poisoned scratch of the size GpuModel gives it (8 bytes a token).
 fn device_sample(logits: &DeviceBuffer, vocab: usize, s: &Sampling, stream: u32, position: u64) -> u32 {
+    device_sample_penalized(logits, vocab, s, stream, position, &[])
+}
+
+/// `device_sample` with the repetition penalty on the distinct ids `penalty`; checks the launch leaves
+/// the logits as they were.
+fn device_sample_penalized(
+    logits: &DeviceBuffer,
+    vocab: usize,
+    s: &Sampling,
+    stream: u32,
+    position: u64,
+    penalty: &[u32],
+) -> u32 {
     let scratch = poisoned(vocab * 8);
     let token = poisoned(4);
+    let ids = poisoned(penalty.len().max(1) * 8);
+    let ids_host: Vec<i32> = penalty.iter().map(|&t| t as i32).collect();
+    ids.upload(&ids_host, 0).unwrap();
+    let before = download_f32(logits, vocab);
     ok(
         unsafe {
             kn::hostembed_sample(
-                logits.ptr() as *const f32,
+                logits.ptr() as *mut f32,
                 vocab as c_uint,
                 s.temperature,
                 s.top_k,
                 s.top_p,
+                s.min_p,
+                s.repeat_penalty,
+                ids.ptr() as *mut c_int,
+                penalty.len() as c_uint,
                 s.seed,
                 stream,
                 position,
@@ -704,6 +725,8 @@ fn device_sample(logits: &DeviceBuffer, vocab: usize, s: &Sampling, stream: u32,
     let mut t = [0i32];
     token.download(&mut t).unwrap();
     assert!(t[0] >= 0 && (t[0] as usize) < vocab, "sampled token {} outside the vocabulary of {vocab}", t[0]);
+    let after = download_f32(logits, vocab);
+    assert!(before.iter().zip(&after).all(|(a, b)| a.to_bits() == b.to_bits()), "the sampler left the logits changed");
     t[0] as u32
 }
 
@@ -736,7 +759,7 @@ fn greedy_sampling_is_the_cpu_argmax() {
             );
         }
         // top_k = 1 is greedy at any temperature.
-        let s = Sampling { temperature: 0.8, top_k: 1, top_p: 0.9, seed: rng.next_u64() };
+        let s = Sampling { temperature: 0.8, top_k: 1, top_p: 0.9, seed: rng.next_u64(), ..Sampling::GREEDY };
         assert_eq!(device_sample(&d, vocab, &s, 1, 5), sampler::argmax(&logits), "vocab {vocab}, top_k 1");
     }
     // The total order of f32: +0 above -0, and the largest logit at the very last index.
@@ -796,7 +819,7 @@ fn sampled_tokens_match_the_cpu_sampler() {
             let arg = sampler::argmax(&logits);
             for &(temperature, top_k, top_p) in &SAMPLE_SETTINGS {
                 for _ in 0..3 {
-                    let s = Sampling { temperature, top_k, top_p, seed: rng.next_u64() };
+                    let s = Sampling { temperature, top_k, top_p, seed: rng.next_u64(), ..Sampling::GREEDY };
                     let (stream, position) = (rng.below(8) as u32, rng.below(1 << 40));
                     let got = device_sample(&d, vocab, &s, stream, position);
                     let want = sampler::sample(&logits, &s, stream, position);
@@ -850,7 +873,7 @@ fn sampling_handles_degenerate_logits_like_the_cpu() {
         let d = DeviceBuffer::from_slice(logits).unwrap();
         for &(temperature, top_k, top_p) in &settings {
             for _ in 0..4 {
-                let s = Sampling { temperature, top_k, top_p, seed: rng.next_u64() };
+                let s = Sampling { temperature, top_k, top_p, seed: rng.next_u64(), ..Sampling::GREEDY };
                 let position = rng.below(1 << 30);
                 let got = device_sample(&d, vocab, &s, 2, position);
                 assert_eq!(got, sampler::sample(logits, &s, 2, position), "{name}: {s:?} position {position}");
@@ -866,13 +889,48 @@ fn sampler_refuses_bad_arguments() {
     }
     let b = poisoned(1 << 16);
     let p = b.ptr();
-    let call = |logits: *const f32, vocab: c_uint, scratch: *mut c_void, token: *mut c_int| unsafe {
-        kn::hostembed_sample(logits, vocab, 1.0, 0, 1.0, 1, 0, 0, scratch, token, NULL_STREAM)
+    let call = |logits: *mut f32, vocab: c_uint, scratch: *mut c_void, token: *mut c_int| unsafe {
+        kn::hostembed_sample(
+            logits,
+            vocab,
+            1.0,
+            0,
+            1.0,
+            0.0,
+            1.0,
+            ptr::null_mut(),
+            0,
+            1,
+            0,
+            0,
+            scratch,
+            token,
+            NULL_STREAM,
+        )
     };
-    let (logits, token, scratch) =
-        (p as *const f32, p as *mut c_int, unsafe { (p as *mut u8).add(4096) } as *mut c_void);
+    let (logits, token, scratch) = (p as *mut f32, p as *mut c_int, unsafe { (p as *mut u8).add(4096) } as *mut c_void);
     let invalid = 1; // cudaErrorInvalidValue
-    assert_eq!(call(ptr::null(), 16, scratch, token), invalid, "NULL logits");
+    assert_eq!(call(ptr::null_mut(), 16, scratch, token), invalid, "NULL logits");
+    let penalty_null = unsafe {
+        kn::hostembed_sample(
+            logits,
+            16,
+            1.0,
+            0,
+            1.0,
+            0.0,
+            1.3,
+            ptr::null_mut(),
+            2,
+            1,
+            0,
+            0,
+            scratch,
+            token,
+            NULL_STREAM,
+        )
+    };
+    assert_eq!(penalty_null, invalid, "NULL penalty ids with 2 of them");
     assert_eq!(call(logits, 16, scratch, ptr::null_mut()), invalid, "NULL token");
     assert_eq!(call(logits, 16, ptr::null_mut(), token), invalid, "NULL scratch");
     assert_eq!(call(logits, 16, unsafe { (scratch as *mut u8).add(4) } as *mut c_void, token), invalid, "misaligned");

@@ -183,7 +183,7 @@ fn sampled_steps_follow_the_sampler_on_the_gpu_logits() {
     let (_rows_buf, rows) = rows_on_card(&src);
     let mut gpu = GpuModel::load(&src, rows, 8, POOL_PAGES).unwrap();
     let stream_index = 3;
-    let s = Sampling { temperature: 0.9, top_k: 40, top_p: 0.95, seed: rng.next_u64() };
+    let s = Sampling { temperature: 0.9, top_k: 40, top_p: 0.95, seed: rng.next_u64(), ..Sampling::GREEDY };
     let prompt = random_tokens(&mut rng, cfg.vocab, 5);
     let run = |gpu: &mut GpuModel, check: bool| -> Vec<u32> {
         let mut pool = gpu.page_pool().unwrap();

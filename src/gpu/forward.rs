@@ -25,7 +25,7 @@ use super::scratch::{ATTENTION_PARTS, ATTENTION_TOKENS};
 use super::weights::{DeviceWeight, Qkv};
 use super::{GpuModel, GpuStream};
 use crate::backend::{PagePool, StepItem};
-use crate::sampler::Sampling;
+use crate::sampler::{self, Sampling};
 use crate::status::{Error, Result, Status};
 use crate::{bail, err};
 
@@ -311,7 +311,8 @@ impl GpuModel {
             for (k, &(_, i)) in heads.iter().enumerate() {
                 let item = &items[i];
                 let position = (item.stream.len + item.tokens.len()) as u64;
-                self.sample_row(base + k, &item.sampling, item.index, position)?;
+                let penalty = sampler::penalty_ids(&item.stream.tokens, item.tokens, &item.sampling);
+                self.sample_row(base + k, &item.sampling, item.index, position, &penalty)?;
                 pending.push(i);
             }
         }
@@ -346,12 +347,19 @@ impl GpuModel {
         Ok(())
     }
 
-    /// Samples the token after logits row `row` into token row `row`.
-    fn sample_row(&self, row: usize, sampling: &Sampling, index: u32, position: u64) -> Result<()> {
+    /// Samples the token after logits row `row` into token row `row`, the repetition penalty on the ids
+    /// `penalty` (`sampler::penalty_ids`; the logits row ends as it began).
+    fn sample_row(&self, row: usize, sampling: &Sampling, index: u32, position: u64, penalty: &[u32]) -> Result<()> {
         let logits = (self.buf(self.s.logits) as *mut f32).wrapping_add(row * self.cfg.vocab);
         let token = (self.buf(self.s.token) as *mut c_int).wrapping_add(row);
         let scratch = self.buf(self.s.sample);
-        launch::sample(logits, self.cfg.vocab, sampling, index, position, scratch, token, self.stream.raw())
+        let ids = self.buf(self.s.penalty) as *mut c_int;
+        if !penalty.is_empty() {
+            // Staged before this returns and copied in stream order, so the next item may reuse the region.
+            self.upload(self.s.penalty, penalty)?;
+        }
+        let s = self.stream.raw();
+        launch::sample(logits, self.cfg.vocab, sampling, index, position, ids, penalty.len(), scratch, token, s)
     }
 
     /// Orders a pass's pieces into rows and picks each one's path: the matrix-vector pieces first, then

@@ -196,19 +196,29 @@ pub(super) fn embed_gather(
     cuda::check(code, "hostembed_embed_gather")
 }
 
-/// Draws the next token from `vocab` logits into `token`; `scratch` holds 8 bytes a vocabulary entry.
+/// Draws the next token from `vocab` logits into `token` as `sampler::sample_stream` does; `scratch`
+/// holds 8 bytes a vocabulary entry. The repetition penalty: `penalty` is a device buffer of
+/// `2 * n_penalty` ints whose first `n_penalty` hold `sampler::penalty_ids` of the item (distinct ids,
+/// uploaded by the caller; at most the vocabulary, so a region of 8 bytes a vocabulary entry always
+/// holds them); the launch saves their logits in the second half while the draw reads them penalized and
+/// puts them back after, so `logits` ends as it began. `n_penalty` 0 (and `penalty` null) for none.
+#[allow(clippy::too_many_arguments)]
 pub(super) fn sample(
-    logits: *const f32,
+    logits: *mut f32,
     vocab: usize,
     sampling: &Sampling,
     stream_index: u32,
     position: u64,
+    penalty: *mut c_int,
+    n_penalty: usize,
     scratch: *mut c_void,
     token: *mut c_int,
     s: cudaStream_t,
 ) -> Result<()> {
-    let &Sampling { temperature, top_k, top_p, seed } = sampling;
-    // SAFETY: device pointers into the scratch allocation, sized for `vocab` (see the module's note).
+    let &Sampling { temperature, top_k, top_p, min_p, repeat_penalty, seed, .. } = sampling;
+    let n_penalty = c_uint::try_from(n_penalty)
+        .map_err(|_| crate::err!(InvalidArgument, "{n_penalty} penalized ids are more than the kernel counts"))?;
+    // SAFETY: device pointers into the scratch allocation, sized for `vocab` and `n_penalty` (see above).
     let code = unsafe {
         kn::hostembed_sample(
             logits,
@@ -216,6 +226,10 @@ pub(super) fn sample(
             temperature,
             top_k,
             top_p,
+            min_p,
+            repeat_penalty,
+            penalty,
+            n_penalty,
             seed,
             stream_index,
             position,

@@ -39,11 +39,10 @@ use self::graph::StepGraph;
 pub use self::pages::{GpuCache, GpuStream, PAGE_TOKENS};
 use self::scratch::ScratchLayout;
 use self::weights::{DeviceWeight, GpuLayer, plan, prompt_format, upload};
-use crate::backend::{Backend, PagePool};
+use crate::backend::{Backend, PagePool, StepItem};
 use crate::cuda::{self, DeviceBuffer, StagedUploader, Stream};
 use crate::cudart as rt;
 use crate::model::{ModelConfig, TensorSource, rope_inv_freq};
-use crate::sampler::Sampling;
 use crate::status::Result;
 use crate::tensor::DType;
 use crate::{bail, err};
@@ -324,11 +323,11 @@ impl GpuModel {
 pub struct CudaBackend {
     model: GpuModel,
     device: i32,
-    pool: PagePool,
 }
 
 impl CudaBackend {
-    /// `GpuModel::load` on `device`, which the caller has made current, with a KV pool of `pool_pages`.
+    /// `GpuModel::load` on `device`, which the caller has made current, with a KV pool of `pool_pages`
+    /// pages of `PAGE_TOKENS` positions.
     pub fn load(
         src: &dyn TensorSource,
         rows: RowsOnDevice,
@@ -336,14 +335,17 @@ impl CudaBackend {
         device: i32,
         pool_pages: usize,
     ) -> Result<CudaBackend> {
-        let model = GpuModel::load(src, rows, max_batch, pool_pages)?;
-        let pool = model.page_pool()?;
-        Ok(CudaBackend { model, device, pool })
+        Ok(CudaBackend { model: GpuModel::load(src, rows, max_batch, pool_pages)?, device })
     }
 
     /// What runs a prompt chunk's products and attention, in one line for the log.
     pub fn prompt_route(&self) -> &str {
         self.model.prompt_route()
+    }
+
+    /// The model, for tests that look under the seam.
+    pub fn model(&self) -> &GpuModel {
+        &self.model
     }
 
     /// Makes the model's device current for this thread (the caller may have moved to another).
@@ -356,21 +358,20 @@ impl CudaBackend {
 impl Backend for CudaBackend {
     type Cache = GpuCache;
 
+    const PAGE_TOKENS: usize = PAGE_TOKENS;
+
     fn new_stream(&self, window: usize) -> Result<GpuStream> {
         self.enter()?;
         self.model.new_stream(window)
     }
 
-    fn step(&mut self, stream: &mut GpuStream, tokens: &[u32], sampling: &Sampling, stream_index: u32) -> Result<u32> {
+    fn step_batch(&mut self, items: &mut [StepItem<'_, GpuCache>]) -> Result<()> {
         self.enter()?;
-        if stream.len == 0 {
-            self.pool.give_back(stream.pages.drain(..));
-        }
-        self.model.step(&mut self.pool, stream, tokens, sampling, stream_index)
+        self.model.step_batch(items)
     }
 
-    fn last_logits(&self) -> Result<Vec<f32>> {
+    fn logits(&self, i: usize) -> Result<Vec<f32>> {
         self.enter()?;
-        self.model.last_logits()
+        self.model.logits(i)
     }
 }

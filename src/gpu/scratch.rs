@@ -41,6 +41,8 @@ pub(super) struct ScratchLayout {
     pub(super) token: usize,
     pub(super) logit_rows: usize,
     pub(super) sample: usize,
+    /// The repetition penalty's ids and saved logits (`launch::sample`): 8 bytes a vocabulary entry.
+    pub(super) penalty: usize,
     /// Half-format activations of a chunk: the normed input, the attention output or the SwiGLU.
     pub(super) act: usize,
     /// One weight matrix converted to the half format (absent when every matrix is in it).
@@ -71,6 +73,7 @@ impl ScratchLayout {
         let (ids, pos, tables) = (meta, meta + b * 4, meta + b * 8);
         let token = l.push(logit_rows * 4);
         let sample = l.push(cfg.vocab * 8);
+        let penalty = l.push(cfg.vocab * 8);
         let act = l.push(b * cfg.hidden.max(cfg.q_dim()).max(cfg.intermediate) * 2);
         let slab = l.push(slab_values * 2);
         let workspace = l.push(super::blas::WORKSPACE_BYTES);
@@ -91,6 +94,7 @@ impl ScratchLayout {
             token,
             logit_rows,
             sample,
+            penalty,
             act,
             slab,
             workspace,
