@@ -277,11 +277,13 @@ impl GpuModel {
                     row: 0,
                     path: Path::Matvec,
                 };
-                pass.push(piece);
                 // A piece that would take the pass past max_batch rows (pads included) starts the next.
-                if pass.len() > 1 && (self.lay_out(&mut pass).n > b || pass.len() > rows_cap) {
-                    pass.pop();
+                let mut grown = pass.clone();
+                grown.push(piece);
+                if !pass.is_empty() && (self.lay_out(&mut grown).n > b || grown.len() > rows_cap) {
                     passes.push(std::mem::replace(&mut pass, vec![piece]));
+                } else {
+                    pass = grown;
                 }
             }
             if !pass.is_empty() {
