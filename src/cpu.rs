@@ -27,7 +27,7 @@ mod exp;
 mod matmul;
 mod parallel;
 
-use self::attention::{AttentionScratch, Batch};
+use self::attention::{AttentionScratch, Batch, KEY_BLOCK, KvRows};
 use self::matmul::{RowTile, Write, pack_tokens};
 pub use self::parallel::{MAX_THREADS, THREADS_ENV, thread_count};
 
@@ -117,6 +117,9 @@ pub fn attention(
     assert!(kv_heads > 0 && heads.is_multiple_of(kv_heads), "attention: heads must be a multiple of kv_heads");
     assert_eq!(q.len(), heads * head_dim, "attention: query is not heads x head_dim");
     assert!(n_ctx > 0, "attention: a query sees at least its own position");
+    let kv_dim = kv_heads * head_dim;
+    // The cache in one piece: one page of every row it holds.
+    let (k, v) = [k, v].map(|rows| KvRows { pages: vec![rows], page_tokens: rows.len() / kv_dim, row: kv_dim }).into();
     let batch = Batch { q, k, v, first_pos: n_ctx - 1, heads, kv_heads, head_dim };
     let mut scratch = [AttentionScratch::new(heads / kv_heads, head_dim).unwrap_or_else(|e| panic!("{e}"))];
     batch.run(out, &mut scratch);
@@ -180,13 +183,78 @@ pub struct CpuModel<'a> {
     threads: usize,
 }
 
-/// One stream's f32 KV cache: per layer, `window` rows of kv_heads * head_dim for K and for V.
+/// KV memory in pages of `PAGE_TOKENS` positions, each holding every layer's K and V rows:
+/// [page][layer][K, V][PAGE_TOKENS][kv_heads * head_dim] in f32. Fresh pages are zero pages the host
+/// has not touched yet, so a pool costs memory only as streams fill it.
+pub struct KvPages {
+    data: Vec<f32>,
+    layers: usize,
+    kv_dim: usize,
+    pages: usize,
+}
+
+impl KvPages {
+    /// `pages` pages for the model `cfg`; NO_ROOM when the host cannot give them.
+    pub fn new(cfg: &ModelConfig, pages: usize) -> Result<KvPages> {
+        let len = (PAGE_TOKENS * cfg.kv_dim())
+            .checked_mul(2 * cfg.layers)
+            .and_then(|page| page.checked_mul(pages))
+            .ok_or_else(|| err!(NoRoom, "a KV pool of {pages} pages overflows the address space"))?;
+        Ok(KvPages { data: zeroed_f32(len)?, layers: cfg.layers, kv_dim: cfg.kv_dim(), pages })
+    }
+
+    pub fn pages(&self) -> usize {
+        self.pages
+    }
+
+    /// Floats of one layer's K (or V) rows in a page.
+    fn block(&self) -> usize {
+        PAGE_TOKENS * self.kv_dim
+    }
+
+    /// Where page `page`'s K (`which` 0) or V (1) rows of `layer` start.
+    fn at(&self, page: u32, layer: usize, which: usize) -> usize {
+        ((page as usize * self.layers + layer) * 2 + which) * self.block()
+    }
+
+    /// Page `page`'s K (`which` 0) or V (1) rows of `layer`.
+    fn rows(&self, page: u32, layer: usize, which: usize) -> &[f32] {
+        let at = self.at(page, layer, which);
+        &self.data[at..at + self.block()]
+    }
+
+    /// The K (`which` 0) or V (1) row of `layer` at position `pos` of a stream holding `pages`.
+    fn row_mut(&mut self, pages: &[u32], pos: usize, layer: usize, which: usize) -> &mut [f32] {
+        let at = self.at(pages[pos / PAGE_TOKENS], layer, which) + (pos % PAGE_TOKENS) * self.kv_dim;
+        &mut self.data[at..at + self.kv_dim]
+    }
+
+    /// One layer's K or V rows of a stream holding `pages`, for its first `positions` positions.
+    fn stream_rows(&self, pages: &[u32], positions: usize, layer: usize, which: usize) -> KvRows<'_> {
+        let pages = pages[..positions.div_ceil(PAGE_TOKENS)].iter().map(|&p| self.rows(p, layer, which)).collect();
+        KvRows { pages, page_tokens: PAGE_TOKENS, row: self.kv_dim }
+    }
+}
+
+/// A CPU stream's own KV memory: the pages of a stream made by `CpuModel::new_stream`, outside any
+/// pool; None for an engine's streams, whose pages are in the backend's pool.
 pub struct CpuCache {
-    k: Vec<Vec<f32>>,
-    v: Vec<Vec<f32>>,
+    own: Option<KvPages>,
 }
 
 pub type CpuStream = KvStream<CpuCache>;
+
+/// One stream's share of a pass through the layers: `tokens` at positions `first_pos..`, rows
+/// `row..row + tokens.len()` of the pass's activations.
+struct Segment<'s> {
+    pages: &'s [u32],
+    tokens: &'s [u32],
+    first_pos: usize,
+    row: usize,
+}
+
+// Every block of attention's rows lies in one page.
+const _: () = assert!(PAGE_TOKENS.is_multiple_of(KEY_BLOCK));
 
 impl<'a> CpuModel<'a> {
     /// Reads the config and checks every tensor the architecture needs; `BadModel` names the first at
@@ -220,48 +288,155 @@ impl<'a> CpuModel<'a> {
         self.cfg.arch
     }
 
-    /// An empty stream with room for `window` tokens (panics where `try_new_stream` fails).
+    /// An empty stream with room for `window` tokens in pages of its own (panics where
+    /// `try_new_stream` fails).
     pub fn new_stream(&self, window: usize) -> CpuStream {
         self.try_new_stream(window).unwrap_or_else(|e| panic!("{e}"))
     }
 
-    /// An empty stream with room for `window` tokens; NO_ROOM when the host cannot give its KV cache.
+    /// An empty stream with room for `window` tokens in pages of its own; NO_ROOM when the host cannot
+    /// give them.
     pub fn try_new_stream(&self, window: usize) -> Result<CpuStream> {
-        let len = window
-            .checked_mul(self.cfg.kv_dim())
-            .ok_or_else(|| err!(NoRoom, "a {window}-token KV cache overflows the address space"))?;
-        let cache = || (0..self.cfg.layers).map(|_| zeroed_f32(len)).collect::<Result<Vec<_>>>();
-        Ok(KvStream::new(CpuCache { k: cache()?, v: cache()? }, window))
+        let pages = window.div_ceil(PAGE_TOKENS);
+        let ids = u32::try_from(pages).map_err(|_| err!(NoRoom, "a {window}-token KV cache has too many pages"))?;
+        let own = KvPages::new(&self.cfg, pages)?;
+        Ok(KvStream::with_pages(CpuCache { own: Some(own) }, window, (0..ids).collect()))
     }
 
-    /// Appends `tokens` to the stream and returns the logits after the last one.
+    /// Appends `tokens` to a stream with pages of its own and returns the logits after the last one.
     pub fn forward(&self, stream: &mut CpuStream, tokens: &[u32]) -> Result<Vec<f32>> {
-        self.check_tokens(stream, tokens)?;
+        self.with_own_pages(stream, |kv, stream| self.forward_in(kv, stream, tokens))
+    }
+
+    /// Appends `tokens` and returns the logits after each of them (teacher forcing).
+    pub fn forward_all(&self, stream: &mut CpuStream, tokens: &[u32]) -> Result<Vec<Vec<f32>>> {
+        self.with_own_pages(stream, |kv, stream| {
+            self.check_tokens(kv, stream, tokens)?;
+            let chunk_tokens = tokens.len().min(CHUNK_TOKENS);
+            let mut s = Scratch::new(&self.cfg, chunk_tokens, self.step_threads(stream))?;
+            let mut logits = try_filled(chunk_tokens as u128 * self.cfg.vocab as u128, 0f32)?;
+            let mut all = Vec::with_capacity(tokens.len());
+            for chunk in tokens.chunks(CHUNK_TOKENS) {
+                self.advance(
+                    kv,
+                    &[Segment { pages: &stream.pages, tokens: chunk, first_pos: stream.len, row: 0 }],
+                    &mut s,
+                );
+                stream.len += chunk.len();
+                let logits = &mut logits[..chunk.len() * self.cfg.vocab];
+                self.logits(&mut s, 0..chunk.len(), logits);
+                all.extend(logits.chunks_exact(self.cfg.vocab).map(<[f32]>::to_vec));
+            }
+            Ok(all)
+        })
+    }
+
+    /// Runs `f` on a stream made by `new_stream` and its own pages.
+    fn with_own_pages<T>(
+        &self,
+        stream: &mut CpuStream,
+        f: impl FnOnce(&mut KvPages, &mut CpuStream) -> Result<T>,
+    ) -> Result<T> {
+        let Some(mut kv) = stream.cache.own.take() else {
+            bail!(InvalidArgument, "the stream's pages are in an engine's pool; step it through the engine");
+        };
+        let out = f(&mut kv, stream);
+        stream.cache.own = Some(kv);
+        out
+    }
+
+    /// Appends `tokens` to a stream whose pages are in `kv` and returns the logits after the last one.
+    pub fn forward_in(&self, kv: &mut KvPages, stream: &mut CpuStream, tokens: &[u32]) -> Result<Vec<f32>> {
+        self.check_tokens(kv, stream, tokens)?;
         let mut s = Scratch::new(&self.cfg, tokens.len().min(CHUNK_TOKENS), self.step_threads(stream))?;
         let mut logits = try_filled(self.cfg.vocab as u128, 0f32)?;
         let mut last = 0;
         for chunk in tokens.chunks(CHUNK_TOKENS) {
-            self.advance(stream, chunk, &mut s);
+            self.advance(kv, &[Segment { pages: &stream.pages, tokens: chunk, first_pos: stream.len, row: 0 }], &mut s);
+            stream.len += chunk.len();
             last = chunk.len() - 1;
         }
         self.logits(&mut s, last..last + 1, &mut logits);
         Ok(logits)
     }
 
-    /// Appends `tokens` and returns the logits after each of them (teacher forcing).
-    pub fn forward_all(&self, stream: &mut CpuStream, tokens: &[u32]) -> Result<Vec<Vec<f32>>> {
-        self.check_tokens(stream, tokens)?;
-        let chunk_tokens = tokens.len().min(CHUNK_TOKENS);
-        let mut s = Scratch::new(&self.cfg, chunk_tokens, self.step_threads(stream))?;
-        let mut logits = try_filled(chunk_tokens as u128 * self.cfg.vocab as u128, 0f32)?;
-        let mut all = Vec::with_capacity(tokens.len());
-        for chunk in tokens.chunks(CHUNK_TOKENS) {
-            self.advance(stream, chunk, &mut s);
-            let logits = &mut logits[..chunk.len() * self.cfg.vocab];
-            self.logits(&mut s, 0..chunk.len(), logits);
-            all.extend(logits.chunks_exact(self.cfg.vocab).map(<[f32]>::to_vec));
+    /// Appends each stream's tokens (streams whose pages are in `kv`) and returns the logits after each
+    /// one's last token, or why that stream was refused (nothing appended). Single tokens of different
+    /// streams share each pass through the weights, and prompts fill the rest of a pass; every logit is
+    /// the one the stream gets stepped alone, bit for bit.
+    pub fn forward_batch(&self, kv: &mut KvPages, items: &mut [(&mut CpuStream, &[u32])]) -> Vec<Result<Vec<f32>>> {
+        let mut out: Vec<Result<Vec<f32>>> =
+            items.iter().map(|(stream, tokens)| self.check_tokens(kv, stream, tokens).map(|()| Vec::new())).collect();
+        let total: usize = items.iter().zip(&out).filter(|(_, o)| o.is_ok()).map(|((_, t), _)| t.len()).sum();
+        if total == 0 {
+            return out;
         }
-        Ok(all)
+        let threads = items.iter().map(|(stream, _)| self.step_threads(stream)).max().unwrap_or(1);
+        let scratch = Scratch::new(&self.cfg, total.min(CHUNK_TOKENS), threads);
+        let mut s = match scratch {
+            Ok(s) => s,
+            Err(e) => return out.into_iter().map(|o| o.and(Err(e.clone()))).collect(),
+        };
+        let vocab = self.cfg.vocab;
+        // How many of each item's tokens have run.
+        let mut done = vec![0usize; items.len()];
+        loop {
+            // One pass: each unfinished item's next tokens, in item order, up to CHUNK_TOKENS in all.
+            let mut segments = Vec::new();
+            let mut taken = Vec::new();
+            let mut rows = 0;
+            for (i, (stream, tokens)) in items.iter().enumerate() {
+                let take = (tokens.len() - done[i]).min(CHUNK_TOKENS - rows);
+                if out[i].is_err() || take == 0 {
+                    continue;
+                }
+                let first_pos = stream.len + done[i];
+                segments.push(Segment {
+                    pages: &stream.pages,
+                    tokens: &tokens[done[i]..done[i] + take],
+                    first_pos,
+                    row: rows,
+                });
+                taken.push((i, take));
+                rows += take;
+            }
+            if segments.is_empty() {
+                break;
+            }
+            self.advance(kv, &segments, &mut s);
+            drop(segments);
+            // The logits of the items whose last token ran in this pass.
+            let finishing: Vec<(usize, usize)> = taken
+                .iter()
+                .scan(0, |row, &(i, take)| {
+                    *row += take;
+                    Some((i, *row - 1, done[i] + take == items[i].1.len()))
+                })
+                .filter(|&(_, _, last)| last)
+                .map(|(i, row, _)| (i, row))
+                .collect();
+            for &(i, take) in &taken {
+                done[i] += take;
+            }
+            if !finishing.is_empty() {
+                let rows: Vec<usize> = finishing.iter().map(|&(_, row)| row).collect();
+                match try_filled(rows.len() as u128 * vocab as u128, 0f32) {
+                    Ok(mut logits) => {
+                        self.logits_of_rows(&mut s, &rows, &mut logits);
+                        for (&(i, _), l) in finishing.iter().zip(logits.chunks_exact(vocab)) {
+                            out[i] = Ok(l.to_vec());
+                        }
+                    }
+                    Err(e) => finishing.iter().for_each(|&(i, _)| out[i] = Err(e.clone())),
+                }
+            }
+        }
+        for ((stream, tokens), o) in items.iter_mut().zip(&out) {
+            if o.is_ok() {
+                stream.len += tokens.len();
+            }
+        }
+        out
     }
 
     /// Threads a step of `stream` runs on (those the plan counts at the stream's window).
@@ -270,24 +445,37 @@ impl<'a> CpuModel<'a> {
     }
 
     /// Everything that could refuse the call, before any token is appended.
-    fn check_tokens(&self, stream: &CpuStream, tokens: &[u32]) -> Result<()> {
-        let k = &stream.cache.k;
-        if k.len() != self.cfg.layers || k.iter().any(|k| k.len() != stream.window * self.cfg.kv_dim()) {
+    fn check_tokens(&self, kv: &KvPages, stream: &CpuStream, tokens: &[u32]) -> Result<()> {
+        if kv.layers != self.cfg.layers || kv.kv_dim != self.cfg.kv_dim() {
             bail!(InvalidArgument, "stream was not made by this model");
         }
-        self.cfg.check_append(stream.len, stream.window, tokens)
+        self.cfg.check_append(stream.len, stream.window, tokens)?;
+        let need = (stream.len + tokens.len()).div_ceil(PAGE_TOKENS);
+        if stream.pages.len() < need || stream.pages.iter().any(|&p| p as usize >= kv.pages) {
+            bail!(
+                InvalidArgument,
+                "stream holds {} KV pages ({} tokens need {need}) or a page outside the pool of {}",
+                stream.pages.len(),
+                stream.len + tokens.len(),
+                kv.pages
+            );
+        }
+        Ok(())
     }
 
-    /// Runs a chunk of tokens through every layer at the stream's next positions, caching their K and
-    /// V; leaves their final hidden states (before the final norm) in `s.x`.
-    fn advance(&self, stream: &mut CpuStream, tokens: &[u32], s: &mut Scratch) {
+    /// Runs one pass of tokens through every layer, each segment at its stream's next positions, caching
+    /// their K and V in the segment's pages; leaves their final hidden states (before the final norm) in
+    /// `s.x`, one row a token in segment order. The streams' lengths are the caller's to advance.
+    fn advance(&self, kv: &mut KvPages, segments: &[Segment], s: &mut Scratch) {
         let cfg = &self.cfg;
-        let (n, hidden, q_dim, kv_dim, head_dim) = (tokens.len(), cfg.hidden, cfg.q_dim(), cfg.kv_dim(), cfg.head_dim);
-        let first_pos = stream.len;
-        let Scratch { x, h, q, attn, gate, up, packed, rotation, tiles, attention } = s;
+        let n: usize = segments.iter().map(|g| g.tokens.len()).sum();
+        let (hidden, q_dim, kv_dim, head_dim) = (cfg.hidden, cfg.q_dim(), cfg.kv_dim(), cfg.head_dim);
+        let Scratch { x, h, q, k, v, attn, gate, up, packed, rotation, tiles, attention } = s;
         let (x, h, q, attn) = (&mut x[..n * hidden], &mut h[..n * hidden], &mut q[..n * q_dim], &mut attn[..n * q_dim]);
+        let (k, v) = (&mut k[..n * kv_dim], &mut v[..n * kv_dim]);
         let (gate, up) = (&mut gate[..n * cfg.intermediate], &mut up[..n * cfg.intermediate]);
         let embed_row_bytes = self.embed.dtype.row_bytes(hidden).expect("validated at load");
+        let tokens = segments.iter().flat_map(|g| g.tokens);
         for (row, &t) in x.chunks_exact_mut(hidden).zip(tokens) {
             let t = t as usize;
             crate::tensor::decode_row(
@@ -296,6 +484,9 @@ impl<'a> CpuModel<'a> {
                 row,
             );
         }
+        // The position of each row of the pass.
+        let positions: Vec<usize> =
+            segments.iter().flat_map(|g| (0..g.tokens.len()).map(move |t| g.first_pos + t)).collect();
         // Projects `input` (n tokens) through `w` into (or onto) `out`.
         let mut project = |w: &CpuWeight, input: &[f32], out: &mut [f32], mode: Write| {
             let w = w.matrix();
@@ -303,15 +494,11 @@ impl<'a> CpuModel<'a> {
             pack_tokens(input, w.cols(), packed);
             matmul::matmul(w, packed, n, out, mode, tiles);
         };
-        for (layer, (k_cache, v_cache)) in
-            self.layers.iter().zip(stream.cache.k.iter_mut().zip(stream.cache.v.iter_mut()))
-        {
-            let new_rows = first_pos * kv_dim..(first_pos + n) * kv_dim;
+        for (l, layer) in self.layers.iter().enumerate() {
             norm_rows(x, layer.attn_norm.values(), cfg.rms_eps, h);
             project(&layer.q, h, q, Write::Set);
-            project(&layer.k, h, &mut k_cache[new_rows.clone()], Write::Set);
-            project(&layer.v, h, &mut v_cache[new_rows.clone()], Write::Set);
-            let (k, v) = (&mut k_cache[new_rows.clone()], &mut v_cache[new_rows]);
+            project(&layer.k, h, k, Write::Set);
+            project(&layer.v, h, v, Write::Set);
             if let (Some(qb), Some(kb), Some(vb)) = (&layer.q_bias, &layer.k_bias, &layer.v_bias) {
                 q.chunks_exact_mut(q_dim).for_each(|row| add(row, qb.values()));
                 k.chunks_exact_mut(kv_dim).for_each(|row| add(row, kb.values()));
@@ -321,21 +508,31 @@ impl<'a> CpuModel<'a> {
                 norm_heads(q, qn.values(), cfg.rms_eps);
                 norm_heads(k, kn.values(), cfg.rms_eps);
             }
-            for (t, (q_row, k_row)) in q.chunks_exact_mut(q_dim).zip(k.chunks_exact_mut(kv_dim)).enumerate() {
-                rotation_at(first_pos + t, &self.inv_freq, rotation);
+            for ((q_row, k_row), &pos) in q.chunks_exact_mut(q_dim).zip(k.chunks_exact_mut(kv_dim)).zip(&positions) {
+                rotation_at(pos, &self.inv_freq, rotation);
                 rotate(q_row, head_dim, rotation, cfg.rope_interleaved);
                 rotate(k_row, head_dim, rotation, cfg.rope_interleaved);
             }
-            let batch = Batch {
-                q: &q[..],
-                k: k_cache,
-                v: v_cache,
-                first_pos,
-                heads: cfg.heads,
-                kv_heads: cfg.kv_heads,
-                head_dim,
-            };
-            batch.run(attn, attention);
+            for g in segments {
+                for t in 0..g.tokens.len() {
+                    let (row, pos) = ((g.row + t) * kv_dim, g.first_pos + t);
+                    kv.row_mut(g.pages, pos, l, 0).copy_from_slice(&k[row..row + kv_dim]);
+                    kv.row_mut(g.pages, pos, l, 1).copy_from_slice(&v[row..row + kv_dim]);
+                }
+            }
+            for g in segments {
+                let (rows, ctx) = (g.row..g.row + g.tokens.len(), g.first_pos + g.tokens.len());
+                let batch = Batch {
+                    q: &q[rows.start * q_dim..rows.end * q_dim],
+                    k: kv.stream_rows(g.pages, ctx, l, 0),
+                    v: kv.stream_rows(g.pages, ctx, l, 1),
+                    first_pos: g.first_pos,
+                    heads: cfg.heads,
+                    kv_heads: cfg.kv_heads,
+                    head_dim,
+                };
+                batch.run(&mut attn[rows.start * q_dim..rows.end * q_dim], attention);
+            }
             project(&layer.o, attn, x, Write::Add);
 
             norm_rows(x, layer.ffn_norm.values(), cfg.rms_eps, h);
@@ -346,7 +543,23 @@ impl<'a> CpuModel<'a> {
             }
             project(&layer.down, gate, x, Write::Add);
         }
-        stream.len += n;
+    }
+
+    /// The logits of the pass's rows `rows` (hidden states in `s.x`), one row of `out` each.
+    fn logits_of_rows(&self, s: &mut Scratch, rows: &[usize], out: &mut [f32]) {
+        let hidden = self.cfg.hidden;
+        let n = rows.len();
+        for (j, &r) in rows.iter().enumerate() {
+            rmsnorm(
+                &s.x[r * hidden..(r + 1) * hidden],
+                &self.final_norm,
+                self.cfg.rms_eps,
+                &mut s.h[j * hidden..(j + 1) * hidden],
+            );
+        }
+        let packed = &mut s.packed[..n * hidden];
+        pack_tokens(&s.h[..n * hidden], hidden, packed);
+        matmul::matmul(&self.lm_head, packed, n, out, Write::Set, &mut s.tiles);
     }
 
     /// The logits of the chunk's tokens `tokens` (hidden states in `s.x`), one row of `out` each.
@@ -388,6 +601,8 @@ struct ScratchLens {
     /// each (tokens x intermediate).
     hidden: u128,
     q: u128,
+    /// f32s of the chunk's new k and v rows each (tokens x kv_dim), copied into the pages.
+    kv: u128,
     intermediate: u128,
     /// f64s: the chunk packed for a product, at the widest input.
     packed: u128,
@@ -409,6 +624,7 @@ impl ScratchLens {
         ScratchLens {
             hidden: tokens * cfg.hidden as u128,
             q: tokens * cfg.q_dim() as u128,
+            kv: tokens * cfg.kv_dim() as u128,
             intermediate: tokens * cfg.intermediate as u128,
             packed: tokens * widest as u128,
             rotation: cfg.head_dim as u128 / 2,
@@ -420,8 +636,8 @@ impl ScratchLens {
     }
 
     fn bytes(&self) -> u128 {
-        let shared =
-            (2 * (self.hidden + self.q + self.intermediate) + self.logits) * 4 + (self.packed + self.rotation) * 8;
+        let shared = (2 * (self.hidden + self.q + self.kv + self.intermediate) + self.logits) * 4
+            + (self.packed + self.rotation) * 8;
         let attention = self.attention.iter().sum::<u128>() * 8;
         shared + self.threads * (self.tile.0 * 8 + self.tile.1 * 4 + attention)
     }
@@ -450,11 +666,13 @@ pub fn step_threads(cfg: &ModelConfig, window: usize, threads: usize) -> usize {
     threads.min(usize::try_from(worth).unwrap_or(usize::MAX)).clamp(1, MAX_THREADS)
 }
 
-/// The buffers `ScratchLens` sizes; the KV rows of a chunk are written straight into the cache.
+/// The buffers `ScratchLens` sizes.
 struct Scratch {
     x: Vec<f32>,
     h: Vec<f32>,
     q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
     attn: Vec<f32>,
     gate: Vec<f32>,
     up: Vec<f32>,
@@ -484,6 +702,8 @@ impl Scratch {
             x: try_filled(l.hidden, 0.0)?,
             h: try_filled(l.hidden, 0.0)?,
             q: try_filled(l.q, 0.0)?,
+            k: try_filled(l.kv, 0.0)?,
+            v: try_filled(l.kv, 0.0)?,
             attn: try_filled(l.q, 0.0)?,
             gate: try_filled(l.intermediate, 0.0)?,
             up: try_filled(l.intermediate, 0.0)?,
@@ -526,21 +746,29 @@ fn zeroed_f32(len: usize) -> Result<Vec<f32>> {
     Ok(unsafe { Vec::from_raw_parts(ptr, len, len) })
 }
 
-/// The CPU backend: a `CpuModel` built once at load over a source it keeps alive, and the logits of
-/// each item of the last batch.
+/// The CPU backend: a `CpuModel` built once at load over a source it keeps alive, the KV pool's
+/// memory, and the logits of each item of the last batch.
 pub struct CpuBackend {
     // Declared before `_source`: dropped before what it reads.
     model: CpuModel<'static>,
+    kv: KvPages,
     logits: Vec<Option<Vec<f32>>>,
     _source: Arc<dyn TensorSource + Send + Sync>,
 }
 
 impl CpuBackend {
-    /// Checks the model in `source` (so a bad model fails the load, not the first step) and builds its view.
-    pub fn new(source: Arc<dyn TensorSource + Send + Sync>) -> Result<CpuBackend> {
+    /// Checks the model in `source` (so a bad model fails the load, not the first step), builds its view
+    /// and a KV pool of `pages` pages.
+    pub fn new(source: Arc<dyn TensorSource + Send + Sync>, pages: usize) -> Result<CpuBackend> {
         // SAFETY: an Arc's pointee never moves, and this struct drops the view before its Arc.
         let src: &'static dyn TensorSource = unsafe { &*Arc::as_ptr(&source) };
-        Ok(CpuBackend { model: CpuModel::new(src)?, logits: Vec::new(), _source: source })
+        let model = CpuModel::new(src)?;
+        let kv = KvPages::new(model.config(), pages)?;
+        Ok(CpuBackend { model, kv, logits: Vec::new(), _source: source })
+    }
+
+    pub fn model(&self) -> &CpuModel<'static> {
+        &self.model
     }
 }
 
@@ -550,15 +778,18 @@ impl Backend for CpuBackend {
     const PAGE_TOKENS: usize = PAGE_TOKENS;
 
     fn new_stream(&self, window: usize) -> Result<CpuStream> {
-        self.model.try_new_stream(window)
+        Ok(KvStream::new(CpuCache { own: None }, window))
     }
 
     fn step_batch(&mut self, items: &mut [StepItem<'_, CpuCache>]) -> Result<()> {
         self.logits.clear();
-        for item in items.iter_mut() {
-            match self.model.forward(item.stream, item.tokens) {
+        let histories: Vec<Vec<u32>> = items.iter().map(|i| i.stream.tokens.clone()).collect();
+        let mut inputs: Vec<(&mut CpuStream, &[u32])> = items.iter_mut().map(|i| (&mut *i.stream, i.tokens)).collect();
+        let outs = self.model.forward_batch(&mut self.kv, &mut inputs);
+        drop(inputs);
+        for ((item, out), history) in items.iter_mut().zip(outs).zip(&histories) {
+            match out {
                 Ok(logits) => {
-                    let history = &item.stream.tokens;
                     item.next = Ok(sampler::sample_stream(&logits, &item.sampling, item.index, history, item.tokens));
                     self.logits.push(Some(logits));
                 }

@@ -128,6 +128,12 @@ impl KvPool {
         self.pages as u64 * self.page_tokens as u64
     }
 
+    /// Streams to admit when `want` are asked for: no more than the pool has pages, so that each can
+    /// hold a token.
+    pub fn streams(&self, want: u32) -> u32 {
+        want.min(u32::try_from(self.pages).unwrap_or(u32::MAX))
+    }
+
     /// The start-up line's words for it.
     pub fn describe(&self) -> String {
         format!(
@@ -286,7 +292,7 @@ fn load_decoder(
     let streams = streams as usize;
     Ok(match kind {
         BackendKind::Cpu => {
-            Box::new(Streams::new(CpuBackend::new(ckpt.shared())?, window, streams, pool.pages, sampling)?)
+            Box::new(Streams::new(CpuBackend::new(ckpt.shared(), pool.pages)?, window, streams, pool.pages, sampling)?)
         }
         BackendKind::Cuda => {
             let r = rows.describe();
@@ -419,7 +425,7 @@ impl Engine {
             // SAFETY: the rows point into `ckpt`, which the engine drops after them.
             let rows = unsafe { Rows::in_mapping(&src) }?;
             injected(InitStep::RowsPlaced)?;
-            let backend = load_decoder(BackendKind::Cpu, &ckpt, &rows, want, &pool, opts, &logger)?;
+            let backend = load_decoder(BackendKind::Cpu, &ckpt, &rows, pool.streams(want), &pool, opts, &logger)?;
             let engine = Engine {
                 backend,
                 tokenizer: load_tokenizer(&ckpt, &logger)?,
@@ -469,7 +475,7 @@ impl Engine {
         let bad_ids = Mutex::new(PinnedBuffer::new_mapped(std::mem::size_of::<i32>())?);
         injected(InitStep::RowsPlaced)?;
         // `max_streams` bounds the streams, which share the pool however many full windows it holds.
-        let streams = if opts.max_streams > 0 { opts.max_streams } else { plan.streams };
+        let streams = if opts.max_streams > 0 { pool.streams(opts.max_streams) } else { plan.streams };
         let backend = load_decoder(BackendKind::Cuda, &ckpt, &rows, streams, &pool, opts, &logger)?;
         let engine = Engine {
             backend,

@@ -333,4 +333,72 @@ mod tests {
         assert!(key(-f32::NAN) < key(f32::NEG_INFINITY));
         assert_eq!(argmax(&[-0.0, 0.0, 0.0]), 1);
     }
+
+    #[test]
+    fn penalty_ids_are_the_distinct_ids_of_the_last_n_tokens() {
+        let s = Sampling { repeat_penalty: 1.3, repeat_last_n: 4, ..Sampling::GREEDY };
+        assert_eq!(penalty_ids(&[9, 8, 7, 7], &[5, 7], &s), vec![5, 7]);
+        assert_eq!(penalty_ids(&[9, 8, 7, 3], &[5], &s), vec![3, 5, 7, 8]);
+        assert_eq!(penalty_ids(&[], &[4, 4, 1, 2, 3, 4], &s), vec![1, 2, 3, 4]);
+        assert_eq!(penalty_ids(&[1], &[], &s), vec![1]);
+        let all = Sampling { repeat_last_n: u32::MAX, ..s };
+        assert_eq!(penalty_ids(&[6, 2], &[2, 9], &all), vec![2, 6, 9]);
+        for off in [
+            Sampling { repeat_penalty: 1.0, ..s },
+            Sampling { repeat_penalty: f32::NAN, ..s },
+            Sampling { repeat_last_n: 0, ..s },
+        ] {
+            assert!(penalty_ids(&[1, 2], &[3], &off).is_empty(), "{off:?}");
+        }
+    }
+
+    #[test]
+    fn penalize_divides_positive_logits_and_multiplies_the_others() {
+        assert_eq!(penalize(3.0, 1.5), 2.0);
+        assert_eq!(penalize(-3.0, 1.5), -4.5);
+        assert_eq!(penalize(0.0, 2.0), 0.0);
+        assert_eq!(penalize(-0.0, 2.0).to_bits(), (-0.0f32).to_bits());
+        assert_eq!(penalize(f32::INFINITY, 2.0), f32::INFINITY);
+        assert_eq!(penalize(f32::NEG_INFINITY, 2.0), f32::NEG_INFINITY);
+        let nan = f32::from_bits(0x7FC0_1234);
+        assert_eq!(penalize(nan, 2.0).to_bits(), nan.to_bits(), "NaN is kept, bits and all");
+        // A penalty below 1 makes repeats likelier.
+        assert!(penalize(1.0, 0.5) > 1.0 && penalize(-1.0, 0.5) > -1.0);
+    }
+
+    #[test]
+    fn min_p_keeps_the_tokens_at_least_min_p_as_likely_as_the_likeliest() {
+        assert_eq!(min_p_floor(0.0), 0);
+        assert_eq!(min_p_floor(-1.0), 0);
+        assert_eq!(min_p_floor(f32::NAN), 0);
+        assert_eq!(min_p_floor(1.0), 1 << 36);
+        assert_eq!(min_p_floor(2.0), 1 << 36);
+        assert_eq!(min_p_floor(0.5), 1 << 35);
+        // At temperature 1 a logit ln(2) below the largest weighs half of it, 2 ln(2) below a quarter.
+        let ln2 = std::f32::consts::LN_2;
+        let logits = [0.0, -ln2, -2.0 * ln2, -3.0 * ln2];
+        let s = Sampling { temperature: 1.0, ..Sampling::GREEDY };
+        let drawn = |min_p: f32| -> Vec<u32> {
+            let mut seen: Vec<u32> =
+                (0..400).map(|p| sample(&logits, &Sampling { min_p, seed: 11, ..s }, 0, p)).collect();
+            seen.sort_unstable();
+            seen.dedup();
+            seen
+        };
+        assert_eq!(drawn(0.0), vec![0, 1, 2, 3]);
+        assert_eq!(drawn(0.2), vec![0, 1, 2], "1/8 < 0.2 <= 1/4");
+        assert_eq!(drawn(0.45), vec![0, 1], "1/4 < 0.45 <= 1/2");
+        assert_eq!(drawn(0.9), vec![0]);
+        assert_eq!(drawn(1.0), vec![0]);
+    }
+
+    #[test]
+    fn the_penalty_applies_before_greedy_and_to_the_prompt() {
+        let logits = [1.0, 2.0, 1.9, -1.0];
+        let s = Sampling { repeat_penalty: 1.2, repeat_last_n: 3, ..Sampling::GREEDY };
+        // 2.0 / 1.2 < 1.9: the repeated token loses its lead.
+        assert_eq!(sample_stream(&logits, &s, 0, &[], &[1]), 2);
+        assert_eq!(sample_stream(&logits, &s, 0, &[1, 0], &[3, 3, 3]), 1, "token 1 is 4 tokens back");
+        assert_eq!(sample_stream(&logits, &Sampling::GREEDY, 0, &[], &[1]), 1);
+    }
 }

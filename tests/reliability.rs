@@ -104,28 +104,31 @@ fn huge_windows_and_stream_counts(dir: &Scratch) {
     expect("options.context = UINT32_MAX", try_init(&small, &opts), Status::NoRoom);
     assert!(last_error().contains("4294967295-token window"), "{}", last_error());
 
-    // Every stream that fits the room given, each counted at its whole KV cache.
+    // A pool of every full window that fits the room given; as many streams as it has pages.
     let room = 64u64 << 20;
     let opts = engine_options { max_streams: u32::MAX, room_bytes: room, ..cpu_options() };
     let e = init(&small, &opts);
     let c = config();
     let kv = fit::cpu_kv_bytes(c.layers as u64, c.max_position as u64, c.kv_heads as u64, c.head_dim as u64).unwrap();
+    let (mut pool, mut free) = (0u64, 0u64);
+    assert_eq!(unsafe { ffi::engine_kv_stats(e.0, &mut pool, &mut free) }, Status::Ok);
+    let windows = pool / c.max_position as u64;
+    assert!(windows > engine::CPU_STREAMS as u64 && windows * kv <= room, "{windows} windows of {kv} bytes in {room}");
+    assert!(room / kv - windows <= room / kv / 100, "{windows} windows where {} fit", room / kv);
     let streams = info(&e).streams as u64;
-    assert!(streams > engine::CPU_STREAMS as u64 && streams * kv <= room, "{streams} streams of {kv} bytes in {room}");
-    assert!(room / kv - streams <= room / kv / 100, "{streams} streams where {} fit", room / kv);
+    assert_eq!(streams, pool / hostembed::cpu::PAGE_TOKENS as u64, "a stream a page");
     let last = (streams - 1) as u32;
     assert!(step(&e, last, &[3, 4]) >= 0);
     drop(e);
 
-    // A caller's room that is not there: the plan admits the stream, its cache (2^48 bytes per layer,
-    // past any address space) is refused at the first step instead of aborting.
+    // A caller's room that is not there: the plan admits the stream, its KV pool (2^48 bytes per layer,
+    // past any address space) is refused at the load instead of aborting.
     let wide =
         ModelConfig { heads: 128, kv_heads: 128, head_dim: 128, hidden: 32, intermediate: 32, layers: 1, ..config() };
     let wide = hf_with(dir, "wide", &wide, None);
     let opts = engine_options { context: u32::MAX, max_streams: 1, room_bytes: u64::MAX, ..cpu_options() };
-    let e = init(&wide, &opts);
-    expect("a first step whose KV cache cannot be had", try_step(&e, 0, &[3]).0, Status::NoRoom);
-    assert!(last_error().contains("KV cache"), "{}", last_error());
+    expect("a KV pool that cannot be had", try_init(&wide, &opts), Status::NoRoom);
+    assert!(last_error().contains("KV"), "{}", last_error());
 }
 
 /// Reproducers 2 and 3: tokenizer data the `tokenizers` crate would abort or panic on.

@@ -4,6 +4,9 @@
 //! over the blocks with a running max, so nothing grows with the context. The blocks are aligned to
 //! positions, not to the part, so each output is the same sequence of f64 operations whichever part,
 //! batch or thread computes it: batching and threads change no bit.
+//!
+//! The cache is read through `KvRows`, a stream's KV pages in position order: the blocks are aligned to
+//! positions and a page holds a whole number of blocks, so each block's rows lie in one page.
 
 use super::exp::{NORMAL, exp, exp_normal};
 use super::parallel::{run_parts, threads_for};
@@ -13,18 +16,42 @@ use super::try_zeros;
 const PART_QUERIES: usize = 32;
 /// Positions read by all of a part's queries together: 32 rows of one KV head stay in L1. A multiple
 /// of SUM_LANES, so a block's weights fall in the lanes their positions name.
-const KEY_BLOCK: usize = 32;
+pub(super) const KEY_BLOCK: usize = 32;
 /// Running sums of a softmax's weights, side by side: lane l adds the weights of positions l, l + 8, ...
 const SUM_LANES: usize = 8;
+
+/// One layer's K (or V) rows of a stream: its pages in position order, each `page_tokens` rows of
+/// `row` values (one page of any length for a cache in one piece).
+pub(super) struct KvRows<'a> {
+    pub(super) pages: Vec<&'a [f32]>,
+    pub(super) page_tokens: usize,
+    pub(super) row: usize,
+}
+
+impl KvRows<'_> {
+    /// Positions the pages hold.
+    fn positions(&self) -> usize {
+        self.pages.len() * self.page_tokens
+    }
+
+    /// The rows of positions `range`, which lie in one page.
+    #[inline(always)]
+    fn rows(&self, range: std::ops::Range<usize>) -> &[f32] {
+        let page = range.start / self.page_tokens;
+        let first = page * self.page_tokens;
+        assert!(range.end - first <= self.page_tokens, "attention: a block of rows crosses a page");
+        &self.pages[page][(range.start - first) * self.row..(range.end - first) * self.row]
+    }
+}
 
 /// The queries and cache of one attention call: `tokens` consecutive tokens, the first at position
 /// `first_pos`, each seeing the cache up to and including its own position.
 pub(super) struct Batch<'a> {
     /// [tokens][heads * head_dim]
     pub(super) q: &'a [f32],
-    /// [at least first_pos + tokens][kv_heads * head_dim]
-    pub(super) k: &'a [f32],
-    pub(super) v: &'a [f32],
+    /// At least first_pos + tokens positions of kv_heads * head_dim.
+    pub(super) k: KvRows<'a>,
+    pub(super) v: KvRows<'a>,
     pub(super) first_pos: usize,
     pub(super) heads: usize,
     pub(super) kv_heads: usize,
@@ -89,10 +116,15 @@ impl Batch<'_> {
         assert_eq!(out.len(), tokens * q_dim, "attention: output is not tokens x heads x head_dim");
         let kv_dim = self.kv_heads * self.head_dim;
         let ctx = self.first_pos + tokens;
-        assert!(
-            self.k.len() >= ctx * kv_dim && self.v.len() >= ctx * kv_dim,
-            "attention: cache shorter than the batch"
-        );
+        assert!(self.k.positions() >= ctx && self.v.positions() >= ctx, "attention: cache shorter than the batch");
+        for kv in [&self.k, &self.v] {
+            assert_eq!(kv.row, kv_dim, "attention: cache rows are not kv_heads x head_dim");
+            assert!(
+                kv.pages.len() == 1 || kv.page_tokens.is_multiple_of(KEY_BLOCK),
+                "attention: pages of {} positions split blocks of {KEY_BLOCK}",
+                kv.page_tokens
+            );
+        }
         let group = self.heads / self.kv_heads;
         // Fewer tokens a part where that leaves too few parts to keep every thread busy.
         let per_part = (tokens * self.kv_heads / (2 * scratch.len()).max(1)).clamp(1, part_tokens(group));
@@ -175,12 +207,12 @@ impl Part<'_> {
         for start in (0..last).step_by(KEY_BLOCK) {
             // The block's rows that any query sees, widened once for all of them.
             let rows = start..last.min(start + KEY_BLOCK);
-            for (t, row) in b.k[rows.start * kv_dim..rows.end * kv_dim].chunks_exact(kv_dim).enumerate() {
+            for (t, row) in b.k.rows(rows.clone()).chunks_exact(kv_dim).enumerate() {
                 for (d, &v) in row[kv_off..kv_off + hd].iter().enumerate() {
                     keys[d * KEY_BLOCK + t] = v as f64;
                 }
             }
-            let v_rows = b.v[rows.start * kv_dim..rows.end * kv_dim].chunks_exact(kv_dim);
+            let v_rows = b.v.rows(rows).chunks_exact(kv_dim);
             for (row, out) in v_rows.zip(values.chunks_exact_mut(hd)) {
                 for (o, &v) in out.iter_mut().zip(&row[kv_off..kv_off + hd]) {
                     *o = v as f64;

@@ -1,0 +1,594 @@
+//! Many streams at once through the C ABI on the CPU backend: engine_step_batch against stepping each
+//! stream alone (random mixes of prompt chunks and single tokens, streams joining, leaving, truncated
+//! and reset mid-way, each with its own sampler), engine_truncate, the KV page pool running out and
+//! coming back whole (engine_kv_stats), per-stream sampling with min-p and the repetition penalty, and
+//! the calls' refusals.
+
+mod common;
+use common::{Held, Rng, Scratch, bits, info, init, logits, serial, stats, step, try_step};
+
+use hostembed::Status;
+use hostembed::abi::{engine_batch_item, engine_sampling};
+use hostembed::cpu::CpuStream;
+use hostembed::engine::{self, engine_backend, engine_options};
+use hostembed::ffi;
+use hostembed::fit;
+use hostembed::model::{Arch, ModelConfig, RopeScaling};
+use hostembed::placement::engine_memory;
+use hostembed::sampler::{self, Sampling};
+use hostembed::status::last_error;
+use hostembed::tensor::DType;
+use std::ffi::{c_char, c_void};
+use std::path::PathBuf;
+
+/// Positions in one page of the CPU backend's pool.
+const PAGE: u64 = hostembed::cpu::PAGE_TOKENS as u64;
+
+/// A small Qwen2 (biases, GQA 2:1, a tied head): every op of the layer runs.
+fn qwen2() -> ModelConfig {
+    ModelConfig {
+        arch: Arch::Qwen2,
+        vocab: 301,
+        hidden: 64,
+        layers: 2,
+        heads: 4,
+        kv_heads: 2,
+        head_dim: 16,
+        intermediate: 96,
+        rms_eps: 1e-5,
+        rope_theta: 10000.0,
+        rope_scaling: RopeScaling::None,
+        rope_interleaved: false,
+        max_position: 512,
+        tied: true,
+        qkv_bias: true,
+        qk_norm: false,
+        bos: Some(1),
+        eos: Some(2),
+    }
+}
+
+unsafe extern "C" fn quiet(_user: *mut c_void, _line: *const c_char) {}
+
+fn cpu_options(window: u32, streams: u32) -> engine_options {
+    engine_options {
+        backend: engine_backend::Cpu,
+        context: window,
+        max_streams: streams,
+        log: Some(quiet),
+        ..engine::default_options()
+    }
+}
+
+fn model(dir: &Scratch, rng: &mut Rng) -> PathBuf {
+    dir.hf("qwen2", &qwen2(), rng.next_u64(), DType::Bf16)
+}
+
+fn random_ids(rng: &mut Rng, n: usize) -> Vec<i32> {
+    (0..n).map(|_| rng.below(qwen2().vocab as u64) as i32).collect()
+}
+
+/// engine_step_batch's status and each item's (status, next).
+fn try_batch(e: &Held, items: &[(u32, &[i32])]) -> (Status, Vec<(Status, i32)>) {
+    let mut c: Vec<engine_batch_item> = items
+        .iter()
+        .map(|&(stream, tokens)| engine_batch_item {
+            stream,
+            tokens: if tokens.is_empty() { std::ptr::null() } else { tokens.as_ptr() },
+            n: tokens.len(),
+            next: -7,
+            status: Status::Panic,
+        })
+        .collect();
+    let st = unsafe { ffi::engine_step_batch(e.0, c.as_mut_ptr(), c.len()) };
+    (st, c.iter().map(|i| (i.status, i.next)).collect())
+}
+
+fn kv_stats(e: &Held) -> (u64, u64) {
+    let (mut total, mut free) = (0, 0);
+    assert_eq!(unsafe { ffi::engine_kv_stats(e.0, &mut total, &mut free) }, Status::Ok, "{}", last_error());
+    (total, free)
+}
+
+fn stream_len(e: &Held, stream: u32) -> u32 {
+    let mut len = u32::MAX;
+    assert_eq!(unsafe { ffi::engine_stream_len(e.0, stream, &mut len) }, Status::Ok, "{}", last_error());
+    len
+}
+
+fn truncate(e: &Held, stream: u32, len: u32) {
+    let st = unsafe { ffi::engine_truncate(e.0, stream, len) };
+    assert_eq!(st, Status::Ok, "engine_truncate({stream}, {len}): {}", last_error());
+}
+
+fn reset(e: &Held, stream: u32) {
+    assert_eq!(unsafe { ffi::engine_reset(e.0, stream) }, Status::Ok, "{}", last_error());
+}
+
+fn set_sampling(e: &Held, stream: u32, s: &engine_sampling) {
+    let st = unsafe { ffi::engine_set_sampling(e.0, stream, s) };
+    assert_eq!(st, Status::Ok, "engine_set_sampling({stream}): {}", last_error());
+}
+
+/// Uniform in [0, 1).
+fn unit(rng: &mut Rng) -> f32 {
+    (rng.uniform() + 1.0) / 2.0
+}
+
+/// A random sampler: greedy or drawn, with or without top-k, top-p, min-p and a penalty.
+fn random_sampling(rng: &mut Rng) -> engine_sampling {
+    let pick = |rng: &mut Rng, p: f32| unit(rng) < p;
+    let mut s = ffi::engine_default_sampling();
+    if pick(rng, 0.7) {
+        s.temperature = 0.5 + unit(rng) * 1.5;
+    }
+    if pick(rng, 0.4) {
+        s.top_k = 1 + rng.below(60) as u32;
+    }
+    if pick(rng, 0.4) {
+        s.top_p = 0.5 + unit(rng) * 0.5;
+    }
+    if pick(rng, 0.5) {
+        s.min_p = unit(rng) * 0.3;
+    }
+    if pick(rng, 0.6) {
+        s.repeat_penalty = 0.7 + unit(rng) * 1.3;
+        s.repeat_last_n = rng.below(40) as u32;
+    }
+    s.seed = rng.next_u64();
+    s
+}
+
+/// Random batches on one engine and the same steps one stream at a time on another: every item's
+/// status, token and logits are the same, bit for bit, while streams join, leave, are truncated and reset
+/// between batches; the pool's free count follows the streams' lengths and is whole after the resets.
+#[test]
+fn random_batches_match_stepping_each_stream_alone() {
+    let _g = serial();
+    let mut rng = Rng::fresh("random_batches_match_stepping_each_stream_alone");
+    let dir = Scratch::new("batch-random");
+    let path = model(&dir, &mut rng);
+    let (window, streams) = (150u32, 7u32);
+    let opts = cpu_options(window, streams);
+    let batched = init(&path, &opts);
+    let alone = init(&path, &opts);
+    assert_eq!(info(&batched).streams, streams);
+    let (total, free) = kv_stats(&batched);
+    assert_eq!((total, free), (streams as u64 * (window as u64).div_ceil(PAGE) * PAGE, total));
+    for s in 0..streams {
+        let sampling = random_sampling(&mut rng);
+        set_sampling(&batched, s, &sampling);
+        set_sampling(&alone, s, &sampling);
+    }
+    // What each stream feeds next: its last sampled token once it has one.
+    let mut last: Vec<Option<i32>> = vec![None; streams as usize];
+    let (mut items_run, mut singles_batched, mut refusals) = (0, 0, 0);
+    for round in 0..60 {
+        // Between batches: some streams are truncated, reset, or given new settings.
+        for s in 0..streams {
+            let len = stream_len(&batched, s);
+            assert_eq!(len, stream_len(&alone, s), "round {round} stream {s}: lengths");
+            match rng.below(20) {
+                0 => {
+                    reset(&batched, s);
+                    reset(&alone, s);
+                    last[s as usize] = None;
+                }
+                1 if len > 0 => {
+                    let keep = rng.below(len as u64) as u32;
+                    truncate(&batched, s, keep);
+                    truncate(&alone, s, keep);
+                    last[s as usize] = None;
+                }
+                2 => {
+                    let sampling = random_sampling(&mut rng);
+                    set_sampling(&batched, s, &sampling);
+                    set_sampling(&alone, s, &sampling);
+                }
+                _ => {}
+            }
+        }
+        // A batch of a random subset in random order: a prompt chunk, or the stream's last token.
+        let mut order: Vec<u32> = (0..streams).filter(|_| rng.below(3) > 0).collect();
+        for i in (1..order.len()).rev() {
+            order.swap(i, rng.below(i as u64 + 1) as usize);
+        }
+        let inputs: Vec<(u32, Vec<i32>)> = order
+            .iter()
+            .map(|&s| match last[s as usize] {
+                Some(t) if rng.below(4) > 0 => (s, vec![t]),
+                _ => {
+                    let longest = if rng.below(4) == 0 { 90 } else { 12 };
+                    let n = 1 + rng.below(longest) as usize;
+                    (s, random_ids(&mut rng, n))
+                }
+            })
+            .collect();
+        let items: Vec<(u32, &[i32])> = inputs.iter().map(|(s, t)| (*s, t.as_slice())).collect();
+        let (st, out) = try_batch(&batched, &items);
+        assert_eq!(st, Status::Ok, "round {round}: {}", last_error());
+        for (&(s, tokens), &(item_status, next)) in items.iter().zip(&out) {
+            let (want_status, want_next) = try_step(&alone, s, tokens);
+            assert_eq!(item_status, want_status, "round {round} stream {s} ({} tokens): status", tokens.len());
+            if want_status != Status::Ok {
+                assert_eq!(next, -1, "round {round} stream {s}: a failed item's next");
+                refusals += 1;
+                continue;
+            }
+            assert_eq!(next, want_next, "round {round} stream {s} ({} tokens): token", tokens.len());
+            assert_eq!(
+                bits(&logits(&batched, s)),
+                bits(&logits(&alone, s)),
+                "round {round} stream {s} ({} tokens): logits",
+                tokens.len()
+            );
+            last[s as usize] = Some(next);
+            items_run += 1;
+            singles_batched += (tokens.len() == 1 && items.len() > 1) as usize;
+        }
+        let held: u64 = (0..streams).map(|s| (stream_len(&batched, s) as u64).div_ceil(PAGE) * PAGE).sum();
+        assert_eq!(kv_stats(&batched), (total, total - held), "round {round}: free positions");
+    }
+    println!("{items_run} items stepped, {singles_batched} of them single tokens beside others, {refusals} refused");
+    assert!(items_run > 100 && singles_batched > 50, "too few items to mean anything");
+    for s in 0..streams {
+        reset(&batched, s);
+    }
+    assert_eq!(kv_stats(&batched), (total, total), "the pool after every stream's reset");
+    drop((batched, alone));
+    assert_eq!(stats(), engine_memory::default());
+}
+
+/// Truncating to any length and stepping the same tokens again gives the same logits, bit for bit, and
+/// gives back exactly the pages past the new length.
+#[test]
+fn truncate_then_restep_gives_the_same_logits() {
+    let _g = serial();
+    let mut rng = Rng::fresh("truncate_then_restep_gives_the_same_logits");
+    let dir = Scratch::new("batch-truncate");
+    let path = model(&dir, &mut rng);
+    let e = init(&path, &cpu_options(256, 2));
+    let (total, _) = kv_stats(&e);
+    let prompt = random_ids(&mut rng, 70);
+    let mut fed = prompt.clone();
+    let mut want = vec![(fed.len(), step(&e, 0, &prompt), logits(&e, 0))];
+    for _ in 0..30 {
+        let next = want.last().unwrap().1;
+        fed.push(next);
+        want.push((fed.len(), step(&e, 0, &[next]), logits(&e, 0)));
+    }
+    for keep in [99u32, 64, 63, 33, 32, 31, 5, 1, 0] {
+        let before = stream_len(&e, 0) as u64;
+        truncate(&e, 0, keep);
+        assert_eq!(stream_len(&e, 0), keep);
+        assert_eq!(kv_stats(&e), (total, total - (keep as u64).div_ceil(PAGE) * PAGE), "kept {keep}");
+        assert!(before >= keep as u64);
+        // The logits are gone with the positions.
+        let mut out = vec![0f32; qwen2().vocab];
+        assert_eq!(unsafe { ffi::engine_logits(e.0, 0, out.as_mut_ptr(), out.len()) }, Status::InvalidArgument);
+        // Feed back what was fed after `keep`, one chunk then single tokens, and check each logit met.
+        let keep = keep as usize;
+        let split = (keep + 7).min(fed.len());
+        if keep < split {
+            let got = step(&e, 0, &fed[keep..split]);
+            if let Some((_, next, l)) = want.iter().find(|(n, _, _)| *n == split) {
+                assert_eq!(got, *next, "kept {keep}: token after {split}");
+                assert_eq!(bits(&logits(&e, 0)), bits(l), "kept {keep}: logits after {split}");
+            }
+        }
+        for at in split..fed.len() {
+            let got = step(&e, 0, &fed[at..at + 1]);
+            if let Some((_, next, l)) = want.iter().find(|(n, _, _)| *n == at + 1) {
+                assert_eq!(got, *next, "kept {keep}: token after {}", at + 1);
+                assert_eq!(bits(&logits(&e, 0)), bits(l), "kept {keep}: logits after {}", at + 1);
+            }
+        }
+        assert_eq!(stream_len(&e, 0) as usize, fed.len());
+    }
+    // Truncating to the length it has changes nothing; past it, or on a stream that does not exist, fails.
+    let len = stream_len(&e, 0);
+    truncate(&e, 0, len);
+    assert_eq!(bits(&logits(&e, 0)), bits(&want.last().unwrap().2), "logits after a truncate that cut nothing");
+    assert_eq!(unsafe { ffi::engine_truncate(e.0, 0, len + 1) }, Status::OutOfRange);
+    assert_eq!(unsafe { ffi::engine_truncate(e.0, 1, 1) }, Status::OutOfRange, "an empty stream");
+    assert_eq!(unsafe { ffi::engine_truncate(e.0, 2, 0) }, Status::OutOfRange, "no stream 2");
+    assert_eq!(unsafe { ffi::engine_truncate(std::ptr::null_mut(), 0, 0) }, Status::InvalidArgument);
+    assert_eq!(stream_len(&e, 0), len);
+}
+
+/// Host room for `windows` full windows beside the step scratch: the CPU plan's own figures.
+fn room_for_windows(cfg: &ModelConfig, window: u32, windows: u64) -> u64 {
+    let slot = std::mem::size_of::<Option<CpuStream>>() as u64;
+    let probe = engine_options { room_bytes: 1 << 40, ..cpu_options(window, 64) };
+    let inputs = fit::cpu_inputs(cfg, window, 64, slot, &probe).unwrap();
+    let stream = fit::plan_cpu(&inputs).stream_bytes.unwrap();
+    inputs.scratch_bytes + windows * stream + stream / 2
+}
+
+/// A pool of two windows shared by eight streams: an item that needs a page when none is free fails with
+/// NO_ROOM and appends nothing while the others in its batch proceed; truncate and reset give pages back,
+/// and the pool is whole after the resets.
+#[test]
+fn pool_exhaustion_fails_only_the_item_that_needs_a_page() {
+    let _g = serial();
+    let mut rng = Rng::fresh("pool_exhaustion_fails_only_the_item_that_needs_a_page");
+    let dir = Scratch::new("batch-pool");
+    let path = model(&dir, &mut rng);
+    let window = 128u32;
+    let opts = engine_options { room_bytes: room_for_windows(&qwen2(), window, 2), ..cpu_options(window, 8) };
+    let e = init(&path, &opts);
+    let reference = init(&path, &cpu_options(window, 8));
+    assert_eq!(info(&e).streams, 8, "max_streams bounds the streams, not the full windows");
+    let (total, free) = kv_stats(&e);
+    assert_eq!((total, free), (2 * window as u64, 2 * window as u64), "a pool of two windows");
+
+    // Streams 0 and 1 take 100 positions each: 4 pages each, every page of the pool.
+    let (p0, p1, p2) = (random_ids(&mut rng, 100), random_ids(&mut rng, 100), random_ids(&mut rng, 20));
+    let (st, out) = try_batch(&e, &[(0, &p0), (1, &p1)]);
+    assert_eq!(st, Status::Ok);
+    assert_eq!(out, [(Status::Ok, step(&reference, 0, &p0)), (Status::Ok, step(&reference, 1, &p1))]);
+    assert_eq!(kv_stats(&e), (total, 0));
+
+    // Stream 0's next token fits its last page; stream 2 needs a page and there is none.
+    let first0 = out[0].1;
+    let (st, out) = try_batch(&e, &[(2, &p2), (0, &[first0])]);
+    assert_eq!(st, Status::Ok, "a full pool fails the item, not the call");
+    assert_eq!(out[0], (Status::NoRoom, -1), "stream 2: {}", last_error());
+    assert!(last_error().contains("pages"), "{}", last_error());
+    assert_eq!(out[1].0, Status::Ok);
+    assert_eq!(out[1].1, step(&reference, 0, &[first0]), "stream 0 proceeds");
+    assert_eq!(bits(&logits(&e, 0)), bits(&logits(&reference, 0)));
+    assert_eq!(stream_len(&e, 2), 0, "the refused item appended nothing");
+    assert_eq!(try_step(&e, 2, &p2[..1]).0, Status::NoRoom);
+    // Stream 1 crossing into a fifth page fails too; its length stays 100.
+    let (st, out) = try_batch(&e, &[(1, &random_ids(&mut rng, 40))]);
+    assert_eq!((st, out[0]), (Status::Ok, (Status::NoRoom, -1)));
+    assert_eq!(stream_len(&e, 1), 100);
+
+    // Truncating stream 0 to 60 positions gives back 2 pages: stream 2 fits in them.
+    truncate(&e, 0, 60);
+    assert_eq!(kv_stats(&e), (total, 2 * PAGE));
+    let mut reference2 = step(&reference, 2, &p2);
+    let (st, out) = try_batch(&e, &[(2, &p2)]);
+    assert_eq!((st, out[0]), (Status::Ok, (Status::Ok, reference2)));
+    assert_eq!(bits(&logits(&e, 2)), bits(&logits(&reference, 2)), "stream 2's logits from a recycled page");
+    for _ in 0..5 {
+        let (st, out) = try_batch(&e, &[(2, &[reference2])]);
+        assert_eq!(st, Status::Ok);
+        let want = step(&reference, 2, &[reference2]);
+        assert_eq!(out[0], (Status::Ok, want));
+        reference2 = want;
+    }
+    for s in 0..8 {
+        reset(&e, s);
+    }
+    assert_eq!(kv_stats(&e), (total, total), "whole again after the resets");
+    // And it serves the same two windows again.
+    let (st, out) = try_batch(&e, &[(5, &p0), (7, &p1)]);
+    assert_eq!((st, out[0].0, out[1].0), (Status::Ok, Status::Ok, Status::Ok));
+}
+
+/// Malformed calls (NULLs, a stream named twice) step nothing and say INVALID_ARGUMENT; items that are
+/// wrong on their own fail alone; the other new calls refuse NULLs and bad settings.
+#[test]
+fn malformed_batches_and_bad_arguments_are_refused() {
+    let _g = serial();
+    let mut rng = Rng::fresh("malformed_batches_and_bad_arguments_are_refused");
+    let dir = Scratch::new("batch-refusals");
+    let path = model(&dir, &mut rng);
+    let window = 32u32;
+    let e = init(&path, &cpu_options(window, 3));
+    let reference = init(&path, &cpu_options(window, 3));
+    let prompt = random_ids(&mut rng, 6);
+    let vocab = qwen2().vocab as i32;
+
+    // A stream named twice: nothing steps, every item says INVALID_ARGUMENT.
+    let (st, out) = try_batch(&e, &[(0, &prompt), (1, &prompt), (0, &prompt[..1])]);
+    assert_eq!(st, Status::InvalidArgument);
+    assert!(last_error().contains("stream 0"), "{}", last_error());
+    assert!(out.iter().all(|&o| o == (Status::InvalidArgument, -1)), "{out:?}");
+    assert_eq!((stream_len(&e, 0), stream_len(&e, 1)), (0, 0), "nothing appended");
+
+    // NULL items with items to read, NULL tokens with tokens to read, a NULL engine.
+    let mut item = engine_batch_item { stream: 0, tokens: std::ptr::null(), n: 2, next: -7, status: Status::Ok };
+    assert_eq!(unsafe { ffi::engine_step_batch(e.0, &mut item, 1) }, Status::InvalidArgument);
+    assert_eq!((item.status, item.next), (Status::InvalidArgument, -1));
+    assert_eq!(unsafe { ffi::engine_step_batch(e.0, std::ptr::null_mut(), 2) }, Status::InvalidArgument);
+    assert_eq!(unsafe { ffi::engine_step_batch(e.0, std::ptr::null_mut(), 0) }, Status::Ok, "an empty batch");
+    let mut fine = engine_batch_item { stream: 0, tokens: prompt.as_ptr(), n: 1, next: -7, status: Status::Ok };
+    assert_eq!(unsafe { ffi::engine_step_batch(std::ptr::null_mut(), &mut fine, 1) }, Status::InvalidArgument);
+    assert_eq!(stream_len(&e, 0), 0);
+
+    // Items wrong on their own fail alone: no tokens, a stream that does not exist, an id outside the
+    // vocabulary, past the window. The good item steps as it does alone.
+    let past_window = random_ids(&mut rng, window as usize + 1);
+    let bad_id = [3, vocab, 4];
+    let (st, out) = try_batch(&e, &[(1, &[]), (7, &prompt), (2, &bad_id), (0, &prompt), (u32::MAX, &prompt)]);
+    assert_eq!(st, Status::Ok, "{}", last_error());
+    assert_eq!(out[0], (Status::InvalidArgument, -1));
+    assert_eq!(out[1], (Status::OutOfRange, -1));
+    assert_eq!(out[2], (Status::OutOfRange, -1));
+    assert_eq!(out[3], (Status::Ok, step(&reference, 0, &prompt)));
+    assert_eq!(out[4], (Status::OutOfRange, -1));
+    assert!(last_error().contains("items[0]"), "the first failed item's message: {}", last_error());
+    let (st, out) = try_batch(&e, &[(1, &past_window)]);
+    assert_eq!((st, out[0]), (Status::Ok, (Status::NoRoom, -1)));
+    assert_eq!((stream_len(&e, 1), stream_len(&e, 2)), (0, 0));
+    assert_eq!(bits(&logits(&e, 0)), bits(&logits(&reference, 0)));
+
+    // engine_logits answers for every stream the last batch stepped, and for no other.
+    let (a, b) = (random_ids(&mut rng, 3), random_ids(&mut rng, 1));
+    let (st, out) = try_batch(&e, &[(2, &a), (1, &b)]);
+    assert_eq!((st, out[0].0, out[1].0), (Status::Ok, Status::Ok, Status::Ok));
+    step(&reference, 2, &a);
+    let logits2 = logits(&reference, 2);
+    assert_eq!(bits(&logits(&e, 2)), bits(&logits2));
+    step(&reference, 1, &b);
+    assert_eq!(bits(&logits(&e, 1)), bits(&logits(&reference, 1)));
+    let mut out = vec![0f32; vocab as usize];
+    assert_eq!(unsafe { ffi::engine_logits(e.0, 0, out.as_mut_ptr(), out.len()) }, Status::InvalidArgument);
+    // A batch in which every item fails leaves them.
+    let (st, _) = try_batch(&e, &[(0, &past_window)]);
+    assert_eq!(st, Status::Ok);
+    assert_eq!(bits(&logits(&e, 2)), bits(&logits2));
+
+    // The other calls: NULLs, streams that do not exist, settings out of range.
+    let mut len = 0u32;
+    let (mut total, mut free) = (0u64, 0u64);
+    assert_eq!(unsafe { ffi::engine_stream_len(e.0, 0, std::ptr::null_mut()) }, Status::InvalidArgument);
+    assert_eq!(unsafe { ffi::engine_stream_len(std::ptr::null(), 0, &mut len) }, Status::InvalidArgument);
+    assert_eq!(unsafe { ffi::engine_stream_len(e.0, 3, &mut len) }, Status::OutOfRange);
+    assert_eq!(unsafe { ffi::engine_kv_stats(e.0, std::ptr::null_mut(), &mut free) }, Status::InvalidArgument);
+    assert_eq!(unsafe { ffi::engine_kv_stats(e.0, &mut total, std::ptr::null_mut()) }, Status::InvalidArgument);
+    assert_eq!(unsafe { ffi::engine_kv_stats(std::ptr::null(), &mut total, &mut free) }, Status::InvalidArgument);
+    let good = ffi::engine_default_sampling();
+    assert_eq!(unsafe { ffi::engine_set_sampling(e.0, 0, std::ptr::null()) }, Status::InvalidArgument);
+    assert_eq!(unsafe { ffi::engine_set_sampling(std::ptr::null_mut(), 0, &good) }, Status::InvalidArgument);
+    assert_eq!(unsafe { ffi::engine_set_sampling(e.0, 3, &good) }, Status::OutOfRange);
+    let bad = [
+        engine_sampling { temperature: -1.0, ..good },
+        engine_sampling { temperature: f32::NAN, ..good },
+        engine_sampling { top_p: 0.0, ..good },
+        engine_sampling { top_p: 1.5, ..good },
+        engine_sampling { min_p: -0.1, ..good },
+        engine_sampling { min_p: 1.1, ..good },
+        engine_sampling { min_p: f32::NAN, ..good },
+        engine_sampling { repeat_penalty: 0.0, ..good },
+        engine_sampling { repeat_penalty: f32::INFINITY, ..good },
+    ];
+    for s in &bad {
+        assert_eq!(unsafe { ffi::engine_set_sampling(e.0, 0, s) }, Status::InvalidArgument, "{s:?}");
+    }
+    let mut got = engine_sampling { seed: 9, ..good };
+    assert_eq!(unsafe { ffi::engine_get_sampling(e.0, 0, &mut got) }, Status::Ok);
+    assert_eq!(got, good, "refused settings leave the stream's as they were");
+    let mine = engine_sampling { temperature: 0.7, min_p: 0.1, repeat_penalty: 1.2, seed: 5, ..good };
+    set_sampling(&e, 1, &mine);
+    assert_eq!(unsafe { ffi::engine_get_sampling(e.0, 1, &mut got) }, Status::Ok);
+    assert_eq!(got, mine);
+    reset(&e, 1);
+    assert_eq!(unsafe { ffi::engine_get_sampling(e.0, 1, &mut got) }, Status::Ok);
+    assert_eq!(got, mine, "a reset keeps the stream's sampler");
+    assert_eq!(unsafe { ffi::engine_get_sampling(e.0, 1, std::ptr::null_mut()) }, Status::InvalidArgument);
+    let opts = engine_options { min_p: 2.0, ..cpu_options(window, 3) };
+    let mut none = std::ptr::null_mut();
+    let c = common::c_path(&path);
+    assert_eq!(unsafe { ffi::engine_init_fit(c.as_ptr(), &opts, &mut none) }, Status::InvalidArgument);
+    assert!(last_error().contains("options.min_p"), "{}", last_error());
+}
+
+/// Each stream samples with its own settings, from the engine options' by default: the token is what
+/// `sampler::sample_stream` picks from the stream's logits and its own tokens (the penalty looking at
+/// the prompt and what was sampled), and streams with other settings in the same batch change nothing.
+#[test]
+fn each_stream_samples_with_its_own_settings() {
+    let _g = serial();
+    let mut rng = Rng::fresh("each_stream_samples_with_its_own_settings");
+    let dir = Scratch::new("batch-sampling");
+    let path = model(&dir, &mut rng);
+    let defaults = engine_options {
+        temperature: 0.9,
+        top_k: 50,
+        min_p: 0.05,
+        repeat_penalty: 1.5,
+        repeat_last_n: 16,
+        seed: 77,
+        ..cpu_options(96, 4)
+    };
+    let e = init(&path, &defaults);
+    let mut got = ffi::engine_default_sampling();
+    assert_eq!(unsafe { ffi::engine_get_sampling(e.0, 3, &mut got) }, Status::Ok);
+    assert_eq!(got, engine::sampling_of(&defaults), "a stream starts with the options' sampler");
+    let settings: [Sampling; 4] = [
+        engine::sampling_of(&defaults),
+        Sampling { repeat_penalty: 3.0, repeat_last_n: 64, ..Sampling::GREEDY },
+        Sampling { temperature: 1.3, min_p: 0.2, seed: 3, ..Sampling::GREEDY },
+        Sampling { temperature: 1.0, min_p: 1.0, repeat_penalty: 0.5, repeat_last_n: 8, ..Sampling::GREEDY },
+    ];
+    for (s, sampling) in settings.iter().enumerate().skip(1) {
+        set_sampling(&e, s as u32, sampling);
+    }
+    let mut history: Vec<Vec<u32>> = vec![Vec::new(); 4];
+    let mut feed: Vec<Vec<i32>> = (0..4).map(|_| random_ids(&mut rng, 10)).collect();
+    let mut penalized_changes = 0;
+    for round in 0..25 {
+        let items: Vec<(u32, &[i32])> = (0..4u32).map(|s| (s, feed[s as usize].as_slice())).collect();
+        let (st, out) = try_batch(&e, &items);
+        assert_eq!(st, Status::Ok, "{}", last_error());
+        for s in 0..4usize {
+            assert_eq!(out[s].0, Status::Ok);
+            let new: Vec<u32> = feed[s].iter().map(|&t| t as u32).collect();
+            let l = logits(&e, s as u32);
+            let want = sampler::sample_stream(&l, &settings[s], s as u32, &history[s], &new);
+            assert_eq!(out[s].1 as u32, want, "round {round} stream {s}");
+            let position = (history[s].len() + new.len()) as u64;
+            if sampler::sample(&l, &settings[s], s as u32, position) != want {
+                penalized_changes += 1;
+            }
+            if s == 1 {
+                // Greedy on the penalized logits: the largest of them.
+                let ids = sampler::penalty_ids(&history[s], &new, &settings[s]);
+                let mut p = l.clone();
+                ids.iter().for_each(|&i| p[i as usize] = sampler::penalize(p[i as usize], 3.0));
+                assert_eq!(want, sampler::argmax(&p));
+            }
+            if s == 3 {
+                // min_p 1 keeps only the likeliest (penalized) token.
+                let ids = sampler::penalty_ids(&history[s], &new, &settings[s]);
+                let mut p = l.clone();
+                ids.iter().for_each(|&i| p[i as usize] = sampler::penalize(p[i as usize], 0.5));
+                assert_eq!(want, sampler::argmax(&p), "round {round}: min_p 1 is greedy");
+            }
+            history[s].extend(&new);
+            feed[s] = vec![out[s].1];
+        }
+    }
+    println!("the penalty changed {penalized_changes} of 100 picks");
+    assert!(penalized_changes > 0, "the repetition penalty never changed a pick");
+}
+
+/// Threads stepping their own streams through engine_step_batch at once get what a serial run gets.
+#[test]
+fn concurrent_batches_match_a_serial_run() {
+    let _g = serial();
+    let mut rng = Rng::fresh("concurrent_batches_match_a_serial_run");
+    let dir = Scratch::new("batch-threads");
+    let path = model(&dir, &mut rng);
+    let opts = cpu_options(64, 8);
+    let shared = init(&path, &opts);
+    let serial_engine = init(&path, &opts);
+    let prompts: Vec<Vec<i32>> = (0..8).map(|_| random_ids(&mut rng, 5)).collect();
+    let run = |e: &Held, pair: u32, prompts: &[Vec<i32>]| -> Vec<i32> {
+        let (a, b) = (2 * pair, 2 * pair + 1);
+        let (mut ta, mut tb) = (prompts[a as usize].clone(), prompts[b as usize].clone());
+        let mut out = Vec::new();
+        for _ in 0..12 {
+            let (st, items) = try_batch(e, &[(a, &ta), (b, &tb)]);
+            assert_eq!(st, Status::Ok);
+            assert!(items.iter().all(|i| i.0 == Status::Ok), "{items:?}: {}", last_error());
+            out.extend([items[0].1, items[1].1]);
+            (ta, tb) = (vec![items[0].1], vec![items[1].1]);
+        }
+        out
+    };
+    let want: Vec<Vec<i32>> = (0..4).map(|p| run(&serial_engine, p, &prompts)).collect();
+    struct Shared(*mut ffi::engine);
+    // SAFETY: the engine is made for calls from several threads; the test keeps it alive for them.
+    unsafe impl Sync for Shared {}
+    let handle = Shared(shared.0);
+    let got: Vec<Vec<i32>> = std::thread::scope(|scope| {
+        let threads: Vec<_> = (0..4)
+            .map(|p| {
+                let (handle, prompts) = (&handle, &prompts);
+                scope.spawn(move || {
+                    let e = Held(handle.0);
+                    let out = run(&e, p, prompts);
+                    std::mem::forget(e);
+                    out
+                })
+            })
+            .collect();
+        threads.into_iter().map(|t| t.join().unwrap()).collect()
+    });
+    assert_eq!(got, want);
+}
