@@ -42,9 +42,11 @@ __global__ __launch_bounds__(AT_THREADS, 2) void attention_split_kernel(
 
     int p_t = pos[t];
     const unsigned int ctx = p_t < 0 ? 0u : (unsigned int)p_t + 1;
-    // Parts of whole 32-position units: every warp's 32 positions of a tile lie in two whole pages.
+    // Parts of whole 32-position units (every warp's 32 positions of a tile lie in two whole pages), at
+    // least a tile each: a shorter part costs a block as much time and leaves threads idle.
     const unsigned int units = (ctx + AT_UNIT - 1) / AT_UNIT;
-    const unsigned int chunk = (units + splits - 1) / splits * AT_UNIT;
+    const unsigned int min_units = AT_TILE / AT_UNIT;
+    const unsigned int chunk = max((units + splits - 1) / splits, min_units) * AT_UNIT;
     const unsigned int start = min(ctx, split * chunk), end = min(ctx, start + chunk);
     const size_t pstride = (size_t)d + 2;
     float *part_of = partial + (((size_t)t * heads + h0) * splits + split) * pstride;  // head h0; next head +splits*pstride

@@ -65,9 +65,9 @@ cudaError_t hostembed_kv_page_tokens(unsigned int *page_tokens);
 
 // Attention of query token t (q + t*q_stride, heads x head_dim) over positions [0, pos[t]] of its stream
 // (pages tables[t]) with GQA (query head h reads kv head h / (heads / kv_heads)), softmax(q.k * scale) v
-// into out[t][heads*head_dim]. The context is cut in at most `splits` parts of whole 32-position units
-// (the cut depends only on pos[t] and splits), computed by separate blocks and combined in order;
-// partial holds n*heads*splits*(head_dim+2) floats. head_dim a multiple of 8, <= 256.
+// into out[t][heads*head_dim]. The context is cut in at most `splits` parts of whole 32-position units,
+// 128 positions at least (the cut depends only on pos[t] and splits), computed by separate blocks and
+// combined in order; partial holds n*heads*splits*(head_dim+2) floats. head_dim a multiple of 8, <= 256.
 cudaError_t hostembed_attention(const float *q, unsigned int q_stride, const void *kv_pool,
                                 const unsigned int *const *tables, unsigned int pool_pages, const int *pos,
                                 unsigned int n, unsigned int heads, unsigned int kv_heads, unsigned int head_dim,
