@@ -2,10 +2,11 @@
 //! shape (Llama-3-8B BF16 by default): every stream is prefilled to the cache length, then each step is
 //! one batch of one token per stream. Rows for 1, 8, 16 and 64 streams at a 512-token cache, each in the
 //! batch-invariant default and with the batch tensor-core option; then 64 streams of 2,048 tokens in a
-//! pool sized for two 64k windows.
+//! pool sized for two 64k windows; then (unless --no-host-rows) the largest stream count again with the
+//! embedding rows in mapped host memory instead of on the card.
 //!
 //!     cargo run --release --example bench_batch -- [--layers 32] [--dtype bf16|f16|q8_0]
-//!         [--cache 512] [--steps 64] [--streams 1,8,16,64] [--max-batch 512] [--no-long]
+//!         [--cache 512] [--steps 64] [--streams 1,8,16,64] [--max-batch 512] [--no-long] [--no-host-rows]
 //!
 //! HOSTEMBED_CUDA_GRAPHS=0 runs without CUDA graphs.
 
@@ -13,7 +14,7 @@ use std::time::Instant;
 
 use hostembed::backend::StepItem;
 use hostembed::checkpoint::write::MemSource;
-use hostembed::cuda::{self, DeviceBuffer};
+use hostembed::cuda::{self, DeviceBuffer, PinnedBuffer};
 use hostembed::gpu::{GpuModel, GpuStream, PAGE_TOKENS, RowsOnDevice, reserve_pages, truncate_stream};
 use hostembed::model::{Arch, ModelConfig, RopeScaling, TensorSource, names};
 use hostembed::sampler::Sampling;
@@ -28,6 +29,7 @@ struct Args {
     streams: Vec<usize>,
     max_batch: usize,
     long: bool,
+    host_rows: bool,
 }
 
 fn parse() -> Args {
@@ -59,6 +61,7 @@ fn parse() -> Args {
         streams: vec![1, 8, 16, 64],
         max_batch: 512,
         long: true,
+        host_rows: true,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -72,6 +75,7 @@ fn parse() -> Args {
                 a.streams = value().split(',').map(|s| s.parse().expect("--streams takes numbers: 1,8,16,64")).collect()
             }
             "--no-long" => a.long = false,
+            "--no-host-rows" => a.host_rows = false,
             "--dtype" => {
                 a.dtype = match value().as_str() {
                     "bf16" => DType::Bf16,
@@ -168,7 +172,6 @@ fn main() {
         pages,
         t0.elapsed().as_secs_f64()
     );
-    drop(src);
 
     println!(
         "\naggregate decode, each stream at a {}-token cache, {} steps after 3 warm-up steps",
@@ -200,6 +203,24 @@ fn main() {
                 "| {} | {rate:.0} | {ms:.2} |",
                 if tensor_cores { "batch tensor cores" } else { "batch invariant" }
             );
+        }
+    }
+
+    if args.host_rows {
+        // The same model reading its embedding rows from mapped host memory.
+        let count = args.streams.iter().copied().max().unwrap_or(1);
+        let mut pinned = PinnedBuffer::new_mapped(embed.bytes.len()).unwrap();
+        pinned.as_mut_slice().copy_from_slice(embed.bytes);
+        let mapped = RowsOnDevice { ptr: pinned.device_ptr(), ..rows };
+        drop(gpu);
+        let mut host = GpuModel::load(&src, mapped, args.max_batch, pages).unwrap_or_else(|e| panic!("load: {e}"));
+        println!("\n{count} streams at a {}-token cache, rows in mapped host memory", args.cache);
+        println!("| mode | tok/s | ms/step |");
+        println!("| --- | --- | --- |");
+        for tensor_cores in [false, true] {
+            let (rate, ms) = decode_rate(&mut host, count, args.cache, args.steps, tensor_cores);
+            let mode = if tensor_cores { "batch tensor cores" } else { "batch invariant" };
+            println!("| {mode} | {rate:.0} | {ms:.2} |");
         }
     }
 }
