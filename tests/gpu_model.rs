@@ -313,9 +313,9 @@ fn byte_predictions_hold_for_every_shape() {
                 );
                 assert_eq!(gpu.allocated_pool_bytes(), GpuModel::pool_bytes(&cfg, POOL_PAGES), "{name}: pool bytes");
                 assert_eq!(GpuModel::pool_bytes(&cfg, 3), cfg.kv_bytes_per_token() * 3 * PAGE_TOKENS as u64);
-                // A window's pages: 100 positions take 7 pages of 16.
-                assert_eq!(GpuModel::stream_bytes(&cfg, 100), cfg.kv_bytes_per_token() * 112);
+                assert_eq!(GpuModel::stream_bytes(&cfg, 100), cfg.kv_bytes_per_token() * 100);
                 let stream = gpu.new_stream(100).unwrap();
+                // 100 positions take 7 pages of 16: a page table of 7 ids.
                 assert_eq!(stream.allocated_bytes(), 7 * 4, "{name}: a 100-token page table");
                 drop(stream);
             }

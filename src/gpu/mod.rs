@@ -157,9 +157,10 @@ impl GpuModel {
         })
     }
 
-    /// Device bytes of KV pages for a full window of `window` tokens (the pages, not the page table).
+    /// KV bytes of a full window of `window` tokens, as the fit rule counts a stream (linear in the
+    /// window; the pool's pages round each stream up to a whole page).
     pub fn stream_bytes(cfg: &ModelConfig, window: usize) -> u64 {
-        cfg.kv_bytes_per_token() * (window.div_ceil(PAGE_TOKENS) * PAGE_TOKENS) as u64
+        cfg.kv_bytes_per_token() * window as u64
     }
 
     /// Device bytes `load` allocates for a KV pool of `pages` pages.
