@@ -205,7 +205,8 @@ fn c_type(rust: &str) -> String {
         return format!("{}*", c_type(inner));
     }
     if let Some(inner) = rust.strip_prefix("*const ") {
-        return format!("const {}*", c_type(inner));
+        // East const, so that a pointer to a const pointer reads `T const* const*`.
+        return format!("{} const*", c_type(inner));
     }
     match rust {
         "c_void" => "void",

@@ -19,7 +19,7 @@ use std::time::Instant;
 use hostembed::checkpoint::write::{MemSource, Recipe};
 use hostembed::cuda::{self, DeviceBuffer, Event, Stream};
 use hostembed::cudart as rt;
-use hostembed::gpu::{GpuModel, RowsOnDevice};
+use hostembed::gpu::{GpuModel, PAGE_TOKENS, RowsOnDevice, truncate_stream};
 use hostembed::kernels as kn;
 use hostembed::model::{Arch, ModelConfig, RopeScaling, TensorSource, names};
 use hostembed::sampler::Sampling;
@@ -291,7 +291,9 @@ fn bench_decode(args: &Args, peak: f64) {
     let embed_dtype = embed.dtype;
     let rows_buf = DeviceBuffer::from_slice(embed.bytes).unwrap();
     let rows = RowsOnDevice { ptr: rows_buf.ptr(), dtype: embed.dtype, vocab: embed.rows(), cols: embed.cols() };
-    let mut gpu = GpuModel::load(&src, rows, 64).unwrap();
+    let window = args.prompt + args.tokens + 1;
+    let mut gpu = GpuModel::load(&src, rows, 64, window.div_ceil(PAGE_TOKENS)).unwrap();
+    let mut pool = gpu.page_pool().unwrap();
     let weight_bytes = GpuModel::weight_bytes(&src);
     drop(src);
     println!(
@@ -300,7 +302,6 @@ fn bench_decode(args: &Args, peak: f64) {
         weight_bytes as f64 / 1e9
     );
 
-    let window = args.prompt + args.tokens + 1;
     let prompt: Vec<u32> = (0..args.prompt as u32).map(|i| (i * 7919 + 13) % cfg.vocab as u32).collect();
     let sampled = Sampling { temperature: 0.8, top_k: 40, top_p: 0.95, seed: 42, ..Sampling::GREEDY };
     // Per decoded token, the bytes read: every weight but the embedding rows, one row of them, and the KV
@@ -320,12 +321,13 @@ fn bench_decode(args: &Args, peak: f64) {
         for _ in 0..args.runs + 1 {
             let mut stream = gpu.new_stream(window).unwrap();
             let t = Instant::now();
-            let mut next = gpu.step(&mut stream, &prompt, &s, 0).unwrap();
+            let mut next = gpu.step(&mut pool, &mut stream, &prompt, &s, 0).unwrap();
             let prompt_s = t.elapsed().as_secs_f64();
             let t = Instant::now();
             for _ in 0..args.tokens {
-                next = gpu.step(&mut stream, &[next], &s, 0).unwrap();
+                next = gpu.step(&mut pool, &mut stream, &[next], &s, 0).unwrap();
             }
+            truncate_stream(&mut pool, &mut stream, 0).unwrap();
             prompt_rates.push(args.prompt as f64 / prompt_s);
             rates.push(args.tokens as f64 / t.elapsed().as_secs_f64());
         }

@@ -15,7 +15,7 @@ use std::time::Instant;
 
 use hostembed::checkpoint::write::{MemSource, Recipe};
 use hostembed::cuda::{self, DeviceBuffer, PinnedBuffer};
-use hostembed::gpu::{GpuModel, RowsOnDevice};
+use hostembed::gpu::{GpuModel, PAGE_TOKENS, RowsOnDevice};
 use hostembed::model::{Arch, ModelConfig, RopeScaling, TensorSource, names};
 use hostembed::sampler::Sampling;
 use hostembed::tensor::{DType, encode_row};
@@ -91,9 +91,10 @@ fn prompt_rate(gpu: &mut GpuModel, len: usize, runs: usize, decode: usize) -> (f
     let mut rates = Vec::new();
     let mut decode_rate = 0.0;
     for run in 0..runs + 1 {
+        let mut pool = gpu.page_pool().unwrap();
         let mut stream = gpu.new_stream(len + decode + 1).unwrap();
         let t = Instant::now();
-        let mut next = gpu.step(&mut stream, &prompt, &Sampling::GREEDY, 0).unwrap();
+        let mut next = gpu.step(&mut pool, &mut stream, &prompt, &Sampling::GREEDY, 0).unwrap();
         let s = t.elapsed().as_secs_f64();
         if run > 0 {
             rates.push(len as f64 / s);
@@ -101,7 +102,7 @@ fn prompt_rate(gpu: &mut GpuModel, len: usize, runs: usize, decode: usize) -> (f
         if run == runs && decode > 0 {
             let t = Instant::now();
             for _ in 0..decode {
-                next = gpu.step(&mut stream, &[next], &Sampling::GREEDY, 0).unwrap();
+                next = gpu.step(&mut pool, &mut stream, &[next], &Sampling::GREEDY, 0).unwrap();
             }
             decode_rate = decode as f64 / t.elapsed().as_secs_f64();
         }
@@ -174,7 +175,7 @@ fn build_q4_k_m(cfg: &ModelConfig) -> MemSource {
 fn q4_k_m_table(cfg: &ModelConfig, args: &Args, bf16_at: &HashMap<usize, f64>) {
     let src = build_q4_k_m(cfg);
     let (_rows, rows) = Rows::new(&src, false);
-    let mut gpu = load(&src, rows, args.chunk);
+    let mut gpu = load(&src, rows, args.chunk, 4096 + 129);
     println!("{}", gpu.prompt_route());
     println!("\n| prompt tokens | Q4_K_M tok/s | of BF16 |");
     println!("| --- | --- | --- |");
@@ -187,8 +188,9 @@ fn q4_k_m_table(cfg: &ModelConfig, args: &Args, bf16_at: &HashMap<usize, f64>) {
     println!("\nQ4_K_M decode after a 64-token prompt: {decode:.1} tok/s");
 }
 
-fn load(src: &MemSource, rows: RowsOnDevice, chunk: usize) -> GpuModel {
-    GpuModel::load(src, rows, chunk).unwrap_or_else(|e| panic!("load: {e}"))
+/// The model with a KV pool for one stream of `positions`.
+fn load(src: &MemSource, rows: RowsOnDevice, chunk: usize, positions: usize) -> GpuModel {
+    GpuModel::load(src, rows, chunk, positions.div_ceil(PAGE_TOKENS)).unwrap_or_else(|e| panic!("load: {e}"))
 }
 
 fn main() {
@@ -200,7 +202,9 @@ fn main() {
     let cfg = llama3_8b(args.layers);
     let src = build(&cfg, DType::Bf16);
     let (_rows, rows) = Rows::new(&src, false);
-    let mut gpu = load(&src, rows, args.chunk);
+    // Room for the longest prompt and the decode after it.
+    let positions = args.lengths.iter().copied().max().unwrap_or(4096).max(4096) + 65;
+    let mut gpu = load(&src, rows, args.chunk, positions);
     println!("{}", gpu.prompt_route());
     let scratch = GpuModel::scratch_bytes(&src, args.chunk);
     println!(
@@ -237,7 +241,7 @@ fn main() {
     println!("| --- | --- | --- |");
     for chunk in [512, 1024, 2048, 4096] {
         drop(gpu);
-        gpu = load(&src, rows, chunk);
+        gpu = load(&src, rows, chunk, positions);
         let (rate, _) = prompt_rate(&mut gpu, 4096, args.runs, 0);
         let gib = GpuModel::scratch_bytes(&src, chunk) as f64 / (1u64 << 30) as f64;
         println!("| {chunk} | {rate:.0} | {gib:.2} |");
@@ -246,7 +250,7 @@ fn main() {
 
     // Rows in pinned host memory the card reads over the bus.
     let (_host_rows, host) = Rows::new(&src, true);
-    let mut gpu = load(&src, host, args.chunk);
+    let mut gpu = load(&src, host, args.chunk, positions);
     let (mapped, _) = prompt_rate(&mut gpu, 4096, args.runs, 0);
     let card = bf16_at.get(&4096).copied().unwrap_or(f64::NAN);
     println!(
@@ -260,7 +264,7 @@ fn main() {
 
     let q8 = build(&cfg, DType::Q8_0);
     let (_q8_rows, rows) = Rows::new(&q8, false);
-    let mut gpu = load(&q8, rows, args.chunk);
+    let mut gpu = load(&q8, rows, args.chunk, positions);
     println!("\n| prompt tokens | Q8_0 tok/s | of BF16 |");
     println!("| --- | --- | --- |");
     for len in [512, 4096] {

@@ -1,7 +1,10 @@
-// Decode attention over the bf16 KV cache, split along the context (flash-decoding): block (split, kv head
-// and group of query heads, token) runs an online softmax over its part of the context for up to HB query
-// heads that share one kv head (GQA: each K and V row is read once for all of them), and leaves
-// (max, sum, unnormalised output) per head; a second kernel combines the parts.
+// Decode attention over the paged bf16 KV pool, split along the context (flash-decoding): block (part, kv
+// head and group of query heads, token) runs an online softmax over its part of the token's context for up
+// to HB query heads that share one kv head (GQA: each K and V row is read once for all of them), and leaves
+// (max, sum, unnormalised output) per head; a second kernel combines the parts in order. Each token reads
+// its own stream's pages through its page table, so one launch serves tokens of many streams. A token's
+// parts depend only on its context length and the launch's part count, never on the other tokens: a
+// stream's result is the same bits alone or in any batch launched with the same part count.
 #include "hostembed_kernels.cuh"
 
 namespace {
@@ -10,14 +13,17 @@ constexpr int AT_THREADS = 128;
 constexpr int AT_WARPS = AT_THREADS / 32;
 // Positions per tile: one per thread for the scores.
 constexpr int AT_TILE = AT_THREADS;
+// Parts of a context are whole units of this many positions (a multiple of the page size).
+constexpr unsigned int AT_UNIT = 32;
+static_assert(AT_UNIT % HE_PAGE_TOKENS == 0 && AT_UNIT == 2 * HE_PAGE_TOKENS, "a warp's V positions span two pages");
 
 // Scores are kept in log2 units (q pre-scaled by scale * log2(e)) so the exponentials are exp2.
 constexpr float LOG2E = 1.4426950408889634f;
 
 template <int D, int HB>
 __global__ __launch_bounds__(AT_THREADS, 2) void attention_split_kernel(
-    const float *__restrict__ q, unsigned int q_stride, const unsigned short *__restrict__ k_cache,
-    const unsigned short *__restrict__ v_cache, unsigned int window, const int *__restrict__ pos,
+    const float *__restrict__ q, unsigned int q_stride, const unsigned short *__restrict__ kv_pool,
+    const unsigned int *const *__restrict__ tables, unsigned int pool_pages, const int *__restrict__ pos,
     unsigned int heads, unsigned int kv_heads, unsigned int d, float scale_log2, unsigned int splits,
     float *__restrict__ partial) {
     constexpr int DPL = D / 32;  // output dims per lane in the V pass
@@ -35,9 +41,13 @@ __global__ __launch_bounds__(AT_THREADS, 2) void attention_split_kernel(
     const unsigned int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
 
     int p_t = pos[t];
-    const unsigned int ctx = p_t < 0 ? 0u : min((unsigned int)p_t + 1, window);
-    const unsigned int chunk = (ctx + splits - 1) / splits;
-    const unsigned int start = split * chunk, end = min(ctx, start + chunk);
+    const unsigned int ctx = p_t < 0 ? 0u : (unsigned int)p_t + 1;
+    // Parts of whole 32-position units (every warp's 32 positions of a tile lie in two whole pages), at
+    // least a tile each: a shorter part costs a block as much time and leaves threads idle.
+    const unsigned int units = (ctx + AT_UNIT - 1) / AT_UNIT;
+    const unsigned int min_units = AT_TILE / AT_UNIT;
+    const unsigned int chunk = max((units + splits - 1) / splits, min_units) * AT_UNIT;
+    const unsigned int start = min(ctx, split * chunk), end = min(ctx, start + chunk);
     const size_t pstride = (size_t)d + 2;
     float *part_of = partial + (((size_t)t * heads + h0) * splits + split) * pstride;  // head h0; next head +splits*pstride
 
@@ -63,8 +73,13 @@ __global__ __launch_bounds__(AT_THREADS, 2) void attention_split_kernel(
 #pragma unroll
         for (int k = 0; k < DPL; k++) acc[h][k] = 0.f;
     }
-    const unsigned short *kbase = k_cache + (size_t)kvh * window * d;
-    const unsigned short *vbase = v_cache + (size_t)kvh * window * d;
+    const unsigned int *table = tables[t];
+    const size_t page_values = he::page_values(kv_heads, d);
+    // This kv head's rows in page `id` (a bad id reads page 0: wrong, never out of bounds).
+    auto k_rows = [&](unsigned int id) {
+        return kv_pool + (size_t)(id < pool_pages ? id : 0u) * page_values + (size_t)kvh * HE_PAGE_TOKENS * d;
+    };
+    const size_t v_offset = (size_t)kv_heads * HE_PAGE_TOKENS * d;
     const bool lane_has_dims = lane * DPL < d;
 
     for (unsigned int tile = start; tile < end; tile += AT_TILE) {
@@ -75,7 +90,8 @@ __global__ __launch_bounds__(AT_THREADS, 2) void attention_split_kernel(
 #pragma unroll
         for (int h = 0; h < HB; h++) sc[h] = 0.f;
         if (valid) {
-            const uint4 *kr = reinterpret_cast<const uint4 *>(kbase + (size_t)p * d);
+            const uint4 *kr = reinterpret_cast<const uint4 *>(k_rows(table[p / HE_PAGE_TOKENS]) +
+                                                              (size_t)(p % HE_PAGE_TOKENS) * d);
 #pragma unroll
             for (int c0 = 0; c0 < D / 8; c0 += 8) {
                 uint4 kv[8];
@@ -135,10 +151,14 @@ __global__ __launch_bounds__(AT_THREADS, 2) void attention_split_kernel(
         // V: warp w takes positions tile + 32w .. +32, lane its DPL dims, for every head.
         const unsigned int pw = tile + 32 * warp;
         const unsigned int jmax = pw < end ? min(32u, end - pw) : 0u;
-        if (lane_has_dims) {
+        if (lane_has_dims && jmax > 0) {
+            // pw is a multiple of 32: its positions lie in two whole pages.
+            const unsigned short *v_lo = k_rows(table[pw / HE_PAGE_TOKENS]) + v_offset + lane * DPL;
+            const unsigned short *v_hi =
+                jmax > HE_PAGE_TOKENS ? k_rows(table[pw / HE_PAGE_TOKENS + 1]) + v_offset + lane * DPL : v_lo;
 #pragma unroll 8
             for (unsigned int j = 0; j < jmax; j++) {
-                const unsigned short *vr = vbase + (size_t)(pw + j) * d + lane * DPL;
+                const unsigned short *vr = (j < HE_PAGE_TOKENS ? v_lo : v_hi) + (size_t)(j % HE_PAGE_TOKENS) * d;
                 float vf[DPL];
                 if constexpr (DPL == 8) {
                     const uint4 v = __ldg(reinterpret_cast<const uint4 *>(vr));
@@ -213,60 +233,59 @@ __global__ void attention_combine_kernel(const float *__restrict__ partial, unsi
 }
 
 template <int D, int HB>
-void launch_split(dim3 grid, const float *q, unsigned int q_stride, const unsigned short *kc,
-                  const unsigned short *vc, unsigned int window, const int *pos, unsigned int heads,
+void launch_split(dim3 grid, const float *q, unsigned int q_stride, const unsigned short *pool,
+                  const unsigned int *const *tables, unsigned int pool_pages, const int *pos, unsigned int heads,
                   unsigned int kv_heads, unsigned int d, float scale_log2, unsigned int splits, float *partial,
                   cudaStream_t stream) {
-    attention_split_kernel<D, HB><<<grid, AT_THREADS, 0, stream>>>(q, q_stride, kc, vc, window, pos, heads, kv_heads,
-                                                                   d, scale_log2, splits, partial);
+    attention_split_kernel<D, HB><<<grid, AT_THREADS, 0, stream>>>(q, q_stride, pool, tables, pool_pages, pos, heads,
+                                                                   kv_heads, d, scale_log2, splits, partial);
 }
 
 template <int D>
-void launch_d(unsigned int hb, unsigned int n, const float *q, unsigned int q_stride, const unsigned short *kc,
-              const unsigned short *vc, unsigned int window, const int *pos, unsigned int heads,
+void launch_d(unsigned int hb, unsigned int n, const float *q, unsigned int q_stride, const unsigned short *pool,
+              const unsigned int *const *tables, unsigned int pool_pages, const int *pos, unsigned int heads,
               unsigned int kv_heads, unsigned int d, float scale_log2, unsigned int splits, float *partial,
               cudaStream_t stream) {
     const unsigned int group = heads / kv_heads;
     const dim3 grid(splits, kv_heads * ((group + hb - 1) / hb), n);
     switch (hb) {
-    case 1: launch_split<D, 1>(grid, q, q_stride, kc, vc, window, pos, heads, kv_heads, d, scale_log2, splits, partial, stream); break;
-    case 2: launch_split<D, 2>(grid, q, q_stride, kc, vc, window, pos, heads, kv_heads, d, scale_log2, splits, partial, stream); break;
-    case 4: launch_split<D, 4>(grid, q, q_stride, kc, vc, window, pos, heads, kv_heads, d, scale_log2, splits, partial, stream); break;
-    default: launch_split<D, (D > 128 ? 4 : 8)>(grid, q, q_stride, kc, vc, window, pos, heads, kv_heads, d, scale_log2, splits, partial, stream); break;
+    case 1: launch_split<D, 1>(grid, q, q_stride, pool, tables, pool_pages, pos, heads, kv_heads, d, scale_log2, splits, partial, stream); break;
+    case 2: launch_split<D, 2>(grid, q, q_stride, pool, tables, pool_pages, pos, heads, kv_heads, d, scale_log2, splits, partial, stream); break;
+    case 4: launch_split<D, 4>(grid, q, q_stride, pool, tables, pool_pages, pos, heads, kv_heads, d, scale_log2, splits, partial, stream); break;
+    default: launch_split<D, (D > 128 ? 4 : 8)>(grid, q, q_stride, pool, tables, pool_pages, pos, heads, kv_heads, d, scale_log2, splits, partial, stream); break;
     }
 }
 
 }  // namespace
 
-extern "C" cudaError_t hostembed_attention(const float *q, unsigned int q_stride, const void *k_cache,
-                                           const void *v_cache, unsigned int window, const int *pos, unsigned int n,
+extern "C" cudaError_t hostembed_attention(const float *q, unsigned int q_stride, const void *kv_pool,
+                                           const unsigned int *const *tables, unsigned int pool_pages,
+                                           const int *pos, unsigned int n,
                                            unsigned int heads, unsigned int kv_heads, unsigned int head_dim,
                                            float scale, unsigned int splits, float *partial, float *out,
                                            cudaStream_t stream) {
-    if (q == nullptr || k_cache == nullptr || v_cache == nullptr || pos == nullptr || partial == nullptr ||
+    if (q == nullptr || kv_pool == nullptr || tables == nullptr || pos == nullptr || partial == nullptr ||
         out == nullptr)
         return cudaErrorInvalidValue;
     if (heads == 0 || kv_heads == 0 || heads % kv_heads != 0 || head_dim == 0 || head_dim % 8 != 0 ||
-        head_dim > 256 || window == 0 || splits == 0 || splits > 65535 || n > 65535)
+        head_dim > 256 || pool_pages == 0 || splits == 0 || splits > 65535 || n > 65535)
         return cudaErrorInvalidValue;
     if ((size_t)q_stride < (size_t)heads * head_dim) return cudaErrorInvalidValue;
-    if (reinterpret_cast<uintptr_t>(k_cache) % 16 != 0 || reinterpret_cast<uintptr_t>(v_cache) % 16 != 0)
-        return cudaErrorInvalidValue;
+    if (reinterpret_cast<uintptr_t>(kv_pool) % 16 != 0) return cudaErrorInvalidValue;
     if (n == 0) return cudaSuccess;
     const unsigned int group = heads / kv_heads;
     const unsigned int cap = head_dim > 128 ? 4 : 8;  // heads per block: keeps HB * D * 4 warps of smem at 16 KB
     unsigned int hb = 1;
     while (hb < group && hb < cap) hb *= 2;
     if ((size_t)kv_heads * ((group + hb - 1) / hb) > 65535) return cudaErrorInvalidValue;
-    const unsigned short *kc = static_cast<const unsigned short *>(k_cache);
-    const unsigned short *vc = static_cast<const unsigned short *>(v_cache);
+    const unsigned short *pool = static_cast<const unsigned short *>(kv_pool);
     const float scale_log2 = scale * LOG2E;
     if (head_dim <= 64)
-        launch_d<64>(hb, n, q, q_stride, kc, vc, window, pos, heads, kv_heads, head_dim, scale_log2, splits, partial, stream);
+        launch_d<64>(hb, n, q, q_stride, pool, tables, pool_pages, pos, heads, kv_heads, head_dim, scale_log2, splits, partial, stream);
     else if (head_dim <= 128)
-        launch_d<128>(hb, n, q, q_stride, kc, vc, window, pos, heads, kv_heads, head_dim, scale_log2, splits, partial, stream);
+        launch_d<128>(hb, n, q, q_stride, pool, tables, pool_pages, pos, heads, kv_heads, head_dim, scale_log2, splits, partial, stream);
     else
-        launch_d<256>(hb, n, q, q_stride, kc, vc, window, pos, heads, kv_heads, head_dim, scale_log2, splits, partial, stream);
+        launch_d<256>(hb, n, q, q_stride, pool, tables, pool_pages, pos, heads, kv_heads, head_dim, scale_log2, splits, partial, stream);
     cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return err;
     attention_combine_kernel<<<dim3(heads, n), 128, 0, stream>>>(partial, heads, head_dim, splits, out);

@@ -1,8 +1,10 @@
-// Causal attention of a prompt chunk over the bf16 KV cache on tensor cores (flash attention, FA2 order):
+// Causal attention of a prompt chunk over its stream's pages of the bf16 KV pool on tensor cores (flash
+// attention, FA2 order):
 // a block takes 64 query tokens of one head; each of its 4 warps holds 16 queries' Q fragments, scores,
 // online-softmax state and output in registers, while 64-position K and V tiles stream through a
 // double-buffered cp.async pipeline in shared memory. Q K^T and P V are mma.sync m16n8k16 in bf16 with f32
-// accumulators; the score fragments become P's A fragments without leaving registers.
+// accumulators; the score fragments become P's A fragments without leaving registers. Each row of a tile
+// finds its page through the stream's page table.
 #include "hostembed_kernels.cuh"
 
 namespace {
@@ -22,9 +24,9 @@ constexpr int fa_smem() {
 
 template <int D, typename Out>
 __global__ __launch_bounds__(FA_THREADS) void flash_kernel(const float *__restrict__ q, unsigned int q_stride,
-                                                           const unsigned short *__restrict__ k_cache,
-                                                           const unsigned short *__restrict__ v_cache,
-                                                           unsigned int window, const int *__restrict__ pos,
+                                                           const unsigned short *__restrict__ kv_pool,
+                                                           const unsigned int *__restrict__ table,
+                                                           unsigned int pool_pages, const int *__restrict__ pos,
                                                            unsigned int n, unsigned int heads, unsigned int kv_heads,
                                                            float scale_log2, typename Out::T *__restrict__ out,
                                                            unsigned int out_stride) {
@@ -46,7 +48,7 @@ __global__ __launch_bounds__(FA_THREADS) void flash_kernel(const float *__restri
     }
     __syncthreads();
     const int p_max = block_max_pos, p_min = block_min_pos;
-    const unsigned int ctx = p_max < 0 ? 0u : min((unsigned int)p_max + 1, window);
+    const unsigned int ctx = p_max < 0 ? 0u : (unsigned int)p_max + 1;
 
     // This lane's two query rows: g and g + 8 of the warp's 16.
     const unsigned int r_lo = q0 + warp * 16 + g, r_hi = r_lo + 8;
@@ -77,18 +79,22 @@ __global__ __launch_bounds__(FA_THREADS) void flash_kernel(const float *__restri
         for (int e = 0; e < 4; e++) o[d][e] = 0.f;
     float m_lo = -INFINITY, m_hi = -INFINITY, l_lo = 0.f, l_hi = 0.f;
 
-    const unsigned short *k_head = k_cache + (size_t)kvh * window * D;
-    const unsigned short *v_head = v_cache + (size_t)kvh * window * D;
+    const size_t page_values = he::page_values(kv_heads, D);
+    const size_t v_offset = (size_t)kv_heads * HE_PAGE_TOKENS * D;
     auto load_tile = [&](unsigned int stage, unsigned int tile) {
         constexpr int PIECES = FA_BN * D / 8;  // 16-byte pieces per K or V tile
         const unsigned int base = tile * FA_BN;
 #pragma unroll
         for (int i = tid; i < PIECES; i += FA_THREADS) {
             const unsigned int r = i / (D / 8), c = (i % (D / 8)) * 8;
-            const bool ok = base + r < ctx;  // later rows are zeros: a zero V row times a zero weight
-            const size_t at = ok ? (size_t)(base + r) * D + c : 0;
-            he::cp_async16(k_s + (stage * FA_BN + r) * S + c, k_head + at, ok);
-            he::cp_async16(v_s + (stage * FA_BN + r) * S + c, v_head + at, ok);
+            // Later rows (and a bad page id) are zeros: a zero V row times a zero weight.
+            const unsigned int p = base + r;
+            const unsigned int id = p < ctx ? table[p / HE_PAGE_TOKENS] : pool_pages;
+            const bool ok = id < pool_pages;
+            const size_t at =
+                ok ? (size_t)id * page_values + ((size_t)kvh * HE_PAGE_TOKENS + p % HE_PAGE_TOKENS) * D + c : 0;
+            he::cp_async16(k_s + (stage * FA_BN + r) * S + c, kv_pool + at, ok);
+            he::cp_async16(v_s + (stage * FA_BN + r) * S + c, kv_pool + at + (ok ? v_offset : 0), ok);
         }
     };
 
@@ -211,15 +217,15 @@ extern "C" cudaError_t hostembed_flash_head_dim(unsigned int head_dim) {
     return with_head_dim(head_dim, [](auto) {}) ? cudaSuccess : cudaErrorInvalidValue;
 }
 
-extern "C" cudaError_t hostembed_flash_attention(const float *q, unsigned int q_stride, const void *k_cache,
-                                                 const void *v_cache, unsigned int window, const int *pos,
+extern "C" cudaError_t hostembed_flash_attention(const float *q, unsigned int q_stride, const void *kv_pool,
+                                                 const unsigned int *table, unsigned int pool_pages, const int *pos,
                                                  unsigned int n, unsigned int heads, unsigned int kv_heads,
                                                  unsigned int head_dim, float scale, void *out, int out_dtype,
                                                  unsigned int out_stride, cudaStream_t stream) {
-    if (q == nullptr || k_cache == nullptr || v_cache == nullptr || pos == nullptr || out == nullptr || heads == 0 ||
-        kv_heads == 0 || heads % kv_heads != 0 || window == 0 || q_stride < heads * head_dim ||
+    if (q == nullptr || kv_pool == nullptr || table == nullptr || pos == nullptr || out == nullptr || heads == 0 ||
+        kv_heads == 0 || heads % kv_heads != 0 || pool_pages == 0 || q_stride < heads * head_dim ||
         out_stride < heads * head_dim || out_stride % 2 != 0 || reinterpret_cast<uintptr_t>(out) % 4 != 0 ||
-        reinterpret_cast<uintptr_t>(k_cache) % 16 != 0 || reinterpret_cast<uintptr_t>(v_cache) % 16 != 0)
+        reinterpret_cast<uintptr_t>(kv_pool) % 16 != 0)
         return cudaErrorInvalidValue;
     if (n == 0) return cudaSuccess;
     if (heads > 65535) return cudaErrorInvalidValue;
@@ -233,8 +239,7 @@ extern "C" cudaError_t hostembed_flash_attention(const float *q, unsigned int q_
             if (err != cudaSuccess) return;
             const dim3 grid((n + FA_BM - 1) / FA_BM, heads);
             kernel<<<grid, FA_THREADS, fa_smem<D>(), stream>>>(
-                q, q_stride, static_cast<const unsigned short *>(k_cache), static_cast<const unsigned short *>(v_cache),
-                window, pos, n, heads, kv_heads, scale * FA_LOG2E, static_cast<typename Out::T *>(out), out_stride);
+                q, q_stride, static_cast<const unsigned short *>(kv_pool), table, pool_pages, pos, n, heads, kv_heads, scale * FA_LOG2E, static_cast<typename Out::T *>(out), out_stride);
             err = cudaGetLastError();
         });
     });

@@ -20,6 +20,12 @@
 #define HE_DTYPE_Q5_K 11
 #define HE_DTYPE_Q6_K 12
 
+// The paged KV pool: each layer's pool is pool_pages pages one after the other, a page holding
+// HE_PAGE_TOKENS positions as bf16 [K, V][kv_heads][HE_PAGE_TOKENS][head_dim]. A stream's page table
+// (unsigned int page ids, in position order) maps position p to slot p % HE_PAGE_TOKENS of page
+// table[p / HE_PAGE_TOKENS].
+#define HE_PAGE_TOKENS 16
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -33,8 +39,9 @@ cudaError_t hostembed_embed_gather(const void *rows, int dtype, unsigned int voc
                                    cudaStream_t stream);
 
 // ---- decode kernels (norm.cu, matvec.cu, rope.cu, attention.cu, act.cu, sample.cu) ----
-// Activations are f32 [n][cols] rows, the KV cache bf16 [kv_heads][window][head_dim] per layer and
-// per K or V. Every launcher checks its arguments (cudaErrorInvalidValue) and returns the launch error.
+// Activations are f32 [n][cols] rows; kv_pool is one layer's paged pool (see HE_PAGE_TOKENS) and
+// tables[t] the page table of token t's stream. Every launcher checks its arguments
+// (cudaErrorInvalidValue) and returns the launch error.
 
 // out[t] = x[t] * rsqrt(mean(x[t]^2) + eps) * w, for n rows of cols values (out may be x).
 cudaError_t hostembed_rmsnorm(const float *x, const float *w, float eps, float *out, unsigned int n, unsigned int cols,
@@ -53,22 +60,27 @@ cudaError_t hostembed_matvec_swiglu(const void *w_gate, const void *w_up, int dt
 
 // In each row t of qkv (stride qkv_stride floats: heads q heads, then kv_heads k heads, then kv_heads v
 // heads, head_dim each): RMSNorm of every q/k head when q_norm/k_norm are not NULL, then the rotation at
-// position pos[t] with inv_freq[head_dim/2] (interleaved pairs or halves), in place. When k_cache is not
-// NULL, the rotated k and the v heads are also stored as bf16 at position pos[t] of the caches
-// ([kv_heads][window][head_dim]). head_dim even and at most 256.
+// position pos[t] with inv_freq[head_dim/2] (interleaved pairs or halves), in place. When kv_pool is not
+// NULL, the rotated k and the v heads are also stored as bf16 at position pos[t] of token t's stream
+// (page tables[t][pos[t] / HE_PAGE_TOKENS]; an id past pool_pages is not written). head_dim even, <= 256.
 cudaError_t hostembed_rope_kv(float *qkv, unsigned int qkv_stride, unsigned int n, const int *pos,
                               unsigned int heads, unsigned int kv_heads, unsigned int head_dim,
                               const float *inv_freq, int interleaved, const float *q_norm, const float *k_norm,
-                              float eps, void *k_cache, void *v_cache, unsigned int window, cudaStream_t stream);
+                              float eps, void *kv_pool, const unsigned int *const *tables, unsigned int pool_pages,
+                              cudaStream_t stream);
 
-// Attention of query token t (q + t*q_stride, heads x head_dim) over cache positions [0, pos[t]] with
-// GQA (query head h reads kv head h / (heads / kv_heads)), softmax(q.k * scale) v into
-// out[t][heads*head_dim]. The context is split in `splits` parts computed by separate blocks and
-// combined after; partial holds n*heads*splits*(head_dim+2) floats. head_dim a multiple of 8, <= 256.
-cudaError_t hostembed_attention(const float *q, unsigned int q_stride, const void *k_cache, const void *v_cache,
-                                unsigned int window, const int *pos, unsigned int n, unsigned int heads,
-                                unsigned int kv_heads, unsigned int head_dim, float scale, unsigned int splits,
-                                float *partial, float *out, cudaStream_t stream);
+// Writes HE_PAGE_TOKENS, for the host to check its own copy against.
+cudaError_t hostembed_kv_page_tokens(unsigned int *page_tokens);
+
+// Attention of query token t (q + t*q_stride, heads x head_dim) over positions [0, pos[t]] of its stream
+// (pages tables[t]) with GQA (query head h reads kv head h / (heads / kv_heads)), softmax(q.k * scale) v
+// into out[t][heads*head_dim]. The context is cut in at most `splits` parts of whole 32-position units,
+// 128 positions at least (the cut depends only on pos[t] and splits), computed by separate blocks and
+// combined in order; partial holds n*heads*splits*(head_dim+2) floats. head_dim a multiple of 8, <= 256.
+cudaError_t hostembed_attention(const float *q, unsigned int q_stride, const void *kv_pool,
+                                const unsigned int *const *tables, unsigned int pool_pages, const int *pos,
+                                unsigned int n, unsigned int heads, unsigned int kv_heads, unsigned int head_dim,
+                                float scale, unsigned int splits, float *partial, float *out, cudaStream_t stream);
 
 // out[i] = silu(gate[i]) * up[i].
 cudaError_t hostembed_swiglu(const float *gate, const float *up, float *out, size_t len, cudaStream_t stream);
@@ -122,12 +134,13 @@ cudaError_t hostembed_convert(const float *x, void *out, int out_dtype, size_t l
 // cudaSuccess where hostembed_flash_attention has a kernel for head_dim, else cudaErrorInvalidValue.
 cudaError_t hostembed_flash_head_dim(unsigned int head_dim);
 
-// Causal attention of a prompt chunk (flash attention on tensor cores): query t (q + t*q_stride, heads x
-// head_dim f32, already rotated) attends to cache positions [0, pos[t]] (its own chunk's K and V already
-// written there) with GQA, softmax(q.k * scale) v written to out[t*out_stride + h*head_dim] in out_dtype
-// (a half format). Q, K, V and the probabilities enter the tensor cores as bf16.
-cudaError_t hostembed_flash_attention(const float *q, unsigned int q_stride, const void *k_cache,
-                                      const void *v_cache, unsigned int window, const int *pos, unsigned int n,
+// Causal attention of a prompt chunk of one stream (flash attention on tensor cores): query t (q +
+// t*q_stride, heads x head_dim f32, already rotated) attends to positions [0, pos[t]] of the stream whose
+// page table is `table` (its own chunk's K and V already written there) with GQA, softmax(q.k * scale) v
+// written to out[t*out_stride + h*head_dim] in out_dtype (a half format). Q, K, V and the probabilities
+// enter the tensor cores as bf16.
+cudaError_t hostembed_flash_attention(const float *q, unsigned int q_stride, const void *kv_pool,
+                                      const unsigned int *table, unsigned int pool_pages, const int *pos, unsigned int n,
                                       unsigned int heads, unsigned int kv_heads, unsigned int head_dim, float scale,
                                       void *out, int out_dtype, unsigned int out_stride, cudaStream_t stream);
 
@@ -191,6 +204,15 @@ __device__ __forceinline__ uint4 load_stream16(const void *p) {
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                  : "l"(p));
     return v;
+}
+
+// Values in one page of one layer's pool, and where its V half begins.
+__host__ __device__ __forceinline__ size_t page_values(unsigned int kv_heads, unsigned int head_dim) {
+    return (size_t)2 * kv_heads * HE_PAGE_TOKENS * head_dim;
+}
+__device__ __forceinline__ unsigned short *page_v(unsigned short *page, unsigned int kv_heads,
+                                                  unsigned int head_dim) {
+    return page + (size_t)kv_heads * HE_PAGE_TOKENS * head_dim;
 }
 
 __device__ __forceinline__ float silu(float g) { return g / (1.f + expf(-g)); }

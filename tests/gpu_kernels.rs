@@ -7,9 +7,10 @@ mod common;
 use std::os::raw::{c_int, c_uint, c_void};
 use std::ptr;
 
-use common::{Rng, gpu_present};
+use common::{PagedKv, Rng, gpu_present};
 use hostembed::cpu;
 use hostembed::cuda::{self, DeviceBuffer};
+use hostembed::gpu::PAGE_TOKENS;
 use hostembed::kernels as kn;
 use hostembed::model::{Arch, ModelConfig, RopeScaling, TensorRef};
 use hostembed::sampler::{self, Sampling};
@@ -390,9 +391,14 @@ fn rope_and_kv_append_match_cpu() {
         let inv_freq = cpu::rope_inv_freq(&cfg);
         let (q_dim, kv_dim) = (heads * hd, kv_heads * hd);
         let stride = q_dim + 2 * kv_dim + 3;
+        // Tokens 0 and 1 of one stream, token 2 of another, each stream's pages scattered over the pool.
         let n = 3;
-        let window = 40000;
-        let pos: Vec<i32> = (0..n).map(|_| rng.below(window as u64) as i32).collect();
+        let window = 4000usize;
+        let token_stream = [0, 0, 1];
+        let mut pos: Vec<i32> = (0..n).map(|_| rng.below(window as u64) as i32).collect();
+        if pos[1] == pos[0] {
+            pos[1] = (pos[0] + 1) % window as i32;
+        }
         let qkv = rng.vec(n * stride, 2.0);
         let (qn, kn_w) = (rng.vec(hd, 1.0), rng.vec(hd, 1.0));
         let eps = 1e-6;
@@ -420,8 +426,10 @@ fn rope_and_kv_append_match_cpu() {
         let inv_d = DeviceBuffer::from_slice(&inv_freq).unwrap();
         let qn_d = DeviceBuffer::from_slice(&qn).unwrap();
         let kn_d = DeviceBuffer::from_slice(&kn_w).unwrap();
-        let cache_bytes = kv_heads * window * hd * 2;
-        let (kc, vc) = (poisoned(cache_bytes), poisoned(cache_bytes));
+        let mut kv = PagedKv::new(2 * window.div_ceil(PAGE_TOKENS) + 3, kv_heads, hd);
+        let tables = kv.tables(&mut rng, &[window, window]);
+        let dt = DeviceTables::new(&tables, &token_stream);
+        let pool = poisoned(kv.bits.len() * 2);
         ok(
             unsafe {
                 kn::hostembed_rope_kv(
@@ -437,9 +445,9 @@ fn rope_and_kv_append_match_cpu() {
                     if qk_norm { qn_d.ptr() as *const f32 } else { ptr::null() },
                     if qk_norm { kn_d.ptr() as *const f32 } else { ptr::null() },
                     eps,
-                    kc.ptr(),
-                    vc.ptr(),
-                    window as c_uint,
+                    pool.ptr(),
+                    dt.ptr(),
+                    kv.pages as c_uint,
                     NULL_STREAM,
                 )
             },
@@ -464,79 +472,78 @@ fn rope_and_kv_append_match_cpu() {
             "{what}: v or padding changed"
         );
 
-        // The caches hold bf16 k (rotated) and v at each token's position, and nothing anywhere else.
-        let mut kh = vec![0u16; kv_heads * window * hd];
-        let mut vh = vec![0u16; kv_heads * window * hd];
-        kc.download(&mut kh).unwrap();
-        vc.download(&mut vh).unwrap();
+        // The pool holds bf16 k (rotated) and v at each token's position of its stream, nothing elsewhere.
+        pool.download(&mut kv.bits).unwrap();
         let (mut got_k, mut want_k) = (Vec::new(), Vec::new());
+        let mut written = std::collections::HashSet::new();
         for t in 0..n {
+            let table = &tables[token_stream[t]];
             for h in 0..kv_heads {
                 for d in 0..hd {
-                    let at = (h * window + pos[t] as usize) * hd + d;
-                    got_k.push(half::bf16::from_bits(kh[at]).to_f32());
+                    let (ka, va) =
+                        (kv.at(table, false, h, pos[t] as usize, d), kv.at(table, true, h, pos[t] as usize, d));
+                    written.extend([ka, va]);
+                    got_k.push(half::bf16::from_bits(kv.bits[ka]).to_f32());
                     want_k.push(want[t * stride + q_dim + h * hd + d]);
                     let v = qkv[t * stride + q_dim + kv_dim + h * hd + d];
                     assert_eq!(
-                        vh[at],
+                        kv.bits[va],
                         half::bf16::from_f32(v).to_bits(),
-                        "{what}: v cache at token {t} head {h} dim {d}"
+                        "{what}: v of token {t} (stream {}) head {h} dim {d}",
+                        token_stream[t]
                     );
                 }
             }
         }
         assert_close(&format!("{what}: k cache"), &got_k, &want_k, 4e-3);
-        let written: std::collections::HashSet<usize> = pos.iter().map(|&p| p as usize).collect();
-        for (name, cache) in [("k", &kh), ("v", &vh)] {
-            for h in 0..kv_heads {
-                for p in (0..window).step_by(97).filter(|p| !written.contains(p)) {
-                    let at = (h * window + p) * hd;
-                    assert!(
-                        cache[at..at + hd].iter().all(|&b| b == 0xFFFF),
-                        "{what}: {name} cache written at position {p}"
-                    );
-                }
-            }
+        if let Some(i) = (0..kv.bits.len()).find(|i| kv.bits[*i] != 0xFFFF && !written.contains(i)) {
+            panic!("{what}: the pool was written at value {i}, which no token's position maps to");
         }
     }
 }
 
-/// One attention case: `n` query tokens at the last n positions of an `n_ctx` context.
-fn run_attention(rng: &mut Rng, heads: usize, kv_heads: usize, hd: usize, n_ctx: usize, n: usize, splits: usize) {
-    let kv_dim = kv_heads * hd;
-    let window = n_ctx + 7;
-    let q_stride = heads * hd + 16;
-    // K and V as the cache stores them (bf16), so both sides read the same values.
-    let k: Vec<f32> = rng.vec(n_ctx * kv_dim, 1.0).into_iter().map(bf16_round).collect();
-    let v: Vec<f32> = rng.vec(n_ctx * kv_dim, 1.0).into_iter().map(bf16_round).collect();
-    let q = rng.vec(n * q_stride, 1.0);
-    let pos: Vec<i32> = (0..n).map(|t| (n_ctx - n + t) as i32).collect();
+/// Device copies of page tables and, per query token, the address of its stream's table.
+struct DeviceTables {
+    _tables: DeviceBuffer,
+    per_token: DeviceBuffer,
+}
 
-    let mut want = vec![0f32; n * heads * hd];
-    for t in 0..n {
-        cpu::attention(
-            &q[t * q_stride..t * q_stride + heads * hd],
-            &k,
-            &v,
-            pos[t] as usize + 1,
-            heads,
-            kv_heads,
-            hd,
-            &mut want[t * heads * hd..(t + 1) * heads * hd],
-        );
+impl DeviceTables {
+    /// `token_stream[t]`: which of `tables` token t reads.
+    fn new(tables: &[Vec<u32>], token_stream: &[usize]) -> DeviceTables {
+        let flat: Vec<u32> = tables.iter().flatten().copied().collect();
+        let all = DeviceBuffer::from_slice(&flat).unwrap();
+        let starts: Vec<usize> = tables.iter().scan(0, |at, t| Some(std::mem::replace(at, *at + t.len()))).collect();
+        let addrs: Vec<u64> = token_stream.iter().map(|&s| all.ptr() as u64 + 4 * starts[s] as u64).collect();
+        DeviceTables { per_token: DeviceBuffer::from_slice(&addrs).unwrap(), _tables: all }
     }
-    let layout = |x: &[f32]| -> Vec<u16> {
-        let mut c = vec![0xFFFFu16; kv_heads * window * hd];
-        for p in 0..n_ctx {
-            for h in 0..kv_heads {
-                for d in 0..hd {
-                    c[(h * window + p) * hd + d] = half::bf16::from_f32(x[p * kv_dim + h * hd + d]).to_bits();
-                }
-            }
-        }
-        c
-    };
-    let (kc, vc) = (DeviceBuffer::from_slice(&layout(&k)).unwrap(), DeviceBuffer::from_slice(&layout(&v)).unwrap());
+
+    fn ptr(&self) -> *const *const c_uint {
+        self.per_token.ptr() as *const *const c_uint
+    }
+}
+
+/// Launches the attention of the tokens `tokens` (indices into q and pos) and returns their outputs.
+#[allow(clippy::too_many_arguments)]
+fn launch_attention(
+    q: &[f32],
+    q_stride: usize,
+    pos: &[i32],
+    tokens: &[usize],
+    pool: &DeviceBuffer,
+    pool_pages: usize,
+    tables: &[Vec<u32>],
+    token_stream: &[usize],
+    heads: usize,
+    kv_heads: usize,
+    hd: usize,
+    splits: usize,
+) -> Vec<f32> {
+    let n = tokens.len();
+    let q: Vec<f32> = tokens.iter().flat_map(|&t| q[t * q_stride..(t + 1) * q_stride].to_vec()).collect();
+    let pos: Vec<i32> = tokens.iter().map(|&t| pos[t]).collect();
+    let streams: Vec<usize> = tokens.iter().map(|&t| token_stream[t]).collect();
+    let dt = DeviceTables::new(tables, &streams);
     let qd = DeviceBuffer::from_slice(&q).unwrap();
     let pd = DeviceBuffer::from_slice(&pos).unwrap();
     let partial = poisoned(n * heads * splits * (hd + 2) * 4);
@@ -546,9 +553,9 @@ fn run_attention(rng: &mut Rng, heads: usize, kv_heads: usize, hd: usize, n_ctx:
             kn::hostembed_attention(
                 qd.ptr() as *const f32,
                 q_stride as c_uint,
-                kc.ptr(),
-                vc.ptr(),
-                window as c_uint,
+                pool.ptr(),
+                dt.ptr(),
+                pool_pages as c_uint,
                 pd.ptr() as *const c_int,
                 n as c_uint,
                 heads as c_uint,
@@ -563,9 +570,77 @@ fn run_attention(rng: &mut Rng, heads: usize, kv_heads: usize, hd: usize, n_ctx:
         },
         "hostembed_attention",
     );
-    let got = download_f32(&out, n * heads * hd);
-    let what = format!("attention {heads}/{kv_heads} heads of {hd}, context {n_ctx}, {n} tokens, {splits} splits");
+    download_f32(&out, n * heads * hd)
+}
+
+/// One attention case: streams of (context, queries) whose query tokens sit at the last positions of
+/// their context, all in one launch over one paged pool (each stream's pages scattered); checked
+/// against the CPU, and each stream's outputs against its tokens launched alone (bit for bit).
+fn run_attention(rng: &mut Rng, heads: usize, kv_heads: usize, hd: usize, streams: &[(usize, usize)], splits: usize) {
+    let kv_dim = kv_heads * hd;
+    let q_stride = heads * hd + 16;
+    let windows: Vec<usize> = streams.iter().map(|&(ctx, _)| ctx + 7).collect();
+    let pages: usize = windows.iter().map(|w| w.div_ceil(PAGE_TOKENS)).sum::<usize>() + 5;
+    let mut kv = PagedKv::new(pages, kv_heads, hd);
+    let tables = kv.tables(rng, &windows);
+    let (mut q, mut pos, mut token_stream, mut want) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for (si, &(n_ctx, n)) in streams.iter().enumerate() {
+        // K and V as the cache stores them (bf16), so both sides read the same values.
+        let k: Vec<f32> = rng.vec(n_ctx * kv_dim, 1.0).into_iter().map(bf16_round).collect();
+        let v: Vec<f32> = rng.vec(n_ctx * kv_dim, 1.0).into_iter().map(bf16_round).collect();
+        for p in 0..n_ctx {
+            for h in 0..kv_heads {
+                for d in 0..hd {
+                    let i = p * kv_dim + h * hd + d;
+                    let (ka, va) = (kv.at(&tables[si], false, h, p, d), kv.at(&tables[si], true, h, p, d));
+                    kv.bits[ka] = half::bf16::from_f32(k[i]).to_bits();
+                    kv.bits[va] = half::bf16::from_f32(v[i]).to_bits();
+                }
+            }
+        }
+        let qs = rng.vec(n * q_stride, 1.0);
+        for t in 0..n {
+            let p = n_ctx - n + t;
+            let mut o = vec![0f32; heads * hd];
+            cpu::attention(&qs[t * q_stride..t * q_stride + heads * hd], &k, &v, p + 1, heads, kv_heads, hd, &mut o);
+            want.extend(o);
+            pos.push(p as i32);
+            token_stream.push(si);
+        }
+        q.extend(qs);
+    }
+    let pool = DeviceBuffer::from_slice(&kv.bits).unwrap();
+    let all: Vec<usize> = (0..pos.len()).collect();
+    let got =
+        launch_attention(&q, q_stride, &pos, &all, &pool, pages, &tables, &token_stream, heads, kv_heads, hd, splits);
+    let what =
+        format!("attention {heads}/{kv_heads} heads of {hd}, streams (context, tokens) {streams:?}, {splits} splits");
     assert_close(&what, &got, &want, 1e-4);
+    // Batch invariance: each stream's tokens launched without the others give the same bits.
+    let width = heads * hd;
+    for si in 0..streams.len() {
+        let mine: Vec<usize> = all.iter().copied().filter(|&t| token_stream[t] == si).collect();
+        let alone = launch_attention(
+            &q,
+            q_stride,
+            &pos,
+            &mine,
+            &pool,
+            pages,
+            &tables,
+            &token_stream,
+            heads,
+            kv_heads,
+            hd,
+            splits,
+        );
+        for (k, &t) in mine.iter().enumerate() {
+            let (a, b) = (&alone[k * width..(k + 1) * width], &got[t * width..(t + 1) * width]);
+            if let Some(i) = (0..width).find(|&i| a[i].to_bits() != b[i].to_bits()) {
+                panic!("{what}: stream {si} token {t} value {i}: {} alone, {} in the batch", a[i], b[i]);
+            }
+        }
+    }
 }
 
 #[test]
@@ -574,13 +649,14 @@ fn attention_matches_cpu() {
         return;
     }
     let mut rng = Rng::fresh("attention_matches_cpu");
-    run_attention(&mut rng, 32, 8, 128, 300, 1, 7); // Llama-3 8B heads, a context not a multiple of the split
-    run_attention(&mut rng, 14, 2, 64, 1000, 3, 16); // groups of 7 (a block of 8 heads, one masked)
-    run_attention(&mut rng, 16, 16, 256, 513, 2, 5); // no grouping, the largest head
-    run_attention(&mut rng, 8, 2, 96, 129, 4, 3); // a head_dim between the kernel's sizes
-    run_attention(&mut rng, 40, 8, 128, 77, 5, 1); // groups of 5, one split
-    run_attention(&mut rng, 8, 4, 128, 3, 2, 16); // more splits than positions: empty parts
-    run_attention(&mut rng, 16, 2, 256, 200, 1, 9); // groups of 8 with head_dim 256: two blocks a group
+    run_attention(&mut rng, 32, 8, 128, &[(300, 1)], 7); // Llama-3 8B heads, a context not a multiple of a part
+    run_attention(&mut rng, 32, 8, 128, &[(300, 1), (17, 1), (1, 1), (513, 1), (64, 1)], 32); // decode batch
+    run_attention(&mut rng, 14, 2, 64, &[(1000, 3), (40, 2)], 16); // groups of 7 (a block of 8 heads, one masked)
+    run_attention(&mut rng, 16, 16, 256, &[(513, 2)], 5); // no grouping, the largest head
+    run_attention(&mut rng, 8, 2, 96, &[(129, 4), (33, 1)], 3); // a head_dim between the kernel's sizes
+    run_attention(&mut rng, 40, 8, 128, &[(77, 5)], 1); // groups of 5, one part
+    run_attention(&mut rng, 8, 4, 128, &[(3, 2), (2, 1)], 16); // more parts than positions: empty parts
+    run_attention(&mut rng, 16, 2, 256, &[(200, 1)], 9); // groups of 8 with head_dim 256: two blocks a group
 }
 
 #[test]
@@ -589,8 +665,9 @@ fn attention_stays_right_at_long_context() {
         return;
     }
     let mut rng = Rng::fresh("attention_stays_right_at_long_context");
-    run_attention(&mut rng, 8, 2, 128, 32768, 1, 33);
-    run_attention(&mut rng, 8, 2, 64, 20000 + 13, 2, 64);
+    run_attention(&mut rng, 8, 2, 128, &[(32768, 1)], 33);
+    run_attention(&mut rng, 8, 2, 64, &[(20000 + 13, 2), (16384, 1)], 64);
+    run_attention(&mut rng, 32, 8, 128, &[(16384, 1), (16000, 1), (5, 1)], 32); // the decode shape at 16k
 }
 
 #[test]

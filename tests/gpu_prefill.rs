@@ -9,12 +9,12 @@ mod common;
 use std::os::raw::{c_int, c_uint, c_void};
 use std::ptr;
 
-use common::{Rng, gpu_present, rel_l2};
+use common::{PagedKv, Rng, gpu_present, rel_l2};
 use hostembed::Status;
 use hostembed::checkpoint::write::MemSource;
 use hostembed::cpu::{self, CpuModel};
 use hostembed::cuda::{self, DeviceBuffer};
-use hostembed::gpu::{GpuModel, RowsOnDevice};
+use hostembed::gpu::{GpuModel, PAGE_TOKENS, RowsOnDevice};
 use hostembed::kernels as kn;
 use hostembed::model::{Arch, ModelConfig, RopeScaling, TensorSource, names};
 use hostembed::sampler::Sampling;
@@ -300,18 +300,20 @@ fn run_flash(rng: &mut Rng, d: usize, heads: usize, kv_heads: usize, p0: usize, 
     let kv_dim = kv_heads * d;
     let q_stride = heads * d + 2 * kv_dim;
     let ctx = p0 + n;
-    // The cache: K and V rounded to bf16 for the first ctx positions, 0xFFFF (NaN) beyond.
-    let mut k_bits = vec![0xFFFFu16; kv_heads * window * d];
-    let mut v_bits = k_bits.clone();
+    // The stream's pages, scattered over a pool with pages to spare: K and V rounded to bf16 for the
+    // first ctx positions, 0xFFFF (NaN) everywhere else.
+    let mut kv = PagedKv::new(window.div_ceil(PAGE_TOKENS) + 7, kv_heads, d);
+    let table = kv.tables(rng, &[window]).remove(0);
     let mut k = vec![0f32; ctx * kv_dim]; // [pos][kv_head * d], as cpu::attention reads it
     let mut v = k.clone();
-    for (bits, flat) in [(&mut k_bits, &mut k), (&mut v_bits, &mut v)] {
+    for (is_v, flat) in [(false, &mut k), (true, &mut v)] {
         let (b, f) = to_half(DType::Bf16, &rng.vec(kv_heads * ctx * d, 1.0));
         for h in 0..kv_heads {
             for p in 0..ctx {
                 for c in 0..d {
                     let i = (h * ctx + p) * d + c;
-                    bits[(h * window + p) * d + c] = b[i];
+                    let at = kv.at(&table, is_v, h, p, c);
+                    kv.bits[at] = b[i];
                     flat[p * kv_dim + h * d + c] = f[i];
                 }
             }
@@ -324,10 +326,10 @@ fn run_flash(rng: &mut Rng, d: usize, heads: usize, kv_heads: usize, p0: usize, 
         let qt = &q[t * q_stride..t * q_stride + heads * d];
         cpu::attention(qt, &k, &v, p0 + t + 1, heads, kv_heads, d, &mut want[t * heads * d..(t + 1) * heads * d]);
     }
-    let (qb, kb, vb, pb) = (
+    let (qb, kvb, tb, pb) = (
         DeviceBuffer::from_slice(&q).unwrap(),
-        DeviceBuffer::from_slice(&k_bits).unwrap(),
-        DeviceBuffer::from_slice(&v_bits).unwrap(),
+        DeviceBuffer::from_slice(&kv.bits).unwrap(),
+        DeviceBuffer::from_slice(&table).unwrap(),
         DeviceBuffer::from_slice(&pos).unwrap(),
     );
     let ob = poisoned(n * heads * d * 2);
@@ -337,9 +339,9 @@ fn run_flash(rng: &mut Rng, d: usize, heads: usize, kv_heads: usize, p0: usize, 
             kn::hostembed_flash_attention(
                 qb.ptr() as *const f32,
                 q_stride as c_uint,
-                kb.ptr(),
-                vb.ptr(),
-                window as c_uint,
+                kvb.ptr(),
+                tb.ptr() as *const c_uint,
+                kv.pages as c_uint,
                 pb.ptr() as *const c_int,
                 n as c_uint,
                 heads as c_uint,
@@ -440,11 +442,12 @@ fn prompt_logits_match_cpu_on_every_architecture() {
     for (name, cfg) in configs() {
         let src = model(cfg.clone(), DType::Bf16, rng.next_u64());
         let (_rows_buf, rows) = rows_on_card(&src);
-        let mut gpu = GpuModel::load(&src, rows, 512).unwrap();
+        let mut gpu = GpuModel::load(&src, rows, 512, 3 * (n + 64) / PAGE_TOKENS).unwrap();
+        let mut pool = gpu.page_pool().unwrap();
         println!("{name}: {}", gpu.prompt_route());
         let tokens = random_tokens(&mut rng, cfg.vocab, n);
         let mut gs = gpu.new_stream(n + 64).unwrap();
-        let got = gpu.all_logits(&mut gs, &tokens).unwrap();
+        let got = gpu.all_logits(&mut pool, &mut gs, &tokens).unwrap();
         let cpu = CpuModel::new(&src).unwrap();
         let mut cs = cpu.new_stream(n + 64);
         let want = cpu.forward_all(&mut cs, &tokens).unwrap();
@@ -459,17 +462,17 @@ fn prompt_logits_match_cpu_on_every_architecture() {
         // The same prompt in one step, then 64 greedy tokens, against the prompt stepped token by token.
         let mut one = gpu.new_stream(n + 64).unwrap();
         let mut by_token = gpu.new_stream(n + 64).unwrap();
-        let mut a = gpu.step(&mut one, &tokens, &Sampling::GREEDY, 0).unwrap();
+        let mut a = gpu.step(&mut pool, &mut one, &tokens, &Sampling::GREEDY, 0).unwrap();
         let mut b = 0;
         for &t in &tokens {
-            b = gpu.step(&mut by_token, &[t], &Sampling::GREEDY, 0).unwrap();
+            b = gpu.step(&mut pool, &mut by_token, &[t], &Sampling::GREEDY, 0).unwrap();
         }
         let mut differ = 0;
         for i in 0..64 {
             differ += (a != b) as usize;
             assert_eq!(a, b, "{name}: greedy token {i} after the prompt: {a} in one step, {b} token by token");
-            a = gpu.step(&mut one, &[a], &Sampling::GREEDY, 0).unwrap();
-            b = gpu.step(&mut by_token, &[b], &Sampling::GREEDY, 0).unwrap();
+            a = gpu.step(&mut pool, &mut one, &[a], &Sampling::GREEDY, 0).unwrap();
+            b = gpu.step(&mut pool, &mut by_token, &[b], &Sampling::GREEDY, 0).unwrap();
         }
         println!("{name}: 64 greedy tokens after the prompt, {differ} differ between one step and token by token");
     }
@@ -485,10 +488,11 @@ fn a_32k_prompt_matches_cpu_at_the_last_position() {
     let n = 32768;
     let src = model(cfg.clone(), DType::Bf16, rng.next_u64());
     let (_rows_buf, rows) = rows_on_card(&src);
-    let mut gpu = GpuModel::load(&src, rows, 2048).unwrap();
+    let mut gpu = GpuModel::load(&src, rows, 2048, n / PAGE_TOKENS).unwrap();
+    let mut pool = gpu.page_pool().unwrap();
     let tokens = random_tokens(&mut rng, cfg.vocab, n);
     let mut gs = gpu.new_stream(n).unwrap();
-    gpu.step(&mut gs, &tokens, &Sampling::GREEDY, 0).unwrap();
+    gpu.step(&mut pool, &mut gs, &tokens, &Sampling::GREEDY, 0).unwrap();
     let got = gpu.last_logits().unwrap();
     let cpu = CpuModel::new(&src).unwrap();
     let mut cs = cpu.new_stream(n);
@@ -512,7 +516,8 @@ fn chunk_boundaries_and_refusals() {
     let src = model(cfg.clone(), DType::Bf16, rng.next_u64());
     let (_rows_buf, rows) = rows_on_card(&src);
     let chunk = 64;
-    let mut gpu = GpuModel::load(&src, rows, chunk).unwrap();
+    let mut gpu = GpuModel::load(&src, rows, chunk, 512).unwrap();
+    let mut pool = gpu.page_pool().unwrap();
     let cpu = CpuModel::new(&src).unwrap();
     for len in [1, chunk - 1, chunk, chunk + 1, 3 * chunk + 17] {
         let tokens = random_tokens(&mut rng, cfg.vocab, len);
@@ -520,9 +525,9 @@ fn chunk_boundaries_and_refusals() {
         let lead = random_tokens(&mut rng, cfg.vocab, 10);
         let mut gs = gpu.new_stream(512).unwrap();
         let mut cs = cpu.new_stream(512);
-        gpu.step(&mut gs, &lead, &Sampling::GREEDY, 0).unwrap();
+        gpu.step(&mut pool, &mut gs, &lead, &Sampling::GREEDY, 0).unwrap();
         cpu.forward(&mut cs, &lead).unwrap();
-        gpu.step(&mut gs, &tokens, &Sampling::GREEDY, 0).unwrap();
+        gpu.step(&mut pool, &mut gs, &tokens, &Sampling::GREEDY, 0).unwrap();
         let want = cpu.forward(&mut cs, &tokens).unwrap();
         let err = rel_l2(&gpu.last_logits().unwrap(), &want);
         println!("prompt of {len} after 10, chunks of {chunk}: relative L2 {err:.2e}");
@@ -530,10 +535,11 @@ fn chunk_boundaries_and_refusals() {
     }
     // Past the window: NO_ROOM at any chunk count, nothing appended, the last logits kept.
     let mut gs = gpu.new_stream(200).unwrap();
-    gpu.step(&mut gs, &random_tokens(&mut rng, cfg.vocab, 50), &Sampling::GREEDY, 0).unwrap();
+    gpu.step(&mut pool, &mut gs, &random_tokens(&mut rng, cfg.vocab, 50), &Sampling::GREEDY, 0).unwrap();
     let before = gpu.last_logits().unwrap();
     for extra in [151, 200, 3 * chunk + 151] {
-        let e = gpu.step(&mut gs, &random_tokens(&mut rng, cfg.vocab, extra), &Sampling::GREEDY, 0).unwrap_err();
+        let e =
+            gpu.step(&mut pool, &mut gs, &random_tokens(&mut rng, cfg.vocab, extra), &Sampling::GREEDY, 0).unwrap_err();
         assert_eq!(e.status, Status::NoRoom, "{extra} tokens past a 200 window: {e}");
         assert_eq!(gs.len(), 50, "a refused prompt appended tokens");
         assert_eq!(gpu.last_logits().unwrap(), before, "a refused prompt changed the logits");

@@ -1,51 +1,423 @@
-//! The forward pass: a prompt chunk through every layer, queued on the model's stream. Chunks of
-//! `TENSOR_CORE_MIN_TOKENS` or more take the prompt path (half-format activations into tensor-core
-//! products, flash attention); shorter ones, and every decode step, the matrix-vector path.
+//! The forward pass of a batch. A step's items (prompt chunks and single tokens of different streams)
+//! are packed into passes of at most `max_batch` tokens; a pass runs every layer once over all of its
+//! tokens, queued on the model's stream. Its tokens are rows: first those on the matrix-vector kernels
+//! (single tokens, and chunks shorter than `TENSOR_CORE_MIN_TOKENS`), then those on tensor cores (longer
+//! chunks, and single tokens when the batch tensor-core option is on and the pass has enough of them);
+//! each product runs once over each group, so single tokens of every stream share each weight read.
+//! Every row carries its own id, position and page table (uploaded together before the pass), so the
+//! rotation with the KV append and the decode attention serve all streams in one launch; a long prompt
+//! chunk's flash attention runs per chunk, over its own stream's pages.
+//!
+//! A token's row takes the same kernels, with the same reduction order, in any pass: the matrix-vector
+//! kernels accumulate each token on its own, the norms are per row, the attention cuts a context by its
+//! length and the fixed `ATTENTION_PARTS` alone, and a long chunk's products and flash attention run
+//! per chunk, its rows starting on a 16-row boundary (so a library product sees the same shape and
+//! alignment as when the chunk runs alone; pad rows between carry position -1 and are never read). So
+//! a stream's logits are the same bits alone and in any batch, unless the batch tensor-core option
+//! moves single tokens to one product over all of them.
 
-use std::os::raw::{c_int, c_void};
+use std::os::raw::{c_int, c_uint, c_void};
 use std::ptr;
 
-use super::launch::{self, AttentionShape, HalfMatrix};
-use super::scratch::attention_splits;
+use super::launch::{self, AttentionShape, HalfMatrix, KvPages};
+use super::pages::{GpuCache, PAGE_TOKENS};
+use super::scratch::{ATTENTION_PARTS, ATTENTION_TOKENS};
 use super::weights::{DeviceWeight, Qkv};
 use super::{GpuModel, GpuStream};
-use crate::status::Result;
+use crate::backend::{PagePool, StepItem};
+use crate::sampler::{self, Sampling};
+use crate::status::{Error, Result, Status};
+use crate::{bail, err};
 
 /// Chunks of at least this many tokens take the tensor-core path: below it the matrix-vector kernel,
 /// which reads each weight once per 8 tokens, is as fast.
 pub const TENSOR_CORE_MIN_TOKENS: usize = 16;
 
-/// Which logits a forward pass leaves.
-#[derive(Clone, Copy, PartialEq, Eq)]
-pub(super) enum Head {
-    /// None: a prompt chunk before the last.
+/// Where an item of the last step left its logits.
+pub(super) enum LogitsAt {
+    /// Nowhere: the item was refused or the step failed.
+    None,
+    /// A row of the scratch's logits.
+    Row(usize),
+    /// Copied to the host (a step with more items than the scratch has logits rows).
+    Host(Vec<f32>),
+}
+
+/// Which kernels a piece's products take.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Path {
+    /// The matrix-vector kernels on f32 activations.
+    Matvec,
+    /// Tensor cores, in one product with every other single token of the pass (the batch option).
+    TensorSingle,
+    /// Tensor cores, the piece on its own (a chunk of `TENSOR_CORE_MIN_TOKENS` or more).
+    Tensor,
+}
+
+/// Part of one item's tokens, run in one pass.
+#[derive(Clone, Copy)]
+pub(super) struct Piece {
+    /// The item's index in the step.
+    item: usize,
+    /// The piece's first token in the item's tokens, and its token count.
+    from: usize,
+    len: usize,
+    /// The position of its first token.
+    pos: usize,
+    /// The stream's page table (a device address).
+    table: *const c_uint,
+    /// Whether the item ends with this piece (its logits follow the piece's last token).
+    last: bool,
+    /// Its first row in the pass, and its path (set by `lay_out`).
+    row: usize,
+    path: Path,
+}
+
+/// Rows between the starts of two tensor-core pieces: 16 rows of any width that is a multiple of 8 are
+/// a multiple of 256 bytes in half and in f32, the alignment a library product wants.
+const TENSOR_ROW_ALIGN: usize = 16;
+
+/// How a pass lays out its rows (its pieces in order, each piece's tokens consecutive).
+#[derive(Clone, Copy)]
+pub(super) struct PassShape {
+    pub(super) n: usize,
+    /// Rows [0, m) run the matrix-vector kernels on f32 activations, rows [m, n) the tensor-core products.
+    pub(super) m: usize,
+    /// Rows [0, split_end) take the split attention kernel, the pieces from split_end on flash attention.
+    pub(super) split_end: usize,
+}
+
+/// Which logits a pass leaves.
+pub(super) enum Head<'a> {
+    /// None: every piece continues in a later pass.
     Skip,
-    /// The last token's, in the logits buffer.
-    Last,
-    /// Final-normed hidden states of every token in xn; the caller runs the head per token.
+    /// The logits after each of these rows, in order, into the logits rows from `base` on.
+    Rows { rows: &'a [usize], base: usize },
+    /// Final-normed hidden states of every row in xn; the caller runs the head per row.
     All,
 }
 
+/// The status an item holds until its step sets it.
+fn not_run() -> Error {
+    Error::new(Status::Panic, "the batch item was not stepped")
+}
+
 impl GpuModel {
-    /// Runs one chunk of at most max_batch tokens at the stream's next positions.
-    pub(super) fn run_chunk(&mut self, stream: &mut GpuStream, chunk: &[u32], head: Head) -> Result<()> {
-        let n = chunk.len();
-        let ids: Vec<i32> = chunk.iter().map(|&t| t as i32).collect();
-        let pos: Vec<i32> = (stream.len..stream.len + n).map(|p| p as i32).collect();
-        self.upload(self.s.ids, &ids)?;
-        self.upload(self.s.pos, &pos)?;
-        let replayed = n == 1 && head == Head::Last && self.replay_step(stream)?;
-        if !replayed {
-            self.enqueue_forward(stream, n, head)?;
+    /// Steps `items` (streams of this model, each named once, each holding the pages its new positions
+    /// need) and sets each item's `next`. An item refused (foreign stream, bad ids, past its window or
+    /// its pages) gets its error and appends nothing; the others run. Err only when the device failed,
+    /// and then no item appends anything.
+    pub fn step_batch(&mut self, items: &mut [StepItem<'_, GpuCache>]) -> Result<()> {
+        self.logits_at.clear();
+        self.logits_at.resize_with(items.len(), || LogitsAt::None);
+        let mut run = Vec::with_capacity(items.len());
+        for (i, item) in items.iter_mut().enumerate() {
+            match self.admit(item) {
+                Ok(()) => run.push(i),
+                Err(e) => item.next = Err(e),
+            }
         }
-        stream.len += n;
+        if run.is_empty() {
+            return Ok(());
+        }
+        match self.run_items(items, &run) {
+            Ok(tokens) => {
+                for (&i, token) in run.iter().zip(tokens) {
+                    let item = &mut items[i];
+                    item.stream.len += item.tokens.len();
+                    item.next = Ok(token);
+                }
+                Ok(())
+            }
+            Err(e) => {
+                for &i in &run {
+                    items[i].next = Err(e.clone());
+                    self.logits_at[i] = LogitsAt::None;
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// The logits after the last position of item `i` of the last step.
+    pub fn logits(&self, i: usize) -> Result<Vec<f32>> {
+        match self.logits_at.get(i) {
+            Some(LogitsAt::Row(row)) => {
+                let mut out = vec![0f32; self.cfg.vocab];
+                self.download(self.s.logits + row * self.cfg.vocab * 4, &mut out)?;
+                Ok(out)
+            }
+            Some(LogitsAt::Host(v)) => Ok(v.clone()),
+            _ => Err(err!(InvalidArgument, "item {i} of the last step has no logits")),
+        }
+    }
+
+    /// Logits of the last position of the last step's first item (or of `all_logits`).
+    pub fn last_logits(&self) -> Result<Vec<f32>> {
+        if self.logits_at.is_empty() {
+            bail!(InvalidArgument, "no step has produced logits yet");
+        }
+        self.logits(0)
+    }
+
+    /// One stream's step for callers without an engine: takes the pages the tokens need from `pool`
+    /// (NO_ROOM, nothing taken, when it has too few), steps, and gives back what a failed step took.
+    pub fn step(
+        &mut self,
+        pool: &mut PagePool,
+        stream: &mut GpuStream,
+        tokens: &[u32],
+        sampling: &Sampling,
+        stream_index: u32,
+    ) -> Result<u32> {
+        self.check_tokens(stream, tokens)?;
+        reserve_pages(pool, stream, tokens.len())?;
+        let mut items = [StepItem { stream, index: stream_index, tokens, sampling: *sampling, next: Err(not_run()) }];
+        let ran = self.step_batch(&mut items);
+        let [StepItem { stream, next, .. }] = items;
+        if next.is_ok() {
+            stream.tokens.extend_from_slice(tokens);
+        } else {
+            pool.give_back(stream.pages.drain(pool.pages_for(stream.len)..));
+        }
+        ran.and(next)
+    }
+
+    /// Appends `tokens` to one stream (pages from `pool`) and returns the logits after each of them
+    /// (teacher forcing), for parity tests.
+    pub fn all_logits(&mut self, pool: &mut PagePool, stream: &mut GpuStream, tokens: &[u32]) -> Result<Vec<Vec<f32>>> {
+        self.check_tokens(stream, tokens)?;
+        reserve_pages(pool, stream, tokens.len())?;
+        self.sync_table(stream)?;
+        let mut out = Vec::with_capacity(tokens.len());
+        let (hidden, vocab) = (self.cfg.hidden, self.cfg.vocab);
+        let token_lists = [tokens];
+        for (c, chunk) in tokens.chunks(self.max_batch).enumerate() {
+            let from = c * self.max_batch;
+            let piece = Piece {
+                item: 0,
+                from,
+                len: chunk.len(),
+                pos: stream.len + from,
+                table: stream.cache.table_ptr(),
+                last: false,
+                row: 0,
+                path: Path::Matvec,
+            };
+            let mut pass = vec![piece];
+            let shape = self.lay_out(&mut pass);
+            self.upload_pass(&pass, &token_lists)?;
+            self.enqueue_forward(&pass, shape, Head::All)?;
+            for t in 0..chunk.len() {
+                let x = (self.buf(self.s.xn) as *const f32).wrapping_add(t * hidden);
+                let logits = self.buf(self.s.logits) as *mut f32;
+                launch::matvec(&self.head, x, 1, ptr::null(), ptr::null(), logits, vocab, self.stream.raw())?;
+                let mut row = vec![0f32; vocab];
+                self.download(self.s.logits, &mut row)?;
+                out.push(row);
+            }
+        }
+        stream.len += tokens.len();
+        stream.tokens.extend_from_slice(tokens);
+        self.logits_at.clear();
+        self.logits_at.push(LogitsAt::Row(0));
+        Ok(out)
+    }
+
+    /// Everything that could refuse a stream's tokens before anything is written.
+    pub(super) fn check_tokens(&self, stream: &GpuStream, tokens: &[u32]) -> Result<()> {
+        if stream.cache.model_id != self.id {
+            bail!(InvalidArgument, "stream was not made by this model");
+        }
+        self.cfg.check_append(stream.len, stream.window, tokens)
+    }
+
+    /// Checks an item and queues its page table's update.
+    fn admit(&self, item: &mut StepItem<'_, GpuCache>) -> Result<()> {
+        self.check_tokens(item.stream, item.tokens)?;
+        let end = item.stream.len + item.tokens.len();
+        let held = item.stream.pages.len() * PAGE_TOKENS;
+        if held < end {
+            bail!(
+                NoRoom,
+                "positions up to {end} need {} KV pages; the stream holds {}",
+                end.div_ceil(PAGE_TOKENS),
+                item.stream.pages.len()
+            );
+        }
+        self.sync_table(item.stream)
+    }
+
+    /// Runs the admitted items `run` and returns the token sampled for each, in `run`'s order.
+    fn run_items(&mut self, items: &[StepItem<'_, GpuCache>], run: &[usize]) -> Result<Vec<u32>> {
+        let b = self.max_batch;
+        let rows_cap = self.s.logit_rows;
+        let token_lists: Vec<&[u32]> = items.iter().map(|it| it.tokens).collect();
+        // Round r holds each item's r-th chunk of max_batch tokens, so a chunk's pass follows the
+        // passes of the chunks before it.
+        let rounds = run.iter().map(|&i| items[i].tokens.len().div_ceil(b)).max().unwrap_or(0);
+        let mut passes: Vec<Vec<Piece>> = Vec::new();
+        for r in 0..rounds {
+            let mut pass = Vec::new();
+            for &i in run {
+                let (item, from) = (&items[i], r * b);
+                let n = item.tokens.len();
+                if from >= n {
+                    continue;
+                }
+                let len = (n - from).min(b);
+                let table = item.stream.cache.table_ptr();
+                let piece = Piece {
+                    item: i,
+                    from,
+                    len,
+                    pos: item.stream.len + from,
+                    table,
+                    last: from + len == n,
+                    row: 0,
+                    path: Path::Matvec,
+                };
+                // A piece that would take the pass past max_batch rows (pads included) starts the next.
+                let mut grown = pass.clone();
+                grown.push(piece);
+                if !pass.is_empty() && (self.lay_out(&mut grown).n > b || grown.len() > rows_cap) {
+                    passes.push(std::mem::replace(&mut pass, vec![piece]));
+                } else {
+                    pass = grown;
+                }
+            }
+            if !pass.is_empty() {
+                passes.push(pass);
+            }
+        }
+
+        let mut sampled = vec![None; items.len()];
+        // Items whose logits and token sit in the device rows [0, pending.len()), in row order.
+        let mut pending: Vec<usize> = Vec::new();
+        for mut pass in passes {
+            let shape = self.lay_out(&mut pass);
+            self.upload_pass(&pass, &token_lists)?;
+            let heads: Vec<(usize, usize)> =
+                pass.iter().filter(|p| p.last).map(|p| (p.row + p.len - 1, p.item)).collect();
+            if pending.len() + heads.len() > rows_cap {
+                self.spill(&pending, &mut sampled)?;
+                pending.clear();
+            }
+            let base = pending.len();
+            let head_rows: Vec<usize> = heads.iter().map(|h| h.0).collect();
+            let single_tokens = heads.len() == shape.n && base == 0;
+            if !(single_tokens && self.replay_decode(&pass, shape)?) {
+                let head = if heads.is_empty() { Head::Skip } else { Head::Rows { rows: &head_rows, base } };
+                self.enqueue_forward(&pass, shape, head)?;
+            }
+            for (k, &(_, i)) in heads.iter().enumerate() {
+                let item = &items[i];
+                let position = (item.stream.len + item.tokens.len()) as u64;
+                let penalty = sampler::penalty_ids(&item.stream.tokens, item.tokens, &item.sampling);
+                self.sample_row(base + k, &item.sampling, item.index, position, &penalty)?;
+                pending.push(i);
+            }
+        }
+        let mut tokens = vec![0i32; pending.len()];
+        self.download(self.s.token, &mut tokens)?;
+        for (k, (&i, &t)) in pending.iter().zip(&tokens).enumerate() {
+            sampled[i] = Some(t);
+            self.logits_at[i] = LogitsAt::Row(k);
+        }
+        run.iter()
+            .map(|&i| {
+                let t = sampled[i].unwrap_or(-1);
+                if t < 0 || t as usize >= self.cfg.vocab {
+                    bail!(CudaError, "the device sampler returned token {t} for a vocabulary of {}", self.cfg.vocab);
+                }
+                Ok(t as u32)
+            })
+            .collect()
+    }
+
+    /// Copies the logits and tokens of the items in the device rows to the host, freeing the rows.
+    fn spill(&mut self, pending: &[usize], sampled: &mut [Option<i32>]) -> Result<()> {
+        let vocab = self.cfg.vocab;
+        let mut logits = vec![0f32; pending.len() * vocab];
+        self.download(self.s.logits, &mut logits)?;
+        let mut tokens = vec![0i32; pending.len()];
+        self.download(self.s.token, &mut tokens)?;
+        for (k, &i) in pending.iter().enumerate() {
+            sampled[i] = Some(tokens[k]);
+            self.logits_at[i] = LogitsAt::Host(logits[k * vocab..(k + 1) * vocab].to_vec());
+        }
         Ok(())
     }
 
-    /// The output head over one final-normed hidden state into the logits buffer.
-    pub(super) fn head_matvec(&self, x: *const f32) -> Result<()> {
-        let logits = self.buf(self.s.logits) as *mut f32;
-        launch::matvec(&self.head, x, 1, ptr::null(), ptr::null(), logits, self.head.rows, self.stream.raw())
+    /// Samples the token after logits row `row` into token row `row`, the repetition penalty on the ids
+    /// `penalty` (`sampler::penalty_ids`; the logits row ends as it began).
+    fn sample_row(&self, row: usize, sampling: &Sampling, index: u32, position: u64, penalty: &[u32]) -> Result<()> {
+        let logits = (self.buf(self.s.logits) as *mut f32).wrapping_add(row * self.cfg.vocab);
+        let token = (self.buf(self.s.token) as *mut c_int).wrapping_add(row);
+        let scratch = self.buf(self.s.sample);
+        let ids = self.buf(self.s.penalty) as *mut c_int;
+        if !penalty.is_empty() {
+            // Staged before this returns and copied in stream order, so the next item may reuse the region.
+            self.upload(self.s.penalty, penalty)?;
+        }
+        let s = self.stream.raw();
+        launch::sample(logits, self.cfg.vocab, sampling, index, position, ids, penalty.len(), scratch, token, s)
+    }
+
+    /// Orders a pass's pieces into rows and picks each one's path: the matrix-vector pieces first, then
+    /// (from a 16-row boundary) the single tokens on tensor cores, then each chunk on tensor cores from a
+    /// 16-row boundary of its own.
+    pub(super) fn lay_out(&self, pieces: &mut [Piece]) -> PassShape {
+        let singles = pieces.iter().filter(|p| p.len == 1).count();
+        let singles_on_tc = self.tensor_cores && self.batch_tensor_cores && singles >= TENSOR_CORE_MIN_TOKENS;
+        for p in pieces.iter_mut() {
+            p.path = if self.on_tensor_cores(p.len) {
+                Path::Tensor
+            } else if p.len == 1 && singles_on_tc {
+                Path::TensorSingle
+            } else {
+                Path::Matvec
+            };
+        }
+        pieces.sort_by_key(|p| p.path);
+        let mut row = 0usize;
+        let mut m = None;
+        for p in pieces.iter_mut() {
+            if p.path != Path::Matvec {
+                if m.is_none() {
+                    row = row.next_multiple_of(TENSOR_ROW_ALIGN);
+                    m = Some(row);
+                }
+                if p.path == Path::Tensor {
+                    row = row.next_multiple_of(TENSOR_ROW_ALIGN);
+                }
+            }
+            p.row = row;
+            row += p.len;
+        }
+        let n = row;
+        let m = m.unwrap_or(n);
+        let singles_end = pieces.iter().filter(|p| p.path == Path::TensorSingle).map(|p| p.row + 1).max().unwrap_or(m);
+        PassShape { n, m, split_end: if self.flash { singles_end } else { n } }
+    }
+
+    /// Uploads each row's id, position and page table address, in one copy.
+    fn upload_pass(&self, pieces: &[Piece], token_lists: &[&[u32]]) -> Result<()> {
+        let b = self.max_batch;
+        let mut meta = vec![0u8; b * 16];
+        // Pad rows: id 0, position -1 (nothing written, nothing attended), no page table.
+        for row in 0..b {
+            meta[(b + row) * 4..(b + row) * 4 + 4].copy_from_slice(&(-1i32).to_ne_bytes());
+        }
+        for p in pieces {
+            for k in 0..p.len {
+                let (id, pos, row) = (token_lists[p.item][p.from + k] as i32, (p.pos + k) as i32, p.row + k);
+                meta[row * 4..row * 4 + 4].copy_from_slice(&id.to_ne_bytes());
+                meta[(b + row) * 4..(b + row) * 4 + 4].copy_from_slice(&pos.to_ne_bytes());
+                meta[(b + row) * 8..(b + row) * 8 + 8].copy_from_slice(&(p.table as u64).to_ne_bytes());
+            }
+        }
+        self.upload(self.s.meta, &meta)
     }
 
     /// y[t] = w a[t] (+ bias) (+ residual[t]) for `n` half-format rows of `a` (`w.cols` apart): on
@@ -87,129 +459,207 @@ impl GpuModel {
         self.tensor_cores && n >= TENSOR_CORE_MIN_TOKENS
     }
 
-    /// Queues the forward pass of `n` tokens whose ids and positions are already in scratch.
-    pub(super) fn enqueue_forward(&self, stream: &GpuStream, n: usize, head: Head) -> Result<()> {
+    /// Queues the forward pass of `pieces`, laid out as `shape`, whose rows' ids, positions and page
+    /// tables are already in scratch.
+    pub(super) fn enqueue_forward(&self, pieces: &[Piece], shape: PassShape, head: Head<'_>) -> Result<()> {
         let cfg = &self.cfg;
         let s = self.stream.raw();
+        let PassShape { n, m, split_end } = shape;
+        let tc = n - m;
+        // The tensor-core products' row groups: the single tokens together, each chunk on its own.
+        let mut groups: Vec<(usize, usize)> = Vec::new();
+        let singles: Vec<&Piece> = pieces.iter().filter(|p| p.path == Path::TensorSingle).collect();
+        if let (Some(first), Some(last)) = (singles.first(), singles.last()) {
+            groups.push((first.row, last.row + 1 - first.row));
+        }
+        groups.extend(pieces.iter().filter(|p| p.path == Path::Tensor).map(|p| (p.row, p.len)));
         let (hidden, q_dim, kv_dim, inter, hd) =
             (cfg.hidden, cfg.q_dim(), cfg.kv_dim(), cfg.intermediate, cfg.head_dim);
         let qkv_dim = q_dim + 2 * kv_dim;
         let f = |off: usize| self.buf(off) as *mut f32;
         let (x, xn, qkv, attn, gate, up) =
             (f(self.s.x), f(self.s.xn), f(self.s.qkv), f(self.s.attn), f(self.s.gate), f(self.s.up));
+        let partial = f(self.s.partial);
         let act = self.buf(self.s.act);
         let ids = self.buf(self.s.ids) as *const c_int;
         let pos = self.buf(self.s.pos) as *const c_int;
+        let tables = self.buf(self.s.tables) as *const *const c_uint;
         let inv_freq = self.buf(self.s.inv_freq) as *const f32;
         // Device addresses are only formed here, never read on the host: wrapping arithmetic is enough.
-        let layer_kv = cfg.kv_heads * stream.window * hd * 2;
-        let kv_base = stream.cache.kv.ptr() as *mut u8;
-        let shape = AttentionShape {
-            n,
+        let row = |p: *mut f32, r: usize, width: usize| p.wrapping_add(r * width);
+        let act_row = |r: usize, width: usize| (act as *mut u8).wrapping_add(r * width * 2) as *mut c_void;
+        // bf16 values of one layer's pages.
+        let layer_values = self.pool_pages * PAGE_TOKENS * 2 * cfg.kv_heads * hd;
+        let pool = self.pool.ptr() as *mut u16;
+        let shape_of = |rows: usize| AttentionShape {
+            n: rows,
             heads: cfg.heads,
             kv_heads: cfg.kv_heads,
             head_dim: hd,
-            window: stream.window,
             qkv_stride: qkv_dim,
         };
-        let splits = attention_splits(cfg, n);
         let scale = 1.0 / (hd as f32).sqrt();
         let none = ptr::null::<f32>();
-        let rmsnorm = |x: *const f32, w: *const f32, out: *mut f32, rows: usize| {
-            launch::rmsnorm(x, w, cfg.rms_eps, out, rows, hidden, s)
-        };
-        let tensor_cores = self.on_tensor_cores(n);
         let half = self.half;
-        // The normed input of a projection: f32 for the matrix-vector path, the half format for products.
-        let norm_in = |w: &DeviceWeight| -> Result<*const c_void> {
-            if tensor_cores {
-                launch::rmsnorm_to(x, w.f32_ptr(), cfg.rms_eps, act, half, n, hidden, s)?;
-                Ok(act as *const c_void)
-            } else {
-                rmsnorm(x, w.f32_ptr(), xn, n)?;
-                Ok(xn as *const c_void)
+        // The normed input: f32 rows [0, m) into xn, half rows [m, n) into act.
+        let norm_in = |w: &DeviceWeight| -> Result<()> {
+            if m > 0 {
+                launch::rmsnorm(x, w.f32_ptr(), cfg.rms_eps, xn, m, hidden, s)?;
             }
+            if tc > 0 {
+                launch::rmsnorm_to(row(x, m, hidden), w.f32_ptr(), cfg.rms_eps, act, half, tc, hidden, s)?;
+            }
+            Ok(())
         };
-        // y = w input (+ bias) (+ residual) on whichever path this chunk takes.
+        // y = w input (+ bias) (+ residual) for every row: rows [0, m) from the f32 `input`, rows [m, n)
+        // from the half activations in act; y and residual rows are `ldy` apart.
         let project =
-            |w: &DeviceWeight, input: *const c_void, bias: *const f32, residual: *const f32, y: *mut f32, ldy| {
-                if tensor_cores {
-                    self.product(w, input, n, bias, residual, y, ldy)
-                } else {
-                    launch::matvec(w, input as *const f32, n, bias, residual, y, ldy, s)
+            |w: &DeviceWeight, input: *const f32, bias: *const f32, residual: *const f32, y: *mut f32, ldy| {
+                if m > 0 {
+                    launch::matvec(w, input, m, bias, residual, y, ldy, s)?;
                 }
+                for &(r0, rows) in &groups {
+                    let residual = if residual.is_null() { residual } else { residual.wrapping_add(r0 * ldy) };
+                    self.product(w, act_row(r0 - m, w.cols), rows, bias, residual, y.wrapping_add(r0 * ldy), ldy)?;
+                }
+                Ok::<(), Error>(())
             };
 
         launch::embed_gather(&self.rows, ids, n, x, s)?;
         for (l, layer) in self.layers.iter().enumerate() {
-            let k_cache = kv_base.wrapping_add(2 * l * layer_kv) as *mut c_void;
-            let v_cache = kv_base.wrapping_add((2 * l + 1) * layer_kv) as *mut c_void;
+            let kv = KvPages { pool: pool.wrapping_add(l * layer_values) as *mut c_void, pages: self.pool_pages };
 
-            let input = norm_in(&layer.w.attn_norm)?;
+            norm_in(&layer.w.attn_norm)?;
             let qkv_bias = layer.qkv_bias();
             match &layer.qkv {
-                Qkv::Fused(m) => project(m, input, qkv_bias, none, qkv, qkv_dim)?,
+                Qkv::Fused(w) => project(w, xn, qkv_bias, none, qkv, qkv_dim)?,
                 Qkv::Split(parts) => {
                     // The biases lie back to back like q, k and v in a row of the qkv buffer.
                     let bias = |at: usize| if qkv_bias.is_null() { none } else { qkv_bias.wrapping_add(at) };
-                    for (m, at) in parts.iter().zip([0, q_dim, q_dim + kv_dim]) {
-                        project(m, input, bias(at), none, qkv.wrapping_add(at), qkv_dim)?;
+                    for (w, at) in parts.iter().zip([0, q_dim, q_dim + kv_dim]) {
+                        project(w, xn, bias(at), none, qkv.wrapping_add(at), qkv_dim)?;
                     }
                 }
             }
             let (q_norm, k_norm) = (layer.w.q_norm.as_ref(), layer.w.k_norm.as_ref());
             launch::rope_kv(
                 qkv,
-                shape,
+                shape_of(n),
                 pos,
                 inv_freq,
                 cfg.rope_interleaved,
                 q_norm,
                 k_norm,
                 cfg.rms_eps,
-                k_cache,
-                v_cache,
+                kv,
+                tables,
                 s,
             )?;
-            let attended = if tensor_cores && self.flash {
-                launch::flash_attention(qkv, shape, k_cache, v_cache, pos, scale, act, half, q_dim, s)?;
-                act as *const c_void
-            } else {
-                launch::attention(qkv, shape, k_cache, v_cache, pos, scale, splits, f(self.s.partial), attn, s)?;
-                if tensor_cores {
-                    launch::convert(attn, act, half, n * q_dim, s)?;
-                    act as *const c_void
-                } else {
-                    attn as *const c_void
-                }
-            };
-            project(&layer.w.o, attended, none, x, x, hidden)?;
 
-            let input = norm_in(&layer.w.ffn_norm)?;
-            if tensor_cores {
-                project(&layer.w.gate, input, none, none, gate, inter)?;
-                project(&layer.w.up, input, none, none, up, inter)?;
-                // The normed input is read by now: the SwiGLU output takes its place.
-                launch::swiglu_to(gate, up, act, half, n * inter, s)?;
-                project(&layer.w.down, act, none, x, x, hidden)?;
-            } else {
-                if layer.w.gate.dtype == layer.w.up.dtype {
-                    launch::matvec_swiglu(&layer.w.gate, &layer.w.up, xn, n, gate, s)?;
-                } else {
-                    launch::matvec(&layer.w.gate, xn, n, none, none, gate, inter, s)?;
-                    launch::matvec(&layer.w.up, xn, n, none, none, up, inter, s)?;
-                    launch::swiglu(gate, up, gate, n * inter, s)?;
+            // Attention: rows [0, split_end) on the split kernel into attn (f32), in launches of
+            // ATTENTION_TOKENS; the tensor-core rows among them are converted into act; the other tensor
+            // rows' pieces on flash attention, each over its own stream, straight into act.
+            for g0 in (0..split_end).step_by(ATTENTION_TOKENS) {
+                let g = (split_end - g0).min(ATTENTION_TOKENS);
+                launch::attention(
+                    row(qkv, g0, qkv_dim),
+                    shape_of(g),
+                    kv,
+                    tables.wrapping_add(g0),
+                    pos.wrapping_add(g0),
+                    scale,
+                    ATTENTION_PARTS,
+                    partial,
+                    row(attn, g0, q_dim),
+                    s,
+                )?;
+            }
+            if split_end > m {
+                launch::convert(row(attn, m, q_dim), act, half, (split_end - m) * q_dim, s)?;
+            }
+            if self.flash {
+                for p in pieces.iter().filter(|p| p.path == Path::Tensor) {
+                    let (q, at, out) = (row(qkv, p.row, qkv_dim), pos.wrapping_add(p.row), act_row(p.row - m, q_dim));
+                    launch::flash_attention(q, shape_of(p.len), kv, p.table, at, scale, out, half, q_dim, s)?;
                 }
-                launch::matvec(&layer.w.down, gate, n, none, x, x, hidden, s)?;
+            }
+            project(&layer.w.o, attn, none, x, x, hidden)?;
+
+            norm_in(&layer.w.ffn_norm)?;
+            if m > 0 {
+                if layer.w.gate.dtype == layer.w.up.dtype {
+                    launch::matvec_swiglu(&layer.w.gate, &layer.w.up, xn, m, gate, s)?;
+                } else {
+                    launch::matvec(&layer.w.gate, xn, m, none, none, gate, inter, s)?;
+                    launch::matvec(&layer.w.up, xn, m, none, none, up, inter, s)?;
+                    launch::swiglu(gate, up, gate, m * inter, s)?;
+                }
+                launch::matvec(&layer.w.down, gate, m, none, x, x, hidden, s)?;
+            }
+            if tc > 0 {
+                for &(r0, rows) in &groups {
+                    let a = act_row(r0 - m, hidden);
+                    self.product(&layer.w.gate, a, rows, none, none, row(gate, r0, inter), inter)?;
+                    self.product(&layer.w.up, a, rows, none, none, row(up, r0, inter), inter)?;
+                }
+                // The normed input is read by now: the SwiGLU output takes its place.
+                launch::swiglu_to(row(gate, m, inter), row(up, m, inter), act, half, tc * inter, s)?;
+                for &(r0, rows) in &groups {
+                    let xr = row(x, r0, hidden);
+                    self.product(&layer.w.down, act_row(r0 - m, inter), rows, none, xr, xr, hidden)?;
+                }
             }
         }
+        let vocab = self.head.rows;
         match head {
             Head::Skip => Ok(()),
-            Head::Last => {
-                rmsnorm(x.wrapping_add((n - 1) * hidden), self.final_norm, xn, 1)?;
-                self.head_matvec(xn)
+            Head::All => launch::rmsnorm(x, self.final_norm, cfg.rms_eps, xn, n, hidden, s),
+            Head::Rows { rows, base } => {
+                if rows.iter().enumerate().all(|(k, &r)| k == r) {
+                    launch::rmsnorm(x, self.final_norm, cfg.rms_eps, xn, rows.len(), hidden, s)?;
+                } else {
+                    for (k, &r) in rows.iter().enumerate() {
+                        launch::rmsnorm(
+                            row(x, r, hidden),
+                            self.final_norm,
+                            cfg.rms_eps,
+                            row(xn, k, hidden),
+                            1,
+                            hidden,
+                            s,
+                        )?;
+                    }
+                }
+                let logits = row(f(self.s.logits), base, vocab);
+                launch::matvec(&self.head, xn, rows.len(), none, none, logits, vocab, s)
             }
-            Head::All => rmsnorm(x, self.final_norm, xn, n),
         }
     }
+}
+
+/// Takes from `pool` the pages `stream` needs for `n` more tokens (NO_ROOM, nothing taken, when too few
+/// are free): what the engine's `Streams` does before a batch, for callers that step streams directly.
+pub fn reserve_pages(pool: &mut PagePool, stream: &mut GpuStream, n: usize) -> Result<()> {
+    if pool.page_tokens() != PAGE_TOKENS {
+        bail!(InvalidArgument, "a pool of {}-token pages for a model of {PAGE_TOKENS}-token pages", pool.page_tokens());
+    }
+    let need = pool.pages_for(stream.len + n).saturating_sub(stream.pages.len());
+    let free = pool.free_pages();
+    let pages = pool
+        .take(need)
+        .ok_or_else(|| err!(NoRoom, "{n} tokens after {} need {need} more KV pages; {free} are free", stream.len))?;
+    stream.pages.extend(pages);
+    Ok(())
+}
+
+/// Keeps the first `len` positions of `stream` (OUT_OF_RANGE past its length) and gives the pages past
+/// them back to `pool`, for callers that step streams directly.
+pub fn truncate_stream(pool: &mut PagePool, stream: &mut GpuStream, len: usize) -> Result<()> {
+    if len > stream.len {
+        bail!(OutOfRange, "cannot keep {len} positions of a stream of {}", stream.len);
+    }
+    stream.len = len;
+    stream.tokens.truncate(len);
+    pool.give_back(stream.pages.drain(pool.pages_for(len).min(stream.pages.len())..));
+    Ok(())
 }

@@ -1,19 +1,22 @@
-//! CUDA graphs: the single-token step of one stream, captured once and replayed
-//! (HOSTEMBED_CUDA_GRAPHS=0 turns them off).
+//! CUDA graphs: a pass of single tokens (of one stream or many), captured once per token count and
+//! replayed (HOSTEMBED_CUDA_GRAPHS=0 turns them off). Such a pass reads everything that changes between
+//! steps from the scratch (ids, positions, page table addresses; the tables themselves are device
+//! memory updated as pages come), so one graph serves every stream and every step of that size. A
+//! size is captured the second time it runs, after a plain run has settled whatever a product library
+//! chooses on first use.
 
 use std::ptr;
 
-use super::forward::Head;
-use super::{GpuModel, GpuStream};
+use super::GpuModel;
+use super::forward::{Head, PassShape, Piece};
 use crate::cuda;
 use crate::cudart as rt;
 use crate::status::Result;
 
-/// A captured single-token forward pass for one stream of one model.
+/// A captured forward pass of single tokens, with their logits.
 pub(super) struct StepGraph {
     graph: rt::cudaGraph_t,
     exec: rt::cudaGraphExec_t,
-    model_id: u64,
 }
 
 impl Drop for StepGraph {
@@ -36,37 +39,48 @@ pub(super) fn graphs_enabled() -> bool {
 }
 
 impl GpuModel {
-    /// Replays the stream's single-token graph, capturing it first if needed; false when graphs are
-    /// off (or turned off by a failed capture) and the caller must queue the pass itself.
-    pub(super) fn replay_step(&mut self, stream: &mut GpuStream) -> Result<bool> {
-        if !self.graphs {
+    /// Replays the graph of a pass of `shape.n` single tokens (each its item's last, logits into rows
+    /// 0..n), capturing it first when this size ran before; false when the caller must queue the pass
+    /// itself (graphs off, or turned off by a failed capture, or the size's first run).
+    pub(super) fn replay_decode(&mut self, pieces: &[Piece], shape: PassShape) -> Result<bool> {
+        if !self.graphs || shape.n >= self.decode_seen.len() {
             return Ok(false);
         }
-        if stream.cache.graph.as_ref().is_none_or(|g| g.model_id != self.id) {
-            stream.cache.graph = None;
-            match self.capture(stream) {
-                Ok(g) => stream.cache.graph = Some(g),
+        let n = shape.n;
+        if !self.decode_graphs.contains_key(&n) {
+            if !self.decode_seen[n] {
+                self.decode_seen[n] = true;
+                return Ok(false);
+            }
+            match self.capture(pieces, shape) {
+                Ok(g) => {
+                    self.decode_graphs.insert(n, g);
+                }
                 // A device or driver that cannot capture: run without graphs from now on.
-                Err(_) => self.graphs = false,
+                Err(_) => {
+                    self.graphs = false;
+                    return Ok(false);
+                }
             }
         }
-        let Some(g) = &stream.cache.graph else { return Ok(false) };
-        // SAFETY: the graph was captured from this model's stream over buffers this model and stream own.
+        let g = &self.decode_graphs[&n];
+        // SAFETY: the graph was captured from this model's stream over buffers this model owns.
         cuda::check(unsafe { rt::cudaGraphLaunch(g.exec, self.stream.raw()) }, "cudaGraphLaunch")?;
         Ok(true)
     }
 
-    /// Captures the single-token forward pass of `stream` into a graph.
-    fn capture(&self, stream: &GpuStream) -> Result<StepGraph> {
+    /// Captures the pass of `pieces` (single tokens) into a graph.
+    fn capture(&self, pieces: &[Piece], shape: PassShape) -> Result<StepGraph> {
         let s = self.stream.raw();
+        let rows: Vec<usize> = (0..shape.n).collect();
         // SAFETY: `s` is this model's live stream; thread-local mode leaves other threads' work alone.
         let began = unsafe { rt::cudaStreamBeginCapture(s, rt::cudaStreamCaptureModeThreadLocal) };
         cuda::check(began, "cudaStreamBeginCapture")?;
-        let queued = self.enqueue_forward(stream, 1, Head::Last);
+        let queued = self.enqueue_forward(pieces, shape, Head::Rows { rows: &rows, base: 0 });
         let mut graph: rt::cudaGraph_t = ptr::null_mut();
         // SAFETY: ends the capture begun above on the same stream; `graph` receives the result.
         let ended = cuda::check(unsafe { rt::cudaStreamEndCapture(s, &mut graph) }, "cudaStreamEndCapture");
-        let mut g = StepGraph { graph, exec: ptr::null_mut(), model_id: self.id };
+        let mut g = StepGraph { graph, exec: ptr::null_mut() };
         if let Err(e) = queued.and(ended) {
             // SAFETY: clears the sticky error a failed capture leaves; no arguments.
             unsafe { rt::cudaGetLastError() };

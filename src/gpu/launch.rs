@@ -74,19 +74,26 @@ pub(super) fn rmsnorm(
     cuda::check(code, "hostembed_rmsnorm")
 }
 
-/// The shapes of one attention pass: `n` query tokens of one stream whose KV cache holds `window`.
+/// The shapes of one attention pass: `n` query tokens.
 #[derive(Clone, Copy)]
 pub(super) struct AttentionShape {
     pub n: usize,
     pub heads: usize,
     pub kv_heads: usize,
     pub head_dim: usize,
-    pub window: usize,
     /// Floats between one token's q/k/v row and the next's.
     pub qkv_stride: usize,
 }
 
-/// Per-head q/k norm (when given), rotation of q and k, and K and V written into the caches at `pos`.
+/// One layer's part of the paged KV pool: where its first page starts and how many pages it has.
+#[derive(Clone, Copy)]
+pub(super) struct KvPages {
+    pub pool: *mut c_void,
+    pub pages: usize,
+}
+
+/// Per-head q/k norm (when given), rotation of q and k, and K and V written at `pos` into the pages the
+/// tokens' page tables (`tables`, one device pointer a token) name.
 pub(super) fn rope_kv(
     qkv: *mut f32,
     shape: AttentionShape,
@@ -96,8 +103,8 @@ pub(super) fn rope_kv(
     q_norm: Option<&DeviceWeight>,
     k_norm: Option<&DeviceWeight>,
     eps: f32,
-    k_cache: *mut c_void,
-    v_cache: *mut c_void,
+    kv: KvPages,
+    tables: *const *const c_uint,
     s: cudaStream_t,
 ) -> Result<()> {
     let norm = |w: Option<&DeviceWeight>| w.map_or(ptr::null(), |w| w.f32_ptr());
@@ -117,21 +124,21 @@ pub(super) fn rope_kv(
             norm(q_norm),
             norm(k_norm),
             eps,
-            k_cache,
-            v_cache,
-            a.window as c_uint,
+            kv.pool,
+            tables,
+            kv.pages as c_uint,
             s,
         )
     };
     cuda::check(code, "hostembed_rope_kv")
 }
 
-/// Attention of `n` queries over their stream's cache, split `splits` ways along the context.
+/// Attention of `n` queries, each over its own stream's pages, its context cut in at most `splits` parts.
 pub(super) fn attention(
     q: *const f32,
     shape: AttentionShape,
-    k_cache: *const c_void,
-    v_cache: *const c_void,
+    kv: KvPages,
+    tables: *const *const c_uint,
     pos: *const c_int,
     scale: f32,
     splits: usize,
@@ -145,9 +152,9 @@ pub(super) fn attention(
         kn::hostembed_attention(
             q,
             a.qkv_stride as c_uint,
-            k_cache,
-            v_cache,
-            a.window as c_uint,
+            kv.pool,
+            tables,
+            kv.pages as c_uint,
             pos,
             a.n as c_uint,
             a.heads as c_uint,
@@ -340,13 +347,13 @@ pub(super) fn flash_supports(head_dim: usize) -> bool {
     u32::try_from(head_dim).is_ok_and(|d| unsafe { kn::hostembed_flash_head_dim(d) } == crate::cudart::cudaSuccess)
 }
 
-/// Causal flash attention of a prompt chunk's `n` queries over their stream's cache, into `out`
-/// (`dtype`, rows `out_stride` values apart).
+/// Causal flash attention of a prompt chunk's `n` queries over the pages of their stream (page table
+/// `table`), into `out` (`dtype`, rows `out_stride` values apart).
 pub(super) fn flash_attention(
     q: *const f32,
     shape: AttentionShape,
-    k_cache: *const c_void,
-    v_cache: *const c_void,
+    kv: KvPages,
+    table: *const c_uint,
     pos: *const c_int,
     scale: f32,
     out: *mut c_void,
@@ -360,9 +367,9 @@ pub(super) fn flash_attention(
         kn::hostembed_flash_attention(
             q,
             a.qkv_stride as c_uint,
-            k_cache,
-            v_cache,
-            a.window as c_uint,
+            kv.pool,
+            table,
+            kv.pages as c_uint,
             pos,
             a.n as c_uint,
             a.heads as c_uint,

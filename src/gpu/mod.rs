@@ -2,34 +2,47 @@
 //!
 //! Weights go to the device as stored (BF16/F16/F32/Q8_0 matrices, no conversion), except the small
 //! 1-D tensors (norms, biases), which are decoded to f32 once. Everything lives in one weight
-//! allocation and one scratch allocation whose sizes `weight_bytes` and `scratch_bytes` predict
-//! exactly; each stream owns one allocation for its bf16 KV cache. All work of a step is queued on one
-//! CUDA stream; the only host wait is for the 4 bytes of the sampled token. Single-token steps replay a
-//! CUDA graph captured for that stream (HOSTEMBED_CUDA_GRAPHS=0 turns that off). Prompt chunks of
+//! allocation, one scratch allocation and one KV pool, whose sizes `weight_bytes`, `scratch_bytes` and
+//! `pool_bytes` predict exactly. The pool is cut in pages of `PAGE_TOKENS` positions (every layer's K
+//! and V for them); a stream holds the pages the engine's `PagePool` gave it, and its page table (the
+//! page ids in position order) lives in a small device buffer the kernels read, updated as pages come.
+//!
+//! A step runs a batch of items of different streams: `forward.rs` packs them into passes of at most
+//! `max_batch` tokens, each token carrying its own position and page table, so single-token items of
+//! every stream share each weight read. All work is queued on one CUDA stream; the only host wait is for
+//! the sampled tokens. Passes of single tokens replay a CUDA graph captured per token count (they read
+//! everything that changes from the scratch; HOSTEMBED_CUDA_GRAPHS=0 turns that off). Prompt chunks of
 //! `TENSOR_CORE_MIN_TOKENS` or more run their matrix products on tensor cores (cuBLASLt when it can
 //! be loaded, else the library's own kernel) and their attention as flash attention.
+//!
+//! Batch invariance: a single token's products, norms and attention take the same kernels with the same
+//! reduction order whatever else is in its pass (the matrix-vector kernels accumulate each token on its
+//! own; decode attention cuts a context by its length alone), so its logits are the same bits alone or
+//! beside others. `HOSTEMBED_BATCH_TENSOR_CORES=1` trades that for speed: passes of 16 or more single
+//! tokens take the tensor-core products.
 
 mod blas;
 mod forward;
 mod graph;
 mod launch;
+mod pages;
 mod scratch;
 mod weights;
 
-use std::os::raw::{c_int, c_uint, c_void};
+use std::collections::HashMap;
+use std::os::raw::{c_uint, c_void};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 pub use self::blas::CUBLASLT_ENV;
-use self::forward::Head;
-pub use self::forward::TENSOR_CORE_MIN_TOKENS;
+pub use self::forward::{TENSOR_CORE_MIN_TOKENS, reserve_pages, truncate_stream};
 use self::graph::StepGraph;
+pub use self::pages::{GpuCache, GpuStream, PAGE_TOKENS};
 use self::scratch::ScratchLayout;
 use self::weights::{DeviceWeight, GpuLayer, plan, prompt_format, upload};
-use crate::backend::{Backend, KvStream, StepItem};
+use crate::backend::{Backend, PagePool, StepItem};
 use crate::cuda::{self, DeviceBuffer, StagedUploader, Stream};
 use crate::cudart as rt;
 use crate::model::{ModelConfig, TensorSource, rope_inv_freq};
-use crate::sampler::{self, Sampling};
 use crate::status::Result;
 use crate::tensor::DType;
 use crate::{bail, err};
@@ -83,25 +96,6 @@ impl Layout {
     }
 }
 
-/// One stream's bf16 KV cache ([layer][K, V][kv_head][window][head_dim]) and its captured step.
-pub struct GpuCache {
-    kv: DeviceBuffer,
-    model_id: u64,
-    graph: Option<StepGraph>,
-}
-
-// SAFETY: the cache owns its allocation and graph; CUDA handles may be used from any thread.
-unsafe impl Send for GpuCache {}
-
-pub type GpuStream = KvStream<GpuCache>;
-
-impl GpuStream {
-    /// Bytes allocated for this stream: what `GpuModel::stream_bytes` predicts.
-    pub fn allocated_bytes(&self) -> u64 {
-        self.cache.kv.bytes() as u64
-    }
-}
-
 static NEXT_MODEL_ID: AtomicU64 = AtomicU64::new(1);
 
 /// The model on the device: all weights but the embedding rows, and the scratch one step needs.
@@ -115,7 +109,15 @@ pub struct GpuModel {
     rows: RowsOnDevice,
     s: ScratchLayout,
     graphs: bool,
-    has_logits: bool,
+    /// Captured passes of single tokens, by token count.
+    decode_graphs: HashMap<usize, StepGraph>,
+    /// Token counts of single-token passes run once already (the next one is captured).
+    decode_seen: Vec<bool>,
+    /// Where each item of the last step left its logits.
+    logits_at: Vec<forward::LogitsAt>,
+    /// Whether passes of many single tokens take the tensor-core products (not batch invariant).
+    batch_tensor_cores: bool,
+    pool_pages: usize,
     /// The format of the prompt path's activations and product operands.
     half: DType,
     /// Whether prompt chunks may take the tensor-core path (every product width a multiple of 8).
@@ -128,6 +130,7 @@ pub struct GpuModel {
     // Declared last: dropped after everything that points into them.
     stream: Stream,
     scratch: DeviceBuffer,
+    pool: DeviceBuffer,
     weights: DeviceBuffer,
 }
 
@@ -154,9 +157,34 @@ impl GpuModel {
         })
     }
 
-    /// Device bytes `new_stream(window)` allocates: the KV cache, nothing else.
+    /// KV bytes of a full window of `window` tokens, as the fit rule counts a stream (linear in the
+    /// window; the pool's pages round each stream up to a whole page).
     pub fn stream_bytes(cfg: &ModelConfig, window: usize) -> u64 {
         cfg.kv_bytes_per_token() * window as u64
+    }
+
+    /// Device bytes `load` allocates for a KV pool of `pages` pages.
+    pub fn pool_bytes(cfg: &ModelConfig, pages: usize) -> u64 {
+        cfg.kv_bytes_per_token() * (pages * PAGE_TOKENS) as u64
+    }
+
+    /// Pages in the KV pool.
+    pub fn pool_pages(&self) -> usize {
+        self.pool_pages
+    }
+
+    /// A page pool over every page of this model's KV pool, for callers that step streams directly
+    /// (the engine keeps its own).
+    pub fn page_pool(&self) -> Result<PagePool> {
+        PagePool::new(PAGE_TOKENS, self.pool_pages)
+    }
+
+    /// Whether passes of `TENSOR_CORE_MIN_TOKENS` or more single tokens take the tensor-core products:
+    /// faster with many streams, but a stream's logits then depend on how many others share its pass.
+    pub fn set_batch_tensor_cores(&mut self, on: bool) {
+        self.batch_tensor_cores = on;
+        self.decode_graphs.clear();
+        self.decode_seen.iter_mut().for_each(|s| *s = false);
     }
 
     pub fn config(&self) -> &ModelConfig {
@@ -177,13 +205,23 @@ impl GpuModel {
         (self.weights.bytes() as u64, self.scratch.bytes() as u64)
     }
 
-    /// Uploads the weights and allocates scratch on the current device.
-    pub fn load(src: &dyn TensorSource, rows: RowsOnDevice, max_batch: usize) -> Result<GpuModel> {
+    /// Bytes actually allocated for the KV pool: what `pool_bytes` predicts.
+    pub fn allocated_pool_bytes(&self) -> u64 {
+        self.pool.bytes() as u64
+    }
+
+    /// Uploads the weights and allocates scratch and a KV pool of `pool_pages` pages on the current
+    /// device.
+    pub fn load(src: &dyn TensorSource, rows: RowsOnDevice, max_batch: usize, pool_pages: usize) -> Result<GpuModel> {
         let cfg = src.config().clone();
         Self::check_config(&cfg)?;
         if max_batch == 0 || max_batch > MAX_BATCH_LIMIT {
             bail!(InvalidArgument, "max_batch {max_batch} is outside 1..={MAX_BATCH_LIMIT}");
         }
+        if pool_pages == 0 || pool_pages > u32::MAX as usize {
+            bail!(InvalidArgument, "a KV pool of {pool_pages} pages is outside 1..={}", u32::MAX);
+        }
+        pages::check_page_tokens()?;
         if rows.ptr.is_null() {
             bail!(InvalidArgument, "the embedding rows' device pointer is NULL");
         }
@@ -213,6 +251,9 @@ impl GpuModel {
             None => DeviceWeight { ptr: rows.ptr, dtype: rows.dtype, rows: rows.vocab, cols: rows.cols },
         };
 
+        let pool_bytes = usize::try_from(Self::pool_bytes(&cfg, pool_pages))
+            .map_err(|_| err!(NoRoom, "a KV pool of {pool_pages} pages does not fit in memory"))?;
+        let pool = DeviceBuffer::new(pool_bytes)?;
         let s = ScratchLayout::new(&cfg, max_batch, slab);
         let scratch = DeviceBuffer::new(s.total)?;
         scratch.upload(&rope_inv_freq(&cfg), s.inv_freq)?;
@@ -242,7 +283,11 @@ impl GpuModel {
             rows,
             s,
             graphs,
-            has_logits: false,
+            decode_graphs: HashMap::new(),
+            decode_seen: vec![false; max_batch + 1],
+            logits_at: Vec::new(),
+            batch_tensor_cores: std::env::var("HOSTEMBED_BATCH_TENSOR_CORES").is_ok_and(|v| v == "1"),
+            pool_pages,
             half,
             tensor_cores,
             flash,
@@ -250,113 +295,9 @@ impl GpuModel {
             route,
             stream,
             scratch,
+            pool,
             weights,
         })
-    }
-
-    /// A stream with an empty KV cache for `window` tokens.
-    pub fn new_stream(&self, window: usize) -> Result<GpuStream> {
-        if window == 0 || window > i32::MAX as usize {
-            bail!(InvalidArgument, "a window of {window} tokens is outside 1..={}", i32::MAX);
-        }
-        let bytes = usize::try_from(Self::stream_bytes(&self.cfg, window))
-            .map_err(|_| err!(NoRoom, "a window of {window} tokens does not fit in memory"))?;
-        let kv = DeviceBuffer::new(bytes)?;
-        Ok(KvStream::new(GpuCache { kv, model_id: self.id, graph: None }, window))
-    }
-
-    /// Appends `tokens` (in chunks of max_batch) and returns the next token chosen by `sampling` for the
-    /// position after them, with no repetition penalty.
-    pub fn step(
-        &mut self,
-        stream: &mut GpuStream,
-        tokens: &[u32],
-        sampling: &Sampling,
-        stream_index: u32,
-    ) -> Result<u32> {
-        self.step_penalized(stream, tokens, sampling, stream_index, &[])
-    }
-
-    /// `step` with the repetition penalty on the ids `penalty` (`sampler::penalty_ids`).
-    pub fn step_penalized(
-        &mut self,
-        stream: &mut GpuStream,
-        tokens: &[u32],
-        sampling: &Sampling,
-        stream_index: u32,
-        penalty: &[u32],
-    ) -> Result<u32> {
-        self.check_tokens(stream, tokens)?;
-        if penalty.len() > self.cfg.vocab {
-            bail!(InvalidArgument, "{} penalized ids for a vocabulary of {}", penalty.len(), self.cfg.vocab);
-        }
-        let chunks = tokens.len().div_ceil(self.max_batch);
-        for (i, chunk) in tokens.chunks(self.max_batch).enumerate() {
-            self.run_chunk(stream, chunk, if i + 1 == chunks { Head::Last } else { Head::Skip })?;
-        }
-        self.has_logits = true;
-        let position = stream.len as u64;
-        if !penalty.is_empty() {
-            let ids: Vec<i32> = penalty.iter().map(|&t| t as i32).collect();
-            self.scratch.upload(&ids, self.s.penalty)?;
-        }
-        let (logits, scratch, token) = (self.buf(self.s.logits), self.buf(self.s.sample), self.buf(self.s.token));
-        let s = self.stream.raw();
-        launch::sample(
-            logits as *mut f32,
-            self.cfg.vocab,
-            sampling,
-            stream_index,
-            position,
-            self.buf(self.s.penalty) as *mut c_int,
-            penalty.len(),
-            scratch,
-            token as *mut c_int,
-            s,
-        )?;
-        let mut token = [0i32; 1];
-        self.download(self.s.token, &mut token)?;
-        if token[0] < 0 || token[0] as usize >= self.cfg.vocab {
-            bail!(CudaError, "the device sampler returned token {} for a vocabulary of {}", token[0], self.cfg.vocab);
-        }
-        Ok(token[0] as u32)
-    }
-
-    /// Logits of the last position of the last step (or of `all_logits`).
-    pub fn last_logits(&self) -> Result<Vec<f32>> {
-        if !self.has_logits {
-            bail!(InvalidArgument, "no step has produced logits yet");
-        }
-        let mut out = vec![0f32; self.cfg.vocab];
-        self.download(self.s.logits, &mut out)?;
-        Ok(out)
-    }
-
-    /// Appends `tokens` and returns the logits after each of them (teacher forcing), for parity tests.
-    pub fn all_logits(&mut self, stream: &mut GpuStream, tokens: &[u32]) -> Result<Vec<Vec<f32>>> {
-        self.check_tokens(stream, tokens)?;
-        let mut out = Vec::with_capacity(tokens.len());
-        let (hidden, vocab) = (self.cfg.hidden, self.cfg.vocab);
-        for chunk in tokens.chunks(self.max_batch) {
-            self.run_chunk(stream, chunk, Head::All)?;
-            for t in 0..chunk.len() {
-                let x = (self.buf(self.s.xn) as *const f32).wrapping_add(t * hidden);
-                self.head_matvec(x)?;
-                let mut logits = vec![0f32; vocab];
-                self.download(self.s.logits, &mut logits)?;
-                out.push(logits);
-            }
-        }
-        self.has_logits = true;
-        Ok(out)
-    }
-
-    /// Everything that could refuse the call, checked before anything is written.
-    fn check_tokens(&self, stream: &GpuStream, tokens: &[u32]) -> Result<()> {
-        if stream.cache.model_id != self.id {
-            bail!(InvalidArgument, "stream was not made by this model");
-        }
-        self.cfg.check_append(stream.len, stream.window, tokens)
     }
 
     /// The config's own check, then what the kernels take beyond it.
@@ -379,12 +320,10 @@ impl GpuModel {
     }
 }
 
-/// The CUDA backend: a `GpuModel` and the device it was loaded on, made current before each call, and
-/// the logits of each item of the last batch.
+/// The CUDA backend: a `GpuModel` and the device it was loaded on, made current before each call.
 pub struct CudaBackend {
     model: GpuModel,
     device: i32,
-    logits: Vec<Option<Vec<f32>>>,
 }
 
 impl CudaBackend {
@@ -397,14 +336,17 @@ impl CudaBackend {
         device: i32,
         pool_pages: usize,
     ) -> Result<CudaBackend> {
-        // Each stream still holds a whole window of its own; the pool's pages are counted, not yet used.
-        let _ = pool_pages;
-        Ok(CudaBackend { model: GpuModel::load(src, rows, max_batch)?, device, logits: Vec::new() })
+        Ok(CudaBackend { model: GpuModel::load(src, rows, max_batch, pool_pages)?, device })
     }
 
     /// What runs a prompt chunk's products and attention, in one line for the log.
     pub fn prompt_route(&self) -> &str {
         self.model.prompt_route()
+    }
+
+    /// The model, for tests that look under the seam.
+    pub fn model(&self) -> &GpuModel {
+        &self.model
     }
 
     /// Makes the model's device current for this thread (the caller may have moved to another).
@@ -417,7 +359,7 @@ impl CudaBackend {
 impl Backend for CudaBackend {
     type Cache = GpuCache;
 
-    const PAGE_TOKENS: usize = 64;
+    const PAGE_TOKENS: usize = PAGE_TOKENS;
 
     fn new_stream(&self, window: usize) -> Result<GpuStream> {
         self.enter()?;
@@ -426,29 +368,11 @@ impl Backend for CudaBackend {
 
     fn step_batch(&mut self, items: &mut [StepItem<'_, GpuCache>]) -> Result<()> {
         self.enter()?;
-        self.logits.clear();
-        // One item at a time, each keeping a copy of its logits.
-        for item in items.iter_mut() {
-            let penalty = sampler::penalty_ids(&item.stream.tokens, item.tokens, &item.sampling);
-            item.next = self.model.step_penalized(item.stream, item.tokens, &item.sampling, item.index, &penalty);
-            let logits = match &item.next {
-                Ok(_) => Some(self.model.last_logits()?),
-                Err(e) if e.status == crate::Status::CudaError => return Err(e.clone()),
-                Err(_) => None,
-            };
-            self.logits.push(logits);
-        }
-        Ok(())
+        self.model.step_batch(items)
     }
 
     fn logits(&self, i: usize) -> Result<Vec<f32>> {
-        self.logits
-            .get(i)
-            .and_then(Option::clone)
-            .ok_or_else(|| err!(InvalidArgument, "item {i} of the last batch has no logits"))
-    }
-
-    fn truncate(&mut self, stream: &mut GpuStream, len: usize) {
-        stream.len = len;
+        self.enter()?;
+        self.model.logits(i)
     }
 }

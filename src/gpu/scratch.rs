@@ -1,7 +1,8 @@
-//! The scratch allocation: activations of one prompt chunk (f32, and the half-format copies the
-//! tensor-core products read), the logits, the attention's partial results, the sampler's buffers, the
-//! slab weights of other formats are converted into for those products and their library's workspace,
-//! at offsets `ScratchLayout` fixes; and the copies in and out of it.
+//! The scratch allocation: activations of one pass (f32, and the half-format copies the tensor-core
+//! products read), each token's id, position and page table, the logits of up to `logit_rows` items,
+//! the attention's partial results, the sampler's buffers, the slab weights of other formats are
+//! converted into for those products and their library's workspace, at offsets `ScratchLayout` fixes;
+//! and the copies in and out of it.
 
 use std::os::raw::c_void;
 
@@ -11,26 +12,14 @@ use crate::cudart as rt;
 use crate::model::ModelConfig;
 use crate::status::Result;
 
-/// Blocks the attention kernel aims for per launch: two per SM of a 132-SM card.
-const ATTENTION_TARGET_BLOCKS: usize = 264;
-const ATTENTION_MAX_SPLITS: usize = 64;
-/// Query heads one attention block takes (a power of two), as the attention launcher picks it.
-fn heads_per_block(cfg: &ModelConfig) -> usize {
-    let group = cfg.heads / cfg.kv_heads.max(1);
-    let cap = if cfg.head_dim > 128 { 4 } else { 8 };
-    let mut hb = 1;
-    while hb < group && hb < cap {
-        hb *= 2;
-    }
-    hb
-}
-
-/// Context splits for `n` query tokens: enough blocks to fill the card, at most 64.
-pub(super) fn attention_splits(cfg: &ModelConfig, n: usize) -> usize {
-    let group = cfg.heads / cfg.kv_heads.max(1);
-    let blocks = cfg.kv_heads * group.div_ceil(heads_per_block(cfg)) * n.max(1);
-    ATTENTION_TARGET_BLOCKS.div_ceil(blocks).clamp(1, ATTENTION_MAX_SPLITS)
-}
+/// The most parts the attention kernel cuts one token's context into. Fixed, so that a token's parts
+/// (and so its bits) depend on its own context length only: 32 parts of 512 positions at 16k, 8 blocks
+/// a kv head's part for the Llama-3 shape fill a 132-SM card with one stream.
+pub(super) const ATTENTION_PARTS: usize = 32;
+/// Query tokens one attention launch takes (its partial results are sized for this many).
+pub(super) const ATTENTION_TOKENS: usize = 64;
+/// Items whose logits one step keeps on the device (more spill to the host).
+pub(super) const LOGIT_ROWS: usize = 64;
 
 /// The scratch allocation: byte offsets of each buffer.
 pub(super) struct ScratchLayout {
@@ -43,9 +32,14 @@ pub(super) struct ScratchLayout {
     pub(super) logits: usize,
     pub(super) partial: usize,
     pub(super) inv_freq: usize,
+    /// Per token: ids (i32), then positions (i32), then page table addresses (u64), `max_batch` each.
+    pub(super) meta: usize,
     pub(super) ids: usize,
     pub(super) pos: usize,
+    pub(super) tables: usize,
+    /// Sampled tokens of the items whose logits are on the device, one i32 a logits row.
     pub(super) token: usize,
+    pub(super) logit_rows: usize,
     pub(super) sample: usize,
     /// The repetition penalty's ids and saved logits (`launch::sample`): 8 bytes a vocabulary entry.
     pub(super) penalty: usize,
@@ -63,8 +57,8 @@ impl ScratchLayout {
     pub(super) fn new(cfg: &ModelConfig, max_batch: usize, slab_values: usize) -> ScratchLayout {
         let b = max_batch.max(1);
         let f = 4;
-        let partial_floats =
-            (1..=b).map(|n| n * attention_splits(cfg, n) * cfg.heads * (cfg.head_dim + 2)).max().unwrap_or(0);
+        let logit_rows = LOGIT_ROWS.min(b);
+        let partial_floats = b.min(ATTENTION_TOKENS) * ATTENTION_PARTS * cfg.heads * (cfg.head_dim + 2);
         let mut l = Layout::default();
         let x = l.push(b * cfg.hidden * f);
         let xn = l.push(b * cfg.hidden * f);
@@ -72,12 +66,12 @@ impl ScratchLayout {
         let attn = l.push(b * cfg.q_dim() * f);
         let gate = l.push(b * cfg.intermediate * f);
         let up = l.push(b * cfg.intermediate * f);
-        let logits = l.push(cfg.vocab * f);
+        let logits = l.push(logit_rows * cfg.vocab * f);
         let partial = l.push(partial_floats * f);
         let inv_freq = l.push(cfg.head_dim / 2 * f);
-        let ids = l.push(b * 4);
-        let pos = l.push(b * 4);
-        let token = l.push(4);
+        let meta = l.push(b * 16);
+        let (ids, pos, tables) = (meta, meta + b * 4, meta + b * 8);
+        let token = l.push(logit_rows * 4);
         let sample = l.push(cfg.vocab * 8);
         let penalty = l.push(cfg.vocab * 8);
         let act = l.push(b * cfg.hidden.max(cfg.q_dim()).max(cfg.intermediate) * 2);
@@ -93,9 +87,12 @@ impl ScratchLayout {
             logits,
             partial,
             inv_freq,
+            meta,
             ids,
             pos,
+            tables,
             token,
+            logit_rows,
             sample,
             penalty,
             act,

@@ -236,3 +236,38 @@ pub fn set_sampling(e: &Held, stream: u32, s: &hostembed::abi::engine_sampling) 
     let st = unsafe { ffi::engine_set_sampling(e.0, stream, s) };
     assert_eq!(st, Status::Ok, "engine_set_sampling({stream}): {}", last_error());
 }
+
+/// One layer's paged KV pool as the kernels lay it out (`HE_PAGE_TOKENS` positions a page, each page
+/// bf16 [K, V][kv_heads][PAGE_TOKENS][head_dim]), every value 0xFFFF (a NaN) until written, and page
+/// tables that scatter a stream's positions over the pool in a shuffled order.
+pub struct PagedKv {
+    pub bits: Vec<u16>,
+    pub pages: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+}
+
+impl PagedKv {
+    pub fn new(pages: usize, kv_heads: usize, head_dim: usize) -> PagedKv {
+        let page_tokens = hostembed::gpu::PAGE_TOKENS;
+        PagedKv { bits: vec![0xFFFF; pages * 2 * kv_heads * page_tokens * head_dim], pages, kv_heads, head_dim }
+    }
+
+    /// Where value `c` of kv head `h` at position `p` lies for the stream of `table` (`v`: the V half).
+    pub fn at(&self, table: &[u32], v: bool, h: usize, p: usize, c: usize) -> usize {
+        let pt = hostembed::gpu::PAGE_TOKENS;
+        let page = table[p / pt] as usize;
+        (((page * 2 + v as usize) * self.kv_heads + h) * pt + p % pt) * self.head_dim + c
+    }
+
+    /// Page tables for streams of the given lengths: disjoint pages in a shuffled order.
+    pub fn tables(&self, rng: &mut Rng, lens: &[usize]) -> Vec<Vec<u32>> {
+        let pt = hostembed::gpu::PAGE_TOKENS;
+        let mut ids: Vec<u32> = (0..self.pages as u32).collect();
+        for i in (1..ids.len()).rev() {
+            ids.swap(i, rng.below(i as u64 + 1) as usize);
+        }
+        let mut next = ids.into_iter();
+        lens.iter().map(|&len| (0..len.div_ceil(pt)).map(|_| next.next().expect("pool too small")).collect()).collect()
+    }
+}
