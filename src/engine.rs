@@ -444,12 +444,18 @@ impl Engine {
 
         let inputs = fit_inputs(&ckpt, opts, Some(&info))?;
         let mut plan = fit::plan(&inputs)?;
-        // The pool takes the room the plan leaves beside the reserve, and at least its full windows.
+        // The pool takes the room the plan leaves beside the reserve, and at least its full windows;
+        // no more than max_streams full windows, which is all those streams could fill.
+        let room = plan.left_bytes.saturating_sub(inputs.reserve_bytes);
+        let room = match opts.max_streams {
+            0 => room,
+            most => room.min((most as u64).saturating_mul(plan.stream_bytes)),
+        };
         let pool = KvPool::sized(
             CudaBackend::PAGE_TOKENS,
             plan.window as usize,
             plan.streams as u64,
-            plan.left_bytes.saturating_sub(inputs.reserve_bytes),
+            room,
             inputs.stream_bytes_per_token,
         );
         match fit::refusal(&plan) {

@@ -374,10 +374,12 @@ pub unsafe extern "C" fn engine_plan_of(e: *const engine, out: *mut engine_plan)
 // Decode
 
 /// Appends `n` tokens (a prompt, or the last sampled token) to stream `stream` and writes the token the
-/// engine's sampler picks next to `*next` (greedy at temperature 0, else temperature/top-k/top-p drawn
-/// from (seed, stream, position)). OUT_OF_RANGE for an id outside the vocabulary or a stream the fit did
-/// not admit, NO_ROOM past the window (checked before any id is read); either way nothing is appended.
-/// Steps of one engine are serialized: threads may step different streams of it at once.
+/// stream's sampler picks next to `*next` (its `engine_sampling`, the options' unless
+/// `engine_set_sampling` changed it; the draw depends on (seed, stream, position) only): a batch of one
+/// item. OUT_OF_RANGE for an id outside the vocabulary or a stream the engine does not have, NO_ROOM past
+/// the window (checked before any id is read) or when the KV pool has no free page for it; either way
+/// nothing is appended. Steps of one engine are serialized: threads may step different streams of it at
+/// once.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn engine_step(
     e: *mut engine,

@@ -93,3 +93,80 @@ fn fit_example_rejects_bad_arguments() {
     assert_eq!(code, 1);
     assert!(stderr.contains("invalid argument") && stderr.contains("overflows 64 bits"), "{stderr}");
 }
+
+/// examples/batch.c decodes five prompts together on the CPU backend from a tiny model with the repo's
+/// tokenizer, each stream with its own seed, min-p and a repetition penalty, and its --check finds every
+/// stream's tokens equal to stepping it alone and the pool whole after the resets.
+#[test]
+fn batch_example_decodes_streams_together_and_checks_them() {
+    use hostembed::checkpoint::write::write_synthetic_hf;
+    use hostembed::model::{Arch, ModelConfig, RopeScaling};
+    use hostembed::tensor::DType;
+    use hostembed::tokenizer::Tokenizer;
+
+    let dir = native::scratch("batch-example");
+    let exe = dir.join("batch");
+    native::build_c_program(&native::repo().join("examples/batch.c"), &exe);
+    let tokenizer_json = native::repo().join("assets/tokenizer.json");
+    let tokenizer = Tokenizer::from_json(&tokenizer_json).unwrap();
+    let special = |t: &str| tokenizer.token_id(t).unwrap_or_else(|| panic!("no token {t}"));
+    let cfg = ModelConfig {
+        arch: Arch::Llama,
+        vocab: tokenizer.vocab_size(),
+        hidden: 64,
+        layers: 2,
+        heads: 4,
+        kv_heads: 2,
+        head_dim: 16,
+        intermediate: 128,
+        rms_eps: 1e-5,
+        rope_theta: 10000.0,
+        rope_scaling: RopeScaling::None,
+        rope_interleaved: false,
+        max_position: 256,
+        tied: false,
+        qkv_bias: false,
+        qk_norm: false,
+        bos: Some(special("<|bos|>")),
+        eos: Some(special("<|eos|>")),
+    };
+    let model = dir.join("tiny");
+    write_synthetic_hf(&model, &cfg, 7, DType::Bf16).unwrap();
+    std::fs::copy(&tokenizer_json, model.join("tokenizer.json")).unwrap();
+    let model = model.display().to_string();
+    let args = [
+        model.as_str(),
+        "--backend",
+        "cpu",
+        "--streams",
+        "5",
+        "-n",
+        "24",
+        "--temp",
+        "0.9",
+        "--min-p",
+        "0.05",
+        "--repeat-penalty",
+        "1.3",
+        "--seed",
+        "11",
+        "--check",
+    ];
+    let out = native::run(&exe, &args);
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "stdout:\n{stdout}\nstderr:\n{stderr}");
+    assert!(stdout.contains("KV pool of"), "the start-up line gives the pool: {stdout}");
+    for s in 0..5 {
+        assert!(stdout.contains(&format!("[stream {s}] ")), "stream {s}'s text: {stdout}");
+    }
+    assert!(stdout.contains("prompts: ") && stdout.contains("of 5 streams in one call"), "{stdout}");
+    let speed = stdout.lines().find(|l| l.starts_with("batch: 5 streams, ")).unwrap_or_else(|| panic!("{stdout}"));
+    assert!(speed.ends_with("tok/s aggregate") && speed.contains("up to 5 a call"), "{speed}");
+    assert!(stdout.contains("check: every stream's tokens match stepping it alone"), "{stdout}");
+
+    let (code, bad) = (native::run(&exe, &[model.as_str(), "--streams", "0"]), "--streams 0");
+    assert_eq!(code.status.code(), Some(2), "{bad}");
+    let out = native::run(&exe, &[model.as_str(), "--backend", "tpu"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--backend is cpu, cuda or auto"));
+}

@@ -8,6 +8,8 @@ mod common;
 use common::{bits, max_abs_diff, rel_l2, top_two_gap};
 
 use common::{Held, Scratch, device_info, info, init, logits, serial, stats, step, try_step};
+use common::{Rng, kv_stats, reset, set_sampling, stream_len, truncate, try_batch};
+use hostembed::sampler::{self, Sampling};
 
 use common::gpu_present;
 use hostembed::Status;
@@ -338,5 +340,381 @@ fn eight_threads_on_one_engine_match_the_serial_run() {
     });
     for s in 0..STREAMS as usize {
         assert_eq!(got[s], want[s], "stream {s}: threads against the serial run");
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Batches: engine_step_batch, the KV page pool, truncate and per-stream sampling on CUDA.
+
+/// `streams` streams of `window` tokens on CUDA, in a pool of their full windows.
+fn batch_cuda(window: u32, streams: u32) -> engine_options {
+    engine_options { context: window, max_streams: streams, ..greedy_cuda() }
+}
+
+/// `n` ids from a seeded walk over the vocabulary.
+fn ids(rng: &mut Rng, n: usize) -> Vec<i32> {
+    (0..n).map(|_| rng.below(config().vocab as u64) as i32).collect()
+}
+
+/// A stream's logits alone and in a batch of up to 64 single-token items, whatever the others are:
+/// bit for bit, token for token. Each stream's prompt is stepped alone on both engines (so their caches
+/// hold the same bits); then every round steps a random subset of the streams, in a random order, one
+/// token each, on one engine in one call and on the other one stream at a time. Streams are truncated
+/// and reset (and prompted again alone) between rounds.
+#[test]
+fn single_token_items_are_batch_invariant_on_cuda() {
+    if !gpu_present("single_token_items_are_batch_invariant_on_cuda") {
+        return;
+    }
+    let _g = serial();
+    let mut rng = Rng::fresh("single_token_items_are_batch_invariant_on_cuda");
+    let dir = Scratch::new("batch-invariance");
+    let path = &write_formats(&dir.0, &[])[0].path;
+    let (window, streams) = (256u32, 64u32);
+    let batched = init(path, &batch_cuda(window, streams));
+    let alone = init(path, &batch_cuda(window, streams));
+    assert_eq!(info(&batched).streams, streams);
+    for s in 0..streams {
+        // Half greedy, half drawn with every cut and the penalty: the device sampler per item.
+        let mut sampling = ffi::engine_default_sampling();
+        if s % 2 == 1 {
+            sampling = hostembed::abi::engine_sampling {
+                temperature: 0.9,
+                top_k: 40,
+                top_p: 0.95,
+                min_p: 0.02,
+                repeat_penalty: 1.3,
+                repeat_last_n: 32,
+                seed: rng.next_u64(),
+            };
+        }
+        set_sampling(&batched, s, &sampling);
+        set_sampling(&alone, s, &sampling);
+    }
+    let mut last = vec![0i32; streams as usize];
+    let prompt_both = |s: u32, rng: &mut Rng, last: &mut Vec<i32>| {
+        let n = 1 + rng.below(40) as usize;
+        let p = ids(rng, n);
+        let t = step(&batched, s, &p);
+        assert_eq!(step(&alone, s, &p), t, "stream {s}: the prompt, alone on both engines");
+        last[s as usize] = t;
+    };
+    for s in 0..streams {
+        prompt_both(s, &mut rng, &mut last);
+    }
+    let (mut items, mut widest) = (0usize, 0usize);
+    for round in 0..48 {
+        for s in 0..streams {
+            let len = stream_len(&batched, s);
+            if len + 1 >= window || rng.below(40) == 0 {
+                reset(&batched, s);
+                reset(&alone, s);
+                prompt_both(s, &mut rng, &mut last);
+            } else if rng.below(40) == 0 {
+                let keep = 1 + rng.below(len as u64) as u32;
+                truncate(&batched, s, keep);
+                truncate(&alone, s, keep);
+                // Re-step the last kept position's token so both have a token to feed.
+                let t = ids(&mut rng, 1);
+                let (a, b) = (step(&batched, s, &t), step(&alone, s, &t));
+                assert_eq!(a, b, "round {round} stream {s}: after truncating to {keep}");
+                last[s as usize] = a;
+            }
+        }
+        let width = [1usize, 2, 7, 16, 33, 64][round % 6];
+        let mut order: Vec<u32> = (0..streams).collect();
+        for i in (1..order.len()).rev() {
+            order.swap(i, rng.below(i as u64 + 1) as usize);
+        }
+        order.truncate(width);
+        let inputs: Vec<[i32; 1]> = order.iter().map(|&s| [last[s as usize]]).collect();
+        let batch: Vec<(u32, &[i32])> = order.iter().zip(&inputs).map(|(&s, t)| (s, t.as_slice())).collect();
+        let (st, out) = try_batch(&batched, &batch);
+        assert_eq!(st, Status::Ok, "round {round}: {}", last_error());
+        for (&(s, t), &(item, next)) in batch.iter().zip(&out) {
+            assert_eq!(item, Status::Ok, "round {round} stream {s}: {}", last_error());
+            let want = step(&alone, s, t);
+            assert_eq!(next, want, "round {round} (batch of {width}) stream {s}: token");
+            assert!(
+                bits(&logits(&batched, s)) == bits(&logits(&alone, s)),
+                "round {round} (batch of {width}) stream {s}: logits differ by {:.3e} relative L2",
+                rel_l2(&logits(&batched, s), &logits(&alone, s))
+            );
+            last[s as usize] = next;
+            items += 1;
+        }
+        widest = widest.max(width);
+    }
+    println!("{items} single-token items in batches of up to {widest}: every logit bit-identical to stepping alone");
+}
+
+/// Batches mixing prompt chunks with single tokens (continuous batching): a chunk's logits within 2e-3
+/// relative L2 of the same chunk stepped alone, the single tokens beside it bit-identical, and every
+/// stream's later logits close to its alone twin's (both engines fed the batched engine's tokens).
+#[test]
+fn mixed_batches_match_stepping_alone_on_cuda() {
+    if !gpu_present("mixed_batches_match_stepping_alone_on_cuda") {
+        return;
+    }
+    let _g = serial();
+    let mut rng = Rng::fresh("mixed_batches_match_stepping_alone_on_cuda");
+    let dir = Scratch::new("batch-mixed");
+    let path = &write_formats(&dir.0, &[])[0].path;
+    let (window, streams) = (512u32, 12u32);
+    let batched = init(path, &batch_cuda(window, streams));
+    let alone = init(path, &batch_cuda(window, streams));
+    // Whether a stream's cache holds the same bits on both engines (no chunk of it was batched yet).
+    let mut exact = vec![true; streams as usize];
+    let mut last: Vec<Option<i32>> = vec![None; streams as usize];
+    let (mut worst_chunk, mut worst_after, mut chunks) = (0f64, 0f64, 0usize);
+    for round in 0..40 {
+        let mut order: Vec<u32> = (0..streams).filter(|_| rng.below(4) > 0).collect();
+        for i in (1..order.len()).rev() {
+            order.swap(i, rng.below(i as u64 + 1) as usize);
+        }
+        let inputs: Vec<Vec<i32>> = order
+            .iter()
+            .map(|&s| {
+                let room = window - stream_len(&batched, s);
+                match last[s as usize] {
+                    Some(t) if rng.below(3) > 0 => vec![t],
+                    _ => {
+                        let n = (1 + rng.below(100) as u32).min(room.saturating_sub(1)).max(1);
+                        ids(&mut rng, n as usize)
+                    }
+                }
+            })
+            .collect();
+        let batch: Vec<(u32, &[i32])> = order.iter().zip(&inputs).map(|(&s, t)| (s, t.as_slice())).collect();
+        let (st, out) = try_batch(&batched, &batch);
+        assert_eq!(st, Status::Ok, "round {round}: {}", last_error());
+        let others = batch.len() > 1;
+        for (&(s, t), &(item, next)) in batch.iter().zip(&out) {
+            let (want_status, _) = try_step(&alone, s, t);
+            assert_eq!(item, want_status, "round {round} stream {s}: status ({})", last_error());
+            if item != Status::Ok {
+                // The window is full: both start again.
+                reset(&batched, s);
+                reset(&alone, s);
+                (exact[s as usize], last[s as usize]) = (true, None);
+                continue;
+            }
+            let (got, want) = (logits(&batched, s), logits(&alone, s));
+            let rel = rel_l2(&got, &want);
+            if t.len() > 1 {
+                assert!(rel <= 2e-3, "round {round} stream {s}: a {}-token chunk {rel:.3e} from alone", t.len());
+                worst_chunk = worst_chunk.max(rel);
+                chunks += 1;
+                exact[s as usize] &= !others;
+            } else if exact[s as usize] {
+                assert!(bits(&got) == bits(&want), "round {round} stream {s}: a single token, {rel:.3e} from alone");
+            } else {
+                assert!(rel <= 5e-3, "round {round} stream {s}: {rel:.3e} from alone after a batched chunk");
+                worst_after = worst_after.max(rel);
+            }
+            last[s as usize] = Some(next);
+        }
+    }
+    println!(
+        "{chunks} prompt chunks: worst {worst_chunk:.2e} relative L2 from alone; later tokens of batched chunks {worst_after:.2e}"
+    );
+    assert!(chunks > 20);
+}
+
+/// engine_truncate on CUDA: stepping the same tokens again after a truncate gives the same logits, bit
+/// for bit, and the pool gets back the pages past the new length.
+#[test]
+fn truncate_then_restep_is_bit_identical_on_cuda() {
+    if !gpu_present("truncate_then_restep_is_bit_identical_on_cuda") {
+        return;
+    }
+    let _g = serial();
+    let mut rng = Rng::fresh("truncate_then_restep_is_bit_identical_on_cuda");
+    let dir = Scratch::new("batch-truncate");
+    let path = &write_formats(&dir.0, &[])[0].path;
+    let e = init(path, &batch_cuda(512, 2));
+    let (total, free) = kv_stats(&e);
+    assert_eq!(free, total);
+    let mut fed = ids(&mut rng, 150);
+    let mut want = vec![(fed.len(), step(&e, 0, &fed.clone()), logits(&e, 0))];
+    for _ in 0..40 {
+        let t = want.last().unwrap().1;
+        fed.push(t);
+        want.push((fed.len(), step(&e, 0, &[t]), logits(&e, 0)));
+    }
+    // Past the prompt every position was a single token: re-stepping from there repeats every bit. From 0
+    // the whole prompt chunk runs again: every bit too. From inside the prompt the rest of it runs as a
+    // shorter chunk, which may take another path: within the prompt-chunk bound.
+    for keep in [189u32, 160, 151, 150, 0, 149, 100, 17, 1] {
+        truncate(&e, 0, keep);
+        assert_eq!(stream_len(&e, 0), keep);
+        let (_, free_now) = kv_stats(&e);
+        assert!(total - free_now >= keep as u64, "kept {keep}: {} positions held", total - free_now);
+        let keep = keep as usize;
+        let exact = keep == 0 || keep >= 150;
+        let mut at = keep;
+        if keep < 150 {
+            step(&e, 0, &fed[keep..150]);
+            at = 150;
+        }
+        let mut compared = 0;
+        loop {
+            if let Some((_, _, l)) = want.iter().find(|(n, _, _)| *n == at) {
+                let got = logits(&e, 0);
+                if exact {
+                    assert!(bits(&got) == bits(l), "kept {keep}: logits after {at}");
+                } else {
+                    let rel = rel_l2(&got, l);
+                    assert!(rel <= 2e-3, "kept {keep}: logits after {at} {rel:.3e} from the first run");
+                }
+                compared += 1;
+            }
+            if at == fed.len() {
+                break;
+            }
+            let got = step(&e, 0, &fed[at..at + 1]);
+            at += 1;
+            let first_run = want.iter().find(|(n, _, _)| *n == at).map(|w| w.1);
+            if exact && first_run.is_some() {
+                assert_eq!(Some(got), first_run, "kept {keep}: token after {at}");
+            }
+        }
+        assert!(compared > 0, "kept {keep}: nothing compared");
+    }
+    reset(&e, 0);
+    assert_eq!(kv_stats(&e), (total, total), "whole after the reset");
+}
+
+/// Room for two full 64k windows and 64 streams: 64 streams of 2,048 tokens are admitted and decoded
+/// (the pool, not the window count, bounds them); one more page for any of them is NO_ROOM for that item
+/// alone; each stream's logits match it stepped alone on a second engine; resets make the pool whole.
+#[test]
+fn sixty_four_streams_of_2048_tokens_share_two_64k_windows_on_cuda() {
+    if !gpu_present("sixty_four_streams_of_2048_tokens_share_two_64k_windows_on_cuda") {
+        return;
+    }
+    let _g = serial();
+    let mut rng = Rng::fresh("sixty_four_streams_of_2048_tokens_share_two_64k_windows_on_cuda");
+    let dir = Scratch::new("batch-pool");
+    let path = &write_formats(&dir.0, &[])[0].path;
+    let window = 65536u32;
+    let base = engine_options { reserve_bytes: 0, ..batch_cuda(window, 1) };
+    let ckpt = Checkpoint::open(path).unwrap();
+    let inputs = engine::fit_inputs(&ckpt, &base, Some(&device_info())).unwrap();
+    let plan = fit::plan(&inputs).unwrap();
+    let room = plan.on_card_bytes + 2 * plan.stream_bytes;
+    let opts = engine_options { room_bytes: room, max_streams: 64, ..base };
+    let e = init(path, &opts);
+    assert_eq!(info(&e).streams, 64, "max_streams streams over a pool of two windows");
+    let mut plan_of = unsafe { std::mem::zeroed() };
+    assert_eq!(unsafe { ffi::engine_plan_of(e.0, &mut plan_of) }, Status::Ok);
+    assert_eq!(plan_of.streams, 2, "the fit counts two full windows");
+    let (total, free) = kv_stats(&e);
+    println!("pool: {total} positions ({free} free) for two {window}-token windows");
+    assert!(total >= 2 * window as u64 && total < 2 * window as u64 + 4096, "a pool of two windows: {total}");
+
+    let prompts: Vec<Vec<i32>> = (0..64).map(|_| ids(&mut rng, 2047)).collect();
+    // The prompts in batches of 8 chunks of up to 512 tokens.
+    let mut at = vec![0usize; 64];
+    let mut next = vec![0i32; 64];
+    while at.iter().any(|&a| a < 2047) {
+        let mut batch: Vec<(u32, &[i32])> = Vec::new();
+        for s in 0..64 {
+            if at[s] < 2047 && batch.len() < 8 {
+                let end = (at[s] + 512).min(2047);
+                batch.push((s as u32, &prompts[s][at[s]..end]));
+                at[s] = end;
+            }
+        }
+        let (st, out) = try_batch(&e, &batch);
+        assert_eq!(st, Status::Ok, "{}", last_error());
+        for (&(s, _), &(item, t)) in batch.iter().zip(&out) {
+            assert_eq!(item, Status::Ok, "stream {s}'s prompt: {}", last_error());
+            next[s as usize] = t;
+        }
+    }
+    // One token each, all 64 in one call: 2,048 positions a stream.
+    let inputs: Vec<[i32; 1]> = next.iter().map(|&t| [t]).collect();
+    let batch: Vec<(u32, &[i32])> = (0..64u32).map(|s| (s, inputs[s as usize].as_slice())).collect();
+    let (st, out) = try_batch(&e, &batch);
+    assert_eq!(st, Status::Ok);
+    assert!(out.iter().all(|o| o.0 == Status::Ok), "{out:?}: {}", last_error());
+    assert!((0..64).all(|s| stream_len(&e, s) == 2048));
+    let logits_4 = logits(&e, 4);
+    let (_, free) = kv_stats(&e);
+    assert_eq!(free, total - 64 * 2048, "every stream holds exactly its 2,048 positions");
+    // Compare a few streams with themselves alone on an engine of one window.
+    let reference = init(path, &batch_cuda(4096, 1));
+    for s in [0u32, 17, 63] {
+        reset(&reference, 0);
+        step(&reference, 0, &prompts[s as usize]);
+        step(&reference, 0, &inputs[s as usize]);
+        let rel = rel_l2(&logits(&e, s), &logits(&reference, 0));
+        assert!(rel <= 2e-3, "stream {s}: {rel:.3e} relative L2 from alone");
+    }
+    // Where the pool has no page left, the item that needs one fails alone.
+    // Stream 4 steps its last position again (a page it holds); stream 3 needs a page past the pool's.
+    if free < 64 {
+        truncate(&e, 4, 2047);
+        let more = ids(&mut rng, 64);
+        let (st, out) = try_batch(&e, &[(3, &more), (4, &inputs[4])]);
+        assert_eq!(st, Status::Ok);
+        assert_eq!(out[0], (Status::NoRoom, -1), "{}", last_error());
+        assert_eq!(stream_len(&e, 3), 2048, "the refused item appended nothing");
+        assert_eq!((out[1], stream_len(&e, 4)), ((Status::Ok, out[1].1), 2048), "{}", last_error());
+        assert!(bits(&logits(&e, 4)) == bits(&logits_4), "stream 4 re-stepped: the same logits");
+    }
+    for s in 0..64 {
+        reset(&e, s);
+    }
+    assert_eq!(kv_stats(&e), (total, total), "whole after the resets");
+    drop((e, reference));
+    assert_eq!(stats(), engine_memory::default());
+}
+
+/// The device sampler through the engine: each stream's token is `sampler::sample_stream` of its own
+/// settings (min-p and the penalty included) on the logits the engine reports, stream by stream in
+/// one batch.
+#[test]
+fn per_stream_sampling_on_cuda_is_the_cpu_samplers_choice() {
+    if !gpu_present("per_stream_sampling_on_cuda_is_the_cpu_samplers_choice") {
+        return;
+    }
+    let _g = serial();
+    let mut rng = Rng::fresh("per_stream_sampling_on_cuda_is_the_cpu_samplers_choice");
+    let dir = Scratch::new("batch-sampling");
+    let path = &write_formats(&dir.0, &[])[0].path;
+    let e = init(path, &batch_cuda(256, 4));
+    let settings = [
+        Sampling::GREEDY,
+        Sampling { repeat_penalty: 2.0, repeat_last_n: 64, ..Sampling::GREEDY },
+        Sampling {
+            temperature: 1.2,
+            top_k: 50,
+            min_p: 0.05,
+            repeat_penalty: 1.4,
+            repeat_last_n: 16,
+            seed: 9,
+            ..Sampling::GREEDY
+        },
+        Sampling { temperature: 0.8, top_p: 0.9, min_p: 0.2, seed: 4, ..Sampling::GREEDY },
+    ];
+    for (s, sampling) in settings.iter().enumerate() {
+        set_sampling(&e, s as u32, sampling);
+    }
+    let mut history: Vec<Vec<u32>> = vec![Vec::new(); 4];
+    let mut feed: Vec<Vec<i32>> = (0..4).map(|_| ids(&mut rng, 12)).collect();
+    for round in 0..40 {
+        let batch: Vec<(u32, &[i32])> = (0..4u32).map(|s| (s, feed[s as usize].as_slice())).collect();
+        let (st, out) = try_batch(&e, &batch);
+        assert_eq!(st, Status::Ok, "{}", last_error());
+        for s in 0..4usize {
+            assert_eq!(out[s].0, Status::Ok);
+            let new: Vec<u32> = feed[s].iter().map(|&t| t as u32).collect();
+            let want = sampler::sample_stream(&logits(&e, s as u32), &settings[s], s as u32, &history[s], &new);
+            assert_eq!(out[s].1 as u32, want, "round {round} stream {s}: {:?}", settings[s]);
+            history[s].extend(&new);
+            feed[s] = vec![out[s].1];
+        }
     }
 }

@@ -836,6 +836,73 @@ fn sampled_tokens_match_the_cpu_sampler() {
     assert!(not_argmax * 3 > compared, "only {not_argmax} of {compared} draws left the argmax");
 }
 
+/// Min-p and the repetition penalty on the device: the same token as `sampler::sample_stream` from the
+/// same logits and stream history, over every vocabulary size and kind of logits, with every other cut
+/// beside them; the launch leaves the logits as they were (`device_sample_penalized` checks).
+#[test]
+fn min_p_and_repetition_penalty_match_the_cpu_sampler() {
+    if !gpu_present("min_p_and_repetition_penalty_match_the_cpu_sampler") {
+        return;
+    }
+    let mut rng = Rng::fresh("min_p_and_repetition_penalty_match_the_cpu_sampler");
+    // (min_p, repeat_penalty, repeat_last_n) beside each (temperature, top_k, top_p).
+    let extra: [(f32, f32, u32); 7] = [
+        (0.05, 1.0, 64),
+        (0.3, 1.0, 64),
+        (1.0, 1.0, 64),
+        (0.0, 1.3, 64),
+        (0.1, 1.8, 256),
+        (0.02, 0.7, 32),
+        (0.5, 3.0, 4096),
+    ];
+    let (mut compared, mut changed) = (0, 0);
+    for vocab in SAMPLE_VOCABS {
+        for kind in 0..3 {
+            let logits = sample_logits(&mut rng, vocab, kind);
+            let d = DeviceBuffer::from_slice(&logits).unwrap();
+            // A history that repeats the likeliest tokens, so the penalty moves the draw.
+            let mut order: Vec<u32> = (0..vocab as u32).collect();
+            order.sort_by(|&a, &b| logits[b as usize].total_cmp(&logits[a as usize]));
+            let history: Vec<u32> = (0..300)
+                .map(|i| {
+                    if i % 3 == 0 {
+                        order[rng.below(order.len().min(20) as u64) as usize]
+                    } else {
+                        rng.below(vocab as u64) as u32
+                    }
+                })
+                .collect();
+            let new = [history[0], order[0]];
+            let greedy_settings = [(0.0f32, 0u32, 1.0f32)];
+            for &(temperature, top_k, top_p) in SAMPLE_SETTINGS.iter().chain(&greedy_settings) {
+                for &(min_p, repeat_penalty, repeat_last_n) in &extra {
+                    let s = Sampling {
+                        temperature,
+                        top_k,
+                        top_p,
+                        min_p,
+                        repeat_penalty,
+                        repeat_last_n,
+                        seed: rng.next_u64(),
+                    };
+                    let stream = rng.below(8) as u32;
+                    let position = (history.len() + new.len()) as u64;
+                    let ids = sampler::penalty_ids(&history, &new, &s);
+                    let got = device_sample_penalized(&d, vocab, &s, stream, position, &ids);
+                    let want = sampler::sample_stream(&logits, &s, stream, &history, &new);
+                    assert_eq!(got, want, "vocab {vocab} kind {kind} {s:?} stream {stream}: {} ids", ids.len());
+                    let plain =
+                        sampler::sample(&logits, &Sampling { min_p: 0.0, repeat_penalty: 1.0, ..s }, stream, position);
+                    changed += (want != plain) as usize;
+                    compared += 1;
+                }
+            }
+        }
+    }
+    println!("{compared} draws with min-p or a penalty identical to src/sampler.rs, {changed} moved by them");
+    assert!(changed * 5 > compared, "min-p and the penalty moved only {changed} of {compared} draws");
+}
+
 #[test]
 fn sampling_handles_degenerate_logits_like_the_cpu() {
     if !gpu_present("sampling_handles_degenerate_logits_like_the_cpu") {

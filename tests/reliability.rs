@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{Held, Rng, Scratch, c_path, info, init, serial, step, try_step};
+use common::{Held, Rng, Scratch, c_path, info, init, serial, step};
 use hostembed::Status;
 use hostembed::checkpoint::write::{synthetic_weights, write_gguf};
 use hostembed::engine::{self, engine_backend, engine_options};

@@ -194,6 +194,49 @@ pub fn bits(v: &[f32]) -> Vec<u32> {
     v.iter().map(|x| x.to_bits()).collect()
 }
 
+/// engine_step_batch's status and each item's (status, next); items with no tokens pass NULL.
+pub fn try_batch(e: &Held, items: &[(u32, &[i32])]) -> (Status, Vec<(Status, i32)>) {
+    let mut c: Vec<hostembed::abi::engine_batch_item> = items
+        .iter()
+        .map(|&(stream, tokens)| hostembed::abi::engine_batch_item {
+            stream,
+            tokens: if tokens.is_empty() { std::ptr::null() } else { tokens.as_ptr() },
+            n: tokens.len(),
+            next: -7,
+            status: Status::Panic,
+        })
+        .collect();
+    let st = unsafe { ffi::engine_step_batch(e.0, c.as_mut_ptr(), c.len()) };
+    (st, c.iter().map(|i| (i.status, i.next)).collect())
+}
+
+/// (positions in the KV pool, positions free).
+pub fn kv_stats(e: &Held) -> (u64, u64) {
+    let (mut total, mut free) = (0, 0);
+    assert_eq!(unsafe { ffi::engine_kv_stats(e.0, &mut total, &mut free) }, Status::Ok, "{}", last_error());
+    (total, free)
+}
+
+pub fn stream_len(e: &Held, stream: u32) -> u32 {
+    let mut len = u32::MAX;
+    assert_eq!(unsafe { ffi::engine_stream_len(e.0, stream, &mut len) }, Status::Ok, "{}", last_error());
+    len
+}
+
+pub fn truncate(e: &Held, stream: u32, len: u32) {
+    let st = unsafe { ffi::engine_truncate(e.0, stream, len) };
+    assert_eq!(st, Status::Ok, "engine_truncate({stream}, {len}): {}", last_error());
+}
+
+pub fn reset(e: &Held, stream: u32) {
+    assert_eq!(unsafe { ffi::engine_reset(e.0, stream) }, Status::Ok, "engine_reset({stream}): {}", last_error());
+}
+
+pub fn set_sampling(e: &Held, stream: u32, s: &hostembed::abi::engine_sampling) {
+    let st = unsafe { ffi::engine_set_sampling(e.0, stream, s) };
+    assert_eq!(st, Status::Ok, "engine_set_sampling({stream}): {}", last_error());
+}
+
 /// One layer's paged KV pool as the kernels lay it out (`HE_PAGE_TOKENS` positions a page, each page
 /// bf16 [K, V][kv_heads][PAGE_TOKENS][head_dim]), every value 0xFFFF (a NaN) until written, and page
 /// tables that scatter a stream's positions over the pool in a shuffled order.
