@@ -9,7 +9,6 @@ mod common;
 use common::{rel_l2, top_two_gap};
 
 use common::{Rng, gpu_present};
-use hostembed::Status;
 use hostembed::backend::{PagePool, StepItem};
 use hostembed::checkpoint::write::{MemSource, Recipe};
 use hostembed::cpu::CpuModel;
