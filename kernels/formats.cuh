@@ -68,6 +68,13 @@ struct HasUnits : std::false_type {};
 template <typename F>
 struct HasUnits<F, std::void_t<decltype(F::UNITS)>> : std::true_type {};
 
+// Whether F streams rows in chunks (the matrix-vector product's direct path); a format with both readings
+// takes that one for the product.
+template <typename F, typename = void>
+struct HasChunks : std::false_type {};
+template <typename F>
+struct HasChunks<F, std::void_t<decltype(F::CHUNK_VALUES)>> : std::true_type {};
+
 // Bytes of a row of `cols` values; 0 when cols is not a whole number of blocks.
 template <typename F>
 size_t row_bytes(unsigned int cols) {

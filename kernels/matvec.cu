@@ -436,7 +436,7 @@ cudaError_t launch_matvec(const void *w, const void *w2, int dtype, unsigned int
         constexpr uintptr_t field_align = F::BLOCK_BYTES % 4 == 0 ? 4 : 2;
         if (n == 0) {
             err = cudaSuccess;
-        } else if constexpr (he::HasUnits<F>::value) {
+        } else if constexpr (he::HasUnits<F>::value && !he::HasChunks<F>::value) {
             if (aligned(w, field_align) && (!GLU || aligned(w2, field_align)) && aligned(x, 16))
                 err = launch_tiles<Staged<F>, GLU>(wb, wb2, rows, cols, x, n, bias, residual, y, ldy, stream);
             else
