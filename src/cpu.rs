@@ -28,7 +28,8 @@ mod matmul;
 mod parallel;
 
 use self::attention::{AttentionScratch, Batch};
-use self::matmul::{RowTile, Write, pack_tokens};
+use self::matmul::{RowTile, Write};
+use self::parallel::Pool;
 pub use self::parallel::{MAX_THREADS, THREADS_ENV, thread_count};
 
 /// Tokens a step runs through the layers together; a longer step runs in chunks of this many. Past a
@@ -51,16 +52,22 @@ fn inverse_rms(x: &[f32], eps: f32) -> f32 {
     (1.0 / (mean_square + eps as f64).sqrt()) as f32
 }
 
-/// out[r] = sum_c w[r][c] * x[c] over a [rows, cols] weight in any stored format, on this thread.
+/// out[r] = sum_c w[r][c] * x[c] over a [rows, cols] weight in any stored format, on this thread: each
+/// dot as `tensor::dot` defines it, the model's own arithmetic.
 pub fn matvec(w: &TensorRef, x: &[f32], out: &mut [f32]) {
+    matmul(w, x, out)
+}
+
+/// out[t][r] = w[r] . x[t] for the tokens of `x` (rows of w.cols() values) into the same rows of `out`
+/// (w.rows() values each), on this thread: the batched path a prompt takes, bit for bit `matvec` of
+/// each token.
+pub fn matmul(w: &TensorRef, x: &[f32], out: &mut [f32]) {
     let (rows, cols) = (w.rows(), w.cols());
-    assert_eq!(x.len(), cols, "matvec: input length does not match the weight's columns");
-    assert_eq!(out.len(), rows, "matvec: output length does not match the weight's rows");
-    let mut packed = vec![0f64; cols];
-    pack_tokens(x, cols, &mut packed);
-    let (tile_len, decoded_len) = RowTile::len(cols);
-    let mut tile = [RowTile { rows: vec![0f64; tile_len], decoded: vec![0f32; decoded_len] }];
-    matmul::matmul(w, &packed, 1, out, Write::Set, &mut tile);
+    assert!(x.len().is_multiple_of(cols), "matmul: input is not whole rows of the weight's columns");
+    let n = x.len() / cols;
+    assert_eq!(out.len(), n * rows, "matmul: output is not a row of the weight's rows per input row");
+    let mut tile = [RowTile { decoded: vec![0f32; RowTile::len(cols)] }];
+    matmul::matmul(w, x, n, out, Write::Set, &mut tile);
 }
 
 pub use crate::model::rope_inv_freq;
@@ -174,7 +181,8 @@ pub struct CpuModel<'a> {
     lm_head: TensorRef<'a>,
     layers: Vec<LayerWeights<CpuWeight<'a>>>,
     inv_freq: Vec<f32>,
-    threads: usize,
+    /// The threads a step runs on: this one and the pool's workers.
+    pool: Pool,
 }
 
 /// One stream's f32 KV cache: per layer, `window` rows of kv_heads * head_dim for K and for V.
@@ -195,17 +203,18 @@ impl<'a> CpuModel<'a> {
         let lm_head = w.lm_head.unwrap_or(w.embed);
         let inv_freq = rope_inv_freq(&cfg);
         let final_norm = w.final_norm.to_f32();
-        Ok(CpuModel { cfg, embed: w.embed, final_norm, lm_head, layers, inv_freq, threads: thread_count() })
+        let pool = Pool::new(thread_count());
+        Ok(CpuModel { cfg, embed: w.embed, final_norm, lm_head, layers, inv_freq, pool })
     }
 
     /// The same model on `threads` threads (1..=MAX_THREADS); the logits do not change.
     pub fn with_threads(mut self, threads: usize) -> Self {
-        self.threads = threads.clamp(1, MAX_THREADS);
+        self.pool = Pool::new(threads);
         self
     }
 
     pub fn threads(&self) -> usize {
-        self.threads
+        self.pool.threads()
     }
 
     pub fn config(&self) -> &ModelConfig {
@@ -236,12 +245,14 @@ impl<'a> CpuModel<'a> {
         self.check_tokens(stream, tokens)?;
         let mut s = Scratch::new(&self.cfg, tokens.len().min(CHUNK_TOKENS), self.step_threads(stream))?;
         let mut logits = try_filled(self.cfg.vocab as u128, 0f32)?;
-        let mut last = 0;
-        for chunk in tokens.chunks(CHUNK_TOKENS) {
-            self.advance(stream, chunk, &mut s);
-            last = chunk.len() - 1;
-        }
-        self.logits(&mut s, last..last + 1, &mut logits);
+        self.pool.install(|| {
+            let mut last = 0;
+            for chunk in tokens.chunks(CHUNK_TOKENS) {
+                self.advance(stream, chunk, &mut s);
+                last = chunk.len() - 1;
+            }
+            self.logits(&mut s, last..last + 1, &mut logits);
+        });
         Ok(logits)
     }
 
@@ -252,18 +263,20 @@ impl<'a> CpuModel<'a> {
         let mut s = Scratch::new(&self.cfg, chunk_tokens, self.step_threads(stream))?;
         let mut logits = try_filled(chunk_tokens as u128 * self.cfg.vocab as u128, 0f32)?;
         let mut all = Vec::with_capacity(tokens.len());
-        for chunk in tokens.chunks(CHUNK_TOKENS) {
-            self.advance(stream, chunk, &mut s);
-            let logits = &mut logits[..chunk.len() * self.cfg.vocab];
-            self.logits(&mut s, 0..chunk.len(), logits);
-            all.extend(logits.chunks_exact(self.cfg.vocab).map(<[f32]>::to_vec));
-        }
+        self.pool.install(|| {
+            for chunk in tokens.chunks(CHUNK_TOKENS) {
+                self.advance(stream, chunk, &mut s);
+                let logits = &mut logits[..chunk.len() * self.cfg.vocab];
+                self.logits(&mut s, 0..chunk.len(), logits);
+                all.extend(logits.chunks_exact(self.cfg.vocab).map(<[f32]>::to_vec));
+            }
+        });
         Ok(all)
     }
 
     /// Threads a step of `stream` runs on (those the plan counts at the stream's window).
     fn step_threads(&self, stream: &CpuStream) -> usize {
-        step_threads(&self.cfg, stream.window, self.threads)
+        step_threads(&self.cfg, stream.window, self.threads())
     }
 
     /// Everything that could refuse the call, before any token is appended.
@@ -281,7 +294,7 @@ impl<'a> CpuModel<'a> {
         let cfg = &self.cfg;
         let (n, hidden, q_dim, kv_dim, head_dim) = (tokens.len(), cfg.hidden, cfg.q_dim(), cfg.kv_dim(), cfg.head_dim);
         let first_pos = stream.len;
-        let Scratch { x, h, q, attn, gate, up, packed, rotation, tiles, attention } = s;
+        let Scratch { x, h, q, attn, gate, up, rotation, tiles, attention } = s;
         let (x, h, q, attn) = (&mut x[..n * hidden], &mut h[..n * hidden], &mut q[..n * q_dim], &mut attn[..n * q_dim]);
         let (gate, up) = (&mut gate[..n * cfg.intermediate], &mut up[..n * cfg.intermediate]);
         let embed_row_bytes = self.embed.dtype.row_bytes(hidden).expect("validated at load");
@@ -295,10 +308,7 @@ impl<'a> CpuModel<'a> {
         }
         // Projects `input` (n tokens) through `w` into (or onto) `out`.
         let mut project = |w: &CpuWeight, input: &[f32], out: &mut [f32], mode: Write| {
-            let w = w.matrix();
-            let packed = &mut packed[..n * w.cols()];
-            pack_tokens(input, w.cols(), packed);
-            matmul::matmul(w, packed, n, out, mode, tiles);
+            matmul::matmul(w.matrix(), input, n, out, mode, tiles);
         };
         for (layer, (k_cache, v_cache)) in
             self.layers.iter().zip(stream.cache.k.iter_mut().zip(stream.cache.v.iter_mut()))
@@ -352,9 +362,7 @@ impl<'a> CpuModel<'a> {
         let n = tokens.len();
         let (x, h) = (&s.x[tokens.start * hidden..tokens.end * hidden], &mut s.h[..n * hidden]);
         norm_rows(x, &self.final_norm, self.cfg.rms_eps, h);
-        let packed = &mut s.packed[..n * hidden];
-        pack_tokens(h, hidden, packed);
-        matmul::matmul(&self.lm_head, packed, n, out, Write::Set, &mut s.tiles);
+        matmul::matmul(&self.lm_head, h, n, out, Write::Set, &mut s.tiles);
     }
 }
 
@@ -386,15 +394,13 @@ struct ScratchLens {
     hidden: u128,
     q: u128,
     intermediate: u128,
-    /// f64s: the chunk packed for a product, at the widest input.
-    packed: u128,
     /// (cos, sin) pairs: head_dim / 2.
     rotation: u128,
     /// f32s: the logits a step returns.
     logits: u128,
     threads: u128,
-    /// Per thread: f64s and f32s of its row tile.
-    tile: (u128, u128),
+    /// Per thread: f32s of its row tile.
+    tile: u128,
     /// Per thread: its attention buffers, as `AttentionScratch::lens` counts them.
     attention: [u128; 7],
 }
@@ -402,31 +408,28 @@ struct ScratchLens {
 impl ScratchLens {
     fn new(cfg: &ModelConfig, tokens: u128, threads: u128) -> ScratchLens {
         let widest = cfg.hidden.max(cfg.q_dim()).max(cfg.intermediate);
-        let (tile, decoded) = RowTile::len(widest);
         ScratchLens {
             hidden: tokens * cfg.hidden as u128,
             q: tokens * cfg.q_dim() as u128,
             intermediate: tokens * cfg.intermediate as u128,
-            packed: tokens * widest as u128,
             rotation: cfg.head_dim as u128 / 2,
             logits: cfg.vocab as u128,
             threads,
-            tile: (tile as u128, decoded as u128),
+            tile: RowTile::len(widest) as u128,
             attention: AttentionScratch::lens(cfg.heads / cfg.kv_heads, cfg.head_dim).map(|n| n as u128),
         }
     }
 
     fn bytes(&self) -> u128 {
-        let shared =
-            (2 * (self.hidden + self.q + self.intermediate) + self.logits) * 4 + (self.packed + self.rotation) * 8;
+        let shared = (2 * (self.hidden + self.q + self.intermediate) + self.logits) * 4 + self.rotation * 8;
         let attention = self.attention.iter().sum::<u128>() * 8;
-        shared + self.threads * (self.tile.0 * 8 + self.tile.1 * 4 + attention)
+        shared + self.threads * (self.tile * 4 + attention)
     }
 }
 
 /// Host bytes a CPU step takes beside the streams' caches, at most, at a `window`-token window with
 /// `threads` allowed: the activations of a chunk (at most CHUNK_TOKENS, and never more than the
-/// window), the packed tokens, the logits, and a row tile and attention blocks for each of
+/// window), the logits, and a row tile and attention blocks for each of
 /// `step_threads` threads. u64::MAX where that overflows 64 bits.
 pub fn scratch_bytes(cfg: &ModelConfig, window: usize, threads: usize) -> u64 {
     let threads = step_threads(cfg, window, threads);
@@ -455,7 +458,6 @@ struct Scratch {
     attn: Vec<f32>,
     gate: Vec<f32>,
     up: Vec<f32>,
-    packed: Vec<f64>,
     rotation: Vec<(f32, f32)>,
     tiles: Vec<RowTile>,
     attention: Vec<AttentionScratch>,
@@ -474,7 +476,7 @@ impl Scratch {
             .try_reserve_exact(threads)
             .map_err(|_| err!(NoRoom, "the host has no room for {threads} threads' scratch"))?;
         for _ in 0..threads {
-            tiles.push(RowTile { rows: try_filled(l.tile.0, 0.0)?, decoded: try_filled(l.tile.1, 0.0)? });
+            tiles.push(RowTile { decoded: try_filled(l.tile, 0.0)? });
             attention.push(AttentionScratch::new(cfg.heads / cfg.kv_heads, cfg.head_dim)?);
         }
         Ok(Scratch {
@@ -484,7 +486,6 @@ impl Scratch {
             attn: try_filled(l.q, 0.0)?,
             gate: try_filled(l.intermediate, 0.0)?,
             up: try_filled(l.intermediate, 0.0)?,
-            packed: try_filled(l.packed, 0.0)?,
             rotation: try_filled(l.rotation, (0.0, 0.0))?,
             tiles,
             attention,
