@@ -21,8 +21,9 @@ pub const THREADS_ENV: &str = "HOSTEMBED_CPU_THREADS";
 /// The most threads the CPU backend starts; each holds scratch the plan counts.
 pub const MAX_THREADS: usize = 256;
 
-/// Multiply-adds below which a second thread costs more to start than it saves.
-pub(super) const MIN_THREAD_WORK: u64 = 1 << 18;
+/// Multiply-adds below which a second thread costs more than it saves: a pool's worker wakes in
+/// microseconds, about what one core takes for this many.
+pub(super) const MIN_THREAD_WORK: u64 = 1 << 15;
 
 /// Threads the CPU backend splits its work over: HOSTEMBED_CPU_THREADS when it is a positive number,
 /// else the cores this process may use; at most `MAX_THREADS`.
@@ -45,7 +46,7 @@ pub(super) fn threads_for(work: u64, parts: usize, threads: usize) -> usize {
 }
 
 /// How long an idle worker spins for the next job before it sleeps.
-const SPIN: Duration = Duration::from_micros(200);
+const SPIN: Duration = Duration::from_micros(50);
 
 /// A job as the workers see it: a borrowed closure with its lifetime erased (see `Pool::run`).
 type Job = *const (dyn Fn(usize) + Sync);
