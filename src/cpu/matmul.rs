@@ -116,21 +116,26 @@ impl Kernel for BatchPart<'_, '_> {
                 crate::tensor::decode_row(w.dtype, &w.bytes[(r + i) * row_bytes..(r + i + 1) * row_bytes], out);
             }
             let at = r - rows.start;
-            match count {
-                ROW_TILE => dot_tokens::<V, ROW_TILE>(decoded, cols, x, &mut outs, at, mode),
-                1 => dot_tokens::<V, 1>(decoded, cols, x, &mut outs, at, mode),
-                2 => dot_tokens::<V, 2>(decoded, cols, x, &mut outs, at, mode),
-                _ => dot_tokens::<V, 3>(decoded, cols, x, &mut outs, at, mode),
+            // SAFETY: `Simd::run` runs this kernel inside V's build.
+            unsafe {
+                match count {
+                    ROW_TILE => dot_tokens::<V, ROW_TILE>(decoded, cols, x, &mut outs, at, mode),
+                    1 => dot_tokens::<V, 1>(decoded, cols, x, &mut outs, at, mode),
+                    2 => dot_tokens::<V, 2>(decoded, cols, x, &mut outs, at, mode),
+                    _ => dot_tokens::<V, 3>(decoded, cols, x, &mut outs, at, mode),
+                }
             }
             r += count;
         }
     }
 }
 
-/// Dots `R` decoded rows with every token and writes the results at column `at` of `outs`. Inside V's
-/// build (see `Vector`), as every function it is inlined into is.
+/// Dots `R` decoded rows with every token and writes the results at column `at` of `outs`.
+///
+/// # Safety
+/// Inside V's build (see `Vector`).
 #[inline(always)]
-fn dot_tokens<V: Vector, const R: usize>(
+unsafe fn dot_tokens<V: Vector, const R: usize>(
     rows: &[f32],
     cols: usize,
     x: &[f32],
@@ -144,13 +149,15 @@ fn dot_tokens<V: Vector, const R: usize>(
     while first < outs.len() {
         if outs.len() - first >= TOKEN_TILE {
             let xs: [&[f32]; TOKEN_TILE] = std::array::from_fn(|_| tokens.next().expect("one row of x a token"));
-            let acc = dots::<V, R, TOKEN_TILE>(rows, xs);
+            // SAFETY: the caller runs this inside V's build.
+            let acc = unsafe { dots::<V, R, TOKEN_TILE>(rows, xs) };
             for (j, out) in outs[first..first + TOKEN_TILE].iter_mut().enumerate() {
                 store(&acc.map(|row| row[j]), &mut out[at..], mode);
             }
             first += TOKEN_TILE;
         } else {
-            let acc = dots::<V, R, 1>(rows, [tokens.next().expect("one row of x a token")]);
+            // SAFETY: the caller runs this inside V's build.
+            let acc = unsafe { dots::<V, R, 1>(rows, [tokens.next().expect("one row of x a token")]) };
             store(&acc.map(|row| row[0]), &mut outs[first][at..], mode);
             first += 1;
         }
@@ -158,11 +165,14 @@ fn dot_tokens<V: Vector, const R: usize>(
 }
 
 /// The R x T dots of decoded rows with tokens: the lanes of `tensor::dot`, R x T chains side by side.
+///
+/// # Safety
+/// Inside V's build (see `Vector`).
 #[inline(always)]
-fn dots<V: Vector, const R: usize, const T: usize>(rows: [&[f32]; R], xs: [&[f32]; T]) -> [[f32; T]; R] {
+unsafe fn dots<V: Vector, const R: usize, const T: usize>(rows: [&[f32]; R], xs: [&[f32]; T]) -> [[f32; T]; R] {
     let (row_chunks, x_chunks) = (rows.map(|r| r.as_chunks::<LANES>()), xs.map(|x| x.as_chunks::<LANES>()));
     let tail = LANES * row_chunks[0].0.len();
-    // SAFETY: `Simd::run` runs the kernel this is inlined into inside V's build.
+    // SAFETY: the caller runs this inside V's build.
     unsafe {
         let mut acc = [[V::zero(); T]; R];
         for k in 0..row_chunks[0].0.len() {
