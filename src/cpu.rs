@@ -28,7 +28,8 @@ mod matmul;
 mod parallel;
 
 use self::attention::{AttentionScratch, Batch, KEY_BLOCK, KvRows};
-use self::matmul::{RowTile, Write, pack_tokens};
+use self::matmul::{RowTile, Write};
+use self::parallel::Pool;
 pub use self::parallel::{MAX_THREADS, THREADS_ENV, thread_count};
 
 /// Tokens a step runs through the layers together; a longer step runs in chunks of this many. Past a
@@ -54,16 +55,22 @@ fn inverse_rms(x: &[f32], eps: f32) -> f32 {
     (1.0 / (mean_square + eps as f64).sqrt()) as f32
 }
 
-/// out[r] = sum_c w[r][c] * x[c] over a [rows, cols] weight in any stored format, on this thread.
+/// out[r] = sum_c w[r][c] * x[c] over a [rows, cols] weight in any stored format, on this thread: each
+/// dot as `tensor::dot` defines it, the model's own arithmetic.
 pub fn matvec(w: &TensorRef, x: &[f32], out: &mut [f32]) {
+    matmul(w, x, out)
+}
+
+/// out[t][r] = w[r] . x[t] for the tokens of `x` (rows of w.cols() values) into the same rows of `out`
+/// (w.rows() values each), on this thread: the batched path a prompt takes, bit for bit `matvec` of
+/// each token.
+pub fn matmul(w: &TensorRef, x: &[f32], out: &mut [f32]) {
     let (rows, cols) = (w.rows(), w.cols());
-    assert_eq!(x.len(), cols, "matvec: input length does not match the weight's columns");
-    assert_eq!(out.len(), rows, "matvec: output length does not match the weight's rows");
-    let mut packed = vec![0f64; cols];
-    pack_tokens(x, cols, &mut packed);
-    let (tile_len, decoded_len) = RowTile::len(cols);
-    let mut tile = [RowTile { rows: vec![0f64; tile_len], decoded: vec![0f32; decoded_len] }];
-    matmul::matmul(w, &packed, 1, out, Write::Set, &mut tile);
+    assert!(x.len().is_multiple_of(cols), "matmul: input is not whole rows of the weight's columns");
+    let n = x.len() / cols;
+    assert_eq!(out.len(), n * rows, "matmul: output is not a row of the weight's rows per input row");
+    let mut tile = [RowTile { decoded: vec![0f32; RowTile::len(cols)] }];
+    matmul::matmul(w, x, n, out, Write::Set, &mut tile);
 }
 
 pub use crate::model::rope_inv_freq;
@@ -180,7 +187,8 @@ pub struct CpuModel<'a> {
     lm_head: TensorRef<'a>,
     layers: Vec<LayerWeights<CpuWeight<'a>>>,
     inv_freq: Vec<f32>,
-    threads: usize,
+    /// The threads a step runs on: this one and the pool's workers.
+    pool: Pool,
 }
 
 /// KV memory in pages of `PAGE_TOKENS` positions, each holding every layer's K and V rows:
@@ -266,17 +274,18 @@ impl<'a> CpuModel<'a> {
         let lm_head = w.lm_head.unwrap_or(w.embed);
         let inv_freq = rope_inv_freq(&cfg);
         let final_norm = w.final_norm.to_f32();
-        Ok(CpuModel { cfg, embed: w.embed, final_norm, lm_head, layers, inv_freq, threads: thread_count() })
+        let pool = Pool::new(thread_count());
+        Ok(CpuModel { cfg, embed: w.embed, final_norm, lm_head, layers, inv_freq, pool })
     }
 
     /// The same model on `threads` threads (1..=MAX_THREADS); the logits do not change.
     pub fn with_threads(mut self, threads: usize) -> Self {
-        self.threads = threads.clamp(1, MAX_THREADS);
+        self.pool = Pool::new(threads);
         self
     }
 
     pub fn threads(&self) -> usize {
-        self.threads
+        self.pool.threads()
     }
 
     pub fn config(&self) -> &ModelConfig {
@@ -316,17 +325,19 @@ impl<'a> CpuModel<'a> {
             let mut s = Scratch::new(&self.cfg, chunk_tokens, self.step_threads(stream))?;
             let mut logits = try_filled(chunk_tokens as u128 * self.cfg.vocab as u128, 0f32)?;
             let mut all = Vec::with_capacity(tokens.len());
-            for chunk in tokens.chunks(CHUNK_TOKENS) {
-                self.advance(
-                    kv,
-                    &[Segment { pages: &stream.pages, tokens: chunk, first_pos: stream.len, row: 0 }],
-                    &mut s,
-                );
-                stream.len += chunk.len();
-                let logits = &mut logits[..chunk.len() * self.cfg.vocab];
-                self.logits(&mut s, 0..chunk.len(), logits);
-                all.extend(logits.chunks_exact(self.cfg.vocab).map(<[f32]>::to_vec));
-            }
+            self.pool.install(|| {
+                for chunk in tokens.chunks(CHUNK_TOKENS) {
+                    self.advance(
+                        kv,
+                        &[Segment { pages: &stream.pages, tokens: chunk, first_pos: stream.len, row: 0 }],
+                        &mut s,
+                    );
+                    stream.len += chunk.len();
+                    let logits = &mut logits[..chunk.len() * self.cfg.vocab];
+                    self.logits(&mut s, 0..chunk.len(), logits);
+                    all.extend(logits.chunks_exact(self.cfg.vocab).map(<[f32]>::to_vec));
+                }
+            });
             Ok(all)
         })
     }
@@ -350,13 +361,15 @@ impl<'a> CpuModel<'a> {
         self.check_tokens(kv, stream, tokens)?;
         let mut s = Scratch::new(&self.cfg, tokens.len().min(CHUNK_TOKENS), self.step_threads(stream))?;
         let mut logits = try_filled(self.cfg.vocab as u128, 0f32)?;
-        let mut last = 0;
-        for chunk in tokens.chunks(CHUNK_TOKENS) {
-            self.advance(kv, &[Segment { pages: &stream.pages, tokens: chunk, first_pos: stream.len, row: 0 }], &mut s);
-            stream.len += chunk.len();
-            last = chunk.len() - 1;
-        }
-        self.logits(&mut s, last..last + 1, &mut logits);
+        self.pool.install(|| {
+            let mut last = 0;
+            for chunk in tokens.chunks(CHUNK_TOKENS) {
+                self.advance(kv, &[Segment { pages: &stream.pages, tokens: chunk, first_pos: stream.len, row: 0 }], &mut s);
+                stream.len += chunk.len();
+                last = chunk.len() - 1;
+            }
+            self.logits(&mut s, last..last + 1, &mut logits);
+        });
         Ok(logits)
     }
 
@@ -380,7 +393,7 @@ impl<'a> CpuModel<'a> {
         let vocab = self.cfg.vocab;
         // How many of each item's tokens have run.
         let mut done = vec![0usize; items.len()];
-        loop {
+        self.pool.install(|| loop {
             // One pass: each unfinished item's next tokens, in item order, up to CHUNK_TOKENS in all.
             let mut segments = Vec::new();
             let mut taken = Vec::new();
@@ -430,7 +443,7 @@ impl<'a> CpuModel<'a> {
                     Err(e) => finishing.iter().for_each(|&(i, _)| out[i] = Err(e.clone())),
                 }
             }
-        }
+        });
         for ((stream, tokens), o) in items.iter_mut().zip(&out) {
             if o.is_ok() {
                 stream.len += tokens.len();
@@ -441,7 +454,7 @@ impl<'a> CpuModel<'a> {
 
     /// Threads a step of `stream` runs on (those the plan counts at the stream's window).
     fn step_threads(&self, stream: &CpuStream) -> usize {
-        step_threads(&self.cfg, stream.window, self.threads)
+        step_threads(&self.cfg, stream.window, self.threads())
     }
 
     /// Everything that could refuse the call, before any token is appended.
@@ -470,7 +483,7 @@ impl<'a> CpuModel<'a> {
         let cfg = &self.cfg;
         let n: usize = segments.iter().map(|g| g.tokens.len()).sum();
         let (hidden, q_dim, kv_dim, head_dim) = (cfg.hidden, cfg.q_dim(), cfg.kv_dim(), cfg.head_dim);
-        let Scratch { x, h, q, k, v, attn, gate, up, packed, rotation, tiles, attention } = s;
+        let Scratch { x, h, q, k, v, attn, gate, up, rotation, tiles, attention } = s;
         let (x, h, q, attn) = (&mut x[..n * hidden], &mut h[..n * hidden], &mut q[..n * q_dim], &mut attn[..n * q_dim]);
         let (k, v) = (&mut k[..n * kv_dim], &mut v[..n * kv_dim]);
         let (gate, up) = (&mut gate[..n * cfg.intermediate], &mut up[..n * cfg.intermediate]);
@@ -489,10 +502,7 @@ impl<'a> CpuModel<'a> {
             segments.iter().flat_map(|g| (0..g.tokens.len()).map(move |t| g.first_pos + t)).collect();
         // Projects `input` (n tokens) through `w` into (or onto) `out`.
         let mut project = |w: &CpuWeight, input: &[f32], out: &mut [f32], mode: Write| {
-            let w = w.matrix();
-            let packed = &mut packed[..n * w.cols()];
-            pack_tokens(input, w.cols(), packed);
-            matmul::matmul(w, packed, n, out, mode, tiles);
+            matmul::matmul(w.matrix(), input, n, out, mode, tiles);
         };
         for (l, layer) in self.layers.iter().enumerate() {
             norm_rows(x, layer.attn_norm.values(), cfg.rms_eps, h);
@@ -557,9 +567,7 @@ impl<'a> CpuModel<'a> {
                 &mut s.h[j * hidden..(j + 1) * hidden],
             );
         }
-        let packed = &mut s.packed[..n * hidden];
-        pack_tokens(&s.h[..n * hidden], hidden, packed);
-        matmul::matmul(&self.lm_head, packed, n, out, Write::Set, &mut s.tiles);
+        matmul::matmul(&self.lm_head, &s.h[..n * hidden], n, out, Write::Set, &mut s.tiles);
     }
 
     /// The logits of the chunk's tokens `tokens` (hidden states in `s.x`), one row of `out` each.
@@ -568,9 +576,7 @@ impl<'a> CpuModel<'a> {
         let n = tokens.len();
         let (x, h) = (&s.x[tokens.start * hidden..tokens.end * hidden], &mut s.h[..n * hidden]);
         norm_rows(x, &self.final_norm, self.cfg.rms_eps, h);
-        let packed = &mut s.packed[..n * hidden];
-        pack_tokens(h, hidden, packed);
-        matmul::matmul(&self.lm_head, packed, n, out, Write::Set, &mut s.tiles);
+        matmul::matmul(&self.lm_head, h, n, out, Write::Set, &mut s.tiles);
     }
 }
 
@@ -604,15 +610,13 @@ struct ScratchLens {
     /// f32s of the chunk's new k and v rows each (tokens x kv_dim), copied into the pages.
     kv: u128,
     intermediate: u128,
-    /// f64s: the chunk packed for a product, at the widest input.
-    packed: u128,
     /// (cos, sin) pairs: head_dim / 2.
     rotation: u128,
     /// f32s: the logits a step returns.
     logits: u128,
     threads: u128,
-    /// Per thread: f64s and f32s of its row tile.
-    tile: (u128, u128),
+    /// Per thread: f32s of its row tile.
+    tile: u128,
     /// Per thread: its attention buffers, as `AttentionScratch::lens` counts them.
     attention: [u128; 7],
 }
@@ -620,32 +624,29 @@ struct ScratchLens {
 impl ScratchLens {
     fn new(cfg: &ModelConfig, tokens: u128, threads: u128) -> ScratchLens {
         let widest = cfg.hidden.max(cfg.q_dim()).max(cfg.intermediate);
-        let (tile, decoded) = RowTile::len(widest);
         ScratchLens {
             hidden: tokens * cfg.hidden as u128,
             q: tokens * cfg.q_dim() as u128,
             kv: tokens * cfg.kv_dim() as u128,
             intermediate: tokens * cfg.intermediate as u128,
-            packed: tokens * widest as u128,
             rotation: cfg.head_dim as u128 / 2,
             logits: cfg.vocab as u128,
             threads,
-            tile: (tile as u128, decoded as u128),
+            tile: RowTile::len(widest) as u128,
             attention: AttentionScratch::lens(cfg.heads / cfg.kv_heads, cfg.head_dim).map(|n| n as u128),
         }
     }
 
     fn bytes(&self) -> u128 {
-        let shared = (2 * (self.hidden + self.q + self.kv + self.intermediate) + self.logits) * 4
-            + (self.packed + self.rotation) * 8;
+        let shared = (2 * (self.hidden + self.q + self.kv + self.intermediate) + self.logits) * 4 + self.rotation * 8;
         let attention = self.attention.iter().sum::<u128>() * 8;
-        shared + self.threads * (self.tile.0 * 8 + self.tile.1 * 4 + attention)
+        shared + self.threads * (self.tile * 4 + attention)
     }
 }
 
 /// Host bytes a CPU step takes beside the streams' caches, at most, at a `window`-token window with
 /// `threads` allowed: the activations of a chunk (at most CHUNK_TOKENS, and never more than the
-/// window), the packed tokens, the logits, and a row tile and attention blocks for each of
+/// window), the logits, and a row tile and attention blocks for each of
 /// `step_threads` threads. u64::MAX where that overflows 64 bits.
 pub fn scratch_bytes(cfg: &ModelConfig, window: usize, threads: usize) -> u64 {
     let threads = step_threads(cfg, window, threads);
@@ -676,7 +677,6 @@ struct Scratch {
     attn: Vec<f32>,
     gate: Vec<f32>,
     up: Vec<f32>,
-    packed: Vec<f64>,
     rotation: Vec<(f32, f32)>,
     tiles: Vec<RowTile>,
     attention: Vec<AttentionScratch>,
@@ -695,7 +695,7 @@ impl Scratch {
             .try_reserve_exact(threads)
             .map_err(|_| err!(NoRoom, "the host has no room for {threads} threads' scratch"))?;
         for _ in 0..threads {
-            tiles.push(RowTile { rows: try_filled(l.tile.0, 0.0)?, decoded: try_filled(l.tile.1, 0.0)? });
+            tiles.push(RowTile { decoded: try_filled(l.tile, 0.0)? });
             attention.push(AttentionScratch::new(cfg.heads / cfg.kv_heads, cfg.head_dim)?);
         }
         Ok(Scratch {
@@ -707,7 +707,6 @@ impl Scratch {
             attn: try_filled(l.q, 0.0)?,
             gate: try_filled(l.intermediate, 0.0)?,
             up: try_filled(l.intermediate, 0.0)?,
-            packed: try_filled(l.packed, 0.0)?,
             rotation: try_filled(l.rotation, (0.0, 0.0))?,
             tiles,
             attention,

@@ -13,7 +13,7 @@ use hostembed::checkpoint::write;
 use hostembed::cpu::{self, CpuModel};
 use hostembed::model::{Arch, ModelConfig, RopeScaling, TensorRef, TensorSource, names};
 use hostembed::sampler::{self, Sampling};
-use hostembed::tensor::{DType, FORMATS, encode_row};
+use hostembed::tensor::{self, DType, FORMATS, Simd, encode_row};
 
 // ---------------------------------------------------------------------------------------------
 // An in-memory model: the synthetic weight formula, and a TensorSource over encoded bytes.
@@ -172,7 +172,9 @@ fn matvec_decodes_every_format() {
         cpu::matvec(&w, &x, &mut out);
         for r in 0..rows {
             let expect: f64 = (0..cols).map(|c| decoded[r * cols + c] as f64 * x[c] as f64).sum();
-            assert!((out[r] as f64 - expect).abs() <= 1e-6 * expect.abs().max(1.0), "{dtype:?} row {r}");
+            // f32 lanes: a few roundings of 2^-24 each, relative to the sum of the products' sizes.
+            let size: f64 = (0..cols).map(|c| (decoded[r * cols + c] as f64 * x[c] as f64).abs()).sum();
+            assert!((out[r] as f64 - expect).abs() <= 1e-6 * size.max(1.0), "{dtype:?} row {r}");
         }
         // The stored format's rounding stays a rounding, not a different matrix.
         let exact: Vec<f32> = (0..rows)
@@ -360,22 +362,24 @@ fn swiglu_and_add() {
 
 /// `cpu::attention`'s signature: one query over `n_ctx` cached positions.
 type AttentionFn = fn(&[f32], &[f32], &[f32], usize, usize, usize, usize, &mut [f32]);
+/// `cpu::matvec`'s signature.
+type MatvecFn = fn(&TensorRef, &[f32], &mut [f32]);
 
 /// The model computed layer by layer over the whole sequence at once, with no cache carried between
 /// tokens: the same ops in another schedule, so a cache that stores or reads the wrong rows shows.
 fn layer_major_logits(src: &MemSource, toks: &[u32]) -> Vec<Vec<f32>> {
-    layer_major_logits_with(src, toks, cpu::attention)
+    layer_major_logits_with(src, toks, cpu::matvec, cpu::attention)
 }
 
-/// `layer_major_logits` with another attention.
-fn layer_major_logits_with(src: &MemSource, toks: &[u32], attention: AttentionFn) -> Vec<Vec<f32>> {
+/// `layer_major_logits` with other products and attention.
+fn layer_major_logits_with(src: &MemSource, toks: &[u32], product: MatvecFn, attention: AttentionFn) -> Vec<Vec<f32>> {
     let cfg = &src.cfg;
     let (_n, q_dim, kv_dim, hd) = (toks.len(), cfg.q_dim(), cfg.kv_dim(), cfg.head_dim);
     let w = |name: &str| src.tensor(name).unwrap();
     let inv_freq = cpu::rope_inv_freq(cfg);
     let matvec = |name: &str, x: &[f32], rows: usize| {
         let mut out = vec![0f32; rows];
-        cpu::matvec(&w(name), x, &mut out);
+        product(&w(name), x, &mut out);
         out
     };
     let norm = |x: &[f32], weight: &[f32]| {
@@ -637,20 +641,68 @@ fn plain_attention(
     }
 }
 
-#[test]
-fn matvec_is_the_plain_f64_dot_bit_for_bit() {
-    let mut rng = Rng::fresh("matvec_is_the_plain_f64_dot_bit_for_bit");
-    // 13 rows: three tiles of four and one row alone; rows of two k-quant super-blocks.
-    let (rows, cols) = (13, 512);
+/// Every format the crate reads.
+fn formats() -> impl Iterator<Item = DType> {
+    FORMATS.iter().map(|f| f.dtype)
+}
+
+/// Random rows of `dtype` and their `TensorRef`'s pieces.
+fn random_weight(rng: &mut Rng, dtype: DType, rows: usize, cols: usize) -> (Vec<u8>, [usize; 2]) {
     let values = rng.vec(rows * cols, 1.0);
-    let x = rng.vec(cols, 2.0);
-    for dtype in FORMATS.iter().map(|f| f.dtype) {
-        let bytes: Vec<u8> = values.chunks(cols).flat_map(|r| encode_row(dtype, r)).collect();
-        let shape = [rows, cols];
-        let w = TensorRef { dtype, shape: &shape, bytes: &bytes };
-        let mut out = vec![0f32; rows];
-        cpu::matvec(&w, &x, &mut out);
-        assert_eq!(common::bits(&out), common::bits(&plain_matvec(&w, &x)), "{dtype:?}");
+    (values.chunks(cols).flat_map(|r| encode_row(dtype, r)).collect(), [rows, cols])
+}
+
+#[test]
+fn fast_products_stay_within_1e_5_of_the_plain_f64_products_in_every_format_and_build() {
+    let mut rng = Rng::fresh("fast_products_stay_within_1e_5_of_the_plain_f64_products_in_every_format_and_build");
+    let builds = Simd::available();
+    println!("builds: {:?}", builds.iter().map(|s| s.name()).collect::<Vec<_>>());
+    // 13 rows: three groups of four and one row alone; 100 columns leave a tail of 4 lanes.
+    for (rows, cols) in [(13, 96), (13, 100), (7, 576), (3, 1536), (5, 8)] {
+        for dtype in formats() {
+            if dtype.row_bytes(cols).is_none() {
+                continue;
+            }
+            let (bytes, shape) = random_weight(&mut rng, dtype, rows, cols);
+            let w = TensorRef { dtype, shape: &shape, bytes: &bytes };
+            let x = rng.vec(cols, 2.0);
+            let want = plain_matvec(&w, &x);
+            let row_bytes: Vec<&[u8]> = bytes.chunks(bytes.len() / rows).collect();
+            let mut portable = vec![f32::NAN; rows];
+            tensor::dot_rows_into(dtype, Simd::portable(), &row_bytes, &x, &mut portable);
+            for &simd in &builds {
+                let mut got = vec![f32::NAN; rows];
+                tensor::dot_rows_into(dtype, simd, &row_bytes, &x, &mut got);
+                let err = rel_l2(&got, &want);
+                assert!(err < 1e-5, "{dtype:?} {rows}x{cols} on {}: relative L2 {err}", simd.name());
+                assert_eq!(common::bits(&got), common::bits(&portable), "{dtype:?} {rows}x{cols} on {}", simd.name());
+            }
+            let mut got = vec![f32::NAN; rows];
+            cpu::matvec(&w, &x, &mut got);
+            assert_eq!(common::bits(&got), common::bits(&portable), "{dtype:?} {rows}x{cols}: matvec");
+        }
+    }
+}
+
+#[test]
+fn a_batched_product_gives_each_token_the_bits_of_its_own_matvec() {
+    let mut rng = Rng::fresh("a_batched_product_gives_each_token_the_bits_of_its_own_matvec");
+    for (rows, cols, tokens) in [(13, 96, 7), (9, 100, 2), (6, 64, 1), (4, 576, 5)] {
+        for dtype in formats() {
+            if dtype.row_bytes(cols).is_none() {
+                continue;
+            }
+            let (bytes, shape) = random_weight(&mut rng, dtype, rows, cols);
+            let w = TensorRef { dtype, shape: &shape, bytes: &bytes };
+            let x = rng.vec(tokens * cols, 2.0);
+            let mut batched = vec![f32::NAN; tokens * rows];
+            cpu::matmul(&w, &x, &mut batched);
+            for (t, (x, got)) in x.chunks(cols).zip(batched.chunks(rows)).enumerate() {
+                let mut want = vec![f32::NAN; rows];
+                cpu::matvec(&w, x, &mut want);
+                assert_eq!(common::bits(got), common::bits(&want), "{dtype:?} {rows}x{cols}, token {t} of {tokens}");
+            }
+        }
     }
 }
 
@@ -682,9 +734,35 @@ fn the_model_stays_within_rounding_of_the_plain_definitions() {
         let model = CpuModel::new(&src).unwrap();
         let toks = tokens(&mut rng, 64, cfg.vocab);
         let got = model.forward_all(&mut model.new_stream(64), &toks).unwrap();
-        for (pos, (g, want)) in got.iter().zip(layer_major_logits_with(&src, &toks, plain_attention)).enumerate() {
+        let want = layer_major_logits_with(&src, &toks, cpu::matvec, plain_attention);
+        for (pos, (g, want)) in got.iter().zip(want).enumerate() {
             let err = rel_l2(g, &want);
             assert!(err < 1e-9, "{arch:?} position {pos}: relative L2 {err}");
+        }
+    }
+}
+
+/// `plain_matvec` into `out`.
+fn plain_matvec_into(w: &TensorRef, x: &[f32], out: &mut [f32]) {
+    out.copy_from_slice(&plain_matvec(w, x));
+}
+
+#[test]
+fn the_model_stays_within_1e_5_of_the_plain_f64_model_in_every_format() {
+    let mut rng = Rng::fresh("the_model_stays_within_1e_5_of_the_plain_f64_model_in_every_format");
+    for arch in ARCHS {
+        let cfg = small_config(arch);
+        let seed = rng.next_u64();
+        let toks = tokens(&mut rng, 24, cfg.vocab);
+        for dtype in formats() {
+            let src = synthetic_model(&cfg, seed, dtype);
+            let model = CpuModel::new(&src).unwrap();
+            let got = model.forward_all(&mut model.new_stream(24), &toks).unwrap();
+            let want = layer_major_logits_with(&src, &toks, plain_matvec_into, plain_attention);
+            for (pos, (g, want)) in got.iter().zip(want).enumerate() {
+                let err = rel_l2(g, &want);
+                assert!(err < 1e-5, "{arch:?} {dtype:?} position {pos}: relative L2 {err}");
+            }
         }
     }
 }
@@ -727,6 +805,26 @@ fn a_prompt_in_one_step_gives_the_logits_of_the_prompt_token_by_token() {
             let all = model.forward_all(&mut model.new_stream(n), &toks).unwrap();
             for (pos, (got, want)) in all.iter().zip(&want).enumerate() {
                 assert_eq!(common::bits(got), common::bits(want), "{arch:?} on {threads} threads, position {pos}");
+            }
+        }
+    }
+}
+
+#[test]
+fn a_prompt_in_one_step_gives_the_token_by_token_bits_in_every_format() {
+    let mut rng = Rng::fresh("a_prompt_in_one_step_gives_the_token_by_token_bits_in_every_format");
+    let n = cpu::CHUNK_TOKENS + 5;
+    for arch in ARCHS {
+        let cfg = small_config(arch);
+        let seed = rng.next_u64();
+        let toks = tokens(&mut rng, n, cfg.vocab);
+        for dtype in formats() {
+            let src = synthetic_model(&cfg, seed, dtype);
+            let want = token_by_token(&CpuModel::new(&src).unwrap().with_threads(1), &toks, n);
+            let model = CpuModel::new(&src).unwrap().with_threads(3);
+            let all = model.forward_all(&mut model.new_stream(n), &toks).unwrap();
+            for (pos, (got, want)) in all.iter().zip(&want).enumerate() {
+                assert_eq!(common::bits(got), common::bits(want), "{arch:?} {dtype:?}, position {pos}");
             }
         }
     }

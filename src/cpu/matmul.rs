@@ -1,45 +1,31 @@
-//! The CPU backend's matrix product: out[t][r] = sum_c w[r][c] * x[t][c] for a batch of tokens over a
-//! weight in any stored format. Rows are decoded once per product, a tile at a time, and each tile is
-//! dotted with every token; rows are split across threads. Every dot is one f64 sum from zero in
-//! column order (products of f32 values, exact in f64), as the token-by-token matvec always formed
-//! it, so a token's result does not depend on the batch, the tiling or the threads.
+//! The CPU backend's matrix product: out[t][r] = w[r] . x[t] for a batch of tokens over a weight in
+//! any stored format, each dot as `tensor::dot` defines it (f32 lanes, fused multiply-adds in column
+//! order, a fixed tree), so a token's result does not depend on the batch, the tiling, the threads or
+//! the SIMD build. One token reads the rows as stored, four at a time, decoding in registers; a batch
+//! decodes a tile of rows once (exactly: the same values) and dots it with every token. Rows are split
+//! across threads.
 
 use std::ops::Range;
 
 use super::parallel::{run_parts, threads_for};
 use crate::model::TensorRef;
+use crate::tensor::dot::{Kernel, LANES, Vector};
+use crate::tensor::{Simd, dot_rows_into};
 
-/// Rows decoded and dotted together: four accumulator chains per token hide the adds' latency.
+/// Rows decoded and dotted together: ROW_TILE x TOKEN_TILE dots of LANES lanes side by side.
 pub(super) const ROW_TILE: usize = 4;
-/// Tokens dotted together with each decoded row, side by side in the packed layout.
-pub(super) const TOKEN_TILE: usize = 4;
+/// Tokens dotted together with a decoded row tile.
+pub(super) const TOKEN_TILE: usize = 2;
 
-/// What one thread needs for a product: `ROW_TILE` decoded rows, column-interleaved, and one row as
-/// its format decodes it. Sized for the widest weight.
+/// What one thread needs for a batch's product: `ROW_TILE` rows decoded to f32, for the widest weight.
 pub(super) struct RowTile {
-    pub(super) rows: Vec<f64>,
     pub(super) decoded: Vec<f32>,
 }
 
 impl RowTile {
-    /// f64 values of the tile, then f32 values of the decoded row, for weights of up to `cols` columns.
-    pub(super) fn len(cols: usize) -> (usize, usize) {
-        (ROW_TILE * cols, cols)
-    }
-}
-
-/// `n` tokens of `cols` values, packed for the kernel: tiles of `TOKEN_TILE` tokens, column-major
-/// within a tile (tile[c][j] = token j's value c), then the last tile of the `n % TOKEN_TILE` left.
-pub(super) fn pack_tokens(x: &[f32], cols: usize, packed: &mut [f64]) {
-    assert!(cols > 0 && x.len().is_multiple_of(cols), "pack_tokens: input is not whole tokens");
-    let packed = &mut packed[..x.len()];
-    for (tile, out) in x.chunks(TOKEN_TILE * cols).zip(packed.chunks_mut(TOKEN_TILE * cols)) {
-        let tokens = tile.len() / cols;
-        for (j, token) in tile.chunks_exact(cols).enumerate() {
-            for (c, &v) in token.iter().enumerate() {
-                out[c * tokens + j] = v as f64;
-            }
-        }
+    /// f32 values of a tile for weights of up to `cols` columns.
+    pub(super) fn len(cols: usize) -> usize {
+        ROW_TILE * cols
     }
 }
 
@@ -52,11 +38,12 @@ pub(super) enum Write {
     Add,
 }
 
-/// out[t][r] (= or +=) w[r] . x[t] for the `n` tokens packed in `packed`; `out` holds n rows of
-/// w.rows() values. Rows are split over as many threads as the work is worth, up to one a `RowTile`.
-pub(super) fn matmul(w: &TensorRef, packed: &[f64], n: usize, out: &mut [f32], mode: Write, tiles: &mut [RowTile]) {
+/// out[t][r] (= or +=) w[r] . x[t] for the `n` tokens of `x` (n rows of w.cols() values); `out` holds
+/// n rows of w.rows() values. Rows are split over as many threads as the work is worth, up to one a
+/// `RowTile`.
+pub(super) fn matmul(w: &TensorRef, x: &[f32], n: usize, out: &mut [f32], mode: Write, tiles: &mut [RowTile]) {
     let (rows, cols) = (w.rows(), w.cols());
-    assert_eq!(packed.len(), n * cols, "matmul: packed input is not n tokens of the weight's columns");
+    assert_eq!(x.len(), n * cols, "matmul: input is not n tokens of the weight's columns");
     assert_eq!(out.len(), n * rows, "matmul: output is not n tokens of the weight's rows");
     let row_tiles = rows.div_ceil(ROW_TILE);
     let work = (rows as u64) * (cols as u64) * (n as u64);
@@ -73,7 +60,8 @@ pub(super) fn matmul(w: &TensorRef, packed: &[f64], n: usize, out: &mut [f32], m
             token_out = rest;
         }
     }
-    run_parts(parts, &mut tiles[..threads], |part, tile| part.run(w, packed, n, mode, tile));
+    let simd = Simd::best();
+    run_parts(parts, &mut tiles[..threads], |part, tile| part.run(w, x, mode, tile, simd));
 }
 
 /// A run of weight rows and, for each token, the slice of its output those rows fill.
@@ -83,98 +71,137 @@ struct Part<'o> {
 }
 
 impl Part<'_> {
-    fn run(self, w: &TensorRef, packed: &[f64], n: usize, mode: Write, tile: &mut RowTile) {
-        #[cfg(target_arch = "x86_64")]
-        if std::arch::is_x86_feature_detected!("avx2") {
-            // SAFETY: this CPU has AVX2, the one feature `run_avx2` is compiled for.
-            return unsafe { self.run_avx2(w, packed, n, mode, tile) };
-        }
-        self.run_here(w, packed, n, mode, tile)
-    }
-
-    /// `run_here` compiled for AVX2: four f64 lanes a vector, the same operations in the same order
-    /// (no fused multiply-add), so the same bits.
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2")]
-    fn run_avx2(self, w: &TensorRef, packed: &[f64], n: usize, mode: Write, tile: &mut RowTile) {
-        self.run_here(w, packed, n, mode, tile)
-    }
-
-    #[inline(always)]
-    fn run_here(mut self, w: &TensorRef, packed: &[f64], n: usize, mode: Write, tile: &mut RowTile) {
+    fn run(mut self, w: &TensorRef, x: &[f32], mode: Write, tile: &mut RowTile, simd: Simd) {
         let cols = w.cols();
         let row_bytes = w.dtype.row_bytes(cols).expect("matmul: row size invalid for the weight's format");
-        let mut r = self.rows.start;
-        while r < self.rows.end {
-            let count = ROW_TILE.min(self.rows.end - r);
-            let rows = &mut tile.rows[..count * cols];
-            for i in 0..count {
-                let decoded = &mut tile.decoded[..cols];
-                crate::tensor::decode_row(w.dtype, &w.bytes[(r + i) * row_bytes..(r + i + 1) * row_bytes], decoded);
-                for (c, &v) in decoded.iter().enumerate() {
-                    rows[c * count + i] = v as f64;
-                }
+        let row = |r: usize| &w.bytes[r * row_bytes..(r + 1) * row_bytes];
+        if let [out] = &mut self.outs[..] {
+            // One token: the rows as stored, a group at a time.
+            let mut dots = [0f32; ROW_TILE];
+            for first in self.rows.clone().step_by(ROW_TILE) {
+                let count = ROW_TILE.min(self.rows.end - first);
+                let group: [&[u8]; ROW_TILE] = std::array::from_fn(|i| row(first + i.min(count - 1)));
+                let dots = &mut dots[..count];
+                dot_rows_into(w.dtype, simd, &group[..count], x, dots);
+                store(dots, &mut out[first - self.rows.start..], mode);
             }
-            let at = r - self.rows.start;
-            match count {
-                ROW_TILE => dot_tokens::<ROW_TILE>(rows, cols, packed, n, &mut self.outs, at, mode),
-                1 => dot_tokens::<1>(rows, cols, packed, n, &mut self.outs, at, mode),
-                2 => dot_tokens::<2>(rows, cols, packed, n, &mut self.outs, at, mode),
-                _ => dot_tokens::<3>(rows, cols, packed, n, &mut self.outs, at, mode),
+            return;
+        }
+        simd.run(BatchPart { part: self, w, x, mode, tile })
+    }
+}
+
+/// A part of a batch's product: each tile of rows decoded once, then dotted with every token.
+struct BatchPart<'p, 'o> {
+    part: Part<'o>,
+    w: &'p TensorRef<'p>,
+    x: &'p [f32],
+    mode: Write,
+    tile: &'p mut RowTile,
+}
+
+impl Kernel for BatchPart<'_, '_> {
+    type Output = ();
+
+    #[inline(always)]
+    unsafe fn run<V: Vector>(self) {
+        let BatchPart { part: Part { rows, mut outs }, w, x, mode, tile } = self;
+        let cols = w.cols();
+        let row_bytes = w.dtype.row_bytes(cols).expect("matmul: row size invalid for the weight's format");
+        let mut r = rows.start;
+        while r < rows.end {
+            let count = ROW_TILE.min(rows.end - r);
+            let decoded = &mut tile.decoded[..count * cols];
+            for (i, out) in decoded.chunks_exact_mut(cols).enumerate() {
+                crate::tensor::decode_row(w.dtype, &w.bytes[(r + i) * row_bytes..(r + i + 1) * row_bytes], out);
+            }
+            let at = r - rows.start;
+            // SAFETY: `Simd::run` runs this kernel inside V's build.
+            unsafe {
+                match count {
+                    ROW_TILE => dot_tokens::<V, ROW_TILE>(decoded, cols, x, &mut outs, at, mode),
+                    1 => dot_tokens::<V, 1>(decoded, cols, x, &mut outs, at, mode),
+                    2 => dot_tokens::<V, 2>(decoded, cols, x, &mut outs, at, mode),
+                    _ => dot_tokens::<V, 3>(decoded, cols, x, &mut outs, at, mode),
+                }
             }
             r += count;
         }
     }
 }
 
-/// Dots `R` interleaved rows with every packed token and writes the results at column `at` of `outs`.
+/// Dots `R` decoded rows with every token and writes the results at column `at` of `outs`.
+///
+/// # Safety
+/// Inside V's build (see `Vector`).
 #[inline(always)]
-fn dot_tokens<const R: usize>(
-    rows: &[f64],
+unsafe fn dot_tokens<V: Vector, const R: usize>(
+    rows: &[f32],
     cols: usize,
-    packed: &[f64],
-    n: usize,
+    x: &[f32],
     outs: &mut [&mut [f32]],
     at: usize,
     mode: Write,
 ) {
+    let rows: [&[f32]; R] = std::array::from_fn(|i| &rows[i * cols..(i + 1) * cols]);
+    let mut tokens = x.chunks_exact(cols);
     let mut first = 0;
-    for tile in packed.chunks(TOKEN_TILE * cols) {
-        let tokens = tile.len() / cols;
-        match tokens {
-            TOKEN_TILE => store(dots::<R, TOKEN_TILE>(rows, tile), &mut outs[first..], at, mode),
-            1 => store(dots::<R, 1>(rows, tile), &mut outs[first..], at, mode),
-            2 => store(dots::<R, 2>(rows, tile), &mut outs[first..], at, mode),
-            _ => store(dots::<R, 3>(rows, tile), &mut outs[first..], at, mode),
-        }
-        first += tokens;
-    }
-    debug_assert_eq!(first, n);
-}
-
-/// The R x T dots of a row tile with a token tile, each summed from zero in column order.
-#[inline(always)]
-fn dots<const R: usize, const T: usize>(rows: &[f64], tokens: &[f64]) -> [[f64; T]; R] {
-    let mut acc = [[0f64; T]; R];
-    for (w, x) in rows.chunks_exact(R).zip(tokens.chunks_exact(T)) {
-        for i in 0..R {
-            for j in 0..T {
-                acc[i][j] += w[i] * x[j];
+    while first < outs.len() {
+        if outs.len() - first >= TOKEN_TILE {
+            let xs: [&[f32]; TOKEN_TILE] = std::array::from_fn(|_| tokens.next().expect("one row of x a token"));
+            // SAFETY: the caller runs this inside V's build.
+            let acc = unsafe { dots::<V, R, TOKEN_TILE>(rows, xs) };
+            for (j, out) in outs[first..first + TOKEN_TILE].iter_mut().enumerate() {
+                store(&acc.map(|row| row[j]), &mut out[at..], mode);
             }
+            first += TOKEN_TILE;
+        } else {
+            // SAFETY: the caller runs this inside V's build.
+            let acc = unsafe { dots::<V, R, 1>(rows, [tokens.next().expect("one row of x a token")]) };
+            store(&acc.map(|row| row[0]), &mut outs[first][at..], mode);
+            first += 1;
         }
     }
-    acc
 }
 
+/// The R x T dots of decoded rows with tokens: the lanes of `tensor::dot`, R x T chains side by side.
+///
+/// # Safety
+/// Inside V's build (see `Vector`).
 #[inline(always)]
-fn store<const R: usize, const T: usize>(acc: [[f64; T]; R], outs: &mut [&mut [f32]], at: usize, mode: Write) {
-    for (j, out) in outs.iter_mut().take(T).enumerate() {
-        for (i, row) in acc.iter().enumerate() {
-            let v = row[j] as f32;
-            match mode {
-                Write::Set => out[at + i] = v,
-                Write::Add => out[at + i] += v,
+unsafe fn dots<V: Vector, const R: usize, const T: usize>(rows: [&[f32]; R], xs: [&[f32]; T]) -> [[f32; T]; R] {
+    let (row_chunks, x_chunks) = (rows.map(|r| r.as_chunks::<LANES>()), xs.map(|x| x.as_chunks::<LANES>()));
+    let tail = LANES * row_chunks[0].0.len();
+    // SAFETY: the caller runs this inside V's build.
+    unsafe {
+        let mut acc = [[V::zero(); T]; R];
+        for k in 0..row_chunks[0].0.len() {
+            let x: [V; T] = std::array::from_fn(|j| V::load(&x_chunks[j].0[k]));
+            for (acc, (w, _)) in acc.iter_mut().zip(&row_chunks) {
+                let w = V::load(&w[k]);
+                for (acc, &x) in acc.iter_mut().zip(&x) {
+                    *acc = acc.fma(w, x);
+                }
             }
+        }
+        for (acc, (_, w_tail)) in acc.iter_mut().zip(&row_chunks) {
+            for (acc, (_, x_tail)) in acc.iter_mut().zip(&x_chunks) {
+                if !w_tail.is_empty() {
+                    *acc = acc.fma_values(tail, w_tail, x_tail);
+                }
+            }
+        }
+        acc.map(|row| row.map(|lanes| lanes.sum()))
+    }
+}
+
+/// Writes a group's dots into `out` (from its start).
+#[inline(always)]
+fn store(dots: &[f32], out: &mut [f32], mode: Write) {
+    for (o, &v) in out.iter_mut().zip(dots) {
+        match mode {
+            Write::Set => *o = v,
+            Write::Add => *o += v,
         }
     }
 }

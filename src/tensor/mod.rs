@@ -5,6 +5,7 @@
 use safetensors::Dtype;
 
 mod bfloat16;
+pub mod dot;
 mod float16;
 mod float32;
 pub mod k_quants;
@@ -22,6 +23,7 @@ mod q8_0;
 use half::f16;
 
 pub use self::bfloat16::Bf16;
+pub use self::dot::{LANES, Lanes, Simd, Vector, dot_rows_into};
 pub use self::float16::F16;
 pub use self::float32::F32;
 pub use self::q2_k::{BlockQ2_K, Q2_K};
@@ -57,6 +59,22 @@ pub trait Format {
     fn decode_block(block: &[u8], out: &mut [f32]);
     /// Appends `values` (`BLOCK_VALUES` of them) encoded as one block.
     fn encode_block(values: &[f32], out: &mut Vec<u8>);
+
+    /// Multiply-adds `R` rows (their bytes as stored) with `x` into each row's lanes, as `dot` defines
+    /// it: every value decoded exactly as `decode_block` decodes it, value c into lane c % LANES, in
+    /// column order. The default decodes a block at a time onto the stack; a format overrides it to
+    /// decode in registers. Everything it calls must be `#[inline(always)]`.
+    ///
+    /// # Safety
+    /// Inside V's build (see `dot::Vector`).
+    #[inline(always)]
+    unsafe fn dot_lanes<V: Vector, const R: usize>(rows: [&[u8]; R], x: &[f32], acc: &mut [V; R])
+    where
+        Self: Sized,
+    {
+        // SAFETY: the caller runs this inside V's build.
+        unsafe { dot::dot_lanes_by_block::<Self, V, R>(rows, x, acc) }
+    }
 }
 
 /// A format as a value: what [`FORMATS`] lists and [`DType::format`] returns.
@@ -70,6 +88,9 @@ pub struct FormatInfo {
     pub block_bytes: usize,
     decode_row: fn(&[u8], &mut [f32]),
     encode_row: fn(&[f32], &mut Vec<u8>),
+    /// `dot::dot_rows` for one row and for four.
+    dot_rows1: fn(Simd, [&[u8]; 1], &[f32]) -> [f32; 1],
+    dot_rows4: fn(Simd, [&[u8]; 4], &[f32]) -> [f32; 4],
 }
 
 impl FormatInfo {
@@ -83,6 +104,8 @@ impl FormatInfo {
             block_bytes: size_of::<F::Block>(),
             decode_row: decode_blocks::<F>,
             encode_row: encode_blocks::<F>,
+            dot_rows1: dot::dot_rows::<F, 1>,
+            dot_rows4: dot::dot_rows::<F, 4>,
         }
     }
 }
@@ -194,11 +217,11 @@ pub fn encode_row(dtype: DType, values: &[f32]) -> Vec<u8> {
 }
 
 /// A float format: blocks of one value of `$bytes` little-endian bytes, read by `$decode` and written
-/// by `$encode` (both on byte arrays).
+/// by `$encode` (both on byte arrays); `$lanes` is the `Vector` conversion of LANES values.
 macro_rules! float_format {
     ($(#[$doc:meta])* $ty:ident {
         dtype: $dtype:ident, name: $name:literal, ggml_type: $ggml:literal, safetensors: $st:ident,
-        bytes: $bytes:literal, decode: $decode:expr, encode: $encode:expr $(,)?
+        bytes: $bytes:literal, decode: $decode:expr, encode: $encode:expr, lanes: $lanes:ident $(,)?
     }) => {
         $(#[$doc])*
         pub struct $ty;
@@ -217,6 +240,16 @@ macro_rules! float_format {
 
             fn encode_block(values: &[f32], out: &mut Vec<u8>) {
                 $crate::tensor::encode_value::<$bytes>(values, out, $encode)
+            }
+
+            #[inline(always)]
+            unsafe fn dot_lanes<V: $crate::tensor::Vector, const R: usize>(rows: [&[u8]; R], x: &[f32], acc: &mut [V; R]) {
+                // SAFETY: the caller runs this inside V's build.
+                unsafe {
+                    $crate::tensor::dot::dot_lanes_of_values::<$bytes, { $bytes * $crate::tensor::LANES }, V, R>(
+                        rows, x, acc, V::$lanes, $decode,
+                    )
+                }
             }
         }
     };

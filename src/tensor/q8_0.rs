@@ -4,6 +4,7 @@ use std::mem::offset_of;
 
 use half::f16;
 
+use super::dot::{LANES, Vector, f16_bits_to_f32};
 use super::{DType, Dtype, Format};
 
 #[allow(non_camel_case_types)]
@@ -21,6 +22,8 @@ pub struct BlockQ8_0 {
 const _: () = assert!(size_of::<BlockQ8_0>() == 34);
 
 const QUANTS: usize = offset_of!(BlockQ8_0, quants);
+// `dot_lanes` reads a block's quants as two runs of LANES.
+const _: () = assert!(Q8_0::BLOCK_VALUES == 2 * LANES);
 
 impl Format for Q8_0 {
     const DTYPE: DType = DType::Q8_0;
@@ -31,9 +34,35 @@ impl Format for Q8_0 {
     const BLOCK_VALUES: usize = 32;
 
     fn decode_block(block: &[u8], out: &mut [f32]) {
-        let scale = f16::from_le_bytes([block[0], block[1]]).to_f32();
+        let scale = f16_bits_to_f32(u16::from_le_bytes([block[0], block[1]]));
         for (v, q) in out.iter_mut().zip(&block[QUANTS..]) {
             *v = scale * (*q as i8) as f32;
+        }
+    }
+
+    /// A block's scale and quants are read straight from the row and scaled in registers: scale * q is
+    /// exact in f32 (11 by 8 significant bits), so each value is the one `decode_block` gives.
+    #[inline(always)]
+    unsafe fn dot_lanes<V: Vector, const R: usize>(rows: [&[u8]; R], x: &[f32], acc: &mut [V; R]) {
+        const BLOCK_BYTES: usize = size_of::<BlockQ8_0>();
+        let x_blocks = x.as_chunks::<{ Q8_0::BLOCK_VALUES }>().0;
+        let blocks = rows.map(|row| row.as_chunks::<BLOCK_BYTES>().0);
+        assert!(blocks.iter().all(|b| b.len() == x_blocks.len()), "Q8_0 rows do not match the columns");
+        // SAFETY: the caller runs this inside V's build.
+        unsafe {
+            // Blocks outer, rows inner: each row's lanes are a chain of their own, R chains side by side.
+            for (b, x) in x_blocks.iter().enumerate() {
+                let x = x.as_chunks::<LANES>().0;
+                let (x0, x1) = (V::load(&x[0]), V::load(&x[1]));
+                for (blocks, acc) in blocks.iter().zip(acc.iter_mut()) {
+                    let block = &blocks[b];
+                    let scale = V::splat_f16_bytes([block[0], block[1]]);
+                    let quants = block[QUANTS..].as_chunks::<LANES>().0;
+                    let w0 = V::from_i8_bytes(&quants[0]).mul(scale);
+                    let w1 = V::from_i8_bytes(&quants[1]).mul(scale);
+                    *acc = acc.fma(w0, x0).fma(w1, x1);
+                }
+            }
         }
     }
 
