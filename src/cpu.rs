@@ -364,7 +364,11 @@ impl<'a> CpuModel<'a> {
         self.pool.install(|| {
             let mut last = 0;
             for chunk in tokens.chunks(CHUNK_TOKENS) {
-                self.advance(kv, &[Segment { pages: &stream.pages, tokens: chunk, first_pos: stream.len, row: 0 }], &mut s);
+                self.advance(
+                    kv,
+                    &[Segment { pages: &stream.pages, tokens: chunk, first_pos: stream.len, row: 0 }],
+                    &mut s,
+                );
                 stream.len += chunk.len();
                 last = chunk.len() - 1;
             }
@@ -393,54 +397,56 @@ impl<'a> CpuModel<'a> {
         let vocab = self.cfg.vocab;
         // How many of each item's tokens have run.
         let mut done = vec![0usize; items.len()];
-        self.pool.install(|| loop {
-            // One pass: each unfinished item's next tokens, in item order, up to CHUNK_TOKENS in all.
-            let mut segments = Vec::new();
-            let mut taken = Vec::new();
-            let mut rows = 0;
-            for (i, (stream, tokens)) in items.iter().enumerate() {
-                let take = (tokens.len() - done[i]).min(CHUNK_TOKENS - rows);
-                if out[i].is_err() || take == 0 {
-                    continue;
-                }
-                let first_pos = stream.len + done[i];
-                segments.push(Segment {
-                    pages: &stream.pages,
-                    tokens: &tokens[done[i]..done[i] + take],
-                    first_pos,
-                    row: rows,
-                });
-                taken.push((i, take));
-                rows += take;
-            }
-            if segments.is_empty() {
-                break;
-            }
-            self.advance(kv, &segments, &mut s);
-            drop(segments);
-            // The logits of the items whose last token ran in this pass.
-            let finishing: Vec<(usize, usize)> = taken
-                .iter()
-                .scan(0, |row, &(i, take)| {
-                    *row += take;
-                    Some((i, *row - 1, done[i] + take == items[i].1.len()))
-                })
-                .filter(|&(_, _, last)| last)
-                .map(|(i, row, _)| (i, row))
-                .collect();
-            for &(i, take) in &taken {
-                done[i] += take;
-            }
-            if !finishing.is_empty() {
-                let rows: Vec<usize> = finishing.iter().map(|&(_, row)| row).collect();
-                match try_filled(rows.len() as u128 * vocab as u128, 0f32) {
-                    Ok(mut logits) => {
-                        self.logits_of_rows(&mut s, &rows, &mut logits);
-                        for (&(i, _), l) in finishing.iter().zip(logits.chunks_exact(vocab)) {
-                            out[i] = Ok(l.to_vec());
-                        }
+        self.pool.install(|| {
+            loop {
+                // One pass: each unfinished item's next tokens, in item order, up to CHUNK_TOKENS in all.
+                let mut segments = Vec::new();
+                let mut taken = Vec::new();
+                let mut rows = 0;
+                for (i, (stream, tokens)) in items.iter().enumerate() {
+                    let take = (tokens.len() - done[i]).min(CHUNK_TOKENS - rows);
+                    if out[i].is_err() || take == 0 {
+                        continue;
                     }
-                    Err(e) => finishing.iter().for_each(|&(i, _)| out[i] = Err(e.clone())),
+                    let first_pos = stream.len + done[i];
+                    segments.push(Segment {
+                        pages: &stream.pages,
+                        tokens: &tokens[done[i]..done[i] + take],
+                        first_pos,
+                        row: rows,
+                    });
+                    taken.push((i, take));
+                    rows += take;
+                }
+                if segments.is_empty() {
+                    break;
+                }
+                self.advance(kv, &segments, &mut s);
+                drop(segments);
+                // The logits of the items whose last token ran in this pass.
+                let finishing: Vec<(usize, usize)> = taken
+                    .iter()
+                    .scan(0, |row, &(i, take)| {
+                        *row += take;
+                        Some((i, *row - 1, done[i] + take == items[i].1.len()))
+                    })
+                    .filter(|&(_, _, last)| last)
+                    .map(|(i, row, _)| (i, row))
+                    .collect();
+                for &(i, take) in &taken {
+                    done[i] += take;
+                }
+                if !finishing.is_empty() {
+                    let rows: Vec<usize> = finishing.iter().map(|&(_, row)| row).collect();
+                    match try_filled(rows.len() as u128 * vocab as u128, 0f32) {
+                        Ok(mut logits) => {
+                            self.logits_of_rows(&mut s, &rows, &mut logits);
+                            for (&(i, _), l) in finishing.iter().zip(logits.chunks_exact(vocab)) {
+                                out[i] = Ok(l.to_vec());
+                            }
+                        }
+                        Err(e) => finishing.iter().for_each(|&(i, _)| out[i] = Err(e.clone())),
+                    }
                 }
             }
         });
