@@ -14,7 +14,7 @@ use hostembed::gpu::PAGE_TOKENS;
 use hostembed::kernels as kn;
 use hostembed::model::{Arch, ModelConfig, RopeScaling, TensorRef};
 use hostembed::sampler::{self, Sampling};
-use hostembed::tensor::{DType, encode_row};
+use hostembed::tensor::{DType, FORMATS, encode_row};
 
 const NULL_STREAM: *mut c_void = ptr::null_mut();
 
@@ -82,21 +82,10 @@ fn bf16_round(v: f32) -> f32 {
     half::bf16::from_f32(v).to_f32()
 }
 
-const DTYPES: [DType; 13] = [
-    DType::F32,
-    DType::F16,
-    DType::Bf16,
-    DType::Q8_0,
-    DType::Q4_0,
-    DType::Q4_1,
-    DType::Q5_0,
-    DType::Q5_1,
-    DType::Q2_K,
-    DType::Q3_K,
-    DType::Q4_K,
-    DType::Q5_K,
-    DType::Q6_K,
-];
+/// Every format the crate reads, in the C enum's order.
+fn dtypes() -> impl Iterator<Item = DType> {
+    FORMATS.iter().map(|f| f.dtype)
+}
 
 /// Columns for a shape, rounded up to whole blocks of formats with blocks of more than one value.
 fn cols_for(dtype: DType, cols: usize) -> usize {
@@ -234,7 +223,7 @@ fn matvec_matches_cpu_for_every_format() {
         residual: false,
         ldy_pad: 0,
     };
-    for dtype in DTYPES {
+    for dtype in dtypes() {
         // A 2-byte offset keeps Q8_0 / Q4_0 / Q5_0 / Q3_K / Q6_K rows on the staged path (their blocks are
         // 2-byte aligned anyway) and sends the 4-byte aligned block formats and the floats to the slow one.
         let elem = match dtype {
@@ -268,7 +257,7 @@ fn matvec_swiglu_matches_cpu() {
         return;
     }
     let mut rng = Rng::fresh("matvec_swiglu_matches_cpu");
-    for dtype in DTYPES {
+    for dtype in dtypes() {
         for (rows, cols, n) in [(300, 512, 1), (5000, 256, 5), (40, 1001, 2), (1000, 4096, 8)] {
             let cols = cols_for(dtype, cols);
             let gb = encode(dtype, cols, &rng.vec(rows * cols, 1.0));

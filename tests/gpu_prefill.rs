@@ -18,7 +18,7 @@ use hostembed::gpu::{GpuModel, PAGE_TOKENS, RowsOnDevice};
 use hostembed::kernels as kn;
 use hostembed::model::{Arch, ModelConfig, RopeScaling, TensorSource, names};
 use hostembed::sampler::Sampling;
-use hostembed::tensor::{DType, decode_row, encode_row};
+use hostembed::tensor::{DType, FORMATS, decode_row, encode_row};
 
 const NULL_STREAM: *mut c_void = ptr::null_mut();
 
@@ -147,22 +147,7 @@ fn weight_conversion_is_exact() {
         return;
     }
     let mut rng = Rng::fresh("weight_conversion_is_exact");
-    let formats = [
-        DType::F32,
-        DType::F16,
-        DType::Bf16,
-        DType::Q8_0,
-        DType::Q4_0,
-        DType::Q4_1,
-        DType::Q5_0,
-        DType::Q5_1,
-        DType::Q2_K,
-        DType::Q3_K,
-        DType::Q4_K,
-        DType::Q5_K,
-        DType::Q6_K,
-    ];
-    for src in formats {
+    for src in FORMATS.iter().map(|f| f.dtype) {
         for out in HALVES {
             // Whole blocks: 96 values, or two super-blocks of the K formats.
             let (rows, cols) = (37, if src.format().block_values > 32 { 512 } else { 96 });
