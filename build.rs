@@ -3,6 +3,7 @@
 
 use std::env;
 use std::fs;
+use std::hash::{Hash, Hasher};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -75,7 +76,8 @@ fn build_kernels(manifest: &Path, nvcc: &Path, include: &Path) {
     let archs = env::var("HOSTEMBED_CUDA_ARCHS").unwrap_or_else(|_| DEFAULT_ARCHS.to_string());
     let archs: Vec<&str> = archs.split(',').map(str::trim).filter(|a| !a.is_empty()).collect();
     assert!(!archs.is_empty(), "HOSTEMBED_CUDA_ARCHS names no architecture");
-    let mut kernels: Vec<PathBuf> = fs::read_dir(manifest.join("kernels"))
+    let dir = manifest.join("kernels");
+    let mut kernels: Vec<PathBuf> = fs::read_dir(&dir)
         .expect("kernels/")
         .filter_map(|e| e.ok().map(|e| e.path()))
         .filter(|p| p.extension().is_some_and(|e| e == "cu"))
@@ -91,21 +93,85 @@ fn build_kernels(manifest: &Path, nvcc: &Path, include: &Path) {
         .debug(false)
         .opt_level(3)
         .include(include)
-        .include(manifest.join("kernels"))
+        .include(&dir)
         .flag("-std=c++17")
         .flag("-lineinfo")
         .flag("--expt-relaxed-constexpr")
         .flag("-Xcompiler=-fPIC")
         .cudart("static");
+    let mut flags = Vec::new();
     for a in &archs {
-        build.flag(format!("-gencode=arch=compute_{a},code=sm_{a}"));
+        flags.push(format!("-gencode=arch=compute_{a},code=sm_{a}"));
     }
     let newest = archs.iter().max_by_key(|a| a.parse::<u32>().unwrap_or(0)).unwrap();
-    build.flag(format!("-gencode=arch=compute_{newest},code=compute_{newest}"));
-    for k in &kernels {
-        build.file(k);
+    flags.push(format!("-gencode=arch=compute_{newest},code=compute_{newest}"));
+    for f in &flags {
+        build.flag(f);
+    }
+
+    // Objects are kept by a hash of what makes them (the file, every kernel header, nvcc, the flags and
+    // this script), beside the build's per-feature output folders: a build that changes one kernel
+    // recompiles that file only, and a second feature set of the crate compiles none.
+    let cache = PathBuf::from(env::var("OUT_DIR").unwrap()).join("../../hostembed-kernel-objects");
+    fs::create_dir_all(&cache).expect("kernel object cache folder");
+    let mut common = std::collections::hash_map::DefaultHasher::new();
+    for header in headers(&dir) {
+        header.hash(&mut common);
+        fs::read(&header).expect("kernel header").hash(&mut common);
+    }
+    (nvcc, &flags, fs::read(manifest.join("build.rs")).unwrap_or_default()).hash(&mut common);
+    let objects: Vec<(PathBuf, PathBuf)> = kernels
+        .iter()
+        .map(|k| {
+            let mut h = common.clone();
+            fs::read(k).expect("kernel source").hash(&mut h);
+            let stem = k.file_stem().unwrap().to_string_lossy();
+            (k.clone(), cache.join(format!("{stem}-{:016x}.o", h.finish())))
+        })
+        .collect();
+    let missing: Vec<&(PathBuf, PathBuf)> = objects.iter().filter(|(_, o)| !o.exists()).collect();
+    // The files compile side by side: each nvcc run is one thread.
+    let workers = std::thread::available_parallelism().map_or(1, |n| n.get()).min(missing.len().max(1));
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    std::thread::scope(|scope| {
+        for _ in 0..workers {
+            scope.spawn(|| {
+                loop {
+                    let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    let Some((source, object)) = missing.get(i) else { break };
+                    let mut one = build.clone();
+                    one.file(source);
+                    let compiled = one.compile_intermediates();
+                    let tmp = object.with_extension("tmp");
+                    fs::copy(&compiled[0], &tmp).expect("copy a kernel object");
+                    fs::rename(&tmp, object).expect("keep a kernel object");
+                }
+            });
+        }
+    });
+    for (source, object) in &objects {
+        println!("cargo:rerun-if-changed={}", source.display());
+        build.object(object);
     }
     build.compile("hostembed_kernels");
+}
+
+/// Every header under kernels/, sorted.
+fn headers(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    let mut todo = vec![dir.to_path_buf()];
+    while let Some(d) = todo.pop() {
+        for e in fs::read_dir(&d).expect("kernels/").filter_map(|e| e.ok()) {
+            let p = e.path();
+            if p.is_dir() {
+                todo.push(p);
+            } else if p.extension().is_some_and(|e| e == "cuh") {
+                out.push(p);
+            }
+        }
+    }
+    out.sort();
+    out
 }
 
 /// Every `fn` in the Rust extern blocks is repeated as a C++ type and compared with the real

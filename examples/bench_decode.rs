@@ -4,8 +4,10 @@
 //!     cargo run --release --example bench_decode -- [--hidden 4096] [--layers 32] [--heads 32]
 //!         [--kv-heads 8] [--head-dim 128] [--inter 14336] [--vocab 128256] [--dtype bf16|f16|f32|q8_0|
 //!         q4_0|q4_1|q5_0|q5_1|q2_k|q3_k|q4_k|q5_k|q6_k|q4_k_m] [--prompt 64] [--tokens 128] [--runs 5]
-//!         [--tied] [--kernels-only]
+//!         [--tied] [--kernels-only] [--no-matvec] [--no-mmv]
 //!
+//! The tensor-core decode product (mmv) gets its own table: batch 1 for each format it reads, and BF16 at
+//! the batch sizes a server steps. `--no-matvec` and `--no-mmv` skip those tables.
 //! Prints one table per part; HOSTEMBED_CUDA_GRAPHS=0 runs the decode without CUDA graphs. The matvec
 //! table's GB/s counts the bytes of the stored blocks read per second. `--dtype q4_k_m` is llama.cpp's
 //! Q4_K_M mix (`Recipe::Q4KM`: Q4_K, with Q6_K for the head and for attn_v / ffn_down of about half the
@@ -34,6 +36,8 @@ struct Args {
     tokens: usize,
     runs: usize,
     kernels_only: bool,
+    matvec_table: bool,
+    mmv_table: bool,
 }
 
 fn parse() -> Args {
@@ -58,6 +62,7 @@ fn parse() -> Args {
         eos: None,
     };
     let (mut dtype, mut prompt, mut tokens, mut runs, mut kernels_only) = (DType::Bf16, 64, 128, 5, false);
+    let (mut matvec_table, mut mmv_table) = (true, true);
     let mut q4_k_m = false;
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -76,6 +81,8 @@ fn parse() -> Args {
             "--runs" => runs = num(),
             "--tied" => cfg.tied = true,
             "--kernels-only" => kernels_only = true,
+            "--no-matvec" => matvec_table = false,
+            "--no-mmv" => mmv_table = false,
             "--dtype" => {
                 let name = it.next().unwrap_or_default().to_ascii_lowercase();
                 q4_k_m = name == "q4_k_m";
@@ -89,7 +96,7 @@ fn parse() -> Args {
             other => panic!("unknown flag {other} (see the comment at the top of examples/bench_decode.rs)"),
         }
     }
-    Args { cfg, dtype, q4_k_m, prompt, tokens, runs, kernels_only }
+    Args { cfg, dtype, q4_k_m, prompt, tokens, runs, kernels_only, matvec_table, mmv_table }
 }
 
 /// cudaMemcpyDeviceToDevice (the runtime's constants are crate-private).
@@ -256,6 +263,110 @@ fn bench_kernels(stream: &Stream, peak: f64) {
     }
 }
 
+/// The tensor-core decode product: batch 1 in every format it reads on a layer's shapes and the head,
+/// then BF16 and Q4_K at the batch sizes a server steps, with the bytes of the weights per second and
+/// the tensor work (two bf16 products a weight a token) per second.
+fn bench_mmv(stream: &Stream, peak: f64) {
+    println!("\nmmv: the batch-invariant tensor-core decode product (weights rotated over copies beyond the L2)");
+    println!("| kernel | dtype | rows x cols | tokens | MB | us | GB/s | of copy bandwidth | bf16 TFLOP/s |");
+    println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- |");
+    let supported = |d: DType| unsafe { kn::hostembed_mmv_supports(d as c_int, 256 as *const _, 4096) } == 0;
+    let formats: Vec<DType> = FORMATS.iter().map(|f| f.dtype).filter(|&d| supported(d)).collect();
+    let mut cases: Vec<(DType, usize, usize, usize, bool)> = Vec::new();
+    for &d in &formats {
+        for (r, c) in [(4096, 4096), (4096, 14336), (14336, 4096)] {
+            cases.push((d, r, c, 1, false));
+        }
+        cases.push((d, 14336, 4096, 1, true));
+    }
+    cases.extend([(DType::Bf16, 128256, 4096, 1, false), (DType::Q6_K, 128256, 4096, 1, false)]);
+    for n in [2, 8, 16, 32, 64] {
+        cases.push((DType::Bf16, 4096, 14336, n, false));
+        cases.push((DType::Bf16, 14336, 4096, n, true));
+        cases.push((DType::Q4_K, 4096, 14336, n, false));
+    }
+    let mut hosts: Vec<((DType, usize, usize), Vec<u8>)> = Vec::new();
+    for (dtype, rows, cols, n, glu) in cases {
+        let key = (dtype, rows, cols);
+        if !hosts.iter().any(|(k, _)| *k == key) {
+            hosts.push((key, random_matrix(dtype, rows, cols, 11)));
+        }
+        let host = &hosts.iter().find(|(k, _)| *k == key).unwrap().1;
+        let mats = if glu { 2 } else { 1 };
+        let bytes = mats * host.len();
+        let copies = (512usize << 20).div_ceil(bytes).max(1);
+        let weights: Vec<DeviceBuffer> = (0..mats * copies).map(|_| DeviceBuffer::from_slice(host).unwrap()).collect();
+        let x = DeviceBuffer::from_slice(&vec![0.5f32; n * cols]).unwrap();
+        let y = DeviceBuffer::new(n * rows * 4).unwrap();
+        let (mut floats, mut counters) = (0usize, 0 as c_uint);
+        check(
+            unsafe {
+                kn::hostembed_mmv_workspace(
+                    rows as c_uint,
+                    cols as c_uint,
+                    glu as c_int,
+                    n as c_uint,
+                    &mut floats,
+                    &mut counters,
+                )
+            },
+            "hostembed_mmv_workspace",
+        );
+        let partial = DeviceBuffer::new(floats.max(1) * 4).unwrap();
+        let count = DeviceBuffer::from_slice(&vec![0u32; (counters as usize).max(1)]).unwrap();
+        let (xp, yp, pp, cp) =
+            (x.ptr() as *const f32, y.ptr() as *mut f32, partial.ptr() as *mut f32, count.ptr() as *mut c_uint);
+        let us = time_kernel(stream, copies, |i| {
+            let code = unsafe {
+                if glu {
+                    let (g, u) = (weights[2 * i].ptr(), weights[2 * i + 1].ptr());
+                    kn::hostembed_mmv_swiglu(
+                        g,
+                        u,
+                        dtype as c_int,
+                        rows as c_uint,
+                        cols as c_uint,
+                        xp,
+                        n as c_uint,
+                        yp,
+                        pp,
+                        cp,
+                        stream.raw(),
+                    )
+                } else {
+                    let (w, none) = (weights[i].ptr(), ptr::null());
+                    kn::hostembed_mmv(
+                        w,
+                        dtype as c_int,
+                        rows as c_uint,
+                        cols as c_uint,
+                        xp,
+                        n as c_uint,
+                        none,
+                        none,
+                        yp,
+                        rows as c_uint,
+                        pp,
+                        cp,
+                        stream.raw(),
+                    )
+                }
+            };
+            check(code, "hostembed_mmv")
+        });
+        let gbs = bytes as f64 / (us * 1e-6) / 1e9;
+        let tflops = 4.0 * (mats * rows * cols * n) as f64 / (us * 1e-6) / 1e12;
+        println!(
+            "| {} | {} | {}{rows} x {cols} | {n} | {:.1} | {us:.1} | {gbs:.0} | {:.0}% | {tflops:.0} |",
+            if glu { "mmv_swiglu" } else { "mmv" },
+            dtype.name(),
+            if glu { "2 x " } else { "" },
+            bytes as f64 / 1e6,
+            100.0 * gbs / peak
+        );
+    }
+}
+
 /// The decode run's model: the synthetic model in a float format, or for the block formats the BF16
 /// synthetic model with every matrix replaced by 64 encoded random rows repeated (formats by `Recipe`).
 fn bench_model(args: &Args) -> MemSource {
@@ -354,7 +465,12 @@ fn main() {
     let stream = Stream::new().unwrap();
     let peak = copy_bandwidth(&stream);
     println!("{name}: device-to-device copy {peak:.0} GB/s (read + write)");
-    bench_kernels(&stream, peak);
+    if args.mmv_table {
+        bench_mmv(&stream, peak);
+    }
+    if args.matvec_table {
+        bench_kernels(&stream, peak);
+    }
     if !args.kernels_only {
         bench_decode(&args, peak);
     }

@@ -58,6 +58,30 @@ cudaError_t hostembed_matvec(const void *w, int dtype, unsigned int rows, unsign
 cudaError_t hostembed_matvec_swiglu(const void *w_gate, const void *w_up, int dtype, unsigned int rows,
                                     unsigned int cols, const float *x, unsigned int n, float *y, cudaStream_t stream);
 
+// ---- mmv.cu: decode products on tensor cores, batch invariant ----
+// y[t*ldy + r] = sum_c W[r][c] * x[t*cols + c] (+ bias[r]) (+ residual[t*ldy + r]), as hostembed_matvec,
+// for the formats and shapes hostembed_mmv_supports accepts (cudaErrorNotSupported otherwise): W read once
+// per 64 tokens on tensor cores, each token's result the same bits whatever the others in the launch are.
+// x is 16-byte aligned. A matrix cut into several column ranges needs `partial` and `counters` of the
+// sizes hostembed_mmv_workspace gives (device memory; counters zero before the first launch, and left zero
+// by every launch); launches sharing them must run in stream order.
+cudaError_t hostembed_mmv(const void *w, int dtype, unsigned int rows, unsigned int cols, const float *x,
+                          unsigned int n, const float *bias, const float *residual, float *y, unsigned int ldy,
+                          float *partial, unsigned int *counters, cudaStream_t stream);
+
+// y[t*rows + r] = silu(G[r].x[t]) * (U[r].x[t]) on tensor cores, as hostembed_mmv.
+cudaError_t hostembed_mmv_swiglu(const void *w_gate, const void *w_up, int dtype, unsigned int rows,
+                                 unsigned int cols, const float *x, unsigned int n, float *y, float *partial,
+                                 unsigned int *counters, cudaStream_t stream);
+
+// cudaSuccess when hostembed_mmv takes weights of `dtype` at `w` with rows of `cols` values.
+cudaError_t hostembed_mmv_supports(int dtype, const void *w, unsigned int cols);
+
+// The floats of `partial` and the entries of `counters` a product of rows x cols (glu: the swiglu form)
+// over n tokens needs; both 0 when it runs in one column range. Host arithmetic only, no device needed.
+cudaError_t hostembed_mmv_workspace(unsigned int rows, unsigned int cols, int glu, unsigned int n,
+                                    size_t *partial_floats, unsigned int *counters);
+
 // In each row t of qkv (stride qkv_stride floats: heads q heads, then kv_heads k heads, then kv_heads v
 // heads, head_dim each): RMSNorm of every q/k head when q_norm/k_norm are not NULL, then the rotation at
 // position pos[t] with inv_freq[head_dim/2] (interleaved pairs or halves), in place. When kv_pool is not

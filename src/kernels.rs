@@ -14,6 +14,11 @@ cuda_fns! {
     pub fn hostembed_rmsnorm(x: *const f32, w: *const f32, eps: f32, out: *mut f32, n: c_uint, cols: c_uint, stream: cudaStream_t) -> cudaError_t;
     pub fn hostembed_matvec(w: *const c_void, dtype: c_int, rows: c_uint, cols: c_uint, x: *const f32, n: c_uint, bias: *const f32, residual: *const f32, y: *mut f32, ldy: c_uint, stream: cudaStream_t) -> cudaError_t;
     pub fn hostembed_matvec_swiglu(w_gate: *const c_void, w_up: *const c_void, dtype: c_int, rows: c_uint, cols: c_uint, x: *const f32, n: c_uint, y: *mut f32, stream: cudaStream_t) -> cudaError_t;
+    // mmv.cu
+    pub fn hostembed_mmv(w: *const c_void, dtype: c_int, rows: c_uint, cols: c_uint, x: *const f32, n: c_uint, bias: *const f32, residual: *const f32, y: *mut f32, ldy: c_uint, partial: *mut f32, counters: *mut c_uint, stream: cudaStream_t) -> cudaError_t;
+    pub fn hostembed_mmv_swiglu(w_gate: *const c_void, w_up: *const c_void, dtype: c_int, rows: c_uint, cols: c_uint, x: *const f32, n: c_uint, y: *mut f32, partial: *mut f32, counters: *mut c_uint, stream: cudaStream_t) -> cudaError_t;
+    pub fn hostembed_mmv_supports(dtype: c_int, w: *const c_void, cols: c_uint) -> cudaError_t;
+    pub fn hostembed_mmv_workspace(rows: c_uint, cols: c_uint, glu: c_int, n: c_uint, partial_floats: *mut usize, counters: *mut c_uint) -> cudaError_t;
     pub fn hostembed_rope_kv(qkv: *mut f32, qkv_stride: c_uint, n: c_uint, pos: *const c_int, heads: c_uint, kv_heads: c_uint, head_dim: c_uint, inv_freq: *const f32, interleaved: c_int, q_norm: *const f32, k_norm: *const f32, eps: f32, kv_pool: *mut c_void, tables: *const *const c_uint, pool_pages: c_uint, stream: cudaStream_t) -> cudaError_t;
     pub fn hostembed_kv_page_tokens(page_tokens: *mut c_uint) -> cudaError_t;
     pub fn hostembed_attention(q: *const f32, q_stride: c_uint, kv_pool: *const c_void, tables: *const *const c_uint, pool_pages: c_uint, pos: *const c_int, n: c_uint, heads: c_uint, kv_heads: c_uint, head_dim: c_uint, scale: f32, splits: c_uint, partial: *mut f32, out: *mut f32, stream: cudaStream_t) -> cudaError_t;

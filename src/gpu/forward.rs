@@ -211,7 +211,8 @@ impl GpuModel {
             for t in 0..chunk.len() {
                 let x = (self.buf(self.s.xn) as *const f32).wrapping_add(t * hidden);
                 let logits = self.buf(self.s.logits) as *mut f32;
-                launch::matvec(&self.head, x, 1, ptr::null(), ptr::null(), logits, vocab, self.stream.raw())?;
+                let (none, s) = (ptr::null(), self.stream.raw());
+                launch::decode_product(&self.head, x, 1, none, none, logits, vocab, self.mmv_work(), s)?;
                 let mut row = vec![0f32; vocab];
                 self.download(self.s.logits, &mut row)?;
                 out.push(row);
@@ -454,6 +455,14 @@ impl GpuModel {
         Ok(())
     }
 
+    /// The tensor-core decode products' workspace, or None when they are off.
+    pub(super) fn mmv_work(&self) -> Option<launch::MmvWork> {
+        self.mmv.then(|| launch::MmvWork {
+            partial: self.buf(self.s.mmv_partial) as *mut f32,
+            counters: self.buf(self.s.mmv_counters) as *mut c_uint,
+        })
+    }
+
     /// Whether a chunk of `n` tokens takes the tensor-core path.
     pub(super) fn on_tensor_cores(&self, n: usize) -> bool {
         self.tensor_cores && n >= TENSOR_CORE_MIN_TOKENS
@@ -501,6 +510,7 @@ impl GpuModel {
         let scale = 1.0 / (hd as f32).sqrt();
         let none = ptr::null::<f32>();
         let half = self.half;
+        let tensor = self.mmv_work();
         // The normed input: f32 rows [0, m) into xn, half rows [m, n) into act.
         let norm_in = |w: &DeviceWeight| -> Result<()> {
             if m > 0 {
@@ -516,7 +526,7 @@ impl GpuModel {
         let project =
             |w: &DeviceWeight, input: *const f32, bias: *const f32, residual: *const f32, y: *mut f32, ldy| {
                 if m > 0 {
-                    launch::matvec(w, input, m, bias, residual, y, ldy, s)?;
+                    launch::decode_product(w, input, m, bias, residual, y, ldy, tensor, s)?;
                 }
                 for &(r0, rows) in &groups {
                     let residual = if residual.is_null() { residual } else { residual.wrapping_add(r0 * ldy) };
@@ -588,13 +598,13 @@ impl GpuModel {
             norm_in(&layer.w.ffn_norm)?;
             if m > 0 {
                 if layer.w.gate.dtype == layer.w.up.dtype {
-                    launch::matvec_swiglu(&layer.w.gate, &layer.w.up, xn, m, gate, s)?;
+                    launch::decode_swiglu(&layer.w.gate, &layer.w.up, xn, m, gate, tensor, s)?;
                 } else {
-                    launch::matvec(&layer.w.gate, xn, m, none, none, gate, inter, s)?;
-                    launch::matvec(&layer.w.up, xn, m, none, none, up, inter, s)?;
+                    launch::decode_product(&layer.w.gate, xn, m, none, none, gate, inter, tensor, s)?;
+                    launch::decode_product(&layer.w.up, xn, m, none, none, up, inter, tensor, s)?;
                     launch::swiglu(gate, up, gate, m * inter, s)?;
                 }
-                launch::matvec(&layer.w.down, gate, m, none, x, x, hidden, s)?;
+                launch::decode_product(&layer.w.down, gate, m, none, x, x, hidden, tensor, s)?;
             }
             if tc > 0 {
                 for &(r0, rows) in &groups {
@@ -631,7 +641,7 @@ impl GpuModel {
                     }
                 }
                 let logits = row(f(self.s.logits), base, vocab);
-                launch::matvec(&self.head, xn, rows.len(), none, none, logits, vocab, s)
+                launch::decode_product(&self.head, xn, rows.len(), none, none, logits, vocab, tensor, s)
             }
         }
     }

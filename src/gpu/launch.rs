@@ -53,6 +53,80 @@ pub(super) fn matvec_swiglu(
     cuda::check(code, "hostembed_matvec_swiglu")
 }
 
+/// The scratch the tensor-core decode products share: partial sums of split products and their arrival
+/// counters (zeroed at load, left zero by every launch).
+#[derive(Clone, Copy)]
+pub(super) struct MmvWork {
+    pub partial: *mut f32,
+    pub counters: *mut c_uint,
+}
+
+/// Whether `w` takes the tensor-core decode product (a format with a lane reader, whole tiles of columns).
+pub(super) fn mmv_supports(w: &DeviceWeight) -> bool {
+    // SAFETY: host-side checks on a format id, an address and a width; nothing is dereferenced.
+    unsafe { kn::hostembed_mmv_supports(w.dtype as c_int, w.ptr, w.cols as c_uint) == 0 }
+}
+
+/// y[t] = w x[t] (+ bias) (+ residual[t]) for `n` decode rows: on tensor cores when `tensor` and `w` takes
+/// them (every token the same bits whatever else is in the launch), else on the matrix-vector kernel.
+pub(super) fn decode_product(
+    w: &DeviceWeight,
+    x: *const f32,
+    n: usize,
+    bias: *const f32,
+    residual: *const f32,
+    y: *mut f32,
+    ldy: usize,
+    tensor: Option<MmvWork>,
+    s: cudaStream_t,
+) -> Result<()> {
+    let Some(work) = tensor.filter(|_| mmv_supports(w)) else {
+        return matvec(w, x, n, bias, residual, y, ldy, s);
+    };
+    let (rows, cols) = (w.rows as c_uint, w.cols as c_uint);
+    // SAFETY: device pointers into live allocations sized for these shapes; `work` holds what
+    // hostembed_mmv_workspace asks for the largest product (see the module's note).
+    let code = unsafe {
+        kn::hostembed_mmv(
+            w.ptr,
+            w.dtype as c_int,
+            rows,
+            cols,
+            x,
+            n as c_uint,
+            bias,
+            residual,
+            y,
+            ldy as c_uint,
+            work.partial,
+            work.counters,
+            s,
+        )
+    };
+    cuda::check(code, "hostembed_mmv")
+}
+
+/// y[t] = silu(gate x[t]) * (up x[t]) for `n` decode rows, on tensor cores as `decode_product` decides.
+pub(super) fn decode_swiglu(
+    gate: &DeviceWeight,
+    up: &DeviceWeight,
+    x: *const f32,
+    n: usize,
+    y: *mut f32,
+    tensor: Option<MmvWork>,
+    s: cudaStream_t,
+) -> Result<()> {
+    let Some(work) = tensor.filter(|_| mmv_supports(gate) && mmv_supports(up)) else {
+        return matvec_swiglu(gate, up, x, n, y, s);
+    };
+    let (dtype, rows, cols, n) = (gate.dtype as c_int, gate.rows as c_uint, gate.cols as c_uint, n as c_uint);
+    // SAFETY: as for decode_product.
+    let code = unsafe {
+        kn::hostembed_mmv_swiglu(gate.ptr, up.ptr, dtype, rows, cols, x, n, y, work.partial, work.counters, s)
+    };
+    cuda::check(code, "hostembed_mmv_swiglu")
+}
+
 /// out = silu(gate) * up over `len` values.
 pub(super) fn swiglu(gate: *const f32, up: *const f32, out: *mut f32, len: usize, s: cudaStream_t) -> Result<()> {
     // SAFETY: device pointers to `len` floats each (see the module's note).

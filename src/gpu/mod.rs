@@ -38,6 +38,7 @@ pub use self::forward::{TENSOR_CORE_MIN_TOKENS, reserve_pages, truncate_stream};
 use self::graph::StepGraph;
 pub use self::pages::{GpuCache, GpuStream, PAGE_TOKENS};
 use self::scratch::ScratchLayout;
+pub use self::scratch::{MMV_MAX_TOKENS, mmv_shape, mmv_workspace};
 use self::weights::{DeviceWeight, GpuLayer, plan, prompt_format, upload};
 use crate::backend::{Backend, PagePool, StepItem};
 use crate::cuda::{self, DeviceBuffer, StagedUploader, Stream};
@@ -117,6 +118,9 @@ pub struct GpuModel {
     logits_at: Vec<forward::LogitsAt>,
     /// Whether passes of many single tokens take the tensor-core products (not batch invariant).
     batch_tensor_cores: bool,
+    /// Whether decode rows take the batch-invariant tensor-core products where a weight's format has them
+    /// (HOSTEMBED_MMV=0 keeps every decode product on the matrix-vector kernels).
+    mmv: bool,
     pool_pages: usize,
     /// The format of the prompt path's activations and product operands.
     half: DType,
@@ -257,6 +261,7 @@ impl GpuModel {
         let s = ScratchLayout::new(&cfg, max_batch, slab);
         let scratch = DeviceBuffer::new(s.total)?;
         scratch.upload(&rope_inv_freq(&cfg), s.inv_freq)?;
+        scratch.upload(&vec![0u8; s.mmv_counter_bytes], s.mmv_counters)?;
         let stream = Stream::new()?;
         let graphs = graph::graphs_enabled();
         let tensor_cores = [cfg.hidden, cfg.q_dim(), cfg.intermediate].iter().all(|d| d % 8 == 0);
@@ -287,6 +292,7 @@ impl GpuModel {
             decode_seen: vec![false; max_batch + 1],
             logits_at: Vec::new(),
             batch_tensor_cores: std::env::var("HOSTEMBED_BATCH_TENSOR_CORES").is_ok_and(|v| v == "1"),
+            mmv: std::env::var("HOSTEMBED_MMV").map(|v| v != "0").unwrap_or(true),
             pool_pages,
             half,
             tensor_cores,

@@ -21,6 +21,56 @@ pub(super) const ATTENTION_TOKENS: usize = 64;
 /// Items whose logits one step keeps on the device (more spill to the host).
 pub(super) const LOGIT_ROWS: usize = 64;
 
+/// kernels/mmv.cu's cut of a matrix (its MMV_* constants): output rows a block, columns a staged chunk,
+/// blocks a launch aims at, tokens a launch.
+const MMV_BLOCK_ROWS: usize = 128;
+const MMV_KC: usize = 256;
+const MMV_TARGET_BLOCKS: usize = 256;
+pub const MMV_MAX_TOKENS: usize = 64;
+
+/// (row blocks, column ranges) of a tensor-core decode product of `rows` x `cols`, as mmv.cu's mmv_shape.
+pub fn mmv_shape(rows: usize, cols: usize, glu: bool) -> (usize, usize) {
+    let out_rows = if glu { MMV_BLOCK_ROWS / 2 } else { MMV_BLOCK_ROWS };
+    let row_blocks = rows.div_ceil(out_rows);
+    let chunks = cols.div_ceil(MMV_KC);
+    let mut splits = MMV_TARGET_BLOCKS.div_ceil(row_blocks).min(chunks);
+    if row_blocks > MMV_TARGET_BLOCKS || splits == 0 {
+        splits = 1;
+    }
+    let kr = chunks.div_ceil(splits) * MMV_KC;
+    (row_blocks, cols.div_ceil(kr))
+}
+
+/// (partial floats, counters) a tensor-core decode product over `n` tokens needs, as
+/// hostembed_mmv_workspace answers.
+pub fn mmv_workspace(rows: usize, cols: usize, glu: bool, n: usize) -> (usize, usize) {
+    let (row_blocks, splits) = mmv_shape(rows, cols, glu);
+    if splits == 1 {
+        return (0, 0);
+    }
+    (splits * if glu { 2 } else { 1 } * n.min(MMV_MAX_TOKENS) * rows, row_blocks)
+}
+
+/// The most workspace any of a model's decode products needs over `n` tokens (each product shape the
+/// forward pass may run: q/k/v fused or apart, o, gate and up fused or apart, down, the head).
+fn mmv_workspace_for(cfg: &ModelConfig, n: usize) -> (usize, usize) {
+    let (h, q, kv, i) = (cfg.hidden, cfg.q_dim(), cfg.kv_dim(), cfg.intermediate);
+    let shapes = [
+        (q + 2 * kv, h, false),
+        (q, h, false),
+        (kv, h, false),
+        (h, q, false),
+        (i, h, true),
+        (i, h, false),
+        (h, i, false),
+        (cfg.vocab, h, false),
+    ];
+    shapes.iter().fold((0, 0), |(p, c), &(rows, cols, glu)| {
+        let (wp, wc) = mmv_workspace(rows, cols, glu, n);
+        (p.max(wp), c.max(wc))
+    })
+}
+
 /// The scratch allocation: byte offsets of each buffer.
 pub(super) struct ScratchLayout {
     pub(super) x: usize,
@@ -47,6 +97,10 @@ pub(super) struct ScratchLayout {
     pub(super) act: usize,
     /// One weight matrix converted to the half format (absent when every matrix is in it).
     pub(super) slab: usize,
+    /// The tensor-core decode products' partial sums and arrival counters (`launch::MmvWork`).
+    pub(super) mmv_partial: usize,
+    pub(super) mmv_counters: usize,
+    pub(super) mmv_counter_bytes: usize,
     pub(super) workspace: usize,
     pub(super) total: usize,
 }
@@ -76,6 +130,10 @@ impl ScratchLayout {
         let penalty = l.push(cfg.vocab * 8);
         let act = l.push(b * cfg.hidden.max(cfg.q_dim()).max(cfg.intermediate) * 2);
         let slab = l.push(slab_values * 2);
+        let (mmv_floats, mmv_count) = mmv_workspace_for(cfg, b);
+        let mmv_partial = l.push(mmv_floats * f);
+        let mmv_counter_bytes = mmv_count * 4;
+        let mmv_counters = l.push(mmv_counter_bytes);
         let workspace = l.push(super::blas::WORKSPACE_BYTES);
         ScratchLayout {
             x,
@@ -97,6 +155,9 @@ impl ScratchLayout {
             penalty,
             act,
             slab,
+            mmv_partial,
+            mmv_counters,
+            mmv_counter_bytes,
             workspace,
             total: l.total,
         }
