@@ -4,10 +4,11 @@
 //!     cargo run --release --example bench_decode -- [--hidden 4096] [--layers 32] [--heads 32]
 //!         [--kv-heads 8] [--head-dim 128] [--inter 14336] [--vocab 128256] [--dtype bf16|f16|f32|q8_0|
 //!         q4_0|q4_1|q5_0|q5_1|q2_k|q3_k|q4_k|q5_k|q6_k|q4_k_m] [--prompt 64] [--tokens 128] [--runs 5]
-//!         [--tied] [--kernels-only] [--no-matvec] [--no-mmv]
+//!         [--tied] [--kernels-only] [--no-matvec] [--no-mmv] [--mmv-only DTYPE]
 //!
 //! The tensor-core decode product (mmv) gets its own table: batch 1 for each format it reads, and BF16 at
-//! the batch sizes a server steps. `--no-matvec` and `--no-mmv` skip those tables.
+//! the batch sizes a server steps. `--no-matvec` and `--no-mmv` skip those tables; `--mmv-only DTYPE` times only that format on 4096 x 14336
+//! at 1 and 64 tokens (for a profiler).
 //! Prints one table per part; HOSTEMBED_CUDA_GRAPHS=0 runs the decode without CUDA graphs. The matvec
 //! table's GB/s counts the bytes of the stored blocks read per second. `--dtype q4_k_m` is llama.cpp's
 //! Q4_K_M mix (`Recipe::Q4KM`: Q4_K, with Q6_K for the head and for attn_v / ffn_down of about half the
@@ -38,6 +39,7 @@ struct Args {
     kernels_only: bool,
     matvec_table: bool,
     mmv_table: bool,
+    mmv_only: Option<DType>,
 }
 
 fn parse() -> Args {
@@ -62,7 +64,7 @@ fn parse() -> Args {
         eos: None,
     };
     let (mut dtype, mut prompt, mut tokens, mut runs, mut kernels_only) = (DType::Bf16, 64, 128, 5, false);
-    let (mut matvec_table, mut mmv_table) = (true, true);
+    let (mut matvec_table, mut mmv_table, mut mmv_only) = (true, true, None);
     let mut q4_k_m = false;
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -83,6 +85,10 @@ fn parse() -> Args {
             "--kernels-only" => kernels_only = true,
             "--no-matvec" => matvec_table = false,
             "--no-mmv" => mmv_table = false,
+            "--mmv-only" => {
+                let name = it.next().unwrap_or_default();
+                mmv_only = Some(DType::from_name(&name).unwrap_or_else(|| panic!("--mmv-only: no format {name}")));
+            }
             "--dtype" => {
                 let name = it.next().unwrap_or_default().to_ascii_lowercase();
                 q4_k_m = name == "q4_k_m";
@@ -96,7 +102,7 @@ fn parse() -> Args {
             other => panic!("unknown flag {other} (see the comment at the top of examples/bench_decode.rs)"),
         }
     }
-    Args { cfg, dtype, q4_k_m, prompt, tokens, runs, kernels_only, matvec_table, mmv_table }
+    Args { cfg, dtype, q4_k_m, prompt, tokens, runs, kernels_only, matvec_table, mmv_table, mmv_only }
 }
 
 /// cudaMemcpyDeviceToDevice (the runtime's constants are crate-private).
@@ -266,7 +272,7 @@ fn bench_kernels(stream: &Stream, peak: f64) {
 /// The tensor-core decode product: batch 1 in every format it reads on a layer's shapes and the head,
 /// then BF16 and Q4_K at the batch sizes a server steps, with the bytes of the weights per second and
 /// the tensor work (two bf16 products a weight a token) per second.
-fn bench_mmv(stream: &Stream, peak: f64) {
+fn bench_mmv(stream: &Stream, peak: f64, only: Option<DType>) {
     println!("\nmmv: the batch-invariant tensor-core decode product (weights rotated over copies beyond the L2)");
     println!("| kernel | dtype | rows x cols | tokens | MB | us | GB/s | of copy bandwidth | bf16 TFLOP/s |");
     println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- |");
@@ -284,6 +290,9 @@ fn bench_mmv(stream: &Stream, peak: f64) {
         cases.push((DType::Bf16, 4096, 14336, n, false));
         cases.push((DType::Bf16, 14336, 4096, n, true));
         cases.push((DType::Q4_K, 4096, 14336, n, false));
+    }
+    if let Some(d) = only {
+        cases = vec![(d, 4096, 14336, 1, false), (d, 4096, 14336, 64, false)];
     }
     let mut hosts: Vec<((DType, usize, usize), Vec<u8>)> = Vec::new();
     for (dtype, rows, cols, n, glu) in cases {
@@ -466,7 +475,7 @@ fn main() {
     let peak = copy_bandwidth(&stream);
     println!("{name}: device-to-device copy {peak:.0} GB/s (read + write)");
     if args.mmv_table {
-        bench_mmv(&stream, peak);
+        bench_mmv(&stream, peak, args.mmv_only);
     }
     if args.matvec_table {
         bench_kernels(&stream, peak);

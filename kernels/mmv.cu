@@ -25,15 +25,11 @@ namespace {
 constexpr int MMV_WARPS = 8;
 constexpr int MMV_THREADS = MMV_WARPS * 32;
 constexpr unsigned MMV_BLOCK_ROWS = MMV_WARPS * 16;
-constexpr unsigned MMV_KC = 256;  // columns of x staged at a time
+constexpr unsigned MMV_KC = 256;  // the unit of column ranges and staged chunks
 constexpr unsigned MMV_MAX_TOKENS = 64;
 constexpr unsigned MMV_TARGET_BLOCKS = 256;  // about two blocks a multiprocessor on a 132-SM card
 constexpr unsigned MMV_MAX_ROW_BLOCKS_SPLIT = MMV_TARGET_BLOCKS;  // a split product has fewer row blocks
-// One token's staged chunk: groups of 4 columns, hi[4] then lo[4] (16 bytes), then padding that puts the
-// 16-byte reads of a quarter warp (tokens g and g + 1, lanes t = 0..3) in distinct banks: lanes 32 bytes
-// apart (32-column steps) want the next token 16 bytes on, lanes 16 bytes apart want it 64 bytes on.
-constexpr unsigned mmv_token_stride(unsigned step) { return MMV_KC / 4 * 16 + (step == 32 ? 16 : 64); }
-
+constexpr unsigned MMV_MAX_SPLITS = 16;  // column ranges at most (the last block adds them unrolled)
 // How a matrix is cut: its row blocks, and its columns in `splits` ranges of `kr` (a multiple of MMV_KC).
 struct MmvShape {
     unsigned int row_blocks, splits, kr;
@@ -46,6 +42,7 @@ __host__ __device__ inline MmvShape mmv_shape(unsigned int rows, unsigned int co
     unsigned int splits = (MMV_TARGET_BLOCKS + s.row_blocks - 1) / s.row_blocks;
     const unsigned int chunks = (cols + MMV_KC - 1) / MMV_KC;
     splits = splits < chunks ? splits : chunks;
+    splits = splits < MMV_MAX_SPLITS ? splits : MMV_MAX_SPLITS;
     if (s.row_blocks > MMV_MAX_ROW_BLOCKS_SPLIT || splits == 0) splits = 1;
     s.kr = (chunks + splits - 1) / splits * MMV_KC;
     s.splits = (cols + s.kr - 1) / s.kr;
@@ -67,21 +64,13 @@ __device__ __forceinline__ float ld_f16(const unsigned char *p) {
     return he::f16_bits_to_f32(__ldg(reinterpret_cast<const unsigned short *>(p)));
 }
 
-// Bytes 0 and 1 (or 2 and 3) of w, each 0..127, as the bf16 pair (q0, q1), exactly, less `bias` each.
-// 0x43 above a byte is the bf16 128 + byte; one packed subtraction takes 128 + bias off.
-__device__ __forceinline__ unsigned int bytes_bf16(unsigned int w, unsigned int sel, __nv_bfloat162 off) {
-    const unsigned int v = __byte_perm(w, 0x43u, sel);
-    __nv_bfloat162 b = *reinterpret_cast<const __nv_bfloat162 *>(&v);
-    b = __hsub2(b, off);
-    return *reinterpret_cast<const unsigned int *>(&b);
-}
-constexpr unsigned int SEL_LO = 0x4140u, SEL_HI = 0x4342u;
-
-// The 4 bytes of w (each 0..127) less `bias` as two bf16 pairs: b0 = (q0, q1), b1 = (q2, q3).
-__device__ __forceinline__ void small_ints(unsigned int w, float bias, unsigned int &b0, unsigned int &b1) {
-    const __nv_bfloat162 off = __floats2bfloat162_rn(128.f + bias, 128.f + bias);
-    b0 = bytes_bf16(w, SEL_LO, off);
-    b1 = bytes_bf16(w, SEL_HI, off);
+// The 4 bytes of w (each 0..127) as two bf16 pairs of 128 + byte, exactly: b0 = (q0, q1), b1 = (q2, q3).
+// 0x43 above a byte is the bf16 128 + byte; the 128 (and a format's own bias) come off after the product,
+// as MAGIC times the step's activation sum (readers of such quants set HAS_MIN and fold it into `add`).
+constexpr float MAGIC = 128.f;
+__device__ __forceinline__ void small_ints(unsigned int w, unsigned int &b0, unsigned int &b1) {
+    b0 = __byte_perm(w, 0x43u, 0x4140u);
+    b1 = __byte_perm(w, 0x43u, 0x4342u);
 }
 
 // The 4 signed bytes of w as two exact bf16 pairs (int8 needs the f32 route: 128 + q is past bf16's
@@ -94,52 +83,48 @@ __device__ __forceinline__ void signed_bytes(unsigned int w, unsigned int &b0, u
 }
 
 // ---- the formats' lane readers ----
-// Each reader gives, for STEP columns (one or two 16-column k-steps; group(t, k) is the first of the 4
-// columns lane t holds in k-step k), the B fragments of one weight row, and for scaled formats the scale
-// and offset of the two rows of the lane's D fragment (rows 2t and 2t + 1 of its n-tile), which it loads
-// itself rather than shuffling them from the lanes that read those rows. A read is split into `fetch`
-// (the loads of TILE_STEPS steps, issued before any use) and `frag` (the arithmetic of one step).
+// A reader gives, for STEP columns of one weight row (one or two 16-column k-steps; group(t, k) is the
+// first of the 4 columns lane t holds in k-step k), the lane's half of the A fragment for that row
+// (f[k][0]: the group's columns 0 and 1, f[k][1]: columns 2 and 3), and for scaled formats the row's
+// scale and offset for the step. A read is split into `fetch` (the loads of TILE_STEPS steps, issued
+// ahead of any use) and `frag` (the arithmetic of one step).
 
 // BF16 rows: a 32-column step is one 16-byte load of columns 8t .. 8t + 7 (k-step 0: 8t..8t+3).
 struct MmaBF16 {
     static constexpr unsigned STEP = 32, KSTEPS = 2, TILE_STEPS = 1, UNROLL = 4, ALIGN = 16;
-    static constexpr bool SCALED = false, HAS_MIN = false;
+    static constexpr bool SCALED = false, HAS_MIN = false, SHARED_SCALES = false;
     struct Raw {
         uint4 q;
     };
     static __device__ __forceinline__ unsigned int group(unsigned int t, unsigned int k) { return 8 * t + 4 * k; }
-    static __device__ __forceinline__ void fetch(Raw &r, const unsigned char *row, const unsigned char *, const unsigned char *,
-                                                 unsigned int col, unsigned int t) {
+    static __device__ __forceinline__ void fetch(Raw &r, const unsigned char *row, unsigned int col, unsigned int t) {
         r.q = he::load_stream16(row + 2 * ((size_t)col + 8 * t));
     }
-    static __device__ __forceinline__ void frag(const Raw &r, int, unsigned int (&b)[KSTEPS][2], float (&)[2],
-                                                float (&)[2]) {
-        b[0][0] = r.q.x, b[0][1] = r.q.y, b[1][0] = r.q.z, b[1][1] = r.q.w;
+    static __device__ __forceinline__ void frag(const Raw &r, int, unsigned int (&f)[KSTEPS][2], float &, float &) {
+        f[0][0] = r.q.x, f[0][1] = r.q.y, f[1][0] = r.q.z, f[1][1] = r.q.w;
     }
 };
 
 // Q8_0: a step is one 34-byte block (2-byte aligned); lane t takes quants 8t .. 8t + 7.
 struct MmaQ8_0 {
     static constexpr unsigned STEP = 32, KSTEPS = 2, TILE_STEPS = 1, UNROLL = 4, BYTES = 34, ALIGN = 2;
-    static constexpr bool SCALED = true, HAS_MIN = false;
+    static constexpr bool SCALED = true, HAS_MIN = false, SHARED_SCALES = false;
     struct Raw {
         unsigned int q0, q1;
-        float sa, sb;
+        float d;
     };
     static __device__ __forceinline__ unsigned int group(unsigned int t, unsigned int k) { return 8 * t + 4 * k; }
-    static __device__ __forceinline__ void fetch(Raw &r, const unsigned char *row, const unsigned char *ra,
-                                                 const unsigned char *rb, unsigned int col, unsigned int t) {
-        const size_t at = (size_t)(col / 32) * BYTES;
-        r.q0 = ld32_a2(row + at + 2 + 8 * t);
-        r.q1 = ld32_a2(row + at + 6 + 8 * t);
-        r.sa = ld_f16(ra + at);
-        r.sb = ld_f16(rb + at);
+    static __device__ __forceinline__ void fetch(Raw &r, const unsigned char *row, unsigned int col, unsigned int t) {
+        const unsigned char *b = row + (size_t)(col / 32) * BYTES;
+        r.q0 = ld32_a2(b + 2 + 8 * t);
+        r.q1 = ld32_a2(b + 6 + 8 * t);
+        r.d = ld_f16(b);
     }
-    static __device__ __forceinline__ void frag(const Raw &r, int, unsigned int (&b)[KSTEPS][2], float (&scale)[2],
-                                                float (&add)[2]) {
-        signed_bytes(r.q0, b[0][0], b[0][1]);
-        signed_bytes(r.q1, b[1][0], b[1][1]);
-        scale[0] = r.sa, scale[1] = r.sb, add[0] = add[1] = 0.f;
+    static __device__ __forceinline__ void frag(const Raw &r, int, unsigned int (&f)[KSTEPS][2], float &scale,
+                                                float &add) {
+        signed_bytes(r.q0, f[0][0], f[0][1]);
+        signed_bytes(r.q1, f[1][0], f[1][1]);
+        scale = r.d, add = 0.f;
     }
 };
 
@@ -147,26 +132,24 @@ struct MmaQ8_0 {
 // of bytes 8(t % 2) .. + 7.
 struct MmaQ4_0 {
     static constexpr unsigned STEP = 32, KSTEPS = 2, TILE_STEPS = 1, UNROLL = 4, BYTES = 18, ALIGN = 2;
-    static constexpr bool SCALED = true, HAS_MIN = false;
+    static constexpr bool SCALED = true, HAS_MIN = true, SHARED_SCALES = false;
     struct Raw {
         unsigned int q0, q1;
-        float sa, sb;
+        float d;
     };
     static __device__ __forceinline__ unsigned int group(unsigned int t, unsigned int k) { return 8 * t + 4 * k; }
-    static __device__ __forceinline__ void fetch(Raw &r, const unsigned char *row, const unsigned char *ra,
-                                                 const unsigned char *rb, unsigned int col, unsigned int t) {
-        const size_t at = (size_t)(col / 32) * BYTES;
+    static __device__ __forceinline__ void fetch(Raw &r, const unsigned char *row, unsigned int col, unsigned int t) {
+        const unsigned char *b = row + (size_t)(col / 32) * BYTES;
         const unsigned int shift = t < 2 ? 0 : 4;
-        r.q0 = (ld32_a2(row + at + 2 + 8 * (t % 2)) >> shift) & 0x0F0F0F0Fu;
-        r.q1 = (ld32_a2(row + at + 6 + 8 * (t % 2)) >> shift) & 0x0F0F0F0Fu;
-        r.sa = ld_f16(ra + at);
-        r.sb = ld_f16(rb + at);
+        r.q0 = (ld32_a2(b + 2 + 8 * (t % 2)) >> shift) & 0x0F0F0F0Fu;
+        r.q1 = (ld32_a2(b + 6 + 8 * (t % 2)) >> shift) & 0x0F0F0F0Fu;
+        r.d = ld_f16(b);
     }
-    static __device__ __forceinline__ void frag(const Raw &r, int, unsigned int (&b)[KSTEPS][2], float (&scale)[2],
-                                                float (&add)[2]) {
-        small_ints(r.q0, 8.f, b[0][0], b[0][1]);
-        small_ints(r.q1, 8.f, b[1][0], b[1][1]);
-        scale[0] = r.sa, scale[1] = r.sb, add[0] = add[1] = 0.f;
+    static __device__ __forceinline__ void frag(const Raw &r, int, unsigned int (&f)[KSTEPS][2], float &scale,
+                                                float &add) {
+        small_ints(r.q0, f[0][0], f[0][1]);
+        small_ints(r.q1, f[1][0], f[1][1]);
+        scale = r.d, add = -(MAGIC + 8.f) * r.d;  // d (q - 8), q entered as 128 + q
     }
 };
 
@@ -186,62 +169,78 @@ __device__ __forceinline__ void k4_scale_min(const uint4 &h, int u, float &scale
     add = -(he::f16_bits_to_f32(h.x >> 16) * (float)m);
 }
 
+// A K-quant super-block's scales are decoded once, spread over the 4 lanes that read a row: lane t takes
+// sub-blocks 2t and 2t + 1 (scale[i], add[i] for sub-block 2t + i, the magic bias folded into add), and
+// step u's come from lane 4g + u / 2. The sub-block index is a run-time t here, so no array is indexed.
+__device__ __forceinline__ void k4_lane_scales(const uint4 &h, unsigned int t, float (&scale)[2], float (&add)[2]) {
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        float sc = 0.f, ad = 0.f;
+#pragma unroll
+        for (int u = i; u < 8; u += 2)
+            if ((unsigned int)u == 2 * t + i) k4_scale_min(h, u, sc, ad);
+        scale[i] = sc;
+        add[i] = fmaf(-MAGIC, sc, ad);
+    }
+}
+
 // Q4_K: a tile is a 144-byte super-block (8 steps of 32: its sub-blocks); lane t takes values 8t .. 8t + 7
 // of each sub-block: bytes 8t .. + 7 of the 32 at 32(u / 2), low nibbles for even u.
 struct MmaQ4_K {
     static constexpr unsigned STEP = 32, KSTEPS = 2, TILE_STEPS = 8, UNROLL = 1, BYTES = 144, QS = 16, ALIGN = 16;
-    static constexpr bool SCALED = true, HAS_MIN = true;
+    static constexpr bool SCALED = true, HAS_MIN = true, SHARED_SCALES = true;
     struct Raw {
         uint2 q[4];
-        uint4 ha, hb;
+        uint4 h;
     };
     static __device__ __forceinline__ unsigned int group(unsigned int t, unsigned int k) { return 8 * t + 4 * k; }
-    static __device__ __forceinline__ void fetch(Raw &r, const unsigned char *row, const unsigned char *ra,
-                                                 const unsigned char *rb, unsigned int col, unsigned int t) {
-        const size_t at = (size_t)(col / 256) * BYTES;
+    static __device__ __forceinline__ void fetch(Raw &r, const unsigned char *row, unsigned int col, unsigned int t) {
+        const unsigned char *b = row + (size_t)(col / 256) * BYTES;
 #pragma unroll
-        for (int p = 0; p < 4; p++) r.q[p] = __ldg(reinterpret_cast<const uint2 *>(row + at + QS + 32 * p + 8 * t));
-        r.ha = __ldg(reinterpret_cast<const uint4 *>(ra + at));
-        r.hb = __ldg(reinterpret_cast<const uint4 *>(rb + at));
+        for (int p = 0; p < 4; p++) r.q[p] = __ldg(reinterpret_cast<const uint2 *>(b + QS + 32 * p + 8 * t));
+        r.h = __ldg(reinterpret_cast<const uint4 *>(b));
     }
-    static __device__ __forceinline__ void frag(const Raw &r, int u, unsigned int (&b)[KSTEPS][2], float (&scale)[2],
-                                                float (&add)[2]) {
+    static __device__ __forceinline__ void lane_scales(const Raw &r, unsigned int t, float (&scale)[2], float (&add)[2]) {
+        k4_lane_scales(r.h, t, scale, add);
+    }
+    static __device__ __forceinline__ void frag(const Raw &r, int u, unsigned int (&f)[KSTEPS][2], float &scale,
+                                                float &add) {
         const unsigned int shift = u % 2 ? 4 : 0;
-        small_ints((r.q[u / 2].x >> shift) & 0x0F0F0F0Fu, 0.f, b[0][0], b[0][1]);
-        small_ints((r.q[u / 2].y >> shift) & 0x0F0F0F0Fu, 0.f, b[1][0], b[1][1]);
-        k4_scale_min(r.ha, u, scale[0], add[0]);
-        k4_scale_min(r.hb, u, scale[1], add[1]);
+        small_ints((r.q[u / 2].x >> shift) & 0x0F0F0F0Fu, f[0][0], f[0][1]);
+        small_ints((r.q[u / 2].y >> shift) & 0x0F0F0F0Fu, f[1][0], f[1][1]);
+        scale = add = 0.f;  // SHARED_SCALES: the kernel takes them from the lane that decoded them
     }
 };
 
 // Q5_K: Q4_K's layout with 32 bytes of fifth bits at 16 (bit u of byte l for value l of sub-block u).
 struct MmaQ5_K {
-    static constexpr unsigned STEP = 32, KSTEPS = 2, TILE_STEPS = 8, UNROLL = 1, BYTES = 176, QH = 16, QS = 48, ALIGN = 16;
-    static constexpr bool SCALED = true, HAS_MIN = true;
+    static constexpr unsigned STEP = 32, KSTEPS = 2, TILE_STEPS = 8, UNROLL = 1, BYTES = 176, QH = 16, QS = 48;
+    static constexpr unsigned ALIGN = 16;
+    static constexpr bool SCALED = true, HAS_MIN = true, SHARED_SCALES = true;
     struct Raw {
         uint2 q[4];
-        uint2 h;
-        uint4 ha, hb;
+        uint2 hb;
+        uint4 h;
     };
     static __device__ __forceinline__ unsigned int group(unsigned int t, unsigned int k) { return 8 * t + 4 * k; }
-    static __device__ __forceinline__ void fetch(Raw &r, const unsigned char *row, const unsigned char *ra,
-                                                 const unsigned char *rb, unsigned int col, unsigned int t) {
-        const size_t at = (size_t)(col / 256) * BYTES;
+    static __device__ __forceinline__ void fetch(Raw &r, const unsigned char *row, unsigned int col, unsigned int t) {
+        const unsigned char *b = row + (size_t)(col / 256) * BYTES;
 #pragma unroll
-        for (int p = 0; p < 4; p++) r.q[p] = __ldg(reinterpret_cast<const uint2 *>(row + at + QS + 32 * p + 8 * t));
-        r.h = __ldg(reinterpret_cast<const uint2 *>(row + at + QH + 8 * t));
-        r.ha = __ldg(reinterpret_cast<const uint4 *>(ra + at));
-        r.hb = __ldg(reinterpret_cast<const uint4 *>(rb + at));
+        for (int p = 0; p < 4; p++) r.q[p] = __ldg(reinterpret_cast<const uint2 *>(b + QS + 32 * p + 8 * t));
+        r.hb = __ldg(reinterpret_cast<const uint2 *>(b + QH + 8 * t));
+        r.h = __ldg(reinterpret_cast<const uint4 *>(b));
     }
-    static __device__ __forceinline__ void frag(const Raw &r, int u, unsigned int (&b)[KSTEPS][2], float (&scale)[2],
-                                                float (&add)[2]) {
+    static __device__ __forceinline__ void lane_scales(const Raw &r, unsigned int t, float (&scale)[2], float (&add)[2]) {
+        k4_lane_scales(r.h, t, scale, add);
+    }
+    static __device__ __forceinline__ void frag(const Raw &r, int u, unsigned int (&f)[KSTEPS][2], float &scale,
+                                                float &add) {
         const unsigned int shift = u % 2 ? 4 : 0;
-        const unsigned int q0 = ((r.q[u / 2].x >> shift) & 0x0F0F0F0Fu) | (((r.h.x >> u) & 0x01010101u) << 4);
-        const unsigned int q1 = ((r.q[u / 2].y >> shift) & 0x0F0F0F0Fu) | (((r.h.y >> u) & 0x01010101u) << 4);
-        small_ints(q0, 0.f, b[0][0], b[0][1]);
-        small_ints(q1, 0.f, b[1][0], b[1][1]);
-        k4_scale_min(r.ha, u, scale[0], add[0]);
-        k4_scale_min(r.hb, u, scale[1], add[1]);
+        const unsigned int q0 = ((r.q[u / 2].x >> shift) & 0x0F0F0F0Fu) | (((r.hb.x >> u) & 0x01010101u) << 4);
+        const unsigned int q1 = ((r.q[u / 2].y >> shift) & 0x0F0F0F0Fu) | (((r.hb.y >> u) & 0x01010101u) << 4);
+        small_ints(q0, f[0][0], f[0][1]);
+        small_ints(q1, f[1][0], f[1][1]);
+        scale = add = 0.f;  // SHARED_SCALES, as Q4_K
     }
 };
 
@@ -251,46 +250,39 @@ struct MmaQ5_K {
 struct MmaQ6_K {
     static constexpr unsigned STEP = 16, KSTEPS = 1, TILE_STEPS = 16, UNROLL = 1, BYTES = 210, ALIGN = 2;
     static constexpr unsigned QL = 0, QH = 128, SCALES = 192, D = 208;
-    static constexpr bool SCALED = true, HAS_MIN = false;
+    static constexpr bool SCALED = true, HAS_MIN = true, SHARED_SCALES = false;
     struct Raw {
         unsigned int ql[2][2][2];  // [n][k % 2][l half]
         unsigned int qh[2][2];     // [n][l half]
-        unsigned int sa[4], sb[4];  // the 16 int8 scales of the two D rows
-        float da, db;
+        unsigned int sc[4];        // the 16 int8 scales
+        float d;
     };
     static __device__ __forceinline__ unsigned int group(unsigned int t, unsigned int) { return 4 * t; }
-    static __device__ __forceinline__ void fetch(Raw &r, const unsigned char *row, const unsigned char *ra,
-                                                 const unsigned char *rb, unsigned int col, unsigned int t) {
-        const size_t at = (size_t)(col / 256) * BYTES;
-        const unsigned char *blk = row + at;
+    static __device__ __forceinline__ void fetch(Raw &r, const unsigned char *row, unsigned int col, unsigned int t) {
+        const unsigned char *b = row + (size_t)(col / 256) * BYTES;
 #pragma unroll
         for (int n = 0; n < 2; n++)
 #pragma unroll
             for (int h = 0; h < 2; h++) {
                 const unsigned int l = 16 * h + 4 * t;
-                r.ql[n][0][h] = ld32_a2(blk + QL + 64 * n + l);
-                r.ql[n][1][h] = ld32_a2(blk + QL + 64 * n + 32 + l);
-                r.qh[n][h] = ld32_a2(blk + QH + 32 * n + l);
+                r.ql[n][0][h] = ld32_a2(b + QL + 64 * n + l);
+                r.ql[n][1][h] = ld32_a2(b + QL + 64 * n + 32 + l);
+                r.qh[n][h] = ld32_a2(b + QH + 32 * n + l);
             }
 #pragma unroll
-        for (int i = 0; i < 4; i++) {
-            r.sa[i] = ld32_a2(ra + at + SCALES + 4 * i);
-            r.sb[i] = ld32_a2(rb + at + SCALES + 4 * i);
-        }
-        r.da = ld_f16(ra + at + D);
-        r.db = ld_f16(rb + at + D);
+        for (int i = 0; i < 4; i++) r.sc[i] = ld32_a2(b + SCALES + 4 * i);
+        r.d = ld_f16(b + D);
     }
-    // Step s covers values 16s .. 16s + 15: half n = s / 8, quarter k = (s % 8) / 2, l half s % 2.
-    static __device__ __forceinline__ void frag(const Raw &r, int s, unsigned int (&b)[KSTEPS][2], float (&scale)[2],
-                                                float (&add)[2]) {
+    // Step s covers values 16s .. 16s + 15: half n = s / 8, quarter k = (s % 8) / 2, l half s % 2; its
+    // scale is number s (8n + 2k + l / 16).
+    static __device__ __forceinline__ void frag(const Raw &r, int s, unsigned int (&f)[KSTEPS][2], float &scale,
+                                                float &add) {
         const int n = s / 8, k = (s % 8) / 2, h = s % 2;
-        const unsigned int low = k < 2 ? r.ql[n][k % 2][h] & 0x0F0F0F0Fu : (r.ql[n][k % 2][h] >> 4) & 0x0F0F0F0Fu;
-        const unsigned int q = low | (((r.qh[n][h] >> (2 * k)) & 0x03030303u) << 4);
-        small_ints(q, 32.f, b[0][0], b[0][1]);
-        const int si = s;  // scale index 8n + 2k + h == s
-        scale[0] = r.da * (float)(signed char)((r.sa[si / 4] >> (8 * (si % 4))) & 0xFFu);
-        scale[1] = r.db * (float)(signed char)((r.sb[si / 4] >> (8 * (si % 4))) & 0xFFu);
-        add[0] = add[1] = 0.f;
+        const unsigned int w = r.ql[n][k % 2][h];
+        const unsigned int low = k < 2 ? w & 0x0F0F0F0Fu : (w >> 4) & 0x0F0F0F0Fu;
+        small_ints(low | (((r.qh[n][h] >> (2 * k)) & 0x03030303u) << 4), f[0][0], f[0][1]);
+        scale = r.d * (float)(signed char)((r.sc[s / 4] >> (8 * (s % 4))) & 0xFFu);
+        add = -(MAGIC + 32.f) * scale;  // scale (q - 32), q entered as 128 + q
     }
 };
 
@@ -314,7 +306,29 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], const unsigned int (&a)[
 
 // ---- the kernel ----
 
-template <typename R, int MT, bool GLU>
+// Bytes of shared memory the staged activations may take (the rest of a multiprocessor's goes to more
+// blocks); a chunk is at least MMV_KC columns whatever the token count.
+constexpr unsigned MMV_STAGE_BUDGET = 32 * 1024;
+
+// One token's staged row of `kch` columns: groups of 4 columns, hi[4] then lo[4] (16 bytes), then padding
+// that puts a quarter warp's 16-byte reads (tokens g and g + 1, lanes t = 0..3) in distinct banks: lanes
+// 32 bytes apart (32-column steps) want the next token 16 bytes on, lanes 16 bytes apart 64 bytes on.
+__host__ __device__ constexpr unsigned mmv_stride(unsigned kch, unsigned step) {
+    return kch / 4 * 16 + (step == 32 ? 16 : 64);
+}
+
+// Columns staged at a time for n tokens: as many whole MMV_KC pieces of the column range as the budget takes.
+__host__ __device__ inline unsigned int mmv_chunk(unsigned int n, unsigned int kr) {
+    unsigned int k = MMV_STAGE_BUDGET / (n * 4) / MMV_KC * MMV_KC;
+    k = k < MMV_KC ? MMV_KC : k;
+    return k < kr ? k : kr;
+}
+
+__host__ __device__ constexpr unsigned mmv_smem_bytes(unsigned n, unsigned kch, unsigned step, bool sums) {
+    return n * mmv_stride(kch, step) + (sums ? n * (kch / step) * 4 : 0);
+}
+
+template <typename R, int NT, bool GLU>
 __global__ __launch_bounds__(MMV_THREADS, 2) void mmv_kernel(const unsigned char *__restrict__ w,
                                                          const unsigned char *__restrict__ w2, unsigned int rows,
                                                          unsigned int cols, size_t row_bytes,
@@ -322,147 +336,164 @@ __global__ __launch_bounds__(MMV_THREADS, 2) void mmv_kernel(const unsigned char
                                                          const float *bias, const float *residual, float *y,
                                                          unsigned int ldy, float *partial, unsigned int *counters) {
     extern __shared__ __align__(16) unsigned char mmv_smem[];
-    constexpr unsigned NP = 16 * MT;
-    constexpr unsigned XS_GROUPS = MMV_KC / R::STEP;  // activation sums a token keeps per chunk
-    constexpr unsigned STRIDE = mmv_token_stride(R::STEP);
-    unsigned char *xs = mmv_smem;
-    float *xsum = reinterpret_cast<float *>(mmv_smem + NP * STRIDE);
+    constexpr unsigned TILE = R::STEP * R::TILE_STEPS, GROUP = R::UNROLL * TILE;
 
     const unsigned int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, g = lane / 4, t = lane % 4;
     const MmvShape shape = mmv_shape(rows, cols, GLU);
     const unsigned int k_begin = blockIdx.y * shape.kr;
     const unsigned int k_end = min(cols, k_begin + shape.kr);
+    const unsigned int kch = mmv_chunk(n, shape.kr), stride = mmv_stride(kch, R::STEP);
+    const unsigned int sums_per_token = kch / R::STEP;
+    unsigned char *xs = mmv_smem;
+    float *xsum = reinterpret_cast<float *>(mmv_smem + n * stride);
 
-    // This warp's weight rows: n-tile j, lane row g; and the rows of its D fragment (2t, 2t + 1).
+    // The warp's A rows: g and g + 8 of its 16 (GLU: gate row g and up row g of its 8). Rows past the
+    // matrix read its last row (never written out), so the loads need no tests.
     const unsigned int base = GLU ? blockIdx.x * (MMV_BLOCK_ROWS / 2) + warp * 8 : blockIdx.x * MMV_BLOCK_ROWS + warp * 16;
-    const unsigned char *wrow[2], *wa[2], *wb[2];
-#pragma unroll
-    for (int j = 0; j < 2; j++) {
-        const unsigned char *m = GLU && j == 1 ? w2 : w;
-        const unsigned int first = GLU ? base : base + 8 * j;
-        // Rows past the matrix read its last row (never written out), so loads need no tests.
-        auto at = [&](unsigned int r) { return m + (size_t)min(first + r, rows - 1) * row_bytes; };
-        wrow[j] = at(g);
-        wa[j] = at(2 * t);
-        wb[j] = at(2 * t + 1);
-    }
+    const unsigned int row_a = base + g, row_b = GLU ? base + g : base + g + 8;
+    const unsigned char *wr[2] = {w + (size_t)min(row_a, rows - 1) * row_bytes,
+                                  (GLU ? w2 : w) + (size_t)min(row_b, rows - 1) * row_bytes};
 
-    float acc[MT][2][4];
+    float acc[NT][4];
 #pragma unroll
-    for (int i = 0; i < MT; i++)
+    for (int j = 0; j < NT; j++)
 #pragma unroll
-        for (int j = 0; j < 2; j++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) acc[i][j][e] = 0.f;
+        for (int e = 0; e < 4; e++) acc[j][e] = 0.f;
 
-    for (unsigned int c0 = k_begin; c0 < k_end; c0 += MMV_KC) {
-        const unsigned int len = min(MMV_KC, k_end - c0);
-        __syncthreads();  // the previous chunk's reads are done
-        // Stage tokens [0, n): tokens past n stay unwritten, and only their own output rows see them.
-        const unsigned int quads = len / 4;
-        for (unsigned int i = tid; i < n * quads; i += MMV_THREADS) {
-            const unsigned int tok = i / quads, q = i % quads;
-            const float4 v = __ldg(reinterpret_cast<const float4 *>(x + (size_t)tok * cols + c0) + q);
-            const float f[4] = {v.x, v.y, v.z, v.w};
-            float hi[4], lo[4];
+    // Activations of columns [c0, c0 + len) into shared memory, every load issued before the stores.
+    auto stage = [&](unsigned int c0, unsigned int len) {
+        const unsigned int quads = len / 4, total = n * quads;
+        for (unsigned int i0 = tid; i0 < total; i0 += 4 * MMV_THREADS) {
+            float4 v[4];
 #pragma unroll
-            for (int e = 0; e < 4; e++) {
-                hi[e] = __bfloat162float(__float2bfloat16_rn(f[e]));
-                lo[e] = f[e] - hi[e];
+            for (int u = 0; u < 4; u++) {
+                const unsigned int i = i0 + u * MMV_THREADS;
+                if (i < total)
+                    v[u] = __ldg(reinterpret_cast<const float4 *>(x + (size_t)(i / quads) * cols + c0) + i % quads);
             }
-            *reinterpret_cast<uint4 *>(xs + tok * STRIDE + 16 * q) =
-                make_uint4(pack_bf16(hi[0], hi[1]), pack_bf16(hi[2], hi[3]), pack_bf16(lo[0], lo[1]),
-                           pack_bf16(lo[2], lo[3]));
+#pragma unroll
+            for (int u = 0; u < 4; u++) {
+                const unsigned int i = i0 + u * MMV_THREADS;
+                if (i >= total) break;
+                const float f[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
+                float hi[4], lo[4];
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    hi[e] = __bfloat162float(__float2bfloat16_rn(f[e]));
+                    lo[e] = f[e] - hi[e];
+                }
+                *reinterpret_cast<uint4 *>(xs + (i / quads) * stride + 16 * (i % quads)) =
+                    make_uint4(pack_bf16(hi[0], hi[1]), pack_bf16(hi[2], hi[3]), pack_bf16(lo[0], lo[1]),
+                               pack_bf16(lo[2], lo[3]));
+            }
         }
-        if (R::HAS_MIN) {
+        if constexpr (R::HAS_MIN) {
             // Each step's activation sum, in column order: the same bits in any launch.
             const unsigned int groups = len / R::STEP;
             for (unsigned int i = tid; i < n * groups; i += MMV_THREADS) {
                 const unsigned int tok = i / groups, q = i % groups;
-                const float *xp = x + (size_t)tok * cols + c0 + q * R::STEP;
+                const float4 *xp = reinterpret_cast<const float4 *>(x + (size_t)tok * cols + c0 + q * R::STEP);
+                float4 v[R::STEP / 4];
+#pragma unroll
+                for (int e = 0; e < (int)R::STEP / 4; e++) v[e] = __ldg(xp + e);
                 float s = 0.f;
-                for (unsigned int e = 0; e < R::STEP; e++) s += __ldg(xp + e);
-                xsum[tok * XS_GROUPS + q] = s;
+#pragma unroll
+                for (int e = 0; e < (int)R::STEP / 4; e++) s = s + v[e].x + v[e].y + v[e].z + v[e].w;
+                xsum[tok * sums_per_token + q] = s;
             }
         }
-        __syncthreads();
+    };
 
-        // Steps of this chunk: TILE_STEPS a fetch, R::UNROLL fetches in flight.
-        constexpr unsigned TILE = R::STEP * R::TILE_STEPS;
-        auto run = [&](auto unroll, unsigned int col) {
-            constexpr int U = decltype(unroll)::value;
-            typename R::Raw raw[U][2];
+    using Raw = typename R::Raw;
+    auto fetch_group = [&](Raw (&r)[R::UNROLL][2], unsigned int col) {
 #pragma unroll
-            for (int u = 0; u < U; u++)
+        for (int u = 0; u < (int)R::UNROLL; u++)
+            if (col + u * TILE < k_end) {
+                R::fetch(r[u][0], wr[0], col + u * TILE, t);
+                R::fetch(r[u][1], wr[1], col + u * TILE, t);
+            }
+    };
+
+    // The tiles of column group `col`, whose chunk starts at column `c0` of shared memory.
+    auto compute = [&](const Raw (&r)[R::UNROLL][2], unsigned int col, unsigned int c0) {
 #pragma unroll
-                for (int j = 0; j < 2; j++) R::fetch(raw[u][j], wrow[j], wa[j], wb[j], col + u * TILE, t);
+        for (int u = 0; u < (int)R::UNROLL; u++) {
+            if (col + u * TILE >= k_end) break;
+            float own_scale[2][2] = {}, own_add[2][2] = {};
+            if constexpr (R::SHARED_SCALES) {
+                R::lane_scales(r[u][0], t, own_scale[0], own_add[0]);
+                R::lane_scales(r[u][1], t, own_scale[1], own_add[1]);
+            }
 #pragma unroll
-            for (int u = 0; u < U; u++) {
+            for (int s = 0; s < (int)R::TILE_STEPS; s++) {
+                const unsigned int c = col + u * TILE + s * R::STEP - c0;  // column within the chunk
+                unsigned int fa[R::KSTEPS][2], fb[R::KSTEPS][2];
+                float scale_a = 0.f, add_a = 0.f, scale_b = 0.f, add_b = 0.f;
+                R::frag(r[u][0], s, fa, scale_a, add_a);
+                R::frag(r[u][1], s, fb, scale_b, add_b);
+                if constexpr (R::SHARED_SCALES) {
+                    const int src = 4 * (int)g + s / 2;
+                    scale_a = __shfl_sync(0xffffffffu, own_scale[0][s % 2], src);
+                    add_a = __shfl_sync(0xffffffffu, own_add[0][s % 2], src);
+                    scale_b = __shfl_sync(0xffffffffu, own_scale[1][s % 2], src);
+                    add_b = __shfl_sync(0xffffffffu, own_add[1][s % 2], src);
+                }
 #pragma unroll
-                for (int s = 0; s < (int)R::TILE_STEPS; s++) {
-                    const unsigned int c = col + u * TILE + s * R::STEP - c0;  // column within the chunk
-                    unsigned int b[2][R::KSTEPS][2];
-                    float scale[2][2], add[2][2];
+                for (int j = 0; j < NT; j++) {
+                    if (8 * j >= n) break;  // a whole tile of absent tokens
+                    const unsigned int tok = min(8 * j + g, n - 1);  // absent tokens reread the last one
+                    float p[4] = {0.f, 0.f, 0.f, 0.f};
+                    float(&d)[4] = R::SCALED ? p : acc[j];
 #pragma unroll
-                    for (int j = 0; j < 2; j++) R::frag(raw[u][j], s, b[j], scale[j], add[j]);
-#pragma unroll
-                    for (int i = 0; i < MT; i++) {
-                        if (16 * i >= n) break;  // a whole m-tile of absent tokens
-                        float p[2][4];
-#pragma unroll
-                        for (int j = 0; j < 2; j++)
-#pragma unroll
-                            for (int e = 0; e < 4; e++) p[j][e] = 0.f;
-#pragma unroll
-                        for (int k = 0; k < (int)R::KSTEPS; k++) {
-                            const unsigned int gq = (c + R::group(t, k)) / 4;
-                            const uint4 va = *reinterpret_cast<const uint4 *>(xs + (16 * i + g) * STRIDE + 16 * gq);
-                            const uint4 vb =
-                                *reinterpret_cast<const uint4 *>(xs + (16 * i + g + 8) * STRIDE + 16 * gq);
-                            const unsigned int ahi[4] = {va.x, vb.x, va.y, vb.y}, alo[4] = {va.z, vb.z, va.w, vb.w};
-#pragma unroll
-                            for (int j = 0; j < 2; j++) {
-                                if constexpr (R::SCALED) {
-                                    mma_bf16(p[j], ahi, b[j][k][0], b[j][k][1]);
-                                    mma_bf16(p[j], alo, b[j][k][0], b[j][k][1]);
-                                } else {
-                                    mma_bf16(acc[i][j], ahi, b[j][k][0], b[j][k][1]);
-                                    mma_bf16(acc[i][j], alo, b[j][k][0], b[j][k][1]);
-                                }
-                            }
-                        }
-                        if constexpr (R::SCALED) {
-                            const unsigned int q = c / R::STEP;
-                            const float s0 = R::HAS_MIN ? xsum[(16 * i + g) * XS_GROUPS + q] : 0.f;
-                            const float s1 = R::HAS_MIN ? xsum[(16 * i + g + 8) * XS_GROUPS + q] : 0.f;
-#pragma unroll
-                            for (int j = 0; j < 2; j++) {
-                                // c0, c2: row 2t (scale[0]); c1, c3: row 2t + 1; c0, c1: token g; c2, c3: g + 8.
-                                acc[i][j][0] = fmaf(scale[j][0], p[j][0], acc[i][j][0]);
-                                acc[i][j][1] = fmaf(scale[j][1], p[j][1], acc[i][j][1]);
-                                acc[i][j][2] = fmaf(scale[j][0], p[j][2], acc[i][j][2]);
-                                acc[i][j][3] = fmaf(scale[j][1], p[j][3], acc[i][j][3]);
-                                if (R::HAS_MIN) {
-                                    acc[i][j][0] = fmaf(add[j][0], s0, acc[i][j][0]);
-                                    acc[i][j][1] = fmaf(add[j][1], s0, acc[i][j][1]);
-                                    acc[i][j][2] = fmaf(add[j][0], s1, acc[i][j][2]);
-                                    acc[i][j][3] = fmaf(add[j][1], s1, acc[i][j][3]);
-                                }
-                            }
+                    for (int k = 0; k < (int)R::KSTEPS; k++) {
+                        const unsigned int a[4] = {fa[k][0], fb[k][0], fa[k][1], fb[k][1]};
+                        const uint4 v =
+                            *reinterpret_cast<const uint4 *>(xs + tok * stride + 4 * (c + R::group(t, k)));
+                        mma_bf16(d, a, v.x, v.y);  // hi
+                        mma_bf16(d, a, v.z, v.w);  // lo
+                    }
+                    if constexpr (R::SCALED) {
+                        // c0, c1: row a, tokens 2t and 2t + 1; c2, c3: row b.
+                        const unsigned int q = c / R::STEP;
+                        const unsigned int t0 = min(8 * j + 2 * t, n - 1), t1 = min(8 * j + 2 * t + 1, n - 1);
+                        const float s0 = R::HAS_MIN ? xsum[t0 * sums_per_token + q] : 0.f;
+                        const float s1 = R::HAS_MIN ? xsum[t1 * sums_per_token + q] : 0.f;
+                        acc[j][0] = fmaf(scale_a, p[0], acc[j][0]);
+                        acc[j][1] = fmaf(scale_a, p[1], acc[j][1]);
+                        acc[j][2] = fmaf(scale_b, p[2], acc[j][2]);
+                        acc[j][3] = fmaf(scale_b, p[3], acc[j][3]);
+                        if (R::HAS_MIN) {
+                            acc[j][0] = fmaf(add_a, s0, acc[j][0]);
+                            acc[j][1] = fmaf(add_a, s1, acc[j][1]);
+                            acc[j][2] = fmaf(add_b, s0, acc[j][2]);
+                            acc[j][3] = fmaf(add_b, s1, acc[j][3]);
                         }
                     }
                 }
             }
-        };
-        unsigned int col = c0;
-        const unsigned int end = c0 + len;
-        for (; col + R::UNROLL * TILE <= end; col += R::UNROLL * TILE) run(std::integral_constant<int, (int)R::UNROLL>{}, col);
-        for (; col < end; col += TILE) run(std::integral_constant<int, 1>{}, col);
+        }
+    };
+
+    // The weights stream one column group ahead of the arithmetic; a new chunk of activations is staged
+    // (between two barriers every warp of the block reaches together) when the group enters it.
+    Raw cur[R::UNROLL][2], nxt[R::UNROLL][2];
+    fetch_group(cur, k_begin);
+    unsigned int staged = ~0u;
+    for (unsigned int col = k_begin; col < k_end; col += GROUP) {
+        if (col + GROUP < k_end) fetch_group(nxt, col + GROUP);
+        const unsigned int chunk = (col - k_begin) / kch;
+        if (chunk != staged) {
+            __syncthreads();
+            stage(k_begin + chunk * kch, min(kch, k_end - (k_begin + chunk * kch)));
+            __syncthreads();
+            staged = chunk;
+        }
+        compute(cur, col, k_begin + chunk * kch);
+#pragma unroll
+        for (int u = 0; u < (int)R::UNROLL; u++) cur[u][0] = nxt[u][0], cur[u][1] = nxt[u][1];
     }
 
-    // The outputs of lane (g, t): tokens 16i + g (+ 8), rows 2t and 2t + 1 of each n-tile.
-    const unsigned int out_rows = rows;
-    auto out_row = [&](int j, int e) { return GLU ? base + 2 * t + e : base + 8 * j + 2 * t + e; };
+    // Lane (g, t) holds tokens 8j + 2t (+ 1) of rows a (c0, c1) and b (c2, c3).
     auto finish = [&](unsigned int tok, unsigned int r, float v, float v2) {
         const size_t at = (size_t)tok * ldy + r;
         if (GLU) {
@@ -475,41 +506,34 @@ __global__ __launch_bounds__(MMV_THREADS, 2) void mmv_kernel(const unsigned char
     };
     if (shape.splits == 1) {
 #pragma unroll
-        for (int i = 0; i < MT; i++)
+        for (int j = 0; j < NT; j++)
 #pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const unsigned int tok = 16 * i + g + (e >= 2 ? 8 : 0);
+            for (int e = 0; e < 2; e++) {
+                const unsigned int tok = 8 * j + 2 * t + e;
                 if (tok >= n) continue;
                 if (GLU) {
-                    const unsigned int r = out_row(0, e % 2);
-                    if (r < out_rows) finish(tok, r, acc[i][0][e], acc[i][1][e]);
+                    if (row_a < rows) finish(tok, row_a, acc[j][e], acc[j][2 + e]);
                 } else {
-#pragma unroll
-                    for (int j = 0; j < 2; j++) {
-                        const unsigned int r = out_row(j, e % 2);
-                        if (r < out_rows) finish(tok, r, acc[i][j][e], 0.f);
-                    }
+                    if (row_a < rows) finish(tok, row_a, acc[j][e], 0.f);
+                    if (row_b < rows) finish(tok, row_b, acc[j][2 + e], 0.f);
                 }
             }
         return;
     }
 
-    // Split: partial[(split * parts + part) * n + tok][rows], parts 2 for GLU (gate, up).
+    // Split: partial[((split * parts + part) * n + tok) * rows + row], parts 2 for GLU (gate, up).
     constexpr unsigned PARTS = GLU ? 2 : 1;
     auto slot = [&](unsigned int split, unsigned int part, unsigned int tok, unsigned int r) {
         return partial + ((size_t)(split * PARTS + part) * n + tok) * rows + r;
     };
 #pragma unroll
-    for (int i = 0; i < MT; i++)
+    for (int j = 0; j < NT; j++)
 #pragma unroll
-        for (int e = 0; e < 4; e++) {
-            const unsigned int tok = 16 * i + g + (e >= 2 ? 8 : 0);
+        for (int e = 0; e < 2; e++) {
+            const unsigned int tok = 8 * j + 2 * t + e;
             if (tok >= n) continue;
-#pragma unroll
-            for (int j = 0; j < 2; j++) {
-                const unsigned int r = out_row(GLU ? 0 : j, e % 2);
-                if (r < out_rows) *slot(blockIdx.y, GLU ? j : 0, tok, r) = acc[i][j][e];
-            }
+            if (row_a < rows) *slot(blockIdx.y, 0, tok, row_a) = acc[j][e];
+            if (row_b < rows) *slot(blockIdx.y, GLU ? 1 : 0, tok, row_b) = acc[j][2 + e];
         }
     __threadfence();
     __syncthreads();
@@ -519,22 +543,24 @@ __global__ __launch_bounds__(MMV_THREADS, 2) void mmv_kernel(const unsigned char
     if (!last) return;
     __threadfence();  // the other blocks' partial sums are visible from here on
     const unsigned int first = GLU ? blockIdx.x * (MMV_BLOCK_ROWS / 2) : blockIdx.x * MMV_BLOCK_ROWS;
-    const unsigned int block_rows = min(GLU ? MMV_BLOCK_ROWS / 2 : MMV_BLOCK_ROWS, out_rows - first);
+    const unsigned int block_rows = min(GLU ? MMV_BLOCK_ROWS / 2 : MMV_BLOCK_ROWS, rows - first);
     for (unsigned int i = tid; i < n * block_rows; i += MMV_THREADS) {
         const unsigned int tok = i / block_rows, r = first + i % block_rows;
-        float v = 0.f, v2 = 0.f;
-        for (unsigned int s = 0; s < shape.splits; s++) {
-            v += __ldcg(slot(s, 0, tok, r));
-            if (GLU) v2 += __ldcg(slot(s, 1, tok, r));
+        // Every split's load in flight at once, then the sum in split order.
+        float v[MMV_MAX_SPLITS], v2[MMV_MAX_SPLITS];
+#pragma unroll
+        for (unsigned int s = 0; s < MMV_MAX_SPLITS; s++) {
+            v[s] = s < shape.splits ? __ldcg(slot(s, 0, tok, r)) : 0.f;
+            v2[s] = GLU && s < shape.splits ? __ldcg(slot(s, 1, tok, r)) : 0.f;
         }
-        finish(tok, r, v, v2);
+        float sum = 0.f, sum2 = 0.f;
+#pragma unroll
+        for (unsigned int s = 0; s < MMV_MAX_SPLITS; s++) {
+            if (s < shape.splits) sum += v[s], sum2 += v2[s];
+        }
+        finish(tok, r, sum, sum2);
     }
     if (tid == 0) counters[blockIdx.x] = 0;  // ready for the next launch
-}
-
-template <int MT>
-constexpr int mmv_smem_bytes(unsigned int step) {
-    return 16 * MT * mmv_token_stride(step) + 16 * MT * (MMV_KC / step) * 4;
 }
 
 template <typename R, bool GLU>
@@ -548,7 +574,8 @@ cudaError_t launch_mmv(const unsigned char *w, const unsigned char *w2, unsigned
         const float *xt = x + (size_t)t0 * cols;
         const float *rt = residual != nullptr ? residual + (size_t)t0 * ldy : nullptr;
         float *yt = y + (size_t)t0 * ldy;
-        auto go = [&](auto kernel, int smem) {
+        const int smem = (int)mmv_smem_bytes(nt, mmv_chunk(nt, shape.kr), R::STEP, R::HAS_MIN);
+        auto go = [&](auto kernel) {
             cudaError_t e = he::allow_smem(kernel, smem);
             if (e != cudaSuccess) return e;
             kernel<<<grid, MMV_THREADS, smem, stream>>>(w, w2, rows, cols, row_bytes, xt, nt, bias, rt, yt, ldy, partial,
@@ -556,9 +583,10 @@ cudaError_t launch_mmv(const unsigned char *w, const unsigned char *w2, unsigned
             return cudaGetLastError();
         };
         cudaError_t e;
-        if (nt <= 16) e = go(mmv_kernel<R, 1, GLU>, mmv_smem_bytes<1>(R::STEP));
-        else if (nt <= 32) e = go(mmv_kernel<R, 2, GLU>, mmv_smem_bytes<2>(R::STEP));
-        else e = go(mmv_kernel<R, 4, GLU>, mmv_smem_bytes<4>(R::STEP));
+        if (nt <= 8) e = go(mmv_kernel<R, 1, GLU>);
+        else if (nt <= 16) e = go(mmv_kernel<R, 2, GLU>);
+        else if (nt <= 32) e = go(mmv_kernel<R, 4, GLU>);
+        else e = go(mmv_kernel<R, 8, GLU>);
         if (e != cudaSuccess) return e;
     }
     return cudaSuccess;

@@ -21,11 +21,12 @@ pub(super) const ATTENTION_TOKENS: usize = 64;
 /// Items whose logits one step keeps on the device (more spill to the host).
 pub(super) const LOGIT_ROWS: usize = 64;
 
-/// kernels/mmv.cu's cut of a matrix (its MMV_* constants): output rows a block, columns a staged chunk,
-/// blocks a launch aims at, tokens a launch.
+/// kernels/mmv.cu's cut of a matrix (its MMV_* constants): output rows a block, the unit of column
+/// ranges, blocks a launch aims at, column ranges at most, tokens a launch.
 const MMV_BLOCK_ROWS: usize = 128;
 const MMV_KC: usize = 256;
 const MMV_TARGET_BLOCKS: usize = 256;
+const MMV_MAX_SPLITS: usize = 16;
 pub const MMV_MAX_TOKENS: usize = 64;
 
 /// (row blocks, column ranges) of a tensor-core decode product of `rows` x `cols`, as mmv.cu's mmv_shape.
@@ -33,7 +34,7 @@ pub fn mmv_shape(rows: usize, cols: usize, glu: bool) -> (usize, usize) {
     let out_rows = if glu { MMV_BLOCK_ROWS / 2 } else { MMV_BLOCK_ROWS };
     let row_blocks = rows.div_ceil(out_rows);
     let chunks = cols.div_ceil(MMV_KC);
-    let mut splits = MMV_TARGET_BLOCKS.div_ceil(row_blocks).min(chunks);
+    let mut splits = MMV_TARGET_BLOCKS.div_ceil(row_blocks).min(chunks).min(MMV_MAX_SPLITS);
     if row_blocks > MMV_TARGET_BLOCKS || splits == 0 {
         splits = 1;
     }

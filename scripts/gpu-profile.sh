@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Runs on the GPU machine after scripts/gpu-run.sh has unpacked the bundle: Nsight Compute's view of the
+# tensor-core decode product, one launch at 1 token and one at 64 tokens on 4096 x 14336, for each format
+# named (default BF16 Q4_K). Writes $OUT/ncu-FORMAT.txt and prints the lines that say where time goes.
+set -uo pipefail
+B=/tmp/he/bundle
+OUT="${OUT:-$PWD/gpu-out}"
+mkdir -p "$OUT"
+sections="--section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats --section Occupancy --section LaunchStats"
+for f in "${@:-BF16 Q4_K}"; do
+  # Each timed case is 3 warm-up launches and 7 x 50 timed ones: skip 3, then the 64-token case's first.
+  for skip in 3 356; do
+    ncu --clock-control none --kernel-name regex:mmv_kernel --launch-skip "$skip" --launch-count 1 $sections \
+      "$B/examples/bench_decode" --kernels-only --no-matvec --mmv-only "$f" >> "$OUT/ncu-$f.txt" 2>&1
+  done
+  echo "== $f"
+  grep -E "mmv_kernel|Duration|DRAM Throughput|Memory Throughput|Compute \(SM\) Throughput|Achieved Occupancy|Registers Per|Issue Slots Busy|No Eligible|Warp Cycles Per Issued|Stall" "$OUT/ncu-$f.txt" | head -40
+done
