@@ -17,7 +17,7 @@ fn main() {
     println!("cargo:rerun-if-changed=kernels");
     println!("cargo:rerun-if-changed=src");
     println!("cargo:rerun-if-changed=cbindgen.toml");
-    for var in ["NVCC", "HOSTEMBED_CUDA_ARCHS", "PATH", "HOSTEMBED_NO_CUDA"] {
+    for var in ["NVCC", "HOSTEMBED_CUDA_ARCHS", "PATH", "HOSTEMBED_NO_CUDA", "HOSTEMBED_KERNEL_DEFINES"] {
         println!("cargo:rerun-if-env-changed={var}");
     }
 
@@ -105,6 +105,10 @@ fn build_kernels(manifest: &Path, nvcc: &Path, include: &Path) {
     }
     let newest = archs.iter().max_by_key(|a| a.parse::<u32>().unwrap_or(0)).unwrap();
     flags.push(format!("-gencode=arch=compute_{newest},code=compute_{newest}"));
+    // Kernel tuning knobs for experiments (`-DMMV_TARGET=512 ...`); a build with them is for benchmarks.
+    if let Ok(defines) = env::var("HOSTEMBED_KERNEL_DEFINES") {
+        flags.extend(defines.split_whitespace().map(str::to_string));
+    }
     for f in &flags {
         build.flag(f);
     }

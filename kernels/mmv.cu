@@ -27,7 +27,23 @@ constexpr int MMV_THREADS = MMV_WARPS * 32;
 constexpr unsigned MMV_BLOCK_ROWS = MMV_WARPS * 16;
 constexpr unsigned MMV_KC = 256;  // the unit of column ranges and staged chunks
 constexpr unsigned MMV_MAX_TOKENS = 64;
-constexpr unsigned MMV_TARGET_BLOCKS = 256;  // about two blocks a multiprocessor on a 132-SM card
+// Tuning knobs, fixed at build time (the Rust side mirrors MMV_TARGET_BLOCKS: see src/gpu/scratch.rs).
+#ifndef MMV_TARGET
+#define MMV_TARGET 256
+#endif
+#ifndef MMV_SMALL_MIN_BLOCKS
+#define MMV_SMALL_MIN_BLOCKS 2
+#endif
+#ifndef MMV_BF16_UNROLL
+#define MMV_BF16_UNROLL 4
+#endif
+#ifndef MMV_SHARED_SCALES
+#define MMV_SHARED_SCALES 1
+#endif
+#ifndef MMV_SPLIT_CHAIN
+#define MMV_SPLIT_CHAIN 1
+#endif
+constexpr unsigned MMV_TARGET_BLOCKS = MMV_TARGET;  // blocks a launch aims at (two a multiprocessor: 264)
 constexpr unsigned MMV_MAX_ROW_BLOCKS_SPLIT = MMV_TARGET_BLOCKS;  // a split product has fewer row blocks
 constexpr unsigned MMV_MAX_SPLITS = 16;  // column ranges at most (the last block adds them unrolled)
 // How a matrix is cut: its row blocks, and its columns in `splits` ranges of `kr` (a multiple of MMV_KC).
@@ -64,13 +80,20 @@ __device__ __forceinline__ float ld_f16(const unsigned char *p) {
     return he::f16_bits_to_f32(__ldg(reinterpret_cast<const unsigned short *>(p)));
 }
 
-// The 4 bytes of w (each 0..127) as two bf16 pairs of 128 + byte, exactly: b0 = (q0, q1), b1 = (q2, q3).
-// 0x43 above a byte is the bf16 128 + byte; the 128 (and a format's own bias) come off after the product,
-// as MAGIC times the step's activation sum (readers of such quants set HAS_MIN and fold it into `add`).
-constexpr float MAGIC = 128.f;
-__device__ __forceinline__ void small_ints(unsigned int w, unsigned int &b0, unsigned int &b1) {
-    b0 = __byte_perm(w, 0x43u, 0x4140u);
-    b1 = __byte_perm(w, 0x43u, 0x4342u);
+// The 4 bytes of w (each 0..127) less `bias`, as two exact bf16 pairs: b0 = (q0, q1), b1 = (q2, q3). 0x43
+// above a byte is the bf16 128 + byte, and one packed subtraction takes 128 + bias off (exact: small
+// integers). Folding the 128 into the offset instead (times the activation sum) saves the subtraction
+// but cancels ~4 bits of the product: 6e-5 relative against 3e-6, measured.
+__device__ __forceinline__ unsigned int bytes_bf16(unsigned int w, unsigned int sel, __nv_bfloat162 off) {
+    const unsigned int v = __byte_perm(w, 0x43u, sel);
+    __nv_bfloat162 b = *reinterpret_cast<const __nv_bfloat162 *>(&v);
+    b = __hsub2(b, off);
+    return *reinterpret_cast<const unsigned int *>(&b);
+}
+__device__ __forceinline__ void small_ints(unsigned int w, float bias, unsigned int &b0, unsigned int &b1) {
+    const __nv_bfloat162 off = __floats2bfloat162_rn(128.f + bias, 128.f + bias);
+    b0 = bytes_bf16(w, 0x4140u, off);
+    b1 = bytes_bf16(w, 0x4342u, off);
 }
 
 // The 4 signed bytes of w as two exact bf16 pairs (int8 needs the f32 route: 128 + q is past bf16's
@@ -91,7 +114,7 @@ __device__ __forceinline__ void signed_bytes(unsigned int w, unsigned int &b0, u
 
 // BF16 rows: a 32-column step is one 16-byte load of columns 8t .. 8t + 7 (k-step 0: 8t..8t+3).
 struct MmaBF16 {
-    static constexpr unsigned STEP = 32, KSTEPS = 2, TILE_STEPS = 1, UNROLL = 4, ALIGN = 16;
+    static constexpr unsigned STEP = 32, KSTEPS = 2, TILE_STEPS = 1, UNROLL = MMV_BF16_UNROLL, ALIGN = 16;
     static constexpr bool SCALED = false, HAS_MIN = false, SHARED_SCALES = false;
     struct Raw {
         uint4 q;
@@ -132,7 +155,7 @@ struct MmaQ8_0 {
 // of bytes 8(t % 2) .. + 7.
 struct MmaQ4_0 {
     static constexpr unsigned STEP = 32, KSTEPS = 2, TILE_STEPS = 1, UNROLL = 4, BYTES = 18, ALIGN = 2;
-    static constexpr bool SCALED = true, HAS_MIN = true, SHARED_SCALES = false;
+    static constexpr bool SCALED = true, HAS_MIN = false, SHARED_SCALES = false;
     struct Raw {
         unsigned int q0, q1;
         float d;
@@ -147,9 +170,9 @@ struct MmaQ4_0 {
     }
     static __device__ __forceinline__ void frag(const Raw &r, int, unsigned int (&f)[KSTEPS][2], float &scale,
                                                 float &add) {
-        small_ints(r.q0, f[0][0], f[0][1]);
-        small_ints(r.q1, f[1][0], f[1][1]);
-        scale = r.d, add = -(MAGIC + 8.f) * r.d;  // d (q - 8), q entered as 128 + q
+        small_ints(r.q0, 8.f, f[0][0], f[0][1]);
+        small_ints(r.q1, 8.f, f[1][0], f[1][1]);
+        scale = r.d, add = 0.f;
     }
 };
 
@@ -170,7 +193,7 @@ __device__ __forceinline__ void k4_scale_min(const uint4 &h, int u, float &scale
 }
 
 // A K-quant super-block's scales are decoded once, spread over the 4 lanes that read a row: lane t takes
-// sub-blocks 2t and 2t + 1 (scale[i], add[i] for sub-block 2t + i, the magic bias folded into add), and
+// sub-blocks 2t and 2t + 1 (scale[i], add[i] for sub-block 2t + i), and
 // step u's come from lane 4g + u / 2. The sub-block index is a run-time t here, so no array is indexed.
 __device__ __forceinline__ void k4_lane_scales(const uint4 &h, unsigned int t, float (&scale)[2], float (&add)[2]) {
 #pragma unroll
@@ -180,7 +203,7 @@ __device__ __forceinline__ void k4_lane_scales(const uint4 &h, unsigned int t, f
         for (int u = i; u < 8; u += 2)
             if ((unsigned int)u == 2 * t + i) k4_scale_min(h, u, sc, ad);
         scale[i] = sc;
-        add[i] = fmaf(-MAGIC, sc, ad);
+        add[i] = ad;
     }
 }
 
@@ -188,7 +211,7 @@ __device__ __forceinline__ void k4_lane_scales(const uint4 &h, unsigned int t, f
 // of each sub-block: bytes 8t .. + 7 of the 32 at 32(u / 2), low nibbles for even u.
 struct MmaQ4_K {
     static constexpr unsigned STEP = 32, KSTEPS = 2, TILE_STEPS = 8, UNROLL = 1, BYTES = 144, QS = 16, ALIGN = 16;
-    static constexpr bool SCALED = true, HAS_MIN = true, SHARED_SCALES = true;
+    static constexpr bool SCALED = true, HAS_MIN = true, SHARED_SCALES = MMV_SHARED_SCALES;
     struct Raw {
         uint2 q[4];
         uint4 h;
@@ -206,9 +229,9 @@ struct MmaQ4_K {
     static __device__ __forceinline__ void frag(const Raw &r, int u, unsigned int (&f)[KSTEPS][2], float &scale,
                                                 float &add) {
         const unsigned int shift = u % 2 ? 4 : 0;
-        small_ints((r.q[u / 2].x >> shift) & 0x0F0F0F0Fu, f[0][0], f[0][1]);
-        small_ints((r.q[u / 2].y >> shift) & 0x0F0F0F0Fu, f[1][0], f[1][1]);
-        scale = add = 0.f;  // SHARED_SCALES: the kernel takes them from the lane that decoded them
+        small_ints((r.q[u / 2].x >> shift) & 0x0F0F0F0Fu, 0.f, f[0][0], f[0][1]);
+        small_ints((r.q[u / 2].y >> shift) & 0x0F0F0F0Fu, 0.f, f[1][0], f[1][1]);
+        if (!SHARED_SCALES) k4_scale_min(r.h, u, scale, add);  // else the kernel takes them from lane 4g + u / 2
     }
 };
 
@@ -216,7 +239,7 @@ struct MmaQ4_K {
 struct MmaQ5_K {
     static constexpr unsigned STEP = 32, KSTEPS = 2, TILE_STEPS = 8, UNROLL = 1, BYTES = 176, QH = 16, QS = 48;
     static constexpr unsigned ALIGN = 16;
-    static constexpr bool SCALED = true, HAS_MIN = true, SHARED_SCALES = true;
+    static constexpr bool SCALED = true, HAS_MIN = true, SHARED_SCALES = MMV_SHARED_SCALES;
     struct Raw {
         uint2 q[4];
         uint2 hb;
@@ -238,9 +261,9 @@ struct MmaQ5_K {
         const unsigned int shift = u % 2 ? 4 : 0;
         const unsigned int q0 = ((r.q[u / 2].x >> shift) & 0x0F0F0F0Fu) | (((r.hb.x >> u) & 0x01010101u) << 4);
         const unsigned int q1 = ((r.q[u / 2].y >> shift) & 0x0F0F0F0Fu) | (((r.hb.y >> u) & 0x01010101u) << 4);
-        small_ints(q0, f[0][0], f[0][1]);
-        small_ints(q1, f[1][0], f[1][1]);
-        scale = add = 0.f;  // SHARED_SCALES, as Q4_K
+        small_ints(q0, 0.f, f[0][0], f[0][1]);
+        small_ints(q1, 0.f, f[1][0], f[1][1]);
+        if (!SHARED_SCALES) k4_scale_min(r.h, u, scale, add);
     }
 };
 
@@ -250,7 +273,7 @@ struct MmaQ5_K {
 struct MmaQ6_K {
     static constexpr unsigned STEP = 16, KSTEPS = 1, TILE_STEPS = 16, UNROLL = 1, BYTES = 210, ALIGN = 2;
     static constexpr unsigned QL = 0, QH = 128, SCALES = 192, D = 208;
-    static constexpr bool SCALED = true, HAS_MIN = true, SHARED_SCALES = false;
+    static constexpr bool SCALED = true, HAS_MIN = false, SHARED_SCALES = false;
     struct Raw {
         unsigned int ql[2][2][2];  // [n][k % 2][l half]
         unsigned int qh[2][2];     // [n][l half]
@@ -280,9 +303,9 @@ struct MmaQ6_K {
         const int n = s / 8, k = (s % 8) / 2, h = s % 2;
         const unsigned int w = r.ql[n][k % 2][h];
         const unsigned int low = k < 2 ? w & 0x0F0F0F0Fu : (w >> 4) & 0x0F0F0F0Fu;
-        small_ints(low | (((r.qh[n][h] >> (2 * k)) & 0x03030303u) << 4), f[0][0], f[0][1]);
+        small_ints(low | (((r.qh[n][h] >> (2 * k)) & 0x03030303u) << 4), 32.f, f[0][0], f[0][1]);
         scale = r.d * (float)(signed char)((r.sc[s / 4] >> (8 * (s % 4))) & 0xFFu);
-        add = -(MAGIC + 32.f) * scale;  // scale (q - 32), q entered as 128 + q
+        add = 0.f;
     }
 };
 
@@ -329,7 +352,7 @@ __host__ __device__ constexpr unsigned mmv_smem_bytes(unsigned n, unsigned kch, 
 }
 
 template <typename R, int NT, bool GLU>
-__global__ __launch_bounds__(MMV_THREADS, 2) void mmv_kernel(const unsigned char *__restrict__ w,
+__global__ __launch_bounds__(MMV_THREADS, NT <= 2 ? MMV_SMALL_MIN_BLOCKS : 2) void mmv_kernel(const unsigned char *__restrict__ w,
                                                          const unsigned char *__restrict__ w2, unsigned int rows,
                                                          unsigned int cols, size_t row_bytes,
                                                          const float *__restrict__ x, unsigned int n,
@@ -354,11 +377,14 @@ __global__ __launch_bounds__(MMV_THREADS, 2) void mmv_kernel(const unsigned char
     const unsigned char *wr[2] = {w + (size_t)min(row_a, rows - 1) * row_bytes,
                                   (GLU ? w2 : w) + (size_t)min(row_b, rows - 1) * row_bytes};
 
-    float acc[NT][4];
+    // With few token tiles, acc takes the hi products and acc_lo the lo ones: two dependency chains of the
+    // tensor cores' accumulators instead of one, added once at the end (more tiles are chains enough).
+    constexpr bool SPLIT = MMV_SPLIT_CHAIN && NT <= 2;
+    float acc[NT][4], acc_lo[SPLIT ? NT : 1][4];
 #pragma unroll
     for (int j = 0; j < NT; j++)
 #pragma unroll
-        for (int e = 0; e < 4; e++) acc[j][e] = 0.f;
+        for (int e = 0; e < 4; e++) acc[j][e] = acc_lo[SPLIT ? j : 0][e] = 0.f;
 
     // Activations of columns [c0, c0 + len) into shared memory, every load issued before the stores.
     auto stage = [&](unsigned int c0, unsigned int len) {
@@ -442,17 +468,22 @@ __global__ __launch_bounds__(MMV_THREADS, 2) void mmv_kernel(const unsigned char
                 for (int j = 0; j < NT; j++) {
                     if (8 * j >= n) break;  // a whole tile of absent tokens
                     const unsigned int tok = min(8 * j + g, n - 1);  // absent tokens reread the last one
-                    float p[4] = {0.f, 0.f, 0.f, 0.f};
+                    float p[4] = {0.f, 0.f, 0.f, 0.f}, p_lo[4] = {0.f, 0.f, 0.f, 0.f};
                     float(&d)[4] = R::SCALED ? p : acc[j];
+                    float(&d_lo)[4] = SPLIT ? (R::SCALED ? p_lo : acc_lo[SPLIT ? j : 0]) : d;
 #pragma unroll
                     for (int k = 0; k < (int)R::KSTEPS; k++) {
                         const unsigned int a[4] = {fa[k][0], fb[k][0], fa[k][1], fb[k][1]};
                         const uint4 v =
                             *reinterpret_cast<const uint4 *>(xs + tok * stride + 4 * (c + R::group(t, k)));
-                        mma_bf16(d, a, v.x, v.y);  // hi
-                        mma_bf16(d, a, v.z, v.w);  // lo
+                        mma_bf16(d, a, v.x, v.y);     // hi
+                        mma_bf16(d_lo, a, v.z, v.w);  // lo
                     }
                     if constexpr (R::SCALED) {
+                        if (SPLIT) {
+#pragma unroll
+                            for (int e = 0; e < 4; e++) p[e] += p_lo[e];
+                        }
                         // c0, c1: row a, tokens 2t and 2t + 1; c2, c3: row b.
                         const unsigned int q = c / R::STEP;
                         const unsigned int t0 = min(8 * j + 2 * t, n - 1), t1 = min(8 * j + 2 * t + 1, n - 1);
@@ -491,6 +522,13 @@ __global__ __launch_bounds__(MMV_THREADS, 2) void mmv_kernel(const unsigned char
         compute(cur, col, k_begin + chunk * kch);
 #pragma unroll
         for (int u = 0; u < (int)R::UNROLL; u++) cur[u][0] = nxt[u][0], cur[u][1] = nxt[u][1];
+    }
+
+    if (SPLIT && !R::SCALED) {
+#pragma unroll
+        for (int j = 0; j < NT; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) acc[j][e] += acc_lo[SPLIT ? j : 0][e];
     }
 
     // Lane (g, t) holds tokens 8j + 2t (+ 1) of rows a (c0, c1) and b (c2, c3).
