@@ -6,6 +6,7 @@ mod common;
 use hostembed::Status;
 use hostembed::ffi::{engine_fit_default_inputs, engine_fit_plan, engine_last_error, engine_plan_describe};
 use hostembed::fit::{self, ENGINE_FIT_DEFAULT_RESERVE_BYTES, engine_fit_inputs, engine_placement as P, engine_plan};
+use hostembed::kv::KvTypes;
 use std::ffi::CStr;
 
 const MIB: u64 = 1 << 20;
@@ -453,6 +454,7 @@ fn cpu(room_bytes: u64, scratch_bytes: u64) -> fit::CpuFitInputs {
         window: 256,
         kv_heads: 2,
         head_dim: 16,
+        kv: KvTypes::CPU_DEFAULT,
         want_streams: 100,
         slot_bytes: 64,
         scratch_bytes,
@@ -463,14 +465,17 @@ fn cpu(room_bytes: u64, scratch_bytes: u64) -> fit::CpuFitInputs {
 
 #[test]
 fn cpu_streams_leave_room_for_the_step_scratch() {
-    let stream = fit::cpu_kv_bytes(2, 256, 2, 16).unwrap() + 64;
+    let stream = fit::cpu_kv_bytes(2, 256, 2, 16, KvTypes::CPU_DEFAULT).unwrap() + 64;
     let scratch = 3 * MIB;
     assert_eq!(fit::plan_cpu(&cpu(scratch + 3 * stream, scratch)).streams, 3);
     assert_eq!(fit::plan_cpu(&cpu(scratch + 3 * stream - 1, scratch)).streams, 2);
     // The same room with no scratch to pay holds the scratch's worth of streams more.
     assert_eq!(fit::plan_cpu(&cpu(scratch + 3 * stream, 0)).streams as u64, 3 + scratch / stream);
     let line = fit::describe_cpu(&fit::plan_cpu(&cpu(scratch + 3 * stream, scratch)));
-    assert!(line.starts_with("3 streams of 0.00 GiB at a 256-token window, beside 0.00 GiB of step scratch"), "{line}");
+    assert!(
+        line.starts_with("3 streams of 0.00 GiB (F32 KV cache) at a 256-token window, beside 0.00 GiB of step scratch"),
+        "{line}"
+    );
     // Room for the scratch and not one stream: refused, the refusal naming both.
     let refused = fit::plan_cpu(&cpu(scratch + stream - 1, scratch));
     assert_eq!(refused.streams, 0);

@@ -15,6 +15,7 @@ use super::weights::DeviceWeight;
 use crate::cuda;
 use crate::cudart::cudaStream_t;
 use crate::kernels as kn;
+use crate::kv::KvTypes;
 use crate::sampler::Sampling;
 use crate::status::Result;
 use crate::tensor::DType;
@@ -85,11 +86,13 @@ pub(super) struct AttentionShape {
     pub qkv_stride: usize,
 }
 
-/// One layer's part of the paged KV pool: where its first page starts and how many pages it has.
+/// One layer's part of the paged KV pool: where its first page starts, how many pages it has, and the
+/// types its K and V are kept in (`pages::PageLayout`).
 #[derive(Clone, Copy)]
 pub(super) struct KvPages {
     pub pool: *mut c_void,
     pub pages: usize,
+    pub kv: KvTypes,
 }
 
 /// Per-head q/k norm (when given), rotation of q and k, and K and V written at `pos` into the pages the
@@ -127,6 +130,8 @@ pub(super) fn rope_kv(
             kv.pool,
             tables,
             kv.pages as c_uint,
+            kv.kv.k as c_int,
+            kv.kv.v as c_int,
             s,
         )
     };
@@ -155,6 +160,8 @@ pub(super) fn attention(
             kv.pool,
             tables,
             kv.pages as c_uint,
+            kv.kv.k as c_int,
+            kv.kv.v as c_int,
             pos,
             a.n as c_uint,
             a.heads as c_uint,
@@ -370,6 +377,8 @@ pub(super) fn flash_attention(
             kv.pool,
             table,
             kv.pages as c_uint,
+            kv.kv.k as c_int,
+            kv.kv.v as c_int,
             pos,
             a.n as c_uint,
             a.heads as c_uint,
