@@ -4,7 +4,7 @@
 //!     cargo run --release --example bench_decode -- [--hidden 4096] [--layers 32] [--heads 32]
 //!         [--kv-heads 8] [--head-dim 128] [--inter 14336] [--vocab 128256] [--dtype bf16|f16|f32|q8_0|
 //!         q4_0|q4_1|q5_0|q5_1|q2_k|q3_k|q4_k|q5_k|q6_k|q4_k_m] [--prompt 64] [--tokens 128] [--runs 5]
-//!         [--tied] [--kernels-only] [--kv bf16|f16|f32|q8_0|fp8_e4m3[,V]]
+//!         [--tied] [--kernels-only] [--no-kernels] [--kv bf16|f16|f32|q8_0|fp8_e4m3[,V]]
 //!
 //! `--prompt` is the cache the decode reads (the "32k cache" is `--prompt 32768`); `--kv` picks
 //! the KV cache type (K and V, or K,V apart; BF16 by default), e.g. to compare 8-bit caches with BF16:
@@ -39,6 +39,8 @@ struct Args {
     tokens: usize,
     runs: usize,
     kernels_only: bool,
+    /// Skip the matvec kernel table (decode only).
+    no_kernels: bool,
     kv: KvTypes,
 }
 
@@ -66,6 +68,7 @@ fn parse() -> Args {
     let (mut dtype, mut prompt, mut tokens, mut runs, mut kernels_only) = (DType::Bf16, 64, 128, 5, false);
     let mut q4_k_m = false;
     let mut kv = KvTypes::GPU_DEFAULT;
+    let mut no_kernels = false;
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
         let mut num =
@@ -83,6 +86,7 @@ fn parse() -> Args {
             "--runs" => runs = num(),
             "--tied" => cfg.tied = true,
             "--kernels-only" => kernels_only = true,
+            "--no-kernels" => no_kernels = true,
             "--dtype" => {
                 let name = it.next().unwrap_or_default().to_ascii_lowercase();
                 q4_k_m = name == "q4_k_m";
@@ -99,7 +103,7 @@ fn parse() -> Args {
     }
     // The window the decode needs, whatever the shape's own.
     cfg.max_position = cfg.max_position.max(prompt + tokens + 1);
-    Args { cfg, dtype, q4_k_m, prompt, tokens, runs, kernels_only, kv }
+    Args { cfg, dtype, q4_k_m, prompt, tokens, runs, kernels_only, no_kernels, kv }
 }
 
 /// `--kv`'s value: one type for K and V, or "K,V".
@@ -381,7 +385,9 @@ fn main() {
     let stream = Stream::new().unwrap();
     let peak = copy_bandwidth(&stream);
     println!("{name}: device-to-device copy {peak:.0} GB/s (read + write)");
-    bench_kernels(&stream, peak);
+    if !args.no_kernels {
+        bench_kernels(&stream, peak);
+    }
     if !args.kernels_only {
         bench_decode(&args, peak);
     }

@@ -9,7 +9,7 @@
 //! runs with it, so an 8-bit cache's prompt rates and its decode right after a long prompt compare with
 //! a run without the flag.
 //!
-//! `--quick` measures BF16 at 512 and 4096 tokens only (for comparing the product routes:
+//! `--quick` measures BF16 at 512 and 4096 tokens only (or the `--lengths` given) (for comparing the product routes:
 //! HOSTEMBED_CUBLASLT=0 runs the library's own tensor-core kernel), then Q4_K_M when asked. Prints
 //! markdown tables. The Q4_K_M model's matrices repeat 64 encoded random rows (the reference encoders
 //! are too slow for 8B values; the bytes and the conversions per product are the same).
@@ -45,12 +45,16 @@ fn parse() -> Args {
         q4_k_m: false,
         kv: KvTypes::GPU_DEFAULT,
     };
+    let mut lengths_given = false;
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
         let mut value = || it.next().unwrap_or_else(|| panic!("{flag} takes a value"));
         let num = |v: String| -> usize { v.parse().unwrap_or_else(|_| panic!("not a number: {v}")) };
         match flag.as_str() {
-            "--lengths" => a.lengths = value().split(',').map(|v| num(v.to_string())).collect(),
+            "--lengths" => {
+                a.lengths = value().split(',').map(|v| num(v.to_string())).collect();
+                lengths_given = true;
+            }
             "--runs" => a.runs = num(value()),
             "--chunk" => a.chunk = num(value()),
             "--layers" => a.layers = num(value()),
@@ -60,7 +64,7 @@ fn parse() -> Args {
             other => panic!("unknown flag {other} (see the comment at the top of examples/bench_prefill.rs)"),
         }
     }
-    if a.quick {
+    if a.quick && !lengths_given {
         a.lengths = vec![512, 4096];
     }
     a
