@@ -228,7 +228,9 @@ pub struct CpuModel<'a> {
 /// stores it (`KvType::encode`). K and V are rounded to their types once, when written. Fresh pages
 /// are zero pages the host has not touched yet, so a pool costs memory only as streams fill it.
 pub struct KvPages {
-    data: Vec<u8>,
+    /// The pages' bytes, kept in f32s so that F32 rows (whose offsets are all multiples of 4) read as
+    /// aligned floats.
+    data: Vec<f32>,
     layers: usize,
     kv_heads: usize,
     head_dim: usize,
@@ -253,7 +255,7 @@ impl KvPages {
             .checked_mul(cfg.layers)
             .and_then(|page| page.checked_mul(pages))
             .ok_or_else(|| err!(NoRoom, "a KV pool of {pages} pages overflows the address space"))?;
-        let data = zeroed_bytes(len)?;
+        let data = zeroed_f32(len.div_ceil(4))?;
         Ok(KvPages { data, layers: cfg.layers, kv_heads: cfg.kv_heads, head_dim: cfg.head_dim, kv, row, pages })
     }
 
@@ -268,7 +270,17 @@ impl KvPages {
 
     /// Bytes the pages hold.
     pub fn bytes(&self) -> usize {
-        self.data.len()
+        self.data.len() * 4
+    }
+
+    fn data(&self) -> &[u8] {
+        // SAFETY: the f32 storage read as its bytes: u8 has no alignment, f32 no padding.
+        unsafe { std::slice::from_raw_parts(self.data.as_ptr() as *const u8, self.data.len() * 4) }
+    }
+
+    fn data_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as `data`; every byte pattern written is a valid f32, and the borrow is exclusive.
+        unsafe { std::slice::from_raw_parts_mut(self.data.as_mut_ptr() as *mut u8, self.data.len() * 4) }
     }
 
     /// Bytes of one layer's K (`which` 0) or V (1) rows in a page.
@@ -284,7 +296,7 @@ impl KvPages {
     /// Page `page`'s K (`which` 0) or V (1) rows of `layer`.
     fn rows(&self, page: u32, layer: usize, which: usize) -> &[u8] {
         let at = self.at(page, layer, which);
-        &self.data[at..at + self.block(which)]
+        &self.data()[at..at + self.block(which)]
     }
 
     /// Writes `values` (kv_heads x head_dim) as the K (`which` 0) or V (1) row of `layer` at position `pos`
@@ -292,9 +304,10 @@ impl KvPages {
     fn store(&mut self, pages: &[u32], pos: usize, layer: usize, which: usize, values: &[f32]) {
         let at = self.at(pages[pos / PAGE_TOKENS], layer, which) + (pos % PAGE_TOKENS) * self.row[which];
         let ty = if which == 0 { self.kv.k } else { self.kv.v };
-        let row = &mut self.data[at..at + self.row[which]];
-        let head_bytes = ty.row_bytes(self.head_dim);
-        for (head, out) in values.chunks_exact(self.head_dim).zip(row.chunks_exact_mut(head_bytes)) {
+        let (row_bytes, head_dim) = (self.row[which], self.head_dim);
+        let row = &mut self.data_mut()[at..at + row_bytes];
+        let head_bytes = ty.row_bytes(head_dim);
+        for (head, out) in values.chunks_exact(head_dim).zip(row.chunks_exact_mut(head_bytes)) {
             ty.encode(head, out);
         }
     }
@@ -812,20 +825,19 @@ fn try_filled<T: Clone>(len: u128, value: T) -> Result<Vec<T>> {
     Ok(v)
 }
 
-/// `len` zero bytes, or NO_ROOM when the allocator refuses; fresh zeroed pages are only touched when
-/// written.
-fn zeroed_bytes(len: usize) -> Result<Vec<u8>> {
+/// `len` zeros, or NO_ROOM when the allocator refuses; fresh zeroed pages are only touched when written.
+fn zeroed_f32(len: usize) -> Result<Vec<f32>> {
     if len == 0 {
         return Ok(Vec::new());
     }
-    let layout = std::alloc::Layout::array::<u8>(len)
-        .map_err(|_| err!(NoRoom, "a KV cache of {len} bytes overflows the address space"))?;
+    let layout = std::alloc::Layout::array::<f32>(len)
+        .map_err(|_| err!(NoRoom, "a KV cache of {len} floats overflows the address space"))?;
     // SAFETY: the layout's size is not zero (len > 0).
-    let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+    let ptr = unsafe { std::alloc::alloc_zeroed(layout) } as *mut f32;
     if ptr.is_null() {
         bail!(NoRoom, "the host has no room for a KV cache of {} bytes", layout.size());
     }
-    // SAFETY: `ptr` comes from the global allocator with Vec's layout for `len` bytes, all zero.
+    // SAFETY: `ptr` comes from the global allocator with Vec's layout for `len` f32s, all zero bits.
     Ok(unsafe { Vec::from_raw_parts(ptr, len, len) })
 }
 

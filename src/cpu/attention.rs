@@ -55,28 +55,58 @@ impl KvRows<'_> {
         &self.pages[page][(range.start - first) * row..(range.end - first) * row]
     }
 
-    /// Calls `put(t, d, value)` for value d of kv head `head` in the t-th row of positions `range` (which
-    /// lie in one page), each value as `KvType::decode` gives it.
+    /// Kv head `head`'s values in the rows of positions `range` (which lie in one page), each as
+    /// `KvType::decode` gives it, widened into `out`: transposed (`out[d * KEY_BLOCK + t]`, the keys) or
+    /// row by row (`out[t * head_dim + d]`, the values).
     #[inline(always)]
-    fn for_each_value(&self, range: std::ops::Range<usize>, head: usize, mut put: impl FnMut(usize, usize, f64)) {
-        let head_bytes = self.ty.row_bytes(self.head_dim);
+    fn widen(&self, range: std::ops::Range<usize>, head: usize, out: &mut [f64], transposed: bool) {
+        let hd = self.head_dim;
+        let head_bytes = self.ty.row_bytes(hd);
         let rows = self.rows(range).chunks_exact(self.row_bytes());
+        // A decoded piece of a row (a block of the block types).
+        let mut piece = [0f32; kv::BLOCK_VALUES];
         for (t, row) in rows.enumerate() {
             let h = &row[head * head_bytes..(head + 1) * head_bytes];
+            let mut put = |from: usize, values: &[f32]| {
+                if transposed {
+                    for (i, &v) in values.iter().enumerate() {
+                        out[(from + i) * KEY_BLOCK + t] = v as f64;
+                    }
+                } else {
+                    for (o, &v) in out[t * hd + from..t * hd + from + values.len()].iter_mut().zip(values) {
+                        *o = v as f64;
+                    }
+                }
+            };
             match self.ty {
                 KvType::F32 => {
-                    for (d, c) in h.as_chunks::<4>().0.iter().enumerate() {
-                        put(t, d, f32::from_le_bytes(*c) as f64);
+                    // SAFETY: any 4 bytes are an f32; F32 rows sit at multiples of 4 in f32 storage, so the
+                    // prefix is empty there (and the bytes are decoded one by one where it is not).
+                    let (prefix, floats, _) = unsafe { h.align_to::<f32>() };
+                    if prefix.is_empty() && floats.len() == hd {
+                        put(0, floats);
+                    } else {
+                        for (k, c) in h.as_chunks::<{ 4 * kv::BLOCK_VALUES }>().0.iter().enumerate() {
+                            for (p, b) in piece.iter_mut().zip(c.as_chunks::<4>().0) {
+                                *p = f32::from_le_bytes(*b);
+                            }
+                            put(k * kv::BLOCK_VALUES, &piece);
+                        }
+                        let done = hd / kv::BLOCK_VALUES * kv::BLOCK_VALUES;
+                        let tail = &h[done * 4..].as_chunks::<4>().0;
+                        for (p, b) in piece.iter_mut().zip(tail.iter()) {
+                            *p = f32::from_le_bytes(*b);
+                        }
+                        put(done, &piece[..tail.len()]);
                     }
                 }
-                KvType::Bf16 => {
-                    for (d, c) in h.as_chunks::<2>().0.iter().enumerate() {
-                        put(t, d, bf16_bits_to_f32(u16::from_le_bytes(*c)) as f64);
-                    }
-                }
-                KvType::F16 => {
-                    for (d, c) in h.as_chunks::<2>().0.iter().enumerate() {
-                        put(t, d, f16_bits_to_f32(u16::from_le_bytes(*c)) as f64);
+                KvType::Bf16 | KvType::F16 => {
+                    let to_f32 = if self.ty == KvType::Bf16 { bf16_bits_to_f32 } else { f16_bits_to_f32 };
+                    for (k, c) in h.as_chunks::<2>().0.chunks(kv::BLOCK_VALUES).enumerate() {
+                        for (p, b) in piece.iter_mut().zip(c) {
+                            *p = to_f32(u16::from_le_bytes(*b));
+                        }
+                        put(k * kv::BLOCK_VALUES, &piece[..c.len()]);
                     }
                 }
                 KvType::Q8_0 | KvType::Fp8E4m3 => {
@@ -84,10 +114,10 @@ impl KvRows<'_> {
                     for (b, block) in h.as_chunks::<{ kv::BLOCK_BYTES }>().0.iter().enumerate() {
                         let bits = u16::from_le_bytes([block[0], block[1]]);
                         let scale = if fp8 { bf16_bits_to_f32(bits) } else { f16_bits_to_f32(bits) };
-                        for (i, &code) in block[2..].iter().enumerate() {
-                            let q = if fp8 { kv::e4m3_value(code) } else { code as i8 as f32 };
-                            put(t, b * kv::BLOCK_VALUES + i, (scale * q) as f64);
+                        for (p, &code) in piece.iter_mut().zip(&block[2..]) {
+                            *p = scale * if fp8 { kv::e4m3_value(code) } else { code as i8 as f32 };
                         }
+                        put(b * kv::BLOCK_VALUES, &piece);
                     }
                 }
             }
@@ -260,8 +290,8 @@ impl Part<'_> {
         for start in (0..last).step_by(KEY_BLOCK) {
             // The block's rows that any query sees, widened once for all of them.
             let rows = start..last.min(start + KEY_BLOCK);
-            b.k.for_each_value(rows.clone(), self.kv_head, |t, d, v| keys[d * KEY_BLOCK + t] = v);
-            b.v.for_each_value(rows, self.kv_head, |t, d, v| values[t * hd + d] = v);
+            b.k.widen(rows.clone(), self.kv_head, keys, true);
+            b.v.widen(rows, self.kv_head, values, false);
             let seen = |i: usize| n_ctx(i).saturating_sub(start).min(KEY_BLOCK);
             let mut i = 0;
             while i < queries {
