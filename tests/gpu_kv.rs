@@ -231,23 +231,26 @@ fn the_kv_append_rounds_as_the_cpu_in_every_type() {
             }
         }
     }
-    // The launcher refuses a block type with heads of partial blocks, and an unknown type.
+    // The launcher refuses a block type with heads of partial blocks, and an unknown type: every
+    // pointer real and aligned, so only the type can be at fault.
+    let buf = poisoned(1 << 16);
+    let p = buf.ptr();
     let call = |k: c_int, hd: usize| unsafe {
         kn::hostembed_rope_kv(
-            8 as *mut f32,
+            p as *mut f32,
             1024,
             1,
-            8 as *const c_int,
+            p as *const c_int,
             1,
             1,
             hd as c_uint,
-            8 as *const f32,
+            p as *const f32,
             0,
             ptr::null(),
             ptr::null(),
             1e-6,
-            16 as *mut c_void,
-            8 as *const *const c_uint,
+            p,
+            p as *const *const c_uint,
             1,
             k,
             KvType::Bf16 as c_int,
@@ -360,7 +363,8 @@ fn decode_attention_reads_every_type_exactly() {
     }
     let mut rng = Rng::fresh("decode_attention_reads_every_type_exactly");
     // (heads, kv_heads, head_dim, streams of (context, tokens), parts)
-    let shapes: [(usize, usize, usize, &[(usize, usize)], usize); 6] = [
+    type Shape = (usize, usize, usize, &'static [(usize, usize)], usize);
+    let shapes: [Shape; 6] = [
         (32, 8, 128, &[(300, 1), (17, 1), (513, 1)], 32), // the Llama-3 8B heads, a decode batch
         (14, 2, 64, &[(1000, 3), (40, 2)], 16),           // groups of 7
         (16, 2, 256, &[(200, 1)], 9),                     // the largest head, groups of 8
