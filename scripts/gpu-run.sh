@@ -33,7 +33,7 @@ for step in $steps; do
         echo "test $name: rc=$r $(grep -E '^test result' "$OUT/test-$name.log" | tail -1)" >> "$summary"
         [ $r -ne 0 ] && rc=$r
       done
-      for name in gpu_prefill gpu_model; do
+      for name in gpu_prefill gpu_model gpu_kv; do
         HOSTEMBED_CUBLASLT=0 "$B/tests/$name" --test-threads=1 --nocapture > "$OUT/test-$name-own.log" 2>&1; r=$?
         echo "test $name (own kernel): rc=$r $(grep -E '^test result' "$OUT/test-$name-own.log" | tail -1)" >> "$summary"
         [ $r -ne 0 ] && rc=$r
