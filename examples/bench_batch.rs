@@ -168,7 +168,7 @@ fn main() {
         cfg.layers,
         args.dtype.name(),
         GpuModel::weight_bytes(&src) as f64 / 1e9,
-        GpuModel::pool_bytes(cfg, pages) as f64 / (1u64 << 30) as f64,
+        GpuModel::pool_bytes(cfg, gpu.kv_types(), pages) as f64 / (1u64 << 30) as f64,
         pages,
         t0.elapsed().as_secs_f64()
     );

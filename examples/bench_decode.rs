@@ -5,10 +5,15 @@
 //!         [--kv-heads 8] [--head-dim 128] [--inter 14336] [--vocab 128256] [--dtype bf16|f16|f32|q8_0|
 //!         q4_0|q4_1|q5_0|q5_1|q2_k|q3_k|q4_k|q5_k|q6_k|q4_k_m] [--prompt 64] [--tokens 128] [--runs 5]
 //!         [--tied] [--kernels-only] [--no-matvec] [--no-mmv] [--mmv-only DTYPE]
+//!         [--kv bf16|f16|f32|q8_0|fp8_e4m3[,V]]
+//!
+//! `--prompt` is the cache the decode reads (the "32k cache" is `--prompt 32768`); `--kv` picks
+//! the KV cache type (K and V, or K,V apart; BF16 by default), e.g. to compare 8-bit caches with BF16:
+//! `--prompt 32768 --kv q8_0` against `--prompt 32768`.
 //!
 //! The tensor-core decode product (mmv) gets its own table: batch 1 for each format it reads, and BF16 at
-//! the batch sizes a server steps. `--no-matvec` and `--no-mmv` skip those tables; `--mmv-only DTYPE` times only that format on 4096 x 14336
-//! at 1 and 64 tokens (for a profiler).
+//! the batch sizes a server steps. `--no-matvec` (or `--no-kernels`) and `--no-mmv` skip those tables;
+//! `--mmv-only DTYPE` times only that format on 4096 x 14336 at 1 and 64 tokens (for a profiler).
 //! Prints one table per part; HOSTEMBED_CUDA_GRAPHS=0 runs the decode without CUDA graphs. The matvec
 //! table's GB/s counts the bytes of the stored blocks read per second. `--dtype q4_k_m` is llama.cpp's
 //! Q4_K_M mix (`Recipe::Q4KM`: Q4_K, with Q6_K for the head and for attn_v / ffn_down of about half the
@@ -24,6 +29,7 @@ use hostembed::cuda::{self, DeviceBuffer, Event, Stream};
 use hostembed::cudart as rt;
 use hostembed::gpu::{GpuModel, PAGE_TOKENS, RowsOnDevice, truncate_stream};
 use hostembed::kernels as kn;
+use hostembed::kv::{KvType, KvTypes};
 use hostembed::model::{Arch, ModelConfig, RopeScaling, TensorSource, names};
 use hostembed::sampler::Sampling;
 use hostembed::tensor::{DType, FORMATS, encode_row};
@@ -40,6 +46,7 @@ struct Args {
     matvec_table: bool,
     mmv_table: bool,
     mmv_only: Option<DType>,
+    kv: KvTypes,
 }
 
 fn parse() -> Args {
@@ -66,6 +73,7 @@ fn parse() -> Args {
     let (mut dtype, mut prompt, mut tokens, mut runs, mut kernels_only) = (DType::Bf16, 64, 128, 5, false);
     let (mut matvec_table, mut mmv_table, mut mmv_only) = (true, true, None);
     let mut q4_k_m = false;
+    let mut kv = KvTypes::GPU_DEFAULT;
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
         let mut num =
@@ -83,7 +91,7 @@ fn parse() -> Args {
             "--runs" => runs = num(),
             "--tied" => cfg.tied = true,
             "--kernels-only" => kernels_only = true,
-            "--no-matvec" => matvec_table = false,
+            "--no-matvec" | "--no-kernels" => matvec_table = false,
             "--no-mmv" => mmv_table = false,
             "--mmv-only" => {
                 let name = it.next().unwrap_or_default();
@@ -99,10 +107,25 @@ fn parse() -> Args {
                     .unwrap_or_else(|| panic!("--dtype: a format name or q4_k_m, not {name:?}"))
                     .dtype;
             }
+            "--kv" => kv = parse_kv(&it.next().unwrap_or_default()),
             other => panic!("unknown flag {other} (see the comment at the top of examples/bench_decode.rs)"),
         }
     }
-    Args { cfg, dtype, q4_k_m, prompt, tokens, runs, kernels_only, matvec_table, mmv_table, mmv_only }
+    // The window the decode needs, whatever the shape's own.
+    cfg.max_position = cfg.max_position.max(prompt + tokens + 1);
+    Args { cfg, dtype, q4_k_m, prompt, tokens, runs, kernels_only, matvec_table, mmv_table, mmv_only, kv }
+}
+
+/// `--kv`'s value: one type for K and V, or "K,V".
+fn parse_kv(value: &str) -> KvTypes {
+    let one = |name: &str| match KvType::parse(name) {
+        Some(Some(t)) => t,
+        _ => panic!("--kv: bf16, f16, f32, q8_0 or fp8_e4m3 (or K,V), not {value:?}"),
+    };
+    match value.split_once(',') {
+        Some((k, v)) => KvTypes { k: one(k), v: one(v) },
+        None => KvTypes::same(one(value)),
+    }
 }
 
 /// cudaMemcpyDeviceToDevice (the runtime's constants are crate-private).
@@ -412,14 +435,16 @@ fn bench_decode(args: &Args, peak: f64) {
     let rows_buf = DeviceBuffer::from_slice(embed.bytes).unwrap();
     let rows = RowsOnDevice { ptr: rows_buf.ptr(), dtype: embed.dtype, vocab: embed.rows(), cols: embed.cols() };
     let window = args.prompt + args.tokens + 1;
-    let mut gpu = GpuModel::load(&src, rows, 64, window.div_ceil(PAGE_TOKENS)).unwrap();
+    let mut gpu = GpuModel::load_with_kv(&src, rows, 64, window.div_ceil(PAGE_TOKENS), args.kv)
+        .unwrap_or_else(|e| panic!("load: {e}"));
     let mut pool = gpu.page_pool().unwrap();
     let weight_bytes = GpuModel::weight_bytes(&src);
     drop(src);
     println!(
-        "\n{recipe} model built and loaded in {:.1} s: {:.2} GB of weights",
+        "\n{recipe} model built and loaded in {:.1} s: {:.2} GB of weights, KV cache {}",
         t0.elapsed().as_secs_f64(),
-        weight_bytes as f64 / 1e9
+        weight_bytes as f64 / 1e9,
+        args.kv.describe()
     );
 
     let prompt: Vec<u32> = (0..args.prompt as u32).map(|i| (i * 7919 + 13) % cfg.vocab as u32).collect();
@@ -428,10 +453,13 @@ fn bench_decode(args: &Args, peak: f64) {
     // cache (about half a window on average).
     let per_token = weight_bytes as f64
         + embed_row_bytes(cfg, embed_dtype) as f64
-        + cfg.kv_bytes_per_token() as f64 * (args.prompt + args.tokens / 2) as f64;
+        + args.kv.bytes_per_token(cfg) as f64 * (args.prompt + args.tokens / 2) as f64;
     println!(
-        "\nbatch-1 decode after a {}-token prompt, {} tokens, median of {} runs",
-        args.prompt, args.tokens, args.runs
+        "\nbatch-1 decode after a {}-token prompt, {} tokens, median of {} runs, KV cache {}",
+        args.prompt,
+        args.tokens,
+        args.runs,
+        args.kv.describe()
     );
     println!("| sampling | prompt tok/s | decode tok/s | ms/token | GB/s (weights + KV) | of copy bandwidth |");
     println!("| --- | --- | --- | --- | --- | --- |");

@@ -3,9 +3,13 @@
 //! in mapped host memory; Q8_0 weights against BF16; with `--q4-k-m`, llama.cpp's Q4_K_M mix against BF16.
 //!
 //!     cargo run --release --example bench_prefill -- [--lengths 512,4096,16384,65536] [--runs 5]
-//!         [--chunk 2048] [--layers 32] [--quick] [--q4-k-m]
+//!         [--chunk 2048] [--layers 32] [--quick] [--q4-k-m] [--kv bf16|f16|f32|q8_0|fp8_e4m3[,V]]
 //!
-//! `--quick` measures BF16 at 512 and 4096 tokens only (for comparing the product routes:
+//! `--kv` keeps the KV cache in another type (K and V, or K,V apart; BF16 by default): every table then
+//! runs with it, so an 8-bit cache's prompt rates and its decode right after a long prompt compare with
+//! a run without the flag.
+//!
+//! `--quick` measures BF16 at 512 and 4096 tokens only (or the `--lengths` given) (for comparing the product routes:
 //! HOSTEMBED_CUBLASLT=0 runs the library's own tensor-core kernel), then Q4_K_M when asked. Prints
 //! markdown tables. The Q4_K_M model's matrices repeat 64 encoded random rows (the reference encoders
 //! are too slow for 8B values; the bytes and the conversions per product are the same).
@@ -16,6 +20,7 @@ use std::time::Instant;
 use hostembed::checkpoint::write::{MemSource, Recipe};
 use hostembed::cuda::{self, DeviceBuffer, PinnedBuffer};
 use hostembed::gpu::{GpuModel, PAGE_TOKENS, RowsOnDevice};
+use hostembed::kv::{KvType, KvTypes};
 use hostembed::model::{Arch, ModelConfig, RopeScaling, TensorSource, names};
 use hostembed::sampler::Sampling;
 use hostembed::tensor::{DType, encode_row};
@@ -27,29 +32,54 @@ struct Args {
     layers: usize,
     quick: bool,
     q4_k_m: bool,
+    kv: KvTypes,
 }
 
 fn parse() -> Args {
-    let mut a =
-        Args { lengths: vec![512, 4096, 16384, 65536], runs: 5, chunk: 2048, layers: 32, quick: false, q4_k_m: false };
+    let mut a = Args {
+        lengths: vec![512, 4096, 16384, 65536],
+        runs: 5,
+        chunk: 2048,
+        layers: 32,
+        quick: false,
+        q4_k_m: false,
+        kv: KvTypes::GPU_DEFAULT,
+    };
+    let mut lengths_given = false;
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
         let mut value = || it.next().unwrap_or_else(|| panic!("{flag} takes a value"));
         let num = |v: String| -> usize { v.parse().unwrap_or_else(|_| panic!("not a number: {v}")) };
         match flag.as_str() {
-            "--lengths" => a.lengths = value().split(',').map(|v| num(v.to_string())).collect(),
+            "--lengths" => {
+                a.lengths = value().split(',').map(|v| num(v.to_string())).collect();
+                lengths_given = true;
+            }
             "--runs" => a.runs = num(value()),
             "--chunk" => a.chunk = num(value()),
             "--layers" => a.layers = num(value()),
             "--quick" => a.quick = true,
             "--q4-k-m" => a.q4_k_m = true,
+            "--kv" => a.kv = parse_kv(&value()),
             other => panic!("unknown flag {other} (see the comment at the top of examples/bench_prefill.rs)"),
         }
     }
-    if a.quick {
+    if a.quick && !lengths_given {
         a.lengths = vec![512, 4096];
     }
     a
+}
+
+/// `--kv`'s value: one type for K and V, or "K,V".
+fn parse_kv(value: &str) -> KvTypes {
+    let one = |name: &str| match KvType::parse(name) {
+        Some(Some(t)) => t,
+        _ => panic!("--kv: bf16, f16, f32, q8_0 or fp8_e4m3 (or K,V), not {value:?}"),
+    };
+    match value.split_once(',') {
+        Some((k, v)) => KvTypes { k: one(k), v: one(v) },
+        None => KvTypes::same(one(value)),
+    }
 }
 
 fn llama3_8b(layers: usize) -> ModelConfig {
@@ -175,7 +205,7 @@ fn build_q4_k_m(cfg: &ModelConfig) -> MemSource {
 fn q4_k_m_table(cfg: &ModelConfig, args: &Args, bf16_at: &HashMap<usize, f64>) {
     let src = build_q4_k_m(cfg);
     let (_rows, rows) = Rows::new(&src, false);
-    let mut gpu = load(&src, rows, args.chunk, 4096 + 129);
+    let mut gpu = load(&src, rows, args.chunk, 4096 + 129, args.kv);
     println!("{}", gpu.prompt_route());
     println!("\n| prompt tokens | Q4_K_M tok/s | of BF16 |");
     println!("| --- | --- | --- |");
@@ -188,9 +218,10 @@ fn q4_k_m_table(cfg: &ModelConfig, args: &Args, bf16_at: &HashMap<usize, f64>) {
     println!("\nQ4_K_M decode after a 64-token prompt: {decode:.1} tok/s");
 }
 
-/// The model with a KV pool for one stream of `positions`.
-fn load(src: &MemSource, rows: RowsOnDevice, chunk: usize, positions: usize) -> GpuModel {
-    GpuModel::load(src, rows, chunk, positions.div_ceil(PAGE_TOKENS)).unwrap_or_else(|e| panic!("load: {e}"))
+/// The model with a KV pool in `kv`'s types for one stream of `positions`.
+fn load(src: &MemSource, rows: RowsOnDevice, chunk: usize, positions: usize, kv: KvTypes) -> GpuModel {
+    GpuModel::load_with_kv(src, rows, chunk, positions.div_ceil(PAGE_TOKENS), kv)
+        .unwrap_or_else(|e| panic!("load: {e}"))
 }
 
 fn main() {
@@ -204,8 +235,9 @@ fn main() {
     let (_rows, rows) = Rows::new(&src, false);
     // Room for the longest prompt and the decode after it.
     let positions = args.lengths.iter().copied().max().unwrap_or(4096).max(4096) + 65;
-    let mut gpu = load(&src, rows, args.chunk, positions);
+    let mut gpu = load(&src, rows, args.chunk, positions, args.kv);
     println!("{}", gpu.prompt_route());
+    println!("KV cache {} ({} bytes a position)", args.kv.describe(), args.kv.bytes_per_token(&cfg));
     let scratch = GpuModel::scratch_bytes(&src, args.chunk);
     println!(
         "chunk {} tokens: scratch {:.2} GiB (weights {:.2} GiB)",
@@ -241,7 +273,7 @@ fn main() {
     println!("| --- | --- | --- |");
     for chunk in [512, 1024, 2048, 4096] {
         drop(gpu);
-        gpu = load(&src, rows, chunk, positions);
+        gpu = load(&src, rows, chunk, positions, args.kv);
         let (rate, _) = prompt_rate(&mut gpu, 4096, args.runs, 0);
         let gib = GpuModel::scratch_bytes(&src, chunk) as f64 / (1u64 << 30) as f64;
         println!("| {chunk} | {rate:.0} | {gib:.2} |");
@@ -250,7 +282,7 @@ fn main() {
 
     // Rows in pinned host memory the card reads over the bus.
     let (_host_rows, host) = Rows::new(&src, true);
-    let mut gpu = load(&src, host, args.chunk, positions);
+    let mut gpu = load(&src, host, args.chunk, positions, args.kv);
     let (mapped, _) = prompt_rate(&mut gpu, 4096, args.runs, 0);
     let card = bf16_at.get(&4096).copied().unwrap_or(f64::NAN);
     println!(
@@ -264,7 +296,7 @@ fn main() {
 
     let q8 = build(&cfg, DType::Q8_0);
     let (_q8_rows, rows) = Rows::new(&q8, false);
-    let mut gpu = load(&q8, rows, args.chunk, positions);
+    let mut gpu = load(&q8, rows, args.chunk, positions, args.kv);
     println!("\n| prompt tokens | Q8_0 tok/s | of BF16 |");
     println!("| --- | --- | --- |");
     for len in [512, 4096] {

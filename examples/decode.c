@@ -4,7 +4,10 @@
  * optional --system message) put in the model's own chat template.
  *
  *   decode MODEL [-p PROMPT] [-n TOKENS] [--context N] [--temp T] [--seed S] [--room BYTES]
- *          [--backend cpu|cuda|auto] [--chat [--system TEXT]]
+ *          [--backend cpu|cuda|auto] [--kv TYPE[,VTYPE]] [--chat [--system TEXT]]
+ *
+ * --kv keeps the KV cache in TYPE (default, bf16, f16, f32, q8_0, fp8_e4m3), K and V alike, or K in
+ * TYPE and V in VTYPE: an 8-bit cache halves every stream, so a longer window fits.
  */
 #define _POSIX_C_SOURCE 200809L
 #include "hostembed.h"
@@ -17,7 +20,8 @@
 static void usage(const char *program) {
     fprintf(stderr,
             "usage: %s MODEL [-p PROMPT] [-n TOKENS] [--context N] [--temp T] [--seed S] [--room BYTES]\n"
-            "       [--backend cpu|cuda|auto] [--chat [--system TEXT]]\n"
+            "       [--backend cpu|cuda|auto] [--kv TYPE[,VTYPE]] [--chat [--system TEXT]]\n"
+            "TYPE is default, bf16, f16, f32, q8_0 or fp8_e4m3 (the KV cache; VTYPE for V apart).\n"
             "MODEL is an HF folder (config.json + safetensors) or a .gguf file.\n",
             program);
 }
@@ -50,6 +54,35 @@ static int parse_u64(const char *text, const char *flag, unsigned long long *out
         return 0;
     }
     return 1;
+}
+
+/* The KV cache type a --kv name gives; returns 0 for a name that is none. */
+static int parse_kv_type(const char *name, size_t len, engine_kv_type *out) {
+    static const struct {
+        const char *name;
+        engine_kv_type type;
+    } types[] = {{"default", ENGINE_KV_DEFAULT}, {"bf16", ENGINE_KV_BF16}, {"f16", ENGINE_KV_F16},
+                 {"f32", ENGINE_KV_F32}, {"q8_0", ENGINE_KV_Q8_0}, {"fp8_e4m3", ENGINE_KV_FP8_E4M3},
+                 {"fp8", ENGINE_KV_FP8_E4M3}};
+    for (size_t i = 0; i < sizeof types / sizeof types[0]; i++) {
+        if (strlen(types[i].name) == len && strncmp(types[i].name, name, len) == 0) {
+            *out = types[i].type;
+            return 1;
+        }
+    }
+    return 0;
+}
+
+static const char *kv_type_name(engine_kv_type type) {
+    switch (type) {
+    case ENGINE_KV_DEFAULT: return "default";
+    case ENGINE_KV_BF16: return "BF16";
+    case ENGINE_KV_F16: return "F16";
+    case ENGINE_KV_F32: return "F32";
+    case ENGINE_KV_Q8_0: return "Q8_0";
+    case ENGINE_KV_FP8_E4M3: return "FP8_E4M3";
+    }
+    return "?";
 }
 
 static const char *placement_name(engine_placement placement) {
@@ -98,7 +131,7 @@ int main(int argc, char **argv) {
         const char *value = i + 1 < argc ? argv[i + 1] : NULL;
         int takes_value = strcmp(arg, "-p") == 0 || strcmp(arg, "-n") == 0 || strcmp(arg, "--context") == 0 ||
                           strcmp(arg, "--temp") == 0 || strcmp(arg, "--seed") == 0 || strcmp(arg, "--room") == 0 ||
-                          strcmp(arg, "--backend") == 0 || strcmp(arg, "--system") == 0;
+                          strcmp(arg, "--backend") == 0 || strcmp(arg, "--system") == 0 || strcmp(arg, "--kv") == 0;
         if (strcmp(arg, "-h") == 0 || strcmp(arg, "--help") == 0) {
             usage(argv[0]);
             return 0;
@@ -139,6 +172,16 @@ int main(int argc, char **argv) {
                 opts.backend = ENGINE_BACKEND_AUTO;
             } else {
                 fprintf(stderr, "decode: --backend is cpu, cuda or auto, not \"%s\"\n", value);
+                return 2;
+            }
+        } else if (strcmp(arg, "--kv") == 0) {
+            const char *comma = strchr(value, ',');
+            size_t k_len = comma != NULL ? (size_t)(comma - value) : strlen(value);
+            const char *v_name = comma != NULL ? comma + 1 : value;
+            if (!parse_kv_type(value, k_len, &opts.kv_type_k) ||
+                !parse_kv_type(v_name, strlen(v_name), &opts.kv_type_v)) {
+                fprintf(stderr, "decode: --kv is default, bf16, f16, f32, q8_0 or fp8_e4m3 (or K,V), not \"%s\"\n",
+                        value);
                 return 2;
             }
         } else if (arg[0] == '-') {
@@ -187,9 +230,10 @@ int main(int argc, char **argv) {
         fail("engine_model_info", s);
         goto done;
     }
-    printf("model: vocab %llu, %llu layers, hidden %llu, window %llu, %llu streams, rows %s\n",
+    printf("model: vocab %llu, %llu layers, hidden %llu, window %llu, %llu streams, rows %s, KV cache K %s V %s\n",
            (unsigned long long)info.vocab, (unsigned long long)info.layers, (unsigned long long)info.hidden,
-           (unsigned long long)info.window, (unsigned long long)info.streams, placement_name(info.placement));
+           (unsigned long long)info.window, (unsigned long long)info.streams, placement_name(info.placement),
+           kv_type_name(info.kv_type_k), kv_type_name(info.kv_type_v));
 
     /* With --chat, the model's template turns the messages into the prompt; it writes BOS itself when
      * the model wants one, so the text is tokenized as it stands. */

@@ -9,7 +9,7 @@
 #include <stdint.h>
 
 // The ABI this header describes; a caller compares it with `engine_abi_version()`.
-#define HOSTEMBED_ABI_VERSION 2
+#define HOSTEMBED_ABI_VERSION 3
 
 // The default reserve for the load's other buffers (kernel modules, the kit): about 85 MB measured.
 #define ENGINE_FIT_DEFAULT_RESERVE_BYTES (256 << 20)
@@ -73,6 +73,25 @@ typedef enum engine_backend {
   ENGINE_BACKEND_CUDA = 1,
   ENGINE_BACKEND_CPU = 2,
 } engine_backend;
+
+// What a stream's K and V caches are stored in (`engine_options.kv_type_k` / `kv_type_v`). Rounding
+// happens once, when a position's K and V are written; attention reads every type directly.
+typedef enum engine_kv_type {
+  // The backend's own: BF16 on CUDA, F32 on the CPU backend.
+  ENGINE_KV_DEFAULT = 0,
+  // bfloat16, rounded to nearest even.
+  ENGINE_KV_BF16 = 1,
+  // IEEE half, rounded to nearest even.
+  ENGINE_KV_F16 = 2,
+  // f32: the values as computed.
+  ENGINE_KV_F32 = 3,
+  // GGUF Q8_0 blocks of 32 values of one head (an f16 scale, max|x| / 127, and int8 quants): half of
+  // BF16's bytes. head_dim must be a multiple of 32.
+  ENGINE_KV_Q8_0 = 4,
+  // FP8 E4M3 codes in blocks of 32 values of one head, each block with a bf16 scale (max|x| / 448):
+  // half of BF16's bytes. head_dim must be a multiple of 32; on CUDA, compute capability 8.9 or newer.
+  ENGINE_KV_FP8_E4M3 = 5,
+} engine_kv_type;
 
 // Row and weight formats. Values match HE_DTYPE_* in kernels/hostembed_kernels.cuh.
 typedef enum engine_dtype {
@@ -236,6 +255,10 @@ typedef struct engine_options {
   // Log lines go here; NULL = standard error, prefixed "hostembed: ".
   engine_log_fn log;
   void *log_user;
+  // What the K and V caches are stored in; ENGINE_KV_DEFAULT keeps the backend's own. The fit rule,
+  // the KV pool and the start-up line count their bytes.
+  enum engine_kv_type kv_type_k;
+  enum engine_kv_type kv_type_v;
 } engine_options;
 
 // Where a caller's kernels can find the rows, in whatever placement they live.
@@ -322,6 +345,9 @@ struct engine_model_info {
   // tokenizer_config.json's `add_bos_token`, else what its tokenizer does); false without the id.
   bool add_bos;
   bool add_eos;
+  // The K and V cache types in use (never ENGINE_KV_DEFAULT: the backend's choice is resolved).
+  enum engine_kv_type kv_type_k;
+  enum engine_kv_type kv_type_v;
 };
 
 // One message of a chat for `engine_chat_template`: NUL-terminated UTF-8 role ("system", "user",
@@ -364,14 +390,17 @@ size_t engine_plan_describe(const struct engine_plan *plan, char *buf, size_t le
 
 // The defaults: device 0, the model's window, probed room, a 256 MiB reserve, no drafter, every
 // stream that fits, rows placed by the fit rule (DS4_EMBD_MMAP=1 reads them from the file mapping),
-// backend auto, greedy sampling, log lines to standard error.
+// backend auto, greedy sampling, log lines to standard error, the backend's own KV cache types.
 struct engine_options engine_default_options(void);
 
 // Opens the checkpoint at `model_path` (an HF folder or a .gguf file), plans with the fit rule, logs
 // the start-up line, places the embedding rows and stores the engine in `*out` (NULL on failure).
 // `opts` NULL = `engine_default_options()`. NO_ROOM when no stream fits (the message says why, in the
 // start-up line's words); BAD_MODEL/IO_ERROR for a checkpoint that cannot be read; NO_CUDA/NO_DEVICE
-// when the CUDA backend is asked for and absent. Whatever failed, nothing is held afterwards.
+// when the CUDA backend is asked for and absent; INVALID_ARGUMENT for an option out of its range (an
+// enum value that names none among them); UNSUPPORTED for a KV cache type the model or the device
+// cannot take (Q8_0 / FP8_E4M3 with a head_dim that is not a multiple of 32, FP8_E4M3 on a device
+// older than compute capability 8.9). Whatever failed, nothing is held afterwards.
 enum engine_status engine_init_fit(const char *model_path,
                                    const struct engine_options *opts,
                                    struct engine **out);

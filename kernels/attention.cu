@@ -1,11 +1,16 @@
-// Decode attention over the paged bf16 KV pool, split along the context (flash-decoding): block (part, kv
+// Decode attention over the paged KV pool, split along the context (flash-decoding): block (part, kv
 // head and group of query heads, token) runs an online softmax over its part of the token's context for up
 // to HB query heads that share one kv head (GQA: each K and V row is read once for all of them), and leaves
 // (max, sum, unnormalised output) per head; a second kernel combines the parts in order. Each token reads
 // its own stream's pages through its page table, so one launch serves tokens of many streams. A token's
 // parts depend only on its context length and the launch's part count, never on the other tokens: a
 // stream's result is the same bits alone or in any batch launched with the same part count.
+//
+// K and V are read in their cache types (kernels/kv.cuh) and decoded in registers; a block type's scale
+// multiplies a K chunk's dot product and a V row's weight. K and V of one type take a kernel built for it;
+// any other pair (F32, or K and V apart) takes the one that reads the types at run time.
 #include "hostembed_kernels.cuh"
+#include "kv.cuh"
 
 namespace {
 
@@ -20,19 +25,26 @@ static_assert(AT_UNIT % HE_PAGE_TOKENS == 0 && AT_UNIT == 2 * HE_PAGE_TOKENS, "a
 // Scores are kept in log2 units (q pre-scaled by scale * log2(e)) so the exponentials are exp2.
 constexpr float LOG2E = 1.4426950408889634f;
 
-template <int D, int HB>
+template <int D, int HB, int KT, int VT>
 __global__ __launch_bounds__(AT_THREADS, 2) void attention_split_kernel(
-    const float *__restrict__ q, unsigned int q_stride, const unsigned short *__restrict__ kv_pool,
-    const unsigned int *const *__restrict__ tables, unsigned int pool_pages, const int *__restrict__ pos,
-    unsigned int heads, unsigned int kv_heads, unsigned int d, float scale_log2, unsigned int splits,
-    float *__restrict__ partial) {
-    // K: a thread's row chunks in flight at once (16 bytes each).
-    constexpr int K_BATCH = HB >= 8 ? 8 : (D / 8 < 16 ? D / 8 : 16);
-    // V: each lane reads 16 bytes (8 dims) of a row, so a warp reads V_ROWS rows per load and requests
+    const float *__restrict__ q, unsigned int q_stride, const unsigned char *__restrict__ kv_pool,
+    const unsigned int *const *__restrict__ tables, unsigned int pool_pages, int k_type, int v_type,
+    const int *__restrict__ pos, unsigned int heads, unsigned int kv_heads, unsigned int d, float scale_log2,
+    unsigned int splits, float *__restrict__ partial) {
+    using KR = he::kv::Reader<KT>;
+    using VR = he::kv::Reader<VT>;
+    const KR kr(k_type);
+    const VR vr_(v_type);
+    // Raw chunks wider than 16 bytes (the run-time reader) halve the loads in flight, for registers.
+    constexpr int K_WIDE = sizeof(typename KR::Raw) > 16 ? 2 : 1, V_WIDE = sizeof(typename VR::Raw) > 16 ? 2 : 1;
+    // K: a thread's row chunks (8 values each) in flight at once.
+    constexpr int K_BATCH = (HB >= 8 ? 8 : (D / 8 < 16 ? D / 8 : 16)) / K_WIDE;
+    // V: each lane reads 8 dims of a row, so a warp reads V_ROWS rows per load and requests
     // the warp's 32 rows as 32 / V_ROWS loads per lane, V_BATCH at a time (fewer where the accumulators
     // already take the registers). Measured: 16k-cache decode 168.5 -> 175.1 tok/s on the 8B shape.
     constexpr int V_LANES = D / 8, V_ROWS = 32 / V_LANES, V_STEPS = 32 / V_ROWS;
-    constexpr int V_BATCH = (HB >= 8 || D > 128) ? 8 : V_STEPS;
+    constexpr int V_BATCH_BASE = (HB >= 8 || D > 128) ? 8 : V_STEPS;
+    constexpr int V_BATCH = V_BATCH_BASE / V_WIDE > 0 ? V_BATCH_BASE / V_WIDE : 1;
     __shared__ __align__(16) float q_s[HB][D];
     __shared__ float p_s[HB][AT_TILE];
     __shared__ float red_max[AT_WARPS][HB], red_sum[AT_WARPS][HB];
@@ -80,12 +92,13 @@ __global__ __launch_bounds__(AT_THREADS, 2) void attention_split_kernel(
         for (int k = 0; k < 8; k++) acc[h][k] = 0.f;
     }
     const unsigned int *table = tables[t];
-    const size_t page_values = he::page_values(kv_heads, d);
-    // This kv head's rows in page `id` (a bad id reads page 0: wrong, never out of bounds).
-    auto k_rows = [&](unsigned int id) {
-        return kv_pool + (size_t)(id < pool_pages ? id : 0u) * page_values + (size_t)kvh * HE_PAGE_TOKENS * d;
+    const size_t page_bytes = he::kv_page_bytes(kv_heads, d, k_type, v_type);
+    const size_t k_at = he::kv_slab_at(kv_heads, d, k_type, v_type, false, kvh);
+    const size_t v_at = he::kv_slab_at(kv_heads, d, k_type, v_type, true, kvh);
+    // This kv head's K or V slab in page `id` (a bad id reads page 0: wrong, never out of bounds).
+    auto slab = [&](unsigned int id, size_t at) {
+        return kv_pool + (size_t)(id < pool_pages ? id : 0u) * page_bytes + at;
     };
-    const size_t v_offset = (size_t)kv_heads * HE_PAGE_TOKENS * d;
     const unsigned int v_row = lane / V_LANES, v_col = (lane % V_LANES) * 8;
     const bool lane_has_dims = v_col < d;
 
@@ -97,28 +110,38 @@ __global__ __launch_bounds__(AT_THREADS, 2) void attention_split_kernel(
 #pragma unroll
         for (int h = 0; h < HB; h++) sc[h] = 0.f;
         if (valid) {
-            const uint4 *kr = reinterpret_cast<const uint4 *>(k_rows(table[p / HE_PAGE_TOKENS]) +
-                                                              (size_t)(p % HE_PAGE_TOKENS) * d);
+            const unsigned char *ks = slab(table[p / HE_PAGE_TOKENS], k_at);
+            const unsigned int row = p % HE_PAGE_TOKENS;
+            // Chunks of 8 values: a block of 32 is 4 chunks, and K_BATCH is a multiple of 4.
+            constexpr int BLOCK_CHUNKS = HE_KV_BLOCK / 8;
+            static_assert(K_BATCH % BLOCK_CHUNKS == 0, "a batch of K chunks is whole blocks");
 #pragma unroll
             for (int c0 = 0; c0 < D / 8; c0 += K_BATCH) {
-                uint4 kv[K_BATCH];
+                typename KR::Raw kv[K_BATCH];
+                float kscale[K_BATCH / BLOCK_CHUNKS];
 #pragma unroll
-                for (int c = 0; c < K_BATCH; c++)
-                    if ((c0 + c) * 8 < (int)d) kv[c] = __ldg(kr + c0 + c);
+                for (int c = 0; c < K_BATCH; c++) {
+                    if ((c0 + c) * 8 < (int)d) {
+                        kv[c] = kr.load(ks, row, (c0 + c) * 8, d);
+                        if (KR::SCALED && c % BLOCK_CHUNKS == 0)
+                            kscale[c / BLOCK_CHUNKS] = kr.scale(ks, row, (c0 + c) * 8, d);
+                    }
+                }
 #pragma unroll
                 for (int c = 0; c < K_BATCH; c++) {
                     if ((c0 + c) * 8 < (int)d) {
                         float kf[8];
-                        kf[0] = he::bf16_lo(kv[c].x), kf[1] = he::bf16_hi(kv[c].x);
-                        kf[2] = he::bf16_lo(kv[c].y), kf[3] = he::bf16_hi(kv[c].y);
-                        kf[4] = he::bf16_lo(kv[c].z), kf[5] = he::bf16_hi(kv[c].z);
-                        kf[6] = he::bf16_lo(kv[c].w), kf[7] = he::bf16_hi(kv[c].w);
+                        kr.decode(kv[c], kf);
 #pragma unroll
                         for (int h = 0; h < HB; h++) {
                             const float4 qa = *reinterpret_cast<const float4 *>(&q_s[h][(c0 + c) * 8]);
                             const float4 qb = *reinterpret_cast<const float4 *>(&q_s[h][(c0 + c) * 8 + 4]);
-                            sc[h] += qa.x * kf[0] + qa.y * kf[1] + qa.z * kf[2] + qa.w * kf[3] + qb.x * kf[4] +
-                                     qb.y * kf[5] + qb.z * kf[6] + qb.w * kf[7];
+                            const float dot = qa.x * kf[0] + qa.y * kf[1] + qa.z * kf[2] + qa.w * kf[3] +
+                                              qb.x * kf[4] + qb.y * kf[5] + qb.z * kf[6] + qb.w * kf[7];
+                            if (KR::SCALED)
+                                sc[h] = fmaf(kscale[c / BLOCK_CHUNKS], dot, sc[h]);
+                            else
+                                sc[h] += dot;
                         }
                     }
                 }
@@ -160,30 +183,30 @@ __global__ __launch_bounds__(AT_THREADS, 2) void attention_split_kernel(
         const unsigned int jmax = pw < end ? min(32u, end - pw) : 0u;
         if (lane_has_dims && jmax > 0) {
             // pw is a multiple of 32: its positions lie in two whole pages.
-            const unsigned short *v_lo = k_rows(table[pw / HE_PAGE_TOKENS]) + v_offset + v_col;
-            const unsigned short *v_hi =
-                jmax > HE_PAGE_TOKENS ? k_rows(table[pw / HE_PAGE_TOKENS + 1]) + v_offset + v_col : v_lo;
+            const unsigned char *v_lo = slab(table[pw / HE_PAGE_TOKENS], v_at);
+            const unsigned char *v_hi = jmax > HE_PAGE_TOKENS ? slab(table[pw / HE_PAGE_TOKENS + 1], v_at) : v_lo;
 #pragma unroll
             for (int i0 = 0; i0 < V_STEPS; i0 += V_BATCH) {
-                uint4 vr[V_BATCH];
+                typename VR::Raw vr[V_BATCH];
+                float vscale[V_BATCH];
 #pragma unroll
                 for (int i = 0; i < V_BATCH; i++) {
                     const unsigned int j = v_row + V_ROWS * (i0 + i);
-                    if (j < jmax)
-                        vr[i] = __ldg(reinterpret_cast<const uint4 *>((j < HE_PAGE_TOKENS ? v_lo : v_hi) +
-                                                                      (size_t)(j % HE_PAGE_TOKENS) * d));
+                    if (j < jmax) {
+                        const unsigned char *vs = j < HE_PAGE_TOKENS ? v_lo : v_hi;
+                        vr[i] = vr_.load(vs, j % HE_PAGE_TOKENS, v_col, d);
+                        if (VR::SCALED) vscale[i] = vr_.scale(vs, j % HE_PAGE_TOKENS, v_col, d);
+                    }
                 }
 #pragma unroll
                 for (int i = 0; i < V_BATCH; i++) {
                     const unsigned int j = v_row + V_ROWS * (i0 + i);
                     if (j < jmax) {
                         float vf[8];
-                        vf[0] = he::bf16_lo(vr[i].x), vf[1] = he::bf16_hi(vr[i].x), vf[2] = he::bf16_lo(vr[i].y);
-                        vf[3] = he::bf16_hi(vr[i].y), vf[4] = he::bf16_lo(vr[i].z), vf[5] = he::bf16_hi(vr[i].z);
-                        vf[6] = he::bf16_lo(vr[i].w), vf[7] = he::bf16_hi(vr[i].w);
+                        vr_.decode(vr[i], vf);
 #pragma unroll
                         for (int h = 0; h < HB; h++) {
-                            const float pr = p_s[h][32 * warp + j];
+                            const float pr = VR::SCALED ? p_s[h][32 * warp + j] * vscale[i] : p_s[h][32 * warp + j];
 #pragma unroll
                             for (int k = 0; k < 8; k++) acc[h][k] = fmaf(pr, vf[k], acc[h][k]);
                         }
@@ -250,44 +273,67 @@ __global__ void attention_combine_kernel(const float *__restrict__ partial, unsi
     }
 }
 
+// One launch's arguments, passed down to the kernel chosen for them.
+struct SplitArgs {
+    const float *q;
+    unsigned int q_stride;
+    const unsigned char *pool;
+    const unsigned int *const *tables;
+    unsigned int pool_pages;
+    int k_type, v_type;
+    const int *pos;
+    unsigned int heads, kv_heads, d;
+    float scale_log2;
+    unsigned int splits;
+    float *partial;
+};
+
+template <int D, int HB, int KT, int VT>
+void launch_split(dim3 grid, const SplitArgs &a, cudaStream_t stream) {
+    attention_split_kernel<D, HB, KT, VT><<<grid, AT_THREADS, 0, stream>>>(
+        a.q, a.q_stride, a.pool, a.tables, a.pool_pages, a.k_type, a.v_type, a.pos, a.heads, a.kv_heads, a.d,
+        a.scale_log2, a.splits, a.partial);
+}
+
+// The kernel for K and V of one type, or the run-time reader's (Reader<0>) for any other pair.
 template <int D, int HB>
-void launch_split(dim3 grid, const float *q, unsigned int q_stride, const unsigned short *pool,
-                  const unsigned int *const *tables, unsigned int pool_pages, const int *pos, unsigned int heads,
-                  unsigned int kv_heads, unsigned int d, float scale_log2, unsigned int splits, float *partial,
-                  cudaStream_t stream) {
-    attention_split_kernel<D, HB><<<grid, AT_THREADS, 0, stream>>>(q, q_stride, pool, tables, pool_pages, pos, heads,
-                                                                   kv_heads, d, scale_log2, splits, partial);
+void launch_types(dim3 grid, const SplitArgs &a, cudaStream_t stream) {
+    const int pair = a.k_type == a.v_type ? a.k_type : 0;
+    switch (pair) {
+    case HE_KV_BF16: launch_split<D, HB, HE_KV_BF16, HE_KV_BF16>(grid, a, stream); break;
+    case HE_KV_F16: launch_split<D, HB, HE_KV_F16, HE_KV_F16>(grid, a, stream); break;
+    case HE_KV_Q8_0: launch_split<D, HB, HE_KV_Q8_0, HE_KV_Q8_0>(grid, a, stream); break;
+    case HE_KV_FP8_E4M3: launch_split<D, HB, HE_KV_FP8_E4M3, HE_KV_FP8_E4M3>(grid, a, stream); break;
+    default: launch_split<D, HB, 0, 0>(grid, a, stream); break;
+    }
 }
 
 template <int D>
-void launch_d(unsigned int hb, unsigned int n, const float *q, unsigned int q_stride, const unsigned short *pool,
-              const unsigned int *const *tables, unsigned int pool_pages, const int *pos, unsigned int heads,
-              unsigned int kv_heads, unsigned int d, float scale_log2, unsigned int splits, float *partial,
-              cudaStream_t stream) {
-    const unsigned int group = heads / kv_heads;
-    const dim3 grid(splits, kv_heads * ((group + hb - 1) / hb), n);
+void launch_d(unsigned int hb, unsigned int n, const SplitArgs &a, cudaStream_t stream) {
+    const unsigned int group = a.heads / a.kv_heads;
+    const dim3 grid(a.splits, a.kv_heads * ((group + hb - 1) / hb), n);
     switch (hb) {
-    case 1: launch_split<D, 1>(grid, q, q_stride, pool, tables, pool_pages, pos, heads, kv_heads, d, scale_log2, splits, partial, stream); break;
-    case 2: launch_split<D, 2>(grid, q, q_stride, pool, tables, pool_pages, pos, heads, kv_heads, d, scale_log2, splits, partial, stream); break;
-    case 4: launch_split<D, 4>(grid, q, q_stride, pool, tables, pool_pages, pos, heads, kv_heads, d, scale_log2, splits, partial, stream); break;
-    default: launch_split<D, (D > 128 ? 4 : 8)>(grid, q, q_stride, pool, tables, pool_pages, pos, heads, kv_heads, d, scale_log2, splits, partial, stream); break;
+    case 1: launch_types<D, 1>(grid, a, stream); break;
+    case 2: launch_types<D, 2>(grid, a, stream); break;
+    case 4: launch_types<D, 4>(grid, a, stream); break;
+    default: launch_types<D, (D > 128 ? 4 : 8)>(grid, a, stream); break;
     }
 }
 
 }  // namespace
 
 extern "C" cudaError_t hostembed_attention(const float *q, unsigned int q_stride, const void *kv_pool,
-                                           const unsigned int *const *tables, unsigned int pool_pages,
-                                           const int *pos, unsigned int n,
-                                           unsigned int heads, unsigned int kv_heads, unsigned int head_dim,
-                                           float scale, unsigned int splits, float *partial, float *out,
-                                           cudaStream_t stream) {
+                                           const unsigned int *const *tables, unsigned int pool_pages, int k_type,
+                                           int v_type, const int *pos, unsigned int n, unsigned int heads,
+                                           unsigned int kv_heads, unsigned int head_dim, float scale,
+                                           unsigned int splits, float *partial, float *out, cudaStream_t stream) {
     if (q == nullptr || kv_pool == nullptr || tables == nullptr || pos == nullptr || partial == nullptr ||
         out == nullptr)
         return cudaErrorInvalidValue;
     if (heads == 0 || kv_heads == 0 || heads % kv_heads != 0 || head_dim == 0 || head_dim % 8 != 0 ||
         head_dim > 256 || pool_pages == 0 || splits == 0 || splits > 65535 || n > 65535)
         return cudaErrorInvalidValue;
+    if (!he::kv_type_ok(k_type, head_dim) || !he::kv_type_ok(v_type, head_dim)) return cudaErrorInvalidValue;
     if ((size_t)q_stride < (size_t)heads * head_dim) return cudaErrorInvalidValue;
     if (reinterpret_cast<uintptr_t>(kv_pool) % 16 != 0) return cudaErrorInvalidValue;
     if (n == 0) return cudaSuccess;
@@ -296,14 +342,15 @@ extern "C" cudaError_t hostembed_attention(const float *q, unsigned int q_stride
     unsigned int hb = 1;
     while (hb < group && hb < cap) hb *= 2;
     if ((size_t)kv_heads * ((group + hb - 1) / hb) > 65535) return cudaErrorInvalidValue;
-    const unsigned short *pool = static_cast<const unsigned short *>(kv_pool);
-    const float scale_log2 = scale * LOG2E;
+    const SplitArgs a{q,        q_stride, static_cast<const unsigned char *>(kv_pool), tables, pool_pages, k_type,
+                      v_type,   pos,      heads,    kv_heads,        head_dim,    scale * LOG2E, splits,
+                      partial};
     if (head_dim <= 64)
-        launch_d<64>(hb, n, q, q_stride, pool, tables, pool_pages, pos, heads, kv_heads, head_dim, scale_log2, splits, partial, stream);
+        launch_d<64>(hb, n, a, stream);
     else if (head_dim <= 128)
-        launch_d<128>(hb, n, q, q_stride, pool, tables, pool_pages, pos, heads, kv_heads, head_dim, scale_log2, splits, partial, stream);
+        launch_d<128>(hb, n, a, stream);
     else
-        launch_d<256>(hb, n, q, q_stride, pool, tables, pool_pages, pos, heads, kv_heads, head_dim, scale_log2, splits, partial, stream);
+        launch_d<256>(hb, n, a, stream);
     cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return err;
     attention_combine_kernel<<<dim3(heads, n), 128, 0, stream>>>(partial, heads, head_dim, splits, out);

@@ -1,11 +1,15 @@
-// Causal attention of a prompt chunk over its stream's pages of the bf16 KV pool on tensor cores (flash
+// Causal attention of a prompt chunk over its stream's pages of the KV pool on tensor cores (flash
 // attention, FA2 order):
 // a block takes 64 query tokens of one head; each of its 4 warps holds 16 queries' Q fragments, scores,
 // online-softmax state and output in registers, while 64-position K and V tiles stream through a
-// double-buffered cp.async pipeline in shared memory. Q K^T and P V are mma.sync m16n8k16 in bf16 with f32
-// accumulators; the score fragments become P's A fragments without leaving registers. Each row of a tile
-// finds its page through the stream's page table.
+// double-buffered pipeline in shared memory. Q K^T and P V are mma.sync m16n8k16 with f32 accumulators, in
+// bf16 for a bf16 cache and in f16 for the others (KOp for K's type, VOp for V's); the score fragments
+// become P's A fragments without leaving registers. Each row of a tile finds its page through the stream's
+// page table. A tile in the operands' own format (bf16, f16) is copied by cp.async; an 8-bit one (Q8_0,
+// FP8_E4M3) is loaded into registers, decoded with its block scales (kernels/kv.cuh) and stored as f16.
+// An F32 cache is not read here: the host gives it to the split kernel, which keeps f32.
 #include "hostembed_kernels.cuh"
+#include "kv.cuh"
 
 namespace {
 
@@ -22,12 +26,40 @@ constexpr int fa_smem() {
     return 2 /* stages */ * 2 /* K, V */ * FA_BN * fa_stride<D>() * 2;
 }
 
-template <int D, typename Out>
+// Eight values of one row of a tile into shared memory as Op's halves: copied when the cache stores
+// them in Op's format, else decoded (an 8-bit block type) and rounded once; zeros where !ok.
+template <typename Op>
+__device__ __forceinline__ void tile_piece(unsigned short *dst, const unsigned char *slab, unsigned int row,
+                                           unsigned int c, unsigned int d, int type, bool ok) {
+    constexpr int NATIVE = Op::ID == HE_DTYPE_BF16 ? HE_KV_BF16 : HE_KV_F16;
+    if (type == NATIVE) {
+        he::cp_async16(dst, slab + ((size_t)row * d + c) * 2, ok);
+        return;
+    }
+    uint4 packed = make_uint4(0, 0, 0, 0);
+    if (ok) {
+        const uint2 w = __ldg(reinterpret_cast<const uint2 *>(slab + (size_t)row * d + c));
+        float f[8], scale;
+        if (type == HE_KV_Q8_0) {
+            scale = he::kv::block_scale<false>(slab, row, c, d);
+            he::kv::q8_to_floats(w, f);
+        } else {
+            scale = he::kv::block_scale<true>(slab, row, c, d);
+            he::kv::fp8_to_floats(w, f);
+        }
+        packed = make_uint4(Op::pack(f[0] * scale, f[1] * scale), Op::pack(f[2] * scale, f[3] * scale),
+                            Op::pack(f[4] * scale, f[5] * scale), Op::pack(f[6] * scale, f[7] * scale));
+    }
+    *reinterpret_cast<uint4 *>(dst) = packed;
+}
+
+template <int D, typename Out, typename KOp, typename VOp>
 __global__ __launch_bounds__(FA_THREADS) void flash_kernel(const float *__restrict__ q, unsigned int q_stride,
-                                                           const unsigned short *__restrict__ kv_pool,
+                                                           const unsigned char *__restrict__ kv_pool,
                                                            const unsigned int *__restrict__ table,
-                                                           unsigned int pool_pages, const int *__restrict__ pos,
-                                                           unsigned int n, unsigned int heads, unsigned int kv_heads,
+                                                           unsigned int pool_pages, int k_type, int v_type,
+                                                           const int *__restrict__ pos, unsigned int n,
+                                                           unsigned int heads, unsigned int kv_heads,
                                                            float scale_log2, typename Out::T *__restrict__ out,
                                                            unsigned int out_stride) {
     constexpr int S = fa_stride<D>(), KSTEPS = D / 16, DT = D / 8;
@@ -66,8 +98,8 @@ __global__ __launch_bounds__(FA_THREADS) void flash_kernel(const float *__restri
                 float2 lo = make_float2(0.f, 0.f), hi = make_float2(0.f, 0.f);
                 if (r_lo < n) lo = make_float2(q_lo[c], q_lo[c + 1]);
                 if (r_hi < n) hi = make_float2(q_hi[c], q_hi[c + 1]);
-                qf[kk][part * 2] = he::Bf16Op::pack(lo.x * scale_log2, lo.y * scale_log2);
-                qf[kk][part * 2 + 1] = he::Bf16Op::pack(hi.x * scale_log2, hi.y * scale_log2);
+                qf[kk][part * 2] = KOp::pack(lo.x * scale_log2, lo.y * scale_log2);
+                qf[kk][part * 2 + 1] = KOp::pack(hi.x * scale_log2, hi.y * scale_log2);
             }
         }
     }
@@ -79,22 +111,24 @@ __global__ __launch_bounds__(FA_THREADS) void flash_kernel(const float *__restri
         for (int e = 0; e < 4; e++) o[d][e] = 0.f;
     float m_lo = -INFINITY, m_hi = -INFINITY, l_lo = 0.f, l_hi = 0.f;
 
-    const size_t page_values = he::page_values(kv_heads, D);
-    const size_t v_offset = (size_t)kv_heads * HE_PAGE_TOKENS * D;
+    const size_t page_bytes = he::kv_page_bytes(kv_heads, D, k_type, v_type);
+    const size_t k_at = he::kv_slab_at(kv_heads, D, k_type, v_type, false, kvh);
+    const size_t v_at = he::kv_slab_at(kv_heads, D, k_type, v_type, true, kvh);
     auto load_tile = [&](unsigned int stage, unsigned int tile) {
-        constexpr int PIECES = FA_BN * D / 8;  // 16-byte pieces per K or V tile
+        constexpr int PIECES = FA_BN * D / 8;  // pieces of 8 values per K or V tile
         const unsigned int base = tile * FA_BN;
 #pragma unroll
         for (int i = tid; i < PIECES; i += FA_THREADS) {
             const unsigned int r = i / (D / 8), c = (i % (D / 8)) * 8;
-            // Later rows (and a bad page id) are zeros: a zero V row times a zero weight.
+            // Later rows (and a bad page id) are zeros: a zero V row times a zero weight. A row not read
+            // still names a mapped address (page 0), as cp.async wants.
             const unsigned int p = base + r;
             const unsigned int id = p < ctx ? table[p / HE_PAGE_TOKENS] : pool_pages;
             const bool ok = id < pool_pages;
-            const size_t at =
-                ok ? (size_t)id * page_values + ((size_t)kvh * HE_PAGE_TOKENS + p % HE_PAGE_TOKENS) * D + c : 0;
-            he::cp_async16(k_s + (stage * FA_BN + r) * S + c, kv_pool + at, ok);
-            he::cp_async16(v_s + (stage * FA_BN + r) * S + c, kv_pool + at + (ok ? v_offset : 0), ok);
+            const unsigned char *page = kv_pool + (ok ? (size_t)id * page_bytes : 0);
+            const unsigned int row = p % HE_PAGE_TOKENS;
+            tile_piece<KOp>(k_s + (stage * FA_BN + r) * S + c, page + k_at, row, c, D, k_type, ok);
+            tile_piece<VOp>(v_s + (stage * FA_BN + r) * S + c, page + v_at, row, c, D, v_type, ok);
         }
     };
 
@@ -120,8 +154,8 @@ __global__ __launch_bounds__(FA_THREADS) void flash_kernel(const float *__restri
 #pragma unroll
             for (int j = 0; j < FA_BN / 8; j++) {
                 const unsigned short *kr = ks + (j * 8 + g) * S + kk * 16 + 2 * t4;
-                he::Bf16Op::mma(s[j], qf[kk], *reinterpret_cast<const unsigned int *>(kr),
-                                *reinterpret_cast<const unsigned int *>(kr + 8));
+                KOp::mma(s[j], qf[kk], *reinterpret_cast<const unsigned int *>(kr),
+                         *reinterpret_cast<const unsigned int *>(kr + 8));
             }
         }
         // Positions past a query's own are masked; only tiles that reach past the block's first query need it.
@@ -168,15 +202,14 @@ __global__ __launch_bounds__(FA_THREADS) void flash_kernel(const float *__restri
 #pragma unroll
         for (int ks_ = 0; ks_ < FA_BN / 16; ks_++) {
             const unsigned int pa[4] = {
-                he::Bf16Op::pack(s[2 * ks_][0], s[2 * ks_][1]), he::Bf16Op::pack(s[2 * ks_][2], s[2 * ks_][3]),
-                he::Bf16Op::pack(s[2 * ks_ + 1][0], s[2 * ks_ + 1][1]),
-                he::Bf16Op::pack(s[2 * ks_ + 1][2], s[2 * ks_ + 1][3])};
+                VOp::pack(s[2 * ks_][0], s[2 * ks_][1]), VOp::pack(s[2 * ks_][2], s[2 * ks_][3]),
+                VOp::pack(s[2 * ks_ + 1][0], s[2 * ks_ + 1][1]), VOp::pack(s[2 * ks_ + 1][2], s[2 * ks_ + 1][3])};
 #pragma unroll
             for (int dp = 0; dp < D / 16; dp++) {
                 unsigned int vb[4];
                 he::ldmatrix_x4_trans(vb, vs + (ks_ * 16 + lane % 8 + ((lane / 8) % 2) * 8) * S + dp * 16 + (lane / 16) * 8);
-                he::Bf16Op::mma(o[2 * dp], pa, vb[0], vb[1]);
-                he::Bf16Op::mma(o[2 * dp + 1], pa, vb[2], vb[3]);
+                VOp::mma(o[2 * dp], pa, vb[0], vb[1]);
+                VOp::mma(o[2 * dp + 1], pa, vb[2], vb[3]);
             }
         }
         __syncthreads();  // the next iteration's load overwrites this stage
@@ -218,29 +251,40 @@ extern "C" cudaError_t hostembed_flash_head_dim(unsigned int head_dim) {
 }
 
 extern "C" cudaError_t hostembed_flash_attention(const float *q, unsigned int q_stride, const void *kv_pool,
-                                                 const unsigned int *table, unsigned int pool_pages, const int *pos,
-                                                 unsigned int n, unsigned int heads, unsigned int kv_heads,
-                                                 unsigned int head_dim, float scale, void *out, int out_dtype,
-                                                 unsigned int out_stride, cudaStream_t stream) {
+                                                 const unsigned int *table, unsigned int pool_pages, int k_type,
+                                                 int v_type, const int *pos, unsigned int n, unsigned int heads,
+                                                 unsigned int kv_heads, unsigned int head_dim, float scale, void *out,
+                                                 int out_dtype, unsigned int out_stride, cudaStream_t stream) {
     if (q == nullptr || kv_pool == nullptr || table == nullptr || pos == nullptr || out == nullptr || heads == 0 ||
         kv_heads == 0 || heads % kv_heads != 0 || pool_pages == 0 || q_stride < heads * head_dim ||
         out_stride < heads * head_dim || out_stride % 2 != 0 || reinterpret_cast<uintptr_t>(out) % 4 != 0 ||
         reinterpret_cast<uintptr_t>(kv_pool) % 16 != 0)
         return cudaErrorInvalidValue;
+    // Every type but F32, in whole blocks.
+    for (const int type : {k_type, v_type})
+        if (type == HE_KV_F32 || !he::kv_type_ok(type, head_dim)) return cudaErrorInvalidValue;
     if (n == 0) return cudaSuccess;
     if (heads > 65535) return cudaErrorInvalidValue;
     cudaError_t err = cudaErrorInvalidValue;
+    // The operands' format for each of K and V: bf16 for a bf16 cache, f16 for the others.
+    const int k_op = k_type == HE_KV_BF16 ? HE_DTYPE_BF16 : HE_DTYPE_F16;
+    const int v_op = v_type == HE_KV_BF16 ? HE_DTYPE_BF16 : HE_DTYPE_F16;
     with_head_dim(head_dim, [&](auto dim) {
         constexpr int D = decltype(dim)::value;
         he::with_half(out_dtype, [&](auto op) {
             using Out = decltype(op);
-            auto kernel = flash_kernel<D, Out>;
-            err = he::allow_smem(kernel, fa_smem<D>());
-            if (err != cudaSuccess) return;
-            const dim3 grid((n + FA_BM - 1) / FA_BM, heads);
-            kernel<<<grid, FA_THREADS, fa_smem<D>(), stream>>>(
-                q, q_stride, static_cast<const unsigned short *>(kv_pool), table, pool_pages, pos, n, heads, kv_heads, scale * FA_LOG2E, static_cast<typename Out::T *>(out), out_stride);
-            err = cudaGetLastError();
+            he::with_half(k_op, [&](auto kop) {
+                he::with_half(v_op, [&](auto vop) {
+                    auto kernel = flash_kernel<D, Out, decltype(kop), decltype(vop)>;
+                    err = he::allow_smem(kernel, fa_smem<D>());
+                    if (err != cudaSuccess) return;
+                    const dim3 grid((n + FA_BM - 1) / FA_BM, heads);
+                    kernel<<<grid, FA_THREADS, fa_smem<D>(), stream>>>(
+                        q, q_stride, static_cast<const unsigned char *>(kv_pool), table, pool_pages, k_type, v_type,
+                        pos, n, heads, kv_heads, scale * FA_LOG2E, static_cast<typename Out::T *>(out), out_stride);
+                    err = cudaGetLastError();
+                });
+            });
         });
     });
     return err;

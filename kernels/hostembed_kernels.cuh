@@ -20,10 +20,24 @@
 #define HE_DTYPE_Q5_K 11
 #define HE_DTYPE_Q6_K 12
 
+// KV cache types, the values of engine_kv_type (src/kv.rs has their rounding, which kernels/rope.cu
+// follows): one value in bf16, f16 or f32; or blocks of HE_KV_BLOCK values of one head's row, each a
+// scale and one-byte codes (Q8_0: an f16 scale max|x| / 127 and int8 codes; FP8_E4M3: a bf16 scale
+// max|x| / 448 and E4M3 codes).
+#define HE_KV_BF16 1
+#define HE_KV_F16 2
+#define HE_KV_F32 3
+#define HE_KV_Q8_0 4
+#define HE_KV_FP8_E4M3 5
+#define HE_KV_BLOCK 32
+
 // The paged KV pool: each layer's pool is pool_pages pages one after the other, a page holding
-// HE_PAGE_TOKENS positions as bf16 [K, V][kv_heads][HE_PAGE_TOKENS][head_dim]. A stream's page table
-// (unsigned int page ids, in position order) maps position p to slot p % HE_PAGE_TOKENS of page
-// table[p / HE_PAGE_TOKENS].
+// HE_PAGE_TOKENS positions as the K slabs of every kv head, then the V slabs of every kv head. A slab is
+// HE_PAGE_TOKENS rows of head_dim values in its type (K's or V's); for the block types, HE_PAGE_TOKENS
+// rows of head_dim one-byte codes, then the slab's 16-bit scales [HE_PAGE_TOKENS][head_dim / HE_KV_BLOCK].
+// (he::kv_slab_bytes and he::kv_page_bytes below; src/gpu/pages.rs's PageLayout is the same on the
+// host.) A stream's page table (unsigned int page ids, in position order) maps position p to slot
+// p % HE_PAGE_TOKENS of page table[p / HE_PAGE_TOKENS].
 #define HE_PAGE_TOKENS 16
 
 #ifdef __cplusplus
@@ -85,26 +99,31 @@ cudaError_t hostembed_mmv_workspace(unsigned int rows, unsigned int cols, int gl
 // In each row t of qkv (stride qkv_stride floats: heads q heads, then kv_heads k heads, then kv_heads v
 // heads, head_dim each): RMSNorm of every q/k head when q_norm/k_norm are not NULL, then the rotation at
 // position pos[t] with inv_freq[head_dim/2] (interleaved pairs or halves), in place. When kv_pool is not
-// NULL, the rotated k and the v heads are also stored as bf16 at position pos[t] of token t's stream
-// (page tables[t][pos[t] / HE_PAGE_TOKENS]; an id past pool_pages is not written). head_dim even, <= 256.
+// NULL, the rotated k heads are also stored in k_type and the v heads in v_type (HE_KV_*, rounded as
+// src/kv.rs rounds them) at position pos[t] of token t's stream (page tables[t][pos[t] /
+// HE_PAGE_TOKENS]; an id past pool_pages is not written). head_dim even, <= 256; a multiple of 8 (of
+// HE_KV_BLOCK for a block type) when kv_pool is not NULL.
 cudaError_t hostembed_rope_kv(float *qkv, unsigned int qkv_stride, unsigned int n, const int *pos,
                               unsigned int heads, unsigned int kv_heads, unsigned int head_dim,
                               const float *inv_freq, int interleaved, const float *q_norm, const float *k_norm,
                               float eps, void *kv_pool, const unsigned int *const *tables, unsigned int pool_pages,
-                              cudaStream_t stream);
+                              int k_type, int v_type, cudaStream_t stream);
 
 // Writes HE_PAGE_TOKENS, for the host to check its own copy against.
 cudaError_t hostembed_kv_page_tokens(unsigned int *page_tokens);
 
 // Attention of query token t (q + t*q_stride, heads x head_dim) over positions [0, pos[t]] of its stream
-// (pages tables[t]) with GQA (query head h reads kv head h / (heads / kv_heads)), softmax(q.k * scale) v
-// into out[t][heads*head_dim]. The context is cut in at most `splits` parts of whole 32-position units,
-// 128 positions at least (the cut depends only on pos[t] and splits), computed by separate blocks and
-// combined in order; partial holds n*heads*splits*(head_dim+2) floats. head_dim a multiple of 8, <= 256.
+// (pages tables[t], K in k_type and V in v_type, HE_KV_*, each value decoded exactly to f32) with GQA
+// (query head h reads kv head h / (heads / kv_heads)), softmax(q.k * scale) v into out[t][heads*head_dim].
+// The context is cut in at most `splits` parts of whole 32-position units, 128 positions at least (the
+// cut depends only on pos[t] and splits), computed by separate blocks and combined in order; partial
+// holds n*heads*splits*(head_dim+2) floats. head_dim a multiple of 8 (of HE_KV_BLOCK for a block type),
+// <= 256.
 cudaError_t hostembed_attention(const float *q, unsigned int q_stride, const void *kv_pool,
-                                const unsigned int *const *tables, unsigned int pool_pages, const int *pos,
-                                unsigned int n, unsigned int heads, unsigned int kv_heads, unsigned int head_dim,
-                                float scale, unsigned int splits, float *partial, float *out, cudaStream_t stream);
+                                const unsigned int *const *tables, unsigned int pool_pages, int k_type, int v_type,
+                                const int *pos, unsigned int n, unsigned int heads, unsigned int kv_heads,
+                                unsigned int head_dim, float scale, unsigned int splits, float *partial, float *out,
+                                cudaStream_t stream);
 
 // out[i] = silu(gate[i]) * up[i].
 cudaError_t hostembed_swiglu(const float *gate, const float *up, float *out, size_t len, cudaStream_t stream);
@@ -160,13 +179,15 @@ cudaError_t hostembed_flash_head_dim(unsigned int head_dim);
 
 // Causal attention of a prompt chunk of one stream (flash attention on tensor cores): query t (q +
 // t*q_stride, heads x head_dim f32, already rotated) attends to positions [0, pos[t]] of the stream whose
-// page table is `table` (its own chunk's K and V already written there) with GQA, softmax(q.k * scale) v
-// written to out[t*out_stride + h*head_dim] in out_dtype (a half format). Q, K, V and the probabilities
-// enter the tensor cores as bf16.
+// page table is `table` (its own chunk's K and V already written there, K in k_type and V in v_type: any
+// HE_KV_* but HE_KV_F32) with GQA, softmax(q.k * scale) v written to out[t*out_stride + h*head_dim] in
+// out_dtype (a half format). Q and K enter the tensor cores as bf16 for a bf16 K cache, else as f16 (an
+// 8-bit block decoded to f16 in shared memory); the probabilities and V likewise by V's type.
 cudaError_t hostembed_flash_attention(const float *q, unsigned int q_stride, const void *kv_pool,
-                                      const unsigned int *table, unsigned int pool_pages, const int *pos, unsigned int n,
-                                      unsigned int heads, unsigned int kv_heads, unsigned int head_dim, float scale,
-                                      void *out, int out_dtype, unsigned int out_stride, cudaStream_t stream);
+                                      const unsigned int *table, unsigned int pool_pages, int k_type, int v_type,
+                                      const int *pos, unsigned int n, unsigned int heads, unsigned int kv_heads,
+                                      unsigned int head_dim, float scale, void *out, int out_dtype,
+                                      unsigned int out_stride, cudaStream_t stream);
 
 // ---- device.cu ----
 // Writes the device's name (NUL-terminated, truncated to len) without exposing cudaDeviceProp to Rust.
@@ -230,13 +251,38 @@ __device__ __forceinline__ uint4 load_stream16(const void *p) {
     return v;
 }
 
-// Values in one page of one layer's pool, and where its V half begins.
-__host__ __device__ __forceinline__ size_t page_values(unsigned int kv_heads, unsigned int head_dim) {
-    return (size_t)2 * kv_heads * HE_PAGE_TOKENS * head_dim;
+// Whether `type` is a KV cache type a head of head_dim values fits (a block type: whole blocks).
+__host__ __device__ __forceinline__ bool kv_type_ok(int type, unsigned int head_dim) {
+    switch (type) {
+    case HE_KV_BF16: case HE_KV_F16: case HE_KV_F32: return true;
+    case HE_KV_Q8_0: case HE_KV_FP8_E4M3: return head_dim % HE_KV_BLOCK == 0;
+    default: return false;
+    }
 }
-__device__ __forceinline__ unsigned short *page_v(unsigned short *page, unsigned int kv_heads,
-                                                  unsigned int head_dim) {
-    return page + (size_t)kv_heads * HE_PAGE_TOKENS * head_dim;
+__host__ __device__ __forceinline__ bool kv_is_block(int type) {
+    return type == HE_KV_Q8_0 || type == HE_KV_FP8_E4M3;
+}
+// Bytes of one head's row at one position in `type`, its scales included.
+__host__ __device__ __forceinline__ size_t kv_row_bytes(int type, unsigned int head_dim) {
+    switch (type) {
+    case HE_KV_BF16: case HE_KV_F16: return (size_t)2 * head_dim;
+    case HE_KV_F32: return (size_t)4 * head_dim;
+    default: return (size_t)head_dim + head_dim / HE_KV_BLOCK * 2;
+    }
+}
+// Bytes of one head's slab in a page, and of one page of one layer (see HE_PAGE_TOKENS).
+__host__ __device__ __forceinline__ size_t kv_slab_bytes(int type, unsigned int head_dim) {
+    return HE_PAGE_TOKENS * kv_row_bytes(type, head_dim);
+}
+__host__ __device__ __forceinline__ size_t kv_page_bytes(unsigned int kv_heads, unsigned int head_dim, int k_type,
+                                                         int v_type) {
+    return kv_heads * (kv_slab_bytes(k_type, head_dim) + kv_slab_bytes(v_type, head_dim));
+}
+// Where kv head h's K slab, or V slab (v), starts in a page.
+__host__ __device__ __forceinline__ size_t kv_slab_at(unsigned int kv_heads, unsigned int head_dim, int k_type,
+                                                      int v_type, bool v, unsigned int h) {
+    return v ? kv_heads * kv_slab_bytes(k_type, head_dim) + h * kv_slab_bytes(v_type, head_dim)
+             : h * kv_slab_bytes(k_type, head_dim);
 }
 
 __device__ __forceinline__ float silu(float g) { return g / (1.f + expf(-g)); }

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine from the repo root: unpacks .gpu/bundle.tar.xz and runs the GPU suite,
 # then whatever steps are named (default: tests). Logs go to $OUT (or ./gpu-out).
-# Steps: info tests hfref bench-embed bench-decode bench-prefill torch-prefill, or any example's name.
+# Steps: info tests hfref bench-embed bench-decode bench-prefill bench-kv torch-prefill, or any example's
+# name. bench-kv measures the KV cache types on the Llama-3-8B shape: decode at a 64-token and a
+# 32,768-token cache, and prompts of 512 to 16,384 tokens, in BF16, Q8_0 and FP8_E4M3.
 # cuBLASLt is found where the machine's CUDA libraries are (the products fall back to the library's
 # own kernel without it); the prompt tests run a second time with HOSTEMBED_CUBLASLT=0.
 set -uo pipefail
@@ -31,7 +33,7 @@ for step in $steps; do
         echo "test $name: rc=$r $(grep -E '^test result' "$OUT/test-$name.log" | tail -1)" >> "$summary"
         [ $r -ne 0 ] && rc=$r
       done
-      for name in gpu_prefill gpu_model; do
+      for name in gpu_prefill gpu_model gpu_kv; do
         HOSTEMBED_CUBLASLT=0 "$B/tests/$name" --test-threads=1 --nocapture > "$OUT/test-$name-own.log" 2>&1; r=$?
         echo "test $name (own kernel): rc=$r $(grep -E '^test result' "$OUT/test-$name-own.log" | tail -1)" >> "$summary"
         [ $r -ne 0 ] && rc=$r
@@ -49,6 +51,15 @@ for step in $steps; do
       "$B/examples/bench_embed" > "$OUT/bench-embed.log" 2>&1; rc=$? ;;
     bench-decode)
       "$B/examples/bench_decode" > "$OUT/bench-decode.log" 2>&1; rc=$? ;;
+    bench-kv)
+      rc=0
+      for kv in bf16 q8_0 fp8_e4m3; do
+        for cache in 64 32768; do
+          "$B/examples/bench_decode" --no-kernels --no-mmv --prompt "$cache" --tokens 128 --kv "$kv" \
+            >> "$OUT/bench-kv-decode.log" 2>&1 || rc=$?
+        done
+        "$B/examples/bench_prefill" --quick --lengths 512,4096,16384 --kv "$kv" >> "$OUT/bench-kv-prefill.log" 2>&1 || rc=$?
+      done ;;
     *)
       if [ -x "$B/examples/$step" ]; then "$B/examples/$step" > "$OUT/$step.log" 2>&1; rc=$?
       else echo "unknown step $step"; rc=2; fi ;;

@@ -23,7 +23,7 @@ macro_rules! from_raw {
 }
 
 /// The ABI this header describes; a caller compares it with `engine_abi_version()`.
-pub const HOSTEMBED_ABI_VERSION: u32 = 2;
+pub const HOSTEMBED_ABI_VERSION: u32 = 3;
 
 // ---------------------------------------------------------------------------------------------
 // Status
@@ -259,6 +259,33 @@ pub enum engine_backend {
 
 from_raw!(engine_backend(u32): Auto, Cuda, Cpu);
 
+/// What a stream's K and V caches are stored in (`engine_options.kv_type_k` / `kv_type_v`). Rounding
+/// happens once, when a position's K and V are written; attention reads every type directly.
+/// cbindgen:prefix-with-name=false
+/// cbindgen:rename-all=None
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum engine_kv_type {
+    /// The backend's own: BF16 on CUDA, F32 on the CPU backend.
+    ENGINE_KV_DEFAULT = 0,
+    /// bfloat16, rounded to nearest even.
+    ENGINE_KV_BF16 = 1,
+    /// IEEE half, rounded to nearest even.
+    ENGINE_KV_F16 = 2,
+    /// f32: the values as computed.
+    ENGINE_KV_F32 = 3,
+    /// GGUF Q8_0 blocks of 32 values of one head (an f16 scale, max|x| / 127, and int8 quants): half of
+    /// BF16's bytes. head_dim must be a multiple of 32.
+    ENGINE_KV_Q8_0 = 4,
+    /// FP8 E4M3 codes in blocks of 32 values of one head, each block with a bf16 scale (max|x| / 448):
+    /// half of BF16's bytes. head_dim must be a multiple of 32; on CUDA, compute capability 8.9 or newer.
+    ENGINE_KV_FP8_E4M3 = 5,
+}
+
+from_raw!(engine_kv_type(u32):
+    ENGINE_KV_DEFAULT, ENGINE_KV_BF16, ENGINE_KV_F16, ENGINE_KV_F32, ENGINE_KV_Q8_0, ENGINE_KV_FP8_E4M3
+);
+
 /// Receives each log line (no trailing newline); `user` is `engine_options.log_user`.
 pub type engine_log_fn = Option<unsafe extern "C" fn(user: *mut c_void, line: *const c_char)>;
 
@@ -303,6 +330,10 @@ pub struct engine_options {
     /// Log lines go here; NULL = standard error, prefixed "hostembed: ".
     pub log: engine_log_fn,
     pub log_user: *mut c_void,
+    /// What the K and V caches are stored in; ENGINE_KV_DEFAULT keeps the backend's own. The fit rule,
+    /// the KV pool and the start-up line count their bytes.
+    pub kv_type_k: engine_kv_type,
+    pub kv_type_v: engine_kv_type,
 }
 
 /// How one stream picks its next token; `engine_default_sampling()` is greedy with no penalty.
@@ -367,6 +398,9 @@ pub struct engine_model_info {
     /// tokenizer_config.json's `add_bos_token`, else what its tokenizer does); false without the id.
     pub add_bos: bool,
     pub add_eos: bool,
+    /// The K and V cache types in use (never ENGINE_KV_DEFAULT: the backend's choice is resolved).
+    pub kv_type_k: engine_kv_type,
+    pub kv_type_v: engine_kv_type,
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -5,6 +5,10 @@
 //! their stored format (any of `tensor::FORMATS`) and are decoded as they are read. Dot products
 //! accumulate in f64 so the oracle's own rounding stays far below any kernel's.
 //!
+//! K and V are cached in pages (`KvPages`) in the engine's KV cache type: f32 by default, or any
+//! `kv::KvType`, each row rounded once when written exactly as the CUDA backend rounds it, so the CPU
+//! stays the reference for every type.
+//!
 //! A step of n tokens runs through the layers as a batch, in chunks of at most `CHUNK_TOKENS` so that
 //! its scratch does not grow with the prompt. Each matrix product decodes a weight row once per chunk
 //! and dots it with every token (cpu/matmul.rs); attention runs each token over the stream's cache up
@@ -17,6 +21,7 @@
 use std::sync::Arc;
 
 use crate::backend::{Backend, KvStream, StepItem};
+use crate::kv::{KvType, KvTypes};
 use crate::model::{Arch, LayerWeights, ModelConfig, ModelWeights, TensorRef, TensorSource};
 use crate::sampler;
 use crate::status::Result;
@@ -121,12 +126,37 @@ pub fn attention(
     head_dim: usize,
     out: &mut [f32],
 ) {
+    // SAFETY: an f32 slice read as its bytes: u8 has no alignment, and f32 has no padding or invalid bits.
+    let bytes = |v: &[f32]| unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, std::mem::size_of_val(v)) };
+    attention_typed(q, bytes(k), bytes(v), KvTypes::same(KvType::F32), n_ctx, heads, kv_heads, head_dim, out);
+}
+
+/// `attention` over a cache stored in `kv`'s types: `k` and `v` hold [n_ctx][kv_heads] rows of one head
+/// each, as `KvType::encode` writes a head's row (longer slices are fine: only the first n_ctx rows are
+/// read). The values attention sees are the ones `KvType::decode` gives.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_typed(
+    q: &[f32],
+    k: &[u8],
+    v: &[u8],
+    kv: KvTypes,
+    n_ctx: usize,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    out: &mut [f32],
+) {
     assert!(kv_heads > 0 && heads.is_multiple_of(kv_heads), "attention: heads must be a multiple of kv_heads");
     assert_eq!(q.len(), heads * head_dim, "attention: query is not heads x head_dim");
     assert!(n_ctx > 0, "attention: a query sees at least its own position");
-    let kv_dim = kv_heads * head_dim;
     // The cache in one piece: one page of every row it holds.
-    let (k, v) = [k, v].map(|rows| KvRows { pages: vec![rows], page_tokens: rows.len() / kv_dim, row: kv_dim }).into();
+    fn one_page(bytes: &[u8], ty: KvType, n_ctx: usize, kv_heads: usize, head_dim: usize) -> KvRows<'_> {
+        let row = kv_heads * ty.row_bytes(head_dim);
+        assert!(bytes.len() >= n_ctx * row, "attention: the cache holds fewer than n_ctx rows");
+        let bytes = &bytes[..bytes.len() / row * row];
+        KvRows { pages: vec![bytes], page_tokens: bytes.len() / row, ty, kv_heads, head_dim }
+    }
+    let (k, v) = (one_page(k, kv.k, n_ctx, kv_heads, head_dim), one_page(v, kv.v, n_ctx, kv_heads, head_dim));
     let batch = Batch { q, k, v, first_pos: n_ctx - 1, heads, kv_heads, head_dim };
     let mut scratch = [AttentionScratch::new(heads / kv_heads, head_dim).unwrap_or_else(|e| panic!("{e}"))];
     batch.run(out, &mut scratch);
@@ -187,60 +217,106 @@ pub struct CpuModel<'a> {
     lm_head: TensorRef<'a>,
     layers: Vec<LayerWeights<CpuWeight<'a>>>,
     inv_freq: Vec<f32>,
+    /// What the streams `new_stream` makes keep K and V in.
+    kv: KvTypes,
     /// The threads a step runs on: this one and the pool's workers.
     pool: Pool,
 }
 
 /// KV memory in pages of `PAGE_TOKENS` positions, each holding every layer's K and V rows:
-/// [page][layer][K, V][PAGE_TOKENS][kv_heads * head_dim] in f32. Fresh pages are zero pages the host
-/// has not touched yet, so a pool costs memory only as streams fill it.
+/// [page][layer][K rows, V rows], each PAGE_TOKENS rows of kv_heads heads, a head's row as its type
+/// stores it (`KvType::encode`). K and V are rounded to their types once, when written. Fresh pages
+/// are zero pages the host has not touched yet, so a pool costs memory only as streams fill it.
 pub struct KvPages {
+    /// The pages' bytes, kept in f32s so that F32 rows (whose offsets are all multiples of 4) read as
+    /// aligned floats.
     data: Vec<f32>,
     layers: usize,
-    kv_dim: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    kv: KvTypes,
+    /// Bytes of one position's K row and of its V row (every head).
+    row: [usize; 2],
     pages: usize,
 }
 
 impl KvPages {
-    /// `pages` pages for the model `cfg`; NO_ROOM when the host cannot give them.
+    /// `pages` pages of f32 K and V for the model `cfg`; NO_ROOM when the host cannot give them.
     pub fn new(cfg: &ModelConfig, pages: usize) -> Result<KvPages> {
-        let len = (PAGE_TOKENS * cfg.kv_dim())
-            .checked_mul(2 * cfg.layers)
+        Self::with_types(cfg, pages, KvTypes::CPU_DEFAULT)
+    }
+
+    /// `pages` pages of K and V in `kv`'s types; UNSUPPORTED when a type cannot hold the model's heads,
+    /// NO_ROOM when the host cannot give them.
+    pub fn with_types(cfg: &ModelConfig, pages: usize, kv: KvTypes) -> Result<KvPages> {
+        kv.check(cfg)?;
+        let row = [kv.k, kv.v].map(|t| cfg.kv_heads * t.row_bytes(cfg.head_dim));
+        let len = (PAGE_TOKENS * (row[0] + row[1]))
+            .checked_mul(cfg.layers)
             .and_then(|page| page.checked_mul(pages))
             .ok_or_else(|| err!(NoRoom, "a KV pool of {pages} pages overflows the address space"))?;
-        Ok(KvPages { data: zeroed_f32(len)?, layers: cfg.layers, kv_dim: cfg.kv_dim(), pages })
+        let data = zeroed_f32(len.div_ceil(4))?;
+        Ok(KvPages { data, layers: cfg.layers, kv_heads: cfg.kv_heads, head_dim: cfg.head_dim, kv, row, pages })
     }
 
     pub fn pages(&self) -> usize {
         self.pages
     }
 
-    /// Floats of one layer's K (or V) rows in a page.
-    fn block(&self) -> usize {
-        PAGE_TOKENS * self.kv_dim
+    /// The K and V types the pages store.
+    pub fn kv_types(&self) -> KvTypes {
+        self.kv
+    }
+
+    /// Bytes the pages hold.
+    pub fn bytes(&self) -> usize {
+        self.data.len() * 4
+    }
+
+    fn data(&self) -> &[u8] {
+        // SAFETY: the f32 storage read as its bytes: u8 has no alignment, f32 no padding.
+        unsafe { std::slice::from_raw_parts(self.data.as_ptr() as *const u8, self.data.len() * 4) }
+    }
+
+    fn data_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as `data`; every byte pattern written is a valid f32, and the borrow is exclusive.
+        unsafe { std::slice::from_raw_parts_mut(self.data.as_mut_ptr() as *mut u8, self.data.len() * 4) }
+    }
+
+    /// Bytes of one layer's K (`which` 0) or V (1) rows in a page.
+    fn block(&self, which: usize) -> usize {
+        PAGE_TOKENS * self.row[which]
     }
 
     /// Where page `page`'s K (`which` 0) or V (1) rows of `layer` start.
     fn at(&self, page: u32, layer: usize, which: usize) -> usize {
-        ((page as usize * self.layers + layer) * 2 + which) * self.block()
+        (page as usize * self.layers + layer) * (self.block(0) + self.block(1)) + which * self.block(0)
     }
 
     /// Page `page`'s K (`which` 0) or V (1) rows of `layer`.
-    fn rows(&self, page: u32, layer: usize, which: usize) -> &[f32] {
+    fn rows(&self, page: u32, layer: usize, which: usize) -> &[u8] {
         let at = self.at(page, layer, which);
-        &self.data[at..at + self.block()]
+        &self.data()[at..at + self.block(which)]
     }
 
-    /// The K (`which` 0) or V (1) row of `layer` at position `pos` of a stream holding `pages`.
-    fn row_mut(&mut self, pages: &[u32], pos: usize, layer: usize, which: usize) -> &mut [f32] {
-        let at = self.at(pages[pos / PAGE_TOKENS], layer, which) + (pos % PAGE_TOKENS) * self.kv_dim;
-        &mut self.data[at..at + self.kv_dim]
+    /// Writes `values` (kv_heads x head_dim) as the K (`which` 0) or V (1) row of `layer` at position `pos`
+    /// of a stream holding `pages`, rounded to its type.
+    fn store(&mut self, pages: &[u32], pos: usize, layer: usize, which: usize, values: &[f32]) {
+        let at = self.at(pages[pos / PAGE_TOKENS], layer, which) + (pos % PAGE_TOKENS) * self.row[which];
+        let ty = if which == 0 { self.kv.k } else { self.kv.v };
+        let (row_bytes, head_dim) = (self.row[which], self.head_dim);
+        let row = &mut self.data_mut()[at..at + row_bytes];
+        let head_bytes = ty.row_bytes(head_dim);
+        for (head, out) in values.chunks_exact(head_dim).zip(row.chunks_exact_mut(head_bytes)) {
+            ty.encode(head, out);
+        }
     }
 
     /// One layer's K or V rows of a stream holding `pages`, for its first `positions` positions.
     fn stream_rows(&self, pages: &[u32], positions: usize, layer: usize, which: usize) -> KvRows<'_> {
         let pages = pages[..positions.div_ceil(PAGE_TOKENS)].iter().map(|&p| self.rows(p, layer, which)).collect();
-        KvRows { pages, page_tokens: PAGE_TOKENS, row: self.kv_dim }
+        let ty = if which == 0 { self.kv.k } else { self.kv.v };
+        KvRows { pages, page_tokens: PAGE_TOKENS, ty, kv_heads: self.kv_heads, head_dim: self.head_dim }
     }
 }
 
@@ -275,13 +351,27 @@ impl<'a> CpuModel<'a> {
         let inv_freq = rope_inv_freq(&cfg);
         let final_norm = w.final_norm.to_f32();
         let pool = Pool::new(thread_count());
-        Ok(CpuModel { cfg, embed: w.embed, final_norm, lm_head, layers, inv_freq, pool })
+        let kv = KvTypes::CPU_DEFAULT;
+        Ok(CpuModel { cfg, embed: w.embed, final_norm, lm_head, layers, inv_freq, kv, pool })
     }
 
     /// The same model on `threads` threads (1..=MAX_THREADS); the logits do not change.
     pub fn with_threads(mut self, threads: usize) -> Self {
         self.pool = Pool::new(threads);
         self
+    }
+
+    /// The same model with the streams `new_stream` makes keeping K and V in `kv`'s types (f32 unless
+    /// told); UNSUPPORTED when a type cannot hold the model's heads.
+    pub fn with_kv_types(mut self, kv: KvTypes) -> Result<Self> {
+        kv.check(&self.cfg)?;
+        self.kv = kv;
+        Ok(self)
+    }
+
+    /// What the streams `new_stream` makes keep K and V in.
+    pub fn kv_types(&self) -> KvTypes {
+        self.kv
     }
 
     pub fn threads(&self) -> usize {
@@ -308,7 +398,7 @@ impl<'a> CpuModel<'a> {
     pub fn try_new_stream(&self, window: usize) -> Result<CpuStream> {
         let pages = window.div_ceil(PAGE_TOKENS);
         let ids = u32::try_from(pages).map_err(|_| err!(NoRoom, "a {window}-token KV cache has too many pages"))?;
-        let own = KvPages::new(&self.cfg, pages)?;
+        let own = KvPages::with_types(&self.cfg, pages, self.kv)?;
         Ok(KvStream::with_pages(CpuCache { own: Some(own) }, window, (0..ids).collect()))
     }
 
@@ -465,7 +555,7 @@ impl<'a> CpuModel<'a> {
 
     /// Everything that could refuse the call, before any token is appended.
     fn check_tokens(&self, kv: &KvPages, stream: &CpuStream, tokens: &[u32]) -> Result<()> {
-        if kv.layers != self.cfg.layers || kv.kv_dim != self.cfg.kv_dim() {
+        if kv.layers != self.cfg.layers || kv.kv_heads != self.cfg.kv_heads || kv.head_dim != self.cfg.head_dim {
             bail!(InvalidArgument, "stream was not made by this model");
         }
         self.cfg.check_append(stream.len, stream.window, tokens)?;
@@ -532,8 +622,8 @@ impl<'a> CpuModel<'a> {
             for g in segments {
                 for t in 0..g.tokens.len() {
                     let (row, pos) = ((g.row + t) * kv_dim, g.first_pos + t);
-                    kv.row_mut(g.pages, pos, l, 0).copy_from_slice(&k[row..row + kv_dim]);
-                    kv.row_mut(g.pages, pos, l, 1).copy_from_slice(&v[row..row + kv_dim]);
+                    kv.store(g.pages, pos, l, 0, &k[row..row + kv_dim]);
+                    kv.store(g.pages, pos, l, 1, &v[row..row + kv_dim]);
                 }
             }
             for g in segments {
@@ -763,17 +853,27 @@ pub struct CpuBackend {
 
 impl CpuBackend {
     /// Checks the model in `source` (so a bad model fails the load, not the first step), builds its view
-    /// and a KV pool of `pages` pages.
+    /// and a KV pool of `pages` pages of f32 K and V.
     pub fn new(source: Arc<dyn TensorSource + Send + Sync>, pages: usize) -> Result<CpuBackend> {
+        Self::with_kv(source, pages, KvTypes::CPU_DEFAULT)
+    }
+
+    /// `new` with the pool's K and V in `kv`'s types, rounded as the GPU rounds them.
+    pub fn with_kv(source: Arc<dyn TensorSource + Send + Sync>, pages: usize, kv: KvTypes) -> Result<CpuBackend> {
         // SAFETY: an Arc's pointee never moves, and this struct drops the view before its Arc.
         let src: &'static dyn TensorSource = unsafe { &*Arc::as_ptr(&source) };
-        let model = CpuModel::new(src)?;
-        let kv = KvPages::new(model.config(), pages)?;
+        let model = CpuModel::new(src)?.with_kv_types(kv)?;
+        let kv = KvPages::with_types(model.config(), pages, kv)?;
         Ok(CpuBackend { model, kv, logits: Vec::new(), _source: source })
     }
 
     pub fn model(&self) -> &CpuModel<'static> {
         &self.model
+    }
+
+    /// Host bytes the KV pool holds: what `fit::cpu_kv_bytes` counts for its pages' positions.
+    pub fn pool_bytes(&self) -> u64 {
+        self.kv.bytes() as u64
     }
 }
 

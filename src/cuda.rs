@@ -65,6 +65,16 @@ pub fn mem_info() -> Result<(u64, u64)> {
     Ok((free as u64, total as u64))
 }
 
+/// The current device: (its index, compute capability major, minor).
+pub fn current_compute_capability() -> Result<(i32, i32, i32)> {
+    let mut device = 0;
+    // SAFETY: writes one int through a valid pointer.
+    check(unsafe { rt::cudaGetDevice(&mut device) }, "cudaGetDevice")?;
+    let major = attribute(rt::cudaDevAttrComputeCapabilityMajor, device)?;
+    let minor = attribute(rt::cudaDevAttrComputeCapabilityMinor, device)?;
+    Ok((device, major, minor))
+}
+
 /// What the placements decide on, read from device `device` (which becomes current).
 pub fn device_info(device: i32) -> Result<engine_device_info> {
     require_device(device)?;

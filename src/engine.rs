@@ -14,6 +14,7 @@ use crate::cuda::{self, PinnedBuffer};
 use crate::cudart as rt;
 use crate::fit::{self, engine_fit_inputs, engine_placement, engine_plan};
 use crate::gpu::{CudaBackend, GpuModel, RowsOnDevice};
+use crate::kv::KvTypes;
 use crate::model::ModelConfig;
 use crate::placement::{Rows, RowsSource};
 use crate::sampler::Sampling;
@@ -29,7 +30,7 @@ use std::sync::{Arc, Mutex};
 /// The environment variable the seed issue gates file-mapped rows with; "1" means on.
 pub const MMAP_ROWS_ENV: &str = "DS4_EMBD_MMAP";
 
-pub use crate::abi::{engine_backend, engine_log_fn, engine_options, engine_tristate};
+pub use crate::abi::{engine_backend, engine_kv_type, engine_log_fn, engine_options, engine_tristate};
 
 pub const DEFAULT_MAX_BATCH: u32 = 512;
 
@@ -57,6 +58,8 @@ pub fn default_options() -> engine_options {
         repeat_last_n: Sampling::GREEDY.repeat_last_n,
         log: None,
         log_user: std::ptr::null_mut(),
+        kv_type_k: engine_kv_type::ENGINE_KV_DEFAULT,
+        kv_type_v: engine_kv_type::ENGINE_KV_DEFAULT,
     }
 }
 
@@ -144,6 +147,24 @@ impl KvPool {
             self.page_tokens
         )
     }
+
+    /// `describe` naming the cache types too: "KV pool of 4096 tokens in Q8_0 (...)".
+    pub fn describe_with(&self, kv: KvTypes) -> String {
+        format!(
+            "KV pool of {} tokens in {} ({} GiB, {} pages of {} tokens)",
+            self.tokens(),
+            kv.describe(),
+            fit::gib(self.bytes),
+            self.pages,
+            self.page_tokens
+        )
+    }
+}
+
+/// "device 0 (NVIDIA H200)" for messages about the device.
+fn device_label(device: i32, info: &engine_device_info) -> String {
+    let bytes: Vec<u8> = info.name.iter().take_while(|&&c| c != 0).map(|&c| c as u8).collect();
+    format!("device {device} ({})", String::from_utf8_lossy(&bytes))
 }
 
 /// Where log lines go.
@@ -219,7 +240,18 @@ pub fn window_of(cfg: &ModelConfig, opts: &engine_options) -> Result<u32> {
     u32::try_from(w).map_err(|_| crate::err!(InvalidArgument, "a window of {w} tokens is more than the engine counts"))
 }
 
-/// The figures the fit rule decides on, from a checkpoint and the options. `device` is the device the
+/// The KV cache types a CUDA engine keeps for these options (ENGINE_KV_DEFAULT: BF16).
+pub fn gpu_kv_types(opts: &engine_options) -> KvTypes {
+    KvTypes::resolve(opts.kv_type_k, opts.kv_type_v, KvTypes::GPU_DEFAULT)
+}
+
+/// The KV cache types a CPU engine keeps for these options (ENGINE_KV_DEFAULT: F32).
+pub fn cpu_kv_types(opts: &engine_options) -> KvTypes {
+    KvTypes::resolve(opts.kv_type_k, opts.kv_type_v, KvTypes::CPU_DEFAULT)
+}
+
+/// The figures the fit rule decides on, from a checkpoint and the options (the KV cache in
+/// `gpu_kv_types`; UNSUPPORTED when a type cannot hold the model's heads). `device` is the device the
 /// engine would run on (None: no device; then `room_bytes` must be given and unified Auto is false).
 pub fn fit_inputs(
     ckpt: &Checkpoint,
@@ -241,14 +273,16 @@ pub fn fit_inputs(
         crate::bail!(BadModel, "{}: the GPU backend cannot lay out this model's weights", ckpt.path.display());
     }
     let scratch = GpuModel::scratch_bytes(ckpt, max_batch as usize);
-    let stream = GpuModel::stream_bytes(cfg, window as usize);
+    let kv = gpu_kv_types(opts);
+    kv.check(cfg)?;
+    let stream = GpuModel::stream_bytes(cfg, kv, window as usize);
     Ok(engine_fit_inputs {
         room_bytes: room,
         weight_bytes: weights + embed,
         embed_bytes: embed,
         scratch_bytes: scratch,
         stream_bytes: stream,
-        stream_bytes_per_token: cfg.kv_bytes_per_token(),
+        stream_bytes_per_token: kv.bytes_per_token(cfg),
         drafter_weight_bytes: opts.drafter_weight_bytes,
         drafter_stream_bytes: opts.drafter_stream_bytes,
         reserve_bytes: opts.reserve_bytes,
@@ -278,12 +312,14 @@ pub fn host_rows_reason(plan: &engine_plan, inputs: &engine_fit_inputs, opts: &e
 /// The decode backend beside the placed rows, with its stream slots over one KV page pool: on CUDA the
 /// GPU model reading `rows`; on the CPU a model view over the checkpoint, checked here so a bad model
 /// fails the load rather than the first step.
+#[allow(clippy::too_many_arguments)]
 fn load_decoder(
     kind: BackendKind,
     ckpt: &HeldCheckpoint,
     rows: &Rows,
     streams: u32,
     pool: &KvPool,
+    kv: KvTypes,
     opts: &engine_options,
     logger: &Logger,
 ) -> Result<Box<dyn Decoder>> {
@@ -292,12 +328,13 @@ fn load_decoder(
     let streams = streams as usize;
     Ok(match kind {
         BackendKind::Cpu => {
-            Box::new(Streams::new(CpuBackend::new(ckpt.shared(), pool.pages)?, window, streams, pool.pages, sampling)?)
+            let backend = CpuBackend::with_kv(ckpt.shared(), pool.pages, kv)?;
+            Box::new(Streams::new(backend, window, streams, pool.pages, sampling)?)
         }
         BackendKind::Cuda => {
             let r = rows.describe();
             let rows = RowsOnDevice { ptr: r.data, dtype: r.dtype, vocab: r.rows as usize, cols: r.cols as usize };
-            let model = CudaBackend::load(&**ckpt, rows, opts.max_batch as usize, opts.device, pool.pages)?;
+            let model = CudaBackend::load(&**ckpt, rows, opts.max_batch as usize, opts.device, pool.pages, kv)?;
             logger.line(model.prompt_route());
             Box::new(Streams::new(model, window, streams, pool.pages, sampling)?)
         }
@@ -362,6 +399,7 @@ pub struct Engine {
     options: engine_options,
     logger: Logger,
     kind: BackendKind,
+    kv: KvTypes,
     ckpt: HeldCheckpoint,
 }
 
@@ -400,24 +438,17 @@ impl Engine {
 
         let Some(info) = device else {
             let window = window_of(&ckpt.config, opts)?;
+            let kv = cpu_kv_types(opts);
+            kv.check(&ckpt.config)?;
             let want = if opts.max_streams > 0 { opts.max_streams } else { CPU_STREAMS };
             let slot = std::mem::size_of::<Option<CpuStream>>() as u64;
-            let cpu = fit::plan_cpu(&fit::cpu_inputs(&ckpt.config, window, want, slot, opts)?);
+            let cpu = fit::plan_cpu(&fit::cpu_inputs(&ckpt.config, window, want, slot, kv, opts)?);
             // The pool holds the full windows that fit; `want` streams share it.
-            let pool = KvPool::sized(
-                CpuBackend::PAGE_TOKENS,
-                window as usize,
-                cpu.streams as u64,
-                0,
-                fit::cpu_kv_bytes(
-                    ckpt.config.layers as u64,
-                    1,
-                    ckpt.config.kv_heads as u64,
-                    ckpt.config.head_dim as u64,
-                )
-                .unwrap_or(u64::MAX),
-            );
-            let pool_line = if cpu.streams > 0 { format!(", {}", pool.describe()) } else { String::new() };
+            let pool = KvPool::sized(CpuBackend::PAGE_TOKENS, window as usize, cpu.streams as u64, 0, {
+                let c = &ckpt.config;
+                fit::cpu_kv_bytes(c.layers as u64, 1, c.kv_heads as u64, c.head_dim as u64, kv).unwrap_or(u64::MAX)
+            });
+            let pool_line = if cpu.streams > 0 { format!(", {}", pool.describe_with(kv)) } else { String::new() };
             logger.line(&format!(
                 "model {} GiB on the CPU backend, rows read from the file mapping, {}{pool_line}",
                 fit::gib(ckpt.weight_bytes()),
@@ -430,7 +461,7 @@ impl Engine {
             // SAFETY: the rows point into `ckpt`, which the engine drops after them.
             let rows = unsafe { Rows::in_mapping(&src) }?;
             injected(InitStep::RowsPlaced)?;
-            let backend = load_decoder(BackendKind::Cpu, &ckpt, &rows, pool.streams(want), &pool, opts, &logger)?;
+            let backend = load_decoder(BackendKind::Cpu, &ckpt, &rows, pool.streams(want), &pool, kv, opts, &logger)?;
             let engine = Engine {
                 backend,
                 tokenizer: load_tokenizer(&ckpt, &logger)?,
@@ -441,12 +472,16 @@ impl Engine {
                 options: *opts,
                 logger,
                 kind: BackendKind::Cpu,
+                kv,
                 ckpt,
             };
             injected(InitStep::Loaded)?;
             return Ok(engine);
         };
 
+        let kv = gpu_kv_types(opts);
+        kv.check(&ckpt.config)?;
+        kv.check_device(info.compute_major, info.compute_minor, &device_label(opts.device, &info))?;
         let inputs = fit_inputs(&ckpt, opts, Some(&info))?;
         let mut plan = fit::plan(&inputs)?;
         // The pool takes the room the plan leaves beside the reserve, and at least its full windows;
@@ -468,7 +503,7 @@ impl Engine {
                 logger.line(&fit::describe(&plan));
                 crate::bail!(NoRoom, "{why}");
             }
-            None => logger.line(&format!("{}, {}", fit::describe(&plan), pool.describe())),
+            None => logger.line(&format!("{}, {}", fit::describe(&plan), pool.describe_with(kv))),
         }
         if let Some(reason) = host_rows_reason(&plan, &inputs, opts) {
             logger.line(&reason);
@@ -487,7 +522,7 @@ impl Engine {
         injected(InitStep::RowsPlaced)?;
         // `max_streams` bounds the streams, which share the pool however many full windows it holds.
         let streams = if opts.max_streams > 0 { pool.streams(opts.max_streams) } else { plan.streams };
-        let backend = load_decoder(BackendKind::Cuda, &ckpt, &rows, streams, &pool, opts, &logger)?;
+        let backend = load_decoder(BackendKind::Cuda, &ckpt, &rows, streams, &pool, kv, opts, &logger)?;
         let engine = Engine {
             backend,
             tokenizer: load_tokenizer(&ckpt, &logger)?,
@@ -498,6 +533,7 @@ impl Engine {
             options: *opts,
             logger,
             kind: BackendKind::Cuda,
+            kv,
             ckpt,
         };
         injected(InitStep::Loaded)?;
@@ -630,6 +666,11 @@ impl Engine {
 
     pub fn backend(&self) -> BackendKind {
         self.kind
+    }
+
+    /// The K and V cache types in use.
+    pub fn kv_types(&self) -> KvTypes {
+        self.kv
     }
 
     pub fn log(&self, line: &str) {

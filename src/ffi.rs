@@ -3,7 +3,7 @@
 #![allow(non_camel_case_types, clippy::missing_safety_doc)]
 
 use crate::abi::{
-    engine_backend, engine_batch_item, engine_dtype, engine_fit_inputs, engine_memory, engine_options,
+    engine_backend, engine_batch_item, engine_dtype, engine_fit_inputs, engine_kv_type, engine_memory, engine_options,
     engine_placement, engine_plan, engine_rows, engine_sampling, engine_tristate,
 };
 pub use crate::abi::{engine_device_info, engine_model_info};
@@ -197,6 +197,8 @@ impl engine {
             cuda: e.backend() == crate::engine::BackendKind::Cuda,
             add_bos: false,
             add_eos: false,
+            kv_type_k: e.kv_types().k.to_c(),
+            kv_type_v: e.kv_types().v.to_c(),
         };
         let tokenizer = e.shared_tokenizer();
         let text = special::resolve(&e.checkpoint().special, c.bos, c.eos, c.vocab, tokenizer.as_deref());
@@ -217,7 +219,7 @@ impl engine {
 
 /// The defaults: device 0, the model's window, probed room, a 256 MiB reserve, no drafter, every
 /// stream that fits, rows placed by the fit rule (DS4_EMBD_MMAP=1 reads them from the file mapping),
-/// backend auto, greedy sampling, log lines to standard error.
+/// backend auto, greedy sampling, log lines to standard error, the backend's own KV cache types.
 #[unsafe(no_mangle)]
 pub extern "C" fn engine_default_options() -> engine_options {
     eng::default_options()
@@ -248,6 +250,18 @@ unsafe fn options_from_c(p: *const engine_options) -> Result<engine_options> {
             format!("options->backend is {backend}, not an engine_backend"),
         ));
     }
+    let kv_types = [
+        (std::mem::offset_of!(engine_options, kv_type_k), "kv_type_k"),
+        (std::mem::offset_of!(engine_options, kv_type_v), "kv_type_v"),
+    ];
+    for (offset, field) in kv_types {
+        if engine_kv_type::from_raw(raw(offset)).is_none() {
+            return Err(Error::new(
+                Status::InvalidArgument,
+                format!("options->{field} is {}, not an engine_kv_type", raw(offset)),
+            ));
+        }
+    }
     Ok(unsafe { std::ptr::read(p) })
 }
 
@@ -260,7 +274,10 @@ unsafe fn handle<'a>(e: *const engine) -> Result<&'a engine> {
 /// the start-up line, places the embedding rows and stores the engine in `*out` (NULL on failure).
 /// `opts` NULL = `engine_default_options()`. NO_ROOM when no stream fits (the message says why, in the
 /// start-up line's words); BAD_MODEL/IO_ERROR for a checkpoint that cannot be read; NO_CUDA/NO_DEVICE
-/// when the CUDA backend is asked for and absent. Whatever failed, nothing is held afterwards.
+/// when the CUDA backend is asked for and absent; INVALID_ARGUMENT for an option out of its range (an
+/// enum value that names none among them); UNSUPPORTED for a KV cache type the model or the device
+/// cannot take (Q8_0 / FP8_E4M3 with a head_dim that is not a multiple of 32, FP8_E4M3 on a device
+/// older than compute capability 8.9). Whatever failed, nothing is held afterwards.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn engine_init_fit(
     model_path: *const c_char,

@@ -14,6 +14,7 @@
 //! (`stream_bytes − window × stream_bytes_per_token`, which must not be negative) that stays, plus
 //! the per-token part; the drafter's stream does not grow with the window.
 
+use crate::kv::KvTypes;
 use crate::status::{Error, Result, Status};
 
 pub use crate::abi::{ENGINE_FIT_DEFAULT_RESERVE_BYTES, engine_fit_inputs, engine_placement, engine_plan};
@@ -238,6 +239,8 @@ pub struct CpuFitInputs {
     pub window: u64,
     pub kv_heads: u64,
     pub head_dim: u64,
+    /// What the K and V caches are stored in.
+    pub kv: KvTypes,
     /// Streams asked for (the option, or the backend's default).
     pub want_streams: u32,
     /// One entry of the stream table, paid for every admitted stream even before it is used.
@@ -256,22 +259,25 @@ pub struct CpuFitInputs {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct CpuPlan {
     pub inputs: CpuFitInputs,
-    /// One stream's f32 KV cache plus its table entry; None when it overflows 64 bits.
+    /// One stream's KV cache (in the plan's types) plus its table entry; None when it overflows 64 bits.
     pub stream_bytes: Option<u64>,
     /// 0 is a refusal.
     pub streams: u32,
 }
 
-/// One stream's f32 KV cache: layers x window x kv_heads x head_dim x (K and V) x 4 bytes; None on overflow.
-pub fn cpu_kv_bytes(layers: u64, window: u64, kv_heads: u64, head_dim: u64) -> Option<u64> {
-    layers.checked_mul(window)?.checked_mul(kv_heads)?.checked_mul(head_dim)?.checked_mul(2 * 4)
+/// One stream's KV cache: layers x window x kv_heads x (a head's K row + its V row in their types, scales
+/// included); None on overflow.
+pub fn cpu_kv_bytes(layers: u64, window: u64, kv_heads: u64, head_dim: u64, kv: KvTypes) -> Option<u64> {
+    let head_dim = usize::try_from(head_dim).ok()?;
+    let row = (kv.k.row_bytes(head_dim) as u64).checked_add(kv.v.row_bytes(head_dim) as u64)?;
+    layers.checked_mul(window)?.checked_mul(kv_heads)?.checked_mul(row)
 }
 
 /// Decides the CPU backend's streams: as many as asked that fit the room left beside the step
 /// scratch, none when one does not.
 pub fn plan_cpu(i: &CpuFitInputs) -> CpuPlan {
     let stream_bytes =
-        cpu_kv_bytes(i.layers, i.window, i.kv_heads, i.head_dim).and_then(|kv| kv.checked_add(i.slot_bytes));
+        cpu_kv_bytes(i.layers, i.window, i.kv_heads, i.head_dim, i.kv).and_then(|kv| kv.checked_add(i.slot_bytes));
     let room = i.room_bytes.saturating_sub(i.scratch_bytes);
     let fit = stream_bytes.map_or(0, |s| room.checked_div(s).unwrap_or(u64::MAX));
     let streams = fit.min(i.want_streams as u64) as u32;
@@ -300,8 +306,9 @@ pub fn refusal_cpu(p: &CpuPlan) -> Option<String> {
     let i = &p.inputs;
     Some(match p.stream_bytes {
         None => format!(
-            "a {}-token window's KV cache ({} layers x {} KV heads x {} dims) overflows 64 bits, {}",
+            "a {}-token window's {} KV cache ({} layers x {} KV heads x {} dims) overflows 64 bits, {}",
             i.window,
+            i.kv.describe(),
             i.layers,
             i.kv_heads,
             i.head_dim,
@@ -309,7 +316,13 @@ pub fn refusal_cpu(p: &CpuPlan) -> Option<String> {
         ),
         Some(bytes) => {
             let stream = gib(bytes);
-            format!("{} {stream} GiB stream at a {}-token window, {}", article(&stream), i.window, cpu_room(i))
+            format!(
+                "{} {stream} GiB stream ({} KV cache) at a {}-token window, {}",
+                article(&stream),
+                i.kv.describe(),
+                i.window,
+                cpu_room(i)
+            )
         }
     })
 }
@@ -320,10 +333,11 @@ pub fn describe_cpu(p: &CpuPlan) -> String {
     match refusal_cpu(p) {
         Some(why) => format!("refuses: {why}"),
         None => format!(
-            "{} stream{} of {} GiB at a {}-token window, {}",
+            "{} stream{} of {} GiB ({} KV cache) at a {}-token window, {}",
             p.streams,
             if p.streams == 1 { "" } else { "s" },
             gib(p.stream_bytes.unwrap_or(0)),
+            p.inputs.kv.describe(),
             p.inputs.window,
             cpu_room(&p.inputs)
         ),
@@ -342,14 +356,15 @@ pub fn mem_available(meminfo: &str) -> Option<u64> {
     }
 }
 
-/// The CPU plan's inputs for a model at `window` with `want` streams: the room is `options.room_bytes`
-/// when given, else MemAvailable less `options.reserve_bytes`; the step scratch is the CPU backend's
-/// at `cpu::thread_count()` threads. IO_ERROR when /proc/meminfo cannot tell.
+/// The CPU plan's inputs for a model at `window` with `want` streams and caches in `kv`: the room is
+/// `options.room_bytes` when given, else MemAvailable less `options.reserve_bytes`; the step scratch is
+/// the CPU backend's at `cpu::thread_count()` threads. IO_ERROR when /proc/meminfo cannot tell.
 pub fn cpu_inputs(
     cfg: &crate::model::ModelConfig,
     window: u32,
     want: u32,
     slot_bytes: u64,
+    kv: KvTypes,
     opts: &crate::engine::engine_options,
 ) -> Result<CpuFitInputs> {
     let (room_bytes, probed) = if opts.room_bytes > 0 {
@@ -367,6 +382,7 @@ pub fn cpu_inputs(
         window: window as u64,
         kv_heads: cfg.kv_heads as u64,
         head_dim: cfg.head_dim as u64,
+        kv,
         want_streams: want,
         slot_bytes,
         scratch_bytes: crate::cpu::scratch_bytes(cfg, window as usize, crate::cpu::thread_count()),

@@ -13,6 +13,7 @@ pub mod fit;
 pub mod gpu;
 pub mod hostmem;
 pub mod kernels;
+pub mod kv;
 pub mod model;
 pub mod placement;
 pub mod sampler;

@@ -96,11 +96,6 @@ pub struct ModelConfig {
 }
 
 impl ModelConfig {
-    /// One token of one stream's KV cache in bf16: layers x (K and V) x kv_heads x head_dim x 2 bytes.
-    pub fn kv_bytes_per_token(&self) -> u64 {
-        (self.layers * 2 * self.kv_heads * self.head_dim * 2) as u64
-    }
-
     /// What refuses appending `tokens` to a stream holding `len` of `window`: no tokens, an id outside
     /// the vocabulary, or too many tokens. Every backend checks this before writing anything.
     pub fn check_append(&self, len: usize, window: usize, tokens: &[u32]) -> Result<()> {

@@ -259,7 +259,7 @@ fn truncate_then_restep_gives_the_same_logits() {
 fn room_for_windows(cfg: &ModelConfig, window: u32, windows: u64) -> u64 {
     let slot = std::mem::size_of::<Option<CpuStream>>() as u64;
     let probe = engine_options { room_bytes: 1 << 40, ..cpu_options(window, 64) };
-    let inputs = fit::cpu_inputs(cfg, window, 64, slot, &probe).unwrap();
+    let inputs = fit::cpu_inputs(cfg, window, 64, slot, engine::cpu_kv_types(&probe), &probe).unwrap();
     let stream = fit::plan_cpu(&inputs).stream_bytes.unwrap();
     inputs.scratch_bytes + windows * stream + stream / 2
 }

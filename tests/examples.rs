@@ -170,3 +170,59 @@ fn batch_example_decodes_streams_together_and_checks_them() {
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("--backend is cpu, cuda or auto"));
 }
+
+/// examples/decode.c's --kv: the KV cache type reaches the engine (engine_model_info and the start-up
+/// line name it), K and V apart with a comma, and a name that is no type is refused before anything loads.
+#[test]
+fn decode_example_takes_a_kv_cache_type() {
+    use hostembed::checkpoint::write::write_synthetic_hf;
+    use hostembed::model::{Arch, ModelConfig, RopeScaling};
+    use hostembed::tensor::DType;
+    use hostembed::tokenizer::Tokenizer;
+
+    let dir = native::scratch("decode-kv");
+    let exe = dir.join("decode");
+    native::build_c_program(&native::repo().join("examples/decode.c"), &exe);
+    let tokenizer_json = native::repo().join("assets/tokenizer.json");
+    let tokenizer = Tokenizer::from_json(&tokenizer_json).unwrap();
+    let special = |t: &str| tokenizer.token_id(t).unwrap_or_else(|| panic!("no token {t}"));
+    // Heads of 32 values: whole blocks of the 8-bit types.
+    let cfg = ModelConfig {
+        arch: Arch::Llama,
+        vocab: tokenizer.vocab_size(),
+        hidden: 64,
+        layers: 2,
+        heads: 2,
+        kv_heads: 1,
+        head_dim: 32,
+        intermediate: 128,
+        rms_eps: 1e-5,
+        rope_theta: 10000.0,
+        rope_scaling: RopeScaling::None,
+        rope_interleaved: false,
+        max_position: 256,
+        tied: false,
+        qkv_bias: false,
+        qk_norm: false,
+        bos: Some(special("<|bos|>")),
+        eos: Some(special("<|eos|>")),
+    };
+    let model = dir.join("tiny");
+    write_synthetic_hf(&model, &cfg, 7, DType::Bf16).unwrap();
+    std::fs::copy(&tokenizer_json, model.join("tokenizer.json")).unwrap();
+    let model = model.display().to_string();
+    for (kv, info, pool) in [
+        ("q8_0", "KV cache K Q8_0 V Q8_0", "tokens in Q8_0 ("),
+        ("fp8_e4m3,f16", "KV cache K FP8_E4M3 V F16", "tokens in K FP8_E4M3, V F16 ("),
+        ("default", "KV cache K F32 V F32", "tokens in F32 ("),
+    ] {
+        let out = native::run(&exe, &[model.as_str(), "--backend", "cpu", "-n", "4", "--kv", kv]);
+        let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        assert!(out.status.success(), "--kv {kv}: stdout:\n{stdout}\nstderr:\n{stderr}");
+        assert!(stdout.contains(info), "--kv {kv}: {stdout}");
+        assert!(stdout.contains("KV pool of") && stdout.contains(pool), "--kv {kv}: {stdout}");
+    }
+    let out = native::run(&exe, &[model.as_str(), "--backend", "cpu", "--kv", "q4_0"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--kv is default, bf16"), "{:?}", out);
+}

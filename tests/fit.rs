@@ -6,6 +6,7 @@ mod common;
 use hostembed::Status;
 use hostembed::ffi::{engine_fit_default_inputs, engine_fit_plan, engine_last_error, engine_plan_describe};
 use hostembed::fit::{self, ENGINE_FIT_DEFAULT_RESERVE_BYTES, engine_fit_inputs, engine_placement as P, engine_plan};
+use hostembed::kv::KvTypes;
 use std::ffi::CStr;
 
 const MIB: u64 = 1 << 20;
@@ -453,6 +454,7 @@ fn cpu(room_bytes: u64, scratch_bytes: u64) -> fit::CpuFitInputs {
         window: 256,
         kv_heads: 2,
         head_dim: 16,
+        kv: KvTypes::CPU_DEFAULT,
         want_streams: 100,
         slot_bytes: 64,
         scratch_bytes,
@@ -463,14 +465,17 @@ fn cpu(room_bytes: u64, scratch_bytes: u64) -> fit::CpuFitInputs {
 
 #[test]
 fn cpu_streams_leave_room_for_the_step_scratch() {
-    let stream = fit::cpu_kv_bytes(2, 256, 2, 16).unwrap() + 64;
+    let stream = fit::cpu_kv_bytes(2, 256, 2, 16, KvTypes::CPU_DEFAULT).unwrap() + 64;
     let scratch = 3 * MIB;
     assert_eq!(fit::plan_cpu(&cpu(scratch + 3 * stream, scratch)).streams, 3);
     assert_eq!(fit::plan_cpu(&cpu(scratch + 3 * stream - 1, scratch)).streams, 2);
     // The same room with no scratch to pay holds the scratch's worth of streams more.
     assert_eq!(fit::plan_cpu(&cpu(scratch + 3 * stream, 0)).streams as u64, 3 + scratch / stream);
     let line = fit::describe_cpu(&fit::plan_cpu(&cpu(scratch + 3 * stream, scratch)));
-    assert!(line.starts_with("3 streams of 0.00 GiB at a 256-token window, beside 0.00 GiB of step scratch"), "{line}");
+    assert!(
+        line.starts_with("3 streams of 0.00 GiB (F32 KV cache) at a 256-token window, beside 0.00 GiB of step scratch"),
+        "{line}"
+    );
     // Room for the scratch and not one stream: refused, the refusal naming both.
     let refused = fit::plan_cpu(&cpu(scratch + stream - 1, scratch));
     assert_eq!(refused.streams, 0);
@@ -478,4 +483,93 @@ fn cpu_streams_leave_room_for_the_step_scratch() {
     assert!(why.contains("256-token window") && why.contains("step scratch"), "{why}");
     // Scratch larger than the room: refused, not wrapped around.
     assert_eq!(fit::plan_cpu(&cpu(MIB, u64::MAX)).streams, 0);
+}
+
+/// The receipt's model shape in KV terms: 64 KiB a token in BF16 is 32,768 values a token, K and V
+/// together, i.e. layers x kv_heads x head_dim = 16,384 for each of K and V: 16 layers of 4 KV heads of
+/// 256 here, and 32 layers of 4 heads of 128 or 16 of 8 of 128 give the same bytes for every type, as
+/// each of those heads is whole blocks of 32. A type's stream is then the receipt's 564 MiB fixed part
+/// (what is not KV) + its own bytes a token: BF16 and F16 2 bytes a value, F32 4, Q8_0 and FP8_E4M3 34
+/// bytes a block of 32.
+fn receipt_kv_shape() -> hostembed::model::ModelConfig {
+    hostembed::model::ModelConfig {
+        arch: hostembed::model::Arch::Qwen3,
+        vocab: 248_320,
+        hidden: 5_120,
+        layers: 16,
+        heads: 24,
+        kv_heads: 4,
+        head_dim: 256,
+        intermediate: 17_408,
+        rms_eps: 1e-6,
+        rope_theta: 1e7,
+        rope_scaling: hostembed::model::RopeScaling::None,
+        rope_interleaved: false,
+        max_position: 262_144,
+        tied: false,
+        qkv_bias: false,
+        qk_norm: true,
+        bos: None,
+        eos: None,
+    }
+}
+
+/// The receipt's figures with a KV cache of `kv`: the same card, weights and drafter; the stream's
+/// per-token part in the type's bytes.
+fn seed_with(kv: KvTypes, window: u32) -> engine_fit_inputs {
+    let per_token = kv.bytes_per_token(&receipt_kv_shape());
+    engine_fit_inputs {
+        stream_bytes: SEED_STREAM_FIXED + window as u64 * per_token,
+        stream_bytes_per_token: per_token,
+        ..seed(window)
+    }
+}
+
+#[test]
+fn the_receipt_recomputed_for_every_kv_type() {
+    use hostembed::kv::KvType;
+    assert_eq!(KvTypes::GPU_DEFAULT.bytes_per_token(&receipt_kv_shape()), SEED_PER_TOKEN, "the receipt's BF16");
+    let windows = [32_768u32, 65_536, 98_304, 131_072, 163_840];
+    let mut admitted = std::collections::HashMap::new();
+    for t in KvType::ALL {
+        let kv = KvTypes::same(t);
+        let per_token = kv.bytes_per_token(&receipt_kv_shape());
+        println!("{} ({} bytes a token):", t.name(), per_token);
+        for w in windows {
+            let p = fit::plan(&seed_with(kv, w)).unwrap();
+            println!("  {w:>6}: {}", fit::describe(&p));
+            assert_eq!(p.stream_bytes, SEED_STREAM_FIXED + 358 * MIB + w as u64 * per_token);
+            admitted.insert((t, w), p.streams > 0);
+        }
+    }
+    // BF16 and F16 are the receipt: 163,840 refused with "a 10.90 GiB stream, 8.93 GiB left".
+    for t in [KvType::Bf16, KvType::F16] {
+        let p = fit::plan(&seed_with(KvTypes::same(t), 163_840)).unwrap();
+        assert_eq!(fit::refusal(&p).as_deref(), Some("a 10.90 GiB stream, 8.93 GiB left"), "{}", t.name());
+        assert_eq!(p, fit::plan(&seed(163_840)).unwrap(), "{}: the receipt's own plan", t.name());
+    }
+    // An 8-bit cache halves the KV part (34 bytes a block of 32 values where BF16 takes 64): 163,840
+    // starts, its rows still on the card (16036 + 6362 + 256 MiB of need, 22754 MiB of room).
+    for t in [KvType::Q8_0, KvType::Fp8E4m3] {
+        assert_eq!(KvTypes::same(t).bytes_per_token(&receipt_kv_shape()), 34 << 10);
+        let p = fit::plan(&seed_with(KvTypes::same(t), 163_840)).unwrap();
+        assert_eq!(
+            fit::describe(&p),
+            "model 15.66 GiB, rows on the card, 1 stream at a 163840-token window, 6.56 GiB left",
+            "{}",
+            t.name()
+        );
+        assert_eq!(fit::gib(p.stream_bytes), "6.21", "{}: 564 + 5440 + 358 MiB", t.name());
+        let p = fit::plan(&seed_with(KvTypes::same(t), 98_304)).unwrap();
+        assert_eq!((p.placement, p.streams), (P::Device, 1), "{}: 98k stays on the card", t.name());
+        assert!(p.max_window > 163_840, "{}: the largest window {}", t.name(), p.max_window);
+        check_max_windows(&seed_with(KvTypes::same(t), 98_304), &p);
+    }
+    // F32 doubles BF16's: 65,536 is as far as it goes (mapped), 98,304 is refused.
+    assert!(admitted[&(KvType::F32, 65_536)] && !admitted[&(KvType::F32, 98_304)]);
+    // Every type admits every window a smaller type admits.
+    for w in windows {
+        assert!(!admitted[&(KvType::Bf16, w)] || admitted[&(KvType::Q8_0, w)], "{w}");
+        assert!(!admitted[&(KvType::F32, w)] || admitted[&(KvType::Bf16, w)], "{w}");
+    }
 }

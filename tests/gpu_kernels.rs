@@ -12,6 +12,7 @@ use hostembed::cpu;
 use hostembed::cuda::{self, DeviceBuffer};
 use hostembed::gpu::PAGE_TOKENS;
 use hostembed::kernels as kn;
+use hostembed::kv::KvType;
 use hostembed::model::{Arch, ModelConfig, RopeScaling, TensorRef};
 use hostembed::sampler::{self, Sampling};
 use hostembed::tensor::{DType, FORMATS, encode_row};
@@ -730,6 +731,8 @@ fn rope_and_kv_append_match_cpu() {
                     pool.ptr(),
                     dt.ptr(),
                     kv.pages as c_uint,
+                    KvType::Bf16 as c_int,
+                    KvType::Bf16 as c_int,
                     NULL_STREAM,
                 )
             },
@@ -838,6 +841,8 @@ fn launch_attention(
                 pool.ptr(),
                 dt.ptr(),
                 pool_pages as c_uint,
+                KvType::Bf16 as c_int,
+                KvType::Bf16 as c_int,
                 pd.ptr() as *const c_int,
                 n as c_uint,
                 heads as c_uint,

@@ -15,6 +15,7 @@ use hostembed::cpu::CpuModel;
 use hostembed::cuda::{DeviceBuffer, PinnedBuffer};
 use hostembed::gpu::{GpuModel, RowsOnDevice, reserve_pages, truncate_stream};
 use hostembed::gpu::{GpuStream, PAGE_TOKENS};
+use hostembed::kv::KvTypes;
 use hostembed::model::{Arch, ModelConfig, RopeScaling, TensorSource, names};
 use hostembed::sampler::{self, Sampling};
 use hostembed::tensor::DType;
@@ -336,9 +337,17 @@ fn byte_predictions_hold_for_every_shape() {
                     "{name} {} max_batch {max_batch}",
                     dtype.name()
                 );
-                assert_eq!(gpu.allocated_pool_bytes(), GpuModel::pool_bytes(&cfg, POOL_PAGES), "{name}: pool bytes");
-                assert_eq!(GpuModel::pool_bytes(&cfg, 3), cfg.kv_bytes_per_token() * 3 * PAGE_TOKENS as u64);
-                assert_eq!(GpuModel::stream_bytes(&cfg, 100), cfg.kv_bytes_per_token() * 100);
+                let kv = KvTypes::GPU_DEFAULT;
+                assert_eq!(gpu.kv_types(), kv, "{name}: load keeps BF16 K and V");
+                assert_eq!(
+                    gpu.allocated_pool_bytes(),
+                    GpuModel::pool_bytes(&cfg, kv, POOL_PAGES),
+                    "{name}: pool bytes"
+                );
+                // BF16: layers x K and V x kv_heads x head_dim x 2 bytes a position.
+                let per_token = (cfg.layers * 2 * cfg.kv_heads * cfg.head_dim * 2) as u64;
+                assert_eq!(GpuModel::pool_bytes(&cfg, kv, 3), per_token * 3 * PAGE_TOKENS as u64);
+                assert_eq!(GpuModel::stream_bytes(&cfg, kv, 100), per_token * 100);
                 let stream = gpu.new_stream(100).unwrap();
                 // 100 positions take 7 pages of 16: a page table of 7 ids.
                 assert_eq!(stream.allocated_bytes(), 7 * 4, "{name}: a 100-token page table");

@@ -16,6 +16,7 @@ use hostembed::cpu::{self, CpuModel};
 use hostembed::cuda::{self, DeviceBuffer};
 use hostembed::gpu::{GpuModel, PAGE_TOKENS, RowsOnDevice};
 use hostembed::kernels as kn;
+use hostembed::kv::KvType;
 use hostembed::model::{Arch, ModelConfig, RopeScaling, TensorSource, names};
 use hostembed::sampler::Sampling;
 use hostembed::tensor::{DType, FORMATS, decode_row, encode_row};
@@ -327,6 +328,8 @@ fn run_flash(rng: &mut Rng, d: usize, heads: usize, kv_heads: usize, p0: usize, 
                 kvb.ptr(),
                 tb.ptr() as *const c_uint,
                 kv.pages as c_uint,
+                KvType::Bf16 as c_int,
+                KvType::Bf16 as c_int,
                 pb.ptr() as *const c_int,
                 n as c_uint,
                 heads as c_uint,

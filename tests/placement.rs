@@ -13,6 +13,7 @@ use hostembed::engine::{self, Engine, InitStep, engine_backend, engine_options, 
 use hostembed::ffi::{self, engine_device_info};
 use hostembed::fit::{self, engine_placement, engine_plan};
 use hostembed::gpu::GpuModel;
+use hostembed::kv::{KvType, KvTypes};
 use hostembed::model::{Arch, ModelConfig, RopeScaling};
 use hostembed::placement::{engine_memory, engine_rows};
 use hostembed::status::last_error;
@@ -133,7 +134,7 @@ fn the_plan_the_engine_derives_from_a_checkpoint() {
     // KV cache in bf16: layers x (K, V) x kv_heads x head_dim x 2 bytes a token.
     let per_token = (cfg.layers * 2 * cfg.kv_heads * cfg.head_dim * 2) as u64;
     assert_eq!(inputs.stream_bytes_per_token, per_token);
-    assert_eq!(inputs.stream_bytes, GpuModel::stream_bytes(&cfg, window as usize));
+    assert_eq!(inputs.stream_bytes, GpuModel::stream_bytes(&cfg, KvTypes::GPU_DEFAULT, window as usize));
     assert!(inputs.stream_bytes >= window as u64 * per_token);
     assert_eq!(inputs.scratch_bytes, GpuModel::scratch_bytes(&ckpt, 64));
     assert!(inputs.scratch_bytes > 0);
@@ -143,6 +144,40 @@ fn the_plan_the_engine_derives_from_a_checkpoint() {
     // One more token of window costs exactly one token of KV cache: the window model the rule assumes.
     let wider = engine::fit_inputs(&ckpt, &engine_options { context: window + 1, ..opts }, None).unwrap();
     assert_eq!(wider.stream_bytes - inputs.stream_bytes, per_token);
+    // Another KV cache type: the stream and its growth in that type's bytes (Q8_0 and FP8: 34 bytes a
+    // block of 32 values where BF16 takes 64; F32 twice BF16), and ENGINE_KV_DEFAULT is BF16. The block
+    // types want heads of whole blocks: this model's 16 values are not.
+    for t in [KvType::Q8_0, KvType::Fp8E4m3] {
+        let typed = engine_options { kv_type_v: t.to_c(), ..opts };
+        assert_eq!(engine::fit_inputs(&ckpt, &typed, None).unwrap_err().status, Status::Unsupported);
+    }
+    {
+        let cfg = ModelConfig { head_dim: 32, ..cfg };
+        let wide = Scratch::new("derive-wide");
+        write_synthetic_hf(&wide.0, &cfg, rng.next_u64(), DType::Bf16).unwrap();
+        let ckpt = Checkpoint::open(&wide.0).unwrap();
+        let per_token = (cfg.layers * 2 * cfg.kv_heads * cfg.head_dim * 2) as u64;
+        assert_eq!(engine::fit_inputs(&ckpt, &opts, None).unwrap().stream_bytes_per_token, per_token);
+        for t in KvType::ALL {
+            let typed = engine_options { kv_type_k: t.to_c(), kv_type_v: t.to_c(), ..opts };
+            let i = engine::fit_inputs(&ckpt, &typed, None).unwrap();
+            let bytes = KvTypes::same(t).bytes_per_token(&cfg);
+            assert_eq!(i.stream_bytes_per_token, bytes, "{}", t.name());
+            assert_eq!(i.stream_bytes, bytes * window as u64, "{}", t.name());
+            let want = match t {
+                KvType::Bf16 | KvType::F16 => per_token,
+                KvType::F32 => 2 * per_token,
+                KvType::Q8_0 | KvType::Fp8E4m3 => per_token / 64 * 34,
+            };
+            assert_eq!(bytes, want, "{}", t.name());
+        }
+        let mixed = engine_options { kv_type_k: KvType::Q8_0.to_c(), kv_type_v: KvType::F32.to_c(), ..opts };
+        assert_eq!(
+            engine::fit_inputs(&ckpt, &mixed, None).unwrap().stream_bytes_per_token,
+            per_token / 64 * 17 + per_token,
+            "K Q8_0 (17/32 of BF16's half) and V F32 (twice BF16's half)"
+        );
+    }
     // Context 0 plans for the model's own window.
     let own = engine::fit_inputs(&ckpt, &engine_options { context: 0, ..opts }, None).unwrap();
     assert_eq!(own.window as usize, cfg.max_position);

@@ -109,7 +109,9 @@ fn huge_windows_and_stream_counts(dir: &Scratch) {
     let opts = engine_options { max_streams: u32::MAX, room_bytes: room, ..cpu_options() };
     let e = init(&small, &opts);
     let c = config();
-    let kv = fit::cpu_kv_bytes(c.layers as u64, c.max_position as u64, c.kv_heads as u64, c.head_dim as u64).unwrap();
+    let f32_kv = hostembed::kv::KvTypes::CPU_DEFAULT;
+    let kv = fit::cpu_kv_bytes(c.layers as u64, c.max_position as u64, c.kv_heads as u64, c.head_dim as u64, f32_kv)
+        .unwrap();
     let (mut pool, mut free) = (0u64, 0u64);
     assert_eq!(unsafe { ffi::engine_kv_stats(e.0, &mut pool, &mut free) }, Status::Ok);
     let windows = pool / c.max_position as u64;

@@ -6,11 +6,15 @@
 //! batch or thread computes it: batching and threads change no bit.
 //!
 //! The cache is read through `KvRows`, a stream's KV pages in position order: the blocks are aligned to
-//! positions and a page holds a whole number of blocks, so each block's rows lie in one page.
+//! positions and a page holds a whole number of blocks, so each block's rows lie in one page. Rows are
+//! stored in the cache's type (`kv::KvType`) and decoded as a block is widened, each value the one
+//! `KvType::decode` gives.
 
 use super::exp::{NORMAL, exp, exp_normal};
 use super::parallel::{run_parts, threads_for};
 use super::try_zeros;
+use crate::kv::{self, KvType};
+use crate::tensor::dot::{bf16_bits_to_f32, f16_bits_to_f32};
 
 /// Queries a part holds at most: each KV block is read from cache once for all of them.
 const PART_QUERIES: usize = 32;
@@ -21,14 +25,21 @@ pub(super) const KEY_BLOCK: usize = 32;
 const SUM_LANES: usize = 8;
 
 /// One layer's K (or V) rows of a stream: its pages in position order, each `page_tokens` rows of
-/// `row` values (one page of any length for a cache in one piece).
+/// `kv_heads` heads of `head_dim` values in `ty` (one page of any length for a cache in one piece).
 pub(super) struct KvRows<'a> {
-    pub(super) pages: Vec<&'a [f32]>,
+    pub(super) pages: Vec<&'a [u8]>,
     pub(super) page_tokens: usize,
-    pub(super) row: usize,
+    pub(super) ty: KvType,
+    pub(super) kv_heads: usize,
+    pub(super) head_dim: usize,
 }
 
 impl KvRows<'_> {
+    /// Bytes of one position's row (every head).
+    fn row_bytes(&self) -> usize {
+        self.kv_heads * self.ty.row_bytes(self.head_dim)
+    }
+
     /// Positions the pages hold.
     fn positions(&self) -> usize {
         self.pages.len() * self.page_tokens
@@ -36,11 +47,81 @@ impl KvRows<'_> {
 
     /// The rows of positions `range`, which lie in one page.
     #[inline(always)]
-    fn rows(&self, range: std::ops::Range<usize>) -> &[f32] {
+    fn rows(&self, range: std::ops::Range<usize>) -> &[u8] {
         let page = range.start / self.page_tokens;
         let first = page * self.page_tokens;
         assert!(range.end - first <= self.page_tokens, "attention: a block of rows crosses a page");
-        &self.pages[page][(range.start - first) * self.row..(range.end - first) * self.row]
+        let row = self.row_bytes();
+        &self.pages[page][(range.start - first) * row..(range.end - first) * row]
+    }
+
+    /// Kv head `head`'s values in the rows of positions `range` (which lie in one page), each as
+    /// `KvType::decode` gives it, widened into `out`: transposed (`out[d * KEY_BLOCK + t]`, the keys) or
+    /// row by row (`out[t * head_dim + d]`, the values).
+    #[inline(always)]
+    fn widen(&self, range: std::ops::Range<usize>, head: usize, out: &mut [f64], transposed: bool) {
+        let hd = self.head_dim;
+        let head_bytes = self.ty.row_bytes(hd);
+        let rows = self.rows(range).chunks_exact(self.row_bytes());
+        // A decoded piece of a row (a block of the block types).
+        let mut piece = [0f32; kv::BLOCK_VALUES];
+        for (t, row) in rows.enumerate() {
+            let h = &row[head * head_bytes..(head + 1) * head_bytes];
+            let mut put = |from: usize, values: &[f32]| {
+                if transposed {
+                    for (i, &v) in values.iter().enumerate() {
+                        out[(from + i) * KEY_BLOCK + t] = v as f64;
+                    }
+                } else {
+                    for (o, &v) in out[t * hd + from..t * hd + from + values.len()].iter_mut().zip(values) {
+                        *o = v as f64;
+                    }
+                }
+            };
+            match self.ty {
+                KvType::F32 => {
+                    // SAFETY: any 4 bytes are an f32; F32 rows sit at multiples of 4 in f32 storage, so the
+                    // prefix is empty there (and the bytes are decoded one by one where it is not).
+                    let (prefix, floats, _) = unsafe { h.align_to::<f32>() };
+                    if prefix.is_empty() && floats.len() == hd {
+                        put(0, floats);
+                    } else {
+                        for (k, c) in h.as_chunks::<{ 4 * kv::BLOCK_VALUES }>().0.iter().enumerate() {
+                            for (p, b) in piece.iter_mut().zip(c.as_chunks::<4>().0) {
+                                *p = f32::from_le_bytes(*b);
+                            }
+                            put(k * kv::BLOCK_VALUES, &piece);
+                        }
+                        let done = hd / kv::BLOCK_VALUES * kv::BLOCK_VALUES;
+                        let tail = &h[done * 4..].as_chunks::<4>().0;
+                        for (p, b) in piece.iter_mut().zip(tail.iter()) {
+                            *p = f32::from_le_bytes(*b);
+                        }
+                        put(done, &piece[..tail.len()]);
+                    }
+                }
+                KvType::Bf16 | KvType::F16 => {
+                    let to_f32 = if self.ty == KvType::Bf16 { bf16_bits_to_f32 } else { f16_bits_to_f32 };
+                    for (k, c) in h.as_chunks::<2>().0.chunks(kv::BLOCK_VALUES).enumerate() {
+                        for (p, b) in piece.iter_mut().zip(c) {
+                            *p = to_f32(u16::from_le_bytes(*b));
+                        }
+                        put(k * kv::BLOCK_VALUES, &piece[..c.len()]);
+                    }
+                }
+                KvType::Q8_0 | KvType::Fp8E4m3 => {
+                    let fp8 = self.ty == KvType::Fp8E4m3;
+                    for (b, block) in h.as_chunks::<{ kv::BLOCK_BYTES }>().0.iter().enumerate() {
+                        let bits = u16::from_le_bytes([block[0], block[1]]);
+                        let scale = if fp8 { bf16_bits_to_f32(bits) } else { f16_bits_to_f32(bits) };
+                        for (p, &code) in piece.iter_mut().zip(&block[2..]) {
+                            *p = scale * if fp8 { kv::e4m3_value(code) } else { code as i8 as f32 };
+                        }
+                        put(b * kv::BLOCK_VALUES, &piece);
+                    }
+                }
+            }
+        }
     }
 }
 
@@ -114,11 +195,13 @@ impl Batch<'_> {
         );
         assert_eq!(self.q.len(), tokens * q_dim, "attention: queries are not whole tokens");
         assert_eq!(out.len(), tokens * q_dim, "attention: output is not tokens x heads x head_dim");
-        let kv_dim = self.kv_heads * self.head_dim;
         let ctx = self.first_pos + tokens;
         assert!(self.k.positions() >= ctx && self.v.positions() >= ctx, "attention: cache shorter than the batch");
         for kv in [&self.k, &self.v] {
-            assert_eq!(kv.row, kv_dim, "attention: cache rows are not kv_heads x head_dim");
+            assert!(
+                kv.kv_heads == self.kv_heads && kv.head_dim == self.head_dim,
+                "attention: cache rows are not kv_heads x head_dim"
+            );
             assert!(
                 kv.pages.len() == 1 || kv.page_tokens.is_multiple_of(KEY_BLOCK),
                 "attention: pages of {} positions split blocks of {KEY_BLOCK}",
@@ -181,7 +264,7 @@ impl Part<'_> {
     #[inline(always)]
     fn run_here(self, b: &Batch, s: &mut AttentionScratch) {
         let (hd, group) = (b.head_dim, b.heads / b.kv_heads);
-        let (q_dim, kv_dim, kv_off) = (b.heads * hd, b.kv_heads * hd, self.kv_head * hd);
+        let q_dim = b.heads * hd;
         let scale = 1.0 / (hd as f64).sqrt();
         let queries = self.outs.len() * group;
         let n_ctx = |i: usize| b.first_pos + self.first + i / group + 1;
@@ -207,17 +290,8 @@ impl Part<'_> {
         for start in (0..last).step_by(KEY_BLOCK) {
             // The block's rows that any query sees, widened once for all of them.
             let rows = start..last.min(start + KEY_BLOCK);
-            for (t, row) in b.k.rows(rows.clone()).chunks_exact(kv_dim).enumerate() {
-                for (d, &v) in row[kv_off..kv_off + hd].iter().enumerate() {
-                    keys[d * KEY_BLOCK + t] = v as f64;
-                }
-            }
-            let v_rows = b.v.rows(rows).chunks_exact(kv_dim);
-            for (row, out) in v_rows.zip(values.chunks_exact_mut(hd)) {
-                for (o, &v) in out.iter_mut().zip(&row[kv_off..kv_off + hd]) {
-                    *o = v as f64;
-                }
-            }
+            b.k.widen(rows.clone(), self.kv_head, keys, true);
+            b.v.widen(rows, self.kv_head, values, false);
             let seen = |i: usize| n_ctx(i).saturating_sub(start).min(KEY_BLOCK);
             let mut i = 0;
             while i < queries {

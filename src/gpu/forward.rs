@@ -497,9 +497,9 @@ impl GpuModel {
         // Device addresses are only formed here, never read on the host: wrapping arithmetic is enough.
         let row = |p: *mut f32, r: usize, width: usize| p.wrapping_add(r * width);
         let act_row = |r: usize, width: usize| (act as *mut u8).wrapping_add(r * width * 2) as *mut c_void;
-        // bf16 values of one layer's pages.
-        let layer_values = self.pool_pages * PAGE_TOKENS * 2 * cfg.kv_heads * hd;
-        let pool = self.pool.ptr() as *mut u16;
+        // Bytes of one layer's pages.
+        let layer_bytes = self.pool_pages * self.page.page_bytes();
+        let pool = self.pool.ptr() as *mut u8;
         let shape_of = |rows: usize| AttentionShape {
             n: rows,
             heads: cfg.heads,
@@ -537,7 +537,11 @@ impl GpuModel {
 
         launch::embed_gather(&self.rows, ids, n, x, s)?;
         for (l, layer) in self.layers.iter().enumerate() {
-            let kv = KvPages { pool: pool.wrapping_add(l * layer_values) as *mut c_void, pages: self.pool_pages };
+            let kv = KvPages {
+                pool: pool.wrapping_add(l * layer_bytes) as *mut c_void,
+                pages: self.pool_pages,
+                kv: self.kv,
+            };
 
             norm_in(&layer.w.attn_norm)?;
             let qkv_bias = layer.qkv_bias();

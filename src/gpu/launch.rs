@@ -15,6 +15,7 @@ use super::weights::DeviceWeight;
 use crate::cuda;
 use crate::cudart::cudaStream_t;
 use crate::kernels as kn;
+use crate::kv::KvTypes;
 use crate::sampler::Sampling;
 use crate::status::Result;
 use crate::tensor::DType;
@@ -159,11 +160,13 @@ pub(super) struct AttentionShape {
     pub qkv_stride: usize,
 }
 
-/// One layer's part of the paged KV pool: where its first page starts and how many pages it has.
+/// One layer's part of the paged KV pool: where its first page starts, how many pages it has, and the
+/// types its K and V are kept in (`pages::PageLayout`).
 #[derive(Clone, Copy)]
 pub(super) struct KvPages {
     pub pool: *mut c_void,
     pub pages: usize,
+    pub kv: KvTypes,
 }
 
 /// Per-head q/k norm (when given), rotation of q and k, and K and V written at `pos` into the pages the
@@ -201,6 +204,8 @@ pub(super) fn rope_kv(
             kv.pool,
             tables,
             kv.pages as c_uint,
+            kv.kv.k as c_int,
+            kv.kv.v as c_int,
             s,
         )
     };
@@ -229,6 +234,8 @@ pub(super) fn attention(
             kv.pool,
             tables,
             kv.pages as c_uint,
+            kv.kv.k as c_int,
+            kv.kv.v as c_int,
             pos,
             a.n as c_uint,
             a.heads as c_uint,
@@ -444,6 +451,8 @@ pub(super) fn flash_attention(
             kv.pool,
             table,
             kv.pages as c_uint,
+            kv.kv.k as c_int,
+            kv.kv.v as c_int,
             pos,
             a.n as c_uint,
             a.heads as c_uint,

@@ -4,8 +4,10 @@
 //! 1-D tensors (norms, biases), which are decoded to f32 once. Everything lives in one weight
 //! allocation, one scratch allocation and one KV pool, whose sizes `weight_bytes`, `scratch_bytes` and
 //! `pool_bytes` predict exactly. The pool is cut in pages of `PAGE_TOKENS` positions (every layer's K
-//! and V for them); a stream holds the pages the engine's `PagePool` gave it, and its page table (the
-//! page ids in position order) lives in a small device buffer the kernels read, updated as pages come.
+//! and V for them, in the engine's KV cache types: `pages::PageLayout`); a stream holds the pages the
+//! engine's `PagePool` gave it, and its page table (the page ids in position order) lives in a small
+//! device buffer the kernels read, updated as pages come. K and V are rounded to their types once, when
+//! the rotation kernel writes them; both attention kernels read every type directly.
 //!
 //! A step runs a batch of items of different streams: `forward.rs` packs them into passes of at most
 //! `max_batch` tokens, each token carrying its own position and page table, so single-token items of
@@ -13,7 +15,10 @@
 //! the sampled tokens. Passes of single tokens replay a CUDA graph captured per token count (they read
 //! everything that changes from the scratch; HOSTEMBED_CUDA_GRAPHS=0 turns that off). Prompt chunks of
 //! `TENSOR_CORE_MIN_TOKENS` or more run their matrix products on tensor cores (cuBLASLt when it can
-//! be loaded, else the library's own kernel) and their attention as flash attention.
+//! be loaded, else the library's own kernel) and their attention as flash attention, except where
+//! exactness asks otherwise: an F32 K or V cache takes the split attention kernel (f32 arithmetic)
+//! for prompt chunks too, and a model whose matrices are all F32 with an F32 cache runs its prompt
+//! chunks on the f32 matrix-vector path (the tensor-core operands are half formats).
 //!
 //! Batch invariance: a single token's products, norms and attention take the same kernels with the same
 //! reduction order whatever else is in its pass (the matrix-vector kernels accumulate each token on its
@@ -36,13 +41,14 @@ use std::sync::atomic::{AtomicU64, Ordering};
 pub use self::blas::CUBLASLT_ENV;
 pub use self::forward::{TENSOR_CORE_MIN_TOKENS, reserve_pages, truncate_stream};
 use self::graph::StepGraph;
-pub use self::pages::{GpuCache, GpuStream, PAGE_TOKENS};
+pub use self::pages::{GpuCache, GpuStream, PAGE_TOKENS, PageLayout};
 use self::scratch::ScratchLayout;
 pub use self::scratch::{MMV_MAX_TOKENS, mmv_shape, mmv_workspace};
 use self::weights::{DeviceWeight, GpuLayer, plan, prompt_format, upload};
 use crate::backend::{Backend, PagePool, StepItem};
 use crate::cuda::{self, DeviceBuffer, StagedUploader, Stream};
 use crate::cudart as rt;
+use crate::kv::{KvType, KvTypes};
 use crate::model::{ModelConfig, TensorSource, rope_inv_freq};
 use crate::status::Result;
 use crate::tensor::DType;
@@ -122,6 +128,9 @@ pub struct GpuModel {
     /// (HOSTEMBED_MMV=0 keeps every decode product on the matrix-vector kernels).
     mmv: bool,
     pool_pages: usize,
+    /// What the pool keeps K and V in, and how a page lays them out.
+    kv: KvTypes,
+    page: PageLayout,
     /// The format of the prompt path's activations and product operands.
     half: DType,
     /// Whether prompt chunks may take the tensor-core path (every product width a multiple of 8).
@@ -161,15 +170,21 @@ impl GpuModel {
         })
     }
 
-    /// KV bytes of a full window of `window` tokens, as the fit rule counts a stream (linear in the
-    /// window; the pool's pages round each stream up to a whole page).
-    pub fn stream_bytes(cfg: &ModelConfig, window: usize) -> u64 {
-        cfg.kv_bytes_per_token() * window as u64
+    /// KV bytes of a full window of `window` tokens in `kv`'s types, as the fit rule counts a stream
+    /// (linear in the window; the pool's pages round each stream up to a whole page).
+    pub fn stream_bytes(cfg: &ModelConfig, kv: KvTypes, window: usize) -> u64 {
+        kv.bytes_per_token(cfg) * window as u64
     }
 
-    /// Device bytes `load` allocates for a KV pool of `pages` pages.
-    pub fn pool_bytes(cfg: &ModelConfig, pages: usize) -> u64 {
-        cfg.kv_bytes_per_token() * (pages * PAGE_TOKENS) as u64
+    /// Device bytes `load_with_kv` allocates for a KV pool of `pages` pages in `kv`'s types: every
+    /// layer's pages of `PageLayout::page_bytes`, which is `PAGE_TOKENS` positions' bytes.
+    pub fn pool_bytes(cfg: &ModelConfig, kv: KvTypes, pages: usize) -> u64 {
+        kv.bytes_per_token(cfg) * (pages * PAGE_TOKENS) as u64
+    }
+
+    /// What the pool keeps K and V in.
+    pub fn kv_types(&self) -> KvTypes {
+        self.kv
     }
 
     /// Pages in the KV pool.
@@ -214,11 +229,28 @@ impl GpuModel {
         self.pool.bytes() as u64
     }
 
-    /// Uploads the weights and allocates scratch and a KV pool of `pool_pages` pages on the current
-    /// device.
+    /// Uploads the weights and allocates scratch and a KV pool of `pool_pages` pages of BF16 K and V on
+    /// the current device.
     pub fn load(src: &dyn TensorSource, rows: RowsOnDevice, max_batch: usize, pool_pages: usize) -> Result<GpuModel> {
+        Self::load_with_kv(src, rows, max_batch, pool_pages, KvTypes::GPU_DEFAULT)
+    }
+
+    /// `load` with the pool's K and V in `kv`'s types. UNSUPPORTED when a type cannot hold the model's
+    /// heads or the current device cannot run it (FP8 E4M3 below compute capability 8.9).
+    pub fn load_with_kv(
+        src: &dyn TensorSource,
+        rows: RowsOnDevice,
+        max_batch: usize,
+        pool_pages: usize,
+        kv: KvTypes,
+    ) -> Result<GpuModel> {
         let cfg = src.config().clone();
         Self::check_config(&cfg)?;
+        kv.check(&cfg)?;
+        if kv.k == KvType::Fp8E4m3 || kv.v == KvType::Fp8E4m3 {
+            let (device, major, minor) = cuda::current_compute_capability()?;
+            kv.check_device(major, minor, &format!("device {device}"))?;
+        }
         if max_batch == 0 || max_batch > MAX_BATCH_LIMIT {
             bail!(InvalidArgument, "max_batch {max_batch} is outside 1..={MAX_BATCH_LIMIT}");
         }
@@ -243,7 +275,8 @@ impl GpuModel {
             bail!(BadModel, "embedding rows of {} columns do not fit the {} format", rows.cols, rows.dtype.name());
         }
         let plan = plan(src)?;
-        let (half, slab) = prompt_format(&plan.product_matrices());
+        let matrices = plan.product_matrices();
+        let (half, slab) = prompt_format(&matrices);
         let weights = DeviceBuffer::new(plan.total)?;
         let mut uploader = StagedUploader::new()?;
         let mut up = |p| upload(&weights, &mut uploader, p);
@@ -255,7 +288,7 @@ impl GpuModel {
             None => DeviceWeight { ptr: rows.ptr, dtype: rows.dtype, rows: rows.vocab, cols: rows.cols },
         };
 
-        let pool_bytes = usize::try_from(Self::pool_bytes(&cfg, pool_pages))
+        let pool_bytes = usize::try_from(Self::pool_bytes(&cfg, kv, pool_pages))
             .map_err(|_| err!(NoRoom, "a KV pool of {pool_pages} pages does not fit in memory"))?;
         let pool = DeviceBuffer::new(pool_bytes)?;
         let s = ScratchLayout::new(&cfg, max_batch, slab);
@@ -264,8 +297,13 @@ impl GpuModel {
         scratch.upload(&vec![0u8; s.mmv_counter_bytes], s.mmv_counters)?;
         let stream = Stream::new()?;
         let graphs = graph::graphs_enabled();
-        let tensor_cores = [cfg.hidden, cfg.q_dim(), cfg.intermediate].iter().all(|d| d % 8 == 0);
-        let flash = launch::flash_supports(cfg.head_dim);
+        let f32_cache = kv.k == KvType::F32 || kv.v == KvType::F32;
+        // An all-F32 model with an F32 cache keeps its prompt chunks in f32: the half-format operands of
+        // the tensor-core products alone cost ~1e-3 of relative error.
+        let exact = kv == KvTypes::same(KvType::F32) && matrices.iter().all(|m| m.0 == DType::F32);
+        let tensor_cores = !exact && [cfg.hidden, cfg.q_dim(), cfg.intermediate].iter().all(|d| d % 8 == 0);
+        // Flash attention's operands are half formats; an F32 cache is read by the split kernel in f32.
+        let flash = !f32_cache && launch::flash_supports(cfg.head_dim);
         let (blas, route) = match blas::Blas::new() {
             Ok(b) => {
                 let route = format!("prompt products on cuBLASLt ({})", b.name());
@@ -273,11 +311,18 @@ impl GpuModel {
             }
             Err(why) => (None, format!("prompt products on hostembed's tensor-core kernel (no cuBLASLt: {why})")),
         };
-        let route = if flash {
+        let route = if exact {
+            "prompt chunks on the f32 matrix-vector products and split attention (F32 weights, F32 KV cache)"
+                .to_string()
+        } else if flash {
             format!("{route}, flash attention")
+        } else if f32_cache {
+            format!("{route}, split attention (an F32 KV cache is read in f32)")
         } else {
             format!("{route}, split attention (no flash kernel for head_dim {})", cfg.head_dim)
         };
+        let route = format!("{route}; KV cache {}", kv.describe());
+        let page = PageLayout::new(&cfg, kv);
         Ok(GpuModel {
             cfg,
             max_batch,
@@ -294,6 +339,8 @@ impl GpuModel {
             batch_tensor_cores: std::env::var("HOSTEMBED_BATCH_TENSOR_CORES").is_ok_and(|v| v == "1"),
             mmv: std::env::var("HOSTEMBED_MMV").map(|v| v != "0").unwrap_or(true),
             pool_pages,
+            kv,
+            page,
             half,
             tensor_cores,
             flash,
@@ -333,16 +380,17 @@ pub struct CudaBackend {
 }
 
 impl CudaBackend {
-    /// `GpuModel::load` on `device`, which the caller has made current, with a KV pool of `pool_pages`
-    /// pages of `PAGE_TOKENS` positions.
+    /// `GpuModel::load_with_kv` on `device`, which the caller has made current, with a KV pool of
+    /// `pool_pages` pages of `PAGE_TOKENS` positions in `kv`'s types.
     pub fn load(
         src: &dyn TensorSource,
         rows: RowsOnDevice,
         max_batch: usize,
         device: i32,
         pool_pages: usize,
+        kv: KvTypes,
     ) -> Result<CudaBackend> {
-        Ok(CudaBackend { model: GpuModel::load(src, rows, max_batch, pool_pages)?, device })
+        Ok(CudaBackend { model: GpuModel::load_with_kv(src, rows, max_batch, pool_pages, kv)?, device })
     }
 
     /// What runs a prompt chunk's products and attention, in one line for the log.

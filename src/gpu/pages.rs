@@ -1,5 +1,6 @@
 //! The paged KV cache on the device: every stream's K and V live in pages of one pool allocation
-//! (`GpuModel::pool`, laid out as `kernels/hostembed_kernels.cuh` says at `HE_PAGE_TOKENS`), and each
+//! (`GpuModel::pool`, laid out as `kernels/hostembed_kernels.cuh` says at `HE_PAGE_TOKENS`, in the KV
+//! cache types `PageLayout` describes), and each
 //! stream keeps a device copy of its page table that the kernels read per token. The engine's
 //! `PagePool` decides which pages a stream holds; this module mirrors `KvStream::pages` into the
 //! device table before a step reads it, uploading only the entries that changed, so a captured graph
@@ -13,10 +14,96 @@ use crate::bail;
 use crate::cuda::{self, DeviceBuffer};
 use crate::cudart as rt;
 use crate::kernels as kn;
+use crate::kv::{self, KvType, KvTypes};
+use crate::model::ModelConfig;
 use crate::status::{Error, Result};
 
 /// Positions in one KV page (the kernels' `HE_PAGE_TOKENS`; `load` checks that they agree).
 pub const PAGE_TOKENS: usize = 16;
+
+/// How one page of one layer's pool holds K and V, as the kernels read it: the K slab of every kv head,
+/// then the V slab of every kv head. A slab is `PAGE_TOKENS` rows of one head's `head_dim` values in
+/// its type (2 bytes a value for BF16 and F16, 4 for F32); for the block types (Q8_0, FP8_E4M3) the
+/// rows are one-byte codes, followed by the slab's f16 scales, [PAGE_TOKENS][head_dim / 32]. Every slab
+/// is a multiple of 16 bytes (head_dim a multiple of 8, of 32 for the block types), so rows load in
+/// 16-byte pieces. A layer's pool is `pages` pages one after the other, the layers one after the other.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PageLayout {
+    pub kv: KvTypes,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+}
+
+impl PageLayout {
+    pub fn new(cfg: &ModelConfig, kv: KvTypes) -> PageLayout {
+        PageLayout { kv, kv_heads: cfg.kv_heads, head_dim: cfg.head_dim }
+    }
+
+    fn ty(&self, v: bool) -> KvType {
+        if v { self.kv.v } else { self.kv.k }
+    }
+
+    /// Bytes of one head's K (`v` false) or V slab.
+    pub fn slab_bytes(&self, v: bool) -> usize {
+        PAGE_TOKENS * self.ty(v).row_bytes(self.head_dim)
+    }
+
+    /// Bytes of one page of one layer.
+    pub fn page_bytes(&self) -> usize {
+        self.kv_heads * (self.slab_bytes(false) + self.slab_bytes(true))
+    }
+
+    /// Where head `head`'s K or V slab starts in a page.
+    pub fn slab_at(&self, v: bool, head: usize) -> usize {
+        if v {
+            self.kv_heads * self.slab_bytes(false) + head * self.slab_bytes(true)
+        } else {
+            head * self.slab_bytes(false)
+        }
+    }
+
+    /// Writes `values` (one head's row) at slot `slot` of `page` (one page's bytes) as K or V, rounded to
+    /// the type as the kernels round it.
+    pub fn write_row(&self, page: &mut [u8], v: bool, head: usize, slot: usize, values: &[f32]) {
+        let (ty, d) = (self.ty(v), self.head_dim);
+        let mut row = vec![0u8; ty.row_bytes(d)];
+        ty.encode(values, &mut row);
+        let slab = &mut page[self.slab_at(v, head)..][..self.slab_bytes(v)];
+        if !ty.is_block() {
+            slab[slot * row.len()..(slot + 1) * row.len()].copy_from_slice(&row);
+            return;
+        }
+        let blocks = d / kv::BLOCK_VALUES;
+        for (b, block) in row.chunks_exact(kv::BLOCK_BYTES).enumerate() {
+            let codes = slot * d + b * kv::BLOCK_VALUES;
+            slab[codes..codes + kv::BLOCK_VALUES].copy_from_slice(&block[2..]);
+            let scale = PAGE_TOKENS * d + (slot * blocks + b) * 2;
+            slab[scale..scale + 2].copy_from_slice(&block[..2]);
+        }
+    }
+
+    /// The values of one head's row at slot `slot` of `page`, as attention reads them.
+    pub fn read_row(&self, page: &[u8], v: bool, head: usize, slot: usize) -> Vec<f32> {
+        let (ty, d) = (self.ty(v), self.head_dim);
+        let slab = &page[self.slab_at(v, head)..][..self.slab_bytes(v)];
+        let mut row = vec![0u8; ty.row_bytes(d)];
+        if ty.is_block() {
+            let blocks = d / kv::BLOCK_VALUES;
+            for (b, block) in row.chunks_exact_mut(kv::BLOCK_BYTES).enumerate() {
+                let codes = slot * d + b * kv::BLOCK_VALUES;
+                block[2..].copy_from_slice(&slab[codes..codes + kv::BLOCK_VALUES]);
+                let scale = PAGE_TOKENS * d + (slot * blocks + b) * 2;
+                block[..2].copy_from_slice(&slab[scale..scale + 2]);
+            }
+        } else {
+            let n = row.len();
+            row.copy_from_slice(&slab[slot * n..(slot + 1) * n]);
+        }
+        let mut out = vec![0f32; d];
+        ty.decode(&row, &mut out);
+        out
+    }
+}
 
 /// What a CUDA stream keeps beside its pages: the device copy of its page table.
 pub struct GpuCache {
