@@ -645,6 +645,12 @@ impl GpuModel {
                     }
                 }
                 let logits = row(f(self.s.logits), base, vocab);
+                // The batch tensor-core option runs a pass's many heads as one product too.
+                let many = self.batch_tensor_cores && self.on_tensor_cores(rows.len()) && self.head.dtype == half;
+                if many {
+                    launch::convert(xn, act, half, rows.len() * hidden, s)?;
+                    return self.product(&self.head, act, rows.len(), none, none, logits, vocab);
+                }
                 launch::decode_product(&self.head, xn, rows.len(), none, none, logits, vocab, tensor, s)
             }
         }
