@@ -27,7 +27,8 @@ constexpr int MMV_THREADS = MMV_WARPS * 32;
 constexpr unsigned MMV_BLOCK_ROWS = MMV_WARPS * 16;
 constexpr unsigned MMV_KC = 256;  // the unit of column ranges and staged chunks
 constexpr unsigned MMV_MAX_TOKENS = 64;
-// Tuning knobs, fixed at build time (the Rust side mirrors MMV_TARGET_BLOCKS: see src/gpu/scratch.rs).
+// Tuning knobs, fixed at build time, for benchmark builds (HOSTEMBED_KERNEL_DEFINES); the defaults are the
+// measured best (BENCHMARKS.md), and src/gpu/scratch.rs mirrors the default MMV_TARGET.
 #ifndef MMV_TARGET
 #define MMV_TARGET 256
 #endif
@@ -36,9 +37,6 @@ constexpr unsigned MMV_MAX_TOKENS = 64;
 #endif
 #ifndef MMV_BF16_UNROLL
 #define MMV_BF16_UNROLL 4
-#endif
-#ifndef MMV_SHARED_SCALES
-#define MMV_SHARED_SCALES 1
 #endif
 #ifndef MMV_SPLIT_CHAIN
 #define MMV_SPLIT_CHAIN 1
@@ -115,7 +113,7 @@ __device__ __forceinline__ void signed_bytes(unsigned int w, unsigned int &b0, u
 // BF16 rows: a 32-column step is one 16-byte load of columns 8t .. 8t + 7 (k-step 0: 8t..8t+3).
 struct MmaBF16 {
     static constexpr unsigned STEP = 32, KSTEPS = 2, TILE_STEPS = 1, UNROLL = MMV_BF16_UNROLL, ALIGN = 16;
-    static constexpr bool SCALED = false, HAS_MIN = false, SHARED_SCALES = false;
+    static constexpr bool SCALED = false, HAS_MIN = false;
     struct Raw {
         uint4 q;
     };
@@ -131,7 +129,7 @@ struct MmaBF16 {
 // Q8_0: a step is one 34-byte block (2-byte aligned); lane t takes quants 8t .. 8t + 7.
 struct MmaQ8_0 {
     static constexpr unsigned STEP = 32, KSTEPS = 2, TILE_STEPS = 1, UNROLL = 4, BYTES = 34, ALIGN = 2;
-    static constexpr bool SCALED = true, HAS_MIN = false, SHARED_SCALES = false;
+    static constexpr bool SCALED = true, HAS_MIN = false;
     struct Raw {
         unsigned int q0, q1;
         float d;
@@ -155,7 +153,7 @@ struct MmaQ8_0 {
 // of bytes 8(t % 2) .. + 7.
 struct MmaQ4_0 {
     static constexpr unsigned STEP = 32, KSTEPS = 2, TILE_STEPS = 1, UNROLL = 4, BYTES = 18, ALIGN = 2;
-    static constexpr bool SCALED = true, HAS_MIN = false, SHARED_SCALES = false;
+    static constexpr bool SCALED = true, HAS_MIN = false;
     struct Raw {
         unsigned int q0, q1;
         float d;
@@ -192,26 +190,11 @@ __device__ __forceinline__ void k4_scale_min(const uint4 &h, int u, float &scale
     add = -(he::f16_bits_to_f32(h.x >> 16) * (float)m);
 }
 
-// A K-quant super-block's scales are decoded once, spread over the 4 lanes that read a row: lane t takes
-// sub-blocks 2t and 2t + 1 (scale[i], add[i] for sub-block 2t + i), and
-// step u's come from lane 4g + u / 2. The sub-block index is a run-time t here, so no array is indexed.
-__device__ __forceinline__ void k4_lane_scales(const uint4 &h, unsigned int t, float (&scale)[2], float (&add)[2]) {
-#pragma unroll
-    for (int i = 0; i < 2; i++) {
-        float sc = 0.f, ad = 0.f;
-#pragma unroll
-        for (int u = i; u < 8; u += 2)
-            if ((unsigned int)u == 2 * t + i) k4_scale_min(h, u, sc, ad);
-        scale[i] = sc;
-        add[i] = ad;
-    }
-}
-
 // Q4_K: a tile is a 144-byte super-block (8 steps of 32: its sub-blocks); lane t takes values 8t .. 8t + 7
 // of each sub-block: bytes 8t .. + 7 of the 32 at 32(u / 2), low nibbles for even u.
 struct MmaQ4_K {
     static constexpr unsigned STEP = 32, KSTEPS = 2, TILE_STEPS = 8, UNROLL = 1, BYTES = 144, QS = 16, ALIGN = 16;
-    static constexpr bool SCALED = true, HAS_MIN = true, SHARED_SCALES = MMV_SHARED_SCALES;
+    static constexpr bool SCALED = true, HAS_MIN = true;
     struct Raw {
         uint2 q[4];
         uint4 h;
@@ -223,15 +206,12 @@ struct MmaQ4_K {
         for (int p = 0; p < 4; p++) r.q[p] = __ldg(reinterpret_cast<const uint2 *>(b + QS + 32 * p + 8 * t));
         r.h = __ldg(reinterpret_cast<const uint4 *>(b));
     }
-    static __device__ __forceinline__ void lane_scales(const Raw &r, unsigned int t, float (&scale)[2], float (&add)[2]) {
-        k4_lane_scales(r.h, t, scale, add);
-    }
     static __device__ __forceinline__ void frag(const Raw &r, int u, unsigned int (&f)[KSTEPS][2], float &scale,
                                                 float &add) {
         const unsigned int shift = u % 2 ? 4 : 0;
         small_ints((r.q[u / 2].x >> shift) & 0x0F0F0F0Fu, 0.f, f[0][0], f[0][1]);
         small_ints((r.q[u / 2].y >> shift) & 0x0F0F0F0Fu, 0.f, f[1][0], f[1][1]);
-        if (!SHARED_SCALES) k4_scale_min(r.h, u, scale, add);  // else the kernel takes them from lane 4g + u / 2
+        k4_scale_min(r.h, u, scale, add);
     }
 };
 
@@ -239,7 +219,7 @@ struct MmaQ4_K {
 struct MmaQ5_K {
     static constexpr unsigned STEP = 32, KSTEPS = 2, TILE_STEPS = 8, UNROLL = 1, BYTES = 176, QH = 16, QS = 48;
     static constexpr unsigned ALIGN = 16;
-    static constexpr bool SCALED = true, HAS_MIN = true, SHARED_SCALES = MMV_SHARED_SCALES;
+    static constexpr bool SCALED = true, HAS_MIN = true;
     struct Raw {
         uint2 q[4];
         uint2 hb;
@@ -253,9 +233,6 @@ struct MmaQ5_K {
         r.hb = __ldg(reinterpret_cast<const uint2 *>(b + QH + 8 * t));
         r.h = __ldg(reinterpret_cast<const uint4 *>(b));
     }
-    static __device__ __forceinline__ void lane_scales(const Raw &r, unsigned int t, float (&scale)[2], float (&add)[2]) {
-        k4_lane_scales(r.h, t, scale, add);
-    }
     static __device__ __forceinline__ void frag(const Raw &r, int u, unsigned int (&f)[KSTEPS][2], float &scale,
                                                 float &add) {
         const unsigned int shift = u % 2 ? 4 : 0;
@@ -263,7 +240,7 @@ struct MmaQ5_K {
         const unsigned int q1 = ((r.q[u / 2].y >> shift) & 0x0F0F0F0Fu) | (((r.hb.y >> u) & 0x01010101u) << 4);
         small_ints(q0, 0.f, f[0][0], f[0][1]);
         small_ints(q1, 0.f, f[1][0], f[1][1]);
-        if (!SHARED_SCALES) k4_scale_min(r.h, u, scale, add);
+        k4_scale_min(r.h, u, scale, add);
     }
 };
 
@@ -273,7 +250,7 @@ struct MmaQ5_K {
 struct MmaQ6_K {
     static constexpr unsigned STEP = 16, KSTEPS = 1, TILE_STEPS = 16, UNROLL = 1, BYTES = 210, ALIGN = 2;
     static constexpr unsigned QL = 0, QH = 128, SCALES = 192, D = 208;
-    static constexpr bool SCALED = true, HAS_MIN = false, SHARED_SCALES = false;
+    static constexpr bool SCALED = true, HAS_MIN = false;
     struct Raw {
         unsigned int ql[2][2][2];  // [n][k % 2][l half]
         unsigned int qh[2][2];     // [n][l half]
@@ -445,11 +422,6 @@ __global__ __launch_bounds__(MMV_THREADS, NT <= 2 ? MMV_SMALL_MIN_BLOCKS : 2) vo
 #pragma unroll
         for (int u = 0; u < (int)R::UNROLL; u++) {
             if (col + u * TILE >= k_end) break;
-            float own_scale[2][2] = {}, own_add[2][2] = {};
-            if constexpr (R::SHARED_SCALES) {
-                R::lane_scales(r[u][0], t, own_scale[0], own_add[0]);
-                R::lane_scales(r[u][1], t, own_scale[1], own_add[1]);
-            }
 #pragma unroll
             for (int s = 0; s < (int)R::TILE_STEPS; s++) {
                 const unsigned int c = col + u * TILE + s * R::STEP - c0;  // column within the chunk
@@ -457,13 +429,6 @@ __global__ __launch_bounds__(MMV_THREADS, NT <= 2 ? MMV_SMALL_MIN_BLOCKS : 2) vo
                 float scale_a = 0.f, add_a = 0.f, scale_b = 0.f, add_b = 0.f;
                 R::frag(r[u][0], s, fa, scale_a, add_a);
                 R::frag(r[u][1], s, fb, scale_b, add_b);
-                if constexpr (R::SHARED_SCALES) {
-                    const int src = 4 * (int)g + s / 2;
-                    scale_a = __shfl_sync(0xffffffffu, own_scale[0][s % 2], src);
-                    add_a = __shfl_sync(0xffffffffu, own_add[0][s % 2], src);
-                    scale_b = __shfl_sync(0xffffffffu, own_scale[1][s % 2], src);
-                    add_b = __shfl_sync(0xffffffffu, own_add[1][s % 2], src);
-                }
 #pragma unroll
                 for (int j = 0; j < NT; j++) {
                     if (8 * j >= n) break;  // a whole tile of absent tokens
