@@ -38,9 +38,6 @@ constexpr unsigned MMV_MAX_TOKENS = 64;
 #ifndef MMV_BF16_UNROLL
 #define MMV_BF16_UNROLL 4
 #endif
-#ifndef MMV_SPLIT_CHAIN
-#define MMV_SPLIT_CHAIN 1
-#endif
 constexpr unsigned MMV_TARGET_BLOCKS = MMV_TARGET;  // blocks a launch aims at (two a multiprocessor: 264)
 constexpr unsigned MMV_MAX_ROW_BLOCKS_SPLIT = MMV_TARGET_BLOCKS;  // a split product has fewer row blocks
 constexpr unsigned MMV_MAX_SPLITS = 16;  // column ranges at most (the last block adds them unrolled)
@@ -354,14 +351,14 @@ __global__ __launch_bounds__(MMV_THREADS, NT <= 2 ? MMV_SMALL_MIN_BLOCKS : 2) vo
     const unsigned char *wr[2] = {w + (size_t)min(row_a, rows - 1) * row_bytes,
                                   (GLU ? w2 : w) + (size_t)min(row_b, rows - 1) * row_bytes};
 
-    // With few token tiles, acc takes the hi products and acc_lo the lo ones: two dependency chains of the
-    // tensor cores' accumulators instead of one, added once at the end (more tiles are chains enough).
-    constexpr bool SPLIT = MMV_SPLIT_CHAIN && NT <= 2;
-    float acc[NT][4], acc_lo[SPLIT ? NT : 1][4];
+    // One accumulator chain a token tile, hi then lo products in column order: the same sequence of
+    // roundings for a token in any launch (a second chain for the lo products only at some token counts
+    // broke that: measured by mmv_is_batch_invariant).
+    float acc[NT][4];
 #pragma unroll
     for (int j = 0; j < NT; j++)
 #pragma unroll
-        for (int e = 0; e < 4; e++) acc[j][e] = acc_lo[SPLIT ? j : 0][e] = 0.f;
+        for (int e = 0; e < 4; e++) acc[j][e] = 0.f;
 
     // Activations of columns [c0, c0 + len) into shared memory, every load issued before the stores.
     auto stage = [&](unsigned int c0, unsigned int len) {
@@ -433,22 +430,17 @@ __global__ __launch_bounds__(MMV_THREADS, NT <= 2 ? MMV_SMALL_MIN_BLOCKS : 2) vo
                 for (int j = 0; j < NT; j++) {
                     if (8 * j >= n) break;  // a whole tile of absent tokens
                     const unsigned int tok = min(8 * j + g, n - 1);  // absent tokens reread the last one
-                    float p[4] = {0.f, 0.f, 0.f, 0.f}, p_lo[4] = {0.f, 0.f, 0.f, 0.f};
+                    float p[4] = {0.f, 0.f, 0.f, 0.f};
                     float(&d)[4] = R::SCALED ? p : acc[j];
-                    float(&d_lo)[4] = SPLIT ? (R::SCALED ? p_lo : acc_lo[SPLIT ? j : 0]) : d;
 #pragma unroll
                     for (int k = 0; k < (int)R::KSTEPS; k++) {
                         const unsigned int a[4] = {fa[k][0], fb[k][0], fa[k][1], fb[k][1]};
                         const uint4 v =
                             *reinterpret_cast<const uint4 *>(xs + tok * stride + 4 * (c + R::group(t, k)));
-                        mma_bf16(d, a, v.x, v.y);     // hi
-                        mma_bf16(d_lo, a, v.z, v.w);  // lo
+                        mma_bf16(d, a, v.x, v.y);  // hi
+                        mma_bf16(d, a, v.z, v.w);  // lo
                     }
                     if constexpr (R::SCALED) {
-                        if (SPLIT) {
-#pragma unroll
-                            for (int e = 0; e < 4; e++) p[e] += p_lo[e];
-                        }
                         // c0, c1: row a, tokens 2t and 2t + 1; c2, c3: row b.
                         const unsigned int q = c / R::STEP;
                         const unsigned int t0 = min(8 * j + 2 * t, n - 1), t1 = min(8 * j + 2 * t + 1, n - 1);
@@ -487,13 +479,6 @@ __global__ __launch_bounds__(MMV_THREADS, NT <= 2 ? MMV_SMALL_MIN_BLOCKS : 2) vo
         compute(cur, col, k_begin + chunk * kch);
 #pragma unroll
         for (int u = 0; u < (int)R::UNROLL; u++) cur[u][0] = nxt[u][0], cur[u][1] = nxt[u][1];
-    }
-
-    if (SPLIT && !R::SCALED) {
-#pragma unroll
-        for (int j = 0; j < NT; j++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) acc[j][e] += acc_lo[SPLIT ? j : 0][e];
     }
 
     // Lane (g, t) holds tokens 8j + 2t (+ 1) of rows a (c0, c1) and b (c2, c3).
