@@ -110,8 +110,11 @@ cudaError_t hostembed_gemm(const void *a, unsigned int lda, const void *w, int d
                            unsigned int cols, unsigned int n, const float *bias, const float *residual, float *y,
                            unsigned int ldy, cudaStream_t stream);
 
-// out (rows x cols, row-major, in the half format out_dtype) = W (rows x cols in any format), each value
-// decoded as the CPU decodes it and rounded to nearest.
+// out (rows x cols, row-major, in the half format out_dtype) = W (rows x cols in any format, rows of whole
+// blocks), each value decoded as the CPU decodes it and rounded to nearest. out is 2-byte aligned; w any.
+// At memory speed where out is 16-byte aligned and w as the format's 8-value pieces want
+// (kernels/formats/pieces.cuh: 16 bytes for the float formats, Q4_K and Q5_K, 8 for Q5_1, 4 for Q4_1 and
+// Q2_K, 2 for the others); one value at a time otherwise.
 cudaError_t hostembed_convert_matrix(const void *w, int w_dtype, unsigned int rows, unsigned int cols, void *out,
                                      int out_dtype, cudaStream_t stream);
 
