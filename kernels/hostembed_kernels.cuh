@@ -99,6 +99,35 @@ cudaError_t hostembed_sample(float *logits, unsigned int vocab, float temperatur
                              unsigned int stream_index, uint64_t position, void *scratch, int *token,
                              cudaStream_t stream);
 
+// One row's settings for hostembed_sample_rows (src/kernels.rs repeats the struct): what hostembed_sample
+// takes for one row, its n_penalty ids at ids[penalty_at..].
+typedef struct hostembed_sample_row {
+    float temperature;
+    unsigned int top_k;
+    float top_p;
+    float min_p;
+    float repeat_penalty;
+    unsigned int n_penalty;
+    unsigned int penalty_at;
+    unsigned int stream_index;
+    uint64_t seed;
+    uint64_t position;
+} hostembed_sample_row;
+#ifdef __cplusplus
+static_assert(sizeof(hostembed_sample_row) == 48 && offsetof(hostembed_sample_row, seed) == 32,
+              "src/kernels.rs lays the row out so");
+#endif
+
+// hostembed_sample for each of `rows` rows in at most three launches: row r's token from logits + r * vocab
+// (left as it was) into tokens[r], drawn with settings[r] (its distinct ids at ids[penalty_at ..
+// penalty_at + n_penalty), inside ids[0..n_ids)), the same token hostembed_sample draws. settings and ids
+// are host memory, copied into the scratch before this returns; scratch is device memory of scratch_size
+// bytes, 256-byte aligned: 56 bytes a row and 8 an id at least, more for rows of many blocks
+// (cudaErrorInvalidValue when even the settings and ids do not fit).
+cudaError_t hostembed_sample_rows(float *logits, unsigned int vocab, unsigned int rows,
+                                  const hostembed_sample_row *settings, const int *ids, unsigned int n_ids,
+                                  void *scratch, size_t scratch_size, int *tokens, cudaStream_t stream);
+
 // ---- prompt chunks on tensor cores (gemm.cu, flash.cu; sm_80 and newer) ----
 // Operands of the tensor-core paths are HE_DTYPE_BF16 or HE_DTYPE_F16 ("half" formats below); products
 // accumulate in f32.
