@@ -11,6 +11,8 @@
 //                                        (the float formats, and Q8_0 on 2-byte aligned rows);
 //   UNITS, unit(block, u, floats)        blocks of UNITS units of 32 values (kernels/formats/blocks.cuh),
 //                                        decoded from rows staged in shared memory (every block format).
+// The prompt path's conversion reads every format as 8-value pieces, through Pieces<F>
+// (kernels/formats/pieces.cuh; a format without its own specialization converts through value()).
 #pragma once
 #include <type_traits>
 

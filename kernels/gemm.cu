@@ -1,10 +1,12 @@
 // Matrix products of prompt chunks on tensor cores (mma.sync m16n8k16, sm_80 and newer), the weight
-// conversion that feeds them formats they cannot read, and the bias add of the paths that do not fuse it.
+// conversion that feeds them formats they cannot read (8-value pieces, one 16-byte store a lane), and the
+// bias add of the paths that do not fuse it.
 //
 // The product: a block computes a 128-token by 128-weight-row tile of y = a W^T, streaming 32-column
 // slices of both operands through a 3-stage cp.async pipeline in shared memory; 8 warps of 64 x 32 each
 // read their fragments with ldmatrix. Rows past the matrix and tokens past n are zero-filled, never read.
 #include "formats.cuh"
+#include "formats/pieces.cuh"
 #include "hostembed_kernels.cuh"
 
 namespace {
@@ -122,37 +124,50 @@ __global__ __launch_bounds__(GM_THREADS) void gemm_kernel(const unsigned short *
     }
 }
 
-// One value per thread step, decoded by the format's own value() so every format converts alike.
+// The conversion: the matrix as one run of 8-value pieces (kernels/formats/pieces.cuh), a lane's piece
+// one 16-byte store. A block takes CV_THREADS * CV_UNROLL consecutive pieces; each thread issues the
+// loads of its CV_UNROLL pieces (one warp-wide stretch each) before it decodes the first, so every thread
+// keeps several loads in flight. `values` is rows * cols; a float format's last values % 8 (no whole
+// piece) are the last block's, one value at a time.
+constexpr unsigned int CV_THREADS = 256, CV_UNROLL = 4, CV_TILE = CV_THREADS * CV_UNROLL;
+
 template <typename F, typename Op>
-__global__ void convert_matrix_kernel(const unsigned char *__restrict__ w, unsigned int rows, unsigned int cols,
-                                      size_t row_bytes, typename Op::T *__restrict__ out) {
-    const size_t total = (size_t)rows * cols;
-    for (size_t i = ((size_t)blockIdx.x * blockDim.x + threadIdx.x) * 2; i < total;
-         i += (size_t)gridDim.x * blockDim.x * 2) {
-        const unsigned int r = (unsigned int)(i / cols), c = (unsigned int)(i % cols);
-        // cols is even, so a pair never straddles rows.
-        const unsigned char *row = w + (size_t)r * row_bytes;
-        *reinterpret_cast<unsigned int *>(out + i) = Op::pack(F::value(row, c), F::value(row, c + 1));
+__global__ __launch_bounds__(CV_THREADS) void convert_pieces_kernel(const unsigned char *__restrict__ w, size_t values,
+                                                                   typename Op::T *__restrict__ out) {
+    using P = he::Pieces<F>;
+    const size_t pieces = values / 8, first = (size_t)blockIdx.x * CV_TILE + threadIdx.x;
+    typename P::Raw raw[CV_UNROLL];
+#pragma unroll
+    for (unsigned int u = 0; u < CV_UNROLL; u++) {
+        const size_t piece = first + u * CV_THREADS;
+        if (piece < pieces) raw[u] = P::load(w, piece);
+    }
+#pragma unroll
+    for (unsigned int u = 0; u < CV_UNROLL; u++) {
+        const size_t piece = first + u * CV_THREADS;
+        if (piece >= pieces) continue;
+        float v[8];
+        P::decode(raw[u], v);
+        *reinterpret_cast<uint4 *>(out + 8 * piece) =
+            make_uint4(Op::pack(v[0], v[1]), Op::pack(v[2], v[3]), Op::pack(v[4], v[5]), Op::pack(v[6], v[7]));
+    }
+    if constexpr (F::BLOCK_VALUES == 1) {  // block formats have whole pieces: rows are whole blocks of 32
+        if (blockIdx.x == gridDim.x - 1 && threadIdx.x < values % 8) {
+            const size_t i = 8 * pieces + threadIdx.x;
+            he::HalfOut<Op>::put(out + i, F::value(w + i * F::BLOCK_BYTES, 0));
+        }
     }
 }
 
-// A block format a 32-value unit per thread step: the unit decoded once (its scales read once, not per
-// value) with the CPU's roundings and written as four 16-byte stores.
+// Any alignment (what the pieces' loads or the 16-byte stores cannot take): one value per thread step,
+// decoded by the format's own value().
 template <typename F, typename Op>
-__global__ void convert_units_kernel(const unsigned char *__restrict__ w, unsigned int rows, unsigned int cols,
-                                     size_t row_bytes, typename Op::T *__restrict__ out) {
-    const unsigned int row_units = cols / he::UNIT_VALUES;
-    const size_t total = (size_t)rows * row_units;
+__global__ void convert_values_kernel(const unsigned char *__restrict__ w, unsigned int rows, unsigned int cols,
+                                      size_t row_bytes, typename Op::T *__restrict__ out) {
+    const size_t total = (size_t)rows * cols;
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (size_t)gridDim.x * blockDim.x) {
-        const unsigned int r = (unsigned int)(i / row_units), k = (unsigned int)(i % row_units);
-        const unsigned char *block = w + (size_t)r * row_bytes + (size_t)(k / F::UNITS) * F::BLOCK_BYTES;
-        float v[he::UNIT_VALUES];
-        he::decode_unit<F, true>(block, k % F::UNITS, v);
-        uint4 *o = reinterpret_cast<uint4 *>(out + (size_t)r * cols + (size_t)k * he::UNIT_VALUES);
-#pragma unroll
-        for (unsigned int j = 0; j < he::UNIT_VALUES / 8; j++)
-            o[j] = make_uint4(Op::pack(v[8 * j], v[8 * j + 1]), Op::pack(v[8 * j + 2], v[8 * j + 3]),
-                              Op::pack(v[8 * j + 4], v[8 * j + 5]), Op::pack(v[8 * j + 6], v[8 * j + 7]));
+        const unsigned int r = (unsigned int)(i / cols), c = (unsigned int)(i % cols);
+        he::HalfOut<Op>::put(out + i, F::value(w + (size_t)r * row_bytes, c));
     }
 }
 
@@ -196,32 +211,42 @@ extern "C" cudaError_t hostembed_gemm(const void *a, unsigned int lda, const voi
     return err;
 }
 
+// What the conversion costs: it reads the matrix's bytes, writes 2 bytes a value and computes a few
+// operations a value, so it is bound by memory, at the copy bandwidth (bytes read + written; 4,258 GB/s
+// measured on the H200) when its loads and stores are wide and enough are in flight. For the 4096 x 14336
+// matrices of a Llama-3-8B layer (58.7M values, 117.4 MB of halves written):
+//   Q4_K: 33.0 MB read (144 bytes a 256-value block), 150.5 MB moved: 35 us at the copy bandwidth;
+//   Q8_0: 62.4 MB read (34 bytes a 32-value block), 179.8 MB moved: 42 us.
+// (The unit kernel this replaced moved Q4_K_M's matrices at about 0.5 TB/s and Q8_0's at 1.6: ~300 and
+// ~110 us for these.) A 512-token chunk of the 8B shape converts 6.98G values, 13.96 GB written: in the
+// Q4_K_M mix about 18.6 GB moved, 4.4 ms at the copy bandwidth beside a chunk's 13.9 ms of BF16 work.
 extern "C" cudaError_t hostembed_convert_matrix(const void *w, int w_dtype, unsigned int rows, unsigned int cols,
                                                 void *out, int out_dtype, cudaStream_t stream) {
-    if (w == nullptr || out == nullptr || cols % 2 != 0 || reinterpret_cast<uintptr_t>(out) % 4 != 0)
-        return cudaErrorInvalidValue;
-    if (rows == 0 || cols == 0) return cudaSuccess;
+    if (w == nullptr || out == nullptr || reinterpret_cast<uintptr_t>(out) % 2 != 0) return cudaErrorInvalidValue;
     cudaError_t err = cudaErrorInvalidValue;
     he::with_format(w_dtype, [&](auto format) {
         using F = decltype(format);
-        const size_t row_bytes = he::row_bytes<F>(cols);
-        if (row_bytes == 0) return;
         he::with_half(out_dtype, [&](auto op) {
             using Op = decltype(op);
-            constexpr unsigned int threads = 256;
+            if (rows == 0 || cols == 0) {
+                err = cudaSuccess;
+                return;
+            }
+            const size_t row_bytes = he::row_bytes<F>(cols);
+            if (row_bytes == 0) return;  // rows are not whole blocks
+            const size_t values = (size_t)rows * cols;
             const unsigned char *wb = static_cast<const unsigned char *>(w);
             typename Op::T *ob = static_cast<typename Op::T *>(out);
-            bool by_unit = false;
-            if constexpr (he::HasUnits<F>::value) {
-                constexpr uintptr_t field_align = F::BLOCK_BYTES % 4 == 0 ? 4 : 2;
-                by_unit = reinterpret_cast<uintptr_t>(w) % field_align == 0 && reinterpret_cast<uintptr_t>(out) % 16 == 0;
-                if (by_unit)
-                    convert_units_kernel<F, Op><<<grid_of((size_t)rows * (cols / he::UNIT_VALUES), threads), threads, 0,
-                                                  stream>>>(wb, rows, cols, row_bytes, ob);
+            const bool pieces = reinterpret_cast<uintptr_t>(w) % he::Pieces<F>::ALIGN == 0 &&
+                                reinterpret_cast<uintptr_t>(out) % 16 == 0;
+            if (pieces) {
+                const size_t blocks = (values / 8 + CV_TILE - 1) / CV_TILE;
+                if (blocks > 0x7FFFFFFFu) return;
+                convert_pieces_kernel<F, Op><<<(unsigned int)(blocks == 0 ? 1 : blocks), CV_THREADS, 0, stream>>>(
+                    wb, values, ob);
+            } else {
+                convert_values_kernel<F, Op><<<grid_of(values, 256), 256, 0, stream>>>(wb, rows, cols, row_bytes, ob);
             }
-            if (!by_unit)
-                convert_matrix_kernel<F, Op><<<grid_of((size_t)rows * cols / 2, threads), threads, 0, stream>>>(
-                    wb, rows, cols, row_bytes, ob);
             err = cudaGetLastError();
         });
     });

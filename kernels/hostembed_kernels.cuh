@@ -142,6 +142,35 @@ cudaError_t hostembed_sample(float *logits, unsigned int vocab, float temperatur
                              unsigned int stream_index, uint64_t position, void *scratch, int *token,
                              cudaStream_t stream);
 
+// One row's settings for hostembed_sample_rows (src/kernels.rs repeats the struct): what hostembed_sample
+// takes for one row, its n_penalty ids at ids[penalty_at..].
+typedef struct hostembed_sample_row {
+    float temperature;
+    unsigned int top_k;
+    float top_p;
+    float min_p;
+    float repeat_penalty;
+    unsigned int n_penalty;
+    unsigned int penalty_at;
+    unsigned int stream_index;
+    uint64_t seed;
+    uint64_t position;
+} hostembed_sample_row;
+#ifdef __cplusplus
+static_assert(sizeof(hostembed_sample_row) == 48 && offsetof(hostembed_sample_row, seed) == 32,
+              "src/kernels.rs lays the row out so");
+#endif
+
+// hostembed_sample for each of `rows` rows in at most three launches: row r's token from logits + r * vocab
+// (left as it was) into tokens[r], drawn with settings[r] (its distinct ids at ids[penalty_at ..
+// penalty_at + n_penalty), inside ids[0..n_ids)), the same token hostembed_sample draws. settings and ids
+// are host memory, copied into the scratch before this returns; scratch is device memory of scratch_size
+// bytes, 256-byte aligned: 56 bytes a row and 8 an id at least, more for rows of many blocks
+// (cudaErrorInvalidValue when even the settings and ids do not fit).
+cudaError_t hostembed_sample_rows(float *logits, unsigned int vocab, unsigned int rows,
+                                  const hostembed_sample_row *settings, const int *ids, unsigned int n_ids,
+                                  void *scratch, size_t scratch_size, int *tokens, cudaStream_t stream);
+
 // ---- prompt chunks on tensor cores (gemm.cu, flash.cu; sm_80 and newer) ----
 // Operands of the tensor-core paths are HE_DTYPE_BF16 or HE_DTYPE_F16 ("half" formats below); products
 // accumulate in f32.
@@ -153,8 +182,11 @@ cudaError_t hostembed_gemm(const void *a, unsigned int lda, const void *w, int d
                            unsigned int cols, unsigned int n, const float *bias, const float *residual, float *y,
                            unsigned int ldy, cudaStream_t stream);
 
-// out (rows x cols, row-major, in the half format out_dtype) = W (rows x cols in any format), each value
-// decoded as the CPU decodes it and rounded to nearest.
+// out (rows x cols, row-major, in the half format out_dtype) = W (rows x cols in any format, rows of whole
+// blocks), each value decoded as the CPU decodes it and rounded to nearest. out is 2-byte aligned; w any.
+// At memory speed where out is 16-byte aligned and w as the format's 8-value pieces want
+// (kernels/formats/pieces.cuh: 16 bytes for the float formats, Q4_K and Q5_K, 8 for Q5_1, 4 for Q4_1 and
+// Q2_K, 2 for the others); one value at a time otherwise.
 cudaError_t hostembed_convert_matrix(const void *w, int w_dtype, unsigned int rows, unsigned int cols, void *out,
                                      int out_dtype, cudaStream_t stream);
 

@@ -24,7 +24,8 @@
 // On an H200 at vocab 128256: greedy about 5 us, temperature alone 11 us, top_k 40 + top_p 0.95 about
 // 26-30 us, top-p alone 20-28 us, top_k 1000 + top_p 0.9 about 46-56 us (the sorts of a thousand keys).
 // Vocabularies under ONE_BLOCK_BELOW (or a device without cooperative launch) run the same code in one
-// block, with the workspace in shared memory instead of the scratch.
+// block, with the workspace in shared memory instead of the scratch. hostembed_sample_rows runs the same
+// code for every row of a pass in one launch (see "every row of a pass in one launch" below).
 #include <algorithm>
 #include <atomic>
 
@@ -326,23 +327,44 @@ __device__ __forceinline__ unsigned int x_bin(unsigned int key, unsigned int key
     return x < 31.875f ? 255 - (unsigned int)(x * 8.f) : 0;
 }
 
+// The barrier across one launch's blocks (a cooperative grid, or the one block).
 template <bool MULTI>
-__global__ __launch_bounds__(THREADS) void sample_kernel(const float *__restrict__ logits, unsigned int vocab,
-                                                         float temperature, unsigned int top_k, float top_p,
-                                                         float min_p, unsigned long long seed, unsigned int stream_index,
-                                                         unsigned long long position, unsigned long long *scratch,
-                                                         int *token) {
-    constexpr unsigned int CACHE = MULTI ? MULTI_KEY_CACHE : ONE_BLOCK_BELOW;
-    __shared__ Shared sh;
-    __shared__ unsigned int keys[CACHE];  // the chunk's keys, read once from the logits
-    __shared__ Bin one_block_hist[MULTI ? 1 : HIST_BUFFERS * BINS];
-    __shared__ unsigned long long one_block_part[MULTI ? 1 : 4];
-    __shared__ unsigned long long gathered[MULTI ? GATHER : 1];  // (key, -index), then (index, rank)
-    __shared__ unsigned long long gathered_weight[MULTI ? GATHER : 1];
+struct GridSync {
+    __device__ __forceinline__ void operator()() const { grid_sync<MULTI>(); }
+};
+
+// A block's shared memory (declared by each kernel: shared variables of a device function would be
+// counted against every kernel the device link holds).
+template <bool MULTI>
+struct BlockShared {
+    static constexpr unsigned int CACHE = MULTI ? MULTI_KEY_CACHE : ONE_BLOCK_BELOW;
+    Shared sh;
+    unsigned int keys[CACHE];  // the chunk's keys, read once from the logits
+    Bin one_block_hist[MULTI ? 1 : HIST_BUFFERS * BINS];
+    unsigned long long one_block_part[MULTI ? 1 : 4];
+    unsigned long long gathered[MULTI ? GATHER : 1];  // (key, -index), then (index, rank)
+    unsigned long long gathered_weight[MULTI ? GATHER : 1];
+};
+
+// The sampler of one row of logits, run by `blocks` blocks together (this one is `blk`), `sync()` the
+// barrier across them; `scratch` is the row's own workspace when MULTI, `smem` the block's shared memory.
+template <bool MULTI, typename Sync>
+__device__ __forceinline__ void sample_one(const float *__restrict__ logits, unsigned int vocab, float temperature,
+                                           unsigned int top_k, float top_p, float min_p, unsigned long long seed,
+                                           unsigned int stream_index, unsigned long long position,
+                                           unsigned long long *scratch, int *token, const unsigned int blk,
+                                           const unsigned int blocks, Sync sync, BlockShared<MULTI> &smem) {
+    constexpr unsigned int CACHE = BlockShared<MULTI>::CACHE;
+    Shared &sh = smem.sh;
+    unsigned int *const keys = smem.keys;
+    Bin *const one_block_hist = smem.one_block_hist;
+    unsigned long long *const one_block_part = smem.one_block_part;
+    unsigned long long *const gathered = smem.gathered;
+    unsigned long long *const gathered_weight = smem.gathered_weight;
     Bin *const work_hist = MULTI ? reinterpret_cast<Bin *>(scratch) : one_block_hist;
     unsigned long long *const work_part = MULTI ? scratch + PART_OFFSET : one_block_part;
 
-    const unsigned int tid = threadIdx.x, blk = blockIdx.x, blocks = gridDim.x;
+    const unsigned int tid = threadIdx.x;
     const unsigned int chunk = (vocab + blocks - 1) / blocks;
     const unsigned int lo = min(vocab, blk * chunk), hi = min(vocab, lo + chunk);
     auto hist = [&](unsigned int n) { return work_hist + (n % HIST_BUFFERS) * BINS; };
@@ -371,7 +393,7 @@ __global__ __launch_bounds__(THREADS) void sample_kernel(const float *__restrict
     if (tid == 0) part(0, blk)[0] = best;
     if (blk == 0) clear_bins(hist(0));
     if (MULTI && blk == 0 && tid == 0) scratch[GATHER_OFFSET + GATHER] = 0;  // the gathered count
-    grid_sync<MULTI>();
+    sync();
     best = 0;
     for (unsigned int j = tid; j < blocks; j += THREADS) best = max_u64(best, ld<MULTI>(part(0, j)));
     best = block_reduce<true>(sh, best);
@@ -422,7 +444,7 @@ __global__ __launch_bounds__(THREADS) void sample_kernel(const float *__restrict
                        auto take, unsigned int &theta, unsigned long long &above, unsigned long long &at) {
         if (!first_done) {
             pass(true, 0, FULL, 0, take);
-            grid_sync<MULTI>();
+            sync();
         }
         above = 0;
         bool first = true;
@@ -448,7 +470,7 @@ __global__ __launch_bounds__(THREADS) void sample_kernel(const float *__restrict
             shift = top >= 7 ? top - 7 : 0;
             first = false;
             pass(false, klo, khi, shift, take);
-            grid_sync<MULTI>();
+            sync();
         }
     };
 
@@ -531,7 +553,7 @@ __global__ __launch_bounds__(THREADS) void sample_kernel(const float *__restrict
     if constexpr (MULTI) {
         if (use_top_k && above_tau + at_tau <= GATHER) {
             gather(tau);
-            grid_sync<MULTI>();
+            sync();
             if (blk == 0) finish(gathered_count());
             return;
         }
@@ -558,7 +580,7 @@ __global__ __launch_bounds__(THREADS) void sample_kernel(const float *__restrict
     };
     sums_above(tau);
     if (use_top_p) pass(true, 0, FULL, 0, candidate);
-    grid_sync<MULTI>();
+    sync();
 
     // Every block: the totals of all blocks.
     unsigned long long sum = 0, equal = 0;
@@ -593,7 +615,7 @@ __global__ __launch_bounds__(THREADS) void sample_kernel(const float *__restrict
             // The crossing bin reaches thresh, so theta's logits weigh more than 0.
             need = w_theta ? (thresh - above + w_theta - 1) / w_theta : 1;
             sums_above(theta);
-            grid_sync<MULTI>();
+            sync();
             sums_set = ph;
             ph++;
         }
@@ -656,10 +678,21 @@ __global__ __launch_bounds__(THREADS) void sample_kernel(const float *__restrict
     }
 }
 
-// Blocks of the multi-block kernel that fit on the current device at once; 0 where it has no cooperative
-// launch. Asked once per device.
-unsigned int resident_blocks() {
-    static std::atomic<int> known[64];  // 0: not asked yet, -1: none
+template <bool MULTI>
+__global__ __launch_bounds__(THREADS) void sample_kernel(const float *__restrict__ logits, unsigned int vocab,
+                                                         float temperature, unsigned int top_k, float top_p,
+                                                         float min_p, unsigned long long seed, unsigned int stream_index,
+                                                         unsigned long long position, unsigned long long *scratch,
+                                                         int *token) {
+    __shared__ BlockShared<MULTI> smem;
+    sample_one<MULTI>(logits, vocab, temperature, top_k, top_p, min_p, seed, stream_index, position, scratch, token,
+                      blockIdx.x, gridDim.x, GridSync<MULTI>{}, smem);
+}
+
+// Blocks of `kernel` that fit on the current device at once; 0 where it has no cooperative launch. Asked
+// once per device (`known`: one cache per kernel).
+template <typename Kernel>
+unsigned int resident_blocks_of(Kernel kernel, std::atomic<int> (&known)[64]) {
     int dev = 0;
     if (cudaGetDevice(&dev) != cudaSuccess) return 0;
     if (dev >= 0 && dev < 64) {
@@ -670,14 +703,22 @@ unsigned int resident_blocks() {
     int n = -1;
     if (cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, dev) == cudaSuccess &&
         cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess &&
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, sample_kernel<true>, THREADS, 0) == cudaSuccess &&
-        coop && sms * per_sm > 0)
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, THREADS, 0) == cudaSuccess && coop &&
+        sms * per_sm > 0)
         n = sms * per_sm;
     (void)cudaGetLastError();  // a failed query here is no launch error; the launch reports its own
     if (dev >= 0 && dev < 64) known[dev].store(n, std::memory_order_relaxed);
     return n > 0 ? (unsigned int)n : 0;
 }
 
+// The multi-block kernel's resident blocks: 0: not asked yet, -1: none.
+std::atomic<int> known_single[64];
+unsigned int resident_blocks() { return resident_blocks_of(sample_kernel<true>, known_single); }
+
+// src/sampler.rs penalize: one f32 operation, NaN kept.
+__device__ __forceinline__ float penalized(float l, float penalty) {
+    return l > 0.f ? __fdiv_rn(l, penalty) : (l <= 0.f ? __fmul_rn(l, penalty) : l);
+}
 
 // src/sampler.rs step P on the n distinct ids ids[0..n): saves their logits to saved[0..n) and writes
 // the penalized values; restore_penalized puts the saved ones back after the draw. Ids outside the
@@ -689,7 +730,7 @@ __global__ void penalize(float *logits, unsigned int vocab, const int *ids, floa
         if (id < 0 || (unsigned int)id >= vocab) continue;
         const float l = logits[id];
         saved[i] = l;
-        logits[id] = l > 0.f ? __fdiv_rn(l, penalty) : (l <= 0.f ? __fmul_rn(l, penalty) : l);
+        logits[id] = penalized(l, penalty);
     }
 }
 
@@ -729,6 +770,111 @@ cudaError_t launch_sample(const float *logits, unsigned int vocab, float tempera
     return cudaGetLastError();
 }
 
+// ---- every row of a pass in one launch ----
+//
+// hostembed_sample_rows runs sample_one for each row of a pass at once: row r is grid row blockIdx.y, its
+// logits, settings, token and workspace its own. Where the vocabulary takes several blocks a row, a row's
+// blocks meet at barriers of their own (RowSync), so rows that take different paths (greedy, a top-k
+// descent of a different depth) never wait on each other; the launch is cooperative, so every block is
+// resident and a barrier always completes. The per-row work is the single-row kernel's code, so each row
+// draws what hostembed_sample draws from the same logits: the algorithm's sums are exact integers, so the
+// token does not depend on how many blocks share a row.
+
+// The scratch of a rows launch, in order: the rows' settings, two barrier words a row, the penalized ids
+// and their saved logits, then one workspace a row (each 256-byte aligned).
+struct RowsLayout {
+    size_t barriers, ids, saved, work, work_bytes;
+    RowsLayout(unsigned int rows, unsigned int n_ids, unsigned int per_row) {
+        auto up = [](size_t v, size_t a) { return (v + a - 1) / a * a; };
+        barriers = up((size_t)rows * sizeof(hostembed_sample_row), 16);
+        ids = up(barriers + 8ull * rows, 16);
+        saved = ids + 4ull * n_ids;
+        work = up(saved + 4ull * n_ids, 256);
+        work_bytes = per_row > 1 ? up(scratch_bytes(per_row), 256) : 0;
+    }
+    size_t total(unsigned int rows) const { return work + rows * work_bytes; }
+};
+
+// The barrier of one row's blocks: an arrival count and a generation, two words of the row's own.
+struct RowSync {
+    unsigned int *bar;
+    unsigned int blocks;
+    __device__ __forceinline__ void operator()() const {
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            volatile unsigned int *generation = bar + 1;
+            const unsigned int g = *generation;  // read before arriving: it cannot move until this block arrives
+            __threadfence();                     // the block's writes (ordered before by the barrier above) first
+            if (atomicAdd(bar, 1u) == blocks - 1) {
+                atomicExch(bar, 0u);
+                __threadfence();
+                atomicAdd(bar + 1, 1u);
+            } else {
+                while (*generation == g) __nanosleep(32);
+            }
+            __threadfence();
+        }
+        __syncthreads();
+    }
+};
+
+__device__ __forceinline__ bool row_penalizes(const hostembed_sample_row &p) {
+    return p.n_penalty > 0 && p.repeat_penalty == p.repeat_penalty && p.repeat_penalty != 1.f;
+}
+
+// Grid row blockIdx.y samples row blockIdx.y: gridDim.x blocks a row (MULTI), or one (its workspace in
+// shared memory).
+template <bool MULTI>
+__global__ __launch_bounds__(THREADS) void sample_rows_kernel(const float *__restrict__ logits, unsigned int vocab,
+                                                              const hostembed_sample_row *__restrict__ rows,
+                                                              unsigned int *barriers, unsigned long long *work,
+                                                              size_t work_words, int *tokens) {
+    const unsigned int r = blockIdx.y;
+    const hostembed_sample_row p = rows[r];
+    const float *row = logits + (size_t)r * vocab;
+    __shared__ BlockShared<MULTI> smem;
+    if constexpr (MULTI)
+        sample_one<true>(row, vocab, p.temperature, p.top_k, p.top_p, p.min_p, p.seed, p.stream_index, p.position,
+                         work + r * work_words, tokens + r, blockIdx.x, gridDim.x, RowSync{barriers + 2 * r, gridDim.x},
+                         smem);
+    else
+        sample_one<false>(row, vocab, p.temperature, p.top_k, p.top_p, p.min_p, p.seed, p.stream_index, p.position,
+                          work, tokens + r, 0, 1, GridSync<false>{}, smem);
+}
+
+std::atomic<int> known_rows[64];
+unsigned int resident_rows_blocks() { return resident_blocks_of(sample_rows_kernel<true>, known_rows); }
+
+// Before a rows launch: the barrier words zeroed, and step P on each row's ids (row blockIdx.y's
+// ids[penalty_at..], their logits saved beside them, as penalize does for one row).
+__global__ void prepare_rows(float *logits, unsigned int vocab, const hostembed_sample_row *rows, const int *ids,
+                             float *saved, unsigned int *barriers) {
+    const unsigned int r = blockIdx.y;
+    if (blockIdx.x == 0 && threadIdx.x < 2) barriers[2 * r + threadIdx.x] = 0;
+    const hostembed_sample_row p = rows[r];
+    if (!row_penalizes(p)) return;
+    float *row = logits + (size_t)r * vocab;
+    for (unsigned int i = blockIdx.x * blockDim.x + threadIdx.x; i < p.n_penalty; i += gridDim.x * blockDim.x) {
+        const unsigned int at = p.penalty_at + i;
+        const int id = ids[at];
+        if (id < 0 || (unsigned int)id >= vocab) continue;
+        saved[at] = row[id];
+        row[id] = penalized(saved[at], p.repeat_penalty);
+    }
+}
+
+__global__ void restore_rows(float *logits, unsigned int vocab, const hostembed_sample_row *rows, const int *ids,
+                             const float *saved) {
+    const unsigned int r = blockIdx.y;
+    const hostembed_sample_row p = rows[r];
+    if (!row_penalizes(p)) return;
+    float *row = logits + (size_t)r * vocab;
+    for (unsigned int i = blockIdx.x * blockDim.x + threadIdx.x; i < p.n_penalty; i += gridDim.x * blockDim.x) {
+        const int id = ids[p.penalty_at + i];
+        if (id >= 0 && (unsigned int)id < vocab) row[id] = saved[p.penalty_at + i];
+    }
+}
+
 }  // namespace
 
 extern "C" cudaError_t hostembed_sample(float *logits, unsigned int vocab, float temperature, unsigned int top_k,
@@ -755,6 +901,81 @@ extern "C" cudaError_t hostembed_sample(float *logits, unsigned int vocab, float
         // Restored even after a failed draw, so the caller's logits are never left penalized.
         restore_penalized<<<grid, THREADS, 0, stream>>>(logits, vocab, penalty, saved, n_penalty);
         const cudaError_t e = cudaGetLastError();
+        if (drawn == cudaSuccess && e != cudaSuccess) return e;
+    }
+    return drawn;
+}
+
+// Rows launch: validates the settings on the host, copies them and the ids into the scratch, then at most
+// three launches (the penalty and barrier reset, the draw, the restore).
+extern "C" cudaError_t hostembed_sample_rows(float *logits, unsigned int vocab, unsigned int rows,
+                                             const hostembed_sample_row *settings, const int *ids,
+                                             unsigned int n_ids, void *scratch, size_t scratch_size, int *tokens,
+                                             cudaStream_t stream) {
+    if (logits == nullptr || tokens == nullptr || scratch == nullptr || vocab == 0 || vocab > MAX_VOCAB ||
+        rows > 65535 || (rows > 0 && settings == nullptr) || (n_ids > 0 && ids == nullptr) ||
+        reinterpret_cast<uintptr_t>(scratch) % 256 != 0)
+        return cudaErrorInvalidValue;
+    if (rows == 0) return cudaSuccess;
+    bool any_penalty = false;
+    unsigned int most_ids = 0;
+    for (unsigned int r = 0; r < rows; r++) {
+        const hostembed_sample_row &p = settings[r];
+        if (p.n_penalty > n_ids || p.penalty_at > n_ids - p.n_penalty) return cudaErrorInvalidValue;
+        if (p.n_penalty > 0 && p.repeat_penalty == p.repeat_penalty && p.repeat_penalty != 1.f) {
+            any_penalty = true;
+            most_ids = std::max(most_ids, p.n_penalty);
+        }
+    }
+    // Blocks a row: as the single-row launch takes them, shared among the rows the card holds at once and
+    // the workspaces the scratch holds.
+    unsigned int per_row = 1;
+    if (vocab >= ONE_BLOCK_BELOW) {
+        per_row = std::max(1u, std::min((vocab + ITEMS_PER_BLOCK - 1) / ITEMS_PER_BLOCK, resident_rows_blocks() / rows));
+        while (per_row > 1 && RowsLayout(rows, n_ids, per_row).total(rows) > scratch_size) per_row--;
+    }
+    RowsLayout at(rows, n_ids, per_row);
+    if (at.total(rows) > scratch_size) return cudaErrorInvalidValue;  // not even the settings and ids fit
+
+    unsigned char *base = static_cast<unsigned char *>(scratch);
+    auto *rows_dev = reinterpret_cast<hostembed_sample_row *>(base);
+    auto *barriers = reinterpret_cast<unsigned int *>(base + at.barriers);
+    auto *ids_dev = reinterpret_cast<int *>(base + at.ids);
+    auto *saved = reinterpret_cast<float *>(base + at.saved);
+    auto *work = reinterpret_cast<unsigned long long *>(base + at.work);
+    // Pageable host memory: both copies are staged before they return, so the caller may reuse its arrays.
+    cudaError_t e = cudaMemcpyAsync(rows_dev, settings, rows * sizeof(hostembed_sample_row), cudaMemcpyHostToDevice,
+                                    stream);
+    if (e == cudaSuccess && n_ids > 0)
+        e = cudaMemcpyAsync(ids_dev, ids, n_ids * sizeof(int), cudaMemcpyHostToDevice, stream);
+    if (e != cudaSuccess) return e;
+    const unsigned int pen_blocks = std::max(1u, std::min(64u, (most_ids + THREADS - 1) / THREADS));
+    if (any_penalty || per_row > 1) {
+        prepare_rows<<<dim3(pen_blocks, rows), THREADS, 0, stream>>>(logits, vocab, rows_dev, ids_dev, saved, barriers);
+        e = cudaGetLastError();
+        if (e != cudaSuccess) return e;
+    }
+    cudaError_t drawn = cudaErrorInvalidValue;
+    bool done = false;
+    if (per_row > 1) {
+        const float *logits_arg = logits;
+        size_t work_words = at.work_bytes / 8;
+        void *args[] = {&logits_arg, &vocab, &rows_dev, &barriers, &work, &work_words, &tokens};
+        drawn = cudaLaunchCooperativeKernel(reinterpret_cast<const void *>(&sample_rows_kernel<true>),
+                                            dim3(per_row, rows), dim3(THREADS), args, 0, stream);
+        done = drawn != cudaErrorCooperativeLaunchTooLarge && drawn != cudaErrorNotSupported;
+        if (done && drawn == cudaSuccess) drawn = cudaGetLastError();
+        if (!done) (void)cudaGetLastError();  // fewer resources than asked for: one block a row instead
+    }
+    if (!done) {
+        sample_rows_kernel<false><<<dim3(1, rows), THREADS, 0, stream>>>(logits, vocab, rows_dev, barriers, work, 0,
+                                                                         tokens);
+        drawn = cudaGetLastError();
+    }
+    if (any_penalty) {
+        // Restored even after a failed draw, so the caller's logits are never left penalized.
+        restore_rows<<<dim3(pen_blocks, rows), THREADS, 0, stream>>>(logits, vocab, rows_dev, ids_dev, saved);
+        e = cudaGetLastError();
         if (drawn == cudaSuccess && e != cudaSuccess) return e;
     }
     return drawn;

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine from the repo root: unpacks .gpu/bundle.tar.xz and runs the GPU suite,
 # then whatever steps are named (default: tests). Logs go to $OUT (or ./gpu-out).
-# Steps: info tests hfref bench-embed bench-decode bench-prefill bench-kv torch-prefill, or any example's
-# name. bench-kv measures the KV cache types on the Llama-3-8B shape: decode at a 64-token and a
-# 32,768-token cache, and prompts of 512 to 16,384 tokens, in BF16, Q8_0 and FP8_E4M3.
+# Steps: info tests hfref bench-embed bench-decode bench-prefill bench-prefill-quant bench-convert bench-kv
+# torch-prefill, or any example's name. bench-kv measures the KV cache types on the Llama-3-8B shape:
+# decode at a 64-token and a 32,768-token cache, and prompts of 512 to 16,384 tokens, in BF16, Q8_0 and
+# FP8_E4M3.
 # cuBLASLt is found where the machine's CUDA libraries are (the products fall back to the library's
 # own kernel without it); the prompt tests run a second time with HOSTEMBED_CUBLASLT=0.
 set -uo pipefail
@@ -41,6 +42,13 @@ for step in $steps; do
     bench-prefill)
       "$B/examples/bench_prefill" > "$OUT/bench-prefill.log" 2>&1; rc=$?
       HOSTEMBED_CUBLASLT=0 "$B/examples/bench_prefill" --quick > "$OUT/bench-prefill-own.log" 2>&1; r=$?
+      [ $r -ne 0 ] && rc=$r ;;
+    bench-prefill-quant)
+      # BF16, Q8_0 and the Q4_K_M mix at 512 and 4,096 tokens (the conversion's share of a prompt).
+      "$B/examples/bench_prefill" --lengths 512,4096 --q4-k-m > "$OUT/bench-prefill-quant.log" 2>&1; rc=$? ;;
+    bench-convert)
+      "$B/examples/bench_convert" > "$OUT/bench-convert.log" 2>&1; rc=$?
+      "$B/examples/bench_convert" --all --out f16 >> "$OUT/bench-convert.log" 2>&1; r=$?
       [ $r -ne 0 ] && rc=$r ;;
     torch-prefill)
       PYTHONUNBUFFERED=1 python3 "$B/scripts/torch_prefill.py" > "$OUT/torch-prefill.log" 2>&1; rc=$? ;;

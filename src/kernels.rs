@@ -7,6 +7,25 @@ use crate::cuda_fns;
 use crate::cudart::{cudaError_t, cudaStream_t};
 use std::os::raw::{c_char, c_int, c_uint, c_void};
 
+/// One row's settings for `hostembed_sample_rows`, as kernels/hostembed_kernels.cuh declares it: what
+/// `hostembed_sample` takes for one row, its `n_penalty` ids at `ids[penalty_at..]`.
+#[repr(C)]
+#[allow(non_camel_case_types)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct hostembed_sample_row {
+    pub temperature: f32,
+    pub top_k: c_uint,
+    pub top_p: f32,
+    pub min_p: f32,
+    pub repeat_penalty: f32,
+    pub n_penalty: c_uint,
+    pub penalty_at: c_uint,
+    pub stream_index: c_uint,
+    pub seed: u64,
+    pub position: u64,
+}
+const _: () = assert!(std::mem::size_of::<hostembed_sample_row>() == 48);
+
 cuda_fns! {
     // embed.cu
     pub fn hostembed_embed_gather(rows: *const c_void, dtype: c_int, vocab: c_uint, cols: c_uint, ids: *const c_int, n: c_uint, out: *mut c_void, out_dtype: c_int, bad: *mut c_int, stream: cudaStream_t) -> cudaError_t;
@@ -24,6 +43,7 @@ cuda_fns! {
     pub fn hostembed_attention(q: *const f32, q_stride: c_uint, kv_pool: *const c_void, tables: *const *const c_uint, pool_pages: c_uint, k_type: c_int, v_type: c_int, pos: *const c_int, n: c_uint, heads: c_uint, kv_heads: c_uint, head_dim: c_uint, scale: f32, splits: c_uint, partial: *mut f32, out: *mut f32, stream: cudaStream_t) -> cudaError_t;
     pub fn hostembed_swiglu(gate: *const f32, up: *const f32, out: *mut f32, len: usize, stream: cudaStream_t) -> cudaError_t;
     pub fn hostembed_add(a: *const f32, b: *const f32, out: *mut f32, len: usize, stream: cudaStream_t) -> cudaError_t;
+    pub fn hostembed_sample_rows(logits: *mut f32, vocab: c_uint, rows: c_uint, settings: *const hostembed_sample_row, ids: *const c_int, n_ids: c_uint, scratch: *mut c_void, scratch_size: usize, tokens: *mut c_int, stream: cudaStream_t) -> cudaError_t;
     pub fn hostembed_sample(logits: *mut f32, vocab: c_uint, temperature: f32, top_k: c_uint, top_p: f32, min_p: f32, repeat_penalty: f32, penalty: *mut c_int, n_penalty: c_uint, seed: u64, stream_index: c_uint, position: u64, scratch: *mut c_void, token: *mut c_int, stream: cudaStream_t) -> cudaError_t;
     // prompt chunks on tensor cores: gemm.cu, flash.cu, and the half-format writers of norm.cu and act.cu
     pub fn hostembed_gemm(a: *const c_void, lda: c_uint, w: *const c_void, dtype: c_int, rows: c_uint, cols: c_uint, n: c_uint, bias: *const f32, residual: *const f32, y: *mut f32, ldy: c_uint, stream: cudaStream_t) -> cudaError_t;

@@ -1265,6 +1265,193 @@ fn sampling_handles_degenerate_logits_like_the_cpu() {
     }
 }
 
+/// Scratch for `hostembed_sample_rows`: what the GPU model gives it (`launch::sample_rows_bytes`: 56 bytes
+/// and a 33 KiB workspace a row, 8 bytes a vocabulary entry for the ids, 1 KiB of alignment).
+fn rows_scratch_bytes(vocab: usize, rows: usize) -> usize {
+    rows * (56 + (33 << 10)) + vocab * 8 + 1024
+}
+
+/// One batched draw of `rows` logits rows (`logits`: rows x vocab on the device) with `settings[r]`, the
+/// penalized ids of row r `ids[r]`, into poisoned tokens, on a poisoned scratch of `scratch_bytes`; checks
+/// the logits are left as they were and returns the launch's status and the tokens.
+fn device_sample_rows(
+    logits: &DeviceBuffer,
+    vocab: usize,
+    settings: &[(Sampling, u32, u64)],
+    ids: &[Vec<u32>],
+    scratch_bytes: usize,
+) -> (c_int, Vec<i32>) {
+    let rows = settings.len();
+    let mut flat: Vec<i32> = Vec::new();
+    let mut host = Vec::new();
+    for ((s, stream, position), ids) in settings.iter().zip(ids) {
+        host.push(kn::hostembed_sample_row {
+            temperature: s.temperature,
+            top_k: s.top_k,
+            top_p: s.top_p,
+            min_p: s.min_p,
+            repeat_penalty: s.repeat_penalty,
+            n_penalty: ids.len() as c_uint,
+            penalty_at: flat.len() as c_uint,
+            stream_index: *stream,
+            seed: s.seed,
+            position: *position,
+        });
+        flat.extend(ids.iter().map(|&t| t as i32));
+    }
+    let scratch = poisoned(scratch_bytes.max(1));
+    let tokens = poisoned(rows.max(1) * 4);
+    let before = download_f32(logits, rows * vocab);
+    // SAFETY: host arrays of the lengths passed; device buffers of rows x vocab floats, rows tokens and
+    // scratch_bytes of scratch.
+    let code = unsafe {
+        kn::hostembed_sample_rows(
+            logits.ptr() as *mut f32,
+            vocab as c_uint,
+            rows as c_uint,
+            host.as_ptr(),
+            flat.as_ptr(),
+            flat.len() as c_uint,
+            scratch.ptr(),
+            scratch_bytes,
+            tokens.ptr() as *mut c_int,
+            NULL_STREAM,
+        )
+    };
+    cuda::synchronize().unwrap_or_else(|e| panic!("hostembed_sample_rows while running: {e}"));
+    let mut t = vec![0i32; rows];
+    tokens.download(&mut t).unwrap();
+    let after = download_f32(logits, rows * vocab);
+    assert!(
+        before.iter().zip(&after).all(|(a, b)| a.to_bits() == b.to_bits()),
+        "the batched sampler left the logits changed"
+    );
+    (code, t)
+}
+
+/// Every row of a batched draw picks the token `hostembed_sample` picks for that row alone, which is
+/// `sampler::sample_stream`'s: rows of fresh random logits of every kind, each with its own settings
+/// (greedy, temperature with top-k / top-p / min-p, repetition penalties over its own history), stream
+/// and position, in batches of 1 to 64 rows, with the scratch the GPU model gives and with one too small
+/// for more than one block a row.
+#[test]
+fn batched_sampling_matches_the_single_row_sampler() {
+    if !gpu_present("batched_sampling_matches_the_single_row_sampler") {
+        return;
+    }
+    let mut rng = Rng::fresh("batched_sampling_matches_the_single_row_sampler");
+    let extra: [(f32, f32, u32); 5] =
+        [(0.0, 1.0, 64), (0.05, 1.0, 64), (0.0, 1.3, 64), (0.1, 1.8, 256), (0.3, 0.7, 32)];
+    let (mut compared, mut not_argmax) = (0, 0);
+    for vocab in [2usize, 256, 4096, 8192, 32000, 128256, 151936] {
+        for rows in [1usize, 3, 17, 64] {
+            if vocab >= 128256 && rows == 17 {
+                continue; // the largest shapes at 1, 3 and 64 rows keep the test short
+            }
+            let logits: Vec<Vec<f32>> = (0..rows).map(|r| sample_logits(&mut rng, vocab, r % 3)).collect();
+            let flat: Vec<f32> = logits.concat();
+            let d = DeviceBuffer::from_slice(&flat).unwrap();
+            let mut settings = Vec::new();
+            let mut histories = Vec::new();
+            let mut ids = Vec::new();
+            for r in 0..rows {
+                // A third of the rows greedy, the rest drawn with a setting of the single-row tests.
+                let (temperature, top_k, top_p) = if r % 3 == 0 {
+                    (0.0, 0, 1.0)
+                } else {
+                    SAMPLE_SETTINGS[rng.below(SAMPLE_SETTINGS.len() as u64) as usize]
+                };
+                let (min_p, repeat_penalty, repeat_last_n) = extra[rng.below(extra.len() as u64) as usize];
+                let s =
+                    Sampling { temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed: rng.next_u64() };
+                let history: Vec<u32> = (0..rng.below(300)).map(|_| rng.below(vocab as u64) as u32).collect();
+                let new = [rng.below(vocab as u64) as u32];
+                let position = (history.len() + new.len()) as u64;
+                ids.push(sampler::penalty_ids(&history, &new, &s));
+                settings.push((s, rng.below(64) as u32, position));
+                histories.push((history, new));
+            }
+            let full = rows_scratch_bytes(vocab, rows);
+            let total_ids: usize = ids.iter().map(Vec::len).sum();
+            // Only the settings, barrier words and ids fit: one block a row.
+            let tight = (rows * 48).next_multiple_of(16) + (8 * rows).next_multiple_of(16) + 8 * total_ids + 256;
+            for scratch in [full, tight] {
+                let (code, got) = device_sample_rows(&d, vocab, &settings, &ids, scratch);
+                ok(code, &format!("hostembed_sample_rows, vocab {vocab}, {rows} rows, {scratch} bytes of scratch"));
+                for r in 0..rows {
+                    let (s, stream, position) = settings[r];
+                    let row = DeviceBuffer::from_slice(&logits[r]).unwrap();
+                    let alone = device_sample_penalized(&row, vocab, &s, stream, position, &ids[r]);
+                    let (history, new) = &histories[r];
+                    let want = sampler::sample_stream(&logits[r], &s, stream, history, new);
+                    assert_eq!(alone, want, "vocab {vocab} row {r}: hostembed_sample against src/sampler.rs");
+                    assert_eq!(
+                        got[r] as u32, want,
+                        "vocab {vocab}, {rows} rows, scratch {scratch}: row {r} {s:?} stream {stream} position {position}"
+                    );
+                    compared += 1;
+                    not_argmax += (want != sampler::argmax(&logits[r])) as usize;
+                }
+            }
+        }
+    }
+    println!("{compared} batched draws identical to the single-row sampler, {not_argmax} of them not the argmax");
+    assert!(not_argmax * 4 > compared, "only {not_argmax} of {compared} draws left the argmax");
+}
+
+#[test]
+fn batched_sampler_refuses_bad_arguments() {
+    if !gpu_present("batched_sampler_refuses_bad_arguments") {
+        return;
+    }
+    let vocab = 1000;
+    let logits = DeviceBuffer::from_slice(&vec![0.5f32; 2 * vocab]).unwrap();
+    let greedy = (Sampling::GREEDY, 0u32, 1u64);
+    let big = rows_scratch_bytes(vocab, 2);
+    // Too small for even the settings, the barrier words and the ids.
+    let (code, _) = device_sample_rows(&logits, vocab, &[greedy, greedy], &[vec![], vec![]], 64);
+    assert_ne!(code, 0, "a scratch too small for the settings");
+    // A row whose ids run past the ids passed.
+    let mut host = kn::hostembed_sample_row { repeat_penalty: 1.5, n_penalty: 3, penalty_at: 0, ..Default::default() };
+    let ids = [1i32, 2];
+    let scratch = poisoned(big);
+    let tokens = poisoned(8);
+    let call = |rows: &kn::hostembed_sample_row, scratch_ptr: *mut c_void, vocab: usize| {
+        // SAFETY: every call here is refused before it reads or writes anything.
+        unsafe {
+            kn::hostembed_sample_rows(
+                logits.ptr() as *mut f32,
+                vocab as c_uint,
+                1,
+                rows,
+                ids.as_ptr(),
+                ids.len() as c_uint,
+                scratch_ptr,
+                big,
+                tokens.ptr() as *mut c_int,
+                NULL_STREAM,
+            )
+        }
+    };
+    assert_ne!(call(&host, scratch.ptr(), vocab), 0, "3 ids of a row among 2");
+    host.n_penalty = 1;
+    host.penalty_at = 2;
+    assert_ne!(call(&host, scratch.ptr(), vocab), 0, "a row's ids starting past the ids");
+    host.penalty_at = 1;
+    let misaligned = (scratch.ptr() as *mut u8).wrapping_add(16) as *mut c_void;
+    assert_ne!(call(&host, misaligned, vocab), 0, "a scratch off its 256-byte boundary");
+    assert_ne!(call(&host, scratch.ptr(), 0), 0, "no vocabulary");
+    assert_ne!(call(&host, scratch.ptr(), 1 << 28), 0, "a vocabulary past 2^28 - 1");
+    let mut t = [0i32; 2];
+    tokens.download(&mut t).unwrap();
+    assert_eq!(t, [-1, -1], "a refused call wrote tokens");
+    // The same row accepted (id 2 penalized among equal logits): greedy takes the lowest index.
+    assert_eq!(call(&host, scratch.ptr(), vocab), 0, "a valid call");
+    cuda::synchronize().unwrap();
+    tokens.download(&mut t).unwrap();
+    assert_eq!(t[0], 0, "greedy over equal logits is the lowest index");
+}
+
 #[test]
 fn sampler_refuses_bad_arguments() {
     if !gpu_present("sampler_refuses_bad_arguments") {

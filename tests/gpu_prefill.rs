@@ -142,6 +142,11 @@ fn tensor_core_product_matches_cpu() {
     }
 }
 
+/// Byte offsets of the weights from a 256-byte boundary: each format's fast path where its alignment
+/// allows it (2 bytes for Q8_0, Q4_0, Q5_0, Q3_K, Q6_K; 4, 8 or 16 for the others), the by-value path
+/// below it.
+const WEIGHT_OFFSETS: [usize; 4] = [0, 2, 4, 8];
+
 #[test]
 fn weight_conversion_is_exact() {
     if !gpu_present("weight_conversion_is_exact") {
@@ -149,42 +154,120 @@ fn weight_conversion_is_exact() {
     }
     let mut rng = Rng::fresh("weight_conversion_is_exact");
     for src in FORMATS.iter().map(|f| f.dtype) {
+        let bv = src.format().block_values;
+        // (rows, cols): one block; rows of whole blocks over several of the kernel's 8192-value tiles
+        // with a partial last one; one odd row; and for the float formats totals that are not whole
+        // 8-value pieces (the tail values).
+        let shapes = if bv == 1 {
+            vec![(37, 96), (300, 104), (1, 8), (5, 7), (3, 10), (1, 1)]
+        } else if bv == 32 {
+            vec![(1, 32), (37, 96), (300, 96), (3, 4128)]
+        } else {
+            vec![(1, 256), (37, 512), (300, 256), (3, 2304)]
+        };
         for out in HALVES {
-            // Whole blocks: 96 values, or two super-blocks of the K formats.
-            let (rows, cols) = (37, if src.format().block_values > 32 { 512 } else { 96 });
-            let mut values = rng.vec(rows * cols, 3.0);
-            values[5] = 0.0;
-            values[6] = -0.0;
-            values[7] = 1e-7;
-            let bytes: Vec<u8> = values.chunks(cols).flat_map(|r| encode_row(src, r)).collect();
-            let mut want = Vec::new();
-            let row_bytes = src.row_bytes(cols).unwrap();
-            for r in 0..rows {
-                let mut row = vec![0f32; cols];
-                decode_row(src, &bytes[r * row_bytes..(r + 1) * row_bytes], &mut row);
-                want.extend(to_half(out, &row).0);
+            for &(rows, cols) in &shapes {
+                let mut values = rng.vec(rows * cols, 3.0);
+                let specials = [0.0, -0.0, 1e-7, 250.0, -1e-3];
+                for (v, s) in values.iter_mut().zip(specials) {
+                    *v = s;
+                }
+                if bv == 1 && values.len() > 8 {
+                    values[6] = 1e5; // past f16's range: inf in F16, as the CPU rounds it
+                    values[7] = -7e4;
+                }
+                let bytes: Vec<u8> = values.chunks(cols).flat_map(|r| encode_row(src, r)).collect();
+                let row_bytes = src.row_bytes(cols).unwrap();
+                assert_eq!(bytes.len(), rows * row_bytes);
+                let mut want = Vec::new();
+                for r in 0..rows {
+                    let mut row = vec![0f32; cols];
+                    decode_row(src, &bytes[r * row_bytes..(r + 1) * row_bytes], &mut row);
+                    want.extend(to_half(out, &row).0);
+                }
+                for &w_off in &WEIGHT_OFFSETS {
+                    // The output at a 256-byte boundary (the pieces' 16-byte stores) and 2 bytes past one.
+                    for o_off in [0usize, 2] {
+                        let what = format!(
+                            "{} to {}, {rows} x {cols}, weights at +{w_off}, output at +{o_off}",
+                            src.name(),
+                            out.name()
+                        );
+                        let wb = DeviceBuffer::new(bytes.len() + w_off + 16).unwrap();
+                        wb.fill_bytes(0xA5).unwrap();
+                        wb.upload(&bytes, w_off).unwrap();
+                        // Poison around the output too: guard halves before and after must stay 0xFFFF.
+                        let guard = 32;
+                        let ob = poisoned(o_off + (rows * cols + guard) * 2);
+                        let w_ptr = (wb.ptr() as *const u8).wrapping_add(w_off) as *const c_void;
+                        let o_ptr = (ob.ptr() as *mut u8).wrapping_add(o_off) as *mut c_void;
+                        ok(
+                            // SAFETY: w_ptr holds the matrix's bytes, o_ptr room for rows x cols halves.
+                            unsafe {
+                                kn::hostembed_convert_matrix(
+                                    w_ptr,
+                                    src as c_int,
+                                    rows as c_uint,
+                                    cols as c_uint,
+                                    o_ptr,
+                                    out as c_int,
+                                    NULL_STREAM,
+                                )
+                            },
+                            &what,
+                        );
+                        let raw: Vec<u8> = download(&ob, o_off + (rows * cols + guard) * 2);
+                        assert!(raw[..o_off].iter().all(|&b| b == 0xFF), "{what}: wrote before the output");
+                        let got: Vec<u16> =
+                            raw[o_off..].chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect();
+                        assert!(got[rows * cols..].iter().all(|&g| g == 0xFFFF), "{what}: wrote past the output");
+                        if let Some(i) = got[..rows * cols].iter().zip(&want).position(|(g, w)| g != w) {
+                            panic!(
+                                "{what}: value {i} (row {}, column {}) is {:#06x}, the CPU's {:#06x}",
+                                i / cols,
+                                i % cols,
+                                got[i],
+                                want[i]
+                            );
+                        }
+                    }
+                }
             }
-            let wb = DeviceBuffer::from_slice(&bytes).unwrap();
-            let ob = poisoned(rows * cols * 2);
-            ok(
-                unsafe {
-                    kn::hostembed_convert_matrix(
-                        wb.ptr(),
-                        src as c_int,
-                        rows as c_uint,
-                        cols as c_uint,
-                        ob.ptr(),
-                        out as c_int,
-                        NULL_STREAM,
-                    )
-                },
-                "hostembed_convert_matrix",
-            );
-            let got: Vec<u16> = download(&ob, rows * cols);
-            let diff = got.iter().zip(&want).position(|(g, w)| g != w);
-            assert!(diff.is_none(), "{} to {}: value {:?} differs", src.name(), out.name(), diff);
         }
     }
+}
+
+#[test]
+fn weight_conversion_refuses_bad_arguments() {
+    if !gpu_present("weight_conversion_refuses_bad_arguments") {
+        return;
+    }
+    let wb = DeviceBuffer::new(4096).unwrap();
+    let ob = poisoned(4096);
+    let convert = |w: *const c_void, dtype: DType, rows: usize, cols: usize, o: *mut c_void, out: c_int| {
+        // SAFETY: every call below is refused before it reads or writes, or converts at most 4096 bytes.
+        unsafe { kn::hostembed_convert_matrix(w, dtype as c_int, rows as c_uint, cols as c_uint, o, out, NULL_STREAM) }
+    };
+    let bf16 = DType::Bf16 as c_int;
+    let odd_out = (ob.ptr() as *mut u8).wrapping_add(1) as *mut c_void;
+    // Rows that are not whole blocks, an output format that is not a half format, an unknown format, NULLs
+    // and an odd output address: each refused before anything runs.
+    for (what, code) in [
+        ("Q8_0 rows of 48 values", convert(wb.ptr(), DType::Q8_0, 2, 48, ob.ptr(), bf16)),
+        ("Q4_K rows of 128 values", convert(wb.ptr(), DType::Q4_K, 2, 128, ob.ptr(), bf16)),
+        ("F32 output", convert(wb.ptr(), DType::Q8_0, 2, 32, ob.ptr(), DType::F32 as c_int)),
+        // SAFETY: an unknown format is refused before anything is read.
+        ("format 99", unsafe { kn::hostembed_convert_matrix(wb.ptr(), 99, 2, 32, ob.ptr(), bf16, NULL_STREAM) }),
+        ("NULL weights", convert(ptr::null(), DType::Q8_0, 2, 32, ob.ptr(), bf16)),
+        ("NULL output", convert(wb.ptr(), DType::Q8_0, 2, 32, ptr::null_mut(), bf16)),
+        ("odd output", convert(wb.ptr(), DType::Q8_0, 2, 32, odd_out, bf16)),
+    ] {
+        assert_ne!(code, 0, "{what}: accepted");
+    }
+    // An empty matrix is done at once.
+    assert_eq!(convert(wb.ptr(), DType::Q4_K, 0, 256, ob.ptr(), bf16), 0, "0 rows");
+    ok(0, "the refusals left no error behind");
+    assert!(download::<u8>(&ob, 4096).iter().all(|&b| b == 0xFF), "a refused conversion wrote");
 }
 
 #[test]

@@ -10,7 +10,8 @@
 //                                quants as exact floats q[0..32) and the scale (and offset) of each half
 //                                of 16 values, rounded as the CPU rounds them
 // decode_unit() below turns them into values; the staged matrix-vector product (kernels/matvec.cu) can
-// instead apply the scales to whole dot products, and the prompt path's conversion reads decode_unit.
+// instead apply the scales to whole dot products. (The prompt path's conversion reads 8-value pieces
+// instead: formats/pieces.cuh.)
 #pragma once
 #include "formats/float.cuh"
 

@@ -311,13 +311,22 @@ impl GpuModel {
                 let head = if heads.is_empty() { Head::Skip } else { Head::Rows { rows: &head_rows, base } };
                 self.enqueue_forward(&pass, shape, head)?;
             }
-            for (k, &(_, i)) in heads.iter().enumerate() {
-                let item = &items[i];
-                let position = (item.stream.len + item.tokens.len()) as u64;
-                let penalty = sampler::penalty_ids(&item.stream.tokens, item.tokens, &item.sampling);
-                self.sample_row(base + k, &item.sampling, item.index, position, &penalty)?;
-                pending.push(i);
-            }
+            let penalties: Vec<Vec<u32>> = heads
+                .iter()
+                .map(|&(_, i)| sampler::penalty_ids(&items[i].stream.tokens, items[i].tokens, &items[i].sampling))
+                .collect();
+            let rows: Vec<launch::SampleRow<'_>> = heads
+                .iter()
+                .zip(&penalties)
+                .map(|(&(_, i), penalty)| launch::SampleRow {
+                    sampling: &items[i].sampling,
+                    stream_index: items[i].index,
+                    position: (items[i].stream.len + items[i].tokens.len()) as u64,
+                    penalty,
+                })
+                .collect();
+            self.sample_rows(base, &rows)?;
+            pending.extend(heads.iter().map(|&(_, i)| i));
         }
         let mut tokens = vec![0i32; pending.len()];
         self.download(self.s.token, &mut tokens)?;
@@ -350,19 +359,27 @@ impl GpuModel {
         Ok(())
     }
 
-    /// Samples the token after logits row `row` into token row `row`, the repetition penalty on the ids
-    /// `penalty` (`sampler::penalty_ids`; the logits row ends as it began).
-    fn sample_row(&self, row: usize, sampling: &Sampling, index: u32, position: u64, penalty: &[u32]) -> Result<()> {
-        let logits = (self.buf(self.s.logits) as *mut f32).wrapping_add(row * self.cfg.vocab);
-        let token = (self.buf(self.s.token) as *mut c_int).wrapping_add(row);
-        let scratch = self.buf(self.s.sample);
-        let ids = self.buf(self.s.penalty) as *mut c_int;
-        if !penalty.is_empty() {
-            // Staged before this returns and copied in stream order, so the next item may reuse the region.
-            self.upload(self.s.penalty, penalty)?;
-        }
+    /// Samples the token after each of `rows` logits rows from row `first` on into the same token rows (the
+    /// logits end as they began), in one batched draw, or more where the rows' penalized ids together pass
+    /// the vocabulary.
+    fn sample_rows(&self, first: usize, rows: &[launch::SampleRow<'_>]) -> Result<()> {
+        let vocab = self.cfg.vocab;
         let s = self.stream.raw();
-        launch::sample(logits, self.cfg.vocab, sampling, index, position, ids, penalty.len(), scratch, token, s)
+        let mut start = 0;
+        while start < rows.len() {
+            // Each row's ids are distinct ids of the vocabulary, so one row alone always fits.
+            let (mut end, mut ids) = (start + 1, rows[start].penalty.len());
+            while end < rows.len() && ids + rows[end].penalty.len() <= vocab {
+                ids += rows[end].penalty.len();
+                end += 1;
+            }
+            let logits = (self.buf(self.s.logits) as *mut f32).wrapping_add((first + start) * vocab);
+            let tokens = (self.buf(self.s.token) as *mut c_int).wrapping_add(first + start);
+            let scratch = self.buf(self.s.sample);
+            launch::sample_rows(logits, vocab, &rows[start..end], scratch, self.s.sample_bytes, tokens, s)?;
+            start = end;
+        }
+        Ok(())
     }
 
     /// Orders a pass's pieces into rows and picks each one's path: the matrix-vector pieces first, then

@@ -277,49 +277,80 @@ pub(super) fn embed_gather(
     cuda::check(code, "hostembed_embed_gather")
 }
 
-/// Draws the next token from `vocab` logits into `token` as `sampler::sample_stream` does; `scratch`
-/// holds 8 bytes a vocabulary entry. The repetition penalty: `penalty` is a device buffer of
-/// `2 * n_penalty` ints whose first `n_penalty` hold `sampler::penalty_ids` of the item (distinct ids,
-/// uploaded by the caller; at most the vocabulary, so a region of 8 bytes a vocabulary entry always
-/// holds them); the launch saves their logits in the second half while the draw reads them penalized and
-/// puts them back after, so `logits` ends as it began. `n_penalty` 0 (and `penalty` null) for none.
-#[allow(clippy::too_many_arguments)]
-pub(super) fn sample(
+/// One row of `sample_rows`: an item's settings, its stream index, the position of the token drawn, and
+/// its penalized ids (`sampler::penalty_ids`: distinct, fewer than the vocabulary).
+pub(super) struct SampleRow<'a> {
+    pub sampling: &'a Sampling,
+    pub stream_index: u32,
+    pub position: u64,
+    pub penalty: &'a [u32],
+}
+
+/// A row's workspace in `hostembed_sample_rows` at most, with some to spare: 8 bytes a word of the
+/// histograms, the gathered candidates and 4 words a block (kernels/sample.cu's `scratch_bytes`), at
+/// up to 160 blocks a row; where less is left the launch gives each row fewer blocks.
+const SAMPLE_ROW_WORK_BYTES: usize = 33 << 10;
+
+/// Bytes of the scratch region `sample_rows` draws in, for calls of up to `rows` rows whose penalized ids
+/// together are at most `vocab`: 56 bytes a row (settings and barrier words) and 8 an id (the id and its
+/// saved logit), the rows' workspaces, and room for the alignments.
+pub(super) fn sample_rows_bytes(vocab: usize, rows: usize) -> usize {
+    rows * (56 + SAMPLE_ROW_WORK_BYTES) + vocab * 8 + 1024
+}
+
+/// Draws the token after each of `rows` logits rows (`vocab` floats apart from `logits` on) into the same
+/// rows of `tokens`, each as `hostembed_sample` draws it (`sampler::sample_stream`'s token), in at most
+/// three launches. `scratch` is a region of `scratch_size` bytes (`sample_rows_bytes`); the rows'
+/// penalized ids together at most the vocabulary. The logits end as they began.
+pub(super) fn sample_rows(
     logits: *mut f32,
     vocab: usize,
-    sampling: &Sampling,
-    stream_index: u32,
-    position: u64,
-    penalty: *mut c_int,
-    n_penalty: usize,
+    rows: &[SampleRow<'_>],
     scratch: *mut c_void,
-    token: *mut c_int,
+    scratch_size: usize,
+    tokens: *mut c_int,
     s: cudaStream_t,
 ) -> Result<()> {
-    let &Sampling { temperature, top_k, top_p, min_p, repeat_penalty, seed, .. } = sampling;
-    let n_penalty = c_uint::try_from(n_penalty)
-        .map_err(|_| crate::err!(InvalidArgument, "{n_penalty} penalized ids are more than the kernel counts"))?;
-    // SAFETY: device pointers into the scratch allocation, sized for `vocab` and `n_penalty` (see above).
-    let code = unsafe {
-        kn::hostembed_sample(
-            logits,
-            vocab as c_uint,
+    let count = |n: usize, what: &str| {
+        c_uint::try_from(n).map_err(|_| crate::err!(InvalidArgument, "{n} {what} are more than the kernel counts"))
+    };
+    let mut settings = Vec::with_capacity(rows.len());
+    let mut ids: Vec<c_int> = Vec::new();
+    for r in rows {
+        let &Sampling { temperature, top_k, top_p, min_p, repeat_penalty, seed, .. } = r.sampling;
+        let penalty_at = count(ids.len(), "penalized ids")?;
+        ids.extend(r.penalty.iter().map(|&t| t as c_int));
+        settings.push(kn::hostembed_sample_row {
             temperature,
             top_k,
             top_p,
             min_p,
             repeat_penalty,
-            penalty,
-            n_penalty,
+            n_penalty: count(r.penalty.len(), "penalized ids")?,
+            penalty_at,
+            stream_index: r.stream_index,
             seed,
-            stream_index,
-            position,
+            position: r.position,
+        });
+    }
+    let (n_rows, n_ids) = (count(rows.len(), "rows")?, count(ids.len(), "penalized ids")?);
+    // SAFETY: `settings` and `ids` are host arrays of the lengths passed, copied before the call returns;
+    // logits, tokens and the scratch region are device memory sized for these rows (see the module's note).
+    let code = unsafe {
+        kn::hostembed_sample_rows(
+            logits,
+            vocab as c_uint,
+            n_rows,
+            settings.as_ptr(),
+            ids.as_ptr(),
+            n_ids,
             scratch,
-            token,
+            scratch_size,
+            tokens,
             s,
         )
     };
-    cuda::check(code, "hostembed_sample")
+    cuda::check(code, "hostembed_sample_rows")
 }
 
 /// A matrix operand of the tensor-core product: `rows` x `cols` values of a half format, row-major.

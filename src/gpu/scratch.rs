@@ -91,9 +91,9 @@ pub(super) struct ScratchLayout {
     /// Sampled tokens of the items whose logits are on the device, one i32 a logits row.
     pub(super) token: usize,
     pub(super) logit_rows: usize,
+    /// The sampler's region (`launch::sample_rows`: settings, penalized ids, workspaces) and its bytes.
     pub(super) sample: usize,
-    /// The repetition penalty's ids and saved logits (`launch::sample`): 8 bytes a vocabulary entry.
-    pub(super) penalty: usize,
+    pub(super) sample_bytes: usize,
     /// Half-format activations of a chunk: the normed input, the attention output or the SwiGLU.
     pub(super) act: usize,
     /// One weight matrix converted to the half format (absent when every matrix is in it).
@@ -127,8 +127,8 @@ impl ScratchLayout {
         let meta = l.push(b * 16);
         let (ids, pos, tables) = (meta, meta + b * 4, meta + b * 8);
         let token = l.push(logit_rows * 4);
-        let sample = l.push(cfg.vocab * 8);
-        let penalty = l.push(cfg.vocab * 8);
+        let sample_bytes = super::launch::sample_rows_bytes(cfg.vocab, logit_rows);
+        let sample = l.push(sample_bytes);
         let act = l.push(b * cfg.hidden.max(cfg.q_dim()).max(cfg.intermediate) * 2);
         let slab = l.push(slab_values * 2);
         let (mmv_floats, mmv_count) = mmv_workspace_for(cfg, b);
@@ -153,7 +153,7 @@ impl ScratchLayout {
             token,
             logit_rows,
             sample,
-            penalty,
+            sample_bytes,
             act,
             slab,
             mmv_partial,
