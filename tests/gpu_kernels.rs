@@ -252,6 +252,39 @@ fn matvec_matches_cpu_for_every_format() {
     }
 }
 
+/// Random gate and up weights (rows x cols, cols rounded to whole blocks) and n inputs on the device, and
+/// the CPU's silu(gate x) * (up x).
+struct SwigluCase {
+    cols: usize,
+    gd: DeviceBuffer,
+    ud: DeviceBuffer,
+    xd: DeviceBuffer,
+    want: Vec<f32>,
+}
+
+fn swiglu_case(rng: &mut Rng, dtype: DType, rows: usize, cols: usize, n: usize) -> SwigluCase {
+    let cols = cols_for(dtype, cols);
+    let gb = encode(dtype, cols, &rng.vec(rows * cols, 1.0));
+    let ub = encode(dtype, cols, &rng.vec(rows * cols, 1.0));
+    let x = rng.vec(n * cols, 1.0);
+    let g = TensorRef { dtype, shape: &[rows, cols], bytes: &gb };
+    let u = TensorRef { dtype, shape: &[rows, cols], bytes: &ub };
+    let mut want = vec![0f32; n * rows];
+    let (mut gv, mut uv) = (vec![0f32; rows], vec![0f32; rows]);
+    for t in 0..n {
+        cpu::matvec(&g, &x[t * cols..(t + 1) * cols], &mut gv);
+        cpu::matvec(&u, &x[t * cols..(t + 1) * cols], &mut uv);
+        cpu::swiglu(&gv, &uv, &mut want[t * rows..(t + 1) * rows]);
+    }
+    SwigluCase {
+        cols,
+        gd: DeviceBuffer::from_slice(&gb).unwrap(),
+        ud: DeviceBuffer::from_slice(&ub).unwrap(),
+        xd: DeviceBuffer::from_slice(&x).unwrap(),
+        want,
+    }
+}
+
 #[test]
 fn matvec_swiglu_matches_cpu() {
     if !gpu_present("matvec_swiglu_matches_cpu") {
@@ -260,24 +293,7 @@ fn matvec_swiglu_matches_cpu() {
     let mut rng = Rng::fresh("matvec_swiglu_matches_cpu");
     for dtype in dtypes() {
         for (rows, cols, n) in [(300, 512, 1), (5000, 256, 5), (40, 1001, 2), (1000, 4096, 8)] {
-            let cols = cols_for(dtype, cols);
-            let gb = encode(dtype, cols, &rng.vec(rows * cols, 1.0));
-            let ub = encode(dtype, cols, &rng.vec(rows * cols, 1.0));
-            let x = rng.vec(n * cols, 1.0);
-            let g = TensorRef { dtype, shape: &[rows, cols], bytes: &gb };
-            let u = TensorRef { dtype, shape: &[rows, cols], bytes: &ub };
-            let mut want = vec![0f32; n * rows];
-            let (mut gv, mut uv) = (vec![0f32; rows], vec![0f32; rows]);
-            for t in 0..n {
-                cpu::matvec(&g, &x[t * cols..(t + 1) * cols], &mut gv);
-                cpu::matvec(&u, &x[t * cols..(t + 1) * cols], &mut uv);
-                cpu::swiglu(&gv, &uv, &mut want[t * rows..(t + 1) * rows]);
-            }
-            let (gd, ud, xd) = (
-                DeviceBuffer::from_slice(&gb).unwrap(),
-                DeviceBuffer::from_slice(&ub).unwrap(),
-                DeviceBuffer::from_slice(&x).unwrap(),
-            );
+            let SwigluCase { cols, gd, ud, xd, want } = swiglu_case(&mut rng, dtype, rows, cols, n);
             let y = poisoned(n * rows * 4);
             ok(
                 unsafe {
@@ -454,24 +470,7 @@ fn mmv_swiglu_matches_cpu() {
     let mut rng = Rng::fresh("mmv_swiglu_matches_cpu");
     for dtype in mmv_dtypes() {
         for (rows, cols, n) in [(14336, 512, 1), (300, 4096, 3), (64, 256, 20), (1000, 1024, 64)] {
-            let cols = cols_for(dtype, cols);
-            let gb = encode(dtype, cols, &rng.vec(rows * cols, 1.0));
-            let ub = encode(dtype, cols, &rng.vec(rows * cols, 1.0));
-            let x = rng.vec(n * cols, 1.0);
-            let g = TensorRef { dtype, shape: &[rows, cols], bytes: &gb };
-            let u = TensorRef { dtype, shape: &[rows, cols], bytes: &ub };
-            let mut want = vec![0f32; n * rows];
-            let (mut gv, mut uv) = (vec![0f32; rows], vec![0f32; rows]);
-            for t in 0..n {
-                cpu::matvec(&g, &x[t * cols..(t + 1) * cols], &mut gv);
-                cpu::matvec(&u, &x[t * cols..(t + 1) * cols], &mut uv);
-                cpu::swiglu(&gv, &uv, &mut want[t * rows..(t + 1) * rows]);
-            }
-            let (gd, ud, xd) = (
-                DeviceBuffer::from_slice(&gb).unwrap(),
-                DeviceBuffer::from_slice(&ub).unwrap(),
-                DeviceBuffer::from_slice(&x).unwrap(),
-            );
+            let SwigluCase { cols, gd, ud, xd, want } = swiglu_case(&mut rng, dtype, rows, cols, n);
             let y = poisoned(n * rows * 4);
             let (partial, counters) = mmv_work(&[(rows, cols, true)], n);
             ok(

@@ -52,6 +52,17 @@ pub fn mmv_workspace(rows: usize, cols: usize, glu: bool, n: usize) -> (usize, u
     (splits * if glu { 2 } else { 1 } * n.min(MMV_MAX_TOKENS) * rows, row_blocks)
 }
 
+/// What the built kernels ask for (their knobs may differ from the defaults `mmv_workspace` mirrors);
+/// None in a build without them.
+fn kernels_workspace(rows: usize, cols: usize, glu: bool, n: usize) -> Option<(usize, usize)> {
+    let (mut floats, mut counters) = (0usize, 0 as std::os::raw::c_uint);
+    let (rows, cols, n) = (u32::try_from(rows).ok()?, u32::try_from(cols).ok()?, u32::try_from(n).ok()?);
+    // SAFETY: host arithmetic on sizes, writing the two out-parameters only.
+    let code =
+        unsafe { crate::kernels::hostembed_mmv_workspace(rows, cols, glu as i32, n, &mut floats, &mut counters) };
+    (code == 0).then_some((floats, counters as usize))
+}
+
 /// The most workspace any of a model's decode products needs over `n` tokens (each product shape the
 /// forward pass may run: q/k/v fused or apart, o, gate and up fused or apart, down, the head).
 fn mmv_workspace_for(cfg: &ModelConfig, n: usize) -> (usize, usize) {
@@ -67,7 +78,7 @@ fn mmv_workspace_for(cfg: &ModelConfig, n: usize) -> (usize, usize) {
         (cfg.vocab, h, false),
     ];
     shapes.iter().fold((0, 0), |(p, c), &(rows, cols, glu)| {
-        let (wp, wc) = mmv_workspace(rows, cols, glu, n);
+        let (wp, wc) = kernels_workspace(rows, cols, glu, n).unwrap_or_else(|| mmv_workspace(rows, cols, glu, n));
         (p.max(wp), c.max(wc))
     })
 }
