@@ -8,6 +8,7 @@
 //! where no CUDA device is present.
 
 mod common;
+use common::{decode_configs as configs, rows_on_card};
 
 use std::ffi::{c_char, c_void};
 use std::os::raw::{c_int, c_uint};
@@ -20,10 +21,10 @@ use hostembed::checkpoint::write::MemSource;
 use hostembed::cpu::{self, CpuModel};
 use hostembed::cuda::{self, DeviceBuffer};
 use hostembed::engine::{self, engine_backend, engine_options, engine_tristate};
-use hostembed::gpu::{GpuModel, PAGE_TOKENS, PageLayout, RowsOnDevice};
+use hostembed::gpu::{GpuModel, PAGE_TOKENS, PageLayout};
 use hostembed::kernels as kn;
 use hostembed::kv::{KvType, KvTypes};
-use hostembed::model::{Arch, ModelConfig, RopeScaling, TensorSource, names};
+use hostembed::model::{Arch, ModelConfig, RopeScaling};
 use hostembed::sampler::Sampling;
 use hostembed::status::last_error;
 use hostembed::tensor::DType;
@@ -509,64 +510,6 @@ fn run_flash(rng: &mut Rng, kv: KvTypes, d: usize, heads: usize, kv_heads: usize
 
 // ---------------------------------------------------------------------------------------------------
 // Whole models.
-
-fn base(arch: Arch) -> ModelConfig {
-    ModelConfig {
-        arch,
-        vocab: 1000,
-        hidden: 256,
-        layers: 2,
-        heads: 8,
-        kv_heads: 2,
-        head_dim: 32,
-        intermediate: 512,
-        rms_eps: 1e-5,
-        rope_theta: 10000.0,
-        rope_scaling: RopeScaling::None,
-        rope_interleaved: false,
-        max_position: 4096,
-        tied: false,
-        qkv_bias: false,
-        qk_norm: false,
-        bos: Some(1),
-        eos: Some(2),
-    }
-}
-
-/// Llama with GQA 4:1, llama3 rope scaling and interleaved pairs; Qwen2 with biases, a tied head and
-/// groups of 7; Qwen3 with q/k norms and head_dim 128 beside hidden 256. Every head is whole blocks.
-fn configs() -> Vec<(&'static str, ModelConfig)> {
-    let llama = ModelConfig {
-        rope_scaling: RopeScaling::Llama3 {
-            factor: 8.0,
-            low_freq_factor: 1.0,
-            high_freq_factor: 4.0,
-            original_max_position: 64,
-        },
-        rope_interleaved: true,
-        rope_theta: 500000.0,
-        ..base(Arch::Llama)
-    };
-    let qwen2 = ModelConfig {
-        vocab: 777,
-        hidden: 224,
-        heads: 7,
-        kv_heads: 1,
-        tied: true,
-        qkv_bias: true,
-        intermediate: 480,
-        ..base(Arch::Qwen2)
-    };
-    let qwen3 = ModelConfig { heads: 4, head_dim: 128, qk_norm: true, rope_theta: 1000000.0, ..base(Arch::Qwen3) };
-    vec![("llama", llama), ("qwen2", qwen2), ("qwen3", qwen3)]
-}
-
-fn rows_on_card(src: &MemSource) -> (DeviceBuffer, RowsOnDevice) {
-    let e = src.tensor(names::EMBED).unwrap();
-    let buf = DeviceBuffer::from_slice(e.bytes).unwrap();
-    let rows = RowsOnDevice { ptr: buf.ptr(), dtype: e.dtype, vocab: e.rows(), cols: e.cols() };
-    (buf, rows)
-}
 
 fn random_tokens(rng: &mut Rng, vocab: usize, n: usize) -> Vec<u32> {
     (0..n).map(|_| rng.below(vocab as u64) as u32).collect()

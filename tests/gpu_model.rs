@@ -6,82 +6,24 @@
 //! device is present.
 
 mod common;
+use common::{decode_configs as configs, rows_on_card};
 use common::{rel_l2, top_two_gap};
 
 use common::{Rng, gpu_present};
 use hostembed::backend::{PagePool, StepItem};
 use hostembed::checkpoint::write::{MemSource, Recipe};
 use hostembed::cpu::CpuModel;
-use hostembed::cuda::{DeviceBuffer, PinnedBuffer};
+use hostembed::cuda::PinnedBuffer;
 use hostembed::gpu::{GpuModel, RowsOnDevice, reserve_pages, truncate_stream};
 use hostembed::gpu::{GpuStream, PAGE_TOKENS};
 use hostembed::kv::KvTypes;
-use hostembed::model::{Arch, ModelConfig, RopeScaling, TensorSource, names};
+use hostembed::model::{ModelConfig, TensorSource, names};
 use hostembed::sampler::{self, Sampling};
 use hostembed::tensor::DType;
 use hostembed::{Error, Status};
 
 fn model(cfg: ModelConfig, dtype: DType, seed: u64) -> MemSource {
     MemSource::synthetic(&cfg, seed, dtype)
-}
-
-fn base(arch: Arch) -> ModelConfig {
-    ModelConfig {
-        arch,
-        vocab: 1000,
-        hidden: 256,
-        layers: 2,
-        heads: 8,
-        kv_heads: 2,
-        head_dim: 32,
-        intermediate: 512,
-        rms_eps: 1e-5,
-        rope_theta: 10000.0,
-        rope_scaling: RopeScaling::None,
-        rope_interleaved: false,
-        max_position: 4096,
-        tied: false,
-        qkv_bias: false,
-        qk_norm: false,
-        bos: Some(1),
-        eos: Some(2),
-    }
-}
-
-/// Llama with GQA 4:1, llama3 rope scaling and the pairs rotated as GGUF llama stores them; Qwen2 with
-/// biases, a tied head and an odd vocabulary; Qwen3 with q/k norms and head_dim 128 beside hidden 256.
-fn configs() -> Vec<(&'static str, ModelConfig)> {
-    let llama = ModelConfig {
-        rope_scaling: RopeScaling::Llama3 {
-            factor: 8.0,
-            low_freq_factor: 1.0,
-            high_freq_factor: 4.0,
-            original_max_position: 64,
-        },
-        rope_interleaved: true,
-        rope_theta: 500000.0,
-        ..base(Arch::Llama)
-    };
-    let qwen2 = ModelConfig {
-        vocab: 777,
-        hidden: 224,
-        heads: 7,
-        kv_heads: 1,
-        tied: true,
-        qkv_bias: true,
-        intermediate: 480,
-        ..base(Arch::Qwen2)
-    };
-    let qwen3 = ModelConfig { heads: 4, head_dim: 128, qk_norm: true, rope_theta: 1000000.0, ..base(Arch::Qwen3) };
-    vec![("llama", llama), ("qwen2", qwen2), ("qwen3", qwen3)]
-}
-
-/// The embedding rows on the card, as the engine's DEVICE placement hands them over.
-fn rows_on_card(src: &MemSource) -> (DeviceBuffer, RowsOnDevice) {
-    let e = src.tensor(names::EMBED).unwrap();
-    let buf = DeviceBuffer::from_slice(e.bytes).unwrap();
-    let rows = RowsOnDevice { ptr: buf.ptr(), dtype: e.dtype, vocab: e.rows(), cols: e.cols() };
-    (buf, rows)
 }
 
 /// KV pages the tests' models get: 2,048 positions.

@@ -5,6 +5,7 @@
 //! present. Run it once more with HOSTEMBED_CUBLASLT=0 to cover the library's own product kernel.
 
 mod common;
+use common::{prompt_base as base, prompt_configs as configs, rows_on_card};
 
 use std::os::raw::{c_int, c_uint, c_void};
 use std::ptr;
@@ -14,10 +15,10 @@ use hostembed::Status;
 use hostembed::checkpoint::write::MemSource;
 use hostembed::cpu::{self, CpuModel};
 use hostembed::cuda::{self, DeviceBuffer};
-use hostembed::gpu::{GpuModel, PAGE_TOKENS, RowsOnDevice};
+use hostembed::gpu::{GpuModel, PAGE_TOKENS};
 use hostembed::kernels as kn;
 use hostembed::kv::KvType;
-use hostembed::model::{Arch, ModelConfig, RopeScaling, TensorSource, names};
+use hostembed::model::{Arch, ModelConfig};
 use hostembed::sampler::Sampling;
 use hostembed::tensor::{DType, FORMATS, decode_row, encode_row};
 
@@ -439,64 +440,6 @@ fn run_flash(rng: &mut Rng, d: usize, heads: usize, kv_heads: usize, p0: usize, 
 
 fn model(cfg: ModelConfig, dtype: DType, seed: u64) -> MemSource {
     MemSource::synthetic(&cfg, seed, dtype)
-}
-
-fn rows_on_card(src: &MemSource) -> (DeviceBuffer, RowsOnDevice) {
-    let e = src.tensor(names::EMBED).unwrap();
-    let buf = DeviceBuffer::from_slice(e.bytes).unwrap();
-    let rows = RowsOnDevice { ptr: buf.ptr(), dtype: e.dtype, vocab: e.rows(), cols: e.cols() };
-    (buf, rows)
-}
-
-fn base(arch: Arch) -> ModelConfig {
-    ModelConfig {
-        arch,
-        vocab: 1000,
-        hidden: 256,
-        layers: 2,
-        heads: 4,
-        kv_heads: 1,
-        head_dim: 64,
-        intermediate: 512,
-        rms_eps: 1e-5,
-        rope_theta: 10000.0,
-        rope_scaling: RopeScaling::None,
-        rope_interleaved: false,
-        max_position: 65536,
-        tied: false,
-        qkv_bias: false,
-        qk_norm: false,
-        bos: None,
-        eos: None,
-    }
-}
-
-/// Llama (GQA 4:1, head_dim 64, llama3 rope), Qwen2 (biases, tied head, head_dim 32), Qwen3 (q/k norms,
-/// head_dim 128 beside hidden 256).
-fn configs() -> Vec<(&'static str, ModelConfig)> {
-    let llama = ModelConfig {
-        rope_scaling: RopeScaling::Llama3 {
-            factor: 8.0,
-            low_freq_factor: 1.0,
-            high_freq_factor: 4.0,
-            original_max_position: 512,
-        },
-        rope_interleaved: true,
-        rope_theta: 500000.0,
-        ..base(Arch::Llama)
-    };
-    let qwen2 = ModelConfig {
-        heads: 8,
-        kv_heads: 2,
-        head_dim: 32,
-        tied: true,
-        qkv_bias: true,
-        vocab: 777,
-        ..base(Arch::Qwen2)
-    };
-    let qwen3 =
-        ModelConfig { heads: 4, kv_heads: 2, head_dim: 128, qk_norm: true, rope_theta: 1000000.0, ..base(Arch::Qwen3) };
-    vec![("llama", llama), ("qwen2", qwen2), ("qwen3", qwen3)]
 }
 
 fn random_tokens(rng: &mut Rng, vocab: usize, n: usize) -> Vec<u32> {

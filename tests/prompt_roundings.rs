@@ -20,12 +20,13 @@
 //!     cargo test --release --test prompt_roundings -- --ignored --nocapture
 
 mod common;
+use common::prompt_configs as configs;
 
 use common::rel_l2;
 use half::{bf16, f16};
 use hostembed::checkpoint::write::MemSource;
 use hostembed::cpu::{self, CpuModel};
-use hostembed::model::{Arch, LayerWeights, ModelConfig, ModelWeights, RopeScaling, TensorRef, rope_inv_freq};
+use hostembed::model::{LayerWeights, ModelConfig, ModelWeights, TensorRef, rope_inv_freq};
 use hostembed::tensor::DType;
 
 /// The positions `prompt_logits_match_cpu_on_every_architecture` compares.
@@ -273,56 +274,6 @@ fn dot(a: &[f64], b: &[f64]) -> f64 {
         }
     }
     acc.iter().sum()
-}
-
-fn base(arch: Arch) -> ModelConfig {
-    ModelConfig {
-        arch,
-        vocab: 1000,
-        hidden: 256,
-        layers: 2,
-        heads: 4,
-        kv_heads: 1,
-        head_dim: 64,
-        intermediate: 512,
-        rms_eps: 1e-5,
-        rope_theta: 10000.0,
-        rope_scaling: RopeScaling::None,
-        rope_interleaved: false,
-        max_position: 65536,
-        tied: false,
-        qkv_bias: false,
-        qk_norm: false,
-        bos: None,
-        eos: None,
-    }
-}
-
-/// The three models of `tests/gpu_prefill.rs`'s prompt test.
-fn configs() -> Vec<(&'static str, ModelConfig)> {
-    let llama = ModelConfig {
-        rope_scaling: RopeScaling::Llama3 {
-            factor: 8.0,
-            low_freq_factor: 1.0,
-            high_freq_factor: 4.0,
-            original_max_position: 512,
-        },
-        rope_interleaved: true,
-        rope_theta: 500000.0,
-        ..base(Arch::Llama)
-    };
-    let qwen2 = ModelConfig {
-        heads: 8,
-        kv_heads: 2,
-        head_dim: 32,
-        tied: true,
-        qkv_bias: true,
-        vocab: 777,
-        ..base(Arch::Qwen2)
-    };
-    let qwen3 =
-        ModelConfig { heads: 4, kv_heads: 2, head_dim: 128, qk_norm: true, rope_theta: 1000000.0, ..base(Arch::Qwen3) };
-    vec![("llama", llama), ("qwen2", qwen2), ("qwen3", qwen3)]
 }
 
 /// The worst relative L2 over the positions between two sets of logits.

@@ -2,10 +2,13 @@
 #![allow(dead_code)]
 
 use hostembed::Status;
+use hostembed::checkpoint::write::MemSource;
 use hostembed::checkpoint::write::{write_synthetic_gguf, write_synthetic_hf};
+use hostembed::cuda::DeviceBuffer;
 use hostembed::engine::engine_options;
 use hostembed::ffi;
-use hostembed::model::ModelConfig;
+use hostembed::gpu::RowsOnDevice;
+use hostembed::model::{Arch, ModelConfig, RopeScaling, TensorSource, names};
 use hostembed::placement::engine_memory;
 use hostembed::sampler::splitmix64;
 use hostembed::status::last_error;
@@ -270,4 +273,124 @@ impl PagedKv {
         let mut next = ids.into_iter();
         lens.iter().map(|&len| (0..len.div_ceil(pt)).map(|_| next.next().expect("pool too small")).collect()).collect()
     }
+}
+
+// ---- small random models the GPU suites share ----
+
+pub fn decode_base(arch: Arch) -> ModelConfig {
+    ModelConfig {
+        arch,
+        vocab: 1000,
+        hidden: 256,
+        layers: 2,
+        heads: 8,
+        kv_heads: 2,
+        head_dim: 32,
+        intermediate: 512,
+        rms_eps: 1e-5,
+        rope_theta: 10000.0,
+        rope_scaling: RopeScaling::None,
+        rope_interleaved: false,
+        max_position: 4096,
+        tied: false,
+        qkv_bias: false,
+        qk_norm: false,
+        bos: Some(1),
+        eos: Some(2),
+    }
+}
+
+/// Llama with GQA 4:1, llama3 rope scaling and the pairs rotated as GGUF llama stores them; Qwen2 with
+/// biases, a tied head and an odd vocabulary; Qwen3 with q/k norms and head_dim 128 beside hidden 256.
+pub fn decode_configs() -> Vec<(&'static str, ModelConfig)> {
+    let llama = ModelConfig {
+        rope_scaling: RopeScaling::Llama3 {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position: 64,
+        },
+        rope_interleaved: true,
+        rope_theta: 500000.0,
+        ..decode_base(Arch::Llama)
+    };
+    let qwen2 = ModelConfig {
+        vocab: 777,
+        hidden: 224,
+        heads: 7,
+        kv_heads: 1,
+        tied: true,
+        qkv_bias: true,
+        intermediate: 480,
+        ..decode_base(Arch::Qwen2)
+    };
+    let qwen3 =
+        ModelConfig { heads: 4, head_dim: 128, qk_norm: true, rope_theta: 1000000.0, ..decode_base(Arch::Qwen3) };
+    vec![("llama", llama), ("qwen2", qwen2), ("qwen3", qwen3)]
+}
+
+/// The prompt suites' shape (tests/gpu_prefill.rs, and its CPU emulation tests/prompt_roundings.rs).
+pub fn prompt_base(arch: Arch) -> ModelConfig {
+    ModelConfig {
+        arch,
+        vocab: 1000,
+        hidden: 256,
+        layers: 2,
+        heads: 4,
+        kv_heads: 1,
+        head_dim: 64,
+        intermediate: 512,
+        rms_eps: 1e-5,
+        rope_theta: 10000.0,
+        rope_scaling: RopeScaling::None,
+        rope_interleaved: false,
+        max_position: 65536,
+        tied: false,
+        qkv_bias: false,
+        qk_norm: false,
+        bos: None,
+        eos: None,
+    }
+}
+
+/// Llama (GQA 4:1, head_dim 64, llama3 rope), Qwen2 (biases, tied head, head_dim 32), Qwen3 (q/k norms,
+/// head_dim 128 beside hidden 256).
+pub fn prompt_configs() -> Vec<(&'static str, ModelConfig)> {
+    let llama = ModelConfig {
+        rope_scaling: RopeScaling::Llama3 {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position: 512,
+        },
+        rope_interleaved: true,
+        rope_theta: 500000.0,
+        ..prompt_base(Arch::Llama)
+    };
+    let qwen2 = ModelConfig {
+        heads: 8,
+        kv_heads: 2,
+        head_dim: 32,
+        tied: true,
+        qkv_bias: true,
+        vocab: 777,
+        ..prompt_base(Arch::Qwen2)
+    };
+    let qwen3 = ModelConfig {
+        heads: 4,
+        kv_heads: 2,
+        head_dim: 128,
+        qk_norm: true,
+        rope_theta: 1000000.0,
+        ..prompt_base(Arch::Qwen3)
+    };
+    vec![("llama", llama), ("qwen2", qwen2), ("qwen3", qwen3)]
+}
+
+/// The embedding rows on the card, as the engine's DEVICE placement hands them over.
+pub fn rows_on_card(src: &MemSource) -> (DeviceBuffer, RowsOnDevice) {
+    let e = src.tensor(names::EMBED).unwrap();
+    let buf = DeviceBuffer::from_slice(e.bytes).unwrap();
+    let rows = RowsOnDevice { ptr: buf.ptr(), dtype: e.dtype, vocab: e.rows(), cols: e.cols() };
+    (buf, rows)
 }
