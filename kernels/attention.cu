@@ -249,25 +249,44 @@ __global__ __launch_bounds__(AT_THREADS, 2) void attention_split_kernel(
     }
 }
 
-// out[t][h] = sum over parts of acc * 2^(m - M) / sum over parts of l * 2^(m - M).
+// out[t][h] = sum over parts of acc * 2^(m - M) / sum over parts of l * 2^(m - M), in part order. The
+// parts' (m, l) are loaded together into shared memory first, and only the parts the split kernel filled
+// for this context are read (the others are empty: weight zero), so a short context costs one part.
+constexpr unsigned int AT_MAX_SPLITS = 1024;
 __global__ void attention_combine_kernel(const float *__restrict__ partial, unsigned int heads, unsigned int d,
-                                         unsigned int splits, float *__restrict__ out) {
+                                         unsigned int splits, const int *__restrict__ pos, float *__restrict__ out) {
+    __shared__ float w_s[AT_MAX_SPLITS];
+    __shared__ float inv_s;
     const unsigned int h = blockIdx.x, t = blockIdx.y;
     const size_t pstride = (size_t)d + 2;
     const float *base = partial + ((size_t)t * heads + h) * splits * pstride;
-    float m_all = -INFINITY;
-    for (unsigned int s = 0; s < splits; s++) m_all = fmaxf(m_all, base[s * pstride]);
-    float l_all = 0.f;
-    for (unsigned int s = 0; s < splits; s++) {
-        const float m = base[s * pstride];
-        if (m != -INFINITY) l_all += base[s * pstride + 1] * exp2f(m - m_all);
+    // The split kernel's cut: parts of `chunk` positions, the ones past the context empty.
+    const int p_t = pos[t];
+    const unsigned int ctx = p_t < 0 ? 0u : (unsigned int)p_t + 1;
+    const unsigned int units = (ctx + AT_UNIT - 1) / AT_UNIT;
+    const unsigned int chunk = max((units + splits - 1) / splits, (unsigned int)(AT_TILE / AT_UNIT)) * AT_UNIT;
+    const unsigned int used = min(splits, (ctx + chunk - 1) / chunk);
+    for (unsigned int s = threadIdx.x; s < used; s += blockDim.x) w_s[s] = base[s * pstride];
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float m_all = -INFINITY;
+        for (unsigned int s = 0; s < used; s++) m_all = fmaxf(m_all, w_s[s]);
+        float l_all = 0.f;
+        for (unsigned int s = 0; s < used; s++) {
+            const float m = w_s[s];
+            const float wt = m != -INFINITY ? exp2f(m - m_all) : 0.f;
+            if (m != -INFINITY) l_all += base[s * pstride + 1] * wt;
+            w_s[s] = wt;
+        }
+        inv_s = 1.f / l_all;
     }
-    const float inv = 1.f / l_all;
+    __syncthreads();
+    const float inv = inv_s;
     for (unsigned int c = threadIdx.x; c < d; c += blockDim.x) {
         float o = 0.f;
-        for (unsigned int s = 0; s < splits; s++) {
-            const float m = base[s * pstride];
-            if (m != -INFINITY) o += base[s * pstride + 2 + c] * exp2f(m - m_all);
+#pragma unroll 8
+        for (unsigned int s = 0; s < used; s++) {
+            if (w_s[s] != 0.f) o += base[s * pstride + 2 + c] * w_s[s];
         }
         out[((size_t)t * heads + h) * d + c] = o * inv;
     }
@@ -331,7 +350,7 @@ extern "C" cudaError_t hostembed_attention(const float *q, unsigned int q_stride
         out == nullptr)
         return cudaErrorInvalidValue;
     if (heads == 0 || kv_heads == 0 || heads % kv_heads != 0 || head_dim == 0 || head_dim % 8 != 0 ||
-        head_dim > 256 || pool_pages == 0 || splits == 0 || splits > 65535 || n > 65535)
+        head_dim > 256 || pool_pages == 0 || splits == 0 || splits > AT_MAX_SPLITS || n > 65535)
         return cudaErrorInvalidValue;
     if (!he::kv_type_ok(k_type, head_dim) || !he::kv_type_ok(v_type, head_dim)) return cudaErrorInvalidValue;
     if ((size_t)q_stride < (size_t)heads * head_dim) return cudaErrorInvalidValue;
@@ -353,6 +372,6 @@ extern "C" cudaError_t hostembed_attention(const float *q, unsigned int q_stride
         launch_d<256>(hb, n, a, stream);
     cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return err;
-    attention_combine_kernel<<<dim3(heads, n), 128, 0, stream>>>(partial, heads, head_dim, splits, out);
+    attention_combine_kernel<<<dim3(heads, n), 128, 0, stream>>>(partial, heads, head_dim, splits, pos, out);
     return cudaGetLastError();
 }

@@ -118,7 +118,7 @@ cudaError_t hostembed_kv_page_tokens(unsigned int *page_tokens);
 // The context is cut in at most `splits` parts of whole 32-position units, 128 positions at least (the
 // cut depends only on pos[t] and splits), computed by separate blocks and combined in order; partial
 // holds n*heads*splits*(head_dim+2) floats. head_dim a multiple of 8 (of HE_KV_BLOCK for a block type),
-// <= 256.
+// <= 256; splits <= 1024.
 cudaError_t hostembed_attention(const float *q, unsigned int q_stride, const void *kv_pool,
                                 const unsigned int *const *tables, unsigned int pool_pages, int k_type, int v_type,
                                 const int *pos, unsigned int n, unsigned int heads, unsigned int kv_heads,

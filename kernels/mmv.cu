@@ -3,21 +3,23 @@
 // invariance): mma.sync computes each output from its own row of A and column of B only, the K order is
 // fixed, and how a matrix is split depends on its shape alone, never on the token count.
 //
-// Operands: the tokens are mma's M (16 a tile, up to 4 tiles), weight rows its N (8 a tile), K the
-// columns. Each f32 activation enters as two bf16s, hi = rn(x) and lo = rn(x - hi), each multiplied and
-// accumulated in f32 (about 16 significant bits of x: the product stays within f32-activation rounding of
-// the CPU's, where bf16 activations alone would cost ~1e-3). Weights enter as stored: bf16 rows directly,
-// block formats as their small integer quants (exact in bf16), each step's partial product then scaled
-// by the row's scale (and the offset times the step's activation sum) in f32.
+// Two kinds of product share the layout. BF16 rows: each f32 activation enters as two bf16s, hi = rn(x)
+// and lo = rn(x - hi), each multiplied and accumulated in f32 (about 16 significant bits of x: within
+// f32-activation rounding of the CPU's product, where bf16 activations alone would cost ~1e-3). Block
+// formats: integer products (mma s8/u8 -> s32, exact). A token's activations are quantized per 256
+// columns to v = rn(x * 32639 / max|x|), a 16-bit integer sent as two int8 halves (v = 256 hi + lo) in
+// two columns of B; the weights enter as their quants. Each block's integer sum is exact, so only the
+// float epilogue (the block scales, then the activation scale per 256 columns, in column order) rounds:
+// about 2e-5 relative against the CPU's f32 product, and far fewer instructions a weight than unpacking
+// quants into bf16.
 //
-// Layout: a block of 8 warps takes 128 weight rows (each warp two n-tiles: rows g and g + 8 of its 16;
-// a GLU launch puts 8 gate rows and the same 8 up rows in a warp) and one of `splits` column ranges. The
-// activations of a 256-column chunk are staged once per block in shared memory, hi and lo side by side;
-// each lane then streams its weight rows straight from memory into registers (several steps in flight),
-// and reads its A fragments from shared memory. A lane (g, t) holds, per 16-column k-step, the 4 columns
-// the step's `group(t)` names: b0 = W[row g][those 0, 1], b1 = [2, 3], and A's a0/a2 the same columns of
-// token g (a1/a3 of token g + 8). With splits > 1 each block writes its partial sums, and the last block
-// of a row range to arrive (an atomic counter) adds them in split order and applies the epilogue.
+// Layout: a block of 8 warps takes 128 weight rows (each warp rows g and g + 8 of its 16 as mma's A; a
+// GLU launch puts 8 gate rows and the same 8 up rows in a warp) and one of `splits` column ranges. The
+// activations of a chunk of columns are staged once per block in shared memory; each lane streams its
+// weight rows straight from memory into registers (a column group ahead of the arithmetic). A lane
+// (g, t) holds, per 32-column step, 8 of the step's columns of its two rows (a reader's choice, the
+// same for B). With splits > 1 each block writes its partial sums, and the last block of a row range to
+// arrive (an atomic counter) adds them in split order and applies the epilogue.
 #include "formats.cuh"
 
 namespace {
@@ -46,11 +48,15 @@ struct MmvShape {
     unsigned int row_blocks, splits, kr;
 };
 
-__host__ __device__ inline MmvShape mmv_shape(unsigned int rows, unsigned int cols, bool glu) {
+// `whole_waves` (the integer products) rounds the splits down, so that a matrix of more than half the
+// target's row blocks stays one wave (14,336-row GLU: 224 blocks, not 448 in 1.7 waves); the workspace
+// is sized by the rounding up, which is never less.
+__host__ __device__ inline MmvShape mmv_shape(unsigned int rows, unsigned int cols, bool glu, bool whole_waves = false) {
     const unsigned int out_rows = glu ? MMV_BLOCK_ROWS / 2 : MMV_BLOCK_ROWS;
     MmvShape s;
     s.row_blocks = (rows + out_rows - 1) / out_rows;
-    unsigned int splits = (MMV_TARGET_BLOCKS + s.row_blocks - 1) / s.row_blocks;
+    unsigned int splits = whole_waves ? max(1u, MMV_TARGET_BLOCKS / s.row_blocks)
+                                      : (MMV_TARGET_BLOCKS + s.row_blocks - 1) / s.row_blocks;
     const unsigned int chunks = (cols + MMV_KC - 1) / MMV_KC;
     splits = splits < chunks ? splits : chunks;
     splits = splits < MMV_MAX_SPLITS ? splits : MMV_MAX_SPLITS;
@@ -64,53 +70,18 @@ __host__ __device__ inline MmvShape mmv_shape(unsigned int rows, unsigned int co
 
 __device__ __forceinline__ unsigned int pack_bf16(float lo, float hi) { return he::Bf16Op::pack(lo, hi); }
 
-// The 32-bit word at p, whose address is 2-byte aligned (two 16-bit loads unless it is 4-byte aligned).
-__device__ __forceinline__ unsigned int ld32_a2(const unsigned char *p) {
-    if ((reinterpret_cast<uintptr_t>(p) & 3) == 0) return __ldg(reinterpret_cast<const unsigned int *>(p));
-    const unsigned short *h = reinterpret_cast<const unsigned short *>(p);
-    return (unsigned int)__ldg(h) | ((unsigned int)__ldg(h + 1) << 16);
+__device__ __forceinline__ unsigned int ldg16(const unsigned char *p) {
+    return __ldg(reinterpret_cast<const unsigned short *>(p));
 }
+__device__ __forceinline__ unsigned int halves(unsigned int lo, unsigned int hi) { return __byte_perm(lo, hi, 0x5410); }
 
-__device__ __forceinline__ float ld_f16(const unsigned char *p) {
-    return he::f16_bits_to_f32(__ldg(reinterpret_cast<const unsigned short *>(p)));
-}
+// ---- BF16 rows: the hi/lo product ----
 
-// The 4 bytes of w (each 0..127) less `bias`, as two exact bf16 pairs: b0 = (q0, q1), b1 = (q2, q3). 0x43
-// above a byte is the bf16 128 + byte, and one packed subtraction takes 128 + bias off (exact: small
-// integers). Folding the 128 into the offset instead (times the activation sum) saves the subtraction
-// but cancels ~4 bits of the product: 6e-5 relative against 3e-6, measured.
-__device__ __forceinline__ unsigned int bytes_bf16(unsigned int w, unsigned int sel, __nv_bfloat162 off) {
-    const unsigned int v = __byte_perm(w, 0x43u, sel);
-    __nv_bfloat162 b = *reinterpret_cast<const __nv_bfloat162 *>(&v);
-    b = __hsub2(b, off);
-    return *reinterpret_cast<const unsigned int *>(&b);
-}
-__device__ __forceinline__ void small_ints(unsigned int w, float bias, unsigned int &b0, unsigned int &b1) {
-    const __nv_bfloat162 off = __floats2bfloat162_rn(128.f + bias, 128.f + bias);
-    b0 = bytes_bf16(w, 0x4140u, off);
-    b1 = bytes_bf16(w, 0x4342u, off);
-}
-
-// The 4 signed bytes of w as two exact bf16 pairs (int8 needs the f32 route: 128 + q is past bf16's
-// integers).
-__device__ __forceinline__ void signed_bytes(unsigned int w, unsigned int &b0, unsigned int &b1) {
-    const float q0 = (float)(signed char)(w & 0xFFu), q1 = (float)(signed char)((w >> 8) & 0xFFu);
-    const float q2 = (float)(signed char)((w >> 16) & 0xFFu), q3 = (float)(signed char)(w >> 24);
-    b0 = pack_bf16(q0, q1);
-    b1 = pack_bf16(q2, q3);
-}
-
-// ---- the formats' lane readers ----
-// A reader gives, for STEP columns of one weight row (one or two 16-column k-steps; group(t, k) is the
-// first of the 4 columns lane t holds in k-step k), the lane's half of the A fragment for that row
-// (f[k][0]: the group's columns 0 and 1, f[k][1]: columns 2 and 3), and for scaled formats the row's
-// scale and offset for the step. A read is split into `fetch` (the loads of TILE_STEPS steps, issued
-// ahead of any use) and `frag` (the arithmetic of one step).
-
-// BF16 rows: a 32-column step is one 16-byte load of columns 8t .. 8t + 7 (k-step 0: 8t..8t+3).
+// A 32-column step is one 16-byte load of columns 8t .. 8t + 7 (k-step 0: 8t..8t+3): f[k][0] holds the
+// k-step's columns 0 and 1 of the lane's group, f[k][1] columns 2 and 3.
 struct MmaBF16 {
-    static constexpr unsigned STEP = 32, KSTEPS = 2, TILE_STEPS = 1, UNROLL = MMV_BF16_UNROLL, ALIGN = 16;
-    static constexpr bool SCALED = false, HAS_MIN = false;
+    static constexpr unsigned STEP = 32, KSTEPS = 2, UNROLL = MMV_BF16_UNROLL, ALIGN = 16;
+    static constexpr bool INT = false;
     struct Raw {
         uint4 q;
     };
@@ -118,111 +89,124 @@ struct MmaBF16 {
     static __device__ __forceinline__ void fetch(Raw &r, const unsigned char *row, unsigned int col, unsigned int t) {
         r.q = he::load_stream16(row + 2 * ((size_t)col + 8 * t));
     }
-    static __device__ __forceinline__ void frag(const Raw &r, int, unsigned int (&f)[KSTEPS][2], float &, float &) {
+    static __device__ __forceinline__ void frag(const Raw &r, unsigned int (&f)[KSTEPS][2]) {
         f[0][0] = r.q.x, f[0][1] = r.q.y, f[1][0] = r.q.z, f[1][1] = r.q.w;
     }
 };
 
-// Q8_0: a step is one 34-byte block (2-byte aligned); lane t takes quants 8t .. 8t + 7.
-struct MmaQ8_0 {
-    static constexpr unsigned STEP = 32, KSTEPS = 2, TILE_STEPS = 1, UNROLL = 4, BYTES = 34, ALIGN = 2;
-    static constexpr bool SCALED = true, HAS_MIN = false;
+// ---- block formats: the integer product's lane readers ----
+// A reader gives, for each STEP-column step (32: one m16n8k32 product, 16: one m16n8k16) of a TILE of
+// TILE_STEPS steps, the lane's A words of one weight row: w[h] holds the 4 quants (bytes) of k-half h
+// (STEP 32: w[0] columns 8t..8t+3 of the step, w[1] 8t+4..8t+7; STEP 16: w[0] columns 4t..4t+3), and the
+// step's scale. SUPER readers (k-quants) give an integer sub-scale `isc` (and min `imin`) a step and the
+// tile's float scales (`tile`: d and -dmin); block readers a float scale `fsc` a step. `fetch` only
+// loads (raw bits, nothing converted, so the loads stay in flight until the step that uses them).
+
+// Q8_0: a step is one 34-byte block (2-byte aligned), lane t takes quants 8t .. 8t + 7 as they are.
+struct QQ8_0 {
+    static constexpr unsigned STEP = 32, TILE_STEPS = 1, UNROLL = 8, BYTES = 34, ALIGN = 2;
+    static constexpr bool INT = true, SIGNED = true, SUPER = false, HAS_MIN = false;
     struct Raw {
-        unsigned int q0, q1;
-        float d;
+        unsigned int q[4], d;  // 16-bit halves
     };
-    static __device__ __forceinline__ unsigned int group(unsigned int t, unsigned int k) { return 8 * t + 4 * k; }
     static __device__ __forceinline__ void fetch(Raw &r, const unsigned char *row, unsigned int col, unsigned int t) {
         const unsigned char *b = row + (size_t)(col / 32) * BYTES;
-        r.q0 = ld32_a2(b + 2 + 8 * t);
-        r.q1 = ld32_a2(b + 6 + 8 * t);
-        r.d = ld_f16(b);
+#pragma unroll
+        for (int i = 0; i < 4; i++) r.q[i] = ldg16(b + 2 + 8 * t + 2 * i);
+        r.d = ldg16(b);
     }
-    static __device__ __forceinline__ void frag(const Raw &r, int, unsigned int (&f)[KSTEPS][2], float &scale,
-                                                float &add) {
-        signed_bytes(r.q0, f[0][0], f[0][1]);
-        signed_bytes(r.q1, f[1][0], f[1][1]);
-        scale = r.d, add = 0.f;
+    static __device__ __forceinline__ void a(const Raw &r, int, unsigned int (&w)[2], unsigned int) {
+        w[0] = halves(r.q[0], r.q[1]), w[1] = halves(r.q[2], r.q[3]);
     }
+    static __device__ __forceinline__ float fsc(const Raw &r, int) { return he::f16_bits_to_f32(r.d); }
 };
 
-// Q4_0: a step is one 18-byte block; lane t takes values 8t .. 8t + 7: the low (t < 2) or high nibbles
-// of bytes 8(t % 2) .. + 7.
-struct MmaQ4_0 {
-    static constexpr unsigned STEP = 32, KSTEPS = 2, TILE_STEPS = 1, UNROLL = 4, BYTES = 18, ALIGN = 2;
-    static constexpr bool SCALED = true, HAS_MIN = false;
-    struct Raw {
-        unsigned int q0, q1;
-        float d;
-    };
-    static __device__ __forceinline__ unsigned int group(unsigned int t, unsigned int k) { return 8 * t + 4 * k; }
-    static __device__ __forceinline__ void fetch(Raw &r, const unsigned char *row, unsigned int col, unsigned int t) {
-        const unsigned char *b = row + (size_t)(col / 32) * BYTES;
-        const unsigned int shift = t < 2 ? 0 : 4;
-        r.q0 = (ld32_a2(b + 2 + 8 * (t % 2)) >> shift) & 0x0F0F0F0Fu;
-        r.q1 = (ld32_a2(b + 6 + 8 * (t % 2)) >> shift) & 0x0F0F0F0Fu;
-        r.d = ld_f16(b);
-    }
-    static __device__ __forceinline__ void frag(const Raw &r, int, unsigned int (&f)[KSTEPS][2], float &scale,
-                                                float &add) {
-        small_ints(r.q0, 8.f, f[0][0], f[0][1]);
-        small_ints(r.q1, 8.f, f[1][0], f[1][1]);
-        scale = r.d, add = 0.f;
-    }
-};
-
-// The 6-bit scale and min of sub-block u from a Q4_K / Q5_K header held as 4 words (d, dmin, 12 bytes).
-__device__ __forceinline__ void k4_scale_min(const uint4 &h, int u, float &scale, float &add) {
-    const unsigned int s[3] = {h.y, h.z, h.w};  // the 12 scale bytes
-    auto byte = [&](int i) { return (s[i / 4] >> (8 * (i % 4))) & 0xFFu; };
-    unsigned int sc, m;
-    if (u < 4) {
-        sc = byte(u) & 63u;
-        m = byte(u + 4) & 63u;
-    } else {
-        sc = (byte(u + 4) & 0xFu) | ((byte(u - 4) >> 6) << 4);
-        m = (byte(u + 4) >> 4) | ((byte(u) >> 6) << 4);
-    }
-    scale = he::f16_bits_to_f32(h.x & 0xFFFFu) * (float)sc;
-    add = -(he::f16_bits_to_f32(h.x >> 16) * (float)m);
+// Signed bytes q - bias from bytes q < 128 (no borrow crosses a byte: each is lifted by 0x80 first).
+__device__ __forceinline__ unsigned int sub_bytes(unsigned int q, unsigned int bias4) {
+    return ((q | 0x80808080u) - bias4) ^ 0x80808080u;
 }
 
-// Q4_K: a tile is a 144-byte super-block (8 steps of 32: its sub-blocks); lane t takes values 8t .. 8t + 7
-// of each sub-block: bytes 8t .. + 7 of the 32 at 32(u / 2), low nibbles for even u.
-struct MmaQ4_K {
-    static constexpr unsigned STEP = 32, KSTEPS = 2, TILE_STEPS = 8, UNROLL = 1, BYTES = 144, QS = 16, ALIGN = 16;
-    static constexpr bool SCALED = true, HAS_MIN = true;
+// Q4_0: a step is one 18-byte block; lane t takes values 8t .. 8t + 7: the low (t < 2) or high nibbles of
+// bytes 8(t % 2) .. + 7, less 8.
+struct QQ4_0 {
+    static constexpr unsigned STEP = 32, TILE_STEPS = 1, UNROLL = 8, BYTES = 18, ALIGN = 2;
+    static constexpr bool INT = true, SIGNED = true, SUPER = false, HAS_MIN = false;
+    struct Raw {
+        unsigned int q[4], d;
+    };
+    static __device__ __forceinline__ void fetch(Raw &r, const unsigned char *row, unsigned int col, unsigned int t) {
+        const unsigned char *b = row + (size_t)(col / 32) * BYTES;
+#pragma unroll
+        for (int i = 0; i < 4; i++) r.q[i] = ldg16(b + 2 + 8 * (t % 2) + 2 * i);
+        r.d = ldg16(b);
+    }
+    static __device__ __forceinline__ void a(const Raw &r, int, unsigned int (&w)[2], unsigned int t) {
+        const unsigned int shift = t < 2 ? 0 : 4;
+        w[0] = sub_bytes((halves(r.q[0], r.q[1]) >> shift) & 0x0F0F0F0Fu, 0x08080808u);
+        w[1] = sub_bytes((halves(r.q[2], r.q[3]) >> shift) & 0x0F0F0F0Fu, 0x08080808u);
+    }
+    static __device__ __forceinline__ float fsc(const Raw &r, int) { return he::f16_bits_to_f32(r.d); }
+};
+
+// The 8 six-bit sub-scales and mins of a Q4_K / Q5_K header (d, dmin, 12 bytes) as bytes: sc[0] holds
+// those of sub-blocks 0..3, sc[1] 4..7.
+struct KScales {
+    static __device__ __forceinline__ void packed(const uint4 &h, unsigned int (&sc)[2], unsigned int (&m)[2]) {
+        sc[0] = h.y & 0x3F3F3F3Fu;
+        m[0] = h.z & 0x3F3F3F3Fu;
+        sc[1] = (h.w & 0x0F0F0F0Fu) | ((h.y >> 2) & 0x30303030u);
+        m[1] = ((h.w >> 4) & 0x0F0F0F0Fu) | ((h.z >> 2) & 0x30303030u);
+    }
+    static __device__ __forceinline__ int isc_of(const uint4 &h, int s) {
+        unsigned int sc[2], m[2];
+        packed(h, sc, m);
+        return (int)((sc[s / 4] >> (8 * (s % 4))) & 0xFFu);
+    }
+    static __device__ __forceinline__ int imin_of(const uint4 &h, int s) {
+        unsigned int sc[2], m[2];
+        packed(h, sc, m);
+        return (int)((m[s / 4] >> (8 * (s % 4))) & 0xFFu);
+    }
+    static __device__ __forceinline__ void tile_of(const uint4 &h, float &d, float &neg_dmin) {
+        d = he::f16_bits_to_f32(h.x & 0xFFFFu);
+        neg_dmin = -he::f16_bits_to_f32(h.x >> 16);
+    }
+};
+
+// Q4_K: a tile is a 144-byte super-block (8 steps: its sub-blocks); lane t takes values 8t .. 8t + 7 of
+// each sub-block: bytes 8t .. + 7 of the 32 at 32(s / 2), low nibbles for even s.
+struct QQ4_K : KScales {
+    static constexpr unsigned STEP = 32, TILE_STEPS = 8, UNROLL = 2, BYTES = 144, QS = 16, ALIGN = 16;
+    static constexpr bool INT = true, SIGNED = false, SUPER = true, HAS_MIN = true;
     struct Raw {
         uint2 q[4];
         uint4 h;
     };
-    static __device__ __forceinline__ unsigned int group(unsigned int t, unsigned int k) { return 8 * t + 4 * k; }
     static __device__ __forceinline__ void fetch(Raw &r, const unsigned char *row, unsigned int col, unsigned int t) {
         const unsigned char *b = row + (size_t)(col / 256) * BYTES;
 #pragma unroll
         for (int p = 0; p < 4; p++) r.q[p] = __ldg(reinterpret_cast<const uint2 *>(b + QS + 32 * p + 8 * t));
         r.h = __ldg(reinterpret_cast<const uint4 *>(b));
     }
-    static __device__ __forceinline__ void frag(const Raw &r, int u, unsigned int (&f)[KSTEPS][2], float &scale,
-                                                float &add) {
-        const unsigned int shift = u % 2 ? 4 : 0;
-        small_ints((r.q[u / 2].x >> shift) & 0x0F0F0F0Fu, 0.f, f[0][0], f[0][1]);
-        small_ints((r.q[u / 2].y >> shift) & 0x0F0F0F0Fu, 0.f, f[1][0], f[1][1]);
-        k4_scale_min(r.h, u, scale, add);
+    static __device__ __forceinline__ void a(const Raw &r, int s, unsigned int (&w)[2], unsigned int) {
+        const unsigned int shift = s % 2 ? 4 : 0;
+        w[0] = (r.q[s / 2].x >> shift) & 0x0F0F0F0Fu;
+        w[1] = (r.q[s / 2].y >> shift) & 0x0F0F0F0Fu;
     }
+    static __device__ __forceinline__ int isc(const Raw &r, int s) { return isc_of(r.h, s); }
+    static __device__ __forceinline__ int imin(const Raw &r, int s) { return imin_of(r.h, s); }
+    static __device__ __forceinline__ void tile(const Raw &r, float &d, float &neg_dmin) { tile_of(r.h, d, neg_dmin); }
 };
 
-// Q5_K: Q4_K's layout with 32 bytes of fifth bits at 16 (bit u of byte l for value l of sub-block u).
-struct MmaQ5_K {
-    static constexpr unsigned STEP = 32, KSTEPS = 2, TILE_STEPS = 8, UNROLL = 1, BYTES = 176, QH = 16, QS = 48;
-    static constexpr unsigned ALIGN = 16;
-    static constexpr bool SCALED = true, HAS_MIN = true;
+// Q5_K: Q4_K's layout with 32 bytes of fifth bits at 16 (bit s of byte l for value l of sub-block s).
+struct QQ5_K : KScales {
+    static constexpr unsigned STEP = 32, TILE_STEPS = 8, UNROLL = 2, BYTES = 176, QH = 16, QS = 48, ALIGN = 16;
+    static constexpr bool INT = true, SIGNED = false, SUPER = true, HAS_MIN = true;
     struct Raw {
         uint2 q[4];
         uint2 hb;
         uint4 h;
     };
-    static __device__ __forceinline__ unsigned int group(unsigned int t, unsigned int k) { return 8 * t + 4 * k; }
     static __device__ __forceinline__ void fetch(Raw &r, const unsigned char *row, unsigned int col, unsigned int t) {
         const unsigned char *b = row + (size_t)(col / 256) * BYTES;
 #pragma unroll
@@ -230,56 +214,61 @@ struct MmaQ5_K {
         r.hb = __ldg(reinterpret_cast<const uint2 *>(b + QH + 8 * t));
         r.h = __ldg(reinterpret_cast<const uint4 *>(b));
     }
-    static __device__ __forceinline__ void frag(const Raw &r, int u, unsigned int (&f)[KSTEPS][2], float &scale,
-                                                float &add) {
-        const unsigned int shift = u % 2 ? 4 : 0;
-        const unsigned int q0 = ((r.q[u / 2].x >> shift) & 0x0F0F0F0Fu) | (((r.hb.x >> u) & 0x01010101u) << 4);
-        const unsigned int q1 = ((r.q[u / 2].y >> shift) & 0x0F0F0F0Fu) | (((r.hb.y >> u) & 0x01010101u) << 4);
-        small_ints(q0, 0.f, f[0][0], f[0][1]);
-        small_ints(q1, 0.f, f[1][0], f[1][1]);
-        k4_scale_min(r.h, u, scale, add);
+    static __device__ __forceinline__ void a(const Raw &r, int s, unsigned int (&w)[2], unsigned int) {
+        const unsigned int shift = s % 2 ? 4 : 0;
+        w[0] = ((r.q[s / 2].x >> shift) & 0x0F0F0F0Fu) | (((r.hb.x >> s) & 0x01010101u) << 4);
+        w[1] = ((r.q[s / 2].y >> shift) & 0x0F0F0F0Fu) | (((r.hb.y >> s) & 0x01010101u) << 4);
     }
+    static __device__ __forceinline__ int isc(const Raw &r, int s) { return isc_of(r.h, s); }
+    static __device__ __forceinline__ int imin(const Raw &r, int s) { return imin_of(r.h, s); }
+    static __device__ __forceinline__ void tile(const Raw &r, float &d, float &neg_dmin) { tile_of(r.h, d, neg_dmin); }
 };
 
-// Q6_K: a tile is a 210-byte super-block (2-byte aligned) in 16 steps of 16 columns (each its own scale);
-// lane t takes values 4t .. 4t + 3 of each: in half n, quarter k, columns l = 16(step % 2) + 4t .. + 3,
-// low nibbles (k < 2) or high of ql[64n + 32(k % 2) + l], bits 2k of qh[32n + l].
-struct MmaQ6_K {
-    static constexpr unsigned STEP = 16, KSTEPS = 1, TILE_STEPS = 16, UNROLL = 1, BYTES = 210, ALIGN = 2;
+// Q6_K: a tile is half a 210-byte super-block (2-byte aligned): half n of its 256 values, 8 steps of 16
+// columns (each its own int8 scale); lane t takes values 4t .. 4t + 3 of each: in quarter k, columns
+// l = 16(s % 2) + 4t .. + 3, low nibbles (k < 2) or high of ql[64n + 32(k % 2) + l], bits 2k of
+// qh[32n + l], less 32.
+struct QQ6_K {
+    static constexpr unsigned STEP = 16, TILE_STEPS = 8, UNROLL = 2, BYTES = 210, ALIGN = 2;
     static constexpr unsigned QL = 0, QH = 128, SCALES = 192, D = 208;
-    static constexpr bool SCALED = true, HAS_MIN = false;
+    static constexpr bool INT = true, SIGNED = true, SUPER = true, HAS_MIN = false;
     struct Raw {
-        unsigned int ql[2][2][2];  // [n][k % 2][l half]
-        unsigned int qh[2][2];     // [n][l half]
-        unsigned int sc[4];        // the 16 int8 scales
-        float d;
+        unsigned int ql[2][2][2];  // [k % 2][l half][16-bit half]
+        unsigned int qh[2][2];     // [l half][16-bit half]
+        unsigned int sc[4];        // the half's 8 int8 scales, 16 bits at a time
+        unsigned int d;
     };
-    static __device__ __forceinline__ unsigned int group(unsigned int t, unsigned int) { return 4 * t; }
     static __device__ __forceinline__ void fetch(Raw &r, const unsigned char *row, unsigned int col, unsigned int t) {
         const unsigned char *b = row + (size_t)(col / 256) * BYTES;
+        const unsigned int n = (col / 128) % 2;
 #pragma unroll
-        for (int n = 0; n < 2; n++)
+        for (int h = 0; h < 2; h++) {
+            const unsigned int l = 16 * h + 4 * t;
 #pragma unroll
-            for (int h = 0; h < 2; h++) {
-                const unsigned int l = 16 * h + 4 * t;
-                r.ql[n][0][h] = ld32_a2(b + QL + 64 * n + l);
-                r.ql[n][1][h] = ld32_a2(b + QL + 64 * n + 32 + l);
-                r.qh[n][h] = ld32_a2(b + QH + 32 * n + l);
+            for (int e = 0; e < 2; e++) {
+                r.ql[0][h][e] = ldg16(b + QL + 64 * n + l + 2 * e);
+                r.ql[1][h][e] = ldg16(b + QL + 64 * n + 32 + l + 2 * e);
+                r.qh[h][e] = ldg16(b + QH + 32 * n + l + 2 * e);
             }
+        }
 #pragma unroll
-        for (int i = 0; i < 4; i++) r.sc[i] = ld32_a2(b + SCALES + 4 * i);
-        r.d = ld_f16(b + D);
+        for (int i = 0; i < 4; i++) r.sc[i] = ldg16(b + SCALES + 8 * n + 2 * i);
+        r.d = ldg16(b + D);
     }
-    // Step s covers values 16s .. 16s + 15: half n = s / 8, quarter k = (s % 8) / 2, l half s % 2; its
-    // scale is number s (8n + 2k + l / 16).
-    static __device__ __forceinline__ void frag(const Raw &r, int s, unsigned int (&f)[KSTEPS][2], float &scale,
-                                                float &add) {
-        const int n = s / 8, k = (s % 8) / 2, h = s % 2;
-        const unsigned int w = r.ql[n][k % 2][h];
-        const unsigned int low = k < 2 ? w & 0x0F0F0F0Fu : (w >> 4) & 0x0F0F0F0Fu;
-        small_ints(low | (((r.qh[n][h] >> (2 * k)) & 0x03030303u) << 4), 32.f, f[0][0], f[0][1]);
-        scale = r.d * (float)(signed char)((r.sc[s / 4] >> (8 * (s % 4))) & 0xFFu);
-        add = 0.f;
+    // Step s covers values 16s .. 16s + 15 of the half: quarter k = s / 2, l half s % 2, scale s.
+    static __device__ __forceinline__ void a(const Raw &r, int s, unsigned int (&w)[1], unsigned int) {
+        const int k = s / 2, h = s % 2;
+        const unsigned int q = halves(r.ql[k % 2][h][0], r.ql[k % 2][h][1]);
+        const unsigned int low = k < 2 ? q & 0x0F0F0F0Fu : (q >> 4) & 0x0F0F0F0Fu;
+        const unsigned int qh = halves(r.qh[h][0], r.qh[h][1]);
+        w[0] = sub_bytes(low | (((qh >> (2 * k)) & 0x03030303u) << 4), 0x20202020u);
+    }
+    static __device__ __forceinline__ int isc(const Raw &r, int s) {
+        return (int)(signed char)((r.sc[s / 2] >> (8 * (s % 2))) & 0xFFu);
+    }
+    static __device__ __forceinline__ void tile(const Raw &r, float &d, float &neg_dmin) {
+        d = he::f16_bits_to_f32(r.d);
+        neg_dmin = 0.f;
     }
 };
 
@@ -288,11 +277,11 @@ template <typename Fn>
 bool with_reader(int dtype, Fn &&fn) {
     switch (dtype) {
     case HE_DTYPE_BF16: fn(MmaBF16{}); return true;
-    case HE_DTYPE_Q8_0: fn(MmaQ8_0{}); return true;
-    case HE_DTYPE_Q4_0: fn(MmaQ4_0{}); return true;
-    case HE_DTYPE_Q4_K: fn(MmaQ4_K{}); return true;
-    case HE_DTYPE_Q5_K: fn(MmaQ5_K{}); return true;
-    case HE_DTYPE_Q6_K: fn(MmaQ6_K{}); return true;
+    case HE_DTYPE_Q8_0: fn(QQ8_0{}); return true;
+    case HE_DTYPE_Q4_0: fn(QQ4_0{}); return true;
+    case HE_DTYPE_Q4_K: fn(QQ4_K{}); return true;
+    case HE_DTYPE_Q5_K: fn(QQ5_K{}); return true;
+    case HE_DTYPE_Q6_K: fn(QQ6_K{}); return true;
     default: return false;
     }
 }
@@ -301,29 +290,138 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], const unsigned int (&a)[
     he::Bf16Op::mma(d, a, b0, b1);
 }
 
-// ---- the kernel ----
+// d = A B for int8 A (weights: signed, or unsigned quants) and signed int8 B (the activation halves).
+template <bool SIGNED>
+__device__ __forceinline__ void mma_k32(int (&d)[4], unsigned int a0, unsigned int a1, unsigned int a2, unsigned int a3,
+                                        unsigned int b0, unsigned int b1) {
+    if constexpr (SIGNED)
+        asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%10,%10,%10};"
+            : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+            : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "r"(0));
+    else
+        asm("mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%10,%10,%10};"
+            : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+            : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "r"(0));
+}
+template <bool SIGNED>
+__device__ __forceinline__ void mma_k16(int (&d)[4], unsigned int a0, unsigned int a1, unsigned int b0) {
+    if constexpr (SIGNED)
+        asm("mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%7,%7,%7,%7};"
+            : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+            : "r"(a0), "r"(a1), "r"(b0), "r"(0));
+    else
+        asm("mma.sync.aligned.m16n8k16.row.col.s32.u8.s8.s32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%7,%7,%7,%7};"
+            : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+            : "r"(a0), "r"(a1), "r"(b0), "r"(0));
+}
+
+// ---- shared by both kernels ----
 
 // Bytes of shared memory the staged activations may take (the rest of a multiprocessor's goes to more
 // blocks); a chunk is at least MMV_KC columns whatever the token count.
 constexpr unsigned MMV_STAGE_BUDGET = 32 * 1024;
 
-// One token's staged row of `kch` columns: groups of 4 columns, hi[4] then lo[4] (16 bytes), then padding
-// that puts a quarter warp's 16-byte reads (tokens g and g + 1, lanes t = 0..3) in distinct banks: lanes
-// 32 bytes apart (32-column steps) want the next token 16 bytes on, lanes 16 bytes apart 64 bytes on.
-__host__ __device__ constexpr unsigned mmv_stride(unsigned kch, unsigned step) {
-    return kch / 4 * 16 + (step == 32 ? 16 : 64);
-}
-
-// Columns staged at a time for n tokens: as many whole MMV_KC pieces of the column range as the budget takes.
-__host__ __device__ inline unsigned int mmv_chunk(unsigned int n, unsigned int kr) {
-    unsigned int k = MMV_STAGE_BUDGET / (n * 4) / MMV_KC * MMV_KC;
-    k = k < MMV_KC ? MMV_KC : k;
+// Columns staged at a time for n tokens of `bytes_per_col` each: as many whole `unit` pieces (a multiple
+// of MMV_KC) of the column range as the budget takes, or the whole range.
+__host__ __device__ inline unsigned int mmv_chunk(unsigned int n, unsigned int kr, unsigned int bytes_per_col,
+                                                  unsigned int unit) {
+    unsigned int k = MMV_STAGE_BUDGET / (n * bytes_per_col) / unit * unit;
+    k = k < unit ? unit : k;
     return k < kr ? k : kr;
 }
 
-__host__ __device__ constexpr unsigned mmv_smem_bytes(unsigned n, unsigned kch, unsigned step, bool sums) {
-    return n * mmv_stride(kch, step) + (sums ? n * (kch / step) * 4 : 0);
+// A lane's results to y: each(fn) calls fn(tok, va, vb) for every token the lane holds, va of its row a
+// and vb of row b (GLU: the gate and up sums of output row a). One column range: the epilogue straight
+// to y; several: the partial sums, and the last block of the row range to arrive adds them in split
+// order and applies the epilogue.
+template <bool GLU, typename Each>
+__device__ __forceinline__ void mmv_write(const MmvShape &shape, unsigned int n, unsigned int rows, unsigned int row_a,
+                                          unsigned int row_b, const float *bias, const float *residual, float *y,
+                                          unsigned int ldy, float *partial, unsigned int *counters, Each &&each) {
+    auto finish = [&](unsigned int tok, unsigned int r, float v, float v2) {
+        const size_t at = (size_t)tok * ldy + r;
+        if (GLU) {
+            y[at] = he::silu(v) * v2;
+        } else {
+            if (bias != nullptr) v += bias[r];
+            if (residual != nullptr) v += residual[at];
+            y[at] = v;
+        }
+    };
+    if (shape.splits == 1) {
+        each([&](unsigned int tok, float va, float vb) {
+            if (GLU) {
+                if (row_a < rows) finish(tok, row_a, va, vb);
+            } else {
+                if (row_a < rows) finish(tok, row_a, va, 0.f);
+                if (row_b < rows) finish(tok, row_b, vb, 0.f);
+            }
+        });
+        return;
+    }
+
+    // Split: partial[((split * parts + part) * n + tok) * rows + row], parts 2 for GLU (gate, up).
+    constexpr unsigned PARTS = GLU ? 2 : 1;
+    auto slot = [&](unsigned int split, unsigned int part, unsigned int tok, unsigned int r) {
+        return partial + ((size_t)(split * PARTS + part) * n + tok) * rows + r;
+    };
+    each([&](unsigned int tok, float va, float vb) {
+        if (row_a < rows) *slot(blockIdx.y, 0, tok, row_a) = va;
+        if (row_b < rows) *slot(blockIdx.y, GLU ? 1 : 0, tok, row_b) = vb;
+    });
+    __threadfence();
+    __syncthreads();
+    __shared__ unsigned int last;
+    const unsigned int tid = threadIdx.x;
+    if (tid == 0) last = atomicAdd(&counters[blockIdx.x], 1u) == shape.splits - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();  // the other blocks' partial sums are visible from here on
+    const unsigned int first = GLU ? blockIdx.x * (MMV_BLOCK_ROWS / 2) : blockIdx.x * MMV_BLOCK_ROWS;
+    const unsigned int block_rows = min(GLU ? MMV_BLOCK_ROWS / 2 : MMV_BLOCK_ROWS, rows - first);
+    for (unsigned int i = tid; i < n * block_rows; i += MMV_THREADS) {
+        const unsigned int tok = i / block_rows, r = first + i % block_rows;
+        // Every split's load in flight at once, then the sum in split order.
+        float v[MMV_MAX_SPLITS], v2[MMV_MAX_SPLITS];
+#pragma unroll
+        for (unsigned int s = 0; s < MMV_MAX_SPLITS; s++) {
+            v[s] = s < shape.splits ? __ldcg(slot(s, 0, tok, r)) : 0.f;
+            v2[s] = GLU && s < shape.splits ? __ldcg(slot(s, 1, tok, r)) : 0.f;
+        }
+        float sum = 0.f, sum2 = 0.f;
+#pragma unroll
+        for (unsigned int s = 0; s < MMV_MAX_SPLITS; s++) {
+            if (s < shape.splits) sum += v[s], sum2 += v2[s];
+        }
+        finish(tok, r, sum, sum2);
+    }
+    if (tid == 0) counters[blockIdx.x] = 0;  // ready for the next launch
 }
+
+// The warp's A rows: g and g + 8 of its 16 (GLU: gate row g and up row g of its 8). Rows past the matrix
+// read its last row (never written out), so the loads need no tests.
+struct MmvRows {
+    unsigned int a, b;
+    const unsigned char *wa, *wb;
+};
+template <bool GLU>
+__device__ __forceinline__ MmvRows mmv_rows(const unsigned char *w, const unsigned char *w2, unsigned int rows,
+                                            size_t row_bytes, unsigned int warp, unsigned int g) {
+    const unsigned int base =
+        GLU ? blockIdx.x * (MMV_BLOCK_ROWS / 2) + warp * 8 : blockIdx.x * MMV_BLOCK_ROWS + warp * 16;
+    MmvRows r;
+    r.a = base + g;
+    r.b = GLU ? base + g : base + g + 8;
+    r.wa = w + (size_t)min(r.a, rows - 1) * row_bytes;
+    r.wb = (GLU ? w2 : w) + (size_t)min(r.b, rows - 1) * row_bytes;
+    return r;
+}
+
+// ---- the BF16 kernel ----
+
+// One token's staged row of `kch` columns: groups of 4 columns, hi[4] then lo[4] (16 bytes), then padding
+// that puts a quarter warp's 16-byte reads (tokens g and g + 1, lanes t = 0..3) in distinct banks.
+__host__ __device__ constexpr unsigned mmv_stride(unsigned kch) { return kch / 4 * 16 + 16; }
 
 template <typename R, int NT, bool GLU>
 __global__ __launch_bounds__(MMV_THREADS, NT <= 2 ? MMV_SMALL_MIN_BLOCKS : 2) void mmv_kernel(const unsigned char *__restrict__ w,
@@ -333,23 +431,16 @@ __global__ __launch_bounds__(MMV_THREADS, NT <= 2 ? MMV_SMALL_MIN_BLOCKS : 2) vo
                                                          const float *bias, const float *residual, float *y,
                                                          unsigned int ldy, float *partial, unsigned int *counters) {
     extern __shared__ __align__(16) unsigned char mmv_smem[];
-    constexpr unsigned TILE = R::STEP * R::TILE_STEPS, GROUP = R::UNROLL * TILE;
+    constexpr unsigned GROUP = R::UNROLL * R::STEP;
 
     const unsigned int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, g = lane / 4, t = lane % 4;
     const MmvShape shape = mmv_shape(rows, cols, GLU);
     const unsigned int k_begin = blockIdx.y * shape.kr;
     const unsigned int k_end = min(cols, k_begin + shape.kr);
-    const unsigned int kch = mmv_chunk(n, shape.kr), stride = mmv_stride(kch, R::STEP);
-    const unsigned int sums_per_token = kch / R::STEP;
+    const unsigned int kch = mmv_chunk(n, shape.kr, 4, MMV_KC), stride = mmv_stride(kch);
     unsigned char *xs = mmv_smem;
-    float *xsum = reinterpret_cast<float *>(mmv_smem + n * stride);
-
-    // The warp's A rows: g and g + 8 of its 16 (GLU: gate row g and up row g of its 8). Rows past the
-    // matrix read its last row (never written out), so the loads need no tests.
-    const unsigned int base = GLU ? blockIdx.x * (MMV_BLOCK_ROWS / 2) + warp * 8 : blockIdx.x * MMV_BLOCK_ROWS + warp * 16;
-    const unsigned int row_a = base + g, row_b = GLU ? base + g : base + g + 8;
-    const unsigned char *wr[2] = {w + (size_t)min(row_a, rows - 1) * row_bytes,
-                                  (GLU ? w2 : w) + (size_t)min(row_b, rows - 1) * row_bytes};
+    const MmvRows rw = mmv_rows<GLU>(w, w2, rows, row_bytes, warp, g);
+    const unsigned char *wr[2] = {rw.wa, rw.wb};
 
     // One accumulator chain a token tile, hi then lo products in column order: the same sequence of
     // roundings for a token in any launch (a second chain for the lo products only at some token counts
@@ -387,76 +478,37 @@ __global__ __launch_bounds__(MMV_THREADS, NT <= 2 ? MMV_SMALL_MIN_BLOCKS : 2) vo
                                pack_bf16(lo[2], lo[3]));
             }
         }
-        if constexpr (R::HAS_MIN) {
-            // Each step's activation sum, in column order: the same bits in any launch.
-            const unsigned int groups = len / R::STEP;
-            for (unsigned int i = tid; i < n * groups; i += MMV_THREADS) {
-                const unsigned int tok = i / groups, q = i % groups;
-                const float4 *xp = reinterpret_cast<const float4 *>(x + (size_t)tok * cols + c0 + q * R::STEP);
-                float4 v[R::STEP / 4];
-#pragma unroll
-                for (int e = 0; e < (int)R::STEP / 4; e++) v[e] = __ldg(xp + e);
-                float s = 0.f;
-#pragma unroll
-                for (int e = 0; e < (int)R::STEP / 4; e++) s = s + v[e].x + v[e].y + v[e].z + v[e].w;
-                xsum[tok * sums_per_token + q] = s;
-            }
-        }
     };
 
     using Raw = typename R::Raw;
     auto fetch_group = [&](Raw (&r)[R::UNROLL][2], unsigned int col) {
 #pragma unroll
         for (int u = 0; u < (int)R::UNROLL; u++)
-            if (col + u * TILE < k_end) {
-                R::fetch(r[u][0], wr[0], col + u * TILE, t);
-                R::fetch(r[u][1], wr[1], col + u * TILE, t);
+            if (col + u * R::STEP < k_end) {
+                R::fetch(r[u][0], wr[0], col + u * R::STEP, t);
+                R::fetch(r[u][1], wr[1], col + u * R::STEP, t);
             }
     };
 
-    // The tiles of column group `col`, whose chunk starts at column `c0` of shared memory.
+    // The steps of column group `col`, whose chunk starts at column `c0` of shared memory.
     auto compute = [&](const Raw (&r)[R::UNROLL][2], unsigned int col, unsigned int c0) {
 #pragma unroll
         for (int u = 0; u < (int)R::UNROLL; u++) {
-            if (col + u * TILE >= k_end) break;
+            if (col + u * R::STEP >= k_end) break;
+            const unsigned int c = col + u * R::STEP - c0;  // column within the chunk
+            unsigned int fa[R::KSTEPS][2], fb[R::KSTEPS][2];
+            R::frag(r[u][0], fa);
+            R::frag(r[u][1], fb);
 #pragma unroll
-            for (int s = 0; s < (int)R::TILE_STEPS; s++) {
-                const unsigned int c = col + u * TILE + s * R::STEP - c0;  // column within the chunk
-                unsigned int fa[R::KSTEPS][2], fb[R::KSTEPS][2];
-                float scale_a = 0.f, add_a = 0.f, scale_b = 0.f, add_b = 0.f;
-                R::frag(r[u][0], s, fa, scale_a, add_a);
-                R::frag(r[u][1], s, fb, scale_b, add_b);
+            for (int j = 0; j < NT; j++) {
+                if (8 * j >= n) break;  // a whole tile of absent tokens
+                const unsigned int tok = min(8 * j + g, n - 1);  // absent tokens reread the last one
 #pragma unroll
-                for (int j = 0; j < NT; j++) {
-                    if (8 * j >= n) break;  // a whole tile of absent tokens
-                    const unsigned int tok = min(8 * j + g, n - 1);  // absent tokens reread the last one
-                    float p[4] = {0.f, 0.f, 0.f, 0.f};
-                    float(&d)[4] = R::SCALED ? p : acc[j];
-#pragma unroll
-                    for (int k = 0; k < (int)R::KSTEPS; k++) {
-                        const unsigned int a[4] = {fa[k][0], fb[k][0], fa[k][1], fb[k][1]};
-                        const uint4 v =
-                            *reinterpret_cast<const uint4 *>(xs + tok * stride + 4 * (c + R::group(t, k)));
-                        mma_bf16(d, a, v.x, v.y);  // hi
-                        mma_bf16(d, a, v.z, v.w);  // lo
-                    }
-                    if constexpr (R::SCALED) {
-                        // c0, c1: row a, tokens 2t and 2t + 1; c2, c3: row b.
-                        const unsigned int q = c / R::STEP;
-                        const unsigned int t0 = min(8 * j + 2 * t, n - 1), t1 = min(8 * j + 2 * t + 1, n - 1);
-                        const float s0 = R::HAS_MIN ? xsum[t0 * sums_per_token + q] : 0.f;
-                        const float s1 = R::HAS_MIN ? xsum[t1 * sums_per_token + q] : 0.f;
-                        acc[j][0] = fmaf(scale_a, p[0], acc[j][0]);
-                        acc[j][1] = fmaf(scale_a, p[1], acc[j][1]);
-                        acc[j][2] = fmaf(scale_b, p[2], acc[j][2]);
-                        acc[j][3] = fmaf(scale_b, p[3], acc[j][3]);
-                        if (R::HAS_MIN) {
-                            acc[j][0] = fmaf(add_a, s0, acc[j][0]);
-                            acc[j][1] = fmaf(add_a, s1, acc[j][1]);
-                            acc[j][2] = fmaf(add_b, s0, acc[j][2]);
-                            acc[j][3] = fmaf(add_b, s1, acc[j][3]);
-                        }
-                    }
+                for (int k = 0; k < (int)R::KSTEPS; k++) {
+                    const unsigned int a[4] = {fa[k][0], fb[k][0], fa[k][1], fb[k][1]};
+                    const uint4 v = *reinterpret_cast<const uint4 *>(xs + tok * stride + 4 * (c + R::group(t, k)));
+                    mma_bf16(acc[j], a, v.x, v.y);  // hi
+                    mma_bf16(acc[j], a, v.z, v.w);  // lo
                 }
             }
         }
@@ -482,87 +534,233 @@ __global__ __launch_bounds__(MMV_THREADS, NT <= 2 ? MMV_SMALL_MIN_BLOCKS : 2) vo
     }
 
     // Lane (g, t) holds tokens 8j + 2t (+ 1) of rows a (c0, c1) and b (c2, c3).
-    auto finish = [&](unsigned int tok, unsigned int r, float v, float v2) {
-        const size_t at = (size_t)tok * ldy + r;
-        if (GLU) {
-            y[at] = he::silu(v) * v2;
-        } else {
-            if (bias != nullptr) v += bias[r];
-            if (residual != nullptr) v += residual[at];
-            y[at] = v;
-        }
-    };
-    if (shape.splits == 1) {
+    mmv_write<GLU>(shape, n, rows, rw.a, rw.b, bias, residual, y, ldy, partial, counters, [&](auto &&fn) {
 #pragma unroll
         for (int j = 0; j < NT; j++)
 #pragma unroll
             for (int e = 0; e < 2; e++) {
                 const unsigned int tok = 8 * j + 2 * t + e;
-                if (tok >= n) continue;
-                if (GLU) {
-                    if (row_a < rows) finish(tok, row_a, acc[j][e], acc[j][2 + e]);
+                if (tok < n) fn(tok, acc[j][e], acc[j][2 + e]);
+            }
+    });
+}
+
+// ---- the integer kernel ----
+
+constexpr int MMVQ_RANGE = 32639;  // the largest |v|: hi = (v + 128) >> 8 stays an int8, lo in [-128, 127]
+constexpr unsigned MMVQ_MAX_TOKENS = 32;
+
+// One token's staged row of `kch` columns: per 32-column step 32 hi bytes then 32 lo bytes, in column
+// order; 64 bytes of padding put the two tokens a half warp reads in distinct banks.
+__host__ __device__ constexpr unsigned mmvq_stride(unsigned kch) { return kch * 2 + 64; }
+
+__host__ __device__ constexpr unsigned mmvq_smem_bytes(unsigned n, unsigned kch, bool mins) {
+    return n * mmvq_stride(kch) + n * (kch / MMV_KC) * 4 + (mins ? n * (kch / 32) * 4 : 0);
+}
+
+template <typename R, int NT4, bool GLU>
+__global__ __launch_bounds__(MMV_THREADS, NT4 <= 2 ? MMV_SMALL_MIN_BLOCKS : 1) void mmvq_kernel(
+    const unsigned char *__restrict__ w, const unsigned char *__restrict__ w2, unsigned int rows, unsigned int cols,
+    size_t row_bytes, const float *__restrict__ x, unsigned int n, const float *bias, const float *residual, float *y,
+    unsigned int ldy, float *partial, unsigned int *counters) {
+    extern __shared__ __align__(16) unsigned char mmv_smem[];
+    constexpr unsigned TILE = R::STEP * R::TILE_STEPS, GROUP = R::UNROLL * TILE, KW = R::STEP / 16;
+    static_assert(MMV_KC % TILE == 0 && (GROUP % MMV_KC == 0 || MMV_KC % GROUP == 0), "tiles within an activation group");
+
+    const unsigned int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, g = lane / 4, t = lane % 4;
+    const MmvShape shape = mmv_shape(rows, cols, GLU, true);
+    const unsigned int k_begin = blockIdx.y * shape.kr;
+    const unsigned int k_end = min(cols, k_begin + shape.kr);
+    const unsigned int kch = mmv_chunk(n, shape.kr, 2, GROUP), stride = mmvq_stride(kch);
+    const unsigned int groups = kch / MMV_KC, blocks = kch / 32;
+    unsigned char *xs = mmv_smem;
+    float *sx = reinterpret_cast<float *>(mmv_smem + n * stride);  // [tok][group]: the activation scales
+    int *xv = reinterpret_cast<int *>(sx + n * groups);            // [tok][32-column block]: sums of v
+    const MmvRows rw = mmv_rows<GLU>(w, w2, rows, row_bytes, warp, g);
+    const unsigned char *wr[2] = {rw.wa, rw.wb};
+
+    // Lane (g, t) holds token 4j + t of rows a ([0]) and b ([1]) in tile j: `out` the sum so far,
+    // `acc` (and `mins`) the current activation group's.
+    float out[NT4][2], acc[NT4][2];
+    int mins[NT4][2];
+#pragma unroll
+    for (int j = 0; j < NT4; j++)
+#pragma unroll
+        for (int e = 0; e < 2; e++) out[j][e] = 0.f, acc[j][e] = 0.f, mins[j][e] = 0;
+
+    // Columns [c0, c0 + len) as 16-bit integers: a warp takes a token's 256-column group (8 columns a
+    // lane; lanes past a short last group hold zeros), its scale from a shuffled max.
+    auto stage = [&](unsigned int c0, unsigned int len) {
+        const unsigned int units = (len + MMV_KC - 1) / MMV_KC * 32, total = n * units;
+        for (unsigned int i = tid; i < total; i += MMV_THREADS) {
+            const unsigned int tok = i / units, e = i % units;  // e: 8-column unit of the chunk
+            const bool here = 8 * e < len;
+            float f[8];
+            if (here) {
+                const float4 *xp = reinterpret_cast<const float4 *>(x + (size_t)tok * cols + c0 + 8 * e);
+                const float4 p = __ldg(xp), q = __ldg(xp + 1);
+                f[0] = p.x, f[1] = p.y, f[2] = p.z, f[3] = p.w, f[4] = q.x, f[5] = q.y, f[6] = q.z, f[7] = q.w;
+            } else {
+#pragma unroll
+                for (int k = 0; k < 8; k++) f[k] = 0.f;
+            }
+            float amax = 0.f;
+#pragma unroll
+            for (int k = 0; k < 8; k++) amax = fmaxf(amax, fabsf(f[k]));
+#pragma unroll
+            for (int o = 16; o > 0; o /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
+            const float inv = amax > 0.f ? (float)MMVQ_RANGE / amax : 0.f;
+            unsigned int hw[2] = {0u, 0u}, lw[2] = {0u, 0u};
+            int sum = 0;
+#pragma unroll
+            for (int k = 0; k < 8; k++) {
+                const int v = __float2int_rn(f[k] * inv);
+                const int h = (v + 128) >> 8, l = v - 256 * h;
+                hw[k / 4] |= ((unsigned int)h & 0xFFu) << (8 * (k % 4));
+                lw[k / 4] |= ((unsigned int)l & 0xFFu) << (8 * (k % 4));
+                sum += v;
+            }
+            if (here) {
+                unsigned char *at = xs + tok * stride + (e / 4) * 64 + 8 * (e % 4);
+                *reinterpret_cast<uint2 *>(at) = make_uint2(hw[0], hw[1]);
+                *reinterpret_cast<uint2 *>(at + 32) = make_uint2(lw[0], lw[1]);
+            }
+            if (lane == 0) sx[tok * groups + e / 32] = amax / (float)MMVQ_RANGE;
+            if constexpr (R::HAS_MIN) {
+                sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 1);
+                sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 2);
+                if (here && lane % 4 == 0) xv[tok * blocks + e / 4] = sum;
+            }
+        }
+    };
+
+    using Raw = typename R::Raw;
+    auto fetch_group = [&](Raw (&r)[R::UNROLL][2], unsigned int col) {
+#pragma unroll
+        for (int u = 0; u < (int)R::UNROLL; u++)
+            if (col + u * TILE < k_end) {
+                R::fetch(r[u][0], wr[0], col + u * TILE, t);
+                R::fetch(r[u][1], wr[1], col + u * TILE, t);
+            }
+    };
+
+    // The tiles of column group `col`, whose chunk starts at column `c0` of shared memory; each tile's
+    // registers are refilled with the next group's tile as soon as it is used.
+    auto compute = [&](Raw (&r)[R::UNROLL][2], unsigned int col, unsigned int c0) {
+#pragma unroll
+        for (int u = 0; u < (int)R::UNROLL; u++) {
+            const unsigned int tc = col + u * TILE;
+            if (tc >= k_end) break;
+#pragma unroll
+            for (int s = 0; s < (int)R::TILE_STEPS; s++) {
+                const unsigned int c = tc + s * R::STEP - c0;  // column within the chunk
+                unsigned int wa[KW], wb[KW];
+                R::a(r[u][0], s, wa, t);
+                R::a(r[u][1], s, wb, t);
+                int isa = 1, isb = 1, ima = 0, imb = 0;
+                float fsa = 1.f, fsb = 1.f;
+                if constexpr (R::SUPER) {
+                    isa = R::isc(r[u][0], s), isb = R::isc(r[u][1], s);
+                    if constexpr (R::HAS_MIN) ima = R::imin(r[u][0], s), imb = R::imin(r[u][1], s);
                 } else {
-                    if (row_a < rows) finish(tok, row_a, acc[j][e], 0.f);
-                    if (row_b < rows) finish(tok, row_b, acc[j][2 + e], 0.f);
+                    fsa = R::fsc(r[u][0], s), fsb = R::fsc(r[u][1], s);
+                }
+#pragma unroll
+                for (int j = 0; j < NT4; j++) {
+                    if (4 * j >= n) break;  // a whole tile of absent tokens
+                    // B column g: token 4j + g / 2 (absent ones reread the last), its hi (even g) or lo half.
+                    const unsigned int tok = min(4 * j + g / 2, n - 1);
+                    const unsigned char *bp = xs + tok * stride + (c / 32) * 64 + (g % 2) * 32 + c % 32 + (R::STEP / 4) * t;
+                    int d[4];
+                    if constexpr (R::STEP == 32) {
+                        const uint2 b = *reinterpret_cast<const uint2 *>(bp);
+                        mma_k32<R::SIGNED>(d, wa[0], wb[0], wa[KW - 1], wb[KW - 1], b.x, b.y);
+                    } else {
+                        const unsigned int b = *reinterpret_cast<const unsigned int *>(bp);
+                        mma_k16<R::SIGNED>(d, wa[0], wb[0], b);
+                    }
+                    // d[0], d[1]: row a, token 4j + t's hi and lo sums; d[2], d[3]: row b.
+                    const int va = d[0] * 256 + d[1], vb = d[2] * 256 + d[3];
+                    if constexpr (R::SUPER) {
+                        acc[j][0] += (float)(isa * va);
+                        acc[j][1] += (float)(isb * vb);
+                        if constexpr (R::HAS_MIN) {
+                            const int xs_sum = xv[min(4 * j + t, n - 1) * blocks + c / 32];
+                            mins[j][0] += ima * xs_sum;
+                            mins[j][1] += imb * xs_sum;
+                        }
+                    } else {
+                        acc[j][0] = fmaf(fsa, (float)va, acc[j][0]);
+                        acc[j][1] = fmaf(fsb, (float)vb, acc[j][1]);
+                    }
                 }
             }
-        return;
+            // An activation group (a super-block) ends: its scales into the sum, in column order.
+            if ((tc + TILE) % MMV_KC == 0 || tc + TILE >= k_end) {
+                float da = 1.f, db = 1.f, ma = 0.f, mb = 0.f;
+                if constexpr (R::SUPER) {
+                    R::tile(r[u][0], da, ma);
+                    R::tile(r[u][1], db, mb);
+                }
+#pragma unroll
+                for (int j = 0; j < NT4; j++) {
+                    if (4 * j >= n) break;
+                    const float s = sx[min(4 * j + t, n - 1) * groups + (tc - c0) / MMV_KC];
+                    out[j][0] = fmaf(da * s, acc[j][0], out[j][0]);
+                    out[j][1] = fmaf(db * s, acc[j][1], out[j][1]);
+                    if constexpr (R::HAS_MIN) {
+                        out[j][0] = fmaf(ma * s, (float)mins[j][0], out[j][0]);
+                        out[j][1] = fmaf(mb * s, (float)mins[j][1], out[j][1]);
+                    }
+                    acc[j][0] = acc[j][1] = 0.f;
+                    mins[j][0] = mins[j][1] = 0;
+                }
+            }
+            if (tc + GROUP < k_end) {
+                R::fetch(r[u][0], wr[0], tc + GROUP, t);
+                R::fetch(r[u][1], wr[1], tc + GROUP, t);
+            }
+        }
+    };
+
+    Raw r[R::UNROLL][2];
+    fetch_group(r, k_begin);
+    unsigned int staged = ~0u;
+    for (unsigned int col = k_begin; col < k_end; col += GROUP) {
+        const unsigned int chunk = (col - k_begin) / kch;
+        if (chunk != staged) {
+            __syncthreads();
+            stage(k_begin + chunk * kch, min(kch, k_end - (k_begin + chunk * kch)));
+            __syncthreads();
+            staged = chunk;
+        }
+        compute(r, col, k_begin + chunk * kch);
     }
 
-    // Split: partial[((split * parts + part) * n + tok) * rows + row], parts 2 for GLU (gate, up).
-    constexpr unsigned PARTS = GLU ? 2 : 1;
-    auto slot = [&](unsigned int split, unsigned int part, unsigned int tok, unsigned int r) {
-        return partial + ((size_t)(split * PARTS + part) * n + tok) * rows + r;
-    };
+    mmv_write<GLU>(shape, n, rows, rw.a, rw.b, bias, residual, y, ldy, partial, counters, [&](auto &&fn) {
 #pragma unroll
-    for (int j = 0; j < NT; j++)
-#pragma unroll
-        for (int e = 0; e < 2; e++) {
-            const unsigned int tok = 8 * j + 2 * t + e;
-            if (tok >= n) continue;
-            if (row_a < rows) *slot(blockIdx.y, 0, tok, row_a) = acc[j][e];
-            if (row_b < rows) *slot(blockIdx.y, GLU ? 1 : 0, tok, row_b) = acc[j][2 + e];
+        for (int j = 0; j < NT4; j++) {
+            const unsigned int tok = 4 * j + t;
+            if (tok < n) fn(tok, out[j][0], out[j][1]);
         }
-    __threadfence();
-    __syncthreads();
-    __shared__ unsigned int last;
-    if (tid == 0) last = atomicAdd(&counters[blockIdx.x], 1u) == shape.splits - 1;
-    __syncthreads();
-    if (!last) return;
-    __threadfence();  // the other blocks' partial sums are visible from here on
-    const unsigned int first = GLU ? blockIdx.x * (MMV_BLOCK_ROWS / 2) : blockIdx.x * MMV_BLOCK_ROWS;
-    const unsigned int block_rows = min(GLU ? MMV_BLOCK_ROWS / 2 : MMV_BLOCK_ROWS, rows - first);
-    for (unsigned int i = tid; i < n * block_rows; i += MMV_THREADS) {
-        const unsigned int tok = i / block_rows, r = first + i % block_rows;
-        // Every split's load in flight at once, then the sum in split order.
-        float v[MMV_MAX_SPLITS], v2[MMV_MAX_SPLITS];
-#pragma unroll
-        for (unsigned int s = 0; s < MMV_MAX_SPLITS; s++) {
-            v[s] = s < shape.splits ? __ldcg(slot(s, 0, tok, r)) : 0.f;
-            v2[s] = GLU && s < shape.splits ? __ldcg(slot(s, 1, tok, r)) : 0.f;
-        }
-        float sum = 0.f, sum2 = 0.f;
-#pragma unroll
-        for (unsigned int s = 0; s < MMV_MAX_SPLITS; s++) {
-            if (s < shape.splits) sum += v[s], sum2 += v2[s];
-        }
-        finish(tok, r, sum, sum2);
-    }
-    if (tid == 0) counters[blockIdx.x] = 0;  // ready for the next launch
+    });
 }
 
 template <typename R, bool GLU>
 cudaError_t launch_mmv(const unsigned char *w, const unsigned char *w2, unsigned int rows, unsigned int cols,
                        size_t row_bytes, const float *x, unsigned int n, const float *bias, const float *residual,
                        float *y, unsigned int ldy, float *partial, unsigned int *counters, cudaStream_t stream) {
-    const MmvShape shape = mmv_shape(rows, cols, GLU);
+    const MmvShape shape = mmv_shape(rows, cols, GLU, R::INT);
     const dim3 grid(shape.row_blocks, shape.splits);
-    for (unsigned int t0 = 0; t0 < n; t0 += MMV_MAX_TOKENS) {
-        const unsigned int nt = min(MMV_MAX_TOKENS, n - t0);
+    constexpr unsigned MAX = R::INT ? MMVQ_MAX_TOKENS : MMV_MAX_TOKENS;
+    for (unsigned int t0 = 0; t0 < n; t0 += MAX) {
+        const unsigned int nt = min(MAX, n - t0);
         const float *xt = x + (size_t)t0 * cols;
         const float *rt = residual != nullptr ? residual + (size_t)t0 * ldy : nullptr;
         float *yt = y + (size_t)t0 * ldy;
-        const int smem = (int)mmv_smem_bytes(nt, mmv_chunk(nt, shape.kr), R::STEP, R::HAS_MIN);
+        int smem;
+        if constexpr (R::INT) smem = (int)mmvq_smem_bytes(nt, mmv_chunk(nt, shape.kr, 2, R::UNROLL * R::STEP * R::TILE_STEPS), R::HAS_MIN);
+        else smem = (int)(nt * mmv_stride(mmv_chunk(nt, shape.kr, 4, MMV_KC)));
         auto go = [&](auto kernel) {
             cudaError_t e = he::allow_smem(kernel, smem);
             if (e != cudaSuccess) return e;
@@ -571,10 +769,17 @@ cudaError_t launch_mmv(const unsigned char *w, const unsigned char *w2, unsigned
             return cudaGetLastError();
         };
         cudaError_t e;
-        if (nt <= 8) e = go(mmv_kernel<R, 1, GLU>);
-        else if (nt <= 16) e = go(mmv_kernel<R, 2, GLU>);
-        else if (nt <= 32) e = go(mmv_kernel<R, 4, GLU>);
-        else e = go(mmv_kernel<R, 8, GLU>);
+        if constexpr (R::INT) {
+            if (nt <= 4) e = go(mmvq_kernel<R, 1, GLU>);
+            else if (nt <= 8) e = go(mmvq_kernel<R, 2, GLU>);
+            else if (nt <= 16) e = go(mmvq_kernel<R, 4, GLU>);
+            else e = go(mmvq_kernel<R, 8, GLU>);
+        } else {
+            if (nt <= 8) e = go(mmv_kernel<R, 1, GLU>);
+            else if (nt <= 16) e = go(mmv_kernel<R, 2, GLU>);
+            else if (nt <= 32) e = go(mmv_kernel<R, 4, GLU>);
+            else e = go(mmv_kernel<R, 8, GLU>);
+        }
         if (e != cudaSuccess) return e;
     }
     return cudaSuccess;
@@ -588,8 +793,9 @@ bool mmv_fits(int dtype, const void *w, unsigned int cols) {
     he::with_format(dtype, [&](auto format) {
         using F = decltype(format);
         const size_t rb = he::row_bytes<F>(cols);
-        const unsigned int tile = R::STEP * R::TILE_STEPS;
-        ok = rb != 0 && cols % tile == 0 && cols % 4 == 0 && rb % R::ALIGN == 0 &&
+        unsigned int tile = R::STEP;
+        if constexpr (R::INT) tile = R::STEP * R::TILE_STEPS;
+        ok = rb != 0 && cols % tile == 0 && cols % 8 == 0 && rb % R::ALIGN == 0 &&
              reinterpret_cast<uintptr_t>(w) % R::ALIGN == 0;
     });
     return ok;

@@ -10,9 +10,9 @@ sections="--section SpeedOfLight --section MemoryWorkloadAnalysis --section Warp
 for f in "${@:-BF16 Q4_K}"; do
   # Each timed case is 3 warm-up launches and 7 x 50 timed ones: skip 3, then the 64-token case's first.
   for skip in 3 356; do
-    ncu --clock-control none --kernel-name regex:mmv_kernel --launch-skip "$skip" --launch-count 1 $sections \
+    ncu --clock-control none --kernel-name regex:"mmvq?_kernel" --launch-skip "$skip" --launch-count 1 $sections \
       "$B/examples/bench_decode" --kernels-only --no-matvec --mmv-only "$f" >> "$OUT/ncu-$f.txt" 2>&1
   done
   echo "== $f"
-  grep -E "mmv_kernel|Duration|DRAM Throughput|Memory Throughput|Compute \(SM\) Throughput|Achieved Occupancy|Registers Per|Issue Slots Busy|No Eligible|Warp Cycles Per Issued|Stall" "$OUT/ncu-$f.txt" | head -40
+  grep -E "mmvq?_kernel|Duration|DRAM Throughput|Memory Throughput|Compute \(SM\) Throughput|Achieved Occupancy|Registers Per|Issue Slots Busy|No Eligible|Warp Cycles Per Issued|Stall" "$OUT/ncu-$f.txt" | head -40
 done
