@@ -417,6 +417,22 @@ __device__ __forceinline__ MmvRows mmv_rows(const unsigned char *w, const unsign
     return r;
 }
 
+// The weights stream one column group ahead of the arithmetic; the chunk of activations column `col`
+// enters is staged (between two barriers every warp of the block reaches together) when the group
+// enters it. Returns the chunk's first column.
+template <typename Stage>
+__device__ __forceinline__ unsigned int enter_chunk(unsigned int col, unsigned int k_begin, unsigned int k_end,
+                                                    unsigned int kch, unsigned int &staged, Stage &&stage) {
+    const unsigned int chunk = (col - k_begin) / kch, c0 = k_begin + chunk * kch;
+    if (chunk != staged) {
+        __syncthreads();
+        stage(c0, min(kch, k_end - c0));
+        __syncthreads();
+        staged = chunk;
+    }
+    return c0;
+}
+
 // ---- the BF16 kernel ----
 
 // One token's staged row of `kch` columns: groups of 4 columns, hi[4] then lo[4] (16 bytes), then padding
@@ -514,21 +530,12 @@ __global__ __launch_bounds__(MMV_THREADS, NT <= 2 ? MMV_SMALL_MIN_BLOCKS : 2) vo
         }
     };
 
-    // The weights stream one column group ahead of the arithmetic; a new chunk of activations is staged
-    // (between two barriers every warp of the block reaches together) when the group enters it.
     Raw cur[R::UNROLL][2], nxt[R::UNROLL][2];
     fetch_group(cur, k_begin);
     unsigned int staged = ~0u;
     for (unsigned int col = k_begin; col < k_end; col += GROUP) {
         if (col + GROUP < k_end) fetch_group(nxt, col + GROUP);
-        const unsigned int chunk = (col - k_begin) / kch;
-        if (chunk != staged) {
-            __syncthreads();
-            stage(k_begin + chunk * kch, min(kch, k_end - (k_begin + chunk * kch)));
-            __syncthreads();
-            staged = chunk;
-        }
-        compute(cur, col, k_begin + chunk * kch);
+        compute(cur, col, enter_chunk(col, k_begin, k_end, kch, staged, stage));
 #pragma unroll
         for (int u = 0; u < (int)R::UNROLL; u++) cur[u][0] = nxt[u][0], cur[u][1] = nxt[u][1];
     }
@@ -726,16 +733,8 @@ __global__ __launch_bounds__(MMV_THREADS, NT4 <= 2 ? MMV_SMALL_MIN_BLOCKS : 1) v
     Raw r[R::UNROLL][2];
     fetch_group(r, k_begin);
     unsigned int staged = ~0u;
-    for (unsigned int col = k_begin; col < k_end; col += GROUP) {
-        const unsigned int chunk = (col - k_begin) / kch;
-        if (chunk != staged) {
-            __syncthreads();
-            stage(k_begin + chunk * kch, min(kch, k_end - (k_begin + chunk * kch)));
-            __syncthreads();
-            staged = chunk;
-        }
-        compute(r, col, k_begin + chunk * kch);
-    }
+    for (unsigned int col = k_begin; col < k_end; col += GROUP)
+        compute(r, col, enter_chunk(col, k_begin, k_end, kch, staged, stage));
 
     mmv_write<GLU>(shape, n, rows, rw.a, rw.b, bias, residual, y, ldy, partial, counters, [&](auto &&fn) {
 #pragma unroll
