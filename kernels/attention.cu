@@ -25,6 +25,17 @@ static_assert(AT_UNIT % HE_PAGE_TOKENS == 0 && AT_UNIT == 2 * HE_PAGE_TOKENS, "a
 // Scores are kept in log2 units (q pre-scaled by scale * log2(e)) so the exponentials are exp2.
 constexpr float LOG2E = 1.4426950408889634f;
 
+// Positions a token at `pos` attends to (none for a pad row, pos -1).
+__device__ __forceinline__ unsigned int context_of(int pos) { return pos < 0 ? 0u : (unsigned int)pos + 1; }
+
+// Positions a part of a `ctx`-position context takes, cut in at most `splits` parts: whole 32-position
+// units (every warp's 32 positions of a tile lie in two whole pages), at least a tile each (a shorter
+// part costs a block as much time and leaves threads idle).
+__device__ __forceinline__ unsigned int part_positions(unsigned int ctx, unsigned int splits) {
+    const unsigned int units = (ctx + AT_UNIT - 1) / AT_UNIT;
+    return max((units + splits - 1) / splits, (unsigned int)(AT_TILE / AT_UNIT)) * AT_UNIT;
+}
+
 template <int D, int HB, int KT, int VT>
 __global__ __launch_bounds__(AT_THREADS, 2) void attention_split_kernel(
     const float *__restrict__ q, unsigned int q_stride, const unsigned char *__restrict__ kv_pool,
@@ -58,13 +69,8 @@ __global__ __launch_bounds__(AT_THREADS, 2) void attention_split_kernel(
     const unsigned int nh = min((unsigned int)HB, group - hg * HB);
     const unsigned int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
 
-    int p_t = pos[t];
-    const unsigned int ctx = p_t < 0 ? 0u : (unsigned int)p_t + 1;
-    // Parts of whole 32-position units (every warp's 32 positions of a tile lie in two whole pages), at
-    // least a tile each: a shorter part costs a block as much time and leaves threads idle.
-    const unsigned int units = (ctx + AT_UNIT - 1) / AT_UNIT;
-    const unsigned int min_units = AT_TILE / AT_UNIT;
-    const unsigned int chunk = max((units + splits - 1) / splits, min_units) * AT_UNIT;
+    const unsigned int ctx = context_of(pos[t]);
+    const unsigned int chunk = part_positions(ctx, splits);
     const unsigned int start = min(ctx, split * chunk), end = min(ctx, start + chunk);
     const size_t pstride = (size_t)d + 2;
     float *part_of = partial + (((size_t)t * heads + h0) * splits + split) * pstride;  // head h0; next head +splits*pstride
@@ -260,11 +266,9 @@ __global__ void attention_combine_kernel(const float *__restrict__ partial, unsi
     const unsigned int h = blockIdx.x, t = blockIdx.y;
     const size_t pstride = (size_t)d + 2;
     const float *base = partial + ((size_t)t * heads + h) * splits * pstride;
-    // The split kernel's cut: parts of `chunk` positions, the ones past the context empty.
-    const int p_t = pos[t];
-    const unsigned int ctx = p_t < 0 ? 0u : (unsigned int)p_t + 1;
-    const unsigned int units = (ctx + AT_UNIT - 1) / AT_UNIT;
-    const unsigned int chunk = max((units + splits - 1) / splits, (unsigned int)(AT_TILE / AT_UNIT)) * AT_UNIT;
+    // The split kernel's cut: the parts past the context are empty.
+    const unsigned int ctx = context_of(pos[t]);
+    const unsigned int chunk = part_positions(ctx, splits);
     const unsigned int used = min(splits, (ctx + chunk - 1) / chunk);
     for (unsigned int s = threadIdx.x; s < used; s += blockDim.x) w_s[s] = base[s * pstride];
     __syncthreads();
