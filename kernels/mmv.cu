@@ -29,6 +29,7 @@ constexpr int MMV_THREADS = MMV_WARPS * 32;
 constexpr unsigned MMV_BLOCK_ROWS = MMV_WARPS * 16;
 constexpr unsigned MMV_KC = 256;  // the unit of column ranges and staged chunks
 constexpr unsigned MMV_MAX_TOKENS = 64;
+constexpr unsigned MMVQ_TOKENS = 32;  // the integer kernel's tokens a launch
 // Tuning knobs, fixed at build time, for benchmark builds (HOSTEMBED_KERNEL_DEFINES); the defaults are the
 // measured best (BENCHMARKS.md), and src/gpu/scratch.rs mirrors the default MMV_TARGET.
 #ifndef MMV_TARGET
@@ -70,8 +71,22 @@ __host__ __device__ inline MmvShape mmv_shape(unsigned int rows, unsigned int co
 
 __device__ __forceinline__ unsigned int pack_bf16(float lo, float hi) { return he::Bf16Op::pack(lo, hi); }
 
-__device__ __forceinline__ unsigned int ldg16(const unsigned char *p) {
-    return __ldg(reinterpret_cast<const unsigned short *>(p));
+// Weight loads: from global memory through the read-only path, or (SM) from a warp's slots in shared
+// memory (the staged kernels), where narrow and 2-byte aligned reads cost no more than wide ones.
+template <bool SM>
+__device__ __forceinline__ unsigned int ld16(const unsigned char *p) {
+    if constexpr (SM) return *reinterpret_cast<const unsigned short *>(p);
+    else return __ldg(reinterpret_cast<const unsigned short *>(p));
+}
+template <bool SM>
+__device__ __forceinline__ uint2 ld64(const unsigned char *p) {
+    if constexpr (SM) return *reinterpret_cast<const uint2 *>(p);
+    else return __ldg(reinterpret_cast<const uint2 *>(p));
+}
+template <bool SM>
+__device__ __forceinline__ uint4 ld128(const unsigned char *p) {
+    if constexpr (SM) return *reinterpret_cast<const uint4 *>(p);
+    else return __ldg(reinterpret_cast<const uint4 *>(p));
 }
 __device__ __forceinline__ unsigned int halves(unsigned int lo, unsigned int hi) { return __byte_perm(lo, hi, 0x5410); }
 
@@ -80,14 +95,21 @@ __device__ __forceinline__ unsigned int halves(unsigned int lo, unsigned int hi)
 // A 32-column step is one 16-byte load of columns 8t .. 8t + 7 (k-step 0: 8t..8t+3): f[k][0] holds the
 // k-step's columns 0 and 1 of the lane's group, f[k][1] columns 2 and 3.
 struct MmaBF16 {
-    static constexpr unsigned STEP = 32, KSTEPS = 2, UNROLL = MMV_BF16_UNROLL, ALIGN = 16;
+    static constexpr unsigned STEP = 32, TILE_STEPS = 1, KSTEPS = 2, UNROLL = MMV_BF16_UNROLL, SUNROLL = 2, ALIGN = 16;
+    static constexpr unsigned STAGE_TOKENS = 1;  // staged: 1 token 78-97% of the copy bandwidth (from 72-86%), 2: 68% (73)
+    static constexpr unsigned BYTES = 2, BLOCK_COLS = 1;
     static constexpr bool INT = false;
+    // A quarter warp reads two rows' 64 bytes: rows 16 words apart in the banks.
+    static constexpr bool bank_ok(unsigned words) { return words % 32 == 16; }
     struct Raw {
         uint4 q;
     };
     static __device__ __forceinline__ unsigned int group(unsigned int t, unsigned int k) { return 8 * t + 4 * k; }
+    template <bool SM>
     static __device__ __forceinline__ void fetch(Raw &r, const unsigned char *row, unsigned int col, unsigned int t) {
-        r.q = he::load_stream16(row + 2 * ((size_t)col + 8 * t));
+        const unsigned char *p = row + 2 * ((size_t)col + 8 * t);
+        if constexpr (SM) r.q = *reinterpret_cast<const uint4 *>(p);
+        else r.q = he::load_stream16(p);
     }
     static __device__ __forceinline__ void frag(const Raw &r, unsigned int (&f)[KSTEPS][2]) {
         f[0][0] = r.q.x, f[0][1] = r.q.y, f[1][0] = r.q.z, f[1][1] = r.q.w;
@@ -104,16 +126,20 @@ struct MmaBF16 {
 
 // Q8_0: a step is one 34-byte block (2-byte aligned), lane t takes quants 8t .. 8t + 7 as they are.
 struct QQ8_0 {
-    static constexpr unsigned STEP = 32, TILE_STEPS = 1, UNROLL = 8, BYTES = 34, ALIGN = 2;
+    static constexpr unsigned STEP = 32, TILE_STEPS = 1, UNROLL = 8, SUNROLL = 4, BYTES = 34, BLOCK_COLS = 32, ALIGN = 2;
+    static constexpr unsigned STAGE_TOKENS = MMVQ_TOKENS;  // staged: 51% (from 27%)
     static constexpr bool INT = true, SIGNED = true, SUPER = false, HAS_MIN = false;
+    // Lanes read words 2t apart in 8 rows: two-way conflicts at best, unless rows share banks.
+    static constexpr bool bank_ok(unsigned words) { return words % 8 == 4 || words % 16 == 8; }
     struct Raw {
         unsigned int q[4], d;  // 16-bit halves
     };
+    template <bool SM>
     static __device__ __forceinline__ void fetch(Raw &r, const unsigned char *row, unsigned int col, unsigned int t) {
         const unsigned char *b = row + (size_t)(col / 32) * BYTES;
 #pragma unroll
-        for (int i = 0; i < 4; i++) r.q[i] = ldg16(b + 2 + 8 * t + 2 * i);
-        r.d = ldg16(b);
+        for (int i = 0; i < 4; i++) r.q[i] = ld16<SM>(b + 2 + 8 * t + 2 * i);
+        r.d = ld16<SM>(b);
     }
     static __device__ __forceinline__ void a(const Raw &r, int, unsigned int (&w)[2], unsigned int) {
         w[0] = halves(r.q[0], r.q[1]), w[1] = halves(r.q[2], r.q[3]);
@@ -129,16 +155,19 @@ __device__ __forceinline__ unsigned int sub_bytes(unsigned int q, unsigned int b
 // Q4_0: a step is one 18-byte block; lane t takes values 8t .. 8t + 7: the low (t < 2) or high nibbles of
 // bytes 8(t % 2) .. + 7, less 8.
 struct QQ4_0 {
-    static constexpr unsigned STEP = 32, TILE_STEPS = 1, UNROLL = 8, BYTES = 18, ALIGN = 2;
+    static constexpr unsigned STEP = 32, TILE_STEPS = 1, UNROLL = 8, SUNROLL = 8, BYTES = 18, BLOCK_COLS = 32, ALIGN = 2;
+    static constexpr unsigned STAGE_TOKENS = MMVQ_TOKENS;  // staged: 29% (from 15%)
     static constexpr bool INT = true, SIGNED = true, SUPER = false, HAS_MIN = false;
+    static constexpr bool bank_ok(unsigned words) { return words % 8 == 4 || words % 16 == 8; }
     struct Raw {
         unsigned int q[4], d;
     };
+    template <bool SM>
     static __device__ __forceinline__ void fetch(Raw &r, const unsigned char *row, unsigned int col, unsigned int t) {
         const unsigned char *b = row + (size_t)(col / 32) * BYTES;
 #pragma unroll
-        for (int i = 0; i < 4; i++) r.q[i] = ldg16(b + 2 + 8 * (t % 2) + 2 * i);
-        r.d = ldg16(b);
+        for (int i = 0; i < 4; i++) r.q[i] = ld16<SM>(b + 2 + 8 * (t % 2) + 2 * i);
+        r.d = ld16<SM>(b);
     }
     static __device__ __forceinline__ void a(const Raw &r, int, unsigned int (&w)[2], unsigned int t) {
         const unsigned int shift = t < 2 ? 0 : 4;
@@ -176,17 +205,22 @@ struct KScales {
 // Q4_K: a tile is a 144-byte super-block (8 steps: its sub-blocks); lane t takes values 8t .. 8t + 7 of
 // each sub-block: bytes 8t .. + 7 of the 32 at 32(s / 2), low nibbles for even s.
 struct QQ4_K : KScales {
-    static constexpr unsigned STEP = 32, TILE_STEPS = 8, UNROLL = 2, BYTES = 144, QS = 16, ALIGN = 16;
+    static constexpr unsigned STEP = 32, TILE_STEPS = 8, UNROLL = 2, SUNROLL = 1, BYTES = 144, BLOCK_COLS = 256, QS = 16,
+                              ALIGN = 16;
+    static constexpr unsigned STAGE_TOKENS = 0;  // streamed: 44% of the copy bandwidth, staged 37%
     static constexpr bool INT = true, SIGNED = false, SUPER = true, HAS_MIN = true;
+    // A half warp's 8-byte reads cover four rows' 8 words each: rows 8 words apart.
+    static constexpr bool bank_ok(unsigned words) { return words % 16 == 8; }
     struct Raw {
         uint2 q[4];
         uint4 h;
     };
+    template <bool SM>
     static __device__ __forceinline__ void fetch(Raw &r, const unsigned char *row, unsigned int col, unsigned int t) {
         const unsigned char *b = row + (size_t)(col / 256) * BYTES;
 #pragma unroll
-        for (int p = 0; p < 4; p++) r.q[p] = __ldg(reinterpret_cast<const uint2 *>(b + QS + 32 * p + 8 * t));
-        r.h = __ldg(reinterpret_cast<const uint4 *>(b));
+        for (int p = 0; p < 4; p++) r.q[p] = ld64<SM>(b + QS + 32 * p + 8 * t);
+        r.h = ld128<SM>(b);
     }
     static __device__ __forceinline__ void a(const Raw &r, int s, unsigned int (&w)[2], unsigned int) {
         const unsigned int shift = s % 2 ? 4 : 0;
@@ -200,19 +234,23 @@ struct QQ4_K : KScales {
 
 // Q5_K: Q4_K's layout with 32 bytes of fifth bits at 16 (bit s of byte l for value l of sub-block s).
 struct QQ5_K : KScales {
-    static constexpr unsigned STEP = 32, TILE_STEPS = 8, UNROLL = 2, BYTES = 176, QH = 16, QS = 48, ALIGN = 16;
+    static constexpr unsigned STEP = 32, TILE_STEPS = 8, UNROLL = 2, SUNROLL = 1, BYTES = 176, BLOCK_COLS = 256, QH = 16,
+                              QS = 48, ALIGN = 16;
+    static constexpr unsigned STAGE_TOKENS = 0;  // streamed: 46%, staged 39%
     static constexpr bool INT = true, SIGNED = false, SUPER = true, HAS_MIN = true;
+    static constexpr bool bank_ok(unsigned words) { return words % 8 == 4 || words % 16 == 8; }
     struct Raw {
         uint2 q[4];
         uint2 hb;
         uint4 h;
     };
+    template <bool SM>
     static __device__ __forceinline__ void fetch(Raw &r, const unsigned char *row, unsigned int col, unsigned int t) {
         const unsigned char *b = row + (size_t)(col / 256) * BYTES;
 #pragma unroll
-        for (int p = 0; p < 4; p++) r.q[p] = __ldg(reinterpret_cast<const uint2 *>(b + QS + 32 * p + 8 * t));
-        r.hb = __ldg(reinterpret_cast<const uint2 *>(b + QH + 8 * t));
-        r.h = __ldg(reinterpret_cast<const uint4 *>(b));
+        for (int p = 0; p < 4; p++) r.q[p] = ld64<SM>(b + QS + 32 * p + 8 * t);
+        r.hb = ld64<SM>(b + QH + 8 * t);
+        r.h = ld128<SM>(b);
     }
     static __device__ __forceinline__ void a(const Raw &r, int s, unsigned int (&w)[2], unsigned int) {
         const unsigned int shift = s % 2 ? 4 : 0;
@@ -229,7 +267,8 @@ struct QQ5_K : KScales {
 // l = 16(s % 2) + 4t .. + 3, low nibbles (k < 2) or high of ql[64n + 32(k % 2) + l], bits 2k of
 // qh[32n + l], less 32.
 struct QQ6_K {
-    static constexpr unsigned STEP = 16, TILE_STEPS = 8, UNROLL = 2, BYTES = 210, ALIGN = 2;
+    static constexpr unsigned STEP = 16, TILE_STEPS = 8, UNROLL = 2, SUNROLL = 2, BYTES = 210, BLOCK_COLS = 256, ALIGN = 2;
+    static constexpr unsigned STAGE_TOKENS = MMVQ_TOKENS;  // staged: 42% (from 34%), the head 60% (46%)
     static constexpr unsigned QL = 0, QH = 128, SCALES = 192, D = 208;
     static constexpr bool INT = true, SIGNED = true, SUPER = true, HAS_MIN = false;
     struct Raw {
@@ -238,6 +277,9 @@ struct QQ6_K {
         unsigned int sc[4];        // the half's 8 int8 scales, 16 bits at a time
         unsigned int d;
     };
+    // Lanes read 4 consecutive words in 8 rows: rows an odd multiple of 4 words apart.
+    static constexpr bool bank_ok(unsigned words) { return words % 8 == 4; }
+    template <bool SM>
     static __device__ __forceinline__ void fetch(Raw &r, const unsigned char *row, unsigned int col, unsigned int t) {
         const unsigned char *b = row + (size_t)(col / 256) * BYTES;
         const unsigned int n = (col / 128) % 2;
@@ -246,14 +288,14 @@ struct QQ6_K {
             const unsigned int l = 16 * h + 4 * t;
 #pragma unroll
             for (int e = 0; e < 2; e++) {
-                r.ql[0][h][e] = ldg16(b + QL + 64 * n + l + 2 * e);
-                r.ql[1][h][e] = ldg16(b + QL + 64 * n + 32 + l + 2 * e);
-                r.qh[h][e] = ldg16(b + QH + 32 * n + l + 2 * e);
+                r.ql[0][h][e] = ld16<SM>(b + QL + 64 * n + l + 2 * e);
+                r.ql[1][h][e] = ld16<SM>(b + QL + 64 * n + 32 + l + 2 * e);
+                r.qh[h][e] = ld16<SM>(b + QH + 32 * n + l + 2 * e);
             }
         }
 #pragma unroll
-        for (int i = 0; i < 4; i++) r.sc[i] = ldg16(b + SCALES + 8 * n + 2 * i);
-        r.d = ldg16(b + D);
+        for (int i = 0; i < 4; i++) r.sc[i] = ld16<SM>(b + SCALES + 8 * n + 2 * i);
+        r.d = ld16<SM>(b + D);
     }
     // Step s covers values 16s .. 16s + 15 of the half: quarter k = s / 2, l half s % 2, scale s.
     static __device__ __forceinline__ void a(const Raw &r, int s, unsigned int (&w)[1], unsigned int) {
@@ -433,13 +475,114 @@ __device__ __forceinline__ unsigned int enter_chunk(unsigned int col, unsigned i
     return c0;
 }
 
+// ---- weights through shared memory (the staged kernels) ----
+// A warp copies its 16 weight rows' bytes of a column group (the aligned 16-byte chunks that hold them,
+// so a 2-byte aligned block format copies as well as any) into its own slots with cp.async, STAGES - 1
+// groups ahead of the arithmetic: the loads in flight hold no registers, and the lane readers then take
+// their narrow or misaligned pieces from shared memory, where they cost one request a warp instead of
+// one per row touched (what bounds the formats whose blocks are 2-byte aligned when read from memory).
+template <typename R, unsigned GROUP>
+struct WeightSlots {
+    static constexpr unsigned BYTES = GROUP / R::BLOCK_COLS * R::BYTES;  // a row's bytes of a group
+    static constexpr unsigned CHUNKS = (BYTES + 16 - R::ALIGN + 15) / 16;  // any start the alignment allows
+    // A row's stride: the chunks, then padding to the next stride the reader's pattern reads without
+    // bank conflicts (`bank_ok` of the stride in 4-byte words).
+    static constexpr unsigned row_stride() {
+        unsigned pad = 0;
+        while (!R::bank_ok((CHUNKS * 4 + pad) % 32)) pad += 4;
+        return CHUNKS * 16 + pad * 4;
+    }
+    static constexpr unsigned ROW = row_stride();
+    static constexpr unsigned SLOT = 16 * ROW;
+    // Three slots where a block's eight warps' take at most 78 KiB (two blocks a multiprocessor with the
+    // staged activations beside them), else two.
+    static constexpr unsigned STAGES = 3 * SLOT * MMV_WARPS <= 78 * 1024 ? 3 : 2;
+    static constexpr unsigned WARP_BYTES = STAGES * SLOT;
+    static constexpr unsigned BLOCK_BYTES = MMV_WARPS * WARP_BYTES;
+};
+
+// Issues the copies of the warp's rows' bytes [start, start + len) into `slot` (row i of the warp at
+// i * ROW, its first byte at the offset its address has in a 16-byte chunk); rows as mmv_rows names them.
+template <typename WS, bool GLU>
+__device__ __forceinline__ void copy_rows(unsigned char *slot, const unsigned char *w, const unsigned char *w2,
+                                          unsigned int rows, size_t row_bytes, unsigned int warp, unsigned int lane,
+                                          size_t start, unsigned int len) {
+    const unsigned int base =
+        GLU ? blockIdx.x * (MMV_BLOCK_ROWS / 2) + warp * 8 : blockIdx.x * MMV_BLOCK_ROWS + warp * 16;
+#pragma unroll
+    for (unsigned int j = 0; j < (16 * WS::CHUNKS + 31) / 32; j++) {
+        const unsigned int idx = lane + 32 * j, i = idx / WS::CHUNKS, c = idx % WS::CHUNKS;
+        const unsigned int r = GLU ? base + i % 8 : base + i;
+        const unsigned char *p = (GLU && i >= 8 ? w2 : w) + (size_t)min(r, rows - 1) * row_bytes + start;
+        const unsigned char *src =
+            reinterpret_cast<const unsigned char *>(reinterpret_cast<uintptr_t>(p) & ~(uintptr_t)15) + 16 * c;
+        // A chunk holding a byte of the range lies in the same mapped page as that byte.
+        if (idx < 16 * WS::CHUNKS && src < p + len) he::cp_async16(slot + i * WS::ROW + 16 * c, src, true);
+    }
+}
+
+// The staged weights of a launch: a warp's slots, its groups, and the shared-memory view of its rows.
+template <typename R, unsigned GROUP, bool GLU>
+struct WeightStage {
+    using WS = WeightSlots<R, GROUP>;
+    unsigned char *slots;
+    const unsigned char *w, *w2;
+    unsigned int rows, warp, lane, k_begin, k_end, groups;
+    size_t row_bytes;
+
+    __device__ __forceinline__ size_t start_of(unsigned int gi) const {
+        return (size_t)((k_begin + gi * GROUP) / R::BLOCK_COLS) * R::BYTES;
+    }
+    // Copies of group gi (if there is one) into its slot, then a commit (every call commits one group, so
+    // the waits count groups).
+    __device__ __forceinline__ void issue(unsigned int gi) const {
+        if (gi < groups) {
+            const unsigned int col = k_begin + gi * GROUP;
+            const unsigned int len = (min(col + GROUP, k_end) - col) / R::BLOCK_COLS * R::BYTES;
+            copy_rows<WS, GLU>(slots + (gi % WS::STAGES) * WS::SLOT, w, w2, rows, row_bytes, warp, lane, start_of(gi),
+                               len);
+        }
+        he::cp_async_commit();
+    }
+    __device__ __forceinline__ void begin() const {
+#pragma unroll
+        for (unsigned int s = 0; s + 1 < WS::STAGES; s++) issue(s);
+    }
+    // Group gi's copies by every lane of the warp are in its slot (the slot of gi - 1 is free: the warp
+    // left it at the __syncwarp that ended its arithmetic), with the copies of gi + STAGES - 1 in flight.
+    __device__ __forceinline__ void wait(unsigned int gi) const {
+        issue(gi + WS::STAGES - 1);
+        he::cp_async_wait<WS::STAGES - 1>();
+        __syncwarp();
+    }
+    // Row i of the warp in group gi's slot, where `row` (its address in memory) starts; columns from the
+    // group's first.
+    __device__ __forceinline__ const unsigned char *row(unsigned int gi, unsigned int i, const unsigned char *at) const {
+        return slots + (gi % WS::STAGES) * WS::SLOT + i * WS::ROW +
+               ((reinterpret_cast<uintptr_t>(at) + start_of(gi)) & 15);
+    }
+};
+
+// Whether a launch of `n` tokens stages its weights: where the reader measured faster so (its
+// STAGE_TOKENS), or as HOSTEMBED_MMV_STAGE says, to measure: 0 never, "all" always. Both ways give the
+// same bits: only where the weights wait differs.
+template <typename R>
+bool mmv_staged(unsigned int n) {
+    static const int mode = [] {
+        const char *v = getenv("HOSTEMBED_MMV_STAGE");
+        if (v == nullptr) return 1;
+        return v[0] == '0' ? 0 : v[0] == 'a' ? 2 : 1;
+    }();
+    return mode == 2 || (mode == 1 && n <= R::STAGE_TOKENS);
+}
+
 // ---- the BF16 kernel ----
 
 // One token's staged row of `kch` columns: groups of 4 columns, hi[4] then lo[4] (16 bytes), then padding
 // that puts a quarter warp's 16-byte reads (tokens g and g + 1, lanes t = 0..3) in distinct banks.
 __host__ __device__ constexpr unsigned mmv_stride(unsigned kch) { return kch / 4 * 16 + 16; }
 
-template <typename R, int NT, bool GLU>
+template <typename R, int NT, bool GLU, bool STAGED>
 __global__ __launch_bounds__(MMV_THREADS, NT <= 2 ? MMV_SMALL_MIN_BLOCKS : 2) void mmv_kernel(const unsigned char *__restrict__ w,
                                                          const unsigned char *__restrict__ w2, unsigned int rows,
                                                          unsigned int cols, size_t row_bytes,
@@ -447,7 +590,7 @@ __global__ __launch_bounds__(MMV_THREADS, NT <= 2 ? MMV_SMALL_MIN_BLOCKS : 2) vo
                                                          const float *bias, const float *residual, float *y,
                                                          unsigned int ldy, float *partial, unsigned int *counters) {
     extern __shared__ __align__(16) unsigned char mmv_smem[];
-    constexpr unsigned GROUP = R::UNROLL * R::STEP;
+    constexpr unsigned UNROLL = STAGED ? R::SUNROLL : R::UNROLL, GROUP = UNROLL * R::STEP;
 
     const unsigned int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, g = lane / 4, t = lane % 4;
     const MmvShape shape = mmv_shape(rows, cols, GLU);
@@ -497,19 +640,19 @@ __global__ __launch_bounds__(MMV_THREADS, NT <= 2 ? MMV_SMALL_MIN_BLOCKS : 2) vo
     };
 
     using Raw = typename R::Raw;
-    auto fetch_group = [&](Raw (&r)[R::UNROLL][2], unsigned int col) {
+    auto fetch_group = [&](Raw (&r)[UNROLL][2], unsigned int col) {
 #pragma unroll
-        for (int u = 0; u < (int)R::UNROLL; u++)
+        for (int u = 0; u < (int)UNROLL; u++)
             if (col + u * R::STEP < k_end) {
-                R::fetch(r[u][0], wr[0], col + u * R::STEP, t);
-                R::fetch(r[u][1], wr[1], col + u * R::STEP, t);
+                R::template fetch<false>(r[u][0], wr[0], col + u * R::STEP, t);
+                R::template fetch<false>(r[u][1], wr[1], col + u * R::STEP, t);
             }
     };
 
     // The steps of column group `col`, whose chunk starts at column `c0` of shared memory.
-    auto compute = [&](const Raw (&r)[R::UNROLL][2], unsigned int col, unsigned int c0) {
+    auto compute = [&](const Raw (&r)[UNROLL][2], unsigned int col, unsigned int c0) {
 #pragma unroll
-        for (int u = 0; u < (int)R::UNROLL; u++) {
+        for (int u = 0; u < (int)UNROLL; u++) {
             if (col + u * R::STEP >= k_end) break;
             const unsigned int c = col + u * R::STEP - c0;  // column within the chunk
             unsigned int fa[R::KSTEPS][2], fb[R::KSTEPS][2];
@@ -530,14 +673,36 @@ __global__ __launch_bounds__(MMV_THREADS, NT <= 2 ? MMV_SMALL_MIN_BLOCKS : 2) vo
         }
     };
 
-    Raw cur[R::UNROLL][2], nxt[R::UNROLL][2];
-    fetch_group(cur, k_begin);
     unsigned int staged = ~0u;
-    for (unsigned int col = k_begin; col < k_end; col += GROUP) {
-        if (col + GROUP < k_end) fetch_group(nxt, col + GROUP);
-        compute(cur, col, enter_chunk(col, k_begin, k_end, kch, staged, stage));
+    if constexpr (STAGED) {
+        const WeightStage<R, GROUP, GLU> ws{xs + n * stride + warp * WeightSlots<R, GROUP>::WARP_BYTES,
+                                            w, w2, rows, warp, lane, k_begin, k_end,
+                                            (k_end - k_begin + GROUP - 1) / GROUP, row_bytes};
+        ws.begin();
+        for (unsigned int gi = 0; gi < ws.groups; gi++) {
+            const unsigned int col = k_begin + gi * GROUP;
+            const unsigned int c0 = enter_chunk(col, k_begin, k_end, kch, staged, stage);
+            ws.wait(gi);
+            const unsigned char *sa = ws.row(gi, g, wr[0]), *sb = ws.row(gi, 8 + g, wr[1]);
+            Raw r[UNROLL][2];
 #pragma unroll
-        for (int u = 0; u < (int)R::UNROLL; u++) cur[u][0] = nxt[u][0], cur[u][1] = nxt[u][1];
+            for (int u = 0; u < (int)UNROLL; u++)
+                if (col + u * R::STEP < k_end) {
+                    R::template fetch<true>(r[u][0], sa, u * R::STEP, t);
+                    R::template fetch<true>(r[u][1], sb, u * R::STEP, t);
+                }
+            compute(r, col, c0);
+            __syncwarp();
+        }
+    } else {
+        Raw cur[UNROLL][2], nxt[UNROLL][2];
+        fetch_group(cur, k_begin);
+        for (unsigned int col = k_begin; col < k_end; col += GROUP) {
+            if (col + GROUP < k_end) fetch_group(nxt, col + GROUP);
+            compute(cur, col, enter_chunk(col, k_begin, k_end, kch, staged, stage));
+#pragma unroll
+            for (int u = 0; u < (int)UNROLL; u++) cur[u][0] = nxt[u][0], cur[u][1] = nxt[u][1];
+        }
     }
 
     // Lane (g, t) holds tokens 8j + 2t (+ 1) of rows a (c0, c1) and b (c2, c3).
@@ -555,7 +720,7 @@ __global__ __launch_bounds__(MMV_THREADS, NT <= 2 ? MMV_SMALL_MIN_BLOCKS : 2) vo
 // ---- the integer kernel ----
 
 constexpr int MMVQ_RANGE = 32639;  // the largest |v|: hi = (v + 128) >> 8 stays an int8, lo in [-128, 127]
-constexpr unsigned MMVQ_MAX_TOKENS = 32;
+constexpr unsigned MMVQ_MAX_TOKENS = MMVQ_TOKENS;
 
 // One token's staged row of `kch` columns: per 32-column step 32 hi bytes then 32 lo bytes, in column
 // order; 64 bytes of padding put the two tokens a half warp reads in distinct banks.
@@ -564,21 +729,28 @@ __host__ __device__ constexpr unsigned mmvq_stride(unsigned kch) { return kch * 
 __host__ __device__ constexpr unsigned mmvq_smem_bytes(unsigned n, unsigned kch, bool mins) {
     return n * mmvq_stride(kch) + n * (kch / MMV_KC) * 4 + (mins ? n * (kch / 32) * 4 : 0);
 }
+// The staged activations' bytes, rounded up so that the weight slots after them are 16-byte aligned.
+__host__ __device__ constexpr unsigned mmvq_act_bytes(unsigned n, unsigned kch, bool mins) {
+    return (mmvq_smem_bytes(n, kch, mins) + 15) / 16 * 16;
+}
+// The unit of staged activation chunks: whole column groups and whole activation groups.
+__host__ __device__ constexpr unsigned mmvq_unit(unsigned group) { return group > MMV_KC ? group : MMV_KC; }
 
-template <typename R, int NT4, bool GLU>
+template <typename R, int NT4, bool GLU, bool STAGED>
 __global__ __launch_bounds__(MMV_THREADS, NT4 <= 2 ? MMV_SMALL_MIN_BLOCKS : 1) void mmvq_kernel(
     const unsigned char *__restrict__ w, const unsigned char *__restrict__ w2, unsigned int rows, unsigned int cols,
     size_t row_bytes, const float *__restrict__ x, unsigned int n, const float *bias, const float *residual, float *y,
     unsigned int ldy, float *partial, unsigned int *counters) {
     extern __shared__ __align__(16) unsigned char mmv_smem[];
-    constexpr unsigned TILE = R::STEP * R::TILE_STEPS, GROUP = R::UNROLL * TILE, KW = R::STEP / 16;
+    constexpr unsigned UNROLL = STAGED ? R::SUNROLL : R::UNROLL;
+    constexpr unsigned TILE = R::STEP * R::TILE_STEPS, GROUP = UNROLL * TILE, KW = R::STEP / 16;
     static_assert(MMV_KC % TILE == 0 && (GROUP % MMV_KC == 0 || MMV_KC % GROUP == 0), "tiles within an activation group");
 
     const unsigned int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, g = lane / 4, t = lane % 4;
     const MmvShape shape = mmv_shape(rows, cols, GLU, true);
     const unsigned int k_begin = blockIdx.y * shape.kr;
     const unsigned int k_end = min(cols, k_begin + shape.kr);
-    const unsigned int kch = mmv_chunk(n, shape.kr, 2, GROUP), stride = mmvq_stride(kch);
+    const unsigned int kch = mmv_chunk(n, shape.kr, 2, mmvq_unit(GROUP)), stride = mmvq_stride(kch);
     const unsigned int groups = kch / MMV_KC, blocks = kch / 32;
     unsigned char *xs = mmv_smem;
     float *sx = reinterpret_cast<float *>(mmv_smem + n * stride);  // [tok][group]: the activation scales
@@ -586,14 +758,16 @@ __global__ __launch_bounds__(MMV_THREADS, NT4 <= 2 ? MMV_SMALL_MIN_BLOCKS : 1) v
     const MmvRows rw = mmv_rows<GLU>(w, w2, rows, row_bytes, warp, g);
     const unsigned char *wr[2] = {rw.wa, rw.wb};
 
-    // Lane (g, t) holds token 4j + t of rows a ([0]) and b ([1]) in tile j: `out` the sum so far,
-    // `acc` (and `mins`) the current activation group's.
+    // Lane (g, t) holds token 4j + t of rows a ([0]) and b ([1]) in tile j: `out` the sum so far, and the
+    // current activation group's: `acc` (block formats), or (k-quants) the hi and lo halves' integer sums
+    // times the sub-scales in `ihi` and `ilo` (exact: at most 16 steps of 16 x 32 x 128 x 128 < 2^31, two
+    // integer multiply-adds a row a step instead of a conversion and a float add), and `mins`.
     float out[NT4][2], acc[NT4][2];
-    int mins[NT4][2];
+    int ihi[NT4][2], ilo[NT4][2], mins[NT4][2];
 #pragma unroll
     for (int j = 0; j < NT4; j++)
 #pragma unroll
-        for (int e = 0; e < 2; e++) out[j][e] = 0.f, acc[j][e] = 0.f, mins[j][e] = 0;
+        for (int e = 0; e < 2; e++) out[j][e] = 0.f, acc[j][e] = 0.f, ihi[j][e] = ilo[j][e] = mins[j][e] = 0;
 
     // Columns [c0, c0 + len) as 16-bit integers: a warp takes a token's 256-column group (8 columns a
     // lane; lanes past a short last group hold zeros), its scale from a shuffled max.
@@ -642,20 +816,20 @@ __global__ __launch_bounds__(MMV_THREADS, NT4 <= 2 ? MMV_SMALL_MIN_BLOCKS : 1) v
     };
 
     using Raw = typename R::Raw;
-    auto fetch_group = [&](Raw (&r)[R::UNROLL][2], unsigned int col) {
+    auto fetch_group = [&](Raw (&r)[UNROLL][2], unsigned int col) {
 #pragma unroll
-        for (int u = 0; u < (int)R::UNROLL; u++)
+        for (int u = 0; u < (int)UNROLL; u++)
             if (col + u * TILE < k_end) {
-                R::fetch(r[u][0], wr[0], col + u * TILE, t);
-                R::fetch(r[u][1], wr[1], col + u * TILE, t);
+                R::template fetch<false>(r[u][0], wr[0], col + u * TILE, t);
+                R::template fetch<false>(r[u][1], wr[1], col + u * TILE, t);
             }
     };
 
-    // The tiles of column group `col`, whose chunk starts at column `c0` of shared memory; each tile's
-    // registers are refilled with the next group's tile as soon as it is used.
-    auto compute = [&](Raw (&r)[R::UNROLL][2], unsigned int col, unsigned int c0) {
+    // The tiles of column group `col`, whose chunk starts at column `c0` of shared memory; streamed, each
+    // tile's registers are refilled with the next group's tile as soon as it is used.
+    auto compute = [&](Raw (&r)[UNROLL][2], unsigned int col, unsigned int c0) {
 #pragma unroll
-        for (int u = 0; u < (int)R::UNROLL; u++) {
+        for (int u = 0; u < (int)UNROLL; u++) {
             const unsigned int tc = col + u * TILE;
             if (tc >= k_end) break;
 #pragma unroll
@@ -687,18 +861,17 @@ __global__ __launch_bounds__(MMV_THREADS, NT4 <= 2 ? MMV_SMALL_MIN_BLOCKS : 1) v
                         mma_k16<R::SIGNED>(d, wa[0], wb[0], b);
                     }
                     // d[0], d[1]: row a, token 4j + t's hi and lo sums; d[2], d[3]: row b.
-                    const int va = d[0] * 256 + d[1], vb = d[2] * 256 + d[3];
                     if constexpr (R::SUPER) {
-                        acc[j][0] += (float)(isa * va);
-                        acc[j][1] += (float)(isb * vb);
+                        ihi[j][0] += isa * d[0], ilo[j][0] += isa * d[1];
+                        ihi[j][1] += isb * d[2], ilo[j][1] += isb * d[3];
                         if constexpr (R::HAS_MIN) {
                             const int xs_sum = xv[min(4 * j + t, n - 1) * blocks + c / 32];
                             mins[j][0] += ima * xs_sum;
                             mins[j][1] += imb * xs_sum;
                         }
                     } else {
-                        acc[j][0] = fmaf(fsa, (float)va, acc[j][0]);
-                        acc[j][1] = fmaf(fsb, (float)vb, acc[j][1]);
+                        acc[j][0] = fmaf(fsa, (float)(d[0] * 256 + d[1]), acc[j][0]);
+                        acc[j][1] = fmaf(fsb, (float)(d[2] * 256 + d[3]), acc[j][1]);
                     }
                 }
             }
@@ -713,6 +886,13 @@ __global__ __launch_bounds__(MMV_THREADS, NT4 <= 2 ? MMV_SMALL_MIN_BLOCKS : 1) v
                 for (int j = 0; j < NT4; j++) {
                     if (4 * j >= n) break;
                     const float s = sx[min(4 * j + t, n - 1) * groups + (tc - c0) / MMV_KC];
+                    if constexpr (R::SUPER) {
+#pragma unroll
+                        for (int e = 0; e < 2; e++) {
+                            acc[j][e] = fmaf((float)ihi[j][e], 256.f, (float)ilo[j][e]);
+                            ihi[j][e] = ilo[j][e] = 0;
+                        }
+                    }
                     out[j][0] = fmaf(da * s, acc[j][0], out[j][0]);
                     out[j][1] = fmaf(db * s, acc[j][1], out[j][1]);
                     if constexpr (R::HAS_MIN) {
@@ -723,18 +903,41 @@ __global__ __launch_bounds__(MMV_THREADS, NT4 <= 2 ? MMV_SMALL_MIN_BLOCKS : 1) v
                     mins[j][0] = mins[j][1] = 0;
                 }
             }
-            if (tc + GROUP < k_end) {
-                R::fetch(r[u][0], wr[0], tc + GROUP, t);
-                R::fetch(r[u][1], wr[1], tc + GROUP, t);
+            if (!STAGED && tc + GROUP < k_end) {
+                R::template fetch<false>(r[u][0], wr[0], tc + GROUP, t);
+                R::template fetch<false>(r[u][1], wr[1], tc + GROUP, t);
             }
         }
     };
 
-    Raw r[R::UNROLL][2];
-    fetch_group(r, k_begin);
     unsigned int staged = ~0u;
-    for (unsigned int col = k_begin; col < k_end; col += GROUP)
-        compute(r, col, enter_chunk(col, k_begin, k_end, kch, staged, stage));
+    if constexpr (STAGED) {
+        const WeightStage<R, GROUP, GLU> ws{mmv_smem + mmvq_act_bytes(n, kch, R::HAS_MIN) +
+                                                warp * WeightSlots<R, GROUP>::WARP_BYTES,
+                                            w, w2, rows, warp, lane, k_begin, k_end,
+                                            (k_end - k_begin + GROUP - 1) / GROUP, row_bytes};
+        ws.begin();
+        for (unsigned int gi = 0; gi < ws.groups; gi++) {
+            const unsigned int col = k_begin + gi * GROUP;
+            const unsigned int c0 = enter_chunk(col, k_begin, k_end, kch, staged, stage);
+            ws.wait(gi);
+            const unsigned char *sa = ws.row(gi, g, wr[0]), *sb = ws.row(gi, 8 + g, wr[1]);
+            Raw r[UNROLL][2];
+#pragma unroll
+            for (int u = 0; u < (int)UNROLL; u++)
+                if (col + u * TILE < k_end) {
+                    R::template fetch<true>(r[u][0], sa, u * TILE, t);
+                    R::template fetch<true>(r[u][1], sb, u * TILE, t);
+                }
+            compute(r, col, c0);
+            __syncwarp();
+        }
+    } else {
+        Raw r[UNROLL][2];
+        fetch_group(r, k_begin);
+        for (unsigned int col = k_begin; col < k_end; col += GROUP)
+            compute(r, col, enter_chunk(col, k_begin, k_end, kch, staged, stage));
+    }
 
     mmv_write<GLU>(shape, n, rows, rw.a, rw.b, bias, residual, y, ldy, partial, counters, [&](auto &&fn) {
 #pragma unroll
@@ -745,21 +948,23 @@ __global__ __launch_bounds__(MMV_THREADS, NT4 <= 2 ? MMV_SMALL_MIN_BLOCKS : 1) v
     });
 }
 
-template <typename R, bool GLU>
+template <typename R, bool GLU, bool STAGED>
 cudaError_t launch_mmv(const unsigned char *w, const unsigned char *w2, unsigned int rows, unsigned int cols,
                        size_t row_bytes, const float *x, unsigned int n, const float *bias, const float *residual,
                        float *y, unsigned int ldy, float *partial, unsigned int *counters, cudaStream_t stream) {
     const MmvShape shape = mmv_shape(rows, cols, GLU, R::INT);
     const dim3 grid(shape.row_blocks, shape.splits);
     constexpr unsigned MAX = R::INT ? MMVQ_MAX_TOKENS : MMV_MAX_TOKENS;
+    constexpr unsigned GROUP = (STAGED ? R::SUNROLL : R::UNROLL) * R::STEP * R::TILE_STEPS;
+    constexpr unsigned WEIGHTS = STAGED ? WeightSlots<R, GROUP>::BLOCK_BYTES : 0;
     for (unsigned int t0 = 0; t0 < n; t0 += MAX) {
         const unsigned int nt = min(MAX, n - t0);
         const float *xt = x + (size_t)t0 * cols;
         const float *rt = residual != nullptr ? residual + (size_t)t0 * ldy : nullptr;
         float *yt = y + (size_t)t0 * ldy;
         int smem;
-        if constexpr (R::INT) smem = (int)mmvq_smem_bytes(nt, mmv_chunk(nt, shape.kr, 2, R::UNROLL * R::STEP * R::TILE_STEPS), R::HAS_MIN);
-        else smem = (int)(nt * mmv_stride(mmv_chunk(nt, shape.kr, 4, MMV_KC)));
+        if constexpr (R::INT) smem = (int)(mmvq_act_bytes(nt, mmv_chunk(nt, shape.kr, 2, mmvq_unit(GROUP)), R::HAS_MIN) + WEIGHTS);
+        else smem = (int)(nt * mmv_stride(mmv_chunk(nt, shape.kr, 4, MMV_KC)) + WEIGHTS);
         auto go = [&](auto kernel) {
             cudaError_t e = he::allow_smem(kernel, smem);
             if (e != cudaSuccess) return e;
@@ -769,15 +974,15 @@ cudaError_t launch_mmv(const unsigned char *w, const unsigned char *w2, unsigned
         };
         cudaError_t e;
         if constexpr (R::INT) {
-            if (nt <= 4) e = go(mmvq_kernel<R, 1, GLU>);
-            else if (nt <= 8) e = go(mmvq_kernel<R, 2, GLU>);
-            else if (nt <= 16) e = go(mmvq_kernel<R, 4, GLU>);
-            else e = go(mmvq_kernel<R, 8, GLU>);
+            if (nt <= 4) e = go(mmvq_kernel<R, 1, GLU, STAGED>);
+            else if (nt <= 8) e = go(mmvq_kernel<R, 2, GLU, STAGED>);
+            else if (nt <= 16) e = go(mmvq_kernel<R, 4, GLU, STAGED>);
+            else e = go(mmvq_kernel<R, 8, GLU, STAGED>);
         } else {
-            if (nt <= 8) e = go(mmv_kernel<R, 1, GLU>);
-            else if (nt <= 16) e = go(mmv_kernel<R, 2, GLU>);
-            else if (nt <= 32) e = go(mmv_kernel<R, 4, GLU>);
-            else e = go(mmv_kernel<R, 8, GLU>);
+            if (nt <= 8) e = go(mmv_kernel<R, 1, GLU, STAGED>);
+            else if (nt <= 16) e = go(mmv_kernel<R, 2, GLU, STAGED>);
+            else if (nt <= 32) e = go(mmv_kernel<R, 4, GLU, STAGED>);
+            else e = go(mmv_kernel<R, 8, GLU, STAGED>);
         }
         if (e != cudaSuccess) return e;
     }
@@ -835,8 +1040,11 @@ static cudaError_t mmv_entry(const void *w, const void *w2, int dtype, unsigned 
         using R = decltype(reader);
         he::with_format(dtype, [&](auto format) {
             using F = decltype(format);
-            err = launch_mmv<R, GLU>(wb, wb2, rows, cols, he::row_bytes<F>(cols), x, n, bias, residual, y, ldy, partial,
-                                     counters, stream);
+            const size_t rb = he::row_bytes<F>(cols);
+            err = mmv_staged<R>(n) ? launch_mmv<R, GLU, true>(wb, wb2, rows, cols, rb, x, n, bias, residual, y, ldy, partial,
+                                                         counters, stream)
+                               : launch_mmv<R, GLU, false>(wb, wb2, rows, cols, rb, x, n, bias, residual, y, ldy,
+                                                          partial, counters, stream);
         });
     });
     return err;

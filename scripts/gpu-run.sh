@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine from the repo root: unpacks .gpu/bundle.tar.xz and runs the GPU suite,
 # then whatever steps are named (default: tests). Logs go to $OUT (or ./gpu-out).
-# Steps: info tests hfref bench-embed bench-decode bench-prefill bench-prefill-quant bench-convert bench-kv
-# torch-prefill, or any example's name. bench-kv measures the KV cache types on the Llama-3-8B shape:
+# Steps: info tests hfref bench-embed bench-decode bench-mmv bench-model bench-prefill bench-prefill-quant
+# bench-convert bench-kv torch-prefill, or any example's name. bench-mmv times the decode products alone
+# and bench-model the whole 8B model's decode (BF16 and the Q4_K_M mix): as shipped, with the weights
+# always streamed through registers (HOSTEMBED_MMV_STAGE=0), and without overlapped launches (HOSTEMBED_PDL=0). bench-kv measures the KV cache types on the Llama-3-8B shape:
 # decode at a 64-token and a 32,768-token cache, and prompts of 512 to 16,384 tokens, in BF16, Q8_0 and
 # FP8_E4M3.
 # cuBLASLt is found where the machine's CUDA libraries are (the products fall back to the library's
@@ -59,6 +61,20 @@ for step in $steps; do
       "$B/examples/bench_embed" > "$OUT/bench-embed.log" 2>&1; rc=$? ;;
     bench-decode)
       "$B/examples/bench_decode" > "$OUT/bench-decode.log" 2>&1; rc=$? ;;
+    bench-mmv)
+      rc=0
+      for stage in 1 0; do
+        echo "HOSTEMBED_MMV_STAGE=$stage" >> "$OUT/bench-mmv.log"
+        HOSTEMBED_MMV_STAGE=$stage "$B/examples/bench_decode" --kernels-only --no-matvec >> "$OUT/bench-mmv.log" 2>&1 || rc=$?
+      done ;;
+    bench-model)
+      rc=0
+      for mode in "HOSTEMBED_MMV_STAGE=1" "HOSTEMBED_MMV_STAGE=0" "HOSTEMBED_PDL=0"; do
+        for dtype in q4_k_m bf16; do
+          echo "$mode --dtype $dtype" >> "$OUT/bench-model.log"
+          env "$mode" "$B/examples/bench_decode" --no-kernels --no-mmv --dtype "$dtype" >> "$OUT/bench-model.log" 2>&1 || rc=$?
+        done
+      done ;;
     bench-kv)
       rc=0
       for kv in bf16 q8_0 fp8_e4m3; do
