@@ -60,6 +60,8 @@ __global__ __launch_bounds__(AT_THREADS, 2) void attention_split_kernel(
     __shared__ float p_s[HB][AT_TILE];
     __shared__ float red_max[AT_WARPS][HB], red_sum[AT_WARPS][HB];
     __shared__ float acc_s[AT_WARPS][HB][D];
+    he::pdl_wait();  // q and the cache come from the kernel before (launched overlapped)
+    he::pdl_launch_dependents();
 
     const unsigned int split = blockIdx.x, t = blockIdx.z;
     const unsigned int group = heads / kv_heads;
@@ -263,6 +265,8 @@ __global__ void attention_combine_kernel(const float *__restrict__ partial, unsi
                                          unsigned int splits, const int *__restrict__ pos, float *__restrict__ out) {
     __shared__ float w_s[AT_MAX_SPLITS];
     __shared__ float inv_s;
+    he::pdl_wait();  // the parts come from the split kernel (launched overlapped)
+    he::pdl_launch_dependents();
     const unsigned int h = blockIdx.x, t = blockIdx.y;
     const size_t pstride = (size_t)d + 2;
     const float *base = partial + ((size_t)t * heads + h) * splits * pstride;
@@ -312,34 +316,34 @@ struct SplitArgs {
 };
 
 template <int D, int HB, int KT, int VT>
-void launch_split(dim3 grid, const SplitArgs &a, cudaStream_t stream) {
-    attention_split_kernel<D, HB, KT, VT><<<grid, AT_THREADS, 0, stream>>>(
-        a.q, a.q_stride, a.pool, a.tables, a.pool_pages, a.k_type, a.v_type, a.pos, a.heads, a.kv_heads, a.d,
-        a.scale_log2, a.splits, a.partial);
+cudaError_t launch_split(dim3 grid, const SplitArgs &a, cudaStream_t stream) {
+    return he::launch_overlapped(attention_split_kernel<D, HB, KT, VT>, grid, dim3(AT_THREADS), 0, stream, a.q, a.q_stride,
+                          a.pool, a.tables, a.pool_pages, a.k_type, a.v_type, a.pos, a.heads, a.kv_heads, a.d,
+                          a.scale_log2, a.splits, a.partial);
 }
 
 // The kernel for K and V of one type, or the run-time reader's (Reader<0>) for any other pair.
 template <int D, int HB>
-void launch_types(dim3 grid, const SplitArgs &a, cudaStream_t stream) {
+cudaError_t launch_types(dim3 grid, const SplitArgs &a, cudaStream_t stream) {
     const int pair = a.k_type == a.v_type ? a.k_type : 0;
     switch (pair) {
-    case HE_KV_BF16: launch_split<D, HB, HE_KV_BF16, HE_KV_BF16>(grid, a, stream); break;
-    case HE_KV_F16: launch_split<D, HB, HE_KV_F16, HE_KV_F16>(grid, a, stream); break;
-    case HE_KV_Q8_0: launch_split<D, HB, HE_KV_Q8_0, HE_KV_Q8_0>(grid, a, stream); break;
-    case HE_KV_FP8_E4M3: launch_split<D, HB, HE_KV_FP8_E4M3, HE_KV_FP8_E4M3>(grid, a, stream); break;
-    default: launch_split<D, HB, 0, 0>(grid, a, stream); break;
+    case HE_KV_BF16: return launch_split<D, HB, HE_KV_BF16, HE_KV_BF16>(grid, a, stream);
+    case HE_KV_F16: return launch_split<D, HB, HE_KV_F16, HE_KV_F16>(grid, a, stream);
+    case HE_KV_Q8_0: return launch_split<D, HB, HE_KV_Q8_0, HE_KV_Q8_0>(grid, a, stream);
+    case HE_KV_FP8_E4M3: return launch_split<D, HB, HE_KV_FP8_E4M3, HE_KV_FP8_E4M3>(grid, a, stream);
+    default: return launch_split<D, HB, 0, 0>(grid, a, stream);
     }
 }
 
 template <int D>
-void launch_d(unsigned int hb, unsigned int n, const SplitArgs &a, cudaStream_t stream) {
+cudaError_t launch_d(unsigned int hb, unsigned int n, const SplitArgs &a, cudaStream_t stream) {
     const unsigned int group = a.heads / a.kv_heads;
     const dim3 grid(a.splits, a.kv_heads * ((group + hb - 1) / hb), n);
     switch (hb) {
-    case 1: launch_types<D, 1>(grid, a, stream); break;
-    case 2: launch_types<D, 2>(grid, a, stream); break;
-    case 4: launch_types<D, 4>(grid, a, stream); break;
-    default: launch_types<D, (D > 128 ? 4 : 8)>(grid, a, stream); break;
+    case 1: return launch_types<D, 1>(grid, a, stream);
+    case 2: return launch_types<D, 2>(grid, a, stream);
+    case 4: return launch_types<D, 4>(grid, a, stream);
+    default: return launch_types<D, (D > 128 ? 4 : 8)>(grid, a, stream);
     }
 }
 
@@ -368,14 +372,10 @@ extern "C" cudaError_t hostembed_attention(const float *q, unsigned int q_stride
     const SplitArgs a{q,        q_stride, static_cast<const unsigned char *>(kv_pool), tables, pool_pages, k_type,
                       v_type,   pos,      heads,    kv_heads,        head_dim,    scale * LOG2E, splits,
                       partial};
-    if (head_dim <= 64)
-        launch_d<64>(hb, n, a, stream);
-    else if (head_dim <= 128)
-        launch_d<128>(hb, n, a, stream);
-    else
-        launch_d<256>(hb, n, a, stream);
-    cudaError_t err = cudaGetLastError();
+    const cudaError_t err = head_dim <= 64    ? launch_d<64>(hb, n, a, stream)
+                            : head_dim <= 128 ? launch_d<128>(hb, n, a, stream)
+                                              : launch_d<256>(hb, n, a, stream);
     if (err != cudaSuccess) return err;
-    attention_combine_kernel<<<dim3(heads, n), 128, 0, stream>>>(partial, heads, head_dim, splits, pos, out);
-    return cudaGetLastError();
+    return he::launch_overlapped(attention_combine_kernel, dim3(heads, n), dim3(128), 0, stream, partial, heads,
+                                 head_dim, splits, pos, out);
 }

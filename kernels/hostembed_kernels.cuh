@@ -4,6 +4,7 @@
 #include <cuda_runtime_api.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 // Row and weight formats, the values of src/tensor/'s DType; kernels/formats.cuh has their traits.
 #define HE_DTYPE_F32 0
@@ -436,6 +437,51 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int PENDING>
 __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;" ::"n"(PENDING));
+}
+
+// Programmatic dependent launch (sm_90 and newer): a kernel launched with it may start while the kernel
+// before it in the stream finishes, and waits (pdl_wait) before it reads anything that kernel writes or
+// writes anything it reads; pdl_launch_dependents lets the next such kernel start once every block of
+// this one has begun. Both are no-ops on older cards.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// Whether launches may overlap the kernel before them: sm_90 and newer, unless HOSTEMBED_PDL=0.
+inline bool pdl_enabled() {
+    static const bool allowed = [] {
+        const char *v = getenv("HOSTEMBED_PDL");
+        return v == nullptr || v[0] != '0';
+    }();
+    int dev = 0, major = 0;
+    return allowed && cudaGetDevice(&dev) == cudaSuccess &&
+           cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess && major >= 9;
+}
+
+// Launches `kernel` as a programmatic dependent of the kernel before it in the stream where pdl_enabled():
+// its blocks may start while that kernel's last blocks run, so the kernel must call pdl_wait() before it
+// touches memory that kernel reads or writes. Returns the launch's status.
+template <typename... Params, typename... Args>
+cudaError_t launch_overlapped(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                              Args &&...args) {
+    cudaLaunchAttribute overlap;
+    overlap.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    overlap.val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t config = {};
+    config.gridDim = grid;
+    config.blockDim = block;
+    config.dynamicSmemBytes = smem;
+    config.stream = stream;
+    config.attrs = &overlap;
+    config.numAttrs = pdl_enabled() ? 1 : 0;
+    return cudaLaunchKernelEx(&config, kernel, static_cast<Args &&>(args)...);
 }
 
 // Raises a kernel's dynamic shared memory limit to `bytes` (beyond the default 48 KiB).

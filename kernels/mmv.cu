@@ -593,6 +593,7 @@ __global__ __launch_bounds__(MMV_THREADS, NT <= 2 ? MMV_SMALL_MIN_BLOCKS : 2) vo
     constexpr unsigned UNROLL = STAGED ? R::SUNROLL : R::UNROLL, GROUP = UNROLL * R::STEP;
 
     const unsigned int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, g = lane / 4, t = lane % 4;
+    he::pdl_launch_dependents();
     const MmvShape shape = mmv_shape(rows, cols, GLU);
     const unsigned int k_begin = blockIdx.y * shape.kr;
     const unsigned int k_end = min(cols, k_begin + shape.kr);
@@ -679,6 +680,7 @@ __global__ __launch_bounds__(MMV_THREADS, NT <= 2 ? MMV_SMALL_MIN_BLOCKS : 2) vo
                                             w, w2, rows, warp, lane, k_begin, k_end,
                                             (k_end - k_begin + GROUP - 1) / GROUP, row_bytes};
         ws.begin();
+        he::pdl_wait();  // the weights' first groups are in flight; the activations come from the kernel before
         for (unsigned int gi = 0; gi < ws.groups; gi++) {
             const unsigned int col = k_begin + gi * GROUP;
             const unsigned int c0 = enter_chunk(col, k_begin, k_end, kch, staged, stage);
@@ -697,6 +699,7 @@ __global__ __launch_bounds__(MMV_THREADS, NT <= 2 ? MMV_SMALL_MIN_BLOCKS : 2) vo
     } else {
         Raw cur[UNROLL][2], nxt[UNROLL][2];
         fetch_group(cur, k_begin);
+        he::pdl_wait();
         for (unsigned int col = k_begin; col < k_end; col += GROUP) {
             if (col + GROUP < k_end) fetch_group(nxt, col + GROUP);
             compute(cur, col, enter_chunk(col, k_begin, k_end, kch, staged, stage));
@@ -747,6 +750,7 @@ __global__ __launch_bounds__(MMV_THREADS, NT4 <= 2 ? MMV_SMALL_MIN_BLOCKS : 1) v
     static_assert(MMV_KC % TILE == 0 && (GROUP % MMV_KC == 0 || MMV_KC % GROUP == 0), "tiles within an activation group");
 
     const unsigned int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, g = lane / 4, t = lane % 4;
+    he::pdl_launch_dependents();
     const MmvShape shape = mmv_shape(rows, cols, GLU, true);
     const unsigned int k_begin = blockIdx.y * shape.kr;
     const unsigned int k_end = min(cols, k_begin + shape.kr);
@@ -917,6 +921,7 @@ __global__ __launch_bounds__(MMV_THREADS, NT4 <= 2 ? MMV_SMALL_MIN_BLOCKS : 1) v
                                             w, w2, rows, warp, lane, k_begin, k_end,
                                             (k_end - k_begin + GROUP - 1) / GROUP, row_bytes};
         ws.begin();
+        he::pdl_wait();  // the weights' first groups are in flight; the activations come from the kernel before
         for (unsigned int gi = 0; gi < ws.groups; gi++) {
             const unsigned int col = k_begin + gi * GROUP;
             const unsigned int c0 = enter_chunk(col, k_begin, k_end, kch, staged, stage);
@@ -935,6 +940,7 @@ __global__ __launch_bounds__(MMV_THREADS, NT4 <= 2 ? MMV_SMALL_MIN_BLOCKS : 1) v
     } else {
         Raw r[UNROLL][2];
         fetch_group(r, k_begin);
+        he::pdl_wait();
         for (unsigned int col = k_begin; col < k_end; col += GROUP)
             compute(r, col, enter_chunk(col, k_begin, k_end, kch, staged, stage));
     }
@@ -968,9 +974,8 @@ cudaError_t launch_mmv(const unsigned char *w, const unsigned char *w2, unsigned
         auto go = [&](auto kernel) {
             cudaError_t e = he::allow_smem(kernel, smem);
             if (e != cudaSuccess) return e;
-            kernel<<<grid, MMV_THREADS, smem, stream>>>(w, w2, rows, cols, row_bytes, xt, nt, bias, rt, yt, ldy, partial,
-                                                       counters);
-            return cudaGetLastError();
+            return he::launch_overlapped(kernel, grid, dim3(MMV_THREADS), (size_t)smem, stream, w, w2, rows, cols,
+                                         row_bytes, xt, nt, bias, rt, yt, ldy, partial, counters);
         };
         cudaError_t e;
         if constexpr (R::INT) {

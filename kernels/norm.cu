@@ -10,6 +10,8 @@ constexpr int NORM_KEEP = 4;  // float4s a thread keeps: rows up to 4,096 values
 template <typename Out>
 __global__ __launch_bounds__(NORM_THREADS) void rmsnorm_kernel(const float *x, const float *__restrict__ w, float eps,
                                                                typename Out::T *out, unsigned int cols) {
+    he::pdl_wait();  // x comes from the kernel before (launched overlapped)
+    he::pdl_launch_dependents();
     __shared__ float scratch[32];
     const float *xr = x + (size_t)blockIdx.x * cols;
     typename Out::T *outr = out + (size_t)blockIdx.x * cols;
@@ -72,8 +74,8 @@ extern "C" cudaError_t hostembed_rmsnorm_to(const float *x, const float *w, floa
     cudaError_t err = cudaErrorInvalidValue;
     he::with_out(out_dtype, [&](auto o) {
         using Out = decltype(o);
-        rmsnorm_kernel<Out><<<n, NORM_THREADS, 0, stream>>>(x, w, eps, static_cast<typename Out::T *>(out), cols);
-        err = cudaGetLastError();
+        err = he::launch_overlapped(rmsnorm_kernel<Out>, dim3(n), dim3(NORM_THREADS), 0, stream, x, w, eps,
+                                    static_cast<typename Out::T *>(out), cols);
     });
     return err;
 }

@@ -86,6 +86,8 @@ __global__ __launch_bounds__(ROPE_WARPS * 32) void rope_kv_kernel(
     unsigned int kv_heads, unsigned int head_dim, const float *__restrict__ inv_freq, int interleaved,
     const float *__restrict__ q_norm, const float *__restrict__ k_norm, float eps, unsigned char *kv_pool,
     const unsigned int *const *__restrict__ tables, unsigned int pool_pages, int k_type, int v_type) {
+    he::pdl_wait();  // qkv comes from the kernel before (launched overlapped)
+    he::pdl_launch_dependents();
     __shared__ float stage_all[ROPE_WARPS][ROPE_MAX_DIM];
     const unsigned int slots = heads + 2 * kv_heads;
     const size_t item = (size_t)blockIdx.x * ROPE_WARPS + threadIdx.x / 32;
@@ -186,10 +188,9 @@ extern "C" cudaError_t hostembed_rope_kv(float *qkv, unsigned int qkv_stride, un
     const size_t items = (size_t)n * (heads + 2 * kv_heads);
     const size_t blocks = (items + ROPE_WARPS - 1) / ROPE_WARPS;
     if (blocks > 0x7fffffffu) return cudaErrorInvalidValue;
-    rope_kv_kernel<<<(unsigned int)blocks, ROPE_WARPS * 32, 0, stream>>>(
-        qkv, qkv_stride, n, pos, heads, kv_heads, head_dim, inv_freq, interleaved, q_norm, k_norm, eps,
-        static_cast<unsigned char *>(kv_pool), tables, pool_pages, k_type, v_type);
-    return cudaGetLastError();
+    return he::launch_overlapped(rope_kv_kernel, dim3((unsigned int)blocks), dim3(ROPE_WARPS * 32), 0, stream, qkv,
+                                 qkv_stride, n, pos, heads, kv_heads, head_dim, inv_freq, interleaved, q_norm, k_norm,
+                                 eps, static_cast<unsigned char *>(kv_pool), tables, pool_pages, k_type, v_type);
 }
 
 extern "C" cudaError_t hostembed_kv_page_tokens(unsigned int *page_tokens) {
