@@ -563,6 +563,39 @@ struct WeightStage {
     }
 };
 
+// The staged kernels' loop over their column groups: each group's weights wait in the warp's slots,
+// the lane's raw bits of its tiles (UNROLL tiles of TILE columns) are read from there, and
+// compute(r, col, c0) takes them with the activation chunk staged from column c0.
+template <typename R, unsigned UNROLL, unsigned TILE, bool GLU, typename Stage, typename Compute>
+__device__ __forceinline__ void staged_groups(unsigned char *slots, const unsigned char *w, const unsigned char *w2,
+                                              unsigned int rows, size_t row_bytes, const unsigned char *const (&wr)[2],
+                                              unsigned int warp, unsigned int lane, unsigned int k_begin,
+                                              unsigned int k_end, unsigned int kch, Stage &&stage, Compute &&compute) {
+    constexpr unsigned GROUP = UNROLL * TILE;
+    const unsigned int g = lane / 4, t = lane % 4;
+    const WeightStage<R, GROUP, GLU> ws{slots + warp * WeightSlots<R, GROUP>::WARP_BYTES,
+                                        w, w2, rows, warp, lane, k_begin, k_end,
+                                        (k_end - k_begin + GROUP - 1) / GROUP, row_bytes};
+    ws.begin();
+    he::pdl_wait();  // the weights' first groups are in flight; the activations come from the kernel before
+    unsigned int staged = ~0u;
+    for (unsigned int gi = 0; gi < ws.groups; gi++) {
+        const unsigned int col = k_begin + gi * GROUP;
+        const unsigned int c0 = enter_chunk(col, k_begin, k_end, kch, staged, stage);
+        ws.wait(gi);
+        const unsigned char *sa = ws.row(gi, g, wr[0]), *sb = ws.row(gi, 8 + g, wr[1]);
+        typename R::Raw r[UNROLL][2];
+#pragma unroll
+        for (int u = 0; u < (int)UNROLL; u++)
+            if (col + u * TILE < k_end) {
+                R::template fetch<true>(r[u][0], sa, u * TILE, t);
+                R::template fetch<true>(r[u][1], sb, u * TILE, t);
+            }
+        compute(r, col, c0);
+        __syncwarp();
+    }
+}
+
 // Whether a launch of `n` tokens stages its weights: where the reader measured faster so (its
 // STAGE_TOKENS), or as HOSTEMBED_MMV_STAGE says, to measure: 0 never, "all" always. Both ways give the
 // same bits: only where the weights wait differs.
@@ -674,29 +707,11 @@ __global__ __launch_bounds__(MMV_THREADS, NT <= 2 ? MMV_SMALL_MIN_BLOCKS : 2) vo
         }
     };
 
-    unsigned int staged = ~0u;
     if constexpr (STAGED) {
-        const WeightStage<R, GROUP, GLU> ws{xs + n * stride + warp * WeightSlots<R, GROUP>::WARP_BYTES,
-                                            w, w2, rows, warp, lane, k_begin, k_end,
-                                            (k_end - k_begin + GROUP - 1) / GROUP, row_bytes};
-        ws.begin();
-        he::pdl_wait();  // the weights' first groups are in flight; the activations come from the kernel before
-        for (unsigned int gi = 0; gi < ws.groups; gi++) {
-            const unsigned int col = k_begin + gi * GROUP;
-            const unsigned int c0 = enter_chunk(col, k_begin, k_end, kch, staged, stage);
-            ws.wait(gi);
-            const unsigned char *sa = ws.row(gi, g, wr[0]), *sb = ws.row(gi, 8 + g, wr[1]);
-            Raw r[UNROLL][2];
-#pragma unroll
-            for (int u = 0; u < (int)UNROLL; u++)
-                if (col + u * R::STEP < k_end) {
-                    R::template fetch<true>(r[u][0], sa, u * R::STEP, t);
-                    R::template fetch<true>(r[u][1], sb, u * R::STEP, t);
-                }
-            compute(r, col, c0);
-            __syncwarp();
-        }
+        staged_groups<R, UNROLL, R::STEP, GLU>(xs + n * stride, w, w2, rows, row_bytes, wr, warp, lane, k_begin, k_end,
+                                               kch, stage, compute);
     } else {
+        unsigned int staged = ~0u;
         Raw cur[UNROLL][2], nxt[UNROLL][2];
         fetch_group(cur, k_begin);
         he::pdl_wait();
@@ -914,30 +929,11 @@ __global__ __launch_bounds__(MMV_THREADS, NT4 <= 2 ? MMV_SMALL_MIN_BLOCKS : 1) v
         }
     };
 
-    unsigned int staged = ~0u;
     if constexpr (STAGED) {
-        const WeightStage<R, GROUP, GLU> ws{mmv_smem + mmvq_act_bytes(n, kch, R::HAS_MIN) +
-                                                warp * WeightSlots<R, GROUP>::WARP_BYTES,
-                                            w, w2, rows, warp, lane, k_begin, k_end,
-                                            (k_end - k_begin + GROUP - 1) / GROUP, row_bytes};
-        ws.begin();
-        he::pdl_wait();  // the weights' first groups are in flight; the activations come from the kernel before
-        for (unsigned int gi = 0; gi < ws.groups; gi++) {
-            const unsigned int col = k_begin + gi * GROUP;
-            const unsigned int c0 = enter_chunk(col, k_begin, k_end, kch, staged, stage);
-            ws.wait(gi);
-            const unsigned char *sa = ws.row(gi, g, wr[0]), *sb = ws.row(gi, 8 + g, wr[1]);
-            Raw r[UNROLL][2];
-#pragma unroll
-            for (int u = 0; u < (int)UNROLL; u++)
-                if (col + u * TILE < k_end) {
-                    R::template fetch<true>(r[u][0], sa, u * TILE, t);
-                    R::template fetch<true>(r[u][1], sb, u * TILE, t);
-                }
-            compute(r, col, c0);
-            __syncwarp();
-        }
+        staged_groups<R, UNROLL, TILE, GLU>(mmv_smem + mmvq_act_bytes(n, kch, R::HAS_MIN), w, w2, rows, row_bytes, wr,
+                                            warp, lane, k_begin, k_end, kch, stage, compute);
     } else {
+        unsigned int staged = ~0u;
         Raw r[UNROLL][2];
         fetch_group(r, k_begin);
         he::pdl_wait();
