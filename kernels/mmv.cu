@@ -15,8 +15,9 @@
 //
 // Layout: a block of 8 warps takes 128 weight rows (each warp rows g and g + 8 of its 16 as mma's A; a
 // GLU launch puts 8 gate rows and the same 8 up rows in a warp) and one of `splits` column ranges. The
-// activations of a chunk of columns are staged once per block in shared memory; each lane streams its
-// weight rows straight from memory into registers (a column group ahead of the arithmetic). A lane
+// activations of a chunk of columns are staged once per block in shared memory; each lane takes its
+// weight rows either straight from memory into registers (a column group ahead of the arithmetic) or
+// from its warp's slots in shared memory (WeightStage: copied with cp.async, groups ahead). A lane
 // (g, t) holds, per 32-column step, 8 of the step's columns of its two rows (a reader's choice, the
 // same for B). With splits > 1 each block writes its partial sums, and the last block of a row range to
 // arrive (an atomic counter) adds them in split order and applies the epilogue.
