@@ -30,7 +30,7 @@ constexpr int MMV_THREADS = MMV_WARPS * 32;
 constexpr unsigned MMV_BLOCK_ROWS = MMV_WARPS * 16;
 constexpr unsigned MMV_KC = 256;  // the unit of column ranges and staged chunks
 constexpr unsigned MMV_MAX_TOKENS = 64;
-constexpr unsigned MMVQ_TOKENS = 32;  // the integer kernel's tokens a launch
+constexpr unsigned MMVQ_MAX_TOKENS = 32;  // the integer kernel's tokens a launch
 // Tuning knobs, fixed at build time, for benchmark builds (HOSTEMBED_KERNEL_DEFINES); the defaults are the
 // measured best (BENCHMARKS.md), and src/gpu/scratch.rs mirrors the default MMV_TARGET.
 #ifndef MMV_TARGET
@@ -128,7 +128,7 @@ struct MmaBF16 {
 // Q8_0: a step is one 34-byte block (2-byte aligned), lane t takes quants 8t .. 8t + 7 as they are.
 struct QQ8_0 {
     static constexpr unsigned STEP = 32, TILE_STEPS = 1, UNROLL = 8, SUNROLL = 4, BYTES = 34, BLOCK_COLS = 32, ALIGN = 2;
-    static constexpr unsigned STAGE_TOKENS = MMVQ_TOKENS;  // staged: 51% (from 27%)
+    static constexpr unsigned STAGE_TOKENS = MMVQ_MAX_TOKENS;  // staged: 51% (from 27%)
     static constexpr bool INT = true, SIGNED = true, SUPER = false, HAS_MIN = false;
     // Lanes read words 2t apart in 8 rows: two-way conflicts at best, unless rows share banks.
     static constexpr bool bank_ok(unsigned words) { return words % 8 == 4 || words % 16 == 8; }
@@ -157,7 +157,7 @@ __device__ __forceinline__ unsigned int sub_bytes(unsigned int q, unsigned int b
 // bytes 8(t % 2) .. + 7, less 8.
 struct QQ4_0 {
     static constexpr unsigned STEP = 32, TILE_STEPS = 1, UNROLL = 8, SUNROLL = 8, BYTES = 18, BLOCK_COLS = 32, ALIGN = 2;
-    static constexpr unsigned STAGE_TOKENS = MMVQ_TOKENS;  // staged: 29% (from 15%)
+    static constexpr unsigned STAGE_TOKENS = MMVQ_MAX_TOKENS;  // staged: 29% (from 15%)
     static constexpr bool INT = true, SIGNED = true, SUPER = false, HAS_MIN = false;
     static constexpr bool bank_ok(unsigned words) { return words % 8 == 4 || words % 16 == 8; }
     struct Raw {
@@ -269,7 +269,7 @@ struct QQ5_K : KScales {
 // qh[32n + l], less 32.
 struct QQ6_K {
     static constexpr unsigned STEP = 16, TILE_STEPS = 8, UNROLL = 2, SUNROLL = 2, BYTES = 210, BLOCK_COLS = 256, ALIGN = 2;
-    static constexpr unsigned STAGE_TOKENS = MMVQ_TOKENS;  // staged: 42% (from 34%), the head 60% (46%)
+    static constexpr unsigned STAGE_TOKENS = MMVQ_MAX_TOKENS;  // staged: 42% (from 34%), the head 60% (46%)
     static constexpr unsigned QL = 0, QH = 128, SCALES = 192, D = 208;
     static constexpr bool INT = true, SIGNED = true, SUPER = true, HAS_MIN = false;
     struct Raw {
@@ -441,6 +441,12 @@ __device__ __forceinline__ void mmv_write(const MmvShape &shape, unsigned int n,
     if (tid == 0) counters[blockIdx.x] = 0;  // ready for the next launch
 }
 
+// The first of the warp's rows: of its 16 rows, or (GLU) of its 8 gate and 8 up rows.
+template <bool GLU>
+__device__ __forceinline__ unsigned int mmv_warp_row(unsigned int warp) {
+    return GLU ? blockIdx.x * (MMV_BLOCK_ROWS / 2) + warp * 8 : blockIdx.x * MMV_BLOCK_ROWS + warp * 16;
+}
+
 // The warp's A rows: g and g + 8 of its 16 (GLU: gate row g and up row g of its 8). Rows past the matrix
 // read its last row (never written out), so the loads need no tests.
 struct MmvRows {
@@ -450,8 +456,7 @@ struct MmvRows {
 template <bool GLU>
 __device__ __forceinline__ MmvRows mmv_rows(const unsigned char *w, const unsigned char *w2, unsigned int rows,
                                             size_t row_bytes, unsigned int warp, unsigned int g) {
-    const unsigned int base =
-        GLU ? blockIdx.x * (MMV_BLOCK_ROWS / 2) + warp * 8 : blockIdx.x * MMV_BLOCK_ROWS + warp * 16;
+    const unsigned int base = mmv_warp_row<GLU>(warp);
     MmvRows r;
     r.a = base + g;
     r.b = GLU ? base + g : base + g + 8;
@@ -508,8 +513,7 @@ template <typename WS, bool GLU>
 __device__ __forceinline__ void copy_rows(unsigned char *slot, const unsigned char *w, const unsigned char *w2,
                                           unsigned int rows, size_t row_bytes, unsigned int warp, unsigned int lane,
                                           size_t start, unsigned int len) {
-    const unsigned int base =
-        GLU ? blockIdx.x * (MMV_BLOCK_ROWS / 2) + warp * 8 : blockIdx.x * MMV_BLOCK_ROWS + warp * 16;
+    const unsigned int base = mmv_warp_row<GLU>(warp);
 #pragma unroll
     for (unsigned int j = 0; j < (16 * WS::CHUNKS + 31) / 32; j++) {
         const unsigned int idx = lane + 32 * j, i = idx / WS::CHUNKS, c = idx % WS::CHUNKS;
@@ -597,6 +601,12 @@ __device__ __forceinline__ void staged_groups(unsigned char *slots, const unsign
     }
 }
 
+// The columns a kernel takes a step of its main loop: its reader's tiles of a group, staged or streamed.
+template <typename R, bool STAGED>
+__host__ __device__ constexpr unsigned mmv_group() {
+    return (STAGED ? R::SUNROLL : R::UNROLL) * R::STEP * R::TILE_STEPS;
+}
+
 // Whether a launch of `n` tokens stages its weights: where the reader measured faster so (its
 // STAGE_TOKENS), or as HOSTEMBED_MMV_STAGE says, to measure: 0 never, "all" always. Both ways give the
 // same bits: only where the weights wait differs.
@@ -624,7 +634,7 @@ __global__ __launch_bounds__(MMV_THREADS, NT <= 2 ? MMV_SMALL_MIN_BLOCKS : 2) vo
                                                          const float *bias, const float *residual, float *y,
                                                          unsigned int ldy, float *partial, unsigned int *counters) {
     extern __shared__ __align__(16) unsigned char mmv_smem[];
-    constexpr unsigned UNROLL = STAGED ? R::SUNROLL : R::UNROLL, GROUP = UNROLL * R::STEP;
+    constexpr unsigned UNROLL = STAGED ? R::SUNROLL : R::UNROLL, GROUP = mmv_group<R, STAGED>();
 
     const unsigned int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, g = lane / 4, t = lane % 4;
     he::pdl_launch_dependents();
@@ -739,7 +749,6 @@ __global__ __launch_bounds__(MMV_THREADS, NT <= 2 ? MMV_SMALL_MIN_BLOCKS : 2) vo
 // ---- the integer kernel ----
 
 constexpr int MMVQ_RANGE = 32639;  // the largest |v|: hi = (v + 128) >> 8 stays an int8, lo in [-128, 127]
-constexpr unsigned MMVQ_MAX_TOKENS = MMVQ_TOKENS;
 
 // One token's staged row of `kch` columns: per 32-column step 32 hi bytes then 32 lo bytes, in column
 // order; 64 bytes of padding put the two tokens a half warp reads in distinct banks.
@@ -762,7 +771,7 @@ __global__ __launch_bounds__(MMV_THREADS, NT4 <= 2 ? MMV_SMALL_MIN_BLOCKS : 1) v
     unsigned int ldy, float *partial, unsigned int *counters) {
     extern __shared__ __align__(16) unsigned char mmv_smem[];
     constexpr unsigned UNROLL = STAGED ? R::SUNROLL : R::UNROLL;
-    constexpr unsigned TILE = R::STEP * R::TILE_STEPS, GROUP = UNROLL * TILE, KW = R::STEP / 16;
+    constexpr unsigned TILE = R::STEP * R::TILE_STEPS, GROUP = mmv_group<R, STAGED>(), KW = R::STEP / 16;
     static_assert(MMV_KC % TILE == 0 && (GROUP % MMV_KC == 0 || MMV_KC % GROUP == 0), "tiles within an activation group");
 
     const unsigned int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, g = lane / 4, t = lane % 4;
@@ -958,7 +967,7 @@ cudaError_t launch_mmv(const unsigned char *w, const unsigned char *w2, unsigned
     const MmvShape shape = mmv_shape(rows, cols, GLU, R::INT);
     const dim3 grid(shape.row_blocks, shape.splits);
     constexpr unsigned MAX = R::INT ? MMVQ_MAX_TOKENS : MMV_MAX_TOKENS;
-    constexpr unsigned GROUP = (STAGED ? R::SUNROLL : R::UNROLL) * R::STEP * R::TILE_STEPS;
+    constexpr unsigned GROUP = mmv_group<R, STAGED>();
     constexpr unsigned WEIGHTS = STAGED ? WeightSlots<R, GROUP>::BLOCK_BYTES : 0;
     for (unsigned int t0 = 0; t0 < n; t0 += MAX) {
         const unsigned int nt = min(MAX, n - t0);
