@@ -6,7 +6,8 @@
 // bf16 for a bf16 cache and in f16 for the others (KOp for K's type, VOp for V's); the score fragments
 // become P's A fragments without leaving registers. Each row of a tile finds its page through the stream's
 // page table. A tile in the operands' own format (bf16, f16) is copied by cp.async; an 8-bit one (Q8_0,
-// FP8_E4M3) is loaded into registers, decoded with its block scales (kernels/kv.cuh) and stored as f16.
+// FP8_E4M3) is loaded into registers while the tile before it computes, then decoded with its block scales
+// (kernels/kv.cuh) and stored as f16.
 // An F32 cache is not read here: the host gives it to the split kernel, which keeps f32.
 #include "hostembed_kernels.cuh"
 #include "kv.cuh"
@@ -26,34 +27,44 @@ constexpr int fa_smem() {
     return 2 /* stages */ * 2 /* K, V */ * FA_BN * fa_stride<D>() * 2;
 }
 
-// Eight values of one row of a tile into shared memory as Op's halves: copied when the cache stores
-// them in Op's format, else decoded (an 8-bit block type) and rounded once; zeros where !ok.
-template <typename Op>
-__device__ __forceinline__ void tile_piece(unsigned short *dst, const unsigned char *slab, unsigned int row,
-                                           unsigned int c, unsigned int d, int type, bool ok) {
-    constexpr int NATIVE = Op::ID == HE_DTYPE_BF16 ? HE_KV_BF16 : HE_KV_F16;
-    if (type == NATIVE) {
-        he::cp_async16(dst, slab + ((size_t)row * d + c) * 2, ok);
-        return;
-    }
-    uint4 packed = make_uint4(0, 0, 0, 0);
-    if (ok) {
-        const uint2 w = __ldg(reinterpret_cast<const uint2 *>(slab + (size_t)row * d + c));
-        float f[8], scale;
-        if (type == HE_KV_Q8_0) {
-            scale = he::kv::block_scale<false>(slab, row, c, d);
-            he::kv::q8_to_floats(w, f);
-        } else {
-            scale = he::kv::block_scale<true>(slab, row, c, d);
-            he::kv::fp8_to_floats(w, f);
-        }
-        packed = make_uint4(Op::pack(f[0] * scale, f[1] * scale), Op::pack(f[2] * scale, f[3] * scale),
-                            Op::pack(f[4] * scale, f[5] * scale), Op::pack(f[6] * scale, f[7] * scale));
-    }
-    *reinterpret_cast<uint4 *>(dst) = packed;
+// Eight values of one row of a tile in the operands' own format (bf16, f16), copied into shared memory by
+// cp.async; zeros where !ok.
+__device__ __forceinline__ void copy_piece(unsigned short *dst, const unsigned char *slab, unsigned int row,
+                                           unsigned int c, unsigned int d, bool ok) {
+    he::cp_async16(dst, slab + ((size_t)row * d + c) * 2, ok);
 }
 
-template <int D, typename Out, typename KOp, typename VOp>
+// Eight values of one row of an 8-bit block type's tile, raw: the codes and their block's scale, loaded
+// into registers a tile before they are decoded (a zero scale where !ok).
+struct Raw8 {
+    uint2 codes;
+    float scale;
+};
+__device__ __forceinline__ Raw8 load_raw8(const unsigned char *slab, unsigned int row, unsigned int c, unsigned int d,
+                                          int type, bool ok) {
+    Raw8 r{make_uint2(0, 0), 0.f};
+    if (ok) {
+        r.codes = __ldg(reinterpret_cast<const uint2 *>(slab + (size_t)row * d + c));
+        r.scale = type == HE_KV_Q8_0 ? he::kv::block_scale<false>(slab, row, c, d)
+                                     : he::kv::block_scale<true>(slab, row, c, d);
+    }
+    return r;
+}
+
+// A raw piece decoded with its scale and stored as Op's halves, rounded once.
+template <typename Op>
+__device__ __forceinline__ void store_raw8(unsigned short *dst, const Raw8 &r, int type) {
+    float f[8];
+    if (type == HE_KV_Q8_0) he::kv::q8_to_floats(r.codes, f);
+    else he::kv::fp8_to_floats(r.codes, f);
+    const float k = r.scale;
+    *reinterpret_cast<uint4 *>(dst) = make_uint4(Op::pack(f[0] * k, f[1] * k), Op::pack(f[2] * k, f[3] * k),
+                                                 Op::pack(f[4] * k, f[5] * k), Op::pack(f[6] * k, f[7] * k));
+}
+
+// RAW8: K or V (or both) is an 8-bit block type, loaded into registers a tile ahead (a synchronous load
+// there would stall every tile on its memory latency); the kernels without it keep those registers free.
+template <int D, typename Out, typename KOp, typename VOp, bool RAW8>
 __global__ __launch_bounds__(FA_THREADS) void flash_kernel(const float *__restrict__ q, unsigned int q_stride,
                                                            const unsigned char *__restrict__ kv_pool,
                                                            const unsigned int *__restrict__ table,
@@ -114,12 +125,20 @@ __global__ __launch_bounds__(FA_THREADS) void flash_kernel(const float *__restri
     const size_t page_bytes = he::kv_page_bytes(kv_heads, D, k_type, v_type);
     const size_t k_at = he::kv_slab_at(kv_heads, D, k_type, v_type, false, kvh);
     const size_t v_at = he::kv_slab_at(kv_heads, D, k_type, v_type, true, kvh);
-    auto load_tile = [&](unsigned int stage, unsigned int tile) {
-        constexpr int PIECES = FA_BN * D / 8;  // pieces of 8 values per K or V tile
+    const bool k8 = RAW8 && he::kv_is_block(k_type), v8 = RAW8 && he::kv_is_block(v_type);
+    constexpr int PIECES = FA_BN * D / 8 / FA_THREADS;  // pieces of 8 values a thread takes of a K or V tile
+    static_assert(PIECES * FA_THREADS == FA_BN * D / 8, "a tile is whole pieces for every thread");
+    Raw8 k_raw[RAW8 ? PIECES : 1], v_raw[RAW8 ? PIECES : 1];
+    // Piece i of a tile: row i / (D / 8), columns (i % (D / 8)) * 8 ...
+    auto piece_row = [&](int i) { return (tid + i * FA_THREADS) / (D / 8); };
+    auto piece_col = [&](int i) { return ((tid + i * FA_THREADS) % (D / 8)) * 8; };
+    // Starts a tile's loads: pieces in the operands' format by cp.async into `stage`, 8-bit ones into
+    // k_raw / v_raw (stored by store_tile8 once they are needed).
+    auto fetch_tile = [&](unsigned int stage, unsigned int tile) {
         const unsigned int base = tile * FA_BN;
 #pragma unroll
-        for (int i = tid; i < PIECES; i += FA_THREADS) {
-            const unsigned int r = i / (D / 8), c = (i % (D / 8)) * 8;
+        for (int i = 0; i < PIECES; i++) {
+            const unsigned int r = piece_row(i), c = piece_col(i);
             // Later rows (and a bad page id) are zeros: a zero V row times a zero weight. A row not read
             // still names a mapped address (page 0), as cp.async wants.
             const unsigned int p = base + r;
@@ -127,18 +146,34 @@ __global__ __launch_bounds__(FA_THREADS) void flash_kernel(const float *__restri
             const bool ok = id < pool_pages;
             const unsigned char *page = kv_pool + (ok ? (size_t)id * page_bytes : 0);
             const unsigned int row = p % HE_PAGE_TOKENS;
-            tile_piece<KOp>(k_s + (stage * FA_BN + r) * S + c, page + k_at, row, c, D, k_type, ok);
-            tile_piece<VOp>(v_s + (stage * FA_BN + r) * S + c, page + v_at, row, c, D, v_type, ok);
+            if (k8) k_raw[RAW8 ? i : 0] = load_raw8(page + k_at, row, c, D, k_type, ok);
+            else copy_piece(k_s + (stage * FA_BN + r) * S + c, page + k_at, row, c, D, ok);
+            if (v8) v_raw[RAW8 ? i : 0] = load_raw8(page + v_at, row, c, D, v_type, ok);
+            else copy_piece(v_s + (stage * FA_BN + r) * S + c, page + v_at, row, c, D, ok);
+        }
+    };
+    auto store_tile8 = [&](unsigned int stage) {
+        if constexpr (RAW8) {
+#pragma unroll
+            for (int i = 0; i < PIECES; i++) {
+                const unsigned int r = piece_row(i), c = piece_col(i);
+                if (k8) store_raw8<KOp>(k_s + (stage * FA_BN + r) * S + c, k_raw[i], k_type);
+                if (v8) store_raw8<VOp>(v_s + (stage * FA_BN + r) * S + c, v_raw[i], v_type);
+            }
         }
     };
 
+    // Two stages: tile t + 1's loads are in flight while tile t computes.
     const unsigned int tiles = (ctx + FA_BN - 1) / FA_BN;
-    if (tiles > 0) load_tile(0, 0);
+    if (tiles > 0) {
+        fetch_tile(0, 0);
+        store_tile8(0);
+    }
     he::cp_async_commit();
     for (unsigned int tile = 0; tile < tiles; tile++) {
-        if (tile + 1 < tiles) load_tile((tile + 1) % 2, tile + 1);
+        if (tile + 1 < tiles) fetch_tile((tile + 1) % 2, tile + 1);
         he::cp_async_commit();
-        he::cp_async_wait<1>();
+        he::cp_async_wait<1>();  // every group but the newest: this tile's copies have landed
         __syncthreads();
         const unsigned short *ks = k_s + (tile % 2) * FA_BN * S;
         const unsigned short *vs = v_s + (tile % 2) * FA_BN * S;
@@ -212,6 +247,8 @@ __global__ __launch_bounds__(FA_THREADS) void flash_kernel(const float *__restri
                 VOp::mma(o[2 * dp + 1], pa, vb[2], vb[3]);
             }
         }
+        // The next tile's 8-bit pieces, loaded during this tile's products, into the stage nobody reads now.
+        if (tile + 1 < tiles) store_tile8((tile + 1) % 2);
         __syncthreads();  // the next iteration's load overwrites this stage
     }
     he::cp_async_wait<0>();
@@ -269,13 +306,15 @@ extern "C" cudaError_t hostembed_flash_attention(const float *q, unsigned int q_
     // The operands' format for each of K and V: bf16 for a bf16 cache, f16 for the others.
     const int k_op = k_type == HE_KV_BF16 ? HE_DTYPE_BF16 : HE_DTYPE_F16;
     const int v_op = v_type == HE_KV_BF16 ? HE_DTYPE_BF16 : HE_DTYPE_F16;
+    const bool raw8 = he::kv_is_block(k_type) || he::kv_is_block(v_type);
     with_head_dim(head_dim, [&](auto dim) {
         constexpr int D = decltype(dim)::value;
         he::with_half(out_dtype, [&](auto op) {
             using Out = decltype(op);
             he::with_half(k_op, [&](auto kop) {
                 he::with_half(v_op, [&](auto vop) {
-                    auto kernel = flash_kernel<D, Out, decltype(kop), decltype(vop)>;
+                    auto kernel = raw8 ? flash_kernel<D, Out, decltype(kop), decltype(vop), true>
+                                       : flash_kernel<D, Out, decltype(kop), decltype(vop), false>;
                     err = he::allow_smem(kernel, fa_smem<D>());
                     if (err != cudaSuccess) return;
                     const dim3 grid((n + FA_BM - 1) / FA_BM, heads);
