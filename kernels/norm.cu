@@ -10,7 +10,6 @@ constexpr int NORM_KEEP = 4;  // float4s a thread keeps: rows up to 4,096 values
 template <typename Out>
 __global__ __launch_bounds__(NORM_THREADS) void rmsnorm_kernel(const float *x, const float *__restrict__ w, float eps,
                                                                typename Out::T *out, unsigned int cols) {
-    he::pdl_wait();  // x comes from the kernel before (launched overlapped)
     he::pdl_launch_dependents();
     __shared__ float scratch[32];
     const float *xr = x + (size_t)blockIdx.x * cols;
@@ -23,11 +22,18 @@ __global__ __launch_bounds__(NORM_THREADS) void rmsnorm_kernel(const float *x, c
         // in the same order as the loop below.
         const float4 *x4 = reinterpret_cast<const float4 *>(xr), *w4 = reinterpret_cast<const float4 *>(w);
         float4 v[NORM_KEEP], g[NORM_KEEP];
+        // The weights are the model's: loaded before waiting for x (launched overlapped, x comes from the
+        // kernel before).
+#pragma unroll
+        for (int k = 0; k < NORM_KEEP; k++) {
+            const unsigned int c = threadIdx.x + k * NORM_THREADS;
+            g[k] = c < cols / 4 ? __ldg(w4 + c) : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+        he::pdl_wait();
 #pragma unroll
         for (int k = 0; k < NORM_KEEP; k++) {
             const unsigned int c = threadIdx.x + k * NORM_THREADS;
             v[k] = c < cols / 4 ? x4[c] : make_float4(0.f, 0.f, 0.f, 0.f);
-            g[k] = c < cols / 4 ? __ldg(w4 + c) : make_float4(0.f, 0.f, 0.f, 0.f);
         }
 #pragma unroll
         for (int k = 0; k < NORM_KEEP; k++)
@@ -44,6 +50,7 @@ __global__ __launch_bounds__(NORM_THREADS) void rmsnorm_kernel(const float *x, c
         }
         return;
     }
+    he::pdl_wait();
     if (vec) {
         for (unsigned int c = threadIdx.x; c < cols / 4; c += NORM_THREADS) {
             float4 v = reinterpret_cast<const float4 *>(xr)[c];

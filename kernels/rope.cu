@@ -86,7 +86,8 @@ __global__ __launch_bounds__(ROPE_WARPS * 32) void rope_kv_kernel(
     unsigned int kv_heads, unsigned int head_dim, const float *__restrict__ inv_freq, int interleaved,
     const float *__restrict__ q_norm, const float *__restrict__ k_norm, float eps, unsigned char *kv_pool,
     const unsigned int *const *__restrict__ tables, unsigned int pool_pages, int k_type, int v_type) {
-    he::pdl_wait();  // qkv comes from the kernel before (launched overlapped)
+    // Launched overlapped: what the step's uploads and the model give (positions, page tables, the
+    // rotation's angles) is read before waiting for qkv from the kernel before (he::pdl_wait below).
     he::pdl_launch_dependents();
     __shared__ float stage_all[ROPE_WARPS][ROPE_MAX_DIM];
     const unsigned int slots = heads + 2 * kv_heads;
@@ -110,6 +111,7 @@ __global__ __launch_bounds__(ROPE_WARPS * 32) void rope_kv_kernel(
     if (slot >= heads + kv_heads) {  // a v head: stored as it is
         if (!cache_ok) return;
         const unsigned int kvh = slot - heads - kv_heads;
+        he::pdl_wait();
         for (unsigned int i = lane; i < head_dim; i += 32) stage[i] = head[i];
         __syncwarp();
         unsigned char *slab = page + he::kv_slab_at(kv_heads, head_dim, k_type, v_type, true, kvh);
@@ -118,7 +120,14 @@ __global__ __launch_bounds__(ROPE_WARPS * 32) void rope_kv_kernel(
     }
 
     const bool is_q = slot < heads;
-    // Pair j rotates (j, j + half) or (2j, 2j + 1).
+    // Pair j rotates (j, j + half) or (2j, 2j + 1) by p * inv_freq[j].
+    float sin_j[ROPE_PAIRS], cos_j[ROPE_PAIRS];
+#pragma unroll
+    for (int k = 0; k < ROPE_PAIRS; k++) {
+        const unsigned int j = lane + 32 * k;
+        if (j < half) sincosf((float)p * inv_freq[j], &sin_j[k], &cos_j[k]);
+    }
+    he::pdl_wait();
     float a[ROPE_PAIRS], b[ROPE_PAIRS];
     float ss = 0.f;
 #pragma unroll
@@ -152,8 +161,7 @@ __global__ __launch_bounds__(ROPE_WARPS * 32) void rope_kv_kernel(
         const unsigned int j = lane + 32 * k;
         if (j < half) {
             const unsigned int ia = interleaved ? 2 * j : j, ib = interleaved ? 2 * j + 1 : j + half;
-            float s, c;
-            sincosf((float)p * inv_freq[j], &s, &c);
+            const float s = sin_j[k], c = cos_j[k];
             const float ra = a[k] * c - b[k] * s, rb = a[k] * s + b[k] * c;
             head[ia] = ra;
             head[ib] = rb;
