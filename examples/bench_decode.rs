@@ -3,13 +3,16 @@
 //!
 //!     cargo run --release --example bench_decode -- [--hidden 4096] [--layers 32] [--heads 32]
 //!         [--kv-heads 8] [--head-dim 128] [--inter 14336] [--vocab 128256] [--dtype bf16|f16|f32|q8_0|
-//!         q4_0|q4_1|q5_0|q5_1|q2_k|q3_k|q4_k|q5_k|q6_k|q4_k_m] [--prompt 64] [--tokens 128] [--runs 5]
+//!         q4_0|q4_1|q5_0|q5_1|q2_k|q3_k|q4_k|q5_k|q6_k|q4_k_m] [--prompt 64[,N...]] [--tokens 128] [--runs 5]
+//!         [--greedy]
 //!         [--tied] [--kernels-only] [--no-matvec] [--no-mmv] [--mmv-only DTYPE]
 //!         [--kv bf16|f16|f32|q8_0|fp8_e4m3[,V]]
 //!
-//! `--prompt` is the cache the decode reads (the "32k cache" is `--prompt 32768`); `--kv` picks
+//! `--prompt` is the cache the decode reads (the "32k cache" is `--prompt 32768`; several, comma
+//! separated, decode after each on one loaded model); `--greedy` skips the sampled runs; `--kv` picks
 //! the KV cache type (K and V, or K,V apart; BF16 by default), e.g. to compare 8-bit caches with BF16:
-//! `--prompt 32768 --kv q8_0` against `--prompt 32768`.
+//! `--prompt 32768 --kv q8_0` against `--prompt 32768`. The prompt goes in as chunks of up to 2,048 tokens
+//! (the prompt benchmark's chunk), so a long cache is filled in seconds.
 //!
 //! The tensor-core decode product (mmv) gets its own table: batch 1 for each format it reads, and BF16 at
 //! the batch sizes a server steps. `--no-matvec` (or `--no-kernels`) and `--no-mmv` skip those tables;
@@ -39,8 +42,11 @@ struct Args {
     dtype: DType,
     /// The Q4_K_M mix (dtype is then Q4_K).
     q4_k_m: bool,
-    prompt: usize,
+    /// The caches to decode after, one model load for all.
+    prompts: Vec<usize>,
     tokens: usize,
+    /// Greedy decoding only (no sampled runs).
+    greedy: bool,
     runs: usize,
     kernels_only: bool,
     matvec_table: bool,
@@ -70,7 +76,8 @@ fn parse() -> Args {
         bos: None,
         eos: None,
     };
-    let (mut dtype, mut prompt, mut tokens, mut runs, mut kernels_only) = (DType::Bf16, 64, 128, 5, false);
+    let (mut dtype, mut prompts, mut tokens, mut runs, mut kernels_only) = (DType::Bf16, vec![64], 128, 5, false);
+    let mut greedy = false;
     let (mut matvec_table, mut mmv_table, mut mmv_only) = (true, true, None);
     let mut q4_k_m = false;
     let mut kv = KvTypes::GPU_DEFAULT;
@@ -86,7 +93,10 @@ fn parse() -> Args {
             "--head-dim" => cfg.head_dim = num(),
             "--inter" => cfg.intermediate = num(),
             "--vocab" => cfg.vocab = num(),
-            "--prompt" => prompt = num(),
+            "--prompt" => {
+                prompts = it.next().unwrap_or_default().split(',').map(|v| v.parse().expect("--prompt N[,N...]")).collect()
+            }
+            "--greedy" => greedy = true,
             "--tokens" => tokens = num(),
             "--runs" => runs = num(),
             "--tied" => cfg.tied = true,
@@ -112,8 +122,9 @@ fn parse() -> Args {
         }
     }
     // The window the decode needs, whatever the shape's own.
-    cfg.max_position = cfg.max_position.max(prompt + tokens + 1);
-    Args { cfg, dtype, q4_k_m, prompt, tokens, runs, kernels_only, matvec_table, mmv_table, mmv_only, kv }
+    let longest = prompts.iter().copied().max().unwrap_or(0);
+    cfg.max_position = cfg.max_position.max(longest + tokens + 1);
+    Args { cfg, dtype, q4_k_m, prompts, tokens, runs, greedy, kernels_only, matvec_table, mmv_table, mmv_only, kv }
 }
 
 /// `--kv`'s value: one type for K and V, or "K,V".
@@ -434,8 +445,10 @@ fn bench_decode(args: &Args, peak: f64) {
     let embed_dtype = embed.dtype;
     let rows_buf = DeviceBuffer::from_slice(embed.bytes).unwrap();
     let rows = RowsOnDevice { ptr: rows_buf.ptr(), dtype: embed.dtype, vocab: embed.rows(), cols: embed.cols() };
-    let window = args.prompt + args.tokens + 1;
-    let mut gpu = GpuModel::load_with_kv(&src, rows, 64, window.div_ceil(PAGE_TOKENS), args.kv)
+    let longest = args.prompts.iter().copied().max().unwrap_or(0);
+    let window = longest + args.tokens + 1;
+    let chunk = longest.clamp(64, 2048);
+    let mut gpu = GpuModel::load_with_kv(&src, rows, chunk, window.div_ceil(PAGE_TOKENS), args.kv)
         .unwrap_or_else(|e| panic!("load: {e}"));
     let mut pool = gpu.page_pool().unwrap();
     let weight_bytes = GpuModel::weight_bytes(&src);
@@ -447,42 +460,45 @@ fn bench_decode(args: &Args, peak: f64) {
         args.kv.describe()
     );
 
-    let prompt: Vec<u32> = (0..args.prompt as u32).map(|i| (i * 7919 + 13) % cfg.vocab as u32).collect();
     let sampled = Sampling { temperature: 0.8, top_k: 40, top_p: 0.95, seed: 42, ..Sampling::GREEDY };
-    // Per decoded token, the bytes read: every weight but the embedding rows, one row of them, and the KV
-    // cache (about half a window on average).
-    let per_token = weight_bytes as f64
-        + embed_row_bytes(cfg, embed_dtype) as f64
-        + args.kv.bytes_per_token(cfg) as f64 * (args.prompt + args.tokens / 2) as f64;
-    println!(
-        "\nbatch-1 decode after a {}-token prompt, {} tokens, median of {} runs, KV cache {}",
-        args.prompt,
-        args.tokens,
-        args.runs,
-        args.kv.describe()
-    );
-    println!("| sampling | prompt tok/s | decode tok/s | ms/token | GB/s (weights + KV) | of copy bandwidth |");
-    println!("| --- | --- | --- | --- | --- | --- |");
-    for (name, s) in [("greedy", Sampling::GREEDY), ("sampled", sampled)] {
-        let mut prompt_rates = Vec::new();
-        let mut rates = Vec::new();
-        for _ in 0..args.runs + 1 {
-            let mut stream = gpu.new_stream(window).unwrap();
-            let t = Instant::now();
-            let mut next = gpu.step(&mut pool, &mut stream, &prompt, &s, 0).unwrap();
-            let prompt_s = t.elapsed().as_secs_f64();
-            let t = Instant::now();
-            for _ in 0..args.tokens {
-                next = gpu.step(&mut pool, &mut stream, &[next], &s, 0).unwrap();
+    let modes: &[(&str, Sampling)] =
+        if args.greedy { &[("greedy", Sampling::GREEDY)] } else { &[("greedy", Sampling::GREEDY), ("sampled", sampled)] };
+    for &prompt_len in &args.prompts {
+        let prompt: Vec<u32> = (0..prompt_len as u32).map(|i| (i * 7919 + 13) % cfg.vocab as u32).collect();
+        // Per decoded token, the bytes read: every weight but the embedding rows, one row of them, and the KV
+        // cache (about half a window on average).
+        let per_token = weight_bytes as f64
+            + embed_row_bytes(cfg, embed_dtype) as f64
+            + args.kv.bytes_per_token(cfg) as f64 * (prompt_len + args.tokens / 2) as f64;
+        println!(
+            "\nbatch-1 decode after a {prompt_len}-token prompt, {} tokens, median of {} runs, KV cache {}",
+            args.tokens,
+            args.runs,
+            args.kv.describe()
+        );
+        println!("| sampling | prompt tok/s | decode tok/s | ms/token | GB/s (weights + KV) | of copy bandwidth |");
+        println!("| --- | --- | --- | --- | --- | --- |");
+        for (name, s) in modes {
+            let mut prompt_rates = Vec::new();
+            let mut rates = Vec::new();
+            for _ in 0..args.runs + 1 {
+                let mut stream = gpu.new_stream(window).unwrap();
+                let t = Instant::now();
+                let mut next = gpu.step(&mut pool, &mut stream, &prompt, s, 0).unwrap();
+                let prompt_s = t.elapsed().as_secs_f64();
+                let t = Instant::now();
+                for _ in 0..args.tokens {
+                    next = gpu.step(&mut pool, &mut stream, &[next], s, 0).unwrap();
+                }
+                truncate_stream(&mut pool, &mut stream, 0).unwrap();
+                prompt_rates.push(prompt_len as f64 / prompt_s);
+                rates.push(args.tokens as f64 / t.elapsed().as_secs_f64());
             }
-            truncate_stream(&mut pool, &mut stream, 0).unwrap();
-            prompt_rates.push(args.prompt as f64 / prompt_s);
-            rates.push(args.tokens as f64 / t.elapsed().as_secs_f64());
+            // The first run captures graphs and warms up.
+            let (p, r) = (median(prompt_rates[1..].to_vec()), median(rates[1..].to_vec()));
+            let gbs = per_token * r / 1e9;
+            println!("| {name} | {p:.0} | {r:.1} | {:.2} | {gbs:.0} | {:.0}% |", 1e3 / r, 100.0 * gbs / peak);
         }
-        // The first run captures graphs and warms up.
-        let (p, r) = (median(prompt_rates[1..].to_vec()), median(rates[1..].to_vec()));
-        let gbs = per_token * r / 1e9;
-        println!("| {name} | {p:.0} | {r:.1} | {:.2} | {gbs:.0} | {:.0}% |", 1e3 / r, 100.0 * gbs / peak);
     }
 }
 

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine from the repo root: unpacks .gpu/bundle.tar.xz and runs the GPU suite,
 # then whatever steps are named (default: tests). Logs go to $OUT (or ./gpu-out).
-# Steps: info tests hfref bench-embed bench-decode bench-mmv bench-model bench-prefill bench-prefill-quant
+# Steps: info tests tests-parallel profile-decode hfref bench-embed bench-decode bench-mmv bench-model bench-prefill bench-prefill-quant
 # bench-convert bench-kv torch-prefill, or any example's name. bench-mmv times the decode products alone
 # and bench-model the whole 8B model's decode (BF16 and the Q4_K_M mix): as shipped, with the weights
 # always streamed through registers (HOSTEMBED_MMV_STAGE=0), and without overlapped launches (HOSTEMBED_PDL=0). bench-kv measures the KV cache types on the Llama-3-8B shape:
-# decode at a 64-token and a 32,768-token cache, and prompts of 512 to 16,384 tokens, in BF16, Q8_0 and
-# FP8_E4M3.
+# decode at a 64-token, a 16,384-token and a 32,768-token cache in BF16, Q8_0 and FP8_E4M3, and prompts
+# of 4,096 and 16,384 tokens in BF16 and Q8_0.
 # cuBLASLt is found where the machine's CUDA libraries are (the products fall back to the library's
 # own kernel without it); the prompt tests run a second time with HOSTEMBED_CUBLASLT=0.
 set -uo pipefail
@@ -78,12 +78,35 @@ for step in $steps; do
     bench-kv)
       rc=0
       for kv in bf16 q8_0 fp8_e4m3; do
-        for cache in 64 32768; do
-          "$B/examples/bench_decode" --no-kernels --no-mmv --prompt "$cache" --tokens 128 --kv "$kv" \
-            >> "$OUT/bench-kv-decode.log" 2>&1 || rc=$?
-        done
-        "$B/examples/bench_prefill" --quick --lengths 512,4096,16384 --kv "$kv" >> "$OUT/bench-kv-prefill.log" 2>&1 || rc=$?
+        "$B/examples/bench_decode" --no-kernels --no-mmv --prompt 64,16384,32768 --tokens 128 --runs 3 --greedy \
+          --kv "$kv" >> "$OUT/bench-kv-decode.log" 2>&1 || rc=$?
+      done
+      for kv in bf16 q8_0; do
+        "$B/examples/bench_prefill" --quick --lengths 4096,16384 --kv "$kv" >> "$OUT/bench-kv-prefill.log" 2>&1 || rc=$?
       done ;;
+    profile-decode)
+      # Nsight Compute's time for each kernel of a few batch-1 decode steps (every kernel alone, caches
+      # kept; the first prompt's launches skipped): where a token's time goes, kernel by kernel.
+      rc=0
+      for dtype in q4_k_m bf16; do
+        ncu --clock-control none --cache-control none --metrics gpu__time_duration.sum --print-summary per-kernel \
+          --launch-skip 400 --launch-count 900 "$B/examples/bench_decode" --no-kernels --no-mmv --dtype "$dtype" \
+          --prompt 64 --tokens 8 --runs 1 > "$OUT/profile-decode-$dtype.log" 2>&1 || rc=$?
+      done ;;
+    tests-parallel)
+      # The GPU suites at once on the one card (each binary still runs its tests one at a time).
+      rc=0
+      # gpu_placement measures the card's free memory, so it runs alone, after the others.
+      one() { "$B/tests/$1" --test-threads=1 --nocapture > "$OUT/test-$1.log" 2>&1
+              echo "test $1: rc=$? $(grep -E '^test result' "$OUT/test-$1.log" | tail -1)" >> "$summary"; }
+      for t in "$B"/tests/*; do
+        name=$(basename "$t")
+        case "$name" in header|gpu_placement) continue ;; esac
+        one "$name" &
+      done
+      wait
+      [ -x "$B/tests/gpu_placement" ] && one gpu_placement
+      grep -q "rc=[1-9]" "$summary" && rc=1 ;;
     *)
       if [ -x "$B/examples/$step" ]; then "$B/examples/$step" > "$OUT/$step.log" 2>&1; rc=$?
       else echo "unknown step $step"; rc=2; fi ;;
