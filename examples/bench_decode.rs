@@ -94,7 +94,8 @@ fn parse() -> Args {
             "--inter" => cfg.intermediate = num(),
             "--vocab" => cfg.vocab = num(),
             "--prompt" => {
-                prompts = it.next().unwrap_or_default().split(',').map(|v| v.parse().expect("--prompt N[,N...]")).collect()
+                prompts =
+                    it.next().unwrap_or_default().split(',').map(|v| v.parse().expect("--prompt N[,N...]")).collect()
             }
             "--greedy" => greedy = true,
             "--tokens" => tokens = num(),
@@ -461,8 +462,11 @@ fn bench_decode(args: &Args, peak: f64) {
     );
 
     let sampled = Sampling { temperature: 0.8, top_k: 40, top_p: 0.95, seed: 42, ..Sampling::GREEDY };
-    let modes: &[(&str, Sampling)] =
-        if args.greedy { &[("greedy", Sampling::GREEDY)] } else { &[("greedy", Sampling::GREEDY), ("sampled", sampled)] };
+    let modes: &[(&str, Sampling)] = if args.greedy {
+        &[("greedy", Sampling::GREEDY)]
+    } else {
+        &[("greedy", Sampling::GREEDY), ("sampled", sampled)]
+    };
     for &prompt_len in &args.prompts {
         let prompt: Vec<u32> = (0..prompt_len as u32).map(|i| (i * 7919 + 13) % cfg.vocab as u32).collect();
         // Per decoded token, the bytes read: every weight but the embedding rows, one row of them, and the KV
