@@ -129,7 +129,7 @@ __global__ __launch_bounds__(FA_THREADS) void flash_kernel(const float *__restri
     constexpr int PIECES = FA_BN * D / 8 / FA_THREADS;  // pieces of 8 values a thread takes of a K or V tile
     static_assert(PIECES * FA_THREADS == FA_BN * D / 8, "a tile is whole pieces for every thread");
     Raw8 k_raw[RAW8 ? PIECES : 1], v_raw[RAW8 ? PIECES : 1];
-    // Piece i of a tile: row i / (D / 8), columns (i % (D / 8)) * 8 ...
+    // A thread's piece i is piece tid + i * FA_THREADS of the tile (D / 8 pieces a row): its row and first column.
     auto piece_row = [&](int i) { return (tid + i * FA_THREADS) / (D / 8); };
     auto piece_col = [&](int i) { return ((tid + i * FA_THREADS) % (D / 8)) * 8; };
     // Starts a tile's loads: pieces in the operands' format by cp.async into `stage`, 8-bit ones into
