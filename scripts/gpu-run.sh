@@ -20,6 +20,13 @@ lt=$(find /opt /usr/local /usr/lib -name 'libcublasLt.so.1[23]' 2>/dev/null | he
 [ -n "$lt" ] && export LD_LIBRARY_PATH="$(dirname "$lt")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 echo "cuBLASLt: ${lt:-none found}" >> "$OUT/summary.txt"
 summary="$OUT/summary.txt"
+# Runs GPU test binary $1 (its log test-$1$2.log, its summary line labelled $1$3) and returns its status.
+run_test() {
+  "$B/tests/$1" --test-threads=1 --nocapture > "$OUT/test-$1${2:-}.log" 2>&1
+  local r=$?
+  echo "test $1${3:-}: rc=$r $(grep -E '^test result' "$OUT/test-$1${2:-}.log" | tail -1)" >> "$summary"
+  return $r
+}
 for step in $steps; do
   start=$(date +%s)
   case "$step" in
@@ -32,14 +39,10 @@ for step in $steps; do
         name=$(basename "$t")
         # The header test reads the build tree and runs the C compilers: it belongs to the build machine.
         [ "$name" = header ] && continue
-        "$t" --test-threads=1 --nocapture > "$OUT/test-$name.log" 2>&1; r=$?
-        echo "test $name: rc=$r $(grep -E '^test result' "$OUT/test-$name.log" | tail -1)" >> "$summary"
-        [ $r -ne 0 ] && rc=$r
+        run_test "$name" || rc=$?
       done
       for name in gpu_prefill gpu_model gpu_kv; do
-        HOSTEMBED_CUBLASLT=0 "$B/tests/$name" --test-threads=1 --nocapture > "$OUT/test-$name-own.log" 2>&1; r=$?
-        echo "test $name (own kernel): rc=$r $(grep -E '^test result' "$OUT/test-$name-own.log" | tail -1)" >> "$summary"
-        [ $r -ne 0 ] && rc=$r
+        HOSTEMBED_CUBLASLT=0 run_test "$name" -own " (own kernel)" || rc=$?
       done ;;
     bench-prefill)
       "$B/examples/bench_prefill" > "$OUT/bench-prefill.log" 2>&1; rc=$?
@@ -96,17 +99,16 @@ for step in $steps; do
     tests-parallel)
       # The GPU suites at once on the one card (each binary still runs its tests one at a time).
       rc=0
+      pids=()
       # gpu_placement measures the card's free memory, so it runs alone, after the others.
-      one() { "$B/tests/$1" --test-threads=1 --nocapture > "$OUT/test-$1.log" 2>&1
-              echo "test $1: rc=$? $(grep -E '^test result' "$OUT/test-$1.log" | tail -1)" >> "$summary"; }
       for t in "$B"/tests/*; do
         name=$(basename "$t")
         case "$name" in header|gpu_placement) continue ;; esac
-        one "$name" &
+        run_test "$name" &
+        pids+=($!)
       done
-      wait
-      [ -x "$B/tests/gpu_placement" ] && one gpu_placement
-      grep -q "rc=[1-9]" "$summary" && rc=1 ;;
+      for pid in "${pids[@]}"; do wait "$pid" || rc=1; done
+      if [ -x "$B/tests/gpu_placement" ]; then run_test gpu_placement || rc=$?; fi ;;
     *)
       if [ -x "$B/examples/$step" ]; then "$B/examples/$step" > "$OUT/$step.log" 2>&1; rc=$?
       else echo "unknown step $step"; rc=2; fi ;;
