@@ -123,9 +123,13 @@ fn parse() -> Args {
         }
     }
     // The window the decode needs, whatever the shape's own.
-    let longest = prompts.iter().copied().max().unwrap_or(0);
-    cfg.max_position = cfg.max_position.max(longest + tokens + 1);
+    cfg.max_position = cfg.max_position.max(longest_prompt(&prompts) + tokens + 1);
     Args { cfg, dtype, q4_k_m, prompts, tokens, runs, greedy, kernels_only, matvec_table, mmv_table, mmv_only, kv }
+}
+
+/// The longest of the caches to decode after: it sizes the window and the prompt chunk.
+fn longest_prompt(prompts: &[usize]) -> usize {
+    prompts.iter().copied().max().unwrap_or(0)
 }
 
 /// `--kv`'s value: one type for K and V, or "K,V".
@@ -446,7 +450,7 @@ fn bench_decode(args: &Args, peak: f64) {
     let embed_dtype = embed.dtype;
     let rows_buf = DeviceBuffer::from_slice(embed.bytes).unwrap();
     let rows = RowsOnDevice { ptr: rows_buf.ptr(), dtype: embed.dtype, vocab: embed.rows(), cols: embed.cols() };
-    let longest = args.prompts.iter().copied().max().unwrap_or(0);
+    let longest = longest_prompt(&args.prompts);
     let window = longest + args.tokens + 1;
     let chunk = longest.clamp(64, 2048);
     let mut gpu = GpuModel::load_with_kv(&src, rows, chunk, window.div_ceil(PAGE_TOKENS), args.kv)
