@@ -313,8 +313,12 @@ extern "C" cudaError_t hostembed_flash_attention(const float *q, unsigned int q_
             using Out = decltype(op);
             he::with_half(k_op, [&](auto kop) {
                 he::with_half(v_op, [&](auto vop) {
-                    auto kernel = raw8 ? flash_kernel<D, Out, decltype(kop), decltype(vop), true>
-                                       : flash_kernel<D, Out, decltype(kop), decltype(vop), false>;
+                    using KOp = decltype(kop);
+                    using VOp = decltype(vop);
+                    auto kernel = flash_kernel<D, Out, KOp, VOp, false>;
+                    // An 8-bit type takes f16 operands: two bf16 ones never need the RAW8 kernel.
+                    if constexpr (!std::is_same_v<KOp, he::Bf16Op> || !std::is_same_v<VOp, he::Bf16Op>)
+                        if (raw8) kernel = flash_kernel<D, Out, KOp, VOp, true>;
                     err = he::allow_smem(kernel, fa_smem<D>());
                     if (err != cudaSuccess) return;
                     const dim3 grid((n + FA_BM - 1) / FA_BM, heads);
