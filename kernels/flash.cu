@@ -7,8 +7,14 @@
 // become P's A fragments without leaving registers. Each row of a tile finds its page through the stream's
 // page table. A tile in the operands' own format (bf16, f16) is copied by cp.async; an 8-bit one (Q8_0,
 // FP8_E4M3) is loaded into registers while the tile before it computes, then decoded with its block scales
-// (kernels/kv.cuh) and stored as f16.
+// (kernels/kv.cuh) and stored as f16, unless the chunk's stream was first decoded into a stage (below).
 // An F32 cache is not read here: the host gives it to the split kernel, which keeps f32.
+//
+// The stage: every query block of a chunk reads its kv head's whole context, so an 8-bit tile decoded in
+// the kernel is decoded again by each of a chunk's 64-query blocks (128 times for 2,048 queries over 4
+// heads a kv head). hostembed_flash_stage decodes a stream's first positions once per chunk into f16 rows,
+// the values the kernel's own decode gives; the kernel copies those tiles as it copies a 16-bit cache's
+// and decodes in registers only the tiles past the stage.
 #include "hostembed_kernels.cuh"
 #include "kv.cuh"
 
@@ -24,7 +30,7 @@ constexpr int fa_stride() {
 }
 template <int D>
 constexpr int fa_smem() {
-    return 2 /* stages */ * 2 /* K, V */ * FA_BN * fa_stride<D>() * 2;
+    return 2 /* buffers */ * 2 /* K, V */ * FA_BN * fa_stride<D>() * 2;
 }
 
 // Eight values of one row of a tile in the operands' own format (bf16, f16), copied into shared memory by
@@ -62,17 +68,59 @@ __device__ __forceinline__ void store_raw8(unsigned short *dst, const Raw8 &r, i
                                                  Op::pack(f[4] * k, f[5] * k), Op::pack(f[6] * k, f[7] * k));
 }
 
-// RAW8: K or V (or both) is an 8-bit block type, loaded into registers a tile ahead (a synchronous load
-// there would stall every tile on its memory latency); the kernels without it keep those registers free.
-template <int D, typename Out, typename KOp, typename VOp, bool RAW8>
-__global__ __launch_bounds__(FA_THREADS) void flash_kernel(const float *__restrict__ q, unsigned int q_stride,
+// Tiles of the stage of a `ctx`-position context (every whole or partial tile of the first
+// `stage_tokens` positions, a multiple of FA_BN): hostembed_flash_stage writes them, the kernel reads them.
+__host__ __device__ __forceinline__ unsigned int stage_tiles(unsigned int ctx, unsigned int stage_tokens) {
+    return min((ctx + FA_BN - 1) / FA_BN, stage_tokens / FA_BN);
+}
+
+// Where position p of kv head h's K (v false) or V rows starts in a stage of stage_tokens positions.
+__device__ __forceinline__ size_t stage_row(unsigned int kv_heads, unsigned int stage_tokens, bool v, unsigned int h,
+                                            unsigned int p, unsigned int d) {
+    return (((size_t)v * kv_heads + h) * stage_tokens + p) * d;
+}
+
+// Stage rows [0, stage_tiles * FA_BN) of each 8-bit half: thread i decodes piece i (8 values) of
+// [half][kv head][position][D / 8]; positions from ctx on are zeros.
+__global__ void flash_stage_kernel(const unsigned char *__restrict__ kv_pool, const unsigned int *__restrict__ table,
+                                   unsigned int pool_pages, int k_type, int v_type, unsigned int kv_heads,
+                                   unsigned int d, unsigned int ctx, unsigned int rows, unsigned int stage_tokens,
+                                   unsigned short *__restrict__ stage) {
+    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    const size_t per_half = (size_t)kv_heads * rows * (d / 8);
+    if (i >= 2 * per_half) return;
+    const bool v = i >= per_half;
+    const int type = v ? v_type : k_type;
+    if (!he::kv_is_block(type)) return;
+    const size_t j = i - v * per_half;
+    const unsigned int c = (unsigned int)(j % (d / 8)) * 8, p = (unsigned int)(j / (d / 8) % rows),
+                       h = (unsigned int)(j / (d / 8) / rows);
+    const unsigned int id = p < ctx ? table[p / HE_PAGE_TOKENS] : pool_pages;
+    const bool ok = id < pool_pages;
+    const unsigned char *page = kv_pool + (ok ? (size_t)id * he::kv_page_bytes(kv_heads, d, k_type, v_type) : 0);
+    const Raw8 r = load_raw8(page + he::kv_slab_at(kv_heads, d, k_type, v_type, v, h), p % HE_PAGE_TOKENS, c, d,
+                             type, ok);
+    store_raw8<he::F16Op>(stage + stage_row(kv_heads, stage_tokens, v, h, p, d) + c, r, type);
+}
+
+// How a kernel reads an 8-bit half (K or V of a block type): not at all (NONE: 16-bit halves only); from
+// its pages, loaded into registers a tile ahead (a synchronous load there would stall every tile on its
+// memory latency), except the tiles in a stage (RAW8); or, K and V both 8-bit, from a stage that holds
+// every tile the launch reads (STAGED: no page is read, and the registers stay free as with NONE).
+enum Read8 { NONE, RAW8, STAGED };
+
+// STAGED: three blocks a multiprocessor (168 registers at D 128), as the 16-bit kernels take without a bound.
+template <int D, typename Out, typename KOp, typename VOp, Read8 READ8>
+__global__ __launch_bounds__(FA_THREADS, READ8 == STAGED ? 3 : 0) void flash_kernel(const float *__restrict__ q, unsigned int q_stride,
                                                            const unsigned char *__restrict__ kv_pool,
                                                            const unsigned int *__restrict__ table,
                                                            unsigned int pool_pages, int k_type, int v_type,
                                                            const int *__restrict__ pos, unsigned int n,
                                                            unsigned int heads, unsigned int kv_heads,
                                                            float scale_log2, typename Out::T *__restrict__ out,
-                                                           unsigned int out_stride) {
+                                                           unsigned int out_stride,
+                                                           const unsigned short *__restrict__ stage,
+                                                           unsigned int stage_tokens, unsigned int staged) {
     constexpr int S = fa_stride<D>(), KSTEPS = D / 16, DT = D / 8;
     extern __shared__ __align__(16) unsigned short fa_smem_buf[];
     __shared__ int block_max_pos, block_min_pos;
@@ -125,49 +173,70 @@ __global__ __launch_bounds__(FA_THREADS) void flash_kernel(const float *__restri
     const size_t page_bytes = he::kv_page_bytes(kv_heads, D, k_type, v_type);
     const size_t k_at = he::kv_slab_at(kv_heads, D, k_type, v_type, false, kvh);
     const size_t v_at = he::kv_slab_at(kv_heads, D, k_type, v_type, true, kvh);
-    const bool k8 = RAW8 && he::kv_is_block(k_type), v8 = RAW8 && he::kv_is_block(v_type);
+    constexpr bool RAW8_ = READ8 == RAW8;
+    const bool k8 = READ8 == RAW8 && he::kv_is_block(k_type), v8 = READ8 == RAW8 && he::kv_is_block(v_type);
     constexpr int PIECES = FA_BN * D / 8 / FA_THREADS;  // pieces of 8 values a thread takes of a K or V tile
     static_assert(PIECES * FA_THREADS == FA_BN * D / 8, "a tile is whole pieces for every thread");
-    Raw8 k_raw[RAW8 ? PIECES : 1], v_raw[RAW8 ? PIECES : 1];
+    Raw8 k_raw[RAW8_ ? PIECES : 1], v_raw[RAW8_ ? PIECES : 1];
     // A thread's piece i is piece tid + i * FA_THREADS of the tile (D / 8 pieces a row): its row and first column.
     auto piece_row = [&](int i) { return (tid + i * FA_THREADS) / (D / 8); };
     auto piece_col = [&](int i) { return ((tid + i * FA_THREADS) % (D / 8)) * 8; };
-    // Starts a tile's loads: pieces in the operands' format by cp.async into `stage`, 8-bit ones into
-    // k_raw / v_raw (stored by store_tile8 once they are needed).
-    auto fetch_tile = [&](unsigned int stage, unsigned int tile) {
+    // The staged tiles' f16 rows of this kv head (stage_row's layout), as bytes for copy_piece.
+    const unsigned int in_stage = READ8 != NONE && stage != nullptr ? stage_tiles(staged, stage_tokens) : 0;
+    const unsigned char *k_stage = reinterpret_cast<const unsigned char *>(
+        in_stage > 0 ? stage + stage_row(kv_heads, stage_tokens, false, kvh, 0, D) : nullptr);
+    const unsigned char *v_stage = reinterpret_cast<const unsigned char *>(
+        in_stage > 0 ? stage + stage_row(kv_heads, stage_tokens, true, kvh, 0, D) : nullptr);
+    // Starts a tile's loads: pieces in the operands' format (and staged ones) by cp.async into shared
+    // stage `buf`, other 8-bit ones into k_raw / v_raw (stored by store_tile8 once they are needed).
+    auto fetch_tile = [&](unsigned int buf, unsigned int tile) {
         const unsigned int base = tile * FA_BN;
+        bool staged = false;
+        if constexpr (READ8 != NONE) staged = tile < in_stage;
 #pragma unroll
         for (int i = 0; i < PIECES; i++) {
             const unsigned int r = piece_row(i), c = piece_col(i);
+            unsigned short *k_dst = k_s + (buf * FA_BN + r) * S + c, *v_dst = v_s + (buf * FA_BN + r) * S + c;
+            if constexpr (READ8 == STAGED) {
+                // A tile past the stage (a query past `staged`: outside the contract) reads zeros.
+                const unsigned int p = staged ? base + r : 0;
+                copy_piece(k_dst, k_stage, p, c, D, staged);
+                copy_piece(v_dst, v_stage, p, c, D, staged);
+                continue;
+            }
             // Later rows (and a bad page id) are zeros: a zero V row times a zero weight. A row not read
-            // still names a mapped address (page 0), as cp.async wants.
+            // still names a mapped address (page 0), as cp.async wants. A staged row past this block's
+            // context holds its stream's value, or zero past the stream's: its weight is zero either way.
             const unsigned int p = base + r;
             const unsigned int id = p < ctx ? table[p / HE_PAGE_TOKENS] : pool_pages;
             const bool ok = id < pool_pages;
             const unsigned char *page = kv_pool + (ok ? (size_t)id * page_bytes : 0);
             const unsigned int row = p % HE_PAGE_TOKENS;
-            if (k8) k_raw[RAW8 ? i : 0] = load_raw8(page + k_at, row, c, D, k_type, ok);
-            else copy_piece(k_s + (stage * FA_BN + r) * S + c, page + k_at, row, c, D, ok);
-            if (v8) v_raw[RAW8 ? i : 0] = load_raw8(page + v_at, row, c, D, v_type, ok);
-            else copy_piece(v_s + (stage * FA_BN + r) * S + c, page + v_at, row, c, D, ok);
+            if (k8 && staged) copy_piece(k_dst, k_stage, p, c, D, true);
+            else if (k8) k_raw[RAW8_ ? i : 0] = load_raw8(page + k_at, row, c, D, k_type, ok);
+            else copy_piece(k_dst, page + k_at, row, c, D, ok);
+            if (v8 && staged) copy_piece(v_dst, v_stage, p, c, D, true);
+            else if (v8) v_raw[RAW8_ ? i : 0] = load_raw8(page + v_at, row, c, D, v_type, ok);
+            else copy_piece(v_dst, page + v_at, row, c, D, ok);
         }
     };
-    auto store_tile8 = [&](unsigned int stage) {
-        if constexpr (RAW8) {
+    auto store_tile8 = [&](unsigned int buf, unsigned int tile) {
+        if constexpr (RAW8_) {
+            if (tile < in_stage) return;  // copied by fetch_tile
 #pragma unroll
             for (int i = 0; i < PIECES; i++) {
                 const unsigned int r = piece_row(i), c = piece_col(i);
-                if (k8) store_raw8<KOp>(k_s + (stage * FA_BN + r) * S + c, k_raw[i], k_type);
-                if (v8) store_raw8<VOp>(v_s + (stage * FA_BN + r) * S + c, v_raw[i], v_type);
+                if (k8) store_raw8<KOp>(k_s + (buf * FA_BN + r) * S + c, k_raw[i], k_type);
+                if (v8) store_raw8<VOp>(v_s + (buf * FA_BN + r) * S + c, v_raw[i], v_type);
             }
         }
     };
 
-    // Two stages: tile t + 1's loads are in flight while tile t computes.
+    // Two buffers: tile t + 1's loads are in flight while tile t computes.
     const unsigned int tiles = (ctx + FA_BN - 1) / FA_BN;
     if (tiles > 0) {
         fetch_tile(0, 0);
-        store_tile8(0);
+        store_tile8(0, 0);
     }
     he::cp_async_commit();
     for (unsigned int tile = 0; tile < tiles; tile++) {
@@ -247,9 +316,9 @@ __global__ __launch_bounds__(FA_THREADS) void flash_kernel(const float *__restri
                 VOp::mma(o[2 * dp + 1], pa, vb[2], vb[3]);
             }
         }
-        // The next tile's 8-bit pieces, loaded during this tile's products, into the stage nobody reads now.
-        if (tile + 1 < tiles) store_tile8((tile + 1) % 2);
-        __syncthreads();  // the next iteration's load overwrites this stage
+        // The next tile's 8-bit pieces, loaded during this tile's products, into the buffer nobody reads now.
+        if (tile + 1 < tiles) store_tile8((tile + 1) % 2, tile + 1);
+        __syncthreads();  // the next iteration's load overwrites this buffer
     }
     he::cp_async_wait<0>();
 
@@ -291,11 +360,13 @@ extern "C" cudaError_t hostembed_flash_attention(const float *q, unsigned int q_
                                                  const unsigned int *table, unsigned int pool_pages, int k_type,
                                                  int v_type, const int *pos, unsigned int n, unsigned int heads,
                                                  unsigned int kv_heads, unsigned int head_dim, float scale, void *out,
-                                                 int out_dtype, unsigned int out_stride, cudaStream_t stream) {
+                                                 int out_dtype, unsigned int out_stride, const void *stage,
+                                                 unsigned int stage_tokens, unsigned int staged, cudaStream_t stream) {
     if (q == nullptr || kv_pool == nullptr || table == nullptr || pos == nullptr || out == nullptr || heads == 0 ||
         kv_heads == 0 || heads % kv_heads != 0 || pool_pages == 0 || q_stride < heads * head_dim ||
         out_stride < heads * head_dim || out_stride % 2 != 0 || reinterpret_cast<uintptr_t>(out) % 4 != 0 ||
-        reinterpret_cast<uintptr_t>(kv_pool) % 16 != 0)
+        reinterpret_cast<uintptr_t>(kv_pool) % 16 != 0 || stage_tokens % FA_BN != 0 ||
+        reinterpret_cast<uintptr_t>(stage) % 16 != 0)
         return cudaErrorInvalidValue;
     // Every type but F32, in whole blocks.
     for (const int type : {k_type, v_type})
@@ -307,6 +378,9 @@ extern "C" cudaError_t hostembed_flash_attention(const float *q, unsigned int q_
     const int k_op = k_type == HE_KV_BF16 ? HE_DTYPE_BF16 : HE_DTYPE_F16;
     const int v_op = v_type == HE_KV_BF16 ? HE_DTYPE_BF16 : HE_DTYPE_F16;
     const bool raw8 = he::kv_is_block(k_type) || he::kv_is_block(v_type);
+    // K and V 8-bit and every tile the queries read in the stage: the kernel that reads no page.
+    const bool all_staged = he::kv_is_block(k_type) && he::kv_is_block(v_type) && stage != nullptr && staged > 0 &&
+                            stage_tiles(staged, stage_tokens) * FA_BN >= staged;
     with_head_dim(head_dim, [&](auto dim) {
         constexpr int D = decltype(dim)::value;
         he::with_half(out_dtype, [&](auto op) {
@@ -315,20 +389,44 @@ extern "C" cudaError_t hostembed_flash_attention(const float *q, unsigned int q_
                 he::with_half(v_op, [&](auto vop) {
                     using KOp = decltype(kop);
                     using VOp = decltype(vop);
-                    auto kernel = flash_kernel<D, Out, KOp, VOp, false>;
-                    // An 8-bit type takes f16 operands: two bf16 ones never need the RAW8 kernel.
+                    auto kernel = flash_kernel<D, Out, KOp, VOp, NONE>;
+                    // An 8-bit type takes f16 operands: two bf16 ones never need the 8-bit kernels.
                     if constexpr (!std::is_same_v<KOp, he::Bf16Op> || !std::is_same_v<VOp, he::Bf16Op>)
-                        if (raw8) kernel = flash_kernel<D, Out, KOp, VOp, true>;
+                        if (raw8) kernel = all_staged ? flash_kernel<D, Out, KOp, VOp, STAGED>
+                                                      : flash_kernel<D, Out, KOp, VOp, RAW8>;
                     err = he::allow_smem(kernel, fa_smem<D>());
                     if (err != cudaSuccess) return;
                     const dim3 grid((n + FA_BM - 1) / FA_BM, heads);
                     kernel<<<grid, FA_THREADS, fa_smem<D>(), stream>>>(
                         q, q_stride, static_cast<const unsigned char *>(kv_pool), table, pool_pages, k_type, v_type,
-                        pos, n, heads, kv_heads, scale * FA_LOG2E, static_cast<typename Out::T *>(out), out_stride);
+                        pos, n, heads, kv_heads, scale * FA_LOG2E, static_cast<typename Out::T *>(out), out_stride,
+                        static_cast<const unsigned short *>(stage), stage_tokens, staged);
                     err = cudaGetLastError();
                 });
             });
         });
     });
     return err;
+}
+
+extern "C" cudaError_t hostembed_flash_stage(const void *kv_pool, const unsigned int *table, unsigned int pool_pages,
+                                             int k_type, int v_type, unsigned int kv_heads, unsigned int head_dim,
+                                             unsigned int ctx, void *stage, unsigned int stage_tokens,
+                                             cudaStream_t stream) {
+    if (kv_pool == nullptr || table == nullptr || stage == nullptr || kv_heads == 0 || pool_pages == 0 ||
+        stage_tokens % FA_BN != 0 || !with_head_dim(head_dim, [](auto) {}) ||
+        reinterpret_cast<uintptr_t>(kv_pool) % 16 != 0 || reinterpret_cast<uintptr_t>(stage) % 16 != 0)
+        return cudaErrorInvalidValue;
+    for (const int type : {k_type, v_type})
+        if (type == HE_KV_F32 || !he::kv_type_ok(type, head_dim)) return cudaErrorInvalidValue;
+    const unsigned int rows = stage_tiles(ctx, stage_tokens) * FA_BN;
+    const size_t pieces = (size_t)2 * kv_heads * rows * (head_dim / 8);
+    if (pieces == 0 || !(he::kv_is_block(k_type) || he::kv_is_block(v_type))) return cudaSuccess;
+    constexpr unsigned int threads = 256;
+    const size_t blocks = (pieces + threads - 1) / threads;
+    if (blocks > 0x7fffffffu) return cudaErrorInvalidValue;
+    flash_stage_kernel<<<(unsigned int)blocks, threads, 0, stream>>>(
+        static_cast<const unsigned char *>(kv_pool), table, pool_pages, k_type, v_type, kv_heads, head_dim, ctx, rows,
+        stage_tokens, static_cast<unsigned short *>(stage));
+    return cudaGetLastError();
 }

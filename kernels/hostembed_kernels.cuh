@@ -220,7 +220,18 @@ cudaError_t hostembed_flash_attention(const float *q, unsigned int q_stride, con
                                       const unsigned int *table, unsigned int pool_pages, int k_type, int v_type,
                                       const int *pos, unsigned int n, unsigned int heads, unsigned int kv_heads,
                                       unsigned int head_dim, float scale, void *out, int out_dtype,
-                                      unsigned int out_stride, cudaStream_t stream);
+                                      unsigned int out_stride, const void *stage, unsigned int stage_tokens,
+                                      unsigned int staged, cudaStream_t stream);
+
+// The stage of an 8-bit cache for hostembed_flash_attention: the first min(ctx, stage_tokens) positions of
+// the stream whose page table is `table`, rounded up to whole 64-position tiles (positions from ctx on are
+// zeros), of each 8-bit half of K and V, decoded into f16 rows [K, V][kv_heads][stage_tokens][head_dim] of
+// `stage` (a 16-bit half is not written: the kernel reads it in its pages). stage_tokens a multiple of 64.
+// hostembed_flash_attention given that stage (stage_tokens, staged = ctx) reads those tiles from it,
+// with the same results as without it. A stage may be NULL (with stage_tokens 0).
+cudaError_t hostembed_flash_stage(const void *kv_pool, const unsigned int *table, unsigned int pool_pages, int k_type,
+                                  int v_type, unsigned int kv_heads, unsigned int head_dim, unsigned int ctx,
+                                  void *stage, unsigned int stage_tokens, cudaStream_t stream);
 
 // ---- device.cu ----
 // Writes the device's name (NUL-terminated, truncated to len) without exposing cudaDeviceProp to Rust.

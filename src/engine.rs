@@ -272,9 +272,9 @@ pub fn fit_inputs(
     if weights == 0 {
         crate::bail!(BadModel, "{}: the GPU backend cannot lay out this model's weights", ckpt.path.display());
     }
-    let scratch = GpuModel::scratch_bytes(ckpt, max_batch as usize);
     let kv = gpu_kv_types(opts);
     kv.check(cfg)?;
+    let scratch = GpuModel::scratch_bytes(ckpt, max_batch as usize, kv, window as usize);
     let stream = GpuModel::stream_bytes(cfg, kv, window as usize);
     Ok(engine_fit_inputs {
         room_bytes: room,
@@ -334,7 +334,7 @@ fn load_decoder(
         BackendKind::Cuda => {
             let r = rows.describe();
             let rows = RowsOnDevice { ptr: r.data, dtype: r.dtype, vocab: r.rows as usize, cols: r.cols as usize };
-            let model = CudaBackend::load(&**ckpt, rows, opts.max_batch as usize, opts.device, pool.pages, kv)?;
+            let model = CudaBackend::load(&**ckpt, rows, opts.max_batch as usize, opts.device, pool.pages, kv, window)?;
             logger.line(model.prompt_route());
             Box::new(Streams::new(model, window, streams, pool.pages, sampling)?)
         }

@@ -53,7 +53,8 @@ cuda_fns! {
     pub fn hostembed_swiglu_to(gate: *const f32, up: *const f32, out: *mut c_void, out_dtype: c_int, len: usize, stream: cudaStream_t) -> cudaError_t;
     pub fn hostembed_convert(x: *const f32, out: *mut c_void, out_dtype: c_int, len: usize, stream: cudaStream_t) -> cudaError_t;
     pub fn hostembed_flash_head_dim(head_dim: c_uint) -> cudaError_t;
-    pub fn hostembed_flash_attention(q: *const f32, q_stride: c_uint, kv_pool: *const c_void, table: *const c_uint, pool_pages: c_uint, k_type: c_int, v_type: c_int, pos: *const c_int, n: c_uint, heads: c_uint, kv_heads: c_uint, head_dim: c_uint, scale: f32, out: *mut c_void, out_dtype: c_int, out_stride: c_uint, stream: cudaStream_t) -> cudaError_t;
+    pub fn hostembed_flash_attention(q: *const f32, q_stride: c_uint, kv_pool: *const c_void, table: *const c_uint, pool_pages: c_uint, k_type: c_int, v_type: c_int, pos: *const c_int, n: c_uint, heads: c_uint, kv_heads: c_uint, head_dim: c_uint, scale: f32, out: *mut c_void, out_dtype: c_int, out_stride: c_uint, stage: *const c_void, stage_tokens: c_uint, staged: c_uint, stream: cudaStream_t) -> cudaError_t;
+    pub fn hostembed_flash_stage(kv_pool: *const c_void, table: *const c_uint, pool_pages: c_uint, k_type: c_int, v_type: c_int, kv_heads: c_uint, head_dim: c_uint, ctx: c_uint, stage: *mut c_void, stage_tokens: c_uint, stream: cudaStream_t) -> cudaError_t;
     // device.cu
     pub fn hostembed_device_name(device: c_int, name: *mut c_char, len: usize) -> cudaError_t;
 }

@@ -443,12 +443,13 @@ fn flash_attention_reads_every_type_but_f32() {
     for (k, v, d) in
         [(KvType::F32, KvType::Bf16, 64), (KvType::Bf16, KvType::F32, 64), (KvType::Q8_0, KvType::Q8_0, 16)]
     {
-        let code = flash(&c, &pool, KvTypes { k, v }, d, 4, 2, 8, &poisoned(8 * 4 * d * 2), DType::Bf16);
+        let code = flash(&c, &pool, KvTypes { k, v }, d, 4, 2, 8, &poisoned(8 * 4 * d * 2), DType::Bf16, 0);
         assert_eq!(code, 1, "flash attention with K {} and V {} at head_dim {d}", k.name(), v.name());
     }
 }
 
-/// hostembed_flash_attention over the case's first `n` queries (one stream), into `out`.
+/// hostembed_flash_attention over the case's first `n` queries (one stream), into `out`; with a stage
+/// of `stage_tokens` positions (hostembed_flash_stage over the stream's `n` positions first) unless 0.
 #[allow(clippy::too_many_arguments)]
 fn flash(
     c: &AttentionCase,
@@ -460,12 +461,36 @@ fn flash(
     n: usize,
     out: &DeviceBuffer,
     dtype: DType,
+    stage_tokens: usize,
 ) -> c_int {
     let (qb, tb, pb) = (
         DeviceBuffer::from_slice(&c.q).unwrap(),
         DeviceBuffer::from_slice(&c.tables[0]).unwrap(),
         DeviceBuffer::from_slice(&c.pos).unwrap(),
     );
+    let ctx = c.pos[..n].iter().map(|&p| p + 1).max().unwrap_or(0) as usize;
+    // Poisoned, so that a tile the stage kernel should write and does not shows in the output.
+    let stage = poisoned((2 * stage_tokens * kv_heads * d * 2).max(16));
+    if stage_tokens > 0 {
+        let code = unsafe {
+            kn::hostembed_flash_stage(
+                pool.ptr(),
+                tb.ptr() as *const c_uint,
+                c.pool.pages as c_uint,
+                kv.k as c_int,
+                kv.v as c_int,
+                kv_heads as c_uint,
+                d as c_uint,
+                ctx as c_uint,
+                stage.ptr(),
+                stage_tokens as c_uint,
+                NULL_STREAM,
+            )
+        };
+        if code != 0 {
+            return code;
+        }
+    }
     let code = unsafe {
         kn::hostembed_flash_attention(
             qb.ptr() as *const f32,
@@ -484,6 +509,9 @@ fn flash(
             out.ptr(),
             dtype as c_int,
             (heads * d) as c_uint,
+            if stage_tokens > 0 { stage.ptr() as *const c_void } else { ptr::null() },
+            stage_tokens as c_uint,
+            ctx as c_uint,
             NULL_STREAM,
         )
     };
@@ -497,8 +525,17 @@ fn run_flash(rng: &mut Rng, kv: KvTypes, d: usize, heads: usize, kv_heads: usize
     let pool = DeviceBuffer::from_slice(&c.pool.bytes).unwrap();
     let ob = poisoned(n * heads * d * 2);
     let what = format!("flash {} d {d} heads {heads}/{kv_heads} from {p0}, {n} queries, {}", kv.describe(), out.name());
-    ok(flash(&c, &pool, kv, d, heads, kv_heads, n, &ob, out), &what);
+    ok(flash(&c, &pool, kv, d, heads, kv_heads, n, &ob, out, 0), &what);
     let bits: Vec<u16> = download(&ob, n * heads * d);
+    // An 8-bit half read from a stage (one tile of it, then all) gives the same bits.
+    if kv.k.is_block() || kv.v.is_block() {
+        for stage_tokens in [64, (p0 + n).next_multiple_of(64) + 64] {
+            let staged = poisoned(n * heads * d * 2);
+            ok(flash(&c, &pool, kv, d, heads, kv_heads, n, &staged, out, stage_tokens), &what);
+            let got: Vec<u16> = download(&staged, n * heads * d);
+            assert!(got == bits, "{what}: a stage of {stage_tokens} positions changed the output");
+        }
+    }
     let bytes: Vec<u8> = bits.iter().flat_map(|b| b.to_le_bytes()).collect();
     let mut got = vec![0f32; n * heads * d];
     hostembed::tensor::decode_row(out, &bytes, &mut got);
@@ -677,7 +714,10 @@ fn the_pool_allocates_the_predicted_bytes_in_every_type() {
                     (cfg.layers * pages * layout.page_bytes()) as u64,
                     "{what}: every layer's pages"
                 );
-                assert_eq!(gpu.allocated_bytes(), (GpuModel::weight_bytes(&src), GpuModel::scratch_bytes(&src, 16)));
+                assert_eq!(
+                    gpu.allocated_bytes(),
+                    (GpuModel::weight_bytes(&src), GpuModel::scratch_bytes(&src, 16, kv, pages * PAGE_TOKENS))
+                );
             }
         }
         // A block type on heads of partial blocks is refused before anything is allocated.

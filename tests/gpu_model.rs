@@ -77,7 +77,10 @@ fn gpu_logits_match_cpu_at_every_position() {
         let mut gpu = GpuModel::load(&src, rows, max_batch, POOL_PAGES).unwrap();
         assert_eq!(
             gpu.allocated_bytes(),
-            (GpuModel::weight_bytes(&src), GpuModel::scratch_bytes(&src, max_batch)),
+            (
+                GpuModel::weight_bytes(&src),
+                GpuModel::scratch_bytes(&src, max_batch, KvTypes::GPU_DEFAULT, POOL_PAGES * PAGE_TOKENS)
+            ),
             "{name}: allocations differ from the predicted bytes"
         );
 
@@ -275,7 +278,10 @@ fn byte_predictions_hold_for_every_shape() {
                 let gpu = GpuModel::load(&src, rows, max_batch, POOL_PAGES).unwrap();
                 assert_eq!(
                     gpu.allocated_bytes(),
-                    (GpuModel::weight_bytes(&src), GpuModel::scratch_bytes(&src, max_batch)),
+                    (
+                        GpuModel::weight_bytes(&src),
+                        GpuModel::scratch_bytes(&src, max_batch, KvTypes::GPU_DEFAULT, POOL_PAGES * PAGE_TOKENS)
+                    ),
                     "{name} {} max_batch {max_batch}",
                     dtype.name()
                 );

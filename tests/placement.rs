@@ -136,7 +136,7 @@ fn the_plan_the_engine_derives_from_a_checkpoint() {
     assert_eq!(inputs.stream_bytes_per_token, per_token);
     assert_eq!(inputs.stream_bytes, GpuModel::stream_bytes(&cfg, KvTypes::GPU_DEFAULT, window as usize));
     assert!(inputs.stream_bytes >= window as u64 * per_token);
-    assert_eq!(inputs.scratch_bytes, GpuModel::scratch_bytes(&ckpt, 64));
+    assert_eq!(inputs.scratch_bytes, GpuModel::scratch_bytes(&ckpt, 64, KvTypes::GPU_DEFAULT, window as usize));
     assert!(inputs.scratch_bytes > 0);
     assert_eq!((inputs.window, inputs.room_bytes, inputs.reserve_bytes), (window, 1 << 40, 256 << 20));
     assert!(!inputs.unified && !inputs.embed_tied && !inputs.mmap_rows);

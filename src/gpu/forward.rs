@@ -611,7 +611,16 @@ impl GpuModel {
             if self.flash {
                 for p in pieces.iter().filter(|p| p.path == Path::Tensor) {
                     let (q, at, out) = (row(qkv, p.row, qkv_dim), pos.wrapping_add(p.row), act_row(p.row - m, q_dim));
-                    launch::flash_attention(q, shape_of(p.len), kv, p.table, at, scale, out, half, q_dim, s)?;
+                    // An 8-bit cache: the stream's positions so far, this piece's included, decoded once.
+                    let stage = (self.s.stage_tokens > 0).then(|| launch::FlashStage {
+                        ptr: self.buf(self.s.stage),
+                        tokens: self.s.stage_tokens,
+                        ctx: p.pos + p.len,
+                    });
+                    if let Some(st) = stage {
+                        launch::flash_stage(kv, p.table, cfg.kv_heads, cfg.head_dim, st, s)?;
+                    }
+                    launch::flash_attention(q, shape_of(p.len), kv, p.table, at, scale, out, half, q_dim, stage, s)?;
                 }
             }
             project(&layer.w.o, attn, none, x, x, hidden)?;

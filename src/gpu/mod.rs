@@ -161,12 +161,15 @@ impl GpuModel {
         plan(src).map_or(0, |p| p.total as u64)
     }
 
-    /// Device bytes `load` allocates for activations and scratch with prompt chunks of `max_batch`;
-    /// 0 when `src` does not hold a model `load` accepts.
-    pub fn scratch_bytes(src: &dyn TensorSource, max_batch: usize) -> u64 {
+    /// Device bytes `load_with_kv` allocates for activations and scratch with prompt chunks of
+    /// `max_batch`, a KV cache in `kv`'s types and streams of up to `window` positions; 0 when `src`
+    /// does not hold a model `load` accepts.
+    pub fn scratch_bytes(src: &dyn TensorSource, max_batch: usize, kv: KvTypes, window: usize) -> u64 {
         plan(src).map_or(0, |p| {
             let (_, slab) = prompt_format(&p.product_matrices());
-            ScratchLayout::new(src.config(), max_batch, slab).total as u64
+            let cfg = src.config();
+            let stage = scratch::stage_tokens(kv, flash_attention_for(cfg, kv), window);
+            ScratchLayout::new(cfg, max_batch, slab, kv, stage).total as u64
         })
     }
 
@@ -235,14 +238,28 @@ impl GpuModel {
         Self::load_with_kv(src, rows, max_batch, pool_pages, KvTypes::GPU_DEFAULT)
     }
 
-    /// `load` with the pool's K and V in `kv`'s types. UNSUPPORTED when a type cannot hold the model's
-    /// heads or the current device cannot run it (FP8 E4M3 below compute capability 8.9).
+    /// `load` with the pool's K and V in `kv`'s types, for streams as long as the pool. UNSUPPORTED
+    /// when a type cannot hold the model's heads or the current device cannot run it (FP8 E4M3 below
+    /// compute capability 8.9).
     pub fn load_with_kv(
         src: &dyn TensorSource,
         rows: RowsOnDevice,
         max_batch: usize,
         pool_pages: usize,
         kv: KvTypes,
+    ) -> Result<GpuModel> {
+        Self::load_for_window(src, rows, max_batch, pool_pages, kv, pool_pages.saturating_mul(PAGE_TOKENS))
+    }
+
+    /// `load_with_kv` for streams of at most `window` positions (what an 8-bit cache's prompt stage is
+    /// sized for; `scratch_bytes` with the same arguments is what it allocates).
+    pub fn load_for_window(
+        src: &dyn TensorSource,
+        rows: RowsOnDevice,
+        max_batch: usize,
+        pool_pages: usize,
+        kv: KvTypes,
+        window: usize,
     ) -> Result<GpuModel> {
         let cfg = src.config().clone();
         Self::check_config(&cfg)?;
@@ -291,7 +308,8 @@ impl GpuModel {
         let pool_bytes = usize::try_from(Self::pool_bytes(&cfg, kv, pool_pages))
             .map_err(|_| err!(NoRoom, "a KV pool of {pool_pages} pages does not fit in memory"))?;
         let pool = DeviceBuffer::new(pool_bytes)?;
-        let s = ScratchLayout::new(&cfg, max_batch, slab);
+        let flash = flash_attention_for(&cfg, kv);
+        let s = ScratchLayout::new(&cfg, max_batch, slab, kv, scratch::stage_tokens(kv, flash, window));
         let scratch = DeviceBuffer::new(s.total)?;
         scratch.upload(&rope_inv_freq(&cfg), s.inv_freq)?;
         scratch.upload(&vec![0u8; s.mmv_counter_bytes], s.mmv_counters)?;
@@ -302,8 +320,6 @@ impl GpuModel {
         // the tensor-core products alone cost ~1e-3 of relative error.
         let exact = kv == KvTypes::same(KvType::F32) && matrices.iter().all(|m| m.0 == DType::F32);
         let tensor_cores = !exact && [cfg.hidden, cfg.q_dim(), cfg.intermediate].iter().all(|d| d % 8 == 0);
-        // Flash attention's operands are half formats; an F32 cache is read by the split kernel in f32.
-        let flash = !f32_cache && launch::flash_supports(cfg.head_dim);
         let (blas, route) = match blas::Blas::new() {
             Ok(b) => {
                 let route = format!("prompt products on cuBLASLt ({})", b.name());
@@ -373,6 +389,12 @@ impl GpuModel {
     }
 }
 
+/// Whether prompt chunks take flash attention: its operands are half formats (an F32 cache is read by
+/// the split kernel in f32), for the head sizes it has kernels for.
+fn flash_attention_for(cfg: &ModelConfig, kv: KvTypes) -> bool {
+    kv.k != KvType::F32 && kv.v != KvType::F32 && launch::flash_supports(cfg.head_dim)
+}
+
 /// The CUDA backend: a `GpuModel` and the device it was loaded on, made current before each call.
 pub struct CudaBackend {
     model: GpuModel,
@@ -380,8 +402,8 @@ pub struct CudaBackend {
 }
 
 impl CudaBackend {
-    /// `GpuModel::load_with_kv` on `device`, which the caller has made current, with a KV pool of
-    /// `pool_pages` pages of `PAGE_TOKENS` positions in `kv`'s types.
+    /// `GpuModel::load_for_window` on `device`, which the caller has made current, with a KV pool of
+    /// `pool_pages` pages of `PAGE_TOKENS` positions in `kv`'s types, for streams of `window` positions.
     pub fn load(
         src: &dyn TensorSource,
         rows: RowsOnDevice,
@@ -389,8 +411,10 @@ impl CudaBackend {
         device: i32,
         pool_pages: usize,
         kv: KvTypes,
+        window: usize,
     ) -> Result<CudaBackend> {
-        Ok(CudaBackend { model: GpuModel::load_with_kv(src, rows, max_batch, pool_pages, kv)?, device })
+        let model = GpuModel::load_for_window(src, rows, max_batch, pool_pages, kv, window)?;
+        Ok(CudaBackend { model, device })
     }
 
     /// What runs a prompt chunk's products and attention, in one line for the log.

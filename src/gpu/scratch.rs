@@ -9,6 +9,7 @@ use std::os::raw::c_void;
 use super::{GpuModel, Layout};
 use crate::cuda;
 use crate::cudart as rt;
+use crate::kv::KvTypes;
 use crate::model::ModelConfig;
 use crate::status::Result;
 
@@ -20,6 +21,29 @@ pub(super) const ATTENTION_PARTS: usize = 32;
 pub(super) const ATTENTION_TOKENS: usize = 64;
 /// Items whose logits one step keeps on the device (more spill to the host).
 pub(super) const LOGIT_ROWS: usize = 64;
+/// The most positions of a stream an 8-bit cache's stage holds for a prompt chunk's flash attention
+/// (kernels/flash.cu: decoded once a chunk instead of once a query block); past them the kernel decodes
+/// in registers. 128 MiB for the Llama-3-8B shape's 8 kv heads of 128.
+pub const STAGE_MAX_TOKENS: usize = 32768;
+/// The flash kernel's tile of positions: a stage holds whole tiles.
+const FLASH_TILE: usize = 64;
+
+/// Positions the stage of a `window`-position stream holds: none unless prompt chunks take flash
+/// attention (`flash`) and K or V is an 8-bit block type.
+pub fn stage_tokens(kv: KvTypes, flash: bool, window: usize) -> usize {
+    if !flash || !(kv.k.is_block() || kv.v.is_block()) {
+        return 0;
+    }
+    window.next_multiple_of(FLASH_TILE).min(STAGE_MAX_TOKENS)
+}
+
+/// Bytes of a stage of `tokens` positions: f16 rows of every kv head for each 8-bit half.
+fn stage_bytes(cfg: &ModelConfig, kv: KvTypes, tokens: usize) -> usize {
+    let halves = kv.k.is_block() as usize + kv.v.is_block() as usize;
+    // The kernels index both halves' rows (K's, then V's) whichever of them is staged.
+    let halves = if halves == 0 { 0 } else { 2 };
+    halves * tokens * cfg.kv_dim() * 2
+}
 
 /// kernels/mmv.cu's cut of a matrix (its MMV_* constants): output rows a block, the unit of column
 /// ranges, blocks a launch aims at, column ranges at most, tokens a launch.
@@ -114,13 +138,22 @@ pub(super) struct ScratchLayout {
     pub(super) mmv_counters: usize,
     pub(super) mmv_counter_bytes: usize,
     pub(super) workspace: usize,
+    /// An 8-bit cache's stage for flash attention (`stage_tokens` positions; none when 0).
+    pub(super) stage: usize,
+    pub(super) stage_tokens: usize,
     pub(super) total: usize,
 }
 
 impl ScratchLayout {
     /// Scratch for chunks of `max_batch` tokens; `slab_values` is the largest matrix the prompt path
-    /// converts (0 for none).
-    pub(super) fn new(cfg: &ModelConfig, max_batch: usize, slab_values: usize) -> ScratchLayout {
+    /// converts (0 for none); a stage of `stage_tokens` positions in `kv`'s 8-bit halves.
+    pub(super) fn new(
+        cfg: &ModelConfig,
+        max_batch: usize,
+        slab_values: usize,
+        kv: KvTypes,
+        stage_tokens: usize,
+    ) -> ScratchLayout {
         let b = max_batch.max(1);
         let f = 4;
         let logit_rows = LOGIT_ROWS.min(b);
@@ -147,6 +180,7 @@ impl ScratchLayout {
         let mmv_counter_bytes = mmv_count * 4;
         let mmv_counters = l.push(mmv_counter_bytes);
         let workspace = l.push(super::blas::WORKSPACE_BYTES);
+        let stage = l.push(stage_bytes(cfg, kv, stage_tokens));
         ScratchLayout {
             x,
             xn,
@@ -171,6 +205,8 @@ impl ScratchLayout {
             mmv_counters,
             mmv_counter_bytes,
             workspace,
+            stage,
+            stage_tokens,
             total: l.total,
         }
     }
