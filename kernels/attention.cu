@@ -22,6 +22,16 @@ constexpr int AT_TILE = AT_THREADS;
 constexpr unsigned int AT_UNIT = 32;
 static_assert(AT_UNIT % HE_PAGE_TOKENS == 0 && AT_UNIT == 2 * HE_PAGE_TOKENS, "a warp's V positions span two pages");
 
+// Tuning knobs, fixed at build time, for benchmark builds (HOSTEMBED_KERNEL_DEFINES); the defaults are the
+// measured choice: blocks a multiprocessor the registers are capped for, and the most 16-byte K or V loads
+// a thread keeps in flight.
+#ifndef AT_MIN_BLOCKS
+#define AT_MIN_BLOCKS 2
+#endif
+#ifndef AT_MAX_BATCH
+#define AT_MAX_BATCH 16
+#endif
+
 // Scores are kept in log2 units (q pre-scaled by scale * log2(e)) so the exponentials are exp2.
 constexpr float LOG2E = 1.4426950408889634f;
 
@@ -37,7 +47,7 @@ __device__ __forceinline__ unsigned int part_positions(unsigned int ctx, unsigne
 }
 
 template <int D, int HB, int KT, int VT>
-__global__ __launch_bounds__(AT_THREADS, 2) void attention_split_kernel(
+__global__ __launch_bounds__(AT_THREADS, AT_MIN_BLOCKS) void attention_split_kernel(
     const float *__restrict__ q, unsigned int q_stride, const unsigned char *__restrict__ kv_pool,
     const unsigned int *const *__restrict__ tables, unsigned int pool_pages, int k_type, int v_type,
     const int *__restrict__ pos, unsigned int heads, unsigned int kv_heads, unsigned int d, float scale_log2,
@@ -49,20 +59,18 @@ __global__ __launch_bounds__(AT_THREADS, 2) void attention_split_kernel(
     // Raw chunks wider than 16 bytes (the run-time reader) halve the loads in flight, for registers.
     constexpr int K_WIDE = sizeof(typename KR::Raw) > 16 ? 2 : 1, V_WIDE = sizeof(typename VR::Raw) > 16 ? 2 : 1;
     // K: a thread's row chunks (8 values each) in flight at once.
-    constexpr int K_BATCH = (HB >= 8 ? 8 : (D / 8 < 16 ? D / 8 : 16)) / K_WIDE;
+    constexpr int K_BATCH_BASE = HB >= 8 ? 8 : (D / 8 < AT_MAX_BATCH ? D / 8 : AT_MAX_BATCH);
+    constexpr int K_BATCH = K_BATCH_BASE / K_WIDE;
     // V: each lane reads 8 dims of a row, so a warp reads V_ROWS rows per load and requests
     // the warp's 32 rows as 32 / V_ROWS loads per lane, V_BATCH at a time (fewer where the accumulators
     // already take the registers). Measured: 16k-cache decode 168.5 -> 175.1 tok/s on the 8B shape.
     constexpr int V_LANES = D / 8, V_ROWS = 32 / V_LANES, V_STEPS = 32 / V_ROWS;
-    constexpr int V_BATCH_BASE = (HB >= 8 || D > 128) ? 8 : V_STEPS;
+    constexpr int V_BATCH_BASE = (HB >= 8 || D > 128) ? 8 : (V_STEPS < AT_MAX_BATCH ? V_STEPS : AT_MAX_BATCH);
     constexpr int V_BATCH = V_BATCH_BASE / V_WIDE > 0 ? V_BATCH_BASE / V_WIDE : 1;
     __shared__ __align__(16) float q_s[HB][D];
     __shared__ float p_s[HB][AT_TILE];
     __shared__ float red_max[AT_WARPS][HB], red_sum[AT_WARPS][HB];
     __shared__ float acc_s[AT_WARPS][HB][D];
-    he::pdl_wait();  // q and the cache come from the kernel before (launched overlapped)
-    he::pdl_launch_dependents();
-
     const unsigned int split = blockIdx.x, t = blockIdx.z;
     const unsigned int group = heads / kv_heads;
     const unsigned int hgroups = (group + HB - 1) / HB;
@@ -71,19 +79,22 @@ __global__ __launch_bounds__(AT_THREADS, 2) void attention_split_kernel(
     const unsigned int nh = min((unsigned int)HB, group - hg * HB);
     const unsigned int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
 
+    // Positions are the step's upload, complete before the pass's first kernel: read before the wait.
     const unsigned int ctx = context_of(pos[t]);
     const unsigned int chunk = part_positions(ctx, splits);
     const unsigned int start = min(ctx, split * chunk), end = min(ctx, start + chunk);
-    const size_t pstride = (size_t)d + 2;
-    float *part_of = partial + (((size_t)t * heads + h0) * splits + split) * pstride;  // head h0; next head +splits*pstride
-
-    if (start >= end) {  // an empty part: weight zero in the combine
-        if (tid < nh) {
-            part_of[(size_t)tid * splits * pstride] = -INFINITY;
-            part_of[(size_t)tid * splits * pstride + 1] = 0.f;
-        }
+    // A part past the context writes nothing (the combine reads only the parts it fills) and leaves at
+    // once, so its slot does not wait on the kernel before: most of a short context's 32 parts. Part 0
+    // waits even when empty (a pad row's), so that this launch never ends before the kernel before it.
+    if (start >= end) {
+        if (split == 0) he::pdl_wait();
         return;
     }
+    he::pdl_wait();  // q and the cache come from the kernel before (launched overlapped)
+    he::pdl_launch_dependents();
+
+    const size_t pstride = (size_t)d + 2;
+    float *part_of = partial + (((size_t)t * heads + h0) * splits + split) * pstride;  // head h0; next head +splits*pstride
 
     for (unsigned int i = tid; i < HB * D; i += AT_THREADS) {
         const unsigned int h = i / D, c = i % D;
@@ -259,7 +270,7 @@ __global__ __launch_bounds__(AT_THREADS, 2) void attention_split_kernel(
 
 // out[t][h] = sum over parts of acc * 2^(m - M) / sum over parts of l * 2^(m - M), in part order. The
 // parts' (m, l) are loaded together into shared memory first, and only the parts the split kernel filled
-// for this context are read (the others are empty: weight zero), so a short context costs one part.
+// for this context are read (it writes no others), so a short context costs one part.
 constexpr unsigned int AT_MAX_SPLITS = 1024;
 __global__ void attention_combine_kernel(const float *__restrict__ partial, unsigned int heads, unsigned int d,
                                          unsigned int splits, const int *__restrict__ pos, float *__restrict__ out) {
