@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Builds example binaries with kernel tuning knobs set (HOSTEMBED_KERNEL_DEFINES) and packs them into
+# .gpu/NAME.tar.xz, to be carried beside the bundle and timed against it in the same run:
+#   scripts/gpu-build-variant.sh NAME "-DAT_MIN_BLOCKS=3 -DAT_MAX_BATCH=8" bench_decode bench_batch
+# On the GPU machine: tar -C /tmp -xJf .gpu/NAME.tar.xz, then run /tmp/NAME/bench_decode ...
+# Run it after scripts/gpu-build.sh (which empties .gpu). Its build folder is target/variant-NAME.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+[ $# -ge 3 ] || { echo "usage: $0 NAME DEFINES EXAMPLE..." >&2; exit 2; }
+name=$1 defines=$2
+shift 2
+export HOSTEMBED_CUDA_ARCHS="${HOSTEMBED_CUDA_ARCHS:-90}"
+scripts/install-cuda.sh >/dev/null
+examples=()
+for ex in "$@"; do examples+=(--example "$ex"); done
+HOSTEMBED_KERNEL_DEFINES="$defines" CARGO_TARGET_DIR="target/variant-$name" cargo build --release "${examples[@]}"
+mkdir -p .gpu && rm -rf ".gpu/$name" && mkdir ".gpu/$name"
+for ex in "$@"; do cp "target/variant-$name/release/examples/$ex" ".gpu/$name/"; done
+echo "$defines" > ".gpu/$name/DEFINES"
+strip ".gpu/$name"/* 2>/dev/null || true
+XZ_OPT=-9 tar -C .gpu -cJf ".gpu/$name.tar.xz" "$name"
+rm -rf ".gpu/$name"
+ls -la ".gpu/$name.tar.xz"
