@@ -21,7 +21,7 @@ use std::ptr;
 
 use super::launch::{self, AttentionShape, HalfMatrix, KvPages};
 use super::pages::{GpuCache, PAGE_TOKENS};
-use super::scratch::{ATTENTION_PARTS, ATTENTION_TOKENS};
+use super::scratch::{ATTENTION_TOKENS, attention_parts};
 use super::weights::{DeviceWeight, Qkv};
 use super::{GpuModel, GpuStream};
 use crate::backend::{PagePool, StepItem};
@@ -599,7 +599,7 @@ impl GpuModel {
                     tables.wrapping_add(g0),
                     pos.wrapping_add(g0),
                     scale,
-                    ATTENTION_PARTS,
+                    attention_parts(),
                     partial,
                     row(attn, g0, q_dim),
                     s,

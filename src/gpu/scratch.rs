@@ -17,6 +17,19 @@ use crate::status::Result;
 /// (and so its bits) depend on its own context length only: 32 parts of 512 positions at 16k, 8 blocks
 /// a kv head's part for the Llama-3 shape fill a 132-SM card with one stream.
 pub(super) const ATTENTION_PARTS: usize = 32;
+
+/// `ATTENTION_PARTS`, or `HOSTEMBED_ATTENTION_PARTS` (1 to 1024) for benchmark runs: read once, so
+/// that every launch and the scratch of a process agree.
+pub(super) fn attention_parts() -> usize {
+    static PARTS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *PARTS.get_or_init(|| {
+        std::env::var("HOSTEMBED_ATTENTION_PARTS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|p| (1..=1024).contains(p))
+            .unwrap_or(ATTENTION_PARTS)
+    })
+}
 /// Query tokens one attention launch takes (its partial results are sized for this many).
 pub(super) const ATTENTION_TOKENS: usize = 64;
 /// Items whose logits one step keeps on the device (more spill to the host).
@@ -157,7 +170,7 @@ impl ScratchLayout {
         let b = max_batch.max(1);
         let f = 4;
         let logit_rows = LOGIT_ROWS.min(b);
-        let partial_floats = b.min(ATTENTION_TOKENS) * ATTENTION_PARTS * cfg.heads * (cfg.head_dim + 2);
+        let partial_floats = b.min(ATTENTION_TOKENS) * attention_parts() * cfg.heads * (cfg.head_dim + 2);
         let mut l = Layout::default();
         let x = l.push(b * cfg.hidden * f);
         let xn = l.push(b * cfg.hidden * f);
