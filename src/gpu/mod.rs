@@ -169,7 +169,7 @@ impl GpuModel {
             let (_, slab) = prompt_format(&p.product_matrices());
             let cfg = src.config();
             let stage = scratch::stage_tokens(kv, flash_attention_for(cfg, kv), window);
-            ScratchLayout::new(cfg, max_batch, slab, kv, stage).total as u64
+            ScratchLayout::new(cfg, max_batch, slab, stage).total as u64
         })
     }
 
@@ -309,7 +309,7 @@ impl GpuModel {
             .map_err(|_| err!(NoRoom, "a KV pool of {pool_pages} pages does not fit in memory"))?;
         let pool = DeviceBuffer::new(pool_bytes)?;
         let flash = flash_attention_for(&cfg, kv);
-        let s = ScratchLayout::new(&cfg, max_batch, slab, kv, scratch::stage_tokens(kv, flash, window));
+        let s = ScratchLayout::new(&cfg, max_batch, slab, scratch::stage_tokens(kv, flash, window));
         let scratch = DeviceBuffer::new(s.total)?;
         scratch.upload(&rope_inv_freq(&cfg), s.inv_freq)?;
         scratch.upload(&vec![0u8; s.mmv_counter_bytes], s.mmv_counters)?;

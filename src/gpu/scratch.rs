@@ -50,12 +50,10 @@ pub fn stage_tokens(kv: KvTypes, flash: bool, window: usize) -> usize {
     window.next_multiple_of(FLASH_TILE).min(STAGE_MAX_TOKENS)
 }
 
-/// Bytes of a stage of `tokens` positions: f16 rows of every kv head for each 8-bit half.
-fn stage_bytes(cfg: &ModelConfig, kv: KvTypes, tokens: usize) -> usize {
-    let halves = kv.k.is_block() as usize + kv.v.is_block() as usize;
-    // The kernels index both halves' rows (K's, then V's) whichever of them is staged.
-    let halves = if halves == 0 { 0 } else { 2 };
-    halves * tokens * cfg.kv_dim() * 2
+/// Bytes of a stage of `tokens` positions: f16 rows of every kv head, K's then V's (the kernels index
+/// both, whichever of them is 8-bit).
+fn stage_bytes(cfg: &ModelConfig, tokens: usize) -> usize {
+    2 * tokens * cfg.kv_dim() * 2
 }
 
 /// kernels/mmv.cu's cut of a matrix (its MMV_* constants): output rows a block, the unit of column
@@ -159,14 +157,8 @@ pub(super) struct ScratchLayout {
 
 impl ScratchLayout {
     /// Scratch for chunks of `max_batch` tokens; `slab_values` is the largest matrix the prompt path
-    /// converts (0 for none); a stage of `stage_tokens` positions in `kv`'s 8-bit halves.
-    pub(super) fn new(
-        cfg: &ModelConfig,
-        max_batch: usize,
-        slab_values: usize,
-        kv: KvTypes,
-        stage_tokens: usize,
-    ) -> ScratchLayout {
+    /// converts (0 for none); `stage_tokens` the positions of an 8-bit cache's flash stage (0 for none).
+    pub(super) fn new(cfg: &ModelConfig, max_batch: usize, slab_values: usize, stage_tokens: usize) -> ScratchLayout {
         let b = max_batch.max(1);
         let f = 4;
         let logit_rows = LOGIT_ROWS.min(b);
@@ -193,7 +185,7 @@ impl ScratchLayout {
         let mmv_counter_bytes = mmv_count * 4;
         let mmv_counters = l.push(mmv_counter_bytes);
         let workspace = l.push(super::blas::WORKSPACE_BYTES);
-        let stage = l.push(stage_bytes(cfg, kv, stage_tokens));
+        let stage = l.push(stage_bytes(cfg, stage_tokens));
         ScratchLayout {
             x,
             xn,
