@@ -161,7 +161,7 @@ impl GpuModel {
         plan(src).map_or(0, |p| p.total as u64)
     }
 
-    /// Device bytes `load_with_kv` allocates for activations and scratch with prompt chunks of
+    /// Device bytes `load_for_window` allocates for activations and scratch with prompt chunks of
     /// `max_batch`, a KV cache in `kv`'s types and streams of up to `window` positions; 0 when `src`
     /// does not hold a model `load` accepts.
     pub fn scratch_bytes(src: &dyn TensorSource, max_batch: usize, kv: KvTypes, window: usize) -> u64 {
