@@ -174,7 +174,7 @@ __global__ __launch_bounds__(FA_THREADS, READ8 == STAGED ? 3 : 0) void flash_ker
     const size_t k_at = he::kv_slab_at(kv_heads, D, k_type, v_type, false, kvh);
     const size_t v_at = he::kv_slab_at(kv_heads, D, k_type, v_type, true, kvh);
     constexpr bool RAW8_ = READ8 == RAW8;
-    const bool k8 = READ8 == RAW8 && he::kv_is_block(k_type), v8 = READ8 == RAW8 && he::kv_is_block(v_type);
+    const bool k8 = RAW8_ && he::kv_is_block(k_type), v8 = RAW8_ && he::kv_is_block(v_type);
     constexpr int PIECES = FA_BN * D / 8 / FA_THREADS;  // pieces of 8 values a thread takes of a K or V tile
     static_assert(PIECES * FA_THREADS == FA_BN * D / 8, "a tile is whole pieces for every thread");
     Raw8 k_raw[RAW8_ ? PIECES : 1], v_raw[RAW8_ ? PIECES : 1];
@@ -188,20 +188,20 @@ __global__ __launch_bounds__(FA_THREADS, READ8 == STAGED ? 3 : 0) void flash_ker
     const unsigned char *v_stage = reinterpret_cast<const unsigned char *>(
         in_stage > 0 ? stage + stage_row(kv_heads, stage_tokens, true, kvh, 0, D) : nullptr);
     // Starts a tile's loads: pieces in the operands' format (and staged ones) by cp.async into shared
-    // stage `buf`, other 8-bit ones into k_raw / v_raw (stored by store_tile8 once they are needed).
+    // buffer `buf`, other 8-bit ones into k_raw / v_raw (stored by store_tile8 once they are needed).
     auto fetch_tile = [&](unsigned int buf, unsigned int tile) {
         const unsigned int base = tile * FA_BN;
-        bool staged = false;
-        if constexpr (READ8 != NONE) staged = tile < in_stage;
+        bool from_stage = false;
+        if constexpr (READ8 != NONE) from_stage = tile < in_stage;
 #pragma unroll
         for (int i = 0; i < PIECES; i++) {
             const unsigned int r = piece_row(i), c = piece_col(i);
             unsigned short *k_dst = k_s + (buf * FA_BN + r) * S + c, *v_dst = v_s + (buf * FA_BN + r) * S + c;
             if constexpr (READ8 == STAGED) {
                 // A tile past the stage (a query past `staged`: outside the contract) reads zeros.
-                const unsigned int p = staged ? base + r : 0;
-                copy_piece(k_dst, k_stage, p, c, D, staged);
-                copy_piece(v_dst, v_stage, p, c, D, staged);
+                const unsigned int p = from_stage ? base + r : 0;
+                copy_piece(k_dst, k_stage, p, c, D, from_stage);
+                copy_piece(v_dst, v_stage, p, c, D, from_stage);
                 continue;
             }
             // Later rows (and a bad page id) are zeros: a zero V row times a zero weight. A row not read
@@ -212,10 +212,10 @@ __global__ __launch_bounds__(FA_THREADS, READ8 == STAGED ? 3 : 0) void flash_ker
             const bool ok = id < pool_pages;
             const unsigned char *page = kv_pool + (ok ? (size_t)id * page_bytes : 0);
             const unsigned int row = p % HE_PAGE_TOKENS;
-            if (k8 && staged) copy_piece(k_dst, k_stage, p, c, D, true);
+            if (k8 && from_stage) copy_piece(k_dst, k_stage, p, c, D, true);
             else if (k8) k_raw[RAW8_ ? i : 0] = load_raw8(page + k_at, row, c, D, k_type, ok);
             else copy_piece(k_dst, page + k_at, row, c, D, ok);
-            if (v8 && staged) copy_piece(v_dst, v_stage, p, c, D, true);
+            if (v8 && from_stage) copy_piece(v_dst, v_stage, p, c, D, true);
             else if (v8) v_raw[RAW8_ ? i : 0] = load_raw8(page + v_at, row, c, D, v_type, ok);
             else copy_piece(v_dst, page + v_at, row, c, D, ok);
         }
@@ -379,8 +379,8 @@ extern "C" cudaError_t hostembed_flash_attention(const float *q, unsigned int q_
     const int v_op = v_type == HE_KV_BF16 ? HE_DTYPE_BF16 : HE_DTYPE_F16;
     const bool raw8 = he::kv_is_block(k_type) || he::kv_is_block(v_type);
     // K and V 8-bit and every tile the queries read in the stage: the kernel that reads no page.
-    const bool all_staged = he::kv_is_block(k_type) && he::kv_is_block(v_type) && stage != nullptr && staged > 0 &&
-                            stage_tiles(staged, stage_tokens) * FA_BN >= staged;
+    const bool all_staged =
+        he::kv_is_block(k_type) && he::kv_is_block(v_type) && stage != nullptr && staged > 0 && staged <= stage_tokens;
     with_head_dim(head_dim, [&](auto dim) {
         constexpr int D = decltype(dim)::value;
         he::with_half(out_dtype, [&](auto op) {
