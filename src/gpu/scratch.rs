@@ -30,6 +30,7 @@ pub(super) fn attention_parts() -> usize {
             .unwrap_or(ATTENTION_PARTS)
     })
 }
+
 /// Query tokens one attention launch takes (its partial results are sized for this many).
 pub(super) const ATTENTION_TOKENS: usize = 64;
 /// Items whose logits one step keeps on the device (more spill to the host).
