@@ -195,8 +195,9 @@ cudaError_t hostembed_convert_matrix(const void *w, int w_dtype, unsigned int ro
 cudaError_t hostembed_add_bias(float *y, unsigned int ldy, const float *bias, unsigned int rows, unsigned int n,
                                cudaStream_t stream);
 
-// RMSNorm as hostembed_rmsnorm, written in out_dtype (HE_DTYPE_F32 or a half format).
-cudaError_t hostembed_rmsnorm_to(const float *x, const float *w, float eps, void *out, int out_dtype,
+// RMSNorm as hostembed_rmsnorm, written in out_dtype (HE_DTYPE_F32 or a half format); where residue is
+// not NULL (a half format only), y - half(y) of each value y in the same format there too.
+cudaError_t hostembed_rmsnorm_to(const float *x, const float *w, float eps, void *out, void *residue, int out_dtype,
                                  unsigned int n, unsigned int cols, cudaStream_t stream);
 
 // out[i] = silu(gate[i]) * up[i] written in out_dtype (HE_DTYPE_F32 or a half format); out may not
@@ -352,6 +353,7 @@ struct Bf16Op {
         __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
         return *reinterpret_cast<unsigned int *>(&v);
     }
+    static __device__ __forceinline__ float unpack(unsigned int bits) { return __uint_as_float(bits << 16); }
     // d += a b for a 16x16 (row-major) by 16x8 (column-major) product.
     static __device__ __forceinline__ void mma(float (&d)[4], const unsigned int (&a)[4], unsigned int b0,
                                                unsigned int b1) {
@@ -369,6 +371,9 @@ struct F16Op {
     static __device__ __forceinline__ unsigned int pack(float lo, float hi) {
         __half2 v = __floats2half2_rn(lo, hi);
         return *reinterpret_cast<unsigned int *>(&v);
+    }
+    static __device__ __forceinline__ float unpack(unsigned int bits) {
+        return __half2float(__ushort_as_half((unsigned short)bits));
     }
     static __device__ __forceinline__ void mma(float (&d)[4], const unsigned int (&a)[4], unsigned int b0,
                                                unsigned int b1) {
@@ -397,6 +402,11 @@ struct F32Out {
     using T = float;
     static __device__ __forceinline__ void put(T *o, float v) { *o = v; }
     static __device__ __forceinline__ void put4(T *o, float4 v) { *reinterpret_cast<float4 *>(o) = v; }
+    // An f32 value is held exactly: its residue is 0.
+    static __device__ __forceinline__ void put_residue(T *o, float) { *o = 0.f; }
+    static __device__ __forceinline__ void put4_residue(T *o, float4) {
+        *reinterpret_cast<float4 *>(o) = make_float4(0.f, 0.f, 0.f, 0.f);
+    }
 };
 template <typename Op>
 struct HalfOut {
@@ -407,6 +417,12 @@ struct HalfOut {
     }
     static __device__ __forceinline__ void put4(T *o, float4 v) {
         *reinterpret_cast<uint2 *>(o) = make_uint2(Op::pack(v.x, v.y), Op::pack(v.z, v.w));
+    }
+    // v - half(v), in the half format: a product of it added to one of half(v) is one of v to ~2^-16.
+    static __device__ __forceinline__ float residue(float v) { return v - Op::unpack(Op::pack(v, 0.f) & 0xffffu); }
+    static __device__ __forceinline__ void put_residue(T *o, float v) { put(o, residue(v)); }
+    static __device__ __forceinline__ void put4_residue(T *o, float4 v) {
+        put4(o, make_float4(residue(v.x), residue(v.y), residue(v.z), residue(v.w)));
     }
 };
 

@@ -1,5 +1,5 @@
 // RMSNorm over rows of f32 activations, one block per row, written as f32 or as a half format (the
-// tensor-core products' input).
+// tensor-core products' input), and optionally the half rounding's residue (products refined to f32).
 #include "hostembed_kernels.cuh"
 
 namespace {
@@ -9,13 +9,17 @@ constexpr int NORM_KEEP = 4;  // float4s a thread keeps: rows up to 4,096 values
 
 template <typename Out>
 __global__ __launch_bounds__(NORM_THREADS) void rmsnorm_kernel(const float *x, const float *__restrict__ w, float eps,
-                                                               typename Out::T *out, unsigned int cols) {
+                                                               typename Out::T *out, typename Out::T *residue,
+                                                               unsigned int cols) {
     he::pdl_launch_dependents();
     __shared__ float scratch[32];
     const float *xr = x + (size_t)blockIdx.x * cols;
     typename Out::T *outr = out + (size_t)blockIdx.x * cols;
+    typename Out::T *resr = residue != nullptr ? residue + (size_t)blockIdx.x * cols : nullptr;
     const bool vec = (cols % 4 == 0) && ((reinterpret_cast<uintptr_t>(xr) | reinterpret_cast<uintptr_t>(outr) |
-                                          reinterpret_cast<uintptr_t>(w)) % 16 == 0);
+                                          reinterpret_cast<uintptr_t>(resr) | reinterpret_cast<uintptr_t>(w)) %
+                                             16 ==
+                                         0);
     float ss = 0.f;
     if (vec && cols / 4 <= NORM_KEEP * NORM_THREADS) {
         // The row (and the weights) in registers: every load issued at once, x read once; the same sums
@@ -44,9 +48,12 @@ __global__ __launch_bounds__(NORM_THREADS) void rmsnorm_kernel(const float *x, c
 #pragma unroll
         for (int k = 0; k < NORM_KEEP; k++) {
             const unsigned int c = threadIdx.x + k * NORM_THREADS;
-            if (c < cols / 4)
-                Out::put4(outr + 4 * c, make_float4(v[k].x * inv * g[k].x, v[k].y * inv * g[k].y,
-                                                    v[k].z * inv * g[k].z, v[k].w * inv * g[k].w));
+            if (c < cols / 4) {
+                const float4 y = make_float4(v[k].x * inv * g[k].x, v[k].y * inv * g[k].y, v[k].z * inv * g[k].z,
+                                             v[k].w * inv * g[k].w);
+                Out::put4(outr + 4 * c, y);
+                if (resr != nullptr) Out::put4_residue(resr + 4 * c, y);
+            }
         }
         return;
     }
@@ -65,29 +72,37 @@ __global__ __launch_bounds__(NORM_THREADS) void rmsnorm_kernel(const float *x, c
         for (unsigned int c = threadIdx.x; c < cols / 4; c += NORM_THREADS) {
             float4 v = reinterpret_cast<const float4 *>(xr)[c];
             float4 g = reinterpret_cast<const float4 *>(w)[c];
-            Out::put4(outr + 4 * c, make_float4(v.x * inv * g.x, v.y * inv * g.y, v.z * inv * g.z, v.w * inv * g.w));
+            const float4 y = make_float4(v.x * inv * g.x, v.y * inv * g.y, v.z * inv * g.z, v.w * inv * g.w);
+            Out::put4(outr + 4 * c, y);
+            if (resr != nullptr) Out::put4_residue(resr + 4 * c, y);
         }
     } else {
-        for (unsigned int c = threadIdx.x; c < cols; c += NORM_THREADS) Out::put(outr + c, xr[c] * inv * w[c]);
+        for (unsigned int c = threadIdx.x; c < cols; c += NORM_THREADS) {
+            const float y = xr[c] * inv * w[c];
+            Out::put(outr + c, y);
+            if (resr != nullptr) Out::put_residue(resr + c, y);
+        }
     }
 }
 
 }  // namespace
 
-extern "C" cudaError_t hostembed_rmsnorm_to(const float *x, const float *w, float eps, void *out, int out_dtype,
-                                            unsigned int n, unsigned int cols, cudaStream_t stream) {
+extern "C" cudaError_t hostembed_rmsnorm_to(const float *x, const float *w, float eps, void *out, void *residue,
+                                            int out_dtype, unsigned int n, unsigned int cols, cudaStream_t stream) {
     if (x == nullptr || w == nullptr || out == nullptr || cols == 0) return cudaErrorInvalidValue;
+    if (residue != nullptr && out_dtype == HE_DTYPE_F32) return cudaErrorInvalidValue;  // f32 has none
     if (n == 0) return cudaSuccess;
     cudaError_t err = cudaErrorInvalidValue;
     he::with_out(out_dtype, [&](auto o) {
         using Out = decltype(o);
         err = he::launch_overlapped(rmsnorm_kernel<Out>, dim3(n), dim3(NORM_THREADS), 0, stream, x, w, eps,
-                                    static_cast<typename Out::T *>(out), cols);
+                                    static_cast<typename Out::T *>(out), static_cast<typename Out::T *>(residue),
+                                    cols);
     });
     return err;
 }
 
 extern "C" cudaError_t hostembed_rmsnorm(const float *x, const float *w, float eps, float *out, unsigned int n,
                                          unsigned int cols, cudaStream_t stream) {
-    return hostembed_rmsnorm_to(x, w, eps, out, HE_DTYPE_F32, n, cols, stream);
+    return hostembed_rmsnorm_to(x, w, eps, out, nullptr, HE_DTYPE_F32, n, cols, stream);
 }

@@ -49,7 +49,7 @@ cuda_fns! {
     pub fn hostembed_gemm(a: *const c_void, lda: c_uint, w: *const c_void, dtype: c_int, rows: c_uint, cols: c_uint, n: c_uint, bias: *const f32, residual: *const f32, y: *mut f32, ldy: c_uint, stream: cudaStream_t) -> cudaError_t;
     pub fn hostembed_convert_matrix(w: *const c_void, w_dtype: c_int, rows: c_uint, cols: c_uint, out: *mut c_void, out_dtype: c_int, stream: cudaStream_t) -> cudaError_t;
     pub fn hostembed_add_bias(y: *mut f32, ldy: c_uint, bias: *const f32, rows: c_uint, n: c_uint, stream: cudaStream_t) -> cudaError_t;
-    pub fn hostembed_rmsnorm_to(x: *const f32, w: *const f32, eps: f32, out: *mut c_void, out_dtype: c_int, n: c_uint, cols: c_uint, stream: cudaStream_t) -> cudaError_t;
+    pub fn hostembed_rmsnorm_to(x: *const f32, w: *const f32, eps: f32, out: *mut c_void, residue: *mut c_void, out_dtype: c_int, n: c_uint, cols: c_uint, stream: cudaStream_t) -> cudaError_t;
     pub fn hostembed_swiglu_to(gate: *const f32, up: *const f32, out: *mut c_void, out_dtype: c_int, len: usize, stream: cudaStream_t) -> cudaError_t;
     pub fn hostembed_convert(x: *const f32, out: *mut c_void, out_dtype: c_int, len: usize, stream: cudaStream_t) -> cudaError_t;
     pub fn hostembed_flash_head_dim(head_dim: c_uint) -> cudaError_t;

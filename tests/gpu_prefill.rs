@@ -285,29 +285,56 @@ fn half_writers_round_once() {
         for (xr, wr) in x.chunks(cols).zip(want.chunks_mut(cols)) {
             cpu::rmsnorm(xr, &w, 1e-5, wr);
         }
-        let (xb, wb, ob) =
-            (DeviceBuffer::from_slice(&x).unwrap(), DeviceBuffer::from_slice(&w).unwrap(), poisoned(n * cols * 2));
-        ok(
-            unsafe {
-                kn::hostembed_rmsnorm_to(
-                    xb.ptr() as *const f32,
-                    wb.ptr() as *const f32,
-                    1e-5,
-                    ob.ptr(),
-                    out as c_int,
-                    n as c_uint,
-                    cols as c_uint,
-                    NULL_STREAM,
-                )
-            },
-            "hostembed_rmsnorm_to",
-        );
+        let (xb, wb) = (DeviceBuffer::from_slice(&x).unwrap(), DeviceBuffer::from_slice(&w).unwrap());
+        let (ob, rb, alone) = (poisoned(n * cols * 2), poisoned(n * cols * 2), poisoned(n * cols * 2));
+        for (o, residue) in [(&ob, rb.ptr()), (&alone, std::ptr::null_mut())] {
+            // SAFETY: device buffers of n x cols values (cols for w), a half format for the residue.
+            ok(
+                unsafe {
+                    kn::hostembed_rmsnorm_to(
+                        xb.ptr() as *const f32,
+                        wb.ptr() as *const f32,
+                        1e-5,
+                        o.ptr(),
+                        residue,
+                        out as c_int,
+                        n as c_uint,
+                        cols as c_uint,
+                        NULL_STREAM,
+                    )
+                },
+                "hostembed_rmsnorm_to",
+            );
+        }
         let got = halves_to_f32(out, &download::<u16>(&ob, n * cols));
+        assert_eq!(download::<u16>(&alone, n * cols), download::<u16>(&ob, n * cols), "the residue moved the values");
         let bound = if out == DType::Bf16 { 4e-3 } else { 5e-4 };
         finite("rmsnorm_to", &got);
         let err = rel_l2(&got, &want);
         println!("rmsnorm_to {}: relative L2 {err:.2e}", out.name());
         assert!(err < bound, "rmsnorm_to {}: {err:.3e}", out.name());
+        // The value plus its residue is the f32 norm to the residue's own rounding (2^-18 at most).
+        let residue = halves_to_f32(out, &download::<u16>(&rb, n * cols));
+        finite("rmsnorm_to residue", &residue);
+        let sum: Vec<f32> = got.iter().zip(&residue).map(|(a, b)| a + b).collect();
+        let refined = rel_l2(&sum, &want);
+        println!("rmsnorm_to {} with its residue: relative L2 {refined:.2e}", out.name());
+        assert!(refined < 2e-5, "rmsnorm_to {} with its residue: {refined:.3e}", out.name());
+        // SAFETY: as above; the call is refused before anything runs.
+        let refused = unsafe {
+            kn::hostembed_rmsnorm_to(
+                xb.ptr() as *const f32,
+                wb.ptr() as *const f32,
+                1e-5,
+                ob.ptr(),
+                rb.ptr(),
+                DType::F32 as c_int,
+                n as c_uint,
+                cols as c_uint,
+                NULL_STREAM,
+            )
+        };
+        assert_ne!(refused, 0, "an f32 output with a residue was taken");
 
         let len = 4099;
         let (gate, up) = (rng.vec(len, 3.0), rng.vec(len, 2.0));

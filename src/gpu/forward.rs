@@ -43,6 +43,14 @@ pub(super) enum LogitsAt {
     Host(Vec<f32>),
 }
 
+/// A product's refinement (`product`): its outputs from row `from` of the weight on again from the
+/// half input's rounding residue at `residue` (rows `w.cols` apart).
+#[derive(Clone, Copy)]
+struct Refine {
+    from: usize,
+    residue: *const c_void,
+}
+
 /// Which kernels a piece's products take.
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 enum Path {
@@ -440,9 +448,36 @@ impl GpuModel {
 
     /// y[t] = w a[t] (+ bias) (+ residual[t]) for `n` half-format rows of `a` (`w.cols` apart): on
     /// cuBLASLt where it is loaded and takes the shape, else on the library's kernel; a weight in another
-    /// format is converted into the slab first.
+    /// format is converted into the slab first. With `refine`, rows [from, w.rows) of y then add the
+    /// product of the input's residue, so those outputs are the f32 input's to ~2^-16.
     #[allow(clippy::too_many_arguments)]
     fn product(
+        &self,
+        w: &DeviceWeight,
+        a: *const c_void,
+        n: usize,
+        bias: *const f32,
+        residual: *const f32,
+        y: *mut f32,
+        ldy: usize,
+        refine: Option<Refine>,
+    ) -> Result<()> {
+        self.half_product(w, a, n, bias, residual, y, ldy)?;
+        let Some(r) = refine else { return Ok(()) };
+        // The matrix in the half format is where the product just read it (the slab, for other formats).
+        let ptr = if w.dtype == self.half { w.ptr } else { self.buf(self.s.slab) as *const c_void };
+        let rows = HalfMatrix {
+            ptr: (ptr as *const u8).wrapping_add(r.from * w.cols * 2) as *const c_void,
+            dtype: self.half,
+            rows: w.rows - r.from,
+            cols: w.cols,
+        };
+        let ys = y.wrapping_add(r.from);
+        self.matmul(r.residue, &rows, n, ptr::null(), ys, ys, ldy)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn half_product(
         &self,
         w: &DeviceWeight,
         a: *const c_void,
@@ -459,12 +494,28 @@ impl GpuModel {
             launch::convert_matrix(w, slab, self.half, s)?;
             m.ptr = slab;
         }
+        self.matmul(a, &m, n, bias, residual, y, ldy)
+    }
+
+    /// y[t] = m a[t] (+ bias) (+ residual[t]) for a matrix already in the half format.
+    #[allow(clippy::too_many_arguments)]
+    fn matmul(
+        &self,
+        a: *const c_void,
+        m: &HalfMatrix,
+        n: usize,
+        bias: *const f32,
+        residual: *const f32,
+        y: *mut f32,
+        ldy: usize,
+    ) -> Result<()> {
+        let s = self.stream.raw();
         let on_blas = match &self.blas {
-            Some(b) => b.matmul(a, w.cols, &m, n, residual, y, ldy, self.buf(self.s.workspace), s)?,
+            Some(b) => b.matmul(a, m.cols, m, n, residual, y, ldy, self.buf(self.s.workspace), s)?,
             None => false,
         };
         if !on_blas {
-            return launch::gemm(a, w.cols, &m, n, bias, residual, y, ldy, s);
+            return launch::gemm(a, m.cols, m, n, bias, residual, y, ldy, s);
         }
         if !bias.is_null() {
             launch::add_bias(y, ldy, bias, m.rows, n, s)?;
@@ -492,8 +543,11 @@ impl GpuModel {
         let s = self.stream.raw();
         let PassShape { n, m, split_end } = shape;
         let tc = n - m;
-        // The tensor-core products' row groups: the single tokens together, each chunk on its own.
+        // The tensor-core products' row groups: the single tokens together, each chunk on its own; the
+        // chunks' k and v are refined (the singles' option is for speed, and every other single token
+        // is f32 throughout).
         let mut groups: Vec<(usize, usize)> = Vec::new();
+        let singles_group = pieces.iter().any(|p| p.path == Path::TensorSingle);
         let singles: Vec<&Piece> = pieces.iter().filter(|p| p.path == Path::TensorSingle).collect();
         if let (Some(first), Some(last)) = (singles.first(), singles.last()) {
             groups.push((first.row, last.row + 1 - first.row));
@@ -528,29 +582,43 @@ impl GpuModel {
         let none = ptr::null::<f32>();
         let half = self.half;
         let tensor = self.mmv_work();
-        // The normed input: f32 rows [0, m) into xn, half rows [m, n) into act.
-        let norm_in = |w: &DeviceWeight| -> Result<()> {
+        // The normed input: f32 rows [0, m) into xn, half rows [m, n) into act (and with `residue`, their
+        // rounding residue into act_residue).
+        let residue = (self.buf(self.s.act_residue) as *mut u8).cast::<c_void>();
+        let norm_in = |w: &DeviceWeight, with_residue: bool| -> Result<()> {
             if m > 0 {
                 launch::rmsnorm(x, w.f32_ptr(), cfg.rms_eps, xn, m, hidden, s)?;
             }
             if tc > 0 {
-                launch::rmsnorm_to(row(x, m, hidden), w.f32_ptr(), cfg.rms_eps, act, half, tc, hidden, s)?;
+                let res = if with_residue { residue } else { ptr::null_mut() };
+                launch::rmsnorm_to(row(x, m, hidden), w.f32_ptr(), cfg.rms_eps, act, res, half, tc, hidden, s)?;
             }
             Ok(())
         };
         // y = w input (+ bias) (+ residual) for every row: rows [0, m) from the f32 `input`, rows [m, n)
-        // from the half activations in act; y and residual rows are `ldy` apart.
-        let project =
-            |w: &DeviceWeight, input: *const f32, bias: *const f32, residual: *const f32, y: *mut f32, ldy| {
-                if m > 0 {
-                    launch::decode_product(w, input, m, bias, residual, y, ldy, tensor, s)?;
-                }
-                for &(r0, rows) in &groups {
-                    let residual = if residual.is_null() { residual } else { residual.wrapping_add(r0 * ldy) };
-                    self.product(w, act_row(r0 - m, w.cols), rows, bias, residual, y.wrapping_add(r0 * ldy), ldy)?;
-                }
-                Ok::<(), Error>(())
-            };
+        // from the half activations in act; y and residual rows are `ldy` apart. `refine_from`: the half
+        // rows' outputs from that row of w on again from the residue (as the f32 rows' are).
+        let project = |w: &DeviceWeight,
+                       input: *const f32,
+                       bias: *const f32,
+                       residual: *const f32,
+                       y: *mut f32,
+                       ldy,
+                       refine_from: Option<usize>| {
+            if m > 0 {
+                launch::decode_product(w, input, m, bias, residual, y, ldy, tensor, s)?;
+            }
+            for (g, &(r0, rows)) in groups.iter().enumerate() {
+                let residual = if residual.is_null() { residual } else { residual.wrapping_add(r0 * ldy) };
+                let refine = refine_from.filter(|_| !(singles_group && g == 0)).map(|from| Refine {
+                    from,
+                    residue: (residue as *const u8).wrapping_add((r0 - m) * w.cols * 2).cast::<c_void>(),
+                });
+                let (a, y) = (act_row(r0 - m, w.cols), y.wrapping_add(r0 * ldy));
+                self.product(w, a, rows, bias, residual, y, ldy, refine)?;
+            }
+            Ok::<(), Error>(())
+        };
 
         launch::embed_gather(&self.rows, ids, n, x, s)?;
         for (l, layer) in self.layers.iter().enumerate() {
@@ -560,15 +628,18 @@ impl GpuModel {
                 kv: self.kv,
             };
 
-            norm_in(&layer.w.attn_norm)?;
+            // K and V from the normed input to f32 accuracy: the cache keeps them, and a bf16 input's
+            // rounding, rounded again into the cache, was most of the prompt logits' distance from the
+            // CPU's (tests/prompt_roundings.rs); q's rounding costs far less.
+            norm_in(&layer.w.attn_norm, true)?;
             let qkv_bias = layer.qkv_bias();
             match &layer.qkv {
-                Qkv::Fused(w) => project(w, xn, qkv_bias, none, qkv, qkv_dim)?,
+                Qkv::Fused(w) => project(w, xn, qkv_bias, none, qkv, qkv_dim, Some(q_dim))?,
                 Qkv::Split(parts) => {
                     // The biases lie back to back like q, k and v in a row of the qkv buffer.
                     let bias = |at: usize| if qkv_bias.is_null() { none } else { qkv_bias.wrapping_add(at) };
-                    for (w, at) in parts.iter().zip([0, q_dim, q_dim + kv_dim]) {
-                        project(w, xn, bias(at), none, qkv.wrapping_add(at), qkv_dim)?;
+                    for (k, (w, at)) in parts.iter().zip([0, q_dim, q_dim + kv_dim]).enumerate() {
+                        project(w, xn, bias(at), none, qkv.wrapping_add(at), qkv_dim, (k > 0).then_some(0))?;
                     }
                 }
             }
@@ -623,9 +694,9 @@ impl GpuModel {
                     launch::flash_attention(q, shape_of(p.len), kv, p.table, at, scale, out, half, q_dim, stage, s)?;
                 }
             }
-            project(&layer.w.o, attn, none, x, x, hidden)?;
+            project(&layer.w.o, attn, none, x, x, hidden, None)?;
 
-            norm_in(&layer.w.ffn_norm)?;
+            norm_in(&layer.w.ffn_norm, false)?;
             if m > 0 {
                 if layer.w.gate.dtype == layer.w.up.dtype {
                     launch::decode_swiglu(&layer.w.gate, &layer.w.up, xn, m, gate, tensor, s)?;
@@ -639,14 +710,14 @@ impl GpuModel {
             if tc > 0 {
                 for &(r0, rows) in &groups {
                     let a = act_row(r0 - m, hidden);
-                    self.product(&layer.w.gate, a, rows, none, none, row(gate, r0, inter), inter)?;
-                    self.product(&layer.w.up, a, rows, none, none, row(up, r0, inter), inter)?;
+                    self.product(&layer.w.gate, a, rows, none, none, row(gate, r0, inter), inter, None)?;
+                    self.product(&layer.w.up, a, rows, none, none, row(up, r0, inter), inter, None)?;
                 }
                 // The normed input is read by now: the SwiGLU output takes its place.
                 launch::swiglu_to(row(gate, m, inter), row(up, m, inter), act, half, tc * inter, s)?;
                 for &(r0, rows) in &groups {
                     let xr = row(x, r0, hidden);
-                    self.product(&layer.w.down, act_row(r0 - m, inter), rows, none, xr, xr, hidden)?;
+                    self.product(&layer.w.down, act_row(r0 - m, inter), rows, none, xr, xr, hidden, None)?;
                 }
             }
         }
@@ -675,7 +746,7 @@ impl GpuModel {
                 let many = self.batch_tensor_cores && self.on_tensor_cores(rows.len()) && self.head.dtype == half;
                 if many {
                     launch::convert(xn, act, half, rows.len() * hidden, s)?;
-                    return self.product(&self.head, act, rows.len(), none, none, logits, vocab);
+                    return self.product(&self.head, act, rows.len(), none, none, logits, vocab, None);
                 }
                 launch::decode_product(&self.head, xn, rows.len(), none, none, logits, vocab, tensor, s)
             }

@@ -418,19 +418,22 @@ pub(super) fn add_bias(
     cuda::check(code, "hostembed_add_bias")
 }
 
-/// RMSNorm of `rows` rows of `cols` values, written in `dtype` (F32 or a half format).
+/// RMSNorm of `rows` rows of `cols` values, written in `dtype` (F32 or a half format), and where
+/// `residue` is not null (a half format) each value's rounding residue there too.
 pub(super) fn rmsnorm_to(
     x: *const f32,
     w: *const f32,
     eps: f32,
     out: *mut c_void,
+    residue: *mut c_void,
     dtype: DType,
     rows: usize,
     cols: usize,
     s: cudaStream_t,
 ) -> Result<()> {
+    let (rows, cols) = (rows as c_uint, cols as c_uint);
     // SAFETY: device pointers to `rows` x `cols` values (`cols` for `w`; see the module's note).
-    let code = unsafe { kn::hostembed_rmsnorm_to(x, w, eps, out, dtype as c_int, rows as c_uint, cols as c_uint, s) };
+    let code = unsafe { kn::hostembed_rmsnorm_to(x, w, eps, out, residue, dtype as c_int, rows, cols, s) };
     cuda::check(code, "hostembed_rmsnorm_to")
 }
 

@@ -144,6 +144,8 @@ pub(super) struct ScratchLayout {
     pub(super) sample_bytes: usize,
     /// Half-format activations of a chunk: the normed input, the attention output or the SwiGLU.
     pub(super) act: usize,
+    /// In the same region past a chunk's normed input: that input's rounding residue (k and v refined).
+    pub(super) act_residue: usize,
     /// One weight matrix converted to the half format (absent when every matrix is in it).
     pub(super) slab: usize,
     /// The tensor-core decode products' partial sums and arrival counters (`launch::MmvWork`).
@@ -180,7 +182,8 @@ impl ScratchLayout {
         let token = l.push(logit_rows * 4);
         let sample_bytes = super::launch::sample_rows_bytes(cfg.vocab, logit_rows);
         let sample = l.push(sample_bytes);
-        let act = l.push(b * cfg.hidden.max(cfg.q_dim()).max(cfg.intermediate) * 2);
+        let act = l.push(b * (2 * cfg.hidden).max(cfg.q_dim()).max(cfg.intermediate) * 2);
+        let act_residue = act + b * cfg.hidden * 2;
         let slab = l.push(slab_values * 2);
         let (mmv_floats, mmv_count) = mmv_workspace_for(cfg, b);
         let mmv_partial = l.push(mmv_floats * f);
@@ -207,6 +210,7 @@ impl ScratchLayout {
             sample,
             sample_bytes,
             act,
+            act_residue,
             slab,
             mmv_partial,
             mmv_counters,
