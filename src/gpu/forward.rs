@@ -462,31 +462,6 @@ impl GpuModel {
         ldy: usize,
         refine: Option<Refine>,
     ) -> Result<()> {
-        self.half_product(w, a, n, bias, residual, y, ldy)?;
-        let Some(r) = refine else { return Ok(()) };
-        // The matrix in the half format is where the product just read it (the slab, for other formats).
-        let ptr = if w.dtype == self.half { w.ptr } else { self.buf(self.s.slab) as *const c_void };
-        let rows = HalfMatrix {
-            ptr: (ptr as *const u8).wrapping_add(r.from * w.cols * 2) as *const c_void,
-            dtype: self.half,
-            rows: w.rows - r.from,
-            cols: w.cols,
-        };
-        let ys = y.wrapping_add(r.from);
-        self.matmul(r.residue, &rows, n, ptr::null(), ys, ys, ldy)
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn half_product(
-        &self,
-        w: &DeviceWeight,
-        a: *const c_void,
-        n: usize,
-        bias: *const f32,
-        residual: *const f32,
-        y: *mut f32,
-        ldy: usize,
-    ) -> Result<()> {
         let s = self.stream.raw();
         let mut m = HalfMatrix { ptr: w.ptr, dtype: self.half, rows: w.rows, cols: w.cols };
         if w.dtype != self.half {
@@ -494,7 +469,16 @@ impl GpuModel {
             launch::convert_matrix(w, slab, self.half, s)?;
             m.ptr = slab;
         }
-        self.matmul(a, &m, n, bias, residual, y, ldy)
+        self.matmul(a, &m, n, bias, residual, y, ldy)?;
+        let Some(r) = refine else { return Ok(()) };
+        let rows = HalfMatrix {
+            ptr: (m.ptr as *const u8).wrapping_add(r.from * m.cols * 2) as *const c_void,
+            dtype: m.dtype,
+            rows: m.rows - r.from,
+            cols: m.cols,
+        };
+        let ys = y.wrapping_add(r.from);
+        self.matmul(r.residue, &rows, n, ptr::null(), ys, ys, ldy)
     }
 
     /// y[t] = m a[t] (+ bias) (+ residual[t]) for a matrix already in the half format.
