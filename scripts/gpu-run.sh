@@ -20,9 +20,38 @@ lt=$(find /opt /usr/local /usr/lib -name 'libcublasLt.so.1[23]' 2>/dev/null | he
 [ -n "$lt" ] && export LD_LIBRARY_PATH="$(dirname "$lt")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 echo "cuBLASLt: ${lt:-none found}" >> "$OUT/summary.txt"
 summary="$OUT/summary.txt"
+# What a stalled process $1 is doing, into $2: its threads' states and CPU time, the card's load, and
+# (by cuda-gdb) every host thread's stack and the kernels resident on the card.
+dump_stall() {
+  {
+    echo "stall of pid $1 at $(date +%T)"
+    for t in /proc/"$1"/task/*; do
+      echo "thread $(basename "$t"): $(cut -d' ' -f3,14,15 "$t/stat" 2>/dev/null) wchan=$(cat "$t/wchan" 2>/dev/null)"
+    done
+    nvidia-smi --query-gpu=utilization.gpu,memory.used,clocks.sm --format=csv 2>&1
+    timeout 120 cuda-gdb -p "$1" -batch -ex 'info threads' -ex 'thread apply all bt 30' -ex 'info cuda kernels' \
+      -ex 'info cuda blocks' 2>&1 | head -600
+  } > "$2" 2>&1
+}
 # Runs GPU test binary $1 (its log test-$1$2.log, its summary line labelled $1$3) and returns its status.
+# A binary whose log stops growing for HOSTEMBED_STALL_S seconds (default 120) is a stall: its host
+# threads' stacks and the kernels on the card go to stall-$1$2.log (cuda-gdb attaches; the machine has no
+# gdb), then it is killed, so one hang costs minutes, not the call.
 run_test() {
-  "$B/tests/$1" --test-threads=1 --nocapture > "$OUT/test-$1${2:-}.log" 2>&1
+  local log="$OUT/test-$1${2:-}.log"
+  "$B/tests/$1" --test-threads=1 --nocapture > "$log" 2>&1 &
+  local pid=$! size=-1 still=0
+  while kill -0 "$pid" 2>/dev/null; do
+    sleep 5
+    local now; now=$(stat -c %s "$log" 2>/dev/null || echo 0)
+    if [ "$now" = "$size" ]; then still=$((still + 5)); else still=0; size=$now; fi
+    if [ "$still" -ge "${HOSTEMBED_STALL_S:-120}" ]; then
+      dump_stall "$pid" "$OUT/stall-$1${2:-}.log"
+      kill -9 "$pid" 2>/dev/null
+      break
+    fi
+  done
+  wait "$pid"
   local r=$?
   echo "test $1${3:-}: rc=$r $(grep -E '^test result' "$OUT/test-$1${2:-}.log" | tail -1)" >> "$summary"
   return $r
