@@ -210,15 +210,17 @@ fn work(shared: &Shared, index: usize, mut seen: u64) {
             shared.sleepers.fetch_sub(1, Ordering::SeqCst);
             drop(lock);
         }
-        if shared.stop.load(Ordering::SeqCst) {
-            return;
-        }
         // The slot, not the watched epoch, says which job this is and whether this worker is in it:
         // a worker late for one job sees the next one whole.
         let (epoch, job) = {
             let slot = shared.slot.lock().unwrap_or_else(PoisonError::into_inner);
             (slot.epoch, slot.job.filter(|_| index <= slot.helpers))
         };
+        // Checked after the slot, not before: a worker late for the last job may read the slot `drop`
+        // wrote, and would otherwise sleep on its epoch, the last there will be, while drop joins it.
+        if shared.stop.load(Ordering::SeqCst) {
+            return;
+        }
         seen = epoch;
         if let Some(job) = job {
             // SAFETY: `Pool::run` keeps the job alive until `pending` reaches 0, which this worker's
@@ -359,6 +361,23 @@ mod tests {
             ran.fetch_add(1, Ordering::Relaxed);
         });
         assert_eq!(ran.load(Ordering::Relaxed), 2);
+    }
+
+    #[test]
+    fn a_pool_dropped_right_after_a_job_its_idle_workers_watched_joins_them() {
+        // Workers outside a one-helper job still wake for its epoch; dropping the pool while they read
+        // its slot once left one asleep on drop's epoch, and drop joined it for ever.
+        let (done, finished) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for _ in 0..3000 {
+                let pool = Pool::new(8);
+                pool.run(7, &|_| {});
+                pool.run(1, &|_| {});
+                drop(pool);
+            }
+            let _ = done.send(());
+        });
+        assert!(finished.recv_timeout(Duration::from_secs(120)).is_ok(), "a pool's drop never returned");
     }
 
     #[test]
