@@ -71,7 +71,7 @@ __global__ __launch_bounds__(AT_THREADS, AT_MIN_BLOCKS) void attention_split_ker
     __shared__ float p_s[HB][AT_TILE];
     __shared__ float red_max[AT_WARPS][HB], red_sum[AT_WARPS][HB];
     __shared__ float acc_s[AT_WARPS][HB][D];
-    const unsigned int split = blockIdx.x, t = blockIdx.z;
+    const unsigned int t = blockIdx.z;
     const unsigned int group = heads / kv_heads;
     const unsigned int hgroups = (group + HB - 1) / HB;
     const unsigned int kvh = blockIdx.y / hgroups, hg = blockIdx.y % hgroups;
@@ -82,189 +82,193 @@ __global__ __launch_bounds__(AT_THREADS, AT_MIN_BLOCKS) void attention_split_ker
     // Positions are the step's upload, complete before the pass's first kernel: read before the wait.
     const unsigned int ctx = context_of(pos[t]);
     const unsigned int chunk = part_positions(ctx, splits);
-    const unsigned int start = min(ctx, split * chunk), end = min(ctx, start + chunk);
-    // A part past the context writes nothing (the combine reads only the parts it fills) and leaves at
-    // once, so its slot does not wait on the kernel before: most of a short context's 32 parts. Part 0
-    // waits even when empty (a pad row's), so that this launch never ends before the kernel before it.
-    if (start >= end) {
-        if (split == 0) he::pdl_wait();
+    const unsigned int used = (ctx + chunk - 1) / chunk;
+    // Block x takes parts x, x + gridDim.x, ...: the launch's grid (as few blocks as its longest context
+    // needs, so a short context costs no empty blocks) changes which block computes a part, never its bits.
+    // A block with no part writes nothing (the combine reads only the parts a context fills) and leaves at
+    // once; block 0 waits even then (a pad row's), so that this launch never ends before the kernel before it.
+    if (blockIdx.x >= used) {
+        if (blockIdx.x == 0) he::pdl_wait();
         return;
     }
     he::pdl_wait();  // q and the cache come from the kernel before (launched overlapped)
     he::pdl_launch_dependents();
 
     const size_t pstride = (size_t)d + 2;
-    float *part_of = partial + (((size_t)t * heads + h0) * splits + split) * pstride;  // head h0; next head +splits*pstride
-
     for (unsigned int i = tid; i < HB * D; i += AT_THREADS) {
         const unsigned int h = i / D, c = i % D;
         q_s[h][c] = (h < nh && c < d) ? q[(size_t)t * q_stride + (size_t)(h0 + h) * d + c] * scale_log2 : 0.f;
     }
     __syncthreads();
 
-    float m_run[HB], l_run[HB], acc[HB][8];
+    for (unsigned int split = blockIdx.x; split < used; split += gridDim.x) {
+        const unsigned int start = split * chunk, end = min(ctx, start + chunk);
+        float *part_of = partial + (((size_t)t * heads + h0) * splits + split) * pstride;  // head h0; next head +splits*pstride
+        float m_run[HB], l_run[HB], acc[HB][8];
 #pragma unroll
-    for (int h = 0; h < HB; h++) {
-        m_run[h] = -INFINITY;
-        l_run[h] = 0.f;
+        for (int h = 0; h < HB; h++) {
+            m_run[h] = -INFINITY;
+            l_run[h] = 0.f;
 #pragma unroll
-        for (int k = 0; k < 8; k++) acc[h][k] = 0.f;
-    }
-    const unsigned int *table = tables[t];
-    const size_t page_bytes = he::kv_page_bytes(kv_heads, d, k_type, v_type);
-    const size_t k_at = he::kv_slab_at(kv_heads, d, k_type, v_type, false, kvh);
-    const size_t v_at = he::kv_slab_at(kv_heads, d, k_type, v_type, true, kvh);
-    // This kv head's K or V slab in page `id` (a bad id reads page 0: wrong, never out of bounds).
-    auto slab = [&](unsigned int id, size_t at) {
-        return kv_pool + (size_t)(id < pool_pages ? id : 0u) * page_bytes + at;
-    };
-    const unsigned int v_row = lane / V_LANES, v_col = (lane % V_LANES) * 8;
-    const bool lane_has_dims = v_col < d;
+            for (int k = 0; k < 8; k++) acc[h][k] = 0.f;
+        }
+        const unsigned int *table = tables[t];
+        const size_t page_bytes = he::kv_page_bytes(kv_heads, d, k_type, v_type);
+        const size_t k_at = he::kv_slab_at(kv_heads, d, k_type, v_type, false, kvh);
+        const size_t v_at = he::kv_slab_at(kv_heads, d, k_type, v_type, true, kvh);
+        // This kv head's K or V slab in page `id` (a bad id reads page 0: wrong, never out of bounds).
+        auto slab = [&](unsigned int id, size_t at) {
+            return kv_pool + (size_t)(id < pool_pages ? id : 0u) * page_bytes + at;
+        };
+        const unsigned int v_row = lane / V_LANES, v_col = (lane % V_LANES) * 8;
+        const bool lane_has_dims = v_col < d;
 
-    for (unsigned int tile = start; tile < end; tile += AT_TILE) {
-        // Scores: one position per thread, all heads of the group.
-        const unsigned int p = tile + tid;
-        const bool valid = p < end;
-        float sc[HB];
+        for (unsigned int tile = start; tile < end; tile += AT_TILE) {
+            // Scores: one position per thread, all heads of the group.
+            const unsigned int p = tile + tid;
+            const bool valid = p < end;
+            float sc[HB];
 #pragma unroll
-        for (int h = 0; h < HB; h++) sc[h] = 0.f;
-        if (valid) {
-            const unsigned char *ks = slab(table[p / HE_PAGE_TOKENS], k_at);
-            const unsigned int row = p % HE_PAGE_TOKENS;
-            // Chunks of 8 values: a block of 32 is 4 chunks, and K_BATCH is a multiple of 4.
-            constexpr int BLOCK_CHUNKS = HE_KV_BLOCK / 8;
-            static_assert(K_BATCH % BLOCK_CHUNKS == 0, "a batch of K chunks is whole blocks");
+            for (int h = 0; h < HB; h++) sc[h] = 0.f;
+            if (valid) {
+                const unsigned char *ks = slab(table[p / HE_PAGE_TOKENS], k_at);
+                const unsigned int row = p % HE_PAGE_TOKENS;
+                // Chunks of 8 values: a block of 32 is 4 chunks, and K_BATCH is a multiple of 4.
+                constexpr int BLOCK_CHUNKS = HE_KV_BLOCK / 8;
+                static_assert(K_BATCH % BLOCK_CHUNKS == 0, "a batch of K chunks is whole blocks");
 #pragma unroll
-            for (int c0 = 0; c0 < D / 8; c0 += K_BATCH) {
-                typename KR::Raw kv[K_BATCH];
-                float kscale[K_BATCH / BLOCK_CHUNKS];
+                for (int c0 = 0; c0 < D / 8; c0 += K_BATCH) {
+                    typename KR::Raw kv[K_BATCH];
+                    float kscale[K_BATCH / BLOCK_CHUNKS];
 #pragma unroll
-                for (int c = 0; c < K_BATCH; c++) {
-                    if ((c0 + c) * 8 < (int)d) {
-                        kv[c] = kr.load(ks, row, (c0 + c) * 8, d);
-                        if (KR::SCALED && c % BLOCK_CHUNKS == 0)
-                            kscale[c / BLOCK_CHUNKS] = kr.scale(ks, row, (c0 + c) * 8, d);
+                    for (int c = 0; c < K_BATCH; c++) {
+                        if ((c0 + c) * 8 < (int)d) {
+                            kv[c] = kr.load(ks, row, (c0 + c) * 8, d);
+                            if (KR::SCALED && c % BLOCK_CHUNKS == 0)
+                                kscale[c / BLOCK_CHUNKS] = kr.scale(ks, row, (c0 + c) * 8, d);
+                        }
                     }
-                }
 #pragma unroll
-                for (int c = 0; c < K_BATCH; c++) {
-                    if ((c0 + c) * 8 < (int)d) {
-                        float kf[8];
-                        kr.decode(kv[c], kf);
+                    for (int c = 0; c < K_BATCH; c++) {
+                        if ((c0 + c) * 8 < (int)d) {
+                            float kf[8];
+                            kr.decode(kv[c], kf);
 #pragma unroll
-                        for (int h = 0; h < HB; h++) {
-                            const float4 qa = *reinterpret_cast<const float4 *>(&q_s[h][(c0 + c) * 8]);
-                            const float4 qb = *reinterpret_cast<const float4 *>(&q_s[h][(c0 + c) * 8 + 4]);
-                            const float dot = qa.x * kf[0] + qa.y * kf[1] + qa.z * kf[2] + qa.w * kf[3] +
-                                              qb.x * kf[4] + qb.y * kf[5] + qb.z * kf[6] + qb.w * kf[7];
-                            if (KR::SCALED)
-                                sc[h] = fmaf(kscale[c / BLOCK_CHUNKS], dot, sc[h]);
-                            else
-                                sc[h] += dot;
+                            for (int h = 0; h < HB; h++) {
+                                const float4 qa = *reinterpret_cast<const float4 *>(&q_s[h][(c0 + c) * 8]);
+                                const float4 qb = *reinterpret_cast<const float4 *>(&q_s[h][(c0 + c) * 8 + 4]);
+                                const float dot = qa.x * kf[0] + qa.y * kf[1] + qa.z * kf[2] + qa.w * kf[3] +
+                                                  qb.x * kf[4] + qb.y * kf[5] + qb.z * kf[6] + qb.w * kf[7];
+                                if (KR::SCALED)
+                                    sc[h] = fmaf(kscale[c / BLOCK_CHUNKS], dot, sc[h]);
+                                else
+                                    sc[h] += dot;
+                            }
                         }
                     }
                 }
             }
-        }
 #pragma unroll
-        for (int h = 0; h < HB; h++) {
-            if (!valid) sc[h] = -INFINITY;
-            const float mx = he::warp_max(sc[h]);
-            if (lane == 0) red_max[warp][h] = mx;
-        }
-        __syncthreads();
-        float m_new[HB];
+            for (int h = 0; h < HB; h++) {
+                if (!valid) sc[h] = -INFINITY;
+                const float mx = he::warp_max(sc[h]);
+                if (lane == 0) red_max[warp][h] = mx;
+            }
+            __syncthreads();
+            float m_new[HB];
 #pragma unroll
-        for (int h = 0; h < HB; h++) {
-            float mx = red_max[0][h];
+            for (int h = 0; h < HB; h++) {
+                float mx = red_max[0][h];
 #pragma unroll
-            for (int w = 1; w < AT_WARPS; w++) mx = fmaxf(mx, red_max[w][h]);
-            m_new[h] = fmaxf(m_run[h], mx);  // finite: every tile has a valid position
-            const float pr = valid ? exp2f(sc[h] - m_new[h]) : 0.f;
-            p_s[h][tid] = pr;
-            const float sum = he::warp_sum(pr);
-            if (lane == 0) red_sum[warp][h] = sum;
-        }
-        __syncthreads();
+                for (int w = 1; w < AT_WARPS; w++) mx = fmaxf(mx, red_max[w][h]);
+                m_new[h] = fmaxf(m_run[h], mx);  // finite: every tile has a valid position
+                const float pr = valid ? exp2f(sc[h] - m_new[h]) : 0.f;
+                p_s[h][tid] = pr;
+                const float sum = he::warp_sum(pr);
+                if (lane == 0) red_sum[warp][h] = sum;
+            }
+            __syncthreads();
 #pragma unroll
-        for (int h = 0; h < HB; h++) {
-            float sum = 0.f;
+            for (int h = 0; h < HB; h++) {
+                float sum = 0.f;
 #pragma unroll
-            for (int w = 0; w < AT_WARPS; w++) sum += red_sum[w][h];
-            const float corr = exp2f(m_run[h] - m_new[h]);  // 0 on the first tile (m_run = -inf)
-            l_run[h] = l_run[h] * corr + sum;
+                for (int w = 0; w < AT_WARPS; w++) sum += red_sum[w][h];
+                const float corr = exp2f(m_run[h] - m_new[h]);  // 0 on the first tile (m_run = -inf)
+                l_run[h] = l_run[h] * corr + sum;
 #pragma unroll
-            for (int k = 0; k < 8; k++) acc[h][k] *= corr;
-            m_run[h] = m_new[h];
-        }
-        // V: warp w takes positions tile + 32w .. +32; the lane reads 8 dims of rows v_row + V_ROWS * i.
-        const unsigned int pw = tile + 32 * warp;
-        const unsigned int jmax = pw < end ? min(32u, end - pw) : 0u;
-        if (lane_has_dims && jmax > 0) {
-            // pw is a multiple of 32: its positions lie in two whole pages.
-            const unsigned char *v_lo = slab(table[pw / HE_PAGE_TOKENS], v_at);
-            const unsigned char *v_hi = jmax > HE_PAGE_TOKENS ? slab(table[pw / HE_PAGE_TOKENS + 1], v_at) : v_lo;
+                for (int k = 0; k < 8; k++) acc[h][k] *= corr;
+                m_run[h] = m_new[h];
+            }
+            // V: warp w takes positions tile + 32w .. +32; the lane reads 8 dims of rows v_row + V_ROWS * i.
+            const unsigned int pw = tile + 32 * warp;
+            const unsigned int jmax = pw < end ? min(32u, end - pw) : 0u;
+            if (lane_has_dims && jmax > 0) {
+                // pw is a multiple of 32: its positions lie in two whole pages.
+                const unsigned char *v_lo = slab(table[pw / HE_PAGE_TOKENS], v_at);
+                const unsigned char *v_hi = jmax > HE_PAGE_TOKENS ? slab(table[pw / HE_PAGE_TOKENS + 1], v_at) : v_lo;
 #pragma unroll
-            for (int i0 = 0; i0 < V_STEPS; i0 += V_BATCH) {
-                typename VR::Raw vr[V_BATCH];
-                float vscale[V_BATCH];
+                for (int i0 = 0; i0 < V_STEPS; i0 += V_BATCH) {
+                    typename VR::Raw vr[V_BATCH];
+                    float vscale[V_BATCH];
 #pragma unroll
-                for (int i = 0; i < V_BATCH; i++) {
-                    const unsigned int j = v_row + V_ROWS * (i0 + i);
-                    if (j < jmax) {
-                        const unsigned char *vs = j < HE_PAGE_TOKENS ? v_lo : v_hi;
-                        vr[i] = vr_.load(vs, j % HE_PAGE_TOKENS, v_col, d);
-                        if (VR::SCALED) vscale[i] = vr_.scale(vs, j % HE_PAGE_TOKENS, v_col, d);
+                    for (int i = 0; i < V_BATCH; i++) {
+                        const unsigned int j = v_row + V_ROWS * (i0 + i);
+                        if (j < jmax) {
+                            const unsigned char *vs = j < HE_PAGE_TOKENS ? v_lo : v_hi;
+                            vr[i] = vr_.load(vs, j % HE_PAGE_TOKENS, v_col, d);
+                            if (VR::SCALED) vscale[i] = vr_.scale(vs, j % HE_PAGE_TOKENS, v_col, d);
+                        }
                     }
-                }
 #pragma unroll
-                for (int i = 0; i < V_BATCH; i++) {
-                    const unsigned int j = v_row + V_ROWS * (i0 + i);
-                    if (j < jmax) {
-                        float vf[8];
-                        vr_.decode(vr[i], vf);
+                    for (int i = 0; i < V_BATCH; i++) {
+                        const unsigned int j = v_row + V_ROWS * (i0 + i);
+                        if (j < jmax) {
+                            float vf[8];
+                            vr_.decode(vr[i], vf);
 #pragma unroll
-                        for (int h = 0; h < HB; h++) {
-                            const float pr = VR::SCALED ? p_s[h][32 * warp + j] * vscale[i] : p_s[h][32 * warp + j];
+                            for (int h = 0; h < HB; h++) {
+                                const float pr = VR::SCALED ? p_s[h][32 * warp + j] * vscale[i] : p_s[h][32 * warp + j];
 #pragma unroll
-                            for (int k = 0; k < 8; k++) acc[h][k] = fmaf(pr, vf[k], acc[h][k]);
+                                for (int k = 0; k < 8; k++) acc[h][k] = fmaf(pr, vf[k], acc[h][k]);
+                            }
                         }
                     }
                 }
             }
+            __syncthreads();  // p_s and the reductions are rewritten by the next tile
         }
-        __syncthreads();  // p_s and the reductions are rewritten by the next tile
-    }
 
-    // Sum the warps' outputs and write this part.
-    // Lanes that read the same dims of other rows hold partial sums: fold them onto the lanes of row 0.
+        // Sum the warps' outputs and write this part.
+        // Lanes that read the same dims of other rows hold partial sums: fold them onto the lanes of row 0.
 #pragma unroll
-    for (int off = V_LANES; off < 32; off *= 2)
+        for (int off = V_LANES; off < 32; off *= 2)
 #pragma unroll
-        for (int h = 0; h < HB; h++)
+            for (int h = 0; h < HB; h++)
 #pragma unroll
-            for (int k = 0; k < 8; k++) acc[h][k] += __shfl_xor_sync(0xffffffffu, acc[h][k], off);
-    if (v_row == 0)
+                for (int k = 0; k < 8; k++) acc[h][k] += __shfl_xor_sync(0xffffffffu, acc[h][k], off);
+        if (v_row == 0)
 #pragma unroll
-        for (int h = 0; h < HB; h++)
+            for (int h = 0; h < HB; h++)
 #pragma unroll
-            for (int k = 0; k < 8; k++) acc_s[warp][h][v_col + k] = acc[h][k];
-    __syncthreads();
-    for (unsigned int i = tid; i < nh * d; i += AT_THREADS) {
-        const unsigned int h = i / d, c = i % d;
-        float s = 0.f;
+                for (int k = 0; k < 8; k++) acc_s[warp][h][v_col + k] = acc[h][k];
+        __syncthreads();
+        for (unsigned int i = tid; i < nh * d; i += AT_THREADS) {
+            const unsigned int h = i / d, c = i % d;
+            float s = 0.f;
 #pragma unroll
-        for (int w = 0; w < AT_WARPS; w++) s += acc_s[w][h][c];
-        part_of[(size_t)h * splits * pstride + 2 + c] = s;
-    }
-    // m_run/l_run are the same in every thread: thread h writes head h's, indexing the registers with
-    // compile-time constants only.
-#pragma unroll
-    for (int h = 0; h < HB; h++) {
-        if (tid == (unsigned int)h && (unsigned int)h < nh) {
-            part_of[(size_t)h * splits * pstride] = m_run[h];
-            part_of[(size_t)h * splits * pstride + 1] = l_run[h];
+            for (int w = 0; w < AT_WARPS; w++) s += acc_s[w][h][c];
+            part_of[(size_t)h * splits * pstride + 2 + c] = s;
         }
+        // m_run/l_run are the same in every thread: thread h writes head h's, indexing the registers with
+        // compile-time constants only.
+#pragma unroll
+        for (int h = 0; h < HB; h++) {
+            if (tid == (unsigned int)h && (unsigned int)h < nh) {
+                part_of[(size_t)h * splits * pstride] = m_run[h];
+                part_of[(size_t)h * splits * pstride + 1] = l_run[h];
+            }
+        }
+        __syncthreads();  // acc_s is rewritten by the block's next part
     }
 }
 
@@ -347,9 +351,10 @@ cudaError_t launch_types(dim3 grid, const SplitArgs &a, cudaStream_t stream) {
 }
 
 template <int D>
-cudaError_t launch_d(unsigned int hb, unsigned int n, const SplitArgs &a, cudaStream_t stream) {
+cudaError_t launch_d(unsigned int hb, unsigned int n, unsigned int grid_parts, const SplitArgs &a,
+                     cudaStream_t stream) {
     const unsigned int group = a.heads / a.kv_heads;
-    const dim3 grid(a.splits, a.kv_heads * ((group + hb - 1) / hb), n);
+    const dim3 grid(grid_parts, a.kv_heads * ((group + hb - 1) / hb), n);
     switch (hb) {
     case 1: return launch_types<D, 1>(grid, a, stream);
     case 2: return launch_types<D, 2>(grid, a, stream);
@@ -364,12 +369,14 @@ extern "C" cudaError_t hostembed_attention(const float *q, unsigned int q_stride
                                            const unsigned int *const *tables, unsigned int pool_pages, int k_type,
                                            int v_type, const int *pos, unsigned int n, unsigned int heads,
                                            unsigned int kv_heads, unsigned int head_dim, float scale,
-                                           unsigned int splits, float *partial, float *out, cudaStream_t stream) {
+                                           unsigned int splits, unsigned int grid_parts, float *partial, float *out,
+                                           cudaStream_t stream) {
     if (q == nullptr || kv_pool == nullptr || tables == nullptr || pos == nullptr || partial == nullptr ||
         out == nullptr)
         return cudaErrorInvalidValue;
     if (heads == 0 || kv_heads == 0 || heads % kv_heads != 0 || head_dim == 0 || head_dim % 8 != 0 ||
-        head_dim > 256 || pool_pages == 0 || splits == 0 || splits > AT_MAX_SPLITS || n > 65535)
+        head_dim > 256 || pool_pages == 0 || splits == 0 || splits > AT_MAX_SPLITS || grid_parts == 0 ||
+        grid_parts > splits || n > 65535)
         return cudaErrorInvalidValue;
     if (!he::kv_type_ok(k_type, head_dim) || !he::kv_type_ok(v_type, head_dim)) return cudaErrorInvalidValue;
     if ((size_t)q_stride < (size_t)heads * head_dim) return cudaErrorInvalidValue;
@@ -383,9 +390,9 @@ extern "C" cudaError_t hostembed_attention(const float *q, unsigned int q_stride
     const SplitArgs a{q,        q_stride, static_cast<const unsigned char *>(kv_pool), tables, pool_pages, k_type,
                       v_type,   pos,      heads,    kv_heads,        head_dim,    scale * LOG2E, splits,
                       partial};
-    const cudaError_t err = head_dim <= 64    ? launch_d<64>(hb, n, a, stream)
-                            : head_dim <= 128 ? launch_d<128>(hb, n, a, stream)
-                                              : launch_d<256>(hb, n, a, stream);
+    const cudaError_t err = head_dim <= 64    ? launch_d<64>(hb, n, grid_parts, a, stream)
+                            : head_dim <= 128 ? launch_d<128>(hb, n, grid_parts, a, stream)
+                                              : launch_d<256>(hb, n, grid_parts, a, stream);
     if (err != cudaSuccess) return err;
     return he::launch_overlapped(attention_combine_kernel, dim3(heads, n), dim3(128), 0, stream, partial, heads,
                                  head_dim, splits, pos, out);

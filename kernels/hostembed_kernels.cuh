@@ -119,12 +119,13 @@ cudaError_t hostembed_kv_page_tokens(unsigned int *page_tokens);
 // The context is cut in at most `splits` parts of whole 32-position units, 128 positions at least (the
 // cut depends only on pos[t] and splits), computed by separate blocks and combined in order; partial
 // holds n*heads*splits*(head_dim+2) floats. head_dim a multiple of 8 (of HE_KV_BLOCK for a block type),
-// <= 256; splits <= 1024.
+// <= 256; splits <= 1024. grid_parts (1..splits) blocks a token and head group take its parts in turn:
+// any value gives the same bits; as many as the longest context fills is the fastest.
 cudaError_t hostembed_attention(const float *q, unsigned int q_stride, const void *kv_pool,
                                 const unsigned int *const *tables, unsigned int pool_pages, int k_type, int v_type,
                                 const int *pos, unsigned int n, unsigned int heads, unsigned int kv_heads,
-                                unsigned int head_dim, float scale, unsigned int splits, float *partial, float *out,
-                                cudaStream_t stream);
+                                unsigned int head_dim, float scale, unsigned int splits, unsigned int grid_parts,
+                                float *partial, float *out, cudaStream_t stream);
 
 // out[i] = silu(gate[i]) * up[i].
 cudaError_t hostembed_swiglu(const float *gate, const float *up, float *out, size_t len, cudaStream_t stream);

@@ -822,6 +822,7 @@ fn launch_attention(
     kv_heads: usize,
     hd: usize,
     splits: usize,
+    grid_parts: usize,
 ) -> Vec<f32> {
     let n = tokens.len();
     let q: Vec<f32> = tokens.iter().flat_map(|&t| q[t * q_stride..(t + 1) * q_stride].to_vec()).collect();
@@ -849,6 +850,7 @@ fn launch_attention(
                 hd as c_uint,
                 1.0 / (hd as f32).sqrt(),
                 splits as c_uint,
+                grid_parts as c_uint,
                 partial.ptr() as *mut f32,
                 out.ptr() as *mut f32,
                 NULL_STREAM,
@@ -897,20 +899,17 @@ fn run_attention(rng: &mut Rng, heads: usize, kv_heads: usize, hd: usize, stream
     }
     let pool = DeviceBuffer::from_slice(&kv.bits).unwrap();
     let all: Vec<usize> = (0..pos.len()).collect();
-    let got =
-        launch_attention(&q, q_stride, &pos, &all, &pool, pages, &tables, &token_stream, heads, kv_heads, hd, splits);
-    let what =
-        format!("attention {heads}/{kv_heads} heads of {hd}, streams (context, tokens) {streams:?}, {splits} splits");
-    assert_close(&what, &got, &want, 1e-4);
-    // Batch invariance: each stream's tokens launched without the others give the same bits.
-    let width = heads * hd;
-    for si in 0..streams.len() {
-        let mine: Vec<usize> = all.iter().copied().filter(|&t| token_stream[t] == si).collect();
-        let alone = launch_attention(
+    // The grid the engine gives a launch: as many blocks a token as the longest context fills.
+    let grid_of = |tokens: &[usize]| {
+        let longest = tokens.iter().map(|&t| pos[t] as usize + 1).max().unwrap_or(0);
+        hostembed::gpu::attention_grid_parts(longest, splits)
+    };
+    let launch = |tokens: &[usize], grid_parts: usize| {
+        launch_attention(
             &q,
             q_stride,
             &pos,
-            &mine,
+            tokens,
             &pool,
             pages,
             &tables,
@@ -919,12 +918,32 @@ fn run_attention(rng: &mut Rng, heads: usize, kv_heads: usize, hd: usize, stream
             kv_heads,
             hd,
             splits,
-        );
+            grid_parts,
+        )
+    };
+    let got = launch(&all, grid_of(&all));
+    let what =
+        format!("attention {heads}/{kv_heads} heads of {hd}, streams (context, tokens) {streams:?}, {splits} splits");
+    assert_close(&what, &got, &want, 1e-4);
+    let width = heads * hd;
+    let same_bits = |a: &[f32], b: &[f32], what: &str| {
+        if let Some(i) = (0..a.len()).find(|&i| a[i].to_bits() != b[i].to_bits()) {
+            panic!("{what}: value {i}: {} against {} in the batch", a[i], b[i]);
+        }
+    };
+    // The grid changes which block computes a part, never its bits: one block a token taking every
+    // part in turn, and a block for every part.
+    for grid_parts in [1, splits] {
+        same_bits(&launch(&all, grid_parts), &got, &format!("{what}: {grid_parts} blocks a token"));
+    }
+    // Batch invariance: each stream's tokens launched without the others (on their own grid) give the
+    // same bits.
+    for si in 0..streams.len() {
+        let mine: Vec<usize> = all.iter().copied().filter(|&t| token_stream[t] == si).collect();
+        let alone = launch(&mine, grid_of(&mine));
         for (k, &t) in mine.iter().enumerate() {
             let (a, b) = (&alone[k * width..(k + 1) * width], &got[t * width..(t + 1) * width]);
-            if let Some(i) = (0..width).find(|&i| a[i].to_bits() != b[i].to_bits()) {
-                panic!("{what}: stream {si} token {t} value {i}: {} alone, {} in the batch", a[i], b[i]);
-            }
+            same_bits(a, b, &format!("{what}: stream {si} token {t} alone"));
         }
     }
 }

@@ -347,6 +347,10 @@ fn launch_attention(c: &AttentionCase, pool: &DeviceBuffer, tokens: &[usize], he
                 hd as c_uint,
                 1.0 / (hd as f32).sqrt(),
                 splits as c_uint,
+                hostembed::gpu::attention_grid_parts(
+                    pos.iter().map(|&p| (p + 1).max(0) as usize).max().unwrap_or(0),
+                    splits,
+                ) as c_uint,
                 partial.ptr() as *mut f32,
                 out.ptr() as *mut f32,
                 NULL_STREAM,

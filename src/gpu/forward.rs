@@ -21,7 +21,7 @@ use std::ptr;
 
 use super::launch::{self, AttentionShape, HalfMatrix, KvPages};
 use super::pages::{GpuCache, PAGE_TOKENS};
-use super::scratch::{ATTENTION_TOKENS, attention_parts};
+use super::scratch::{ATTENTION_TOKENS, attention_grid, attention_parts};
 use super::weights::{DeviceWeight, Qkv};
 use super::{GpuModel, GpuStream};
 use crate::backend::{PagePool, StepItem};
@@ -93,6 +93,9 @@ pub(super) struct PassShape {
     pub(super) m: usize,
     /// Rows [0, split_end) take the split attention kernel, the pieces from split_end on flash attention.
     pub(super) split_end: usize,
+    /// Blocks the split attention gives each of its tokens' parts (`attention_grid_parts` of the
+    /// longest context among those rows).
+    pub(super) grid_parts: usize,
 }
 
 /// Which logits a pass leaves.
@@ -424,7 +427,9 @@ impl GpuModel {
         let n = row;
         let m = m.unwrap_or(n);
         let singles_end = pieces.iter().filter(|p| p.path == Path::TensorSingle).map(|p| p.row + 1).max().unwrap_or(m);
-        PassShape { n, m, split_end: if self.flash { singles_end } else { n } }
+        let split_end = if self.flash { singles_end } else { n };
+        let longest = pieces.iter().filter(|p| p.row < split_end).map(|p| p.pos + p.len).max().unwrap_or(0);
+        PassShape { n, m, split_end, grid_parts: attention_grid(longest) }
     }
 
     /// Uploads each row's id, position and page table address, in one copy.
@@ -525,7 +530,7 @@ impl GpuModel {
     pub(super) fn enqueue_forward(&self, pieces: &[Piece], shape: PassShape, head: Head<'_>) -> Result<()> {
         let cfg = &self.cfg;
         let s = self.stream.raw();
-        let PassShape { n, m, split_end } = shape;
+        let PassShape { n, m, split_end, grid_parts } = shape;
         let tc = n - m;
         // The tensor-core products' row groups: the single tokens together, each chunk on its own; the
         // chunks' k and v are refined (the singles' option is for speed, and every other single token
@@ -655,6 +660,7 @@ impl GpuModel {
                     pos.wrapping_add(g0),
                     scale,
                     attention_parts(),
+                    grid_parts,
                     partial,
                     row(attn, g0, q_dim),
                     s,

@@ -1,9 +1,10 @@
 //! CUDA graphs: a pass of single tokens (of one stream or many), captured once per token count and
-//! replayed (HOSTEMBED_CUDA_GRAPHS=0 turns them off). Such a pass reads everything that changes between
-//! steps from the scratch (ids, positions, page table addresses; the tables themselves are device
-//! memory updated as pages come), so one graph serves every stream and every step of that size. A
-//! size is captured the second time it runs, after a plain run has settled whatever a product library
-//! chooses on first use.
+//! attention grid (the blocks a token's parts take: a power of two that grows with the longest context
+//! up to 4,096 positions, so at most six a count) and replayed (HOSTEMBED_CUDA_GRAPHS=0 turns them off).
+//! Such a pass reads everything that changes between steps from the scratch (ids, positions, page table
+//! addresses; the tables themselves are device memory updated as pages come), so one graph serves every
+//! stream and every step of that size. A size is captured the second time it runs, after a plain run
+//! has settled whatever a product library chooses on first use.
 
 use std::ptr;
 
@@ -43,18 +44,17 @@ impl GpuModel {
     /// 0..n), capturing it first when this size ran before; false when the caller must queue the pass
     /// itself (graphs off, or turned off by a failed capture, or the size's first run).
     pub(super) fn replay_decode(&mut self, pieces: &[Piece], shape: PassShape) -> Result<bool> {
-        if !self.graphs || shape.n >= self.decode_seen.len() {
+        if !self.graphs || shape.n > self.max_batch {
             return Ok(false);
         }
-        let n = shape.n;
-        if !self.decode_graphs.contains_key(&n) {
-            if !self.decode_seen[n] {
-                self.decode_seen[n] = true;
+        let key = (shape.n, shape.grid_parts);
+        if !self.decode_graphs.contains_key(&key) {
+            if self.decode_seen.insert(key) {
                 return Ok(false);
             }
             match self.capture(pieces, shape) {
                 Ok(g) => {
-                    self.decode_graphs.insert(n, g);
+                    self.decode_graphs.insert(key, g);
                 }
                 // A device or driver that cannot capture: run without graphs from now on.
                 Err(_) => {
@@ -63,7 +63,7 @@ impl GpuModel {
                 }
             }
         }
-        let g = &self.decode_graphs[&n];
+        let g = &self.decode_graphs[&key];
         // SAFETY: the graph was captured from this model's stream over buffers this model owns.
         cuda::check(unsafe { rt::cudaGraphLaunch(g.exec, self.stream.raw()) }, "cudaGraphLaunch")?;
         Ok(true)

@@ -212,7 +212,8 @@ pub(super) fn rope_kv(
     cuda::check(code, "hostembed_rope_kv")
 }
 
-/// Attention of `n` queries, each over its own stream's pages, its context cut in at most `splits` parts.
+/// Attention of `n` queries, each over its own stream's pages, its context cut in at most `splits` parts
+/// that `grid_parts` blocks a token take in turn.
 pub(super) fn attention(
     q: *const f32,
     shape: AttentionShape,
@@ -221,6 +222,7 @@ pub(super) fn attention(
     pos: *const c_int,
     scale: f32,
     splits: usize,
+    grid_parts: usize,
     partial: *mut f32,
     out: *mut f32,
     s: cudaStream_t,
@@ -243,6 +245,7 @@ pub(super) fn attention(
             a.head_dim as c_uint,
             scale,
             splits as c_uint,
+            grid_parts as c_uint,
             partial,
             out,
             s,

@@ -34,7 +34,7 @@ mod pages;
 mod scratch;
 mod weights;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::os::raw::{c_uint, c_void};
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -43,7 +43,7 @@ pub use self::forward::{TENSOR_CORE_MIN_TOKENS, reserve_pages, truncate_stream};
 use self::graph::StepGraph;
 pub use self::pages::{GpuCache, GpuStream, PAGE_TOKENS, PageLayout};
 use self::scratch::ScratchLayout;
-pub use self::scratch::{MMV_MAX_TOKENS, mmv_shape, mmv_workspace};
+pub use self::scratch::{MMV_MAX_TOKENS, attention_grid_parts, mmv_shape, mmv_workspace};
 use self::weights::{DeviceWeight, GpuLayer, plan, prompt_format, upload};
 use crate::backend::{Backend, PagePool, StepItem};
 use crate::cuda::{self, DeviceBuffer, StagedUploader, Stream};
@@ -116,10 +116,10 @@ pub struct GpuModel {
     rows: RowsOnDevice,
     s: ScratchLayout,
     graphs: bool,
-    /// Captured passes of single tokens, by token count.
-    decode_graphs: HashMap<usize, StepGraph>,
-    /// Token counts of single-token passes run once already (the next one is captured).
-    decode_seen: Vec<bool>,
+    /// Captured passes of single tokens, by token count and attention grid (`PassShape::grid_parts`).
+    decode_graphs: HashMap<(usize, usize), StepGraph>,
+    /// Those keys of single-token passes run once already (the next one is captured).
+    decode_seen: HashSet<(usize, usize)>,
     /// Where each item of the last step left its logits.
     logits_at: Vec<forward::LogitsAt>,
     /// Whether passes of many single tokens take the tensor-core products (not batch invariant).
@@ -206,7 +206,7 @@ impl GpuModel {
     pub fn set_batch_tensor_cores(&mut self, on: bool) {
         self.batch_tensor_cores = on;
         self.decode_graphs.clear();
-        self.decode_seen.iter_mut().for_each(|s| *s = false);
+        self.decode_seen.clear();
     }
 
     pub fn config(&self) -> &ModelConfig {
@@ -350,7 +350,7 @@ impl GpuModel {
             s,
             graphs,
             decode_graphs: HashMap::new(),
-            decode_seen: vec![false; max_batch + 1],
+            decode_seen: HashSet::new(),
             logits_at: Vec::new(),
             batch_tensor_cores: std::env::var("HOSTEMBED_BATCH_TENSOR_CORES").is_ok_and(|v| v == "1"),
             mmv: std::env::var("HOSTEMBED_MMV").map(|v| v != "0").unwrap_or(true),

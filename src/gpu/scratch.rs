@@ -31,6 +31,29 @@ pub(super) fn attention_parts() -> usize {
     })
 }
 
+/// Positions of one part of a `context`-position context cut in at most `parts` parts: whole 32-position
+/// units, at least 128 (kernels/attention.cu's `part_positions`).
+fn part_positions(context: usize, parts: usize) -> usize {
+    context.div_ceil(32).div_ceil(parts).max(4) * 32
+}
+
+/// Blocks an attention launch gives each token's parts when its longest context is `max_context`: the
+/// parts that context fills, rounded up to a power of two (so that few sizes of a decode pass are
+/// captured as graphs), at most `parts`. Any value from 1 to `parts` gives the same bits (a block takes
+/// parts in turn); fewer only run slower, more are blocks that leave at once.
+pub fn attention_grid_parts(max_context: usize, parts: usize) -> usize {
+    let filled = max_context.div_ceil(part_positions(max_context, parts)).max(1);
+    filled.next_power_of_two().min(parts)
+}
+
+/// `attention_grid_parts`, or every part its own block (the grid before it) under
+/// `HOSTEMBED_ATTENTION_GRID=full`, to measure the two in one build.
+pub(super) fn attention_grid(max_context: usize) -> usize {
+    static FULL: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let full = *FULL.get_or_init(|| std::env::var("HOSTEMBED_ATTENTION_GRID").is_ok_and(|v| v == "full"));
+    if full { attention_parts() } else { attention_grid_parts(max_context, attention_parts()) }
+}
+
 /// Query tokens one attention launch takes (its partial results are sized for this many).
 pub(super) const ATTENTION_TOKENS: usize = 64;
 /// Items whose logits one step keeps on the device (more spill to the host).
@@ -262,5 +285,33 @@ impl GpuModel {
             },
             "cudaMemcpyAsync(host to device)",
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_attention_grid_covers_every_filled_part_in_few_sizes() {
+        for parts in [1, 3, 32, 64] {
+            let mut sizes = std::collections::BTreeSet::new();
+            let mut last = 0;
+            for context in 0..=40_000 {
+                let grid = attention_grid_parts(context, parts);
+                let filled = context.div_ceil(part_positions(context, parts));
+                assert!(filled <= parts, "{context} positions cut in {filled} of {parts} parts");
+                assert!(grid >= filled.max(1) && grid <= parts, "{context} positions: grid {grid}, {filled} filled");
+                assert!(grid.is_power_of_two() || grid == parts, "{context} positions: grid {grid}");
+                assert!(grid >= last, "the grid shrank at {context} positions");
+                last = grid;
+                sizes.insert(grid);
+            }
+            // The graph keys a token count can take (graph.rs captures one a size).
+            assert!(sizes.len() <= parts.ilog2() as usize + 2, "{parts} parts: grids {sizes:?}");
+        }
+        assert_eq!(attention_grid_parts(512, ATTENTION_PARTS), 4);
+        assert_eq!(attention_grid_parts(64, ATTENTION_PARTS), 1);
+        assert_eq!(attention_grid_parts(16_384, ATTENTION_PARTS), 32);
     }
 }
