@@ -367,7 +367,6 @@ constexpr unsigned MMV_STAGE_BUDGET = 32 * 1024;
 #define MMV_BF16_STAGE_BUDGET (32 * 1024)
 #endif
 
-
 // Columns staged at a time for n tokens of `bytes_per_col` each: as many whole `unit` pieces (a multiple
 // of MMV_KC) of the column range as the budget takes, or the whole range.
 __host__ __device__ inline unsigned int mmv_chunk(unsigned int n, unsigned int kr, unsigned int bytes_per_col,
@@ -661,7 +660,7 @@ __global__ __launch_bounds__(MMV_THREADS, NT <= 2 ? MMV_SMALL_MIN_BLOCKS : 2) vo
 
     // Activations of columns [c0, c0 + len) into shared memory, every load issued before the stores: 8
     // 16-byte loads a thread in flight where the weights stream for up to 16 tokens (8 streams 1,309 ->
-    // 1,324 tok/s, 16: 2,159 -> 2,200), 4 elsewhere (8 cost the staged 1-token kernel 3.6%, 64 tokens 23%).
+    // 1,326 tok/s, 16: 2,159 -> 2,209), 4 elsewhere (8 cost the staged 1-token kernel 3.6%, 64 tokens 23%).
     constexpr int STAGE_LOADS = !STAGED && NT <= 2 ? 8 : 4;
     auto stage = [&](unsigned int c0, unsigned int len) {
         const unsigned int quads = len / 4, total = n * quads;
