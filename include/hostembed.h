@@ -232,7 +232,7 @@ typedef struct engine_options {
   uint64_t drafter_stream_bytes;
   // Most streams to start; 0 = as many as fit.
   uint32_t max_streams;
-  // Most prompt tokens in one batch (sizes the scratch); 0 = the default, 512.
+  // Most prompt tokens in one batch (sizes the scratch); 0 = the default, 512; at most 4096.
   uint32_t max_batch;
   // Host and device share memory. Auto = the device is integrated and has pageable memory access.
   enum engine_tristate unified;

@@ -307,7 +307,7 @@ pub struct engine_options {
     pub drafter_stream_bytes: u64,
     /// Most streams to start; 0 = as many as fit.
     pub max_streams: u32,
-    /// Most prompt tokens in one batch (sizes the scratch); 0 = the default, 512.
+    /// Most prompt tokens in one batch (sizes the scratch); 0 = the default, 512; at most 4096.
     pub max_batch: u32,
     /// Host and device share memory. Auto = the device is integrated and has pageable memory access.
     pub unified: engine_tristate,

@@ -13,7 +13,7 @@ use crate::cpu::{CpuBackend, CpuStream};
 use crate::cuda::{self, PinnedBuffer};
 use crate::cudart as rt;
 use crate::fit::{self, engine_fit_inputs, engine_placement, engine_plan};
-use crate::gpu::{CudaBackend, GpuModel, RowsOnDevice};
+use crate::gpu::{CudaBackend, GpuModel, MAX_BATCH_LIMIT, RowsOnDevice};
 use crate::kv::KvTypes;
 use crate::model::ModelConfig;
 use crate::placement::{Rows, RowsSource};
@@ -93,7 +93,16 @@ pub fn check_options(o: &engine_options) -> Result<()> {
     if o.device < 0 {
         crate::bail!(InvalidArgument, "options.device is {}", o.device);
     }
+    if o.max_batch as usize > MAX_BATCH_LIMIT {
+        crate::bail!(InvalidArgument, "options.max_batch is {}, past {MAX_BATCH_LIMIT}", o.max_batch);
+    }
     sampling_of(o).check("options.")
+}
+
+/// The prompt tokens a pass takes: the option, or the default for 0. The fit rule's scratch and the load
+/// both read it here, so the bytes planned are the bytes allocated.
+pub fn max_batch_of(o: &engine_options) -> usize {
+    if o.max_batch == 0 { DEFAULT_MAX_BATCH as usize } else { o.max_batch as usize }
 }
 
 /// The sampler settings the options give every stream to start with.
@@ -265,7 +274,6 @@ pub fn fit_inputs(
         (0, None) => crate::bail!(InvalidArgument, "options.room_bytes is 0 and there is no device to probe"),
         (room, _) => room,
     };
-    let max_batch = if opts.max_batch == 0 { DEFAULT_MAX_BATCH } else { opts.max_batch };
     let embed = ckpt.bytes_of(ckpt.embed()).len() as u64;
     // What the GPU model allocates beside the rows, from the same layout its load uses.
     let weights = GpuModel::weight_bytes(ckpt);
@@ -274,7 +282,7 @@ pub fn fit_inputs(
     }
     let kv = gpu_kv_types(opts);
     kv.check(cfg)?;
-    let scratch = GpuModel::scratch_bytes(ckpt, max_batch as usize, kv, window as usize);
+    let scratch = GpuModel::scratch_bytes(ckpt, max_batch_of(opts), kv, window as usize);
     let stream = GpuModel::stream_bytes(cfg, kv, window as usize);
     Ok(engine_fit_inputs {
         room_bytes: room,
@@ -334,7 +342,7 @@ fn load_decoder(
         BackendKind::Cuda => {
             let r = rows.describe();
             let rows = RowsOnDevice { ptr: r.data, dtype: r.dtype, vocab: r.rows as usize, cols: r.cols as usize };
-            let model = CudaBackend::load(&**ckpt, rows, opts.max_batch as usize, opts.device, pool.pages, kv, window)?;
+            let model = CudaBackend::load(&**ckpt, rows, max_batch_of(opts), opts.device, pool.pages, kv, window)?;
             logger.line(model.prompt_route());
             Box::new(Streams::new(model, window, streams, pool.pages, sampling)?)
         }

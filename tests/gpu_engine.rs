@@ -1,6 +1,7 @@
 //! The decode engine on the GPU through its C ABI, on one small untied Llama-like model written as HF
 //! safetensors (BF16) and as GGUF (F16, Q8_0, BF16): the three placements give identical token streams,
-//! greedy and sampled (SHA-256 of the token ids printed, as in the seed receipt); CUDA against the CPU
+//! greedy and sampled, after a prompt of several chunks (SHA-256 of the token ids printed, as in the seed
+//! receipt); max_batch 0 is the default on CUDA too; CUDA against the CPU
 //! engine on the same files; safetensors against GGUF of the same weights; refused steps on CUDA.
 //! Prints SKIP without a device.
 
@@ -93,8 +94,15 @@ fn write_formats(dir: &Path, gguf: &[DType]) -> Vec<Format> {
 
 /// The prompt: fixed ids spread over the vocabulary.
 fn prompt() -> Vec<i32> {
-    (0..PROMPT as i32).map(|i| (i * 7919 + 13) % config().vocab as i32).collect()
+    prompt_of(PROMPT)
 }
+
+fn prompt_of(n: usize) -> Vec<i32> {
+    (0..n as i32).map(|i| (i * 7919 + 13) % config().vocab as i32).collect()
+}
+
+/// A prompt of several chunks at `greedy_cuda`'s max_batch of 32, the last one partial.
+const LONG_PROMPT: usize = 3 * 32 + 17;
 
 unsafe extern "C" fn quiet(_user: *mut c_void, _line: *const c_char) {}
 
@@ -154,7 +162,7 @@ fn placements_give_identical_token_streams() {
     }
     let _g = serial();
     let dir = Scratch::new("placements");
-    let prompt = prompt();
+    let prompt = prompt_of(LONG_PROMPT);
     for format in write_formats(&dir.0, &[DType::F16, DType::Q8_0]) {
         let mut by_mode = Vec::new();
         for (mode, base) in [("greedy", greedy_cuda()), ("sampled", sampled(greedy_cuda()))] {
@@ -185,6 +193,28 @@ fn placements_give_identical_token_streams() {
         }
         assert_ne!(by_mode[0], by_mode[1], "{}: sampled decoding gave the greedy tokens", format.label);
     }
+}
+
+/// max_batch 0 means the default (512) for the fit rule's scratch and for the load alike: such an engine
+/// loads and gives the bits of one asked for 512 outright.
+#[test]
+fn max_batch_zero_is_the_default_on_cuda() {
+    if !gpu_present("max_batch_zero_is_the_default_on_cuda") {
+        return;
+    }
+    let _g = serial();
+    let dir = Scratch::new("max-batch-zero");
+    let path = &write_formats(&dir.0, &[])[0].path;
+    let prompt = prompt_of(LONG_PROMPT);
+    let mut runs = Vec::new();
+    for max_batch in [0, engine::DEFAULT_MAX_BATCH] {
+        let e = init(path, &engine_options { max_batch, ..greedy_cuda() });
+        let tokens = decode(&e, &prompt, 8);
+        runs.push((tokens, bits(&logits(&e, 0))));
+    }
+    assert_eq!(runs[0].0, runs[1].0, "tokens with max_batch 0 and {}", engine::DEFAULT_MAX_BATCH);
+    assert!(runs[0].1 == runs[1].1, "logits with max_batch 0 and {}", engine::DEFAULT_MAX_BATCH);
+    assert_eq!(stats(), engine_memory::default());
 }
 
 /// Both engines step the same tokens (the reference's greedy choice); logits compared at every step, and

@@ -503,9 +503,13 @@ fn nulls_and_bad_enums_are_invalid_arguments() {
             engine_options { temperature: -1.0, ..opts },
             engine_options { top_p: 0.0, ..opts },
             engine_options { device: -1, ..opts },
+            engine_options { max_batch: 4097, ..opts },
+            engine_options { max_batch: u32::MAX, ..opts },
         ] {
             assert_eq!(ffi::engine_init_fit(path.as_ptr(), &bad, &mut e), Status::InvalidArgument);
+            assert!(e.is_null(), "a refused load returned an engine");
         }
+        assert!(last_error().contains("options.max_batch"), "{}", last_error());
 
         assert_eq!(ffi::engine_init_fit(path.as_ptr(), &opts, &mut e), Status::Ok, "{}", last_error());
         assert_eq!(ffi::engine_embed_rows(e, std::ptr::null_mut()), Status::InvalidArgument);
