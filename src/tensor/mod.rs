@@ -54,6 +54,9 @@ pub trait Format {
     /// One block as stored; its size is the block's size in a file.
     type Block;
     const BLOCK_VALUES: usize;
+    /// Byte offsets in a block of its f16 scales (and minimums): a file is refused where one is NaN or
+    /// infinite. None for the float formats.
+    const F16_SCALES: &'static [usize] = &[];
 
     /// Decodes one block's bytes into `out` (`BLOCK_VALUES` values).
     fn decode_block(block: &[u8], out: &mut [f32]);
@@ -86,6 +89,7 @@ pub struct FormatInfo {
     pub safetensors: Option<Dtype>,
     pub block_values: usize,
     pub block_bytes: usize,
+    pub f16_scales: &'static [usize],
     decode_row: fn(&[u8], &mut [f32]),
     encode_row: fn(&[f32], &mut Vec<u8>),
     /// `dot::dot_rows` for one row and for four.
@@ -102,6 +106,7 @@ impl FormatInfo {
             safetensors: F::SAFETENSORS,
             block_values: F::BLOCK_VALUES,
             block_bytes: size_of::<F::Block>(),
+            f16_scales: F::F16_SCALES,
             decode_row: decode_blocks::<F>,
             encode_row: encode_blocks::<F>,
             dot_rows1: dot::dot_rows::<F, 1>,
@@ -214,6 +219,26 @@ pub fn encode_row(dtype: DType, values: &[f32]) -> Vec<u8> {
     let mut out = Vec::with_capacity(dtype.row_bytes(values.len()).expect("rows are whole blocks"));
     (dtype.format().encode_row)(values, &mut out);
     out
+}
+
+/// The first block of `bytes` (whole blocks of `dtype`) whose f16 scale or minimum is NaN or infinite:
+/// its index and that scale's value. Such a block decodes to non-finite values that would reach every
+/// logit, so a checkpoint holding one is refused when it is opened.
+pub fn first_non_finite_scale(dtype: DType, bytes: &[u8]) -> Option<(usize, f32)> {
+    let f = dtype.format();
+    if f.f16_scales.is_empty() {
+        return None;
+    }
+    for (i, block) in bytes.chunks_exact(f.block_bytes).enumerate() {
+        for &at in f.f16_scales {
+            let bits = u16::from_le_bytes([block[at], block[at + 1]]);
+            // All exponent bits set: an infinity or a NaN.
+            if bits & 0x7C00 == 0x7C00 {
+                return Some((i, f16::from_bits(bits).to_f32()));
+            }
+        }
+    }
+    None
 }
 
 /// A float format: blocks of one value of `$bytes` little-endian bytes, read by `$decode` and written
@@ -381,6 +406,35 @@ mod tests {
                 decode_row(f.dtype, &bytes, &mut back);
             }
         }
+    }
+
+    /// Every scale and minimum of every block format is checked, at whichever block it stands; finite
+    /// extremes (f16's largest, a subnormal, negative zero) pass.
+    #[test]
+    fn non_finite_scales_are_found_in_every_block_format() {
+        let blocks = 5;
+        for f in FORMATS.iter().filter(|f| !f.f16_scales.is_empty()) {
+            let values: Vec<f32> =
+                (0..blocks * f.block_values).map(|i| ((i * 37 % 101) as f32 - 50.0) / 64.0).collect();
+            let clean = encode_row(f.dtype, &values);
+            assert_eq!(first_non_finite_scale(f.dtype, &clean), None, "{}", f.name);
+            for &at in f.f16_scales {
+                for finite in [0x7BFFu16, 0xFBFF, 0x0001, 0x8000, 0x0000] {
+                    let mut bytes = clean.clone();
+                    bytes[3 * f.block_bytes + at..][..2].copy_from_slice(&finite.to_le_bytes());
+                    assert_eq!(first_non_finite_scale(f.dtype, &bytes), None, "{} {finite:#06x} at {at}", f.name);
+                }
+                for (bad, block) in [(0x7C00u16, 0), (0xFC00, 2), (0x7E00, 4), (0xFD01, 1)] {
+                    let mut bytes = clean.clone();
+                    bytes[block * f.block_bytes + at..][..2].copy_from_slice(&bad.to_le_bytes());
+                    let (found, value) = first_non_finite_scale(f.dtype, &bytes)
+                        .unwrap_or_else(|| panic!("{}: {bad:#06x} at byte {at} of block {block} not found", f.name));
+                    assert_eq!(found, block, "{} {bad:#06x} at {at}", f.name);
+                    assert!(!value.is_finite(), "{} {bad:#06x}: {value}", f.name);
+                }
+            }
+        }
+        assert_eq!(first_non_finite_scale(DType::F16, &[0x00, 0x7C]), None, "float formats carry no scales");
     }
 
     #[test]

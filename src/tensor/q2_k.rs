@@ -36,6 +36,7 @@ impl Format for Q2_K {
     const SAFETENSORS: Option<Dtype> = None;
     type Block = BlockQ2_K;
     const BLOCK_VALUES: usize = SUPER_BLOCK;
+    const F16_SCALES: &'static [usize] = &[offset_of!(BlockQ2_K, d), offset_of!(BlockQ2_K, dmin)];
 
     fn decode_block(block: &[u8], out: &mut [f32]) {
         let (d, dmin) = (f16_at(block, D), f16_at(block, DMIN));

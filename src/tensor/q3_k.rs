@@ -45,6 +45,7 @@ impl Format for Q3_K {
     const SAFETENSORS: Option<Dtype> = None;
     type Block = BlockQ3_K;
     const BLOCK_VALUES: usize = SUPER_BLOCK;
+    const F16_SCALES: &'static [usize] = &[offset_of!(BlockQ3_K, d)];
 
     fn decode_block(block: &[u8], out: &mut [f32]) {
         let d = f16_at(block, D);

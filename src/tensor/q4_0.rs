@@ -28,6 +28,7 @@ impl Format for Q4_0 {
     const SAFETENSORS: Option<Dtype> = None;
     type Block = BlockQ4_0;
     const BLOCK_VALUES: usize = 32;
+    const F16_SCALES: &'static [usize] = &[offset_of!(BlockQ4_0, scale)];
 
     fn decode_block(block: &[u8], out: &mut [f32]) {
         let scale = f16_at(block, 0);

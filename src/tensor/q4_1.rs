@@ -30,6 +30,7 @@ impl Format for Q4_1 {
     const SAFETENSORS: Option<Dtype> = None;
     type Block = BlockQ4_1;
     const BLOCK_VALUES: usize = 32;
+    const F16_SCALES: &'static [usize] = &[offset_of!(BlockQ4_1, scale), offset_of!(BlockQ4_1, min)];
 
     fn decode_block(block: &[u8], out: &mut [f32]) {
         let (scale, min) = (f16_at(block, 0), f16_at(block, MIN));

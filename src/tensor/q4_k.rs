@@ -35,6 +35,7 @@ impl Format for Q4_K {
     const SAFETENSORS: Option<Dtype> = None;
     type Block = BlockQ4_K;
     const BLOCK_VALUES: usize = SUPER_BLOCK;
+    const F16_SCALES: &'static [usize] = &[offset_of!(BlockQ4_K, d), offset_of!(BlockQ4_K, dmin)];
 
     fn decode_block(block: &[u8], out: &mut [f32]) {
         let (d, dmin) = (f16_at(block, 0), f16_at(block, DMIN));

@@ -33,6 +33,7 @@ impl Format for Q5_1 {
     const SAFETENSORS: Option<Dtype> = None;
     type Block = BlockQ5_1;
     const BLOCK_VALUES: usize = 32;
+    const F16_SCALES: &'static [usize] = &[offset_of!(BlockQ5_1, scale), offset_of!(BlockQ5_1, min)];
 
     fn decode_block(block: &[u8], out: &mut [f32]) {
         let (scale, min) = (f16_at(block, 0), f16_at(block, MIN));

@@ -35,6 +35,7 @@ impl Format for Q6_K {
     const SAFETENSORS: Option<Dtype> = None;
     type Block = BlockQ6_K;
     const BLOCK_VALUES: usize = SUPER_BLOCK;
+    const F16_SCALES: &'static [usize] = &[offset_of!(BlockQ6_K, d)];
 
     fn decode_block(block: &[u8], out: &mut [f32]) {
         let d = f16_at(block, D);

@@ -32,6 +32,7 @@ impl Format for Q8_0 {
     const SAFETENSORS: Option<Dtype> = None;
     type Block = BlockQ8_0;
     const BLOCK_VALUES: usize = 32;
+    const F16_SCALES: &'static [usize] = &[offset_of!(BlockQ8_0, scale)];
 
     fn decode_block(block: &[u8], out: &mut [f32]) {
         let scale = f16_bits_to_f32(u16::from_le_bytes([block[0], block[1]]));
