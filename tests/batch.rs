@@ -1,8 +1,9 @@
 //! Many streams at once through the C ABI on the CPU backend: engine_step_batch against stepping each
 //! stream alone (random mixes of prompt chunks and single tokens, streams joining, leaving, truncated
 //! and reset mid-way, each with its own sampler), engine_truncate, the KV page pool running out and
-//! coming back whole (engine_kv_stats), per-stream sampling with min-p and the repetition penalty, and
-//! the calls' refusals.
+//! coming back whole (engine_kv_stats), per-stream sampling with min-p and the repetition penalty, 64
+//! single-token items in one call, threads truncating, resetting and re-sampling their own streams on
+//! one engine, and the calls' refusals.
 
 mod common;
 use common::{Held, Rng, Scratch, bits, info, init, logits, serial, stats, step, try_step};
@@ -551,4 +552,146 @@ fn concurrent_batches_match_a_serial_run() {
         threads.into_iter().map(|t| t.join().unwrap()).collect()
     });
     assert_eq!(got, want);
+}
+
+/// Sixty-four single-token items in one call (the "up to 63 others"), and random subsets of them,
+/// give each stream the token and the logits bits of stepping it alone, whatever else is in the batch.
+#[test]
+fn sixty_four_single_token_items_are_batch_invariant() {
+    let _g = serial();
+    let mut rng = Rng::fresh("sixty_four_single_token_items_are_batch_invariant");
+    let dir = Scratch::new("batch-64");
+    let path = model(&dir, &mut rng);
+    let (window, streams) = (48u32, 64u32);
+    let batched = init(&path, &cpu_options(window, streams));
+    let alone = init(&path, &cpu_options(window, streams));
+    assert_eq!(info(&batched).streams, streams);
+    let mut last: Vec<i32> = Vec::new();
+    for s in 0..streams {
+        let sampling = random_sampling(&mut rng);
+        set_sampling(&batched, s, &sampling);
+        set_sampling(&alone, s, &sampling);
+        let n = 1 + rng.below(20) as usize;
+        let prompt = random_ids(&mut rng, n);
+        let t = step(&batched, s, &prompt);
+        assert_eq!(step(&alone, s, &prompt), t, "stream {s}'s prompt");
+        last.push(t);
+    }
+    for round in 0..8 {
+        // All 64 in a shuffled order on even rounds, a random subset on odd ones.
+        let mut order: Vec<u32> = (0..streams).filter(|_| round % 2 == 0 || rng.below(2) == 0).collect();
+        for i in (1..order.len()).rev() {
+            order.swap(i, rng.below(i as u64 + 1) as usize);
+        }
+        let inputs: Vec<(u32, [i32; 1])> = order.iter().map(|&s| (s, [last[s as usize]])).collect();
+        let items: Vec<(u32, &[i32])> = inputs.iter().map(|(s, t)| (*s, &t[..])).collect();
+        let (st, out) = try_batch(&batched, &items);
+        assert_eq!(st, Status::Ok, "round {round}: {}", last_error());
+        for (&(s, tokens), &(item_status, next)) in items.iter().zip(&out) {
+            assert_eq!(item_status, Status::Ok, "round {round} stream {s}: {}", last_error());
+            assert_eq!(next, step(&alone, s, tokens), "round {round} stream {s} of {}: token", items.len());
+            assert_eq!(bits(&logits(&batched, s)), bits(&logits(&alone, s)), "round {round} stream {s}: logits");
+            last[s as usize] = next;
+        }
+    }
+    drop((batched, alone));
+    assert_eq!(stats(), engine_memory::default());
+}
+
+/// Threads that each own two streams and, between batches, truncate and re-step them, reset them, give
+/// them new samplers and read the pool's figures, all on one engine at once: each thread's tokens are
+/// those of the same script run alone, and the pool is whole when every stream is reset.
+#[test]
+fn concurrent_truncates_resets_and_samplers_match_a_serial_run() {
+    let _g = serial();
+    let mut rng = Rng::fresh("concurrent_truncates_resets_and_samplers_match_a_serial_run");
+    let dir = Scratch::new("batch-threads-edit");
+    let path = model(&dir, &mut rng);
+    let (window, threads) = (96u32, 4u32);
+    let opts = cpu_options(window, 2 * threads);
+    let shared = init(&path, &opts);
+    let serial_engine = init(&path, &opts);
+    let seeds: Vec<u64> = (0..threads).map(|_| rng.next_u64()).collect();
+    let (total, _) = kv_stats(&shared);
+    // One thread's script over streams 2t and 2t + 1, from its own seed: what it returns is every token
+    // it was given and every length it read back.
+    let script = |e: &Held, t: u32, seed: u64| -> Vec<i64> {
+        let mut r = Rng(seed);
+        let pair = [2 * t, 2 * t + 1];
+        let mut last = [None::<i32>; 2];
+        let mut seen = Vec::new();
+        for _ in 0..30 {
+            for (k, &s) in pair.iter().enumerate() {
+                let len = stream_len(e, s);
+                seen.push(len as i64);
+                match r.below(8) {
+                    0 => {
+                        reset(e, s);
+                        last[k] = None;
+                    }
+                    1 if len > 1 => {
+                        truncate(e, s, r.below(len as u64) as u32);
+                        last[k] = None;
+                    }
+                    2 => set_sampling(e, s, &random_sampling(&mut r)),
+                    _ => {}
+                }
+                let (all, free) = kv_stats(e);
+                assert!(all == total && free <= total, "pool figures {all} / {free} of {total}");
+            }
+            let inputs: Vec<(u32, Vec<i32>)> = pair
+                .iter()
+                .zip(&last)
+                .map(|(&s, l)| {
+                    // A stream near the end of its window starts again.
+                    let mut room = window - stream_len(e, s);
+                    let mut l = *l;
+                    if room < 2 {
+                        reset(e, s);
+                        (room, l) = (window, None);
+                    }
+                    match l {
+                        Some(tok) => (s, vec![tok]),
+                        None => {
+                            let n = (1 + r.below(12) as u32).min(room - 1) as usize;
+                            (s, random_ids(&mut r, n))
+                        }
+                    }
+                })
+                .collect();
+            let items: Vec<(u32, &[i32])> = inputs.iter().map(|(s, t)| (*s, t.as_slice())).collect();
+            let (st, out) = try_batch(e, &items);
+            assert_eq!(st, Status::Ok, "{}", last_error());
+            for (k, &(item_status, next)) in out.iter().enumerate() {
+                assert_eq!(item_status, Status::Ok, "stream {}: {}", pair[k], last_error());
+                seen.push(next as i64);
+                last[k] = Some(next);
+            }
+        }
+        seen
+    };
+    let want: Vec<Vec<i64>> = (0..threads).map(|t| script(&serial_engine, t, seeds[t as usize])).collect();
+    struct Shared(*mut ffi::engine);
+    // SAFETY: the engine is made for calls from several threads; the test keeps it alive for them.
+    unsafe impl Sync for Shared {}
+    let handle = Shared(shared.0);
+    let got: Vec<Vec<i64>> = std::thread::scope(|scope| {
+        let workers: Vec<_> = (0..threads)
+            .map(|t| {
+                let (handle, seeds, script) = (&handle, &seeds, &script);
+                scope.spawn(move || {
+                    let e = Held(handle.0);
+                    let out = script(&e, t, seeds[t as usize]);
+                    std::mem::forget(e);
+                    out
+                })
+            })
+            .collect();
+        workers.into_iter().map(|w| w.join().unwrap()).collect()
+    });
+    assert_eq!(got, want);
+    for s in 0..2 * threads {
+        reset(&shared, s);
+    }
+    assert_eq!(kv_stats(&shared), (total, total), "the pool after every stream's reset");
 }

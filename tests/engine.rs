@@ -226,6 +226,45 @@ fn refused_steps_append_nothing() {
     assert_eq!(stats(), engine_memory::default());
 }
 
+/// Prompts of several of the CPU backend's chunks (64 tokens) that would run past the window are NO_ROOM
+/// with nothing appended, whether the stream is empty or part full; the stream then goes on exactly as
+/// one that never saw them, up to the last position of its window.
+#[test]
+fn prompts_of_several_chunks_past_the_window_append_nothing() {
+    let _g = serial();
+    let mut rng = Rng::fresh("prompts_of_several_chunks_past_the_window_append_nothing");
+    let dir = Scratch::new("chunks-past-window");
+    let cfg = llama();
+    let path = dir.hf("llama", &cfg, rng.next_u64(), DType::Bf16);
+    let chunk = hostembed::cpu::CHUNK_TOKENS;
+    let window = 3 * chunk + 8;
+    let e = init(&path, &cpu_options(window as u32));
+    let reference = init(&path, &cpu_options(window as u32));
+    let len = |e: &Held| common::stream_len(e, 0) as usize;
+
+    let (st, _) = try_step(&e, 0, &random_ids(&mut rng, cfg.vocab, window + 1));
+    assert_eq!(st, Status::NoRoom, "{} tokens into an empty {window}-token window", window + 1);
+    assert_eq!(len(&e), 0, "the refused prompt appended nothing");
+
+    let first = random_ids(&mut rng, cfg.vocab, chunk + 5);
+    let next = step(&e, 0, &first);
+    assert_eq!(step(&reference, 0, &first), next);
+    let room = window - first.len();
+    for n in [room + 1, room + chunk, window] {
+        let (st, _) = try_step(&e, 0, &random_ids(&mut rng, cfg.vocab, n));
+        assert_eq!(st, Status::NoRoom, "{n} tokens after {}: {}", first.len(), last_error());
+        assert_eq!(len(&e), first.len(), "{n} tokens after {}: appended", first.len());
+    }
+    assert_eq!(bits(&logits(&e, 0)), bits(&logits(&reference, 0)), "logits after the refusals");
+    // The rest of the window, in one prompt of more than one chunk, is taken and matches the reference.
+    let rest = random_ids(&mut rng, cfg.vocab, room);
+    assert_eq!(step(&e, 0, &rest), step(&reference, 0, &rest));
+    assert_eq!(bits(&logits(&e, 0)), bits(&logits(&reference, 0)), "logits at a full window");
+    assert_eq!(len(&e), window);
+    drop((e, reference));
+    assert_eq!(stats(), engine_memory::default());
+}
+
 /// engine_logits, engine_reset and engine_model_info refuse NULLs, short buffers and streams the engine
 /// did not admit; engine_logits serves the last stepped stream only.
 #[test]

@@ -226,3 +226,46 @@ fn decode_example_takes_a_kv_cache_type() {
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("--kv is default, bf16"), "{:?}", out);
 }
+
+/// examples/gen_tiny writes the demo's files; its Q4_K_M file holds llama.cpp's mix (Q4_K matrices, Q6_K
+/// for the head and for the attn_v and ffn_down of the layers the recipe picks, F32 norms), every
+/// tensor in the format `Recipe::Q4KM` gives it, and the CPU engine decodes it with its tokenizer.
+#[test]
+fn gen_tiny_writes_a_q4_k_m_mix_that_decodes() {
+    use hostembed::checkpoint::Checkpoint;
+    use hostembed::checkpoint::write::Recipe;
+    use hostembed::tensor::DType;
+
+    let exe = native::profile_dir().join("examples/gen_tiny");
+    assert!(exe.is_file(), "{} is missing: cargo test builds the examples", exe.display());
+    let dir = native::scratch("gen-tiny");
+    let out = native::run(&exe, &[dir.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    for file in ["tiny/model.safetensors", "tiny/tokenizer.json", "tiny.gguf", "tiny-q8_0.gguf", "tiny-q4_k_m.gguf"] {
+        assert!(dir.join(file).is_file(), "gen_tiny wrote no {file}");
+    }
+
+    let ckpt = Checkpoint::open(&dir.join("tiny-q4_k_m.gguf")).unwrap();
+    let mut counts = std::collections::BTreeMap::new();
+    for t in ckpt.tensors.values().filter(|t| t.name != hostembed::checkpoint::ROPE_FREQS) {
+        assert_eq!(t.dtype, Recipe::Q4KM.dtype(&ckpt.config, &t.name, &t.shape), "{}", t.name);
+        *counts.entry(t.dtype.name()).or_insert(0) += 1;
+    }
+    println!("tiny-q4_k_m.gguf: {counts:?}");
+    let head = &ckpt.tensors[hostembed::model::names::LM_HEAD];
+    assert_eq!(head.dtype, DType::Q6_K, "the head is Q6_K in Q4_K_M");
+    assert!(counts.get("Q4_K").is_some_and(|&n| n > 0), "{counts:?}");
+    assert!(counts.get("Q6_K").is_some_and(|&n| n > 1), "Q6_K beyond the head: {counts:?}");
+    let q6_in_layers =
+        |suffix: &str| ckpt.tensors.values().filter(|t| t.name.ends_with(suffix) && t.dtype == DType::Q6_K).count();
+    assert!(q6_in_layers("v_proj.weight") > 0 && q6_in_layers("down_proj.weight") > 0, "{counts:?}");
+    assert!(q6_in_layers("v_proj.weight") < ckpt.config.layers, "only some layers' attn_v take Q6_K: {counts:?}");
+
+    let decode = dir.join("decode");
+    native::build_c_program(&native::repo().join("examples/decode.c"), &decode);
+    let model = dir.join("tiny-q4_k_m.gguf");
+    let out = native::run(&decode, &[model.to_str().unwrap(), "-p", "hostembed moves", "-n", "8", "--backend", "cpu"]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "stdout:\n{stdout}\nstderr:\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.lines().any(|l| l.starts_with("decode: ") && l.contains(" tokens in ")), "{stdout}");
+}
