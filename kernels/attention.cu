@@ -46,6 +46,17 @@ __device__ __forceinline__ unsigned int part_positions(unsigned int ctx, unsigne
     return max((units + splits - 1) / splits, (unsigned int)(AT_TILE / AT_UNIT)) * AT_UNIT;
 }
 
+// How the split kernel cuts a context and the combine reads it: positions a part, and the parts the
+// context fills (never more than `splits`: a part is at least ceil(units / splits) units), the only
+// parts written.
+struct ContextCut {
+    unsigned int chunk, used;
+};
+__device__ __forceinline__ ContextCut context_cut(unsigned int ctx, unsigned int splits) {
+    const unsigned int chunk = part_positions(ctx, splits);
+    return ContextCut{chunk, (ctx + chunk - 1) / chunk};
+}
+
 template <int D, int HB, int KT, int VT>
 __global__ __launch_bounds__(AT_THREADS, AT_MIN_BLOCKS) void attention_split_kernel(
     const float *__restrict__ q, unsigned int q_stride, const unsigned char *__restrict__ kv_pool,
@@ -81,8 +92,7 @@ __global__ __launch_bounds__(AT_THREADS, AT_MIN_BLOCKS) void attention_split_ker
 
     // Positions are the step's upload, complete before the pass's first kernel: read before the wait.
     const unsigned int ctx = context_of(pos[t]);
-    const unsigned int chunk = part_positions(ctx, splits);
-    const unsigned int used = (ctx + chunk - 1) / chunk;
+    const auto [chunk, used] = context_cut(ctx, splits);
     // Block x takes parts x, x + gridDim.x, ...: the launch's grid (as few blocks as its longest context
     // needs, so a short context costs no empty blocks) changes which block computes a part, never its bits.
     // A block with no part writes nothing (the combine reads only the parts a context fills) and leaves at
@@ -268,7 +278,9 @@ __global__ __launch_bounds__(AT_THREADS, AT_MIN_BLOCKS) void attention_split_ker
                 part_of[(size_t)h * splits * pstride + 1] = l_run[h];
             }
         }
-        __syncthreads();  // acc_s is rewritten by the block's next part
+        // The block's parts end together (acc_s needs no barrier here: the next part's tiles pass one
+        // before they write it).
+        __syncthreads();
     }
 }
 
@@ -285,10 +297,8 @@ __global__ void attention_combine_kernel(const float *__restrict__ partial, unsi
     const unsigned int h = blockIdx.x, t = blockIdx.y;
     const size_t pstride = (size_t)d + 2;
     const float *base = partial + ((size_t)t * heads + h) * splits * pstride;
-    // The split kernel's cut: the parts past the context are empty.
-    const unsigned int ctx = context_of(pos[t]);
-    const unsigned int chunk = part_positions(ctx, splits);
-    const unsigned int used = min(splits, (ctx + chunk - 1) / chunk);
+    // The split kernel's cut: the parts past the context are empty (min: w_s's bound, whatever the cut).
+    const unsigned int used = min(splits, context_cut(context_of(pos[t]), splits).used);
     for (unsigned int s = threadIdx.x; s < used; s += blockDim.x) w_s[s] = base[s * pstride];
     __syncthreads();
     if (threadIdx.x == 0) {
