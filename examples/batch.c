@@ -4,8 +4,11 @@
  *
  *   batch MODEL [-p PROMPT]... [-n TOKENS] [--streams K] [--context N] [--temp T] [--min-p P]
  *         [--repeat-penalty R] [--seed S] [--room BYTES] [--backend cpu|cuda|auto] [--check]
+ *         [--tensor-cores]
  *
- * Without -p, K built-in prompts (default 4); stream i samples with seed S + i.
+ * Without -p, K built-in prompts (default 4); stream i samples with seed S + i. --tensor-cores sets
+ * options.batch_tensor_cores (CUDA: faster with many streams, no longer batch invariant, so not with
+ * --check, which truncates each stream to nothing and decodes it again alone).
  */
 #define _POSIX_C_SOURCE 200809L
 #include "hostembed.h"
@@ -32,7 +35,8 @@ static const char *const DEFAULT_PROMPTS[] = {
 static void usage(const char *program) {
     fprintf(stderr,
             "usage: %s MODEL [-p PROMPT]... [-n TOKENS] [--streams K] [--context N] [--temp T] [--min-p P]\n"
-            "       [--repeat-penalty R] [--seed S] [--room BYTES] [--backend cpu|cuda|auto] [--check]\n",
+            "       [--repeat-penalty R] [--seed S] [--room BYTES] [--backend cpu|cuda|auto] [--check]\n"
+            "       [--tensor-cores]\n",
             program);
 }
 
@@ -128,6 +132,10 @@ int main(int argc, char **argv) {
             check = 1;
             continue;
         }
+        if (strcmp(arg, "--tensor-cores") == 0) {
+            opts.batch_tensor_cores = ENGINE_TRISTATE_YES;
+            continue;
+        }
         if (arg[0] != '-') {
             if (model != NULL) {
                 fprintf(stderr, "batch: one MODEL only (got \"%s\" and \"%s\")\n", model, arg);
@@ -184,6 +192,10 @@ int main(int argc, char **argv) {
     }
     if (model == NULL) {
         usage(argv[0]);
+        return 2;
+    }
+    if (check && opts.batch_tensor_cores == ENGINE_TRISTATE_YES) {
+        fprintf(stderr, "batch: --check compares with stepping alone, which --tensor-cores gives up\n");
         return 2;
     }
     if (n_prompts > 0) n_streams = n_prompts;
@@ -332,11 +344,17 @@ int main(int argc, char **argv) {
            decode_seconds > 0 && decoded > 0 ? (double)decoded / decode_seconds : 0.0);
 
     if (check) {
-        /* Each stream again, alone, from an empty cache: the same tokens. */
+        /* Each stream again, alone, truncated to nothing: the same tokens. */
         for (size_t i = 0; i < n_streams; i++) {
             stream_state *st = &streams[i];
-            if ((s = engine_reset(e, (uint32_t)i)) != ENGINE_STATUS_OK) {
-                fail("engine_reset", s);
+            uint32_t len = 1;
+            if ((s = engine_truncate(e, (uint32_t)i, 0)) != ENGINE_STATUS_OK ||
+                (s = engine_stream_len(e, (uint32_t)i, &len)) != ENGINE_STATUS_OK) {
+                fail("engine_truncate", s);
+                goto done;
+            }
+            if (len != 0) {
+                fprintf(stderr, "batch: check: stream %zu holds %u positions after truncating to 0\n", i, len);
                 goto done;
             }
             int32_t next = -1;

@@ -9,7 +9,7 @@
 #include <stdint.h>
 
 // The ABI this header describes; a caller compares it with `engine_abi_version()`.
-#define HOSTEMBED_ABI_VERSION 3
+#define HOSTEMBED_ABI_VERSION 4
 
 // The default reserve for the load's other buffers (kernel modules, the kit): about 85 MB measured.
 #define ENGINE_FIT_DEFAULT_RESERVE_BYTES (256 << 20)
@@ -259,6 +259,11 @@ typedef struct engine_options {
   // the KV pool and the start-up line count their bytes.
   enum engine_kv_type kv_type_k;
   enum engine_kv_type kv_type_v;
+  // CUDA: YES runs the single-token items of a batch of 16 or more through shared tensor-core
+  // products (with many streams much faster; a stream's logits then depend on what else is in its
+  // batch). NO keeps every stream's bits the same alone or in any batch. AUTO = the environment's
+  // HOSTEMBED_BATCH_TENSOR_CORES is "1". The CPU backend is always batch invariant.
+  enum engine_tristate batch_tensor_cores;
 } engine_options;
 
 // Where a caller's kernels can find the rows, in whatever placement they live.

@@ -23,7 +23,7 @@ macro_rules! from_raw {
 }
 
 /// The ABI this header describes; a caller compares it with `engine_abi_version()`.
-pub const HOSTEMBED_ABI_VERSION: u32 = 3;
+pub const HOSTEMBED_ABI_VERSION: u32 = 4;
 
 // ---------------------------------------------------------------------------------------------
 // Status
@@ -334,6 +334,11 @@ pub struct engine_options {
     /// the KV pool and the start-up line count their bytes.
     pub kv_type_k: engine_kv_type,
     pub kv_type_v: engine_kv_type,
+    /// CUDA: YES runs the single-token items of a batch of 16 or more through shared tensor-core
+    /// products (with many streams much faster; a stream's logits then depend on what else is in its
+    /// batch). NO keeps every stream's bits the same alone or in any batch. AUTO = the environment's
+    /// HOSTEMBED_BATCH_TENSOR_CORES is "1". The CPU backend is always batch invariant.
+    pub batch_tensor_cores: engine_tristate,
 }
 
 /// How one stream picks its next token; `engine_default_sampling()` is greedy with no penalty.

@@ -60,6 +60,7 @@ pub fn default_options() -> engine_options {
         log_user: std::ptr::null_mut(),
         kv_type_k: engine_kv_type::ENGINE_KV_DEFAULT,
         kv_type_v: engine_kv_type::ENGINE_KV_DEFAULT,
+        batch_tensor_cores: engine_tristate::Auto,
     }
 }
 
@@ -75,6 +76,19 @@ pub fn resolve_mmap_rows(option: engine_tristate) -> bool {
         engine_tristate::Yes => true,
         engine_tristate::No => false,
         engine_tristate::Auto => std::env::var_os(MMAP_ROWS_ENV).is_some_and(|v| v == "1"),
+    }
+}
+
+/// The environment variable `options.batch_tensor_cores` AUTO reads; "1" means on.
+pub const BATCH_TENSOR_CORES_ENV: &str = "HOSTEMBED_BATCH_TENSOR_CORES";
+
+/// Whether a CUDA engine's batches share tensor-core products among their single tokens (not batch
+/// invariant): Auto reads HOSTEMBED_BATCH_TENSOR_CORES ("1" is on, anything else off).
+pub fn resolve_batch_tensor_cores(option: engine_tristate) -> bool {
+    match option {
+        engine_tristate::Yes => true,
+        engine_tristate::No => false,
+        engine_tristate::Auto => std::env::var_os(BATCH_TENSOR_CORES_ENV).is_some_and(|v| v == "1"),
     }
 }
 
@@ -342,8 +356,12 @@ fn load_decoder(
         BackendKind::Cuda => {
             let r = rows.describe();
             let rows = RowsOnDevice { ptr: r.data, dtype: r.dtype, vocab: r.rows as usize, cols: r.cols as usize };
-            let model = CudaBackend::load(&**ckpt, rows, max_batch_of(opts), opts.device, pool.pages, kv, window)?;
+            let mut model = CudaBackend::load(&**ckpt, rows, max_batch_of(opts), opts.device, pool.pages, kv, window)?;
             logger.line(model.prompt_route());
+            if resolve_batch_tensor_cores(opts.batch_tensor_cores) {
+                model.set_batch_tensor_cores(true);
+                logger.line("batches of 16 or more single tokens share tensor-core products: a stream's logits depend on its batch");
+            }
             Box::new(Streams::new(model, window, streams, pool.pages, sampling)?)
         }
     })

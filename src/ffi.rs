@@ -234,6 +234,7 @@ unsafe fn options_from_c(p: *const engine_options) -> Result<engine_options> {
     let tristates = [
         (std::mem::offset_of!(engine_options, unified), "unified"),
         (std::mem::offset_of!(engine_options, mmap_rows), "mmap_rows"),
+        (std::mem::offset_of!(engine_options, batch_tensor_cores), "batch_tensor_cores"),
     ];
     for (offset, field) in tristates {
         if engine_tristate::from_raw(raw(offset)).is_none() {

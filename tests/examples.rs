@@ -169,6 +169,11 @@ fn batch_example_decodes_streams_together_and_checks_them() {
     let out = native::run(&exe, &[model.as_str(), "--backend", "tpu"]);
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("--backend is cpu, cuda or auto"));
+    let out = native::run(&exe, &[model.as_str(), "--tensor-cores", "--check"]);
+    assert_eq!(out.status.code(), Some(2), "--check needs batch invariance");
+    // The CPU backend is batch invariant whatever the option says.
+    let out = native::run(&exe, &[model.as_str(), "--backend", "cpu", "--streams", "3", "-n", "4", "--tensor-cores"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
 }
 
 /// examples/decode.c's --kv: the KV cache type reaches the engine (engine_model_info and the start-up

@@ -479,6 +479,66 @@ fn single_token_items_are_batch_invariant_on_cuda() {
     println!("{items} single-token items in batches of up to {widest}: every logit bit-identical to stepping alone");
 }
 
+unsafe extern "C" fn collect_lines(user: *mut c_void, line: *const c_char) {
+    let lines = unsafe { &mut *(user as *mut Vec<String>) };
+    lines.push(unsafe { std::ffi::CStr::from_ptr(line) }.to_string_lossy().into_owned());
+}
+
+/// options.batch_tensor_cores YES reaches the CUDA engine: its start-up log says so, and a batch of 24
+/// single tokens gives logits near (not the bits of) those of the same engine options with NO, which are
+/// the bits of stepping each stream alone.
+#[test]
+fn the_batch_tensor_core_option_reaches_cuda() {
+    if !gpu_present("the_batch_tensor_core_option_reaches_cuda") {
+        return;
+    }
+    let _g = serial();
+    let mut rng = Rng::fresh("the_batch_tensor_core_option_reaches_cuda");
+    let dir = Scratch::new("batch-tensor-cores");
+    let path = &write_formats(&dir.0, &[])[0].path;
+    let streams = 24u32;
+    let said = "share tensor-core products";
+    let mut engines = Vec::new();
+    for option in [engine_tristate::No, engine_tristate::Yes] {
+        let mut lines: Vec<String> = Vec::new();
+        let opts = engine_options {
+            batch_tensor_cores: option,
+            log: Some(collect_lines),
+            log_user: &mut lines as *mut Vec<String> as *mut c_void,
+            ..batch_cuda(128, streams)
+        };
+        let e = init(path, &opts);
+        assert_eq!(lines.iter().any(|l| l.contains(said)), option == engine_tristate::Yes, "{option:?}: {lines:?}");
+        engines.push(e);
+    }
+    let alone = init(path, &batch_cuda(128, streams));
+    let prompts: Vec<Vec<i32>> = (0..streams).map(|s| ids(&mut rng, 3 + s as usize)).collect();
+    for e in engines.iter().chain([&alone]) {
+        for (s, p) in prompts.iter().enumerate() {
+            step(e, s as u32, p);
+        }
+    }
+    let next: Vec<[i32; 1]> = (0..streams).map(|_| [ids(&mut rng, 1)[0]]).collect();
+    let batch: Vec<(u32, &[i32])> = next.iter().enumerate().map(|(s, t)| (s as u32, &t[..])).collect();
+    for e in &engines {
+        let (st, out) = try_batch(e, &batch);
+        assert_eq!(st, Status::Ok, "{}", last_error());
+        assert!(out.iter().all(|(item, _)| *item == Status::Ok), "{out:?}: {}", last_error());
+    }
+    let (mut worst, mut exact_on) = (0f64, 0);
+    for (s, t) in batch.iter() {
+        step(&alone, *s, t);
+        let want = logits(&alone, *s);
+        assert!(bits(&logits(&engines[0], *s)) == bits(&want), "stream {s}: option NO is not stepping alone");
+        let on = logits(&engines[1], *s);
+        worst = worst.max(rel_l2(&on, &want));
+        exact_on += (bits(&on) == bits(&want)) as usize;
+    }
+    println!("{streams} single tokens with the option on: worst relative L2 {worst:.2e}, {exact_on} bit-identical");
+    assert!(worst < 2e-2, "the option's logits differ by {worst:.3e}");
+    assert!(exact_on < streams as usize, "every stream's bits equal stepping alone: the option did not apply");
+}
+
 /// Batches mixing prompt chunks with single tokens (continuous batching): a chunk's logits within 2e-3
 /// relative L2 of the same chunk stepped alone, the single tokens beside it bit-identical, and every
 /// stream's later logits close to its alone twin's (both engines fed the batched engine's tokens).

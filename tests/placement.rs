@@ -74,6 +74,32 @@ fn default_options_are_documented_values() {
     );
     assert_eq!((o.temperature, o.top_k, o.top_p), (0.0, 0, 1.0));
     assert!(o.log.is_none() && o.log_user.is_null());
+    assert_eq!(o.batch_tensor_cores, engine_tristate::Auto);
+}
+
+#[test]
+fn batch_tensor_cores_follow_their_variable_only_when_auto() {
+    let _g = serial();
+    let saved = std::env::var_os(engine::BATCH_TENSOR_CORES_ENV);
+    for (env, auto) in [(None, false), (Some("1"), true), (Some("0"), false), (Some("yes"), false)] {
+        // SAFETY: the tests that read the environment hold `serial()`.
+        unsafe {
+            match env {
+                Some(v) => std::env::set_var(engine::BATCH_TENSOR_CORES_ENV, v),
+                None => std::env::remove_var(engine::BATCH_TENSOR_CORES_ENV),
+            }
+        }
+        assert_eq!(engine::resolve_batch_tensor_cores(engine_tristate::Auto), auto, "{env:?}");
+        assert!(engine::resolve_batch_tensor_cores(engine_tristate::Yes), "Yes overrides {env:?}");
+        assert!(!engine::resolve_batch_tensor_cores(engine_tristate::No), "No overrides {env:?}");
+    }
+    // SAFETY: as above.
+    unsafe {
+        match saved {
+            Some(v) => std::env::set_var(engine::BATCH_TENSOR_CORES_ENV, v),
+            None => std::env::remove_var(engine::BATCH_TENSOR_CORES_ENV),
+        }
+    }
 }
 
 #[test]
@@ -493,6 +519,7 @@ fn nulls_and_bad_enums_are_invalid_arguments() {
             std::mem::offset_of!(engine_options, unified),
             std::mem::offset_of!(engine_options, mmap_rows),
             std::mem::offset_of!(engine_options, backend),
+            std::mem::offset_of!(engine_options, batch_tensor_cores),
         ] {
             let mut raw = opts;
             std::ptr::write((&mut raw as *mut engine_options as *mut u8).add(field) as *mut u32, 7);

@@ -23,8 +23,8 @@
 //! Batch invariance: a single token's products, norms and attention take the same kernels with the same
 //! reduction order whatever else is in its pass (the matrix-vector kernels accumulate each token on its
 //! own; decode attention cuts a context by its length alone), so its logits are the same bits alone or
-//! beside others. `HOSTEMBED_BATCH_TENSOR_CORES=1` trades that for speed: passes of 16 or more single
-//! tokens take the tensor-core products.
+//! beside others. `options.batch_tensor_cores` (or `HOSTEMBED_BATCH_TENSOR_CORES=1` when it is AUTO)
+//! trades that for speed: passes of 16 or more single tokens take the tensor-core products.
 
 mod blas;
 mod forward;
@@ -352,7 +352,7 @@ impl GpuModel {
             decode_graphs: HashMap::new(),
             decode_seen: HashSet::new(),
             logits_at: Vec::new(),
-            batch_tensor_cores: std::env::var("HOSTEMBED_BATCH_TENSOR_CORES").is_ok_and(|v| v == "1"),
+            batch_tensor_cores: crate::engine::resolve_batch_tensor_cores(crate::abi::engine_tristate::Auto),
             mmv: std::env::var("HOSTEMBED_MMV").map(|v| v != "0").unwrap_or(true),
             pool_pages,
             kv,
@@ -425,6 +425,11 @@ impl CudaBackend {
     /// The model, for tests that look under the seam.
     pub fn model(&self) -> &GpuModel {
         &self.model
+    }
+
+    /// `GpuModel::set_batch_tensor_cores`: the engine option's choice.
+    pub fn set_batch_tensor_cores(&mut self, on: bool) {
+        self.model.set_batch_tensor_cores(on);
     }
 
     /// Makes the model's device current for this thread (the caller may have moved to another).
