@@ -469,8 +469,13 @@ impl Engine {
             let want = if opts.max_streams > 0 { opts.max_streams } else { CPU_STREAMS };
             let slot = std::mem::size_of::<Option<CpuStream>>() as u64;
             let cpu = fit::plan_cpu(&fit::cpu_inputs(&ckpt.config, window, want, slot, kv, opts)?);
-            // The pool holds the full windows that fit; `want` streams share it.
-            let pool = KvPool::sized(CpuBackend::PAGE_TOKENS, window as usize, cpu.streams as u64, 0, {
+            // As on CUDA, the pool takes the room the plan leaves beside the step scratch and the stream
+            // slots, at least its full windows and at most `want` of them (all those streams could fill);
+            // `want` streams share it. Its pages cost memory only as streams fill them.
+            let room = (cpu.inputs.room_bytes.saturating_sub(cpu.inputs.scratch_bytes))
+                .saturating_sub(want as u64 * slot)
+                .min((want as u64).saturating_mul(cpu.stream_bytes.unwrap_or(0)));
+            let pool = KvPool::sized(CpuBackend::PAGE_TOKENS, window as usize, cpu.streams as u64, room, {
                 let c = &ckpt.config;
                 fit::cpu_kv_bytes(c.layers as u64, 1, c.kv_heads as u64, c.head_dim as u64, kv).unwrap_or(u64::MAX)
             });

@@ -256,13 +256,45 @@ fn truncate_then_restep_gives_the_same_logits() {
     assert_eq!(stream_len(&e, 0), len);
 }
 
-/// Host room for `windows` full windows beside the step scratch: the CPU plan's own figures.
-fn room_for_windows(cfg: &ModelConfig, window: u32, windows: u64) -> u64 {
+/// Host room for `tokens` positions of KV cache beside the step scratch and `streams` stream slots: the
+/// CPU plan's own figures.
+fn room_for_tokens(cfg: &ModelConfig, window: u32, streams: u32, tokens: u64) -> u64 {
     let slot = std::mem::size_of::<Option<CpuStream>>() as u64;
-    let probe = engine_options { room_bytes: 1 << 40, ..cpu_options(window, 64) };
-    let inputs = fit::cpu_inputs(cfg, window, 64, slot, engine::cpu_kv_types(&probe), &probe).unwrap();
-    let stream = fit::plan_cpu(&inputs).stream_bytes.unwrap();
-    inputs.scratch_bytes + windows * stream + stream / 2
+    let probe = engine_options { room_bytes: 1 << 40, ..cpu_options(window, streams) };
+    let inputs = fit::cpu_inputs(cfg, window, streams, slot, engine::cpu_kv_types(&probe), &probe).unwrap();
+    let per_token = (fit::plan_cpu(&inputs).stream_bytes.unwrap() - slot) / window as u64;
+    inputs.scratch_bytes + streams as u64 * slot + tokens * per_token
+}
+
+/// The pool takes the room the plan leaves, not only the full windows that fit in it: room for two and a
+/// half windows is a pool of two and a half windows that eight streams share, two of them whole windows.
+#[test]
+fn the_pool_takes_the_room_the_plan_leaves() {
+    let _g = serial();
+    let mut rng = Rng::fresh("the_pool_takes_the_room_the_plan_leaves");
+    let dir = Scratch::new("batch-pool-room");
+    let path = model(&dir, &mut rng);
+    let window = 128u32;
+    let tokens = 5 * window as u64 / 2;
+    let opts = engine_options { room_bytes: room_for_tokens(&qwen2(), window, 8, tokens), ..cpu_options(window, 8) };
+    let e = init(&path, &opts);
+    assert_eq!(info(&e).streams, 8);
+    assert_eq!(kv_stats(&e), (tokens, tokens), "a pool of the room's {tokens} positions");
+    let reference = init(&path, &cpu_options(window, 8));
+    let (a, b, c) = (
+        random_ids(&mut rng, window as usize),
+        random_ids(&mut rng, window as usize),
+        random_ids(&mut rng, window as usize / 2),
+    );
+    let (st, out) = try_batch(&e, &[(0, &a), (1, &b), (2, &c)]);
+    assert_eq!(st, Status::Ok, "{}", last_error());
+    let want = [step(&reference, 0, &a), step(&reference, 1, &b), step(&reference, 2, &c)];
+    assert_eq!(out, want.map(|t| (Status::Ok, t)), "{}", last_error());
+    assert_eq!(kv_stats(&e), (tokens, 0), "two whole windows and a half one fill it");
+    let (st, out) = try_batch(&e, &[(3, &a[..1])]);
+    assert_eq!((st, out[0]), (Status::Ok, (Status::NoRoom, -1)));
+    reset(&e, 0);
+    assert_eq!(kv_stats(&e), (tokens, window as u64));
 }
 
 /// A pool of two windows shared by eight streams: an item that needs a page when none is free fails with
@@ -275,7 +307,10 @@ fn pool_exhaustion_fails_only_the_item_that_needs_a_page() {
     let dir = Scratch::new("batch-pool");
     let path = model(&dir, &mut rng);
     let window = 128u32;
-    let opts = engine_options { room_bytes: room_for_windows(&qwen2(), window, 2), ..cpu_options(window, 8) };
+    let opts = engine_options {
+        room_bytes: room_for_tokens(&qwen2(), window, 8, 2 * window as u64),
+        ..cpu_options(window, 8)
+    };
     let e = init(&path, &opts);
     let reference = init(&path, &cpu_options(window, 8));
     assert_eq!(info(&e).streams, 8, "max_streams bounds the streams, not the full windows");
