@@ -12,7 +12,7 @@ use hostembed::Status;
 use hostembed::checkpoint::Checkpoint;
 use hostembed::checkpoint::write::{write_synthetic_gguf, write_synthetic_hf};
 use hostembed::cuda::{self, DeviceBuffer, HostRegistration, Stream};
-use hostembed::engine::{self, Engine, InitStep, engine_backend, engine_options, engine_tristate};
+use hostembed::engine::{self, Engine, InitStep, engine_backend, engine_kv_type, engine_options, engine_tristate};
 use hostembed::ffi::{self};
 use hostembed::fit::{self, engine_placement, engine_plan};
 use hostembed::hostmem;
@@ -361,7 +361,8 @@ fn seed_shapes_exact_and_freed() {
 }
 
 /// The engine's own prediction of what its load puts on the card (plan.on_card_bytes: weights,
-/// scratch, and the rows when they stay there) against cudaMemGetInfo, in every placement.
+/// scratch, and the rows when they stay there) against cudaMemGetInfo, in every placement, and with the
+/// prompt path's larger buffers.
 #[test]
 fn predicted_on_card_bytes_match_measured() {
     if !gpu_present("predicted_on_card_bytes_match_measured") {
@@ -384,6 +385,31 @@ fn predicted_on_card_bytes_match_measured() {
         assert!(
             plan.on_card_bytes.abs_diff(taken) <= 32 * MIB,
             "{placement:?}: predicted {} bytes on the card, cudaMemGetInfo says {taken}",
+            plan.on_card_bytes
+        );
+        drop(e);
+        assert_eq!(stats(), engine_memory::default());
+    }
+    // The prompt path's buffers counted too: the default chunk (max_batch 0) and a chunk of 2,048, Q8_0
+    // weights (their conversion slab) and an 8-bit cache (its stage).
+    let q8 = write_model(&dir.0, &cfg, DType::Q8_0, 8);
+    for (max_batch, kv) in [(0, engine_kv_type::ENGINE_KV_DEFAULT), (2048, engine_kv_type::ENGINE_KV_Q8_0)] {
+        let opts = engine_options {
+            max_batch,
+            kv_type_k: kv,
+            kv_type_v: kv,
+            ..options(1 << 50, engine_tristate::No, &mut lines)
+        };
+        let base = free_bytes();
+        let e = init(&q8, &opts);
+        let taken = base.saturating_sub(free_bytes());
+        let mut plan: engine_plan = unsafe { std::mem::zeroed() };
+        assert_eq!(unsafe { ffi::engine_plan_of(e.0, &mut plan) }, Status::Ok);
+        let what = format!("Q8_0 weights, max_batch {max_batch}, cache {kv:?}");
+        println!("{what}: predicted on card {} MiB, measured {} MiB", plan.on_card_bytes / MIB, taken / MIB);
+        assert!(
+            plan.on_card_bytes.abs_diff(taken) <= 32 * MIB,
+            "{what}: predicted {} bytes on the card, cudaMemGetInfo says {taken}",
             plan.on_card_bytes
         );
         drop(e);
