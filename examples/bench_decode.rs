@@ -6,13 +6,15 @@
 //!         q4_0|q4_1|q5_0|q5_1|q2_k|q3_k|q4_k|q5_k|q6_k|q4_k_m] [--prompt 64[,N...]] [--tokens 128] [--runs 5]
 //!         [--greedy]
 //!         [--tied] [--kernels-only] [--no-matvec] [--no-mmv] [--mmv-only DTYPE]
-//!         [--kv bf16|f16|f32|q8_0|fp8_e4m3[,V]]
+//!         [--kv bf16|f16|f32|q8_0|fp8_e4m3[,V]] [--host-rows]
 //!
 //! `--prompt` is the cache the decode reads (the "32k cache" is `--prompt 32768`; several, comma
 //! separated, decode after each on one loaded model); `--greedy` skips the sampled runs; `--kv` picks
 //! the KV cache type (K and V, or K,V apart; BF16 by default), e.g. to compare 8-bit caches with BF16:
 //! `--prompt 32768 --kv q8_0` against `--prompt 32768`. The prompt goes in as chunks of up to 2,048 tokens
-//! (the prompt benchmark's chunk), so a long cache is filled in seconds.
+//! (the prompt benchmark's chunk), so a long cache is filled in seconds. `--host-rows` decodes once more
+//! with the embedding rows in mapped host memory (the HOST_MAPPED placement) after the rows on the card,
+//! on the same weights, and prints the change: the placements' cost in any format, Q4_K_M's included.
 //!
 //! The tensor-core decode product (mmv) gets its own table: batch 1 for each format it reads, and BF16 at
 //! the batch sizes a server steps. `--no-matvec` (or `--no-kernels`) and `--no-mmv` skip those tables;
@@ -28,7 +30,7 @@ use std::ptr;
 use std::time::Instant;
 
 use hostembed::checkpoint::write::{MemSource, Recipe};
-use hostembed::cuda::{self, DeviceBuffer, Event, Stream};
+use hostembed::cuda::{self, DeviceBuffer, Event, PinnedBuffer, Stream};
 use hostembed::cudart as rt;
 use hostembed::gpu::{GpuModel, PAGE_TOKENS, RowsOnDevice, truncate_stream};
 use hostembed::kernels as kn;
@@ -53,6 +55,8 @@ struct Args {
     mmv_table: bool,
     mmv_only: Option<DType>,
     kv: KvTypes,
+    /// Decode again with the rows in mapped host memory.
+    host_rows: bool,
 }
 
 fn parse() -> Args {
@@ -81,6 +85,7 @@ fn parse() -> Args {
     let (mut matvec_table, mut mmv_table, mut mmv_only) = (true, true, None);
     let mut q4_k_m = false;
     let mut kv = KvTypes::GPU_DEFAULT;
+    let mut host_rows = false;
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
         let mut num =
@@ -119,12 +124,27 @@ fn parse() -> Args {
                     .dtype;
             }
             "--kv" => kv = parse_kv(&it.next().unwrap_or_default()),
+            "--host-rows" => host_rows = true,
             other => panic!("unknown flag {other} (see the comment at the top of examples/bench_decode.rs)"),
         }
     }
     // The window the decode needs, whatever the shape's own.
     cfg.max_position = cfg.max_position.max(longest_prompt(&prompts) + tokens + 1);
-    Args { cfg, dtype, q4_k_m, prompts, tokens, runs, greedy, kernels_only, matvec_table, mmv_table, mmv_only, kv }
+    Args {
+        cfg,
+        dtype,
+        q4_k_m,
+        prompts,
+        tokens,
+        runs,
+        greedy,
+        kernels_only,
+        matvec_table,
+        mmv_table,
+        mmv_only,
+        kv,
+        host_rows,
+    }
 }
 
 /// The longest of the caches to decode after: it sizes the window and the prompt chunk.
@@ -448,64 +468,84 @@ fn bench_decode(args: &Args, peak: f64) {
     let recipe = if args.q4_k_m { "Q4_K_M".to_string() } else { args.dtype.name().to_string() };
     let embed = src.tensor(names::EMBED).unwrap();
     let embed_dtype = embed.dtype;
-    let rows_buf = DeviceBuffer::from_slice(embed.bytes).unwrap();
-    let rows = RowsOnDevice { ptr: rows_buf.ptr(), dtype: embed.dtype, vocab: embed.rows(), cols: embed.cols() };
     let longest = longest_prompt(&args.prompts);
     let window = longest + args.tokens + 1;
     let chunk = longest.clamp(64, 2048);
-    let mut gpu = GpuModel::load_with_kv(&src, rows, chunk, window.div_ceil(PAGE_TOKENS), args.kv)
-        .unwrap_or_else(|e| panic!("load: {e}"));
-    let mut pool = gpu.page_pool().unwrap();
     let weight_bytes = GpuModel::weight_bytes(&src);
-    drop(src);
-    println!(
-        "\n{recipe} model built and loaded in {:.1} s: {:.2} GB of weights, KV cache {}",
-        t0.elapsed().as_secs_f64(),
-        weight_bytes as f64 / 1e9,
-        args.kv.describe()
-    );
-
-    let sampled = Sampling { temperature: 0.8, top_k: 40, top_p: 0.95, seed: 42, ..Sampling::GREEDY };
-    let modes: &[(&str, Sampling)] = if args.greedy {
-        &[("greedy", Sampling::GREEDY)]
-    } else {
-        &[("greedy", Sampling::GREEDY), ("sampled", sampled)]
-    };
-    for &prompt_len in &args.prompts {
-        let prompt: Vec<u32> = (0..prompt_len as u32).map(|i| (i * 7919 + 13) % cfg.vocab as u32).collect();
-        // Per decoded token, the bytes read: every weight but the embedding rows, one row of them, and the KV
-        // cache (about half a window on average).
-        let per_token = weight_bytes as f64
-            + embed_row_bytes(cfg, embed_dtype) as f64
-            + args.kv.bytes_per_token(cfg) as f64 * (prompt_len + args.tokens / 2) as f64;
+    // The median greedy decode rate of each placement and cache, to print the host rows' change.
+    let mut on_card: Vec<f64> = Vec::new();
+    for host_rows in std::iter::once(false).chain(args.host_rows.then_some(true)) {
+        // Rows on the card, or a pinned mapped copy the kernels read over the bus.
+        let device_rows;
+        let mut pinned_rows;
+        let ptr = if host_rows {
+            pinned_rows = PinnedBuffer::new_mapped(embed.bytes.len()).unwrap();
+            pinned_rows.as_mut_slice().copy_from_slice(embed.bytes);
+            pinned_rows.device_ptr()
+        } else {
+            device_rows = DeviceBuffer::from_slice(embed.bytes).unwrap();
+            device_rows.ptr()
+        };
+        let rows = RowsOnDevice { ptr, dtype: embed.dtype, vocab: embed.rows(), cols: embed.cols() };
+        let mut gpu = GpuModel::load_with_kv(&src, rows, chunk, window.div_ceil(PAGE_TOKENS), args.kv)
+            .unwrap_or_else(|e| panic!("load: {e}"));
+        let mut pool = gpu.page_pool().unwrap();
+        let placement = if host_rows { "rows in mapped host memory" } else { "rows on the card" };
         println!(
-            "\nbatch-1 decode after a {prompt_len}-token prompt, {} tokens, median of {} runs, KV cache {}",
-            args.tokens,
-            args.runs,
+            "\n{recipe} model built and loaded in {:.1} s: {:.2} GB of weights, KV cache {}, {placement}",
+            t0.elapsed().as_secs_f64(),
+            weight_bytes as f64 / 1e9,
             args.kv.describe()
         );
-        println!("| sampling | prompt tok/s | decode tok/s | ms/token | GB/s (weights + KV) | of copy bandwidth |");
-        println!("| --- | --- | --- | --- | --- | --- |");
-        for (name, s) in modes {
-            let mut prompt_rates = Vec::new();
-            let mut rates = Vec::new();
-            for _ in 0..args.runs + 1 {
-                let mut stream = gpu.new_stream(window).unwrap();
-                let t = Instant::now();
-                let mut next = gpu.step(&mut pool, &mut stream, &prompt, s, 0).unwrap();
-                let prompt_s = t.elapsed().as_secs_f64();
-                let t = Instant::now();
-                for _ in 0..args.tokens {
-                    next = gpu.step(&mut pool, &mut stream, &[next], s, 0).unwrap();
+
+        let sampled = Sampling { temperature: 0.8, top_k: 40, top_p: 0.95, seed: 42, ..Sampling::GREEDY };
+        let modes: &[(&str, Sampling)] = if args.greedy {
+            &[("greedy", Sampling::GREEDY)]
+        } else {
+            &[("greedy", Sampling::GREEDY), ("sampled", sampled)]
+        };
+        for (p_index, &prompt_len) in args.prompts.iter().enumerate() {
+            let prompt: Vec<u32> = (0..prompt_len as u32).map(|i| (i * 7919 + 13) % cfg.vocab as u32).collect();
+            // Per decoded token, the bytes read: every weight but the embedding rows, one row of them, and
+            // the KV cache (about half a window on average).
+            let per_token = weight_bytes as f64
+                + embed_row_bytes(cfg, embed_dtype) as f64
+                + args.kv.bytes_per_token(cfg) as f64 * (prompt_len + args.tokens / 2) as f64;
+            println!(
+                "\nbatch-1 decode after a {prompt_len}-token prompt, {} tokens, median of {} runs, KV cache {}, {placement}",
+                args.tokens,
+                args.runs,
+                args.kv.describe()
+            );
+            println!("| sampling | prompt tok/s | decode tok/s | ms/token | GB/s (weights + KV) | of copy bandwidth |");
+            println!("| --- | --- | --- | --- | --- | --- |");
+            for (m_index, (name, s)) in modes.iter().enumerate() {
+                let mut prompt_rates = Vec::new();
+                let mut rates = Vec::new();
+                for _ in 0..args.runs + 1 {
+                    let mut stream = gpu.new_stream(window).unwrap();
+                    let t = Instant::now();
+                    let mut next = gpu.step(&mut pool, &mut stream, &prompt, s, 0).unwrap();
+                    let prompt_s = t.elapsed().as_secs_f64();
+                    let t = Instant::now();
+                    for _ in 0..args.tokens {
+                        next = gpu.step(&mut pool, &mut stream, &[next], s, 0).unwrap();
+                    }
+                    truncate_stream(&mut pool, &mut stream, 0).unwrap();
+                    prompt_rates.push(prompt_len as f64 / prompt_s);
+                    rates.push(args.tokens as f64 / t.elapsed().as_secs_f64());
                 }
-                truncate_stream(&mut pool, &mut stream, 0).unwrap();
-                prompt_rates.push(prompt_len as f64 / prompt_s);
-                rates.push(args.tokens as f64 / t.elapsed().as_secs_f64());
+                // The first run captures graphs and warms up.
+                let (p, r) = (median(prompt_rates[1..].to_vec()), median(rates[1..].to_vec()));
+                let gbs = per_token * r / 1e9;
+                println!("| {name} | {p:.0} | {r:.1} | {:.2} | {gbs:.0} | {:.0}% |", 1e3 / r, 100.0 * gbs / peak);
+                let cell = p_index * modes.len() + m_index;
+                if !host_rows {
+                    on_card.push(r);
+                } else if let Some(card) = on_card.get(cell) {
+                    println!("(rows on the card: {card:.1} tok/s; in host memory {:+.2}%)", 100.0 * (r / card - 1.0));
+                }
             }
-            // The first run captures graphs and warms up.
-            let (p, r) = (median(prompt_rates[1..].to_vec()), median(rates[1..].to_vec()));
-            let gbs = per_token * r / 1e9;
-            println!("| {name} | {p:.0} | {r:.1} | {:.2} | {gbs:.0} | {:.0}% |", 1e3 / r, 100.0 * gbs / peak);
         }
     }
 }
