@@ -49,14 +49,19 @@ fn cpu_options() -> engine_options {
     engine_options { backend: engine_backend::Cpu, ..engine::default_options() }
 }
 
-fn set_mmap_env(value: Option<&str>) {
+/// Sets the environment variable `name` to `value`, or removes it for None.
+fn set_env(name: &str, value: Option<&std::ffi::OsStr>) {
     // SAFETY: every test that reads or writes the environment holds `serial()`.
     unsafe {
         match value {
-            Some(v) => std::env::set_var(engine::MMAP_ROWS_ENV, v),
-            None => std::env::remove_var(engine::MMAP_ROWS_ENV),
+            Some(v) => std::env::set_var(name, v),
+            None => std::env::remove_var(name),
         }
     }
+}
+
+fn set_mmap_env(value: Option<&str>) {
+    set_env(engine::MMAP_ROWS_ENV, value.map(std::ffi::OsStr::new));
 }
 
 #[test]
@@ -82,24 +87,12 @@ fn batch_tensor_cores_follow_their_variable_only_when_auto() {
     let _g = serial();
     let saved = std::env::var_os(engine::BATCH_TENSOR_CORES_ENV);
     for (env, auto) in [(None, false), (Some("1"), true), (Some("0"), false), (Some("yes"), false)] {
-        // SAFETY: the tests that read the environment hold `serial()`.
-        unsafe {
-            match env {
-                Some(v) => std::env::set_var(engine::BATCH_TENSOR_CORES_ENV, v),
-                None => std::env::remove_var(engine::BATCH_TENSOR_CORES_ENV),
-            }
-        }
+        set_env(engine::BATCH_TENSOR_CORES_ENV, env.map(std::ffi::OsStr::new));
         assert_eq!(engine::resolve_batch_tensor_cores(engine_tristate::Auto), auto, "{env:?}");
         assert!(engine::resolve_batch_tensor_cores(engine_tristate::Yes), "Yes overrides {env:?}");
         assert!(!engine::resolve_batch_tensor_cores(engine_tristate::No), "No overrides {env:?}");
     }
-    // SAFETY: as above.
-    unsafe {
-        match saved {
-            Some(v) => std::env::set_var(engine::BATCH_TENSOR_CORES_ENV, v),
-            None => std::env::remove_var(engine::BATCH_TENSOR_CORES_ENV),
-        }
-    }
+    set_env(engine::BATCH_TENSOR_CORES_ENV, saved.as_deref());
 }
 
 #[test]
@@ -119,12 +112,7 @@ fn mmap_rows_follows_ds4_embd_mmap_only_when_auto() {
         assert!(engine::resolve_mmap_rows(engine_tristate::Yes), "Yes overrides DS4_EMBD_MMAP={env:?}");
         assert!(!engine::resolve_mmap_rows(engine_tristate::No), "No overrides DS4_EMBD_MMAP={env:?}");
     }
-    unsafe {
-        match saved {
-            Some(v) => std::env::set_var(engine::MMAP_ROWS_ENV, v),
-            None => std::env::remove_var(engine::MMAP_ROWS_ENV),
-        }
-    }
+    set_env(engine::MMAP_ROWS_ENV, saved.as_deref());
 }
 
 #[test]

@@ -76,12 +76,14 @@ fn model() -> Option<PathBuf> {
 
 unsafe extern "C" fn quiet(_user: *mut c_void, _line: *const c_char) {}
 
+fn cpu_options() -> engine_options {
+    engine_options { backend: engine_backend::Cpu, context: 64, log: Some(quiet), ..engine::default_options() }
+}
+
 #[test]
 fn smollm2_q4_1_continues_the_prompt_with_paris() {
     let Some(path) = model() else { return };
-    let opts =
-        engine_options { backend: engine_backend::Cpu, context: 64, log: Some(quiet), ..engine::default_options() };
-    let e = init(&path, &opts);
+    let e = init(&path, &cpu_options());
     let i = info(&e);
     assert_eq!((i.vocab, i.layers, i.hidden, i.heads, i.kv_heads, i.head_dim), (49152, 30, 576, 9, 3, 64));
 
@@ -127,9 +129,7 @@ fn piece(e: &Held, id: i32) -> Vec<u8> {
 #[test]
 fn smollm2_tokenizes_as_the_tokenizers_package() {
     let Some(path) = model() else { return };
-    let opts =
-        engine_options { backend: engine_backend::Cpu, context: 64, log: Some(quiet), ..engine::default_options() };
-    let e = init(&path, &opts);
+    let e = init(&path, &cpu_options());
     assert_eq!(tokenize(&e, "The capital of France is"), PROMPT);
     for (text, want) in SENTENCES {
         let got = tokenize(&e, text);
