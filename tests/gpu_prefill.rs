@@ -489,6 +489,11 @@ fn prompt_logits_match_cpu_on_every_architecture() {
         let mut gpu = GpuModel::load(&src, rows, 512, 3 * (n + 64) / PAGE_TOKENS).unwrap();
         let mut pool = gpu.page_pool().unwrap();
         println!("{name}: {}", gpu.prompt_route());
+        // HOSTEMBED_CUBLASLT=0 (the suite's second run) is the library's own kernel, and the route says so.
+        let own = std::env::var("HOSTEMBED_CUBLASLT").is_ok_and(|v| v == "0");
+        let says_own =
+            gpu.prompt_route().contains("hostembed's tensor-core kernel (no cuBLASLt: HOSTEMBED_CUBLASLT=0)");
+        assert_eq!(says_own, own, "{name}: {}", gpu.prompt_route());
         let tokens = random_tokens(&mut rng, cfg.vocab, n);
         let mut gs = gpu.new_stream(n + 64).unwrap();
         let got = gpu.all_logits(&mut pool, &mut gs, &tokens).unwrap();

@@ -4,8 +4,8 @@
 //! which one it uses. `HOSTEMBED_CUBLASLT=/path/libcublasLt.so.13` names the file to load.
 //!
 //! The declarations are written by hand, like the runtime's in `cudart.rs`; the values below are the
-//! ones `cublasLt.h` gives (CUDA 11 to 13 share them), and the GPU suite checks the products against
-//! the library's own kernel.
+//! ones `cublasLt.h` gives (CUDA 11 to 13 share them). The GPU suite runs the prompt tests once on
+//! cuBLASLt and once more with `HOSTEMBED_CUBLASLT=0`, each against the CPU backend.
 
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -373,6 +373,44 @@ impl Drop for Blas {
             }
             if !self.handle.is_null() {
                 (a.destroy)(self.handle);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Where cuBLASLt is not loaded, the reason names what was asked for; nothing here needs a device.
+    #[test]
+    fn a_library_that_cannot_load_says_why() {
+        let saved = std::env::var_os(CUBLASLT_ENV);
+        let with = |value: Option<&str>| {
+            // SAFETY: no other test of this crate reads or writes this variable.
+            unsafe {
+                match value {
+                    Some(v) => std::env::set_var(CUBLASLT_ENV, v),
+                    None => std::env::remove_var(CUBLASLT_ENV),
+                }
+            }
+            load_library().map(|lib| lib.name)
+        };
+        assert_eq!(with(Some("0")).unwrap_err(), "HOSTEMBED_CUBLASLT=0");
+        let absent = "/nonexistent/libcublasLt.so.13";
+        assert!(with(Some(absent)).unwrap_err().contains(absent));
+        // A library that loads but is not cuBLASLt.
+        let not_blas = with(Some("libc.so.6")).unwrap_err();
+        assert!(not_blas.starts_with("libc.so.6: no cublasLtCreate in it"), "{not_blas}");
+        // The default names, tried in order: where none loads, each says why.
+        if let Err(why) = with(None) {
+            assert!(why.contains("libcublasLt.so.13") && why.contains("libcublasLt.so.12"), "{why}");
+        }
+        // SAFETY: as above.
+        unsafe {
+            match saved {
+                Some(v) => std::env::set_var(CUBLASLT_ENV, v),
+                None => std::env::remove_var(CUBLASLT_ENV),
             }
         }
     }
