@@ -485,9 +485,10 @@ enum engine_status engine_get_sampling(const struct engine *e,
                                        struct engine_sampling *out);
 
 // Keeps the first `len` positions of stream `stream` and gives the KV pages past them back to the
-// pool; stepping the same tokens again gives the same logits, bit for bit. OUT_OF_RANGE when `len` is
-// more than the stream holds or the stream does not exist. The stream's logits are dropped when it loses
-// positions.
+// pool; stepping the same tokens again in the same pieces gives the same logits, bit for bit (on CUDA, a
+// prompt chunk the cut falls inside, stepped again as a shorter chunk, may take another product route:
+// within 2e-3 relative L2). OUT_OF_RANGE when `len` is more than the stream holds or the stream does not
+// exist. The stream's logits are dropped when it loses positions.
 enum engine_status engine_truncate(struct engine *e,
                                    uint32_t stream,
                                    uint32_t len);

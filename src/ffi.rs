@@ -573,9 +573,10 @@ pub unsafe extern "C" fn engine_get_sampling(
 }
 
 /// Keeps the first `len` positions of stream `stream` and gives the KV pages past them back to the
-/// pool; stepping the same tokens again gives the same logits, bit for bit. OUT_OF_RANGE when `len` is
-/// more than the stream holds or the stream does not exist. The stream's logits are dropped when it loses
-/// positions.
+/// pool; stepping the same tokens again in the same pieces gives the same logits, bit for bit (on CUDA, a
+/// prompt chunk the cut falls inside, stepped again as a shorter chunk, may take another product route:
+/// within 2e-3 relative L2). OUT_OF_RANGE when `len` is more than the stream holds or the stream does not
+/// exist. The stream's logits are dropped when it loses positions.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn engine_truncate(e: *mut engine, stream: u32, len: u32) -> engine_status {
     guard("engine_truncate", || unsafe { handle(e) }?.lock().truncate(stream, len as usize))
