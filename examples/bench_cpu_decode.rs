@@ -3,7 +3,7 @@
 //! memory, a short prompt, then tokens one step each; prints a table of format, threads and tokens a
 //! second (the best of `--runs` runs).
 //!
-//!     cargo run --release --example bench_cpu_decode -- [--dtype f32,f16,bf16,q8_0] [--threads 1,2]
+//!     cargo run --release --example bench_cpu_decode -- [--dtype f32,f16,bf16,q8_0,q4_1,...] [--threads 1,2]
 //!         [--prompt 8] [--tokens 32] [--runs 3] [--layers 30]
 //!
 //! Each decoded token is the greedy pick of the step before, as a server decodes. Beside the wall-clock
@@ -18,13 +18,7 @@ use hostembed::model::{Arch, ModelConfig, RopeScaling};
 use hostembed::tensor::DType;
 
 fn parse_dtype(name: &str) -> DType {
-    match name {
-        "f32" => DType::F32,
-        "f16" => DType::F16,
-        "bf16" => DType::Bf16,
-        "q8_0" => DType::Q8_0,
-        other => panic!("no format {other}"),
-    }
+    DType::from_name(name).unwrap_or_else(|| panic!("no format {name}"))
 }
 
 /// CPU seconds this process has run, all threads together.

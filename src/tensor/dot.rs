@@ -51,9 +51,14 @@ pub trait Vector: Copy {
     unsafe fn from_bf16_bytes(bytes: &[u8; 2 * LANES]) -> Self;
     /// Sixteen int8 values.
     unsafe fn from_i8_bytes(bytes: &[u8; LANES]) -> Self;
+    /// The low four bits of sixteen bytes, as values 0..=15.
+    unsafe fn from_low_nibbles(bytes: &[u8; LANES]) -> Self;
+    /// The high four bits of sixteen bytes, as values 0..=15.
+    unsafe fn from_high_nibbles(bytes: &[u8; LANES]) -> Self;
     /// One little-endian IEEE binary16 value in every lane.
     unsafe fn splat_f16_bytes(bytes: [u8; 2]) -> Self;
     unsafe fn mul(self, other: Self) -> Self;
+    unsafe fn add(self, other: Self) -> Self;
     /// self + w * x, fused (one rounding).
     unsafe fn fma(self, w: Self, x: Self) -> Self;
     unsafe fn to_array(self) -> Lanes;
@@ -124,12 +129,24 @@ impl Vector for Portable {
         Portable(std::array::from_fn(|l| bytes[l] as i8 as f32))
     }
     #[inline(always)]
+    unsafe fn from_low_nibbles(bytes: &[u8; LANES]) -> Self {
+        Portable(std::array::from_fn(|l| (bytes[l] & 0x0F) as f32))
+    }
+    #[inline(always)]
+    unsafe fn from_high_nibbles(bytes: &[u8; LANES]) -> Self {
+        Portable(std::array::from_fn(|l| (bytes[l] >> 4) as f32))
+    }
+    #[inline(always)]
     unsafe fn splat_f16_bytes(bytes: [u8; 2]) -> Self {
         Portable([f16_bits_to_f32(u16::from_le_bytes(bytes)); LANES])
     }
     #[inline(always)]
     unsafe fn mul(self, other: Self) -> Self {
         Portable(std::array::from_fn(|l| self.0[l] * other.0[l]))
+    }
+    #[inline(always)]
+    unsafe fn add(self, other: Self) -> Self {
+        Portable(std::array::from_fn(|l| self.0[l] + other.0[l]))
     }
     #[inline(always)]
     unsafe fn fma(self, w: Self, x: Self) -> Self {
@@ -194,6 +211,20 @@ mod x86 {
             }
         }
         #[inline(always)]
+        unsafe fn from_low_nibbles(bytes: &[u8; LANES]) -> Self {
+            unsafe {
+                let q = _mm_and_si128(_mm_loadu_si128(bytes.as_ptr() as *const __m128i), _mm_set1_epi8(0x0F));
+                Avx2::widen_u8(q)
+            }
+        }
+        #[inline(always)]
+        unsafe fn from_high_nibbles(bytes: &[u8; LANES]) -> Self {
+            unsafe {
+                let q = _mm_loadu_si128(bytes.as_ptr() as *const __m128i);
+                Avx2::widen_u8(_mm_and_si128(_mm_srli_epi16::<4>(q), _mm_set1_epi8(0x0F)))
+            }
+        }
+        #[inline(always)]
         unsafe fn splat_f16_bytes(bytes: [u8; 2]) -> Self {
             unsafe {
                 let v = _mm256_broadcastss_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(u16::from_le_bytes(bytes) as i32)));
@@ -203,6 +234,10 @@ mod x86 {
         #[inline(always)]
         unsafe fn mul(self, other: Self) -> Self {
             unsafe { Avx2(_mm256_mul_ps(self.0, other.0), _mm256_mul_ps(self.1, other.1)) }
+        }
+        #[inline(always)]
+        unsafe fn add(self, other: Self) -> Self {
+            unsafe { Avx2(_mm256_add_ps(self.0, other.0), _mm256_add_ps(self.1, other.1)) }
         }
         #[inline(always)]
         unsafe fn fma(self, w: Self, x: Self) -> Self {
@@ -216,6 +251,19 @@ mod x86 {
                 _mm256_storeu_ps(out.as_mut_ptr().add(8), self.1);
             }
             out
+        }
+    }
+
+    impl Avx2 {
+        /// Sixteen unsigned bytes as f32 lanes.
+        #[inline(always)]
+        unsafe fn widen_u8(q: __m128i) -> Self {
+            // SAFETY: inside the AVX2 build (the callers' contract).
+            unsafe {
+                let lo = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q));
+                let hi = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128::<8>(q)));
+                Avx2(lo, hi)
+            }
         }
     }
 
@@ -261,12 +309,31 @@ mod x86 {
             }
         }
         #[inline(always)]
+        unsafe fn from_low_nibbles(bytes: &[u8; LANES]) -> Self {
+            unsafe {
+                let q = _mm_and_si128(_mm_loadu_si128(bytes.as_ptr() as *const __m128i), _mm_set1_epi8(0x0F));
+                Avx512(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q)))
+            }
+        }
+        #[inline(always)]
+        unsafe fn from_high_nibbles(bytes: &[u8; LANES]) -> Self {
+            unsafe {
+                let q = _mm_loadu_si128(bytes.as_ptr() as *const __m128i);
+                let q = _mm_and_si128(_mm_srli_epi16::<4>(q), _mm_set1_epi8(0x0F));
+                Avx512(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q)))
+            }
+        }
+        #[inline(always)]
         unsafe fn splat_f16_bytes(bytes: [u8; 2]) -> Self {
             unsafe { Avx512(_mm512_broadcastss_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(u16::from_le_bytes(bytes) as i32)))) }
         }
         #[inline(always)]
         unsafe fn mul(self, other: Self) -> Self {
             unsafe { Avx512(_mm512_mul_ps(self.0, other.0)) }
+        }
+        #[inline(always)]
+        unsafe fn add(self, other: Self) -> Self {
+            unsafe { Avx512(_mm512_add_ps(self.0, other.0)) }
         }
         #[inline(always)]
         unsafe fn fma(self, w: Self, x: Self) -> Self {
@@ -458,6 +525,35 @@ pub(super) unsafe fn dot_lanes_by_block<F: Format, V: Vector, const R: usize>(
     }
 }
 
+/// `dot_lanes` of a format of 32-value blocks of `BLOCK_BYTES` bytes that `decode` turns, in registers,
+/// into the block's two runs of LANES values (each the value `decode_block` gives).
+///
+/// # Safety
+/// Inside V's build (see `Vector`).
+#[inline(always)]
+pub(super) unsafe fn dot_lanes_of_pairs<const BLOCK_BYTES: usize, V: Vector, const R: usize>(
+    rows: [&[u8]; R],
+    x: &[f32],
+    acc: &mut [V; R],
+    decode: unsafe fn(&[u8; BLOCK_BYTES]) -> (V, V),
+) {
+    let x_blocks = x.as_chunks::<{ 2 * LANES }>().0;
+    let blocks = rows.map(|row| row.as_chunks::<BLOCK_BYTES>().0);
+    assert!(blocks.iter().all(|b| b.len() == x_blocks.len()), "rows of 32-value blocks do not match the columns");
+    // SAFETY: the caller runs this inside V's build.
+    unsafe {
+        // Blocks outer, rows inner: each row's lanes are a chain of their own, R chains side by side.
+        for (b, x) in x_blocks.iter().enumerate() {
+            let x = x.as_chunks::<LANES>().0;
+            let (x0, x1) = (V::load(&x[0]), V::load(&x[1]));
+            for (blocks, acc) in blocks.iter().zip(acc.iter_mut()) {
+                let (w0, w1) = decode(&blocks[b]);
+                *acc = acc.fma(w0, x0).fma(w1, x1);
+            }
+        }
+    }
+}
+
 /// `dot_lanes` of a one-value format of `N` bytes a value: LANES columns at a time through `lanes`
 /// (the vector's conversion of LANES values), then the tail through `decode` (one value).
 ///
@@ -536,6 +632,75 @@ mod tests {
         assert_eq!(sum_lanes(&acc), 1.0);
         let acc: Lanes = std::array::from_fn(|l| l as f32);
         assert_eq!(sum_lanes(&acc), 120.0);
+    }
+
+    /// `dot_lanes` by the block, as `dot_lanes_by_block` defines it: what every format's own must give.
+    struct ByBlock<'a, F, const R: usize> {
+        rows: [&'a [u8]; R],
+        x: &'a [f32],
+        format: PhantomData<F>,
+    }
+
+    impl<F: Format, const R: usize> Kernel for ByBlock<'_, F, R> {
+        type Output = [f32; R];
+
+        #[inline(always)]
+        unsafe fn run<V: Vector>(self) -> [f32; R] {
+            // SAFETY: `Simd::run` runs this inside V's build.
+            unsafe {
+                let mut acc = [V::zero(); R];
+                dot_lanes_by_block::<F, V, R>(self.rows, self.x, &mut acc);
+                acc.map(|a| a.sum())
+            }
+        }
+    }
+
+    /// Every format's `dot_lanes` gives the bits of decoding each block onto the stack, in every build,
+    /// for one row and four, on values of both signs and blocks with large and tiny scales.
+    fn same_as_by_block<F: Format>() {
+        let cols = if F::BLOCK_VALUES == 1 { 100 } else { 3 * F::BLOCK_VALUES };
+        let mut state = 0x5EED_u64 ^ F::GGML_TYPE as u64;
+        let mut next = || {
+            state = crate::sampler::splitmix64(state);
+            (state >> 40) as f32 / 8_388_608.0 - 1.0
+        };
+        let rows: Vec<Vec<u8>> = (0..4)
+            .map(|r| {
+                let magnitude = [1.0, 1e3, 1e-4, 0.5][r];
+                let values: Vec<f32> = (0..cols).map(|_| next() * magnitude).collect();
+                crate::tensor::encode_row(F::DTYPE, &values)
+            })
+            .collect();
+        let x: Vec<f32> = (0..cols).map(|_| next() * 2.0).collect();
+        let four = [&rows[0][..], &rows[1][..], &rows[2][..], &rows[3][..]];
+        for simd in Simd::available() {
+            let want = simd.run(ByBlock::<F, 4> { rows: four, x: &x, format: PhantomData });
+            let got = dot_rows::<F, 4>(simd, four, &x);
+            assert_eq!(got.map(f32::to_bits), want.map(f32::to_bits), "{} on {}: four rows", F::NAME, simd.name());
+            for (r, row) in four.iter().enumerate() {
+                let one = dot_rows::<F, 1>(simd, [row], &x)[0];
+                assert_eq!(one.to_bits(), want[r].to_bits(), "{} on {}: row {r} alone", F::NAME, simd.name());
+            }
+        }
+    }
+
+    #[test]
+    fn every_formats_dot_gives_the_bits_of_decoding_by_block() {
+        use crate::tensor::*;
+        same_as_by_block::<F32>();
+        same_as_by_block::<F16>();
+        same_as_by_block::<Bf16>();
+        same_as_by_block::<Q8_0>();
+        same_as_by_block::<Q4_0>();
+        same_as_by_block::<Q4_1>();
+        same_as_by_block::<Q5_0>();
+        same_as_by_block::<Q5_1>();
+        same_as_by_block::<Q2_K>();
+        same_as_by_block::<Q3_K>();
+        same_as_by_block::<Q4_K>();
+        same_as_by_block::<Q5_K>();
+        same_as_by_block::<Q6_K>();
+        assert_eq!(FORMATS.len(), 13, "a format added to FORMATS belongs in this list");
     }
 
     #[test]

@@ -3,6 +3,7 @@
 
 use std::mem::offset_of;
 
+use super::dot::{LANES, Vector, dot_lanes_of_pairs};
 use super::{DType, Dtype, Format, f16_at, f16_le, min_max};
 
 #[allow(non_camel_case_types)]
@@ -41,6 +42,13 @@ impl Format for Q4_1 {
         }
     }
 
+    /// The block decoded in registers (`decode_in_lanes`), each value the one `decode_block` gives.
+    #[inline(always)]
+    unsafe fn dot_lanes<V: Vector, const R: usize>(rows: [&[u8]; R], x: &[f32], acc: &mut [V; R]) {
+        // SAFETY: the caller runs this inside V's build.
+        unsafe { dot_lanes_of_pairs::<BLOCK_BYTES, V, R>(rows, x, acc, decode_in_lanes::<V>) }
+    }
+
     /// As llama.cpp's reference quantizer: scale = (max - min) / 15, each value's distance from the
     /// minimum rounded half up, at most 15.
     fn encode_block(values: &[f32], out: &mut Vec<u8>) {
@@ -52,5 +60,25 @@ impl Format for Q4_1 {
         let quant = |v: f32| (((v - min) * inv + 0.5) as i8).clamp(0, 15) as u8;
         let (low, high) = values.split_at(16);
         out.extend(low.iter().zip(high).map(|(&lo, &hi)| quant(lo) | quant(hi) << 4));
+    }
+}
+
+const BLOCK_BYTES: usize = size_of::<BlockQ4_1>();
+// `decode_in_lanes` reads the quants as one run of LANES bytes: low nibbles first, then high.
+const _: () = assert!(BLOCK_BYTES - QUANTS == LANES);
+
+/// A block's two runs of LANES values in registers: q * scale + min: the product is exact in f32 (4 by 11 significant bits), so fused with the add or
+/// not it rounds once, to the value `decode_block` gives.
+///
+/// # Safety
+/// Inside V's build (see `Vector`).
+#[inline(always)]
+unsafe fn decode_in_lanes<V: Vector>(block: &[u8; BLOCK_BYTES]) -> (V, V) {
+    let quants = block[QUANTS..].first_chunk::<LANES>().expect("a block's quants are LANES bytes");
+    // SAFETY: the caller runs this inside V's build.
+    unsafe {
+        let scale = V::splat_f16_bytes([block[0], block[1]]);
+        let min = V::splat_f16_bytes([block[MIN], block[MIN + 1]]);
+        (min.fma(V::from_low_nibbles(quants), scale), min.fma(V::from_high_nibbles(quants), scale))
     }
 }

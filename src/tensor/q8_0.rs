@@ -4,7 +4,7 @@ use std::mem::offset_of;
 
 use half::f16;
 
-use super::dot::{LANES, Vector, f16_bits_to_f32};
+use super::dot::{LANES, Vector, dot_lanes_of_pairs, f16_bits_to_f32};
 use super::{DType, Dtype, Format};
 
 #[allow(non_camel_case_types)]
@@ -45,26 +45,8 @@ impl Format for Q8_0 {
     /// exact in f32 (11 by 8 significant bits), so each value is the one `decode_block` gives.
     #[inline(always)]
     unsafe fn dot_lanes<V: Vector, const R: usize>(rows: [&[u8]; R], x: &[f32], acc: &mut [V; R]) {
-        const BLOCK_BYTES: usize = size_of::<BlockQ8_0>();
-        let x_blocks = x.as_chunks::<{ Q8_0::BLOCK_VALUES }>().0;
-        let blocks = rows.map(|row| row.as_chunks::<BLOCK_BYTES>().0);
-        assert!(blocks.iter().all(|b| b.len() == x_blocks.len()), "Q8_0 rows do not match the columns");
         // SAFETY: the caller runs this inside V's build.
-        unsafe {
-            // Blocks outer, rows inner: each row's lanes are a chain of their own, R chains side by side.
-            for (b, x) in x_blocks.iter().enumerate() {
-                let x = x.as_chunks::<LANES>().0;
-                let (x0, x1) = (V::load(&x[0]), V::load(&x[1]));
-                for (blocks, acc) in blocks.iter().zip(acc.iter_mut()) {
-                    let block = &blocks[b];
-                    let scale = V::splat_f16_bytes([block[0], block[1]]);
-                    let quants = block[QUANTS..].as_chunks::<LANES>().0;
-                    let w0 = V::from_i8_bytes(&quants[0]).mul(scale);
-                    let w1 = V::from_i8_bytes(&quants[1]).mul(scale);
-                    *acc = acc.fma(w0, x0).fma(w1, x1);
-                }
-            }
-        }
+        unsafe { dot_lanes_of_pairs::<BLOCK_BYTES, V, R>(rows, x, acc, decode_in_lanes::<V>) }
     }
 
     /// As llama.cpp quantizes: scale = max|x| / 127, each value rounded to the nearest step.
@@ -74,6 +56,22 @@ impl Format for Q8_0 {
         let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
         out.extend_from_slice(&f16::from_f32(scale).to_le_bytes());
         out.extend(values.iter().map(|v| (v * inv).round().clamp(-127.0, 127.0) as i8 as u8));
+    }
+}
+
+const BLOCK_BYTES: usize = size_of::<BlockQ8_0>();
+
+/// A block's two runs of LANES values in registers.
+///
+/// # Safety
+/// Inside V's build (see `Vector`).
+#[inline(always)]
+unsafe fn decode_in_lanes<V: Vector>(block: &[u8; BLOCK_BYTES]) -> (V, V) {
+    let quants = block[QUANTS..].as_chunks::<LANES>().0;
+    // SAFETY: the caller runs this inside V's build.
+    unsafe {
+        let scale = V::splat_f16_bytes([block[0], block[1]]);
+        (V::from_i8_bytes(&quants[0]).mul(scale), V::from_i8_bytes(&quants[1]).mul(scale))
     }
 }
 
