@@ -3,8 +3,12 @@
 //! memory, a short prompt, then tokens one step each; prints a table of format, threads and tokens a
 //! second (the best of `--runs` runs).
 //!
-//!     cargo run --release --example bench_cpu_decode -- [--dtype f32,f16,bf16,q8_0,q4_1,...] [--threads 1,2]
-//!         [--prompt 8] [--tokens 32] [--runs 3] [--layers 30]
+//!     cargo run --release --example bench_cpu_decode -- [--dtype f32,f16,bf16,q8_0,q4_1,...,q4_k_m]
+//!         [--threads 1,2] [--prompt 8] [--tokens 32] [--runs 3] [--layers 30] [--hidden 576] [--inter 1536]
+//!
+//! `--hidden` (heads of 64, three query heads a KV head) and `--inter` reshape the model: the k-quants
+//! need multiples of 256 (`--hidden 768 --inter 2048`), else their rows fall back as llama.cpp's do.
+//! `q4_k_m` is llama.cpp's Q4_K_M mix.
 //!
 //! Each decoded token is the greedy pick of the step before, as a server decodes. Beside the wall-clock
 //! rate, the table gives the process's CPU milliseconds a token (all threads), which a loaded host
@@ -12,13 +16,13 @@
 
 use std::time::Instant;
 
-use hostembed::checkpoint::write::MemSource;
+use hostembed::checkpoint::write::{MemSource, Recipe};
 use hostembed::cpu::CpuModel;
 use hostembed::model::{Arch, ModelConfig, RopeScaling};
 use hostembed::tensor::DType;
 
-fn parse_dtype(name: &str) -> DType {
-    DType::from_name(name).unwrap_or_else(|| panic!("no format {name}"))
+fn parse_recipe(name: &str) -> Recipe {
+    Recipe::from_name(name).unwrap_or_else(|| panic!("no format or mix {name}"))
 }
 
 /// CPU seconds this process has run, all threads together.
@@ -61,7 +65,7 @@ fn main() {
         bos: None,
         eos: None,
     };
-    let mut dtypes = vec![DType::F32, DType::F16, DType::Bf16, DType::Q8_0];
+    let mut dtypes: Vec<Recipe> = [DType::F32, DType::F16, DType::Bf16, DType::Q8_0].map(Recipe::from).to_vec();
     let mut thread_counts = vec![1, 2];
     let (mut prompt, mut decode, mut runs) = (8usize, 32usize, 3usize);
     let mut it = std::env::args().skip(1);
@@ -69,7 +73,7 @@ fn main() {
         let value = it.next().unwrap_or_else(|| panic!("{flag} takes a value"));
         let num = || -> usize { value.parse().unwrap_or_else(|_| panic!("{flag} takes a number")) };
         match flag.as_str() {
-            "--dtype" => dtypes = value.split(',').map(parse_dtype).collect(),
+            "--dtype" => dtypes = value.split(',').map(parse_recipe).collect(),
             "--threads" => {
                 thread_counts =
                     value.split(',').map(|t| t.parse().unwrap_or_else(|_| panic!("--threads takes numbers"))).collect()
@@ -78,6 +82,12 @@ fn main() {
             "--tokens" => decode = num().max(1),
             "--runs" => runs = num().max(1),
             "--layers" => cfg.layers = num(),
+            "--hidden" => {
+                cfg.hidden = num();
+                cfg.heads = cfg.hidden / cfg.head_dim;
+                cfg.kv_heads = (cfg.heads / 3).max(1);
+            }
+            "--inter" => cfg.intermediate = num(),
             other => panic!("unknown flag {other}"),
         }
     }

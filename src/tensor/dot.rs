@@ -51,6 +51,8 @@ pub trait Vector: Copy {
     unsafe fn from_bf16_bytes(bytes: &[u8; 2 * LANES]) -> Self;
     /// Sixteen int8 values.
     unsafe fn from_i8_bytes(bytes: &[u8; LANES]) -> Self;
+    /// Sixteen unsigned bytes.
+    unsafe fn from_u8_bytes(bytes: &[u8; LANES]) -> Self;
     /// The low four bits of sixteen bytes, as values 0..=15.
     unsafe fn from_low_nibbles(bytes: &[u8; LANES]) -> Self;
     /// The high four bits of sixteen bytes, as values 0..=15.
@@ -127,6 +129,10 @@ impl Vector for Portable {
     #[inline(always)]
     unsafe fn from_i8_bytes(bytes: &[u8; LANES]) -> Self {
         Portable(std::array::from_fn(|l| bytes[l] as i8 as f32))
+    }
+    #[inline(always)]
+    unsafe fn from_u8_bytes(bytes: &[u8; LANES]) -> Self {
+        Portable(std::array::from_fn(|l| bytes[l] as f32))
     }
     #[inline(always)]
     unsafe fn from_low_nibbles(bytes: &[u8; LANES]) -> Self {
@@ -209,6 +215,10 @@ mod x86 {
                 let hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128::<8>(q)));
                 Avx2(lo, hi)
             }
+        }
+        #[inline(always)]
+        unsafe fn from_u8_bytes(bytes: &[u8; LANES]) -> Self {
+            unsafe { Avx2::widen_u8(_mm_loadu_si128(bytes.as_ptr() as *const __m128i)) }
         }
         #[inline(always)]
         unsafe fn from_low_nibbles(bytes: &[u8; LANES]) -> Self {
@@ -306,6 +316,13 @@ mod x86 {
             unsafe {
                 let q = _mm_loadu_si128(bytes.as_ptr() as *const __m128i);
                 Avx512(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)))
+            }
+        }
+        #[inline(always)]
+        unsafe fn from_u8_bytes(bytes: &[u8; LANES]) -> Self {
+            unsafe {
+                let q = _mm_loadu_si128(bytes.as_ptr() as *const __m128i);
+                Avx512(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q)))
             }
         }
         #[inline(always)]

@@ -4,6 +4,7 @@
 
 use std::mem::offset_of;
 
+use super::dot::{LANES, Vector};
 use super::k_quants::{SUPER_BLOCK, make_qkx2_quants, nearest_int, pack_scale_min_k4, scale_min_k4};
 use super::{DType, Dtype, Format, f16_at, f16_le, f16_round};
 
@@ -46,6 +47,37 @@ impl Format for Q4_K {
             let shift = 4 * (sub % 2);
             for (v, q) in out.iter_mut().zip(&block[QUANTS + 32 * (sub / 2)..][..32]) {
                 *v = scale * (q >> shift & 0x0F) as f32 - min;
+            }
+        }
+    }
+
+    /// Each sub-block's 32 nibbles widened in registers: d * scale and dmin * min are exact in f32 (11 by
+    /// 6 significant bits), and so is their product with a 4-bit quant, so q * scale - min rounds once,
+    /// fused or not: each value is the one `decode_block` gives.
+    #[inline(always)]
+    unsafe fn dot_lanes<V: Vector, const R: usize>(rows: [&[u8]; R], x: &[f32], acc: &mut [V; R]) {
+        const BLOCK_BYTES: usize = size_of::<BlockQ4_K>();
+        let x_blocks = x.as_chunks::<SUPER_BLOCK>().0;
+        let blocks = rows.map(|row| row.as_chunks::<BLOCK_BYTES>().0);
+        assert!(blocks.iter().all(|b| b.len() == x_blocks.len()), "Q4_K rows do not match the columns");
+        // SAFETY: the caller runs this inside V's build.
+        unsafe {
+            for (b, x) in x_blocks.iter().enumerate() {
+                let x = x.as_chunks::<LANES>().0;
+                for (blocks, acc) in blocks.iter().zip(acc.iter_mut()) {
+                    let block = &blocks[b];
+                    let (d, dmin) = (f16_at(block, 0), f16_at(block, DMIN));
+                    let packed = &block[SCALES..SCALES + 12];
+                    for sub in 0..8 {
+                        let (sc, m) = scale_min_k4(sub, packed);
+                        let (scale, neg_min) = (V::splat(d * sc as f32), V::splat(-(dmin * m as f32)));
+                        let quants = block[QUANTS + 32 * (sub / 2)..][..32].as_chunks::<LANES>().0;
+                        for (run, q) in quants.iter().enumerate() {
+                            let q = if sub % 2 == 0 { V::from_low_nibbles(q) } else { V::from_high_nibbles(q) };
+                            *acc = acc.fma(neg_min.fma(q, scale), V::load(&x[2 * sub + run]));
+                        }
+                    }
+                }
             }
         }
     }
