@@ -1,12 +1,34 @@
 //! What the k-quant formats (Q2_K to Q6_K) share: the 256-value super-block, the 6-bit scale and
 //! minimum packing of Q4_K and Q5_K, and llama.cpp's reference fits of one sub-block's quants
 //! (`make_qkx2_quants`, `make_qx_quants`, `make_q3_quants` in ggml-quants.c), re-expressed with the same
-//! float operations in the same order so the encoders quantize as llama.cpp's reference does.
+//! float operations in the same order so the encoders quantize as llama.cpp's reference does; and the
+//! bytewise helpers their `dot_lanes` assemble quants with, eight bytes at a time in a u64.
 
 use super::signed_absmax;
 
 /// Values in a k-quant super-block.
 pub const SUPER_BLOCK: usize = 256;
+
+/// Every byte's low four, two and one bits: a u64 shifted right by s and masked with one of these holds
+/// each of its eight bytes' bits s.. (no bit of a neighbouring byte gets in).
+pub const BYTES_LOW4: u64 = 0x0F0F_0F0F_0F0F_0F0F;
+pub const BYTES_LOW2: u64 = 0x0303_0303_0303_0303;
+pub const BYTES_LOW1: u64 = 0x0101_0101_0101_0101;
+
+/// The eight bytes of `block` from `at`, as a little-endian u64.
+#[inline(always)]
+pub fn le_word(block: &[u8], at: usize) -> u64 {
+    u64::from_le_bytes(block[at..at + 8].try_into().expect("8 bytes"))
+}
+
+/// Sixteen quant bytes, eight at a time from `word(0)` and `word(8)`.
+#[inline(always)]
+pub fn sixteen_bytes(word: impl Fn(usize) -> u64) -> [u8; 16] {
+    let mut q = [0u8; 16];
+    q[..8].copy_from_slice(&word(0).to_le_bytes());
+    q[8..].copy_from_slice(&word(8).to_le_bytes());
+    q
+}
 
 /// Below this a sub-block's largest magnitude counts as zero.
 pub const GROUP_MAX_EPS: f32 = 1e-15;

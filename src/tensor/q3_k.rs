@@ -4,7 +4,9 @@
 
 use std::mem::offset_of;
 
-use super::k_quants::{SUPER_BLOCK, make_q3_quants, nearest_int, pack_two_bit};
+use super::dot::{LANES, Vector};
+use super::k_quants::sixteen_bytes;
+use super::k_quants::{BYTES_LOW1, BYTES_LOW2, SUPER_BLOCK, le_word, make_q3_quants, nearest_int, pack_two_bit};
 use super::{DType, Dtype, Format, f16_at, f16_le, f16_round};
 
 #[allow(non_camel_case_types)]
@@ -60,6 +62,40 @@ impl Format for Q3_K {
             for ((v, q), h) in out.iter_mut().zip(bytes).zip(high) {
                 let q = (q >> shift & 3) as i32 - if h >> bit & 1 != 0 { 0 } else { 4 };
                 *v = dl * q as f32;
+            }
+        }
+    }
+
+    /// Each sub-block's three-bit quants assembled eight at a time in a u64 (a bit pair, and the
+    /// sub-block's bit of `hmask` as bit 2), widened in registers, then (q - 4) * dl: every step exact in
+    /// f32 (dl is 11 by 6 significant bits), so each value is the one `decode_block` gives.
+    #[inline(always)]
+    unsafe fn dot_lanes<V: Vector, const R: usize>(rows: [&[u8]; R], x: &[f32], acc: &mut [V; R]) {
+        const BLOCK_BYTES: usize = size_of::<BlockQ3_K>();
+        let x_blocks = x.as_chunks::<SUPER_BLOCK>().0;
+        let blocks = rows.map(|row| row.as_chunks::<BLOCK_BYTES>().0);
+        assert!(blocks.iter().all(|b| b.len() == x_blocks.len()), "Q3_K rows do not match the columns");
+        // SAFETY: the caller runs this inside V's build.
+        unsafe {
+            let minus_4 = V::splat(-4.0);
+            for (b, x) in x_blocks.iter().enumerate() {
+                let x = x.as_chunks::<LANES>().0;
+                for (blocks, acc) in blocks.iter().zip(acc.iter_mut()) {
+                    let block = &blocks[b];
+                    let d = f16_at(block, D);
+                    let packed = &block[SCALES..SCALES + 12];
+                    for (sub, x) in x.iter().enumerate() {
+                        let offset = 16 * (sub % 2);
+                        let bytes = QUANTS + 32 * (sub / 8) + offset;
+                        let (shift, bit) = (2 * (sub / 2 % 4), sub / 2);
+                        let q = sixteen_bytes(|i| {
+                            (le_word(block, bytes + i) >> shift & BYTES_LOW2)
+                                | (le_word(block, offset + i) >> bit & BYTES_LOW1) << 2
+                        });
+                        let dl = V::splat(d * scale(packed, sub) as f32);
+                        *acc = acc.fma(V::from_u8_bytes(&q).add(minus_4).mul(dl), V::load(x));
+                    }
+                }
             }
         }
     }

@@ -4,7 +4,8 @@
 
 use std::mem::offset_of;
 
-use super::k_quants::{SUPER_BLOCK, scale_min_k4};
+use super::dot::{LANES, Vector};
+use super::k_quants::{BYTES_LOW1, BYTES_LOW4, SUPER_BLOCK, le_word, scale_min_k4, sixteen_bytes};
 use super::q4_k::encode_scale_min;
 use super::{DType, Dtype, Format, f16_at};
 
@@ -52,6 +53,42 @@ impl Format for Q5_K {
             for ((v, q), h) in out.iter_mut().zip(low).zip(qh) {
                 let q = (q >> shift & 0x0F) as u32 + if h >> sub & 1 != 0 { 16 } else { 0 };
                 *v = scale * q as f32 - min;
+            }
+        }
+    }
+
+    /// Each sub-block's five-bit quants assembled eight at a time in a u64 (a nibble, and the sub-block's
+    /// bit of `qh` as bit 4), widened in registers: d * scale and dmin * min are exact in f32 (11 by 6
+    /// significant bits), and so is their product with a quant, so q * scale - min rounds once, as
+    /// `decode_block` rounds it.
+    #[inline(always)]
+    unsafe fn dot_lanes<V: Vector, const R: usize>(rows: [&[u8]; R], x: &[f32], acc: &mut [V; R]) {
+        const BLOCK_BYTES: usize = size_of::<BlockQ5_K>();
+        let x_blocks = x.as_chunks::<SUPER_BLOCK>().0;
+        let blocks = rows.map(|row| row.as_chunks::<BLOCK_BYTES>().0);
+        assert!(blocks.iter().all(|b| b.len() == x_blocks.len()), "Q5_K rows do not match the columns");
+        // SAFETY: the caller runs this inside V's build.
+        unsafe {
+            for (b, x) in x_blocks.iter().enumerate() {
+                let x = x.as_chunks::<LANES>().0;
+                for (blocks, acc) in blocks.iter().zip(acc.iter_mut()) {
+                    let block = &blocks[b];
+                    let (d, dmin) = (f16_at(block, 0), f16_at(block, DMIN));
+                    let packed = &block[SCALES..SCALES + 12];
+                    for sub in 0..8 {
+                        let (sc, m) = scale_min_k4(sub, packed);
+                        let (scale, neg_min) = (V::splat(d * sc as f32), V::splat(-(dmin * m as f32)));
+                        let (low, shift) = (QUANTS + 32 * (sub / 2), 4 * (sub % 2));
+                        for run in 0..2 {
+                            let q = sixteen_bytes(|i| {
+                                let at = 16 * run + i;
+                                (le_word(block, low + at) >> shift & BYTES_LOW4)
+                                    | (le_word(block, QH + at) >> sub & BYTES_LOW1) << 4
+                            });
+                            *acc = acc.fma(neg_min.fma(V::from_u8_bytes(&q), scale), V::load(&x[2 * sub + run]));
+                        }
+                    }
+                }
             }
         }
     }

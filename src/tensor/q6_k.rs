@@ -6,7 +6,8 @@
 use std::mem::offset_of;
 
 use super::dot::{LANES, Vector};
-use super::k_quants::{GROUP_MAX_EPS, SUPER_BLOCK, make_qx_quants, nearest_int};
+use super::k_quants::sixteen_bytes;
+use super::k_quants::{BYTES_LOW2, BYTES_LOW4, GROUP_MAX_EPS, SUPER_BLOCK, le_word, make_qx_quants, nearest_int};
 use super::{DType, Dtype, Format, f16_at, f16_le, f16_round};
 
 #[allow(non_camel_case_types)]
@@ -58,12 +59,9 @@ impl Format for Q6_K {
     #[inline(always)]
     unsafe fn dot_lanes<V: Vector, const R: usize>(rows: [&[u8]; R], x: &[f32], acc: &mut [V; R]) {
         const BLOCK_BYTES: usize = size_of::<BlockQ6_K>();
-        const LOW4: u64 = 0x0F0F_0F0F_0F0F_0F0F;
-        const LOW2: u64 = 0x0303_0303_0303_0303;
         let x_blocks = x.as_chunks::<SUPER_BLOCK>().0;
         let blocks = rows.map(|row| row.as_chunks::<BLOCK_BYTES>().0);
         assert!(blocks.iter().all(|b| b.len() == x_blocks.len()), "Q6_K rows do not match the columns");
-        let word = |bytes: &[u8], at: usize| u64::from_le_bytes(bytes[at..at + 8].try_into().expect("8 bytes"));
         // SAFETY: the caller runs this inside V's build.
         unsafe {
             let minus_32 = V::splat(-32.0);
@@ -75,12 +73,11 @@ impl Format for Q6_K {
                     for (sub, x) in x.iter().enumerate() {
                         let (half, k, part) = (sub / 8, sub % 8 / 2, 16 * (sub % 2));
                         let (ql, qh) = (64 * half + 32 * (k % 2) + part, QH + 32 * half + part);
-                        let mut q = [0u8; LANES];
-                        for i in [0, 8] {
-                            let lo = word(block, ql + i) >> (4 * (k / 2)) & LOW4;
-                            let hi = word(block, qh + i) >> (2 * k) & LOW2;
-                            q[i..i + 8].copy_from_slice(&(lo | hi << 4).to_le_bytes());
-                        }
+                        let q = sixteen_bytes(|i| {
+                            let lo = le_word(block, ql + i) >> (4 * (k / 2)) & BYTES_LOW4;
+                            let hi = le_word(block, qh + i) >> (2 * k) & BYTES_LOW2;
+                            lo | hi << 4
+                        });
                         let dl = V::splat(d * block[SCALES + sub] as i8 as f32);
                         *acc = acc.fma(V::from_u8_bytes(&q).add(minus_32).mul(dl), V::load(x));
                     }
