@@ -4,9 +4,11 @@
 
 use std::mem::offset_of;
 
-use super::dot::{LANES, Vector};
+use super::dot::{Lanes, Vector};
 use super::k_quants::sixteen_bytes;
-use super::k_quants::{BYTES_LOW2, SUPER_BLOCK, le_word, make_qkx2_quants, nearest_int, pack_two_bit};
+use super::k_quants::{
+    BYTES_LOW2, SUPER_BLOCK, dot_lanes_by_super_block, le_word, make_qkx2_quants, nearest_int, pack_two_bit,
+};
 use super::{DType, Dtype, Format, f16_at, f16_le, f16_round};
 
 #[allow(non_camel_case_types)]
@@ -59,28 +61,8 @@ impl Format for Q2_K {
     /// quant, so q * scale - min rounds once, as `decode_block` rounds it.
     #[inline(always)]
     unsafe fn dot_lanes<V: Vector, const R: usize>(rows: [&[u8]; R], x: &[f32], acc: &mut [V; R]) {
-        const BLOCK_BYTES: usize = size_of::<BlockQ2_K>();
-        let x_blocks = x.as_chunks::<SUPER_BLOCK>().0;
-        let blocks = rows.map(|row| row.as_chunks::<BLOCK_BYTES>().0);
-        assert!(blocks.iter().all(|b| b.len() == x_blocks.len()), "Q2_K rows do not match the columns");
         // SAFETY: the caller runs this inside V's build.
-        unsafe {
-            for (b, x) in x_blocks.iter().enumerate() {
-                let x = x.as_chunks::<LANES>().0;
-                for (blocks, acc) in blocks.iter().zip(acc.iter_mut()) {
-                    let block = &blocks[b];
-                    let (d, dmin) = (f16_at(block, D), f16_at(block, DMIN));
-                    for (sub, x) in x.iter().enumerate() {
-                        let packed = block[sub];
-                        let scale = V::splat(d * (packed & 0x0F) as f32);
-                        let neg_min = V::splat(-(dmin * (packed >> 4) as f32));
-                        let (bytes, shift) = (QUANTS + 32 * (sub / 8) + 16 * (sub % 2), 2 * (sub / 2 % 4));
-                        let q = sixteen_bytes(|i| le_word(block, bytes + i) >> shift & BYTES_LOW2);
-                        *acc = acc.fma(neg_min.fma(V::from_u8_bytes(&q), scale), V::load(x));
-                    }
-                }
-            }
-        }
+        unsafe { dot_lanes_by_super_block::<BLOCK_BYTES, V, R>(rows, x, acc, block_dot::<V>) }
     }
 
     /// As llama.cpp's `quantize_row_q2_K_ref`: each sub-block fitted by `make_qkx2_quants` (|x|
@@ -130,5 +112,28 @@ impl Format for Q2_K {
         pack_two_bit(&quants, out);
         out.extend_from_slice(&f16_le(d));
         out.extend_from_slice(&f16_le(dmin));
+    }
+}
+
+const BLOCK_BYTES: usize = size_of::<BlockQ2_K>();
+
+/// One super-block's products (`Format::dot_lanes` above says how its values are made), multiply-added
+/// into a row's lanes; `x` is the block's columns in runs of LANES.
+///
+/// # Safety
+/// Inside V's build (see `Vector`).
+#[inline(always)]
+unsafe fn block_dot<V: Vector>(block: &[u8; BLOCK_BYTES], x: &[Lanes], acc: &mut V) {
+    // SAFETY: the caller runs this inside V's build.
+    unsafe {
+        let (d, dmin) = (f16_at(block, D), f16_at(block, DMIN));
+        for (sub, x) in x.iter().enumerate() {
+            let packed = block[sub];
+            let scale = V::splat(d * (packed & 0x0F) as f32);
+            let neg_min = V::splat(-(dmin * (packed >> 4) as f32));
+            let (bytes, shift) = (QUANTS + 32 * (sub / 8) + 16 * (sub % 2), 2 * (sub / 2 % 4));
+            let q = sixteen_bytes(|i| le_word(block, bytes + i) >> shift & BYTES_LOW2);
+            *acc = acc.fma(neg_min.fma(V::from_u8_bytes(&q), scale), V::load(x));
+        }
     }
 }

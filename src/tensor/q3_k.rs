@@ -4,9 +4,11 @@
 
 use std::mem::offset_of;
 
-use super::dot::{LANES, Vector};
+use super::dot::{Lanes, Vector};
 use super::k_quants::sixteen_bytes;
-use super::k_quants::{BYTES_LOW1, BYTES_LOW2, SUPER_BLOCK, le_word, make_q3_quants, nearest_int, pack_two_bit};
+use super::k_quants::{
+    BYTES_LOW1, BYTES_LOW2, SUPER_BLOCK, dot_lanes_by_super_block, le_word, make_q3_quants, nearest_int, pack_two_bit,
+};
 use super::{DType, Dtype, Format, f16_at, f16_le, f16_round};
 
 #[allow(non_camel_case_types)]
@@ -71,33 +73,8 @@ impl Format for Q3_K {
     /// f32 (dl is 11 by 6 significant bits), so each value is the one `decode_block` gives.
     #[inline(always)]
     unsafe fn dot_lanes<V: Vector, const R: usize>(rows: [&[u8]; R], x: &[f32], acc: &mut [V; R]) {
-        const BLOCK_BYTES: usize = size_of::<BlockQ3_K>();
-        let x_blocks = x.as_chunks::<SUPER_BLOCK>().0;
-        let blocks = rows.map(|row| row.as_chunks::<BLOCK_BYTES>().0);
-        assert!(blocks.iter().all(|b| b.len() == x_blocks.len()), "Q3_K rows do not match the columns");
         // SAFETY: the caller runs this inside V's build.
-        unsafe {
-            let minus_4 = V::splat(-4.0);
-            for (b, x) in x_blocks.iter().enumerate() {
-                let x = x.as_chunks::<LANES>().0;
-                for (blocks, acc) in blocks.iter().zip(acc.iter_mut()) {
-                    let block = &blocks[b];
-                    let d = f16_at(block, D);
-                    let packed = &block[SCALES..SCALES + 12];
-                    for (sub, x) in x.iter().enumerate() {
-                        let offset = 16 * (sub % 2);
-                        let bytes = QUANTS + 32 * (sub / 8) + offset;
-                        let (shift, bit) = (2 * (sub / 2 % 4), sub / 2);
-                        let q = sixteen_bytes(|i| {
-                            (le_word(block, bytes + i) >> shift & BYTES_LOW2)
-                                | (le_word(block, offset + i) >> bit & BYTES_LOW1) << 2
-                        });
-                        let dl = V::splat(d * scale(packed, sub) as f32);
-                        *acc = acc.fma(V::from_u8_bytes(&q).add(minus_4).mul(dl), V::load(x));
-                    }
-                }
-            }
-        }
+        unsafe { dot_lanes_by_super_block::<BLOCK_BYTES, V, R>(rows, x, acc, block_dot::<V>) }
     }
 
     /// As llama.cpp's `quantize_row_q3_K_ref`: each sub-block fitted by `make_q3_quants`, the 16 scales
@@ -152,5 +129,33 @@ impl Format for Q3_K {
         pack_two_bit(&low, out);
         out.extend_from_slice(&packed);
         out.extend_from_slice(&f16_le(d));
+    }
+}
+
+const BLOCK_BYTES: usize = size_of::<BlockQ3_K>();
+
+/// One super-block's products (`Format::dot_lanes` above says how its values are made), multiply-added
+/// into a row's lanes; `x` is the block's columns in runs of LANES.
+///
+/// # Safety
+/// Inside V's build (see `Vector`).
+#[inline(always)]
+unsafe fn block_dot<V: Vector>(block: &[u8; BLOCK_BYTES], x: &[Lanes], acc: &mut V) {
+    // SAFETY: the caller runs this inside V's build.
+    unsafe {
+        let minus_4 = V::splat(-4.0);
+        let d = f16_at(block, D);
+        let packed = &block[SCALES..SCALES + 12];
+        for (sub, x) in x.iter().enumerate() {
+            let offset = 16 * (sub % 2);
+            let bytes = QUANTS + 32 * (sub / 8) + offset;
+            let (shift, bit) = (2 * (sub / 2 % 4), sub / 2);
+            let q = sixteen_bytes(|i| {
+                (le_word(block, bytes + i) >> shift & BYTES_LOW2)
+                    | (le_word(block, offset + i) >> bit & BYTES_LOW1) << 2
+            });
+            let dl = V::splat(d * scale(packed, sub) as f32);
+            *acc = acc.fma(V::from_u8_bytes(&q).add(minus_4).mul(dl), V::load(x));
+        }
     }
 }

@@ -4,8 +4,11 @@
 
 use std::mem::offset_of;
 
-use super::dot::{LANES, Vector};
-use super::k_quants::{SUPER_BLOCK, make_qkx2_quants, nearest_int, pack_scale_min_k4, scale_min_k4};
+use super::dot::{LANES, Lanes, Vector};
+use super::k_quants::{
+    SUPER_BLOCK, dot_lanes_by_super_block, make_qkx2_quants, nearest_int, pack_scale_min_k4, scale_min_block_dot,
+    scale_min_k4,
+};
 use super::{DType, Dtype, Format, f16_at, f16_le, f16_round};
 
 #[allow(non_camel_case_types)]
@@ -56,30 +59,8 @@ impl Format for Q4_K {
     /// fused or not: each value is the one `decode_block` gives.
     #[inline(always)]
     unsafe fn dot_lanes<V: Vector, const R: usize>(rows: [&[u8]; R], x: &[f32], acc: &mut [V; R]) {
-        const BLOCK_BYTES: usize = size_of::<BlockQ4_K>();
-        let x_blocks = x.as_chunks::<SUPER_BLOCK>().0;
-        let blocks = rows.map(|row| row.as_chunks::<BLOCK_BYTES>().0);
-        assert!(blocks.iter().all(|b| b.len() == x_blocks.len()), "Q4_K rows do not match the columns");
         // SAFETY: the caller runs this inside V's build.
-        unsafe {
-            for (b, x) in x_blocks.iter().enumerate() {
-                let x = x.as_chunks::<LANES>().0;
-                for (blocks, acc) in blocks.iter().zip(acc.iter_mut()) {
-                    let block = &blocks[b];
-                    let (d, dmin) = (f16_at(block, 0), f16_at(block, DMIN));
-                    let packed = &block[SCALES..SCALES + 12];
-                    for sub in 0..8 {
-                        let (sc, m) = scale_min_k4(sub, packed);
-                        let (scale, neg_min) = (V::splat(d * sc as f32), V::splat(-(dmin * m as f32)));
-                        let quants = block[QUANTS + 32 * (sub / 2)..][..32].as_chunks::<LANES>().0;
-                        for (run, q) in quants.iter().enumerate() {
-                            let q = if sub % 2 == 0 { V::from_low_nibbles(q) } else { V::from_high_nibbles(q) };
-                            *acc = acc.fma(neg_min.fma(q, scale), V::load(&x[2 * sub + run]));
-                        }
-                    }
-                }
-            }
-        }
+        unsafe { dot_lanes_by_super_block::<BLOCK_BYTES, V, R>(rows, x, acc, block_dot::<V>) }
     }
 
     /// As llama.cpp's `quantize_row_q4_K_ref`.
@@ -142,4 +123,23 @@ pub(super) fn encode_scale_min(
     out.extend_from_slice(&f16_le(dmin));
     out.extend_from_slice(&packed);
     quants
+}
+
+const BLOCK_BYTES: usize = size_of::<BlockQ4_K>();
+
+/// One super-block's products (`Format::dot_lanes` above says how its values are made), multiply-added
+/// into a row's lanes; `x` is the block's columns in runs of LANES.
+///
+/// # Safety
+/// Inside V's build (see `Vector`).
+#[inline(always)]
+unsafe fn block_dot<V: Vector>(block: &[u8; BLOCK_BYTES], x: &[Lanes], acc: &mut V) {
+    // Sub-blocks 2j and 2j + 1 are the low and high nibbles of the same 32 bytes.
+    let quants = |sub: usize, run: usize| {
+        let q = block[QUANTS + 32 * (sub / 2) + 16 * run..].first_chunk::<LANES>().expect("16 quant bytes");
+        // SAFETY: the caller runs this inside V's build.
+        unsafe { if sub % 2 == 0 { V::from_low_nibbles(q) } else { V::from_high_nibbles(q) } }
+    };
+    // SAFETY: the caller runs this inside V's build.
+    unsafe { scale_min_block_dot::<V, SCALES>(block, DMIN, x, acc, quants) }
 }

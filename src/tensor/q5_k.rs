@@ -4,8 +4,11 @@
 
 use std::mem::offset_of;
 
-use super::dot::{LANES, Vector};
-use super::k_quants::{BYTES_LOW1, BYTES_LOW4, SUPER_BLOCK, le_word, scale_min_k4, sixteen_bytes};
+use super::dot::{Lanes, Vector};
+use super::k_quants::{
+    BYTES_LOW1, BYTES_LOW4, SUPER_BLOCK, dot_lanes_by_super_block, le_word, scale_min_block_dot, scale_min_k4,
+    sixteen_bytes,
+};
 use super::q4_k::encode_scale_min;
 use super::{DType, Dtype, Format, f16_at};
 
@@ -63,34 +66,8 @@ impl Format for Q5_K {
     /// `decode_block` rounds it.
     #[inline(always)]
     unsafe fn dot_lanes<V: Vector, const R: usize>(rows: [&[u8]; R], x: &[f32], acc: &mut [V; R]) {
-        const BLOCK_BYTES: usize = size_of::<BlockQ5_K>();
-        let x_blocks = x.as_chunks::<SUPER_BLOCK>().0;
-        let blocks = rows.map(|row| row.as_chunks::<BLOCK_BYTES>().0);
-        assert!(blocks.iter().all(|b| b.len() == x_blocks.len()), "Q5_K rows do not match the columns");
         // SAFETY: the caller runs this inside V's build.
-        unsafe {
-            for (b, x) in x_blocks.iter().enumerate() {
-                let x = x.as_chunks::<LANES>().0;
-                for (blocks, acc) in blocks.iter().zip(acc.iter_mut()) {
-                    let block = &blocks[b];
-                    let (d, dmin) = (f16_at(block, 0), f16_at(block, DMIN));
-                    let packed = &block[SCALES..SCALES + 12];
-                    for sub in 0..8 {
-                        let (sc, m) = scale_min_k4(sub, packed);
-                        let (scale, neg_min) = (V::splat(d * sc as f32), V::splat(-(dmin * m as f32)));
-                        let (low, shift) = (QUANTS + 32 * (sub / 2), 4 * (sub % 2));
-                        for run in 0..2 {
-                            let q = sixteen_bytes(|i| {
-                                let at = 16 * run + i;
-                                (le_word(block, low + at) >> shift & BYTES_LOW4)
-                                    | (le_word(block, QH + at) >> sub & BYTES_LOW1) << 4
-                            });
-                            *acc = acc.fma(neg_min.fma(V::from_u8_bytes(&q), scale), V::load(&x[2 * sub + run]));
-                        }
-                    }
-                }
-            }
-        }
+        unsafe { dot_lanes_by_super_block::<BLOCK_BYTES, V, R>(rows, x, acc, block_dot::<V>) }
     }
 
     /// As llama.cpp's `quantize_row_q5_K_ref`.
@@ -108,4 +85,27 @@ impl Format for Q5_K {
         out.extend_from_slice(&qh);
         out.extend_from_slice(&low);
     }
+}
+
+const BLOCK_BYTES: usize = size_of::<BlockQ5_K>();
+
+/// One super-block's products (`Format::dot_lanes` above says how its values are made), multiply-added
+/// into a row's lanes; `x` is the block's columns in runs of LANES.
+///
+/// # Safety
+/// Inside V's build (see `Vector`).
+#[inline(always)]
+unsafe fn block_dot<V: Vector>(block: &[u8; BLOCK_BYTES], x: &[Lanes], acc: &mut V) {
+    // A nibble (low for even sub-blocks, high for odd), and the sub-block's bit of `qh` as bit 4.
+    let quants = |sub: usize, run: usize| {
+        let (low, shift) = (QUANTS + 32 * (sub / 2) + 16 * run, 4 * (sub % 2));
+        let q = sixteen_bytes(|i| {
+            (le_word(block, low + i) >> shift & BYTES_LOW4)
+                | (le_word(block, QH + 16 * run + i) >> sub & BYTES_LOW1) << 4
+        });
+        // SAFETY: the caller runs this inside V's build.
+        unsafe { V::from_u8_bytes(&q) }
+    };
+    // SAFETY: the caller runs this inside V's build.
+    unsafe { scale_min_block_dot::<V, SCALES>(block, DMIN, x, acc, quants) }
 }

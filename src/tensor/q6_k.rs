@@ -5,9 +5,11 @@
 
 use std::mem::offset_of;
 
-use super::dot::{LANES, Vector};
+use super::dot::{Lanes, Vector};
 use super::k_quants::sixteen_bytes;
-use super::k_quants::{BYTES_LOW2, BYTES_LOW4, GROUP_MAX_EPS, SUPER_BLOCK, le_word, make_qx_quants, nearest_int};
+use super::k_quants::{
+    BYTES_LOW2, BYTES_LOW4, GROUP_MAX_EPS, SUPER_BLOCK, dot_lanes_by_super_block, le_word, make_qx_quants, nearest_int,
+};
 use super::{DType, Dtype, Format, f16_at, f16_le, f16_round};
 
 #[allow(non_camel_case_types)]
@@ -58,32 +60,8 @@ impl Format for Q6_K {
     /// the subtraction exact, the product rounded once, as `decode_block` rounds it.
     #[inline(always)]
     unsafe fn dot_lanes<V: Vector, const R: usize>(rows: [&[u8]; R], x: &[f32], acc: &mut [V; R]) {
-        const BLOCK_BYTES: usize = size_of::<BlockQ6_K>();
-        let x_blocks = x.as_chunks::<SUPER_BLOCK>().0;
-        let blocks = rows.map(|row| row.as_chunks::<BLOCK_BYTES>().0);
-        assert!(blocks.iter().all(|b| b.len() == x_blocks.len()), "Q6_K rows do not match the columns");
         // SAFETY: the caller runs this inside V's build.
-        unsafe {
-            let minus_32 = V::splat(-32.0);
-            for (b, x) in x_blocks.iter().enumerate() {
-                let x = x.as_chunks::<LANES>().0;
-                for (blocks, acc) in blocks.iter().zip(acc.iter_mut()) {
-                    let block = &blocks[b];
-                    let d = f16_at(block, D);
-                    for (sub, x) in x.iter().enumerate() {
-                        let (half, k, part) = (sub / 8, sub % 8 / 2, 16 * (sub % 2));
-                        let (ql, qh) = (64 * half + 32 * (k % 2) + part, QH + 32 * half + part);
-                        let q = sixteen_bytes(|i| {
-                            let lo = le_word(block, ql + i) >> (4 * (k / 2)) & BYTES_LOW4;
-                            let hi = le_word(block, qh + i) >> (2 * k) & BYTES_LOW2;
-                            lo | hi << 4
-                        });
-                        let dl = V::splat(d * block[SCALES + sub] as i8 as f32);
-                        *acc = acc.fma(V::from_u8_bytes(&q).add(minus_32).mul(dl), V::load(x));
-                    }
-                }
-            }
-        }
+        unsafe { dot_lanes_by_super_block::<BLOCK_BYTES, V, R>(rows, x, acc, block_dot::<V>) }
     }
 
     /// As llama.cpp's `quantize_row_q6_K_ref`: each sub-block fitted by `make_qx_quants`, the 16 scales
@@ -131,5 +109,32 @@ impl Format for Q6_K {
         out.extend_from_slice(&qh);
         out.extend(packed.iter().map(|&s| s as u8));
         out.extend_from_slice(&f16_le(d));
+    }
+}
+
+const BLOCK_BYTES: usize = size_of::<BlockQ6_K>();
+
+/// One super-block's products (`Format::dot_lanes` above says how its values are made), multiply-added
+/// into a row's lanes; `x` is the block's columns in runs of LANES.
+///
+/// # Safety
+/// Inside V's build (see `Vector`).
+#[inline(always)]
+unsafe fn block_dot<V: Vector>(block: &[u8; BLOCK_BYTES], x: &[Lanes], acc: &mut V) {
+    // SAFETY: the caller runs this inside V's build.
+    unsafe {
+        let minus_32 = V::splat(-32.0);
+        let d = f16_at(block, D);
+        for (sub, x) in x.iter().enumerate() {
+            let (half, k, part) = (sub / 8, sub % 8 / 2, 16 * (sub % 2));
+            let (ql, qh) = (64 * half + 32 * (k % 2) + part, QH + 32 * half + part);
+            let q = sixteen_bytes(|i| {
+                let lo = le_word(block, ql + i) >> (4 * (k / 2)) & BYTES_LOW4;
+                let hi = le_word(block, qh + i) >> (2 * k) & BYTES_LOW2;
+                lo | hi << 4
+            });
+            let dl = V::splat(d * block[SCALES + sub] as i8 as f32);
+            *acc = acc.fma(V::from_u8_bytes(&q).add(minus_32).mul(dl), V::load(x));
+        }
     }
 }
