@@ -70,26 +70,27 @@ impl Default for engine_options {
     }
 }
 
-/// Whether rows come from the file mapping: Auto reads DS4_EMBD_MMAP ("1" is on, anything else off).
-pub fn resolve_mmap_rows(option: engine_tristate) -> bool {
+/// Yes or No as set; Auto is on when the environment variable `var` is "1" (anything else is off).
+fn tristate_or_env(option: engine_tristate, var: &str) -> bool {
     match option {
         engine_tristate::Yes => true,
         engine_tristate::No => false,
-        engine_tristate::Auto => std::env::var_os(MMAP_ROWS_ENV).is_some_and(|v| v == "1"),
+        engine_tristate::Auto => std::env::var_os(var).is_some_and(|v| v == "1"),
     }
+}
+
+/// Whether rows come from the file mapping: Auto reads DS4_EMBD_MMAP.
+pub fn resolve_mmap_rows(option: engine_tristate) -> bool {
+    tristate_or_env(option, MMAP_ROWS_ENV)
 }
 
 /// The environment variable `options.batch_tensor_cores` AUTO reads; "1" means on.
 pub const BATCH_TENSOR_CORES_ENV: &str = "HOSTEMBED_BATCH_TENSOR_CORES";
 
 /// Whether a CUDA engine's batches share tensor-core products among their single tokens (not batch
-/// invariant): Auto reads HOSTEMBED_BATCH_TENSOR_CORES ("1" is on, anything else off).
+/// invariant): Auto reads HOSTEMBED_BATCH_TENSOR_CORES.
 pub fn resolve_batch_tensor_cores(option: engine_tristate) -> bool {
-    match option {
-        engine_tristate::Yes => true,
-        engine_tristate::No => false,
-        engine_tristate::Auto => std::env::var_os(BATCH_TENSOR_CORES_ENV).is_some_and(|v| v == "1"),
-    }
+    tristate_or_env(option, BATCH_TENSOR_CORES_ENV)
 }
 
 /// Whether host and device share memory: Auto asks the device (integrated with pageable access), and

@@ -219,8 +219,8 @@ pub fn expected_tensors(cfg: &ModelConfig) -> Vec<(String, Vec<usize>)> {
 
 /// Checks that every tensor the config calls for is present with its shape, and that no block of it has
 /// a NaN or infinite scale (one pass over the scales: 14 GB/s on a 2-core host, 0.3 s for a 4.6 GB
-/// Q4_K_M file in the page cache). `location` names where
-/// tensors live (a file, or a folder of shards); `unsupported` lists tensors skipped for their dtype.
+/// Q4_K_M file in the page cache). `location` names where tensors live (a file, or a folder of
+/// shards); `unsupported` lists tensors skipped for their dtype.
 pub(crate) fn check_tensors(
     cfg: &ModelConfig,
     tensors: &BTreeMap<String, TensorInfo>,
