@@ -63,7 +63,8 @@ const BLOCK_BYTES: usize = size_of::<BlockQ4_0>();
 // `decode_in_lanes` reads the quants as one run of LANES bytes: low nibbles first, then high.
 const _: () = assert!(BLOCK_BYTES - QUANTS == LANES);
 
-/// A block's two runs of LANES values in registers: (q - 8) * scale, each step exact in f32 (4 by 11 significant bits): the value `decode_block` gives.
+/// A block's two runs of LANES values in registers: (q - 8) * scale, each step exact in f32 (4 by 11
+/// significant bits): the value `decode_block` gives.
 ///
 /// # Safety
 /// Inside V's build (see `Vector`).

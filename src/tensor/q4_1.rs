@@ -67,8 +67,8 @@ const BLOCK_BYTES: usize = size_of::<BlockQ4_1>();
 // `decode_in_lanes` reads the quants as one run of LANES bytes: low nibbles first, then high.
 const _: () = assert!(BLOCK_BYTES - QUANTS == LANES);
 
-/// A block's two runs of LANES values in registers: q * scale + min: the product is exact in f32 (4 by 11 significant bits), so fused with the add or
-/// not it rounds once, to the value `decode_block` gives.
+/// A block's two runs of LANES values in registers: q * scale + min, the product exact in f32 (4 by 11
+/// significant bits), so fused with the add or not it rounds once, to the value `decode_block` gives.
 ///
 /// # Safety
 /// Inside V's build (see `Vector`).
