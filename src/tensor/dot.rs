@@ -218,21 +218,15 @@ mod x86 {
         }
         #[inline(always)]
         unsafe fn from_u8_bytes(bytes: &[u8; LANES]) -> Self {
-            unsafe { Avx2::widen_u8(_mm_loadu_si128(bytes.as_ptr() as *const __m128i)) }
+            unsafe { Avx2::widen_u8(load16(bytes)) }
         }
         #[inline(always)]
         unsafe fn from_low_nibbles(bytes: &[u8; LANES]) -> Self {
-            unsafe {
-                let q = _mm_and_si128(_mm_loadu_si128(bytes.as_ptr() as *const __m128i), _mm_set1_epi8(0x0F));
-                Avx2::widen_u8(q)
-            }
+            unsafe { Avx2::widen_u8(low_nibbles(load16(bytes))) }
         }
         #[inline(always)]
         unsafe fn from_high_nibbles(bytes: &[u8; LANES]) -> Self {
-            unsafe {
-                let q = _mm_loadu_si128(bytes.as_ptr() as *const __m128i);
-                Avx2::widen_u8(_mm_and_si128(_mm_srli_epi16::<4>(q), _mm_set1_epi8(0x0F)))
-            }
+            unsafe { Avx2::widen_u8(high_nibbles(load16(bytes))) }
         }
         #[inline(always)]
         unsafe fn splat_f16_bytes(bytes: [u8; 2]) -> Self {
@@ -262,6 +256,26 @@ mod x86 {
             }
             out
         }
+    }
+
+    // The byte helpers both builds widen from. SAFETY (each): SSE2 only, inside either build.
+
+    /// Sixteen bytes, unaligned.
+    #[inline(always)]
+    unsafe fn load16(bytes: &[u8; LANES]) -> __m128i {
+        unsafe { _mm_loadu_si128(bytes.as_ptr() as *const __m128i) }
+    }
+
+    /// Each byte's low four bits.
+    #[inline(always)]
+    unsafe fn low_nibbles(q: __m128i) -> __m128i {
+        unsafe { _mm_and_si128(q, _mm_set1_epi8(0x0F)) }
+    }
+
+    /// Each byte's high four bits, as a value 0..=15 in that byte.
+    #[inline(always)]
+    unsafe fn high_nibbles(q: __m128i) -> __m128i {
+        unsafe { low_nibbles(_mm_srli_epi16::<4>(q)) }
     }
 
     impl Avx2 {
@@ -320,25 +334,15 @@ mod x86 {
         }
         #[inline(always)]
         unsafe fn from_u8_bytes(bytes: &[u8; LANES]) -> Self {
-            unsafe {
-                let q = _mm_loadu_si128(bytes.as_ptr() as *const __m128i);
-                Avx512(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q)))
-            }
+            unsafe { Avx512::widen_u8(load16(bytes)) }
         }
         #[inline(always)]
         unsafe fn from_low_nibbles(bytes: &[u8; LANES]) -> Self {
-            unsafe {
-                let q = _mm_and_si128(_mm_loadu_si128(bytes.as_ptr() as *const __m128i), _mm_set1_epi8(0x0F));
-                Avx512(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q)))
-            }
+            unsafe { Avx512::widen_u8(low_nibbles(load16(bytes))) }
         }
         #[inline(always)]
         unsafe fn from_high_nibbles(bytes: &[u8; LANES]) -> Self {
-            unsafe {
-                let q = _mm_loadu_si128(bytes.as_ptr() as *const __m128i);
-                let q = _mm_and_si128(_mm_srli_epi16::<4>(q), _mm_set1_epi8(0x0F));
-                Avx512(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q)))
-            }
+            unsafe { Avx512::widen_u8(high_nibbles(load16(bytes))) }
         }
         #[inline(always)]
         unsafe fn splat_f16_bytes(bytes: [u8; 2]) -> Self {
@@ -361,6 +365,15 @@ mod x86 {
             let mut out = [0f32; LANES];
             unsafe { _mm512_storeu_ps(out.as_mut_ptr(), self.0) };
             out
+        }
+    }
+
+    impl Avx512 {
+        /// Sixteen unsigned bytes as f32 lanes.
+        #[inline(always)]
+        unsafe fn widen_u8(q: __m128i) -> Self {
+            // SAFETY: inside the AVX-512 build (the callers' contract).
+            unsafe { Avx512(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q))) }
         }
     }
 }
@@ -542,6 +555,30 @@ pub(super) unsafe fn dot_lanes_by_block<F: Format, V: Vector, const R: usize>(
     }
 }
 
+/// `dot_lanes` block by block: for each block of `VALUES` columns (`BLOCK_BYTES` bytes a row), each row's
+/// `block_dot` multiply-adds that block (its bytes, and its columns of `x` in runs of LANES) into the
+/// row's lanes. Blocks outer, rows inner: each row's lanes are a chain of their own, R chains side by side.
+///
+/// # Safety
+/// Inside V's build (see `Vector`), which `block_dot` may rely on.
+#[inline(always)]
+pub(super) unsafe fn dot_lanes_by_blocks<const VALUES: usize, const BLOCK_BYTES: usize, V: Vector, const R: usize>(
+    rows: [&[u8]; R],
+    x: &[f32],
+    acc: &mut [V; R],
+    block_dot: impl Fn(&[u8; BLOCK_BYTES], &[Lanes], &mut V),
+) {
+    let x_blocks = x.as_chunks::<VALUES>().0;
+    let blocks = rows.map(|row| row.as_chunks::<BLOCK_BYTES>().0);
+    assert!(blocks.iter().all(|b| b.len() == x_blocks.len()), "rows of whole blocks do not match the columns");
+    for (b, x) in x_blocks.iter().enumerate() {
+        let x = x.as_chunks::<LANES>().0;
+        for (blocks, acc) in blocks.iter().zip(acc.iter_mut()) {
+            block_dot(&blocks[b], x, acc);
+        }
+    }
+}
+
 /// `dot_lanes` of a format of 32-value blocks of `BLOCK_BYTES` bytes that `decode` turns, in registers,
 /// into the block's two runs of LANES values (each the value `decode_block` gives).
 ///
@@ -554,20 +591,12 @@ pub(super) unsafe fn dot_lanes_of_pairs<const BLOCK_BYTES: usize, V: Vector, con
     acc: &mut [V; R],
     decode: unsafe fn(&[u8; BLOCK_BYTES]) -> (V, V),
 ) {
-    let x_blocks = x.as_chunks::<{ 2 * LANES }>().0;
-    let blocks = rows.map(|row| row.as_chunks::<BLOCK_BYTES>().0);
-    assert!(blocks.iter().all(|b| b.len() == x_blocks.len()), "rows of 32-value blocks do not match the columns");
     // SAFETY: the caller runs this inside V's build.
     unsafe {
-        // Blocks outer, rows inner: each row's lanes are a chain of their own, R chains side by side.
-        for (b, x) in x_blocks.iter().enumerate() {
-            let x = x.as_chunks::<LANES>().0;
-            let (x0, x1) = (V::load(&x[0]), V::load(&x[1]));
-            for (blocks, acc) in blocks.iter().zip(acc.iter_mut()) {
-                let (w0, w1) = decode(&blocks[b]);
-                *acc = acc.fma(w0, x0).fma(w1, x1);
-            }
-        }
+        dot_lanes_by_blocks::<{ 2 * LANES }, BLOCK_BYTES, V, R>(rows, x, acc, |block, x, acc| {
+            let (w0, w1) = decode(block);
+            *acc = acc.fma(w0, V::load(&x[0])).fma(w1, V::load(&x[1]));
+        })
     }
 }
 

@@ -4,7 +4,7 @@
 //! float operations in the same order so the encoders quantize as llama.cpp's reference does; and the
 //! bytewise helpers their `dot_lanes` assemble quants with, eight bytes at a time in a u64.
 
-use super::dot::{LANES, Lanes, Vector};
+use super::dot::{Lanes, Vector};
 use super::signed_absmax;
 
 /// Values in a k-quant super-block.
@@ -29,31 +29,6 @@ pub fn sixteen_bytes(word: impl Fn(usize) -> u64) -> [u8; 16] {
     q[..8].copy_from_slice(&word(0).to_le_bytes());
     q[8..].copy_from_slice(&word(8).to_le_bytes());
     q
-}
-
-/// `Format::dot_lanes` of a k-quant: each row's super-blocks in column order, `block_dot` multiply-adding
-/// one (its bytes, and its columns of `x` in runs of LANES) into the row's lanes.
-///
-/// # Safety
-/// Inside V's build (see `Vector`).
-#[inline(always)]
-pub unsafe fn dot_lanes_by_super_block<const BLOCK_BYTES: usize, V: Vector, const R: usize>(
-    rows: [&[u8]; R],
-    x: &[f32],
-    acc: &mut [V; R],
-    block_dot: unsafe fn(&[u8; BLOCK_BYTES], &[Lanes], &mut V),
-) {
-    let x_blocks = x.as_chunks::<SUPER_BLOCK>().0;
-    let blocks = rows.map(|row| row.as_chunks::<BLOCK_BYTES>().0);
-    assert!(blocks.iter().all(|b| b.len() == x_blocks.len()), "k-quant rows do not match the columns");
-    for (b, x) in x_blocks.iter().enumerate() {
-        let x = x.as_chunks::<LANES>().0;
-        // Blocks outer, rows inner, as the other formats' loops.
-        for (blocks, acc) in blocks.iter().zip(acc.iter_mut()) {
-            // SAFETY: the caller runs this inside V's build.
-            unsafe { block_dot(&blocks[b], x, acc) };
-        }
-    }
 }
 
 /// One Q4_K or Q5_K super-block's products into a row's lanes: for each sub-block of 32, its 6-bit scale

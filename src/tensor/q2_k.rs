@@ -4,11 +4,8 @@
 
 use std::mem::offset_of;
 
-use super::dot::{Lanes, Vector};
-use super::k_quants::sixteen_bytes;
-use super::k_quants::{
-    BYTES_LOW2, SUPER_BLOCK, dot_lanes_by_super_block, le_word, make_qkx2_quants, nearest_int, pack_two_bit,
-};
+use super::dot::{Lanes, Vector, dot_lanes_by_blocks};
+use super::k_quants::{BYTES_LOW2, SUPER_BLOCK, le_word, make_qkx2_quants, nearest_int, pack_two_bit, sixteen_bytes};
 use super::{DType, Dtype, Format, f16_at, f16_le, f16_round};
 
 #[allow(non_camel_case_types)]
@@ -62,7 +59,7 @@ impl Format for Q2_K {
     #[inline(always)]
     unsafe fn dot_lanes<V: Vector, const R: usize>(rows: [&[u8]; R], x: &[f32], acc: &mut [V; R]) {
         // SAFETY: the caller runs this inside V's build.
-        unsafe { dot_lanes_by_super_block::<BLOCK_BYTES, V, R>(rows, x, acc, block_dot::<V>) }
+        unsafe { dot_lanes_by_blocks::<SUPER_BLOCK, BLOCK_BYTES, V, R>(rows, x, acc, |b, x, acc| block_dot(b, x, acc)) }
     }
 
     /// As llama.cpp's `quantize_row_q2_K_ref`: each sub-block fitted by `make_qkx2_quants` (|x|

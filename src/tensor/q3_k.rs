@@ -4,10 +4,9 @@
 
 use std::mem::offset_of;
 
-use super::dot::{Lanes, Vector};
-use super::k_quants::sixteen_bytes;
+use super::dot::{Lanes, Vector, dot_lanes_by_blocks};
 use super::k_quants::{
-    BYTES_LOW1, BYTES_LOW2, SUPER_BLOCK, dot_lanes_by_super_block, le_word, make_q3_quants, nearest_int, pack_two_bit,
+    BYTES_LOW1, BYTES_LOW2, SUPER_BLOCK, le_word, make_q3_quants, nearest_int, pack_two_bit, sixteen_bytes,
 };
 use super::{DType, Dtype, Format, f16_at, f16_le, f16_round};
 
@@ -74,7 +73,7 @@ impl Format for Q3_K {
     #[inline(always)]
     unsafe fn dot_lanes<V: Vector, const R: usize>(rows: [&[u8]; R], x: &[f32], acc: &mut [V; R]) {
         // SAFETY: the caller runs this inside V's build.
-        unsafe { dot_lanes_by_super_block::<BLOCK_BYTES, V, R>(rows, x, acc, block_dot::<V>) }
+        unsafe { dot_lanes_by_blocks::<SUPER_BLOCK, BLOCK_BYTES, V, R>(rows, x, acc, |b, x, acc| block_dot(b, x, acc)) }
     }
 
     /// As llama.cpp's `quantize_row_q3_K_ref`: each sub-block fitted by `make_q3_quants`, the 16 scales

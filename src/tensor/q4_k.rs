@@ -4,10 +4,9 @@
 
 use std::mem::offset_of;
 
-use super::dot::{LANES, Lanes, Vector};
+use super::dot::{LANES, Lanes, Vector, dot_lanes_by_blocks};
 use super::k_quants::{
-    SUPER_BLOCK, dot_lanes_by_super_block, make_qkx2_quants, nearest_int, pack_scale_min_k4, scale_min_block_dot,
-    scale_min_k4,
+    SUPER_BLOCK, make_qkx2_quants, nearest_int, pack_scale_min_k4, scale_min_block_dot, scale_min_k4,
 };
 use super::{DType, Dtype, Format, f16_at, f16_le, f16_round};
 
@@ -60,7 +59,7 @@ impl Format for Q4_K {
     #[inline(always)]
     unsafe fn dot_lanes<V: Vector, const R: usize>(rows: [&[u8]; R], x: &[f32], acc: &mut [V; R]) {
         // SAFETY: the caller runs this inside V's build.
-        unsafe { dot_lanes_by_super_block::<BLOCK_BYTES, V, R>(rows, x, acc, block_dot::<V>) }
+        unsafe { dot_lanes_by_blocks::<SUPER_BLOCK, BLOCK_BYTES, V, R>(rows, x, acc, |b, x, acc| block_dot(b, x, acc)) }
     }
 
     /// As llama.cpp's `quantize_row_q4_K_ref`.

@@ -4,11 +4,8 @@
 
 use std::mem::offset_of;
 
-use super::dot::{Lanes, Vector};
-use super::k_quants::{
-    BYTES_LOW1, BYTES_LOW4, SUPER_BLOCK, dot_lanes_by_super_block, le_word, scale_min_block_dot, scale_min_k4,
-    sixteen_bytes,
-};
+use super::dot::{Lanes, Vector, dot_lanes_by_blocks};
+use super::k_quants::{BYTES_LOW1, BYTES_LOW4, SUPER_BLOCK, le_word, scale_min_block_dot, scale_min_k4, sixteen_bytes};
 use super::q4_k::encode_scale_min;
 use super::{DType, Dtype, Format, f16_at};
 
@@ -67,7 +64,7 @@ impl Format for Q5_K {
     #[inline(always)]
     unsafe fn dot_lanes<V: Vector, const R: usize>(rows: [&[u8]; R], x: &[f32], acc: &mut [V; R]) {
         // SAFETY: the caller runs this inside V's build.
-        unsafe { dot_lanes_by_super_block::<BLOCK_BYTES, V, R>(rows, x, acc, block_dot::<V>) }
+        unsafe { dot_lanes_by_blocks::<SUPER_BLOCK, BLOCK_BYTES, V, R>(rows, x, acc, |b, x, acc| block_dot(b, x, acc)) }
     }
 
     /// As llama.cpp's `quantize_row_q5_K_ref`.

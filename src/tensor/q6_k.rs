@@ -5,10 +5,9 @@
 
 use std::mem::offset_of;
 
-use super::dot::{Lanes, Vector};
-use super::k_quants::sixteen_bytes;
+use super::dot::{Lanes, Vector, dot_lanes_by_blocks};
 use super::k_quants::{
-    BYTES_LOW2, BYTES_LOW4, GROUP_MAX_EPS, SUPER_BLOCK, dot_lanes_by_super_block, le_word, make_qx_quants, nearest_int,
+    BYTES_LOW2, BYTES_LOW4, GROUP_MAX_EPS, SUPER_BLOCK, le_word, make_qx_quants, nearest_int, sixteen_bytes,
 };
 use super::{DType, Dtype, Format, f16_at, f16_le, f16_round};
 
@@ -61,7 +60,7 @@ impl Format for Q6_K {
     #[inline(always)]
     unsafe fn dot_lanes<V: Vector, const R: usize>(rows: [&[u8]; R], x: &[f32], acc: &mut [V; R]) {
         // SAFETY: the caller runs this inside V's build.
-        unsafe { dot_lanes_by_super_block::<BLOCK_BYTES, V, R>(rows, x, acc, block_dot::<V>) }
+        unsafe { dot_lanes_by_blocks::<SUPER_BLOCK, BLOCK_BYTES, V, R>(rows, x, acc, |b, x, acc| block_dot(b, x, acc)) }
     }
 
     /// As llama.cpp's `quantize_row_q6_K_ref`: each sub-block fitted by `make_qx_quants`, the 16 scales
