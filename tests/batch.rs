@@ -7,7 +7,7 @@
 
 mod common;
 use common::{Held, Rng, Scratch, bits, info, init, logits, serial, stats, step, try_step};
-use common::{kv_stats, reset, set_sampling, stream_len, truncate, try_batch};
+use common::{kv_stats, on_threads, reset, set_sampling, stream_len, truncate, try_batch};
 
 use hostembed::Status;
 use hostembed::abi::{engine_batch_item, engine_sampling};
@@ -568,25 +568,7 @@ fn concurrent_batches_match_a_serial_run() {
         out
     };
     let want: Vec<Vec<i32>> = (0..4).map(|p| run(&serial_engine, p, &prompts)).collect();
-    struct Shared(*mut ffi::engine);
-    // SAFETY: the engine is made for calls from several threads; the test keeps it alive for them.
-    unsafe impl Sync for Shared {}
-    let handle = Shared(shared.0);
-    let got: Vec<Vec<i32>> = std::thread::scope(|scope| {
-        let threads: Vec<_> = (0..4)
-            .map(|p| {
-                let (handle, prompts) = (&handle, &prompts);
-                scope.spawn(move || {
-                    let e = Held(handle.0);
-                    let out = run(&e, p, prompts);
-                    std::mem::forget(e);
-                    out
-                })
-            })
-            .collect();
-        threads.into_iter().map(|t| t.join().unwrap()).collect()
-    });
-    assert_eq!(got, want);
+    assert_eq!(on_threads(&shared, 4, |e, p| run(e, p, &prompts)), want);
 }
 
 /// Sixty-four single-token items in one call (the "up to 63 others"), and random subsets of them,
@@ -706,25 +688,7 @@ fn concurrent_truncates_resets_and_samplers_match_a_serial_run() {
         seen
     };
     let want: Vec<Vec<i64>> = (0..threads).map(|t| script(&serial_engine, t, seeds[t as usize])).collect();
-    struct Shared(*mut ffi::engine);
-    // SAFETY: the engine is made for calls from several threads; the test keeps it alive for them.
-    unsafe impl Sync for Shared {}
-    let handle = Shared(shared.0);
-    let got: Vec<Vec<i64>> = std::thread::scope(|scope| {
-        let workers: Vec<_> = (0..threads)
-            .map(|t| {
-                let (handle, seeds, script) = (&handle, &seeds, &script);
-                scope.spawn(move || {
-                    let e = Held(handle.0);
-                    let out = script(&e, t, seeds[t as usize]);
-                    std::mem::forget(e);
-                    out
-                })
-            })
-            .collect();
-        workers.into_iter().map(|w| w.join().unwrap()).collect()
-    });
-    assert_eq!(got, want);
+    assert_eq!(on_threads(&shared, threads, |e, t| script(e, t, seeds[t as usize])), want);
     for s in 0..2 * threads {
         reset(&shared, s);
     }

@@ -9,7 +9,7 @@ mod common;
 use common::{bits, max_abs_diff, rel_l2, top_two_gap};
 
 use common::{Held, Scratch, device_info, info, init, logits, serial, stats, step, try_step};
-use common::{Rng, kv_stats, reset, set_sampling, stream_len, truncate, try_batch};
+use common::{Rng, kv_stats, on_threads, reset, set_sampling, stream_len, truncate, try_batch};
 use hostembed::sampler::{self, Sampling};
 
 use common::gpu_present;
@@ -356,19 +356,7 @@ fn eight_threads_on_one_engine_match_the_serial_run() {
     drop(serial_engine);
 
     let shared = init(model, &opts);
-    let handle = shared.0 as usize;
-    let got: Vec<Vec<i32>> = std::thread::scope(|scope| {
-        let threads: Vec<_> = (0..STREAMS)
-            .map(|s| {
-                scope.spawn(move || {
-                    // The engine stays owned by `shared`; this view must not free it.
-                    let e = std::mem::ManuallyDrop::new(Held(handle as *mut ffi::engine));
-                    run(&e, s)
-                })
-            })
-            .collect();
-        threads.into_iter().map(|t| t.join().unwrap()).collect()
-    });
+    let got = on_threads(&shared, STREAMS, run);
     for s in 0..STREAMS as usize {
         assert_eq!(got[s], want[s], "stream {s}: threads against the serial run");
     }

@@ -138,6 +138,25 @@ impl Drop for Held {
     }
 }
 
+/// `work(engine, i)` for i in 0..n, each on a thread of its own, all on the one engine `e` (which the
+/// library makes safe to share); the results in order of i.
+pub fn on_threads<T: Send>(e: &Held, n: u32, work: impl Fn(&Held, u32) -> T + Sync) -> Vec<T> {
+    let handle = e.0 as usize;
+    std::thread::scope(|scope| {
+        let threads: Vec<_> = (0..n)
+            .map(|i| {
+                let work = &work;
+                scope.spawn(move || {
+                    // The engine stays owned by `e`; this view must not free it.
+                    let view = std::mem::ManuallyDrop::new(Held(handle as *mut ffi::engine));
+                    work(&view, i)
+                })
+            })
+            .collect();
+        threads.into_iter().map(|t| t.join().unwrap()).collect()
+    })
+}
+
 pub fn init(path: &Path, opts: &engine_options) -> Held {
     let mut e = std::ptr::null_mut();
     let st = unsafe { ffi::engine_init_fit(c_path(path).as_ptr(), opts, &mut e) };
