@@ -5,7 +5,7 @@
 //! pool sized for two 64k windows; then (unless --no-host-rows) the largest stream count again with the
 //! embedding rows in mapped host memory instead of on the card.
 //!
-//!     cargo run --release --example bench_batch -- [--layers 32] [--dtype bf16|f16|q8_0]
+//!     cargo run --release --example bench_batch -- [--layers 32] [--dtype bf16|f16|q8_0|...|q4_k_m]
 //!         [--cache 512] [--steps 64] [--streams 1,8,16,64] [--max-batch 512] [--no-long] [--no-host-rows]
 //!
 //! HOSTEMBED_CUDA_GRAPHS=0 runs without CUDA graphs.
@@ -13,7 +13,7 @@
 use std::time::Instant;
 
 use hostembed::backend::StepItem;
-use hostembed::checkpoint::write::MemSource;
+use hostembed::checkpoint::write::{MemSource, Recipe};
 use hostembed::cuda::{self, DeviceBuffer, PinnedBuffer};
 use hostembed::gpu::{GpuModel, GpuStream, PAGE_TOKENS, RowsOnDevice, reserve_pages, truncate_stream};
 use hostembed::model::{Arch, ModelConfig, RopeScaling, TensorSource, names};
@@ -23,7 +23,7 @@ use hostembed::{Error, Status};
 
 struct Args {
     cfg: ModelConfig,
-    dtype: DType,
+    recipe: Recipe,
     cache: usize,
     steps: usize,
     streams: Vec<usize>,
@@ -55,7 +55,7 @@ fn parse() -> Args {
     };
     let mut a = Args {
         cfg: cfg.clone(),
-        dtype: DType::Bf16,
+        recipe: Recipe::Uniform(DType::Bf16),
         cache: 512,
         steps: 64,
         streams: vec![1, 8, 16, 64],
@@ -77,12 +77,9 @@ fn parse() -> Args {
             "--no-long" => a.long = false,
             "--no-host-rows" => a.host_rows = false,
             "--dtype" => {
-                a.dtype = match value().as_str() {
-                    "bf16" => DType::Bf16,
-                    "f16" => DType::F16,
-                    "q8_0" => DType::Q8_0,
-                    other => panic!("--dtype: bf16, f16 or q8_0, not {other}"),
-                }
+                let name = value();
+                a.recipe = Recipe::from_name(&name)
+                    .unwrap_or_else(|| panic!("--dtype: a format name (bf16, f16, q8_0, ...) or q4_k_m, not {name}"))
             }
             other => panic!("unknown flag {other} (see the comment at the top of examples/bench_batch.rs)"),
         }
@@ -155,7 +152,7 @@ fn main() {
     });
     let cfg = &args.cfg;
     let t0 = Instant::now();
-    let src = MemSource::synthetic(cfg, 1, args.dtype);
+    let src = MemSource::benchmark(cfg, args.recipe);
     let embed = src.tensor(names::EMBED).unwrap();
     let rows_buf = DeviceBuffer::from_slice(embed.bytes).unwrap();
     let rows = RowsOnDevice { ptr: rows_buf.ptr(), dtype: embed.dtype, vocab: embed.rows(), cols: embed.cols() };
@@ -166,7 +163,7 @@ fn main() {
     println!(
         "{} layers {}: weights {:.2} GB, KV pool {:.2} GiB ({} pages of {PAGE_TOKENS}), loaded in {:.1} s",
         cfg.layers,
-        args.dtype.name(),
+        args.recipe.name(),
         GpuModel::weight_bytes(&src) as f64 / 1e9,
         GpuModel::pool_bytes(cfg, gpu.kv_types(), pages) as f64 / (1u64 << 30) as f64,
         pages,

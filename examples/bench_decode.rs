@@ -16,9 +16,9 @@
 //! with the embedding rows in mapped host memory (the HOST_MAPPED placement) after the rows on the card,
 //! on the same weights, and prints the change: the placements' cost in any format, Q4_K_M's included.
 //!
-//! The tensor-core decode product (mmv) gets its own table: batch 1 for each format it reads, and BF16 at
-//! the batch sizes a server steps. `--no-matvec` (or `--no-kernels`) and `--no-mmv` skip those tables;
-//! `--mmv-only DTYPE` times only that format on 4096 x 14336 at 1 and 64 tokens (for a profiler).
+//! The tensor-core decode product (mmv) gets its own table: each format it reads at 1 to 64 tokens. `--no-matvec` (or `--no-kernels`) and `--no-mmv` skip those tables;
+//! `--mmv-only DTYPE` times only that format on the two large shapes at 1 to 64 tokens (1 and 64 on
+//! 4096 x 14336 first, for a profiler).
 //! Prints one table per part; HOSTEMBED_CUDA_GRAPHS=0 runs the decode without CUDA graphs. The matvec
 //! table's GB/s counts the bytes of the stored blocks read per second. `--dtype q4_k_m` is llama.cpp's
 //! Q4_K_M mix (`Recipe::Q4KM`: Q4_K, with Q6_K for the head and for attn_v / ffn_down of about half the
@@ -29,7 +29,7 @@ use std::os::raw::{c_int, c_uint};
 use std::ptr;
 use std::time::Instant;
 
-use hostembed::checkpoint::write::{MemSource, Recipe};
+use hostembed::checkpoint::write::{MemSource, Recipe, random_matrix};
 use hostembed::cuda::{self, DeviceBuffer, Event, PinnedBuffer, Stream};
 use hostembed::cudart as rt;
 use hostembed::gpu::{GpuModel, PAGE_TOKENS, RowsOnDevice, truncate_stream};
@@ -37,7 +37,7 @@ use hostembed::kernels as kn;
 use hostembed::kv::{KvType, KvTypes};
 use hostembed::model::{Arch, ModelConfig, RopeScaling, TensorSource, names};
 use hostembed::sampler::Sampling;
-use hostembed::tensor::{DType, FORMATS, encode_row};
+use hostembed::tensor::{DType, FORMATS};
 
 struct Args {
     cfg: ModelConfig,
@@ -176,30 +176,6 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-/// Random bytes of a rows x cols matrix in `dtype`, generated on several cores.
-fn random_matrix(dtype: DType, rows: usize, cols: usize, seed: u64) -> Vec<u8> {
-    let row_bytes = dtype.row_bytes(cols).expect("rows of whole blocks");
-    let mut out = vec![0u8; rows * row_bytes];
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let per = rows.div_ceil(threads).max(1);
-    std::thread::scope(|s| {
-        for (k, chunk) in out.chunks_mut(per * row_bytes).enumerate() {
-            s.spawn(move || {
-                let mut state = seed ^ (k as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-                let mut values = vec![0f32; cols];
-                for row in chunk.chunks_exact_mut(row_bytes) {
-                    for v in values.iter_mut() {
-                        state = hostembed::sampler::splitmix64(state);
-                        *v = ((state >> 40) as f32 / 16_777_216.0 * 2.0 - 1.0) / (cols as f32).sqrt();
-                    }
-                    row.copy_from_slice(&encode_row(dtype, &values));
-                }
-            });
-        }
-    });
-    out
-}
-
 /// Device-to-device copy bandwidth (bytes read plus written), the practical ceiling.
 fn copy_bandwidth(stream: &Stream) -> f64 {
     let bytes = 2usize << 30;
@@ -328,9 +304,9 @@ fn bench_kernels(stream: &Stream, peak: f64) {
     }
 }
 
-/// The tensor-core decode product: batch 1 in every format it reads on a layer's shapes and the head,
-/// then BF16 and Q4_K at the batch sizes a server steps, with the bytes of the weights per second and
-/// the tensor work (two bf16 products a weight a token) per second.
+/// The tensor-core decode product: every format it reads at 1 to 64 tokens on a layer's two large shapes
+/// (and at 1 token on the others and the head), with the bytes of the weights per second and the tensor
+/// work (two bf16 products a weight a token) per second.
 fn bench_mmv(stream: &Stream, peak: f64, only: Option<DType>) {
     println!("\nmmv: the batch-invariant tensor-core decode product (weights rotated over copies beyond the L2)");
     println!("| kernel | dtype | rows x cols | tokens | MB | us | GB/s | of copy bandwidth | bf16 TFLOP/s |");
@@ -339,19 +315,24 @@ fn bench_mmv(stream: &Stream, peak: f64, only: Option<DType>) {
     let formats: Vec<DType> = FORMATS.iter().map(|f| f.dtype).filter(|&d| supported(d)).collect();
     let mut cases: Vec<(DType, usize, usize, usize, bool)> = Vec::new();
     for &d in &formats {
-        for (r, c) in [(4096, 4096), (4096, 14336), (14336, 4096)] {
-            cases.push((d, r, c, 1, false));
+        cases.push((d, 4096, 4096, 1, false));
+        for (r, c) in [(4096, 14336), (14336, 4096)] {
+            for n in [1, 2, 4, 8, 16, 32, 64] {
+                cases.push((d, r, c, n, false));
+            }
         }
-        cases.push((d, 14336, 4096, 1, true));
+        for n in [1, 8, 64] {
+            cases.push((d, 14336, 4096, n, true));
+        }
     }
     cases.extend([(DType::Bf16, 128256, 4096, 1, false), (DType::Q6_K, 128256, 4096, 1, false)]);
-    for n in [2, 8, 16, 32, 64] {
-        cases.push((DType::Bf16, 4096, 14336, n, false));
-        cases.push((DType::Bf16, 14336, 4096, n, true));
-        cases.push((DType::Q4_K, 4096, 14336, n, false));
-    }
     if let Some(d) = only {
+        // 1 and 64 tokens on 4096 x 14336 first: scripts/gpu-profile.sh profiles those two launches.
         cases = vec![(d, 4096, 14336, 1, false), (d, 4096, 14336, 64, false)];
+        for n in [2, 4, 8, 16, 32] {
+            cases.push((d, 4096, 14336, n, false));
+        }
+        cases.extend([1, 2, 4, 8, 16, 32, 64].map(|n| (d, 14336, 4096, n, false)));
     }
     let mut hosts: Vec<((DType, usize, usize), Vec<u8>)> = Vec::new();
     for (dtype, rows, cols, n, glu) in cases {
@@ -435,36 +416,10 @@ fn bench_mmv(stream: &Stream, peak: f64, only: Option<DType>) {
     }
 }
 
-/// The decode run's model: the synthetic model in a float format, or for the block formats the BF16
-/// synthetic model with every matrix replaced by 64 encoded random rows repeated (formats by `Recipe`).
-fn bench_model(args: &Args) -> MemSource {
-    let cfg = &args.cfg;
-    if args.dtype.format().block_values == 1 {
-        return MemSource::synthetic(cfg, 1, args.dtype);
-    }
-    let mut src = MemSource::synthetic(cfg, 1, DType::Bf16);
-    for (k, t) in src.tensors.values_mut().enumerate() {
-        if t.shape.len() != 2 {
-            continue;
-        }
-        let recipe = if args.q4_k_m { Recipe::Q4KM } else { Recipe::Uniform(args.dtype) };
-        let dtype = recipe.dtype(cfg, &t.name, &t.shape);
-        let (rows, cols) = (t.shape[0], t.shape[1]);
-        if dtype.row_bytes(cols).is_none() {
-            continue; // stays BF16, as a converter keeps rows that are not whole blocks
-        }
-        let sample = random_matrix(dtype, rows.min(64), cols, 100 + k as u64);
-        let data: Vec<u8> = sample.iter().copied().cycle().take(rows * dtype.row_bytes(cols).unwrap()).collect();
-        t.dtype = dtype;
-        t.data = data;
-    }
-    src
-}
-
 fn bench_decode(args: &Args, peak: f64) {
     let cfg = &args.cfg;
     let t0 = Instant::now();
-    let src = bench_model(args);
+    let src = MemSource::benchmark(cfg, if args.q4_k_m { Recipe::Q4KM } else { Recipe::Uniform(args.dtype) });
     let recipe = if args.q4_k_m { "Q4_K_M".to_string() } else { args.dtype.name().to_string() };
     let embed = src.tensor(names::EMBED).unwrap();
     let embed_dtype = embed.dtype;

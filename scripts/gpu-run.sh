@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine from the repo root: unpacks .gpu/bundle.tar.xz and runs the GPU suite,
 # then whatever steps are named (default: tests). Logs go to $OUT (or ./gpu-out).
-# Steps: info tests tests-parallel targets targets-kv sanitize profile-decode hfref bench-embed bench-decode bench-mmv bench-model bench-prefill bench-prefill-quant
+# Steps: info tests tests-parallel targets formats targets-kv sanitize profile-decode hfref bench-embed bench-decode bench-mmv bench-model bench-prefill bench-prefill-quant
 # bench-convert bench-kv torch-prefill, or any example's name. bench-mmv times the decode products alone
 # and bench-model the whole 8B model's decode (BF16 and the Q4_K_M mix): as shipped, with the weights
 # always streamed through registers (HOSTEMBED_MMV_STAGE=0), and without overlapped launches (HOSTEMBED_PDL=0). bench-kv measures the KV cache types on the Llama-3-8B shape:
@@ -136,6 +136,15 @@ for step in $steps; do
       run_bench bench_batch --streams 1,8,16,64 --no-long --no-host-rows --steps 32
       run_bench bench_decode --kernels-only --no-matvec
       run_bench bench_decode --no-kernels --no-mmv --dtype q4_k_m --prompt 64 --tokens 128 --runs 3 --greedy --host-rows ;;
+    formats)
+      # Issue 31's tables: every format's decode product at 1 to 64 tokens, then many streams (512-token
+      # caches) for the files people use and the other formats the products read.
+      rc=0
+      log="$OUT/formats.log"
+      run_bench bench_decode --kernels-only --no-matvec
+      for dtype in ${HOSTEMBED_FORMATS:-f16 q4_k_m bf16 q8_0}; do
+        run_bench bench_batch --dtype "$dtype" --streams 1,8,16,64 --no-long --no-host-rows --steps 32
+      done ;;
     targets-kv)
       rc=0
       log="$OUT/targets-kv.log"

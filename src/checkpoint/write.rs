@@ -277,6 +277,55 @@ impl MemSource {
         let tensors = synthetic_weights(cfg, seed, recipe).into_iter().map(|t| (t.name.clone(), t)).collect();
         MemSource { cfg: cfg.clone(), tensors }
     }
+
+    /// A model of `cfg` whose block-format matrices repeat 64 random rows of their format: quick to make
+    /// at the 8B shape, where encoding every row takes minutes, and read by the kernels at the same speed.
+    /// Float formats are `synthetic`; rows that are not whole blocks stay BF16, as a converter keeps them.
+    pub fn benchmark(cfg: &ModelConfig, recipe: impl Into<Recipe>) -> MemSource {
+        let recipe = recipe.into();
+        if let Recipe::Uniform(dtype) = recipe
+            && dtype.format().block_values == 1
+        {
+            return MemSource::synthetic(cfg, 1, dtype);
+        }
+        let mut src = MemSource::synthetic(cfg, 1, DType::Bf16);
+        for (k, t) in src.tensors.values_mut().enumerate() {
+            if t.shape.len() != 2 {
+                continue;
+            }
+            let dtype = recipe.dtype(cfg, &t.name, &t.shape);
+            let (rows, cols) = (t.shape[0], t.shape[1]);
+            let Some(row_bytes) = dtype.row_bytes(cols) else { continue };
+            let sample = random_matrix(dtype, rows.min(64), cols, 100 + k as u64);
+            t.data = sample.iter().copied().cycle().take(rows * row_bytes).collect();
+            t.dtype = dtype;
+        }
+        src
+    }
+}
+
+/// `rows` x `cols` uniform random values within 1/sqrt(cols), encoded in `dtype` on every core.
+pub fn random_matrix(dtype: DType, rows: usize, cols: usize, seed: u64) -> Vec<u8> {
+    let row_bytes = dtype.row_bytes(cols).expect("rows of whole blocks");
+    let mut out = vec![0u8; rows * row_bytes];
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let per = rows.div_ceil(threads).max(1);
+    std::thread::scope(|s| {
+        for (k, chunk) in out.chunks_mut(per * row_bytes).enumerate() {
+            s.spawn(move || {
+                let mut state = seed ^ (k as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+                let mut values = vec![0f32; cols];
+                for row in chunk.chunks_exact_mut(row_bytes) {
+                    for v in values.iter_mut() {
+                        state = splitmix64(state);
+                        *v = ((state >> 40) as f32 / 16_777_216.0 * 2.0 - 1.0) / (cols as f32).sqrt();
+                    }
+                    row.copy_from_slice(&encode_row(dtype, &values));
+                }
+            });
+        }
+    });
+    out
 }
 
 impl crate::model::TensorSource for MemSource {
