@@ -3,9 +3,10 @@
 // invariance): mma.sync computes each output from its own row of A and column of B only, the K order is
 // fixed, and how a matrix is split depends on its shape alone, never on the token count.
 //
-// Two kinds of product share the layout. BF16 rows: each f32 activation enters as two bf16s, hi = rn(x)
-// and lo = rn(x - hi), each multiplied and accumulated in f32 (about 16 significant bits of x: within
-// f32-activation rounding of the CPU's product, where bf16 activations alone would cost ~1e-3). Block
+// Two kinds of product share the layout. Half rows: each f32 activation enters as two halves, hi = rn(x)
+// and lo = rn(x - hi), each multiplied and accumulated in f32 (BF16: about 16 significant bits of x, within
+// f32-activation rounding of the CPU's product, where bf16 activations alone would cost ~1e-3; F16: 22
+// bits of x scaled per 256 columns, see MmaF16). Block
 // formats: integer products (mma s8/u8 -> s32, exact). A token's activations are quantized per 256
 // columns to v = rn(x * 32639 / max|x|), a 16-bit integer sent as two int8 halves (v = 256 hi + lo) in
 // two columns of B; the weights enter as their quants. Each block's integer sum is exact, so only the
@@ -30,7 +31,10 @@ constexpr int MMV_THREADS = MMV_WARPS * 32;
 constexpr unsigned MMV_BLOCK_ROWS = MMV_WARPS * 16;
 constexpr unsigned MMV_KC = 256;  // the unit of column ranges and staged chunks
 constexpr unsigned MMV_MAX_TOKENS = 64;
-constexpr unsigned MMVQ_MAX_TOKENS = 32;  // the integer kernel's tokens a launch
+constexpr unsigned MMVQ_MAX_TOKENS = 32;  // the integer kernel's widest tile set (HOSTEMBED_MMVQ_TOKENS)
+// The integer kernel's tokens a launch: 16 tokens at two blocks a multiprocessor beat 32 at one (Q4_K 64
+// tokens on 4096 x 14336: 236 -> 165 us; BENCHMARKS.md).
+constexpr unsigned MMVQ_LAUNCH_TOKENS = 16;
 // Tuning knobs, fixed at build time, for benchmark builds (HOSTEMBED_KERNEL_DEFINES); the defaults are the
 // measured best (BENCHMARKS.md), and src/gpu/scratch.rs mirrors the default MMV_TARGET.
 #ifndef MMV_TARGET
@@ -38,6 +42,9 @@ constexpr unsigned MMVQ_MAX_TOKENS = 32;  // the integer kernel's tokens a launc
 #endif
 #ifndef MMV_SMALL_MIN_BLOCKS
 #define MMV_SMALL_MIN_BLOCKS 2
+#endif
+#ifndef MMVQ_MID_MIN_BLOCKS  // the integer kernel's blocks a multiprocessor at 9 to 16 tokens
+#define MMVQ_MID_MIN_BLOCKS 2
 #endif
 #ifndef MMV_BF16_UNROLL
 #define MMV_BF16_UNROLL 4
@@ -70,14 +77,17 @@ __host__ __device__ inline MmvShape mmv_shape(unsigned int rows, unsigned int co
 
 // ---- small helpers ----
 
-__device__ __forceinline__ unsigned int pack_bf16(float lo, float hi) { return he::Bf16Op::pack(lo, hi); }
-
 // Weight loads: from global memory through the read-only path, or (SM) from a warp's slots in shared
 // memory (the staged kernels), where narrow and 2-byte aligned reads cost no more than wide ones.
 template <bool SM>
 __device__ __forceinline__ unsigned int ld16(const unsigned char *p) {
     if constexpr (SM) return *reinterpret_cast<const unsigned short *>(p);
     else return __ldg(reinterpret_cast<const unsigned short *>(p));
+}
+template <bool SM>
+__device__ __forceinline__ unsigned int ld32(const unsigned char *p) {
+    if constexpr (SM) return *reinterpret_cast<const unsigned int *>(p);
+    else return __ldg(reinterpret_cast<const unsigned int *>(p));
 }
 template <bool SM>
 __device__ __forceinline__ uint2 ld64(const unsigned char *p) {
@@ -96,6 +106,8 @@ __device__ __forceinline__ unsigned int halves(unsigned int lo, unsigned int hi)
 // A 32-column step is one 16-byte load of columns 8t .. 8t + 7 (k-step 0: 8t..8t+3): f[k][0] holds the
 // k-step's columns 0 and 1 of the lane's group, f[k][1] columns 2 and 3.
 struct MmaBF16 {
+    using Op = he::Bf16Op;
+    static constexpr bool SCALED = false;  // activations staged as they are (see MmaF16)
     static constexpr unsigned STEP = 32, TILE_STEPS = 1, KSTEPS = 2, UNROLL = MMV_BF16_UNROLL, SUNROLL = 2, ALIGN = 16;
     static constexpr unsigned STAGE_TOKENS = 1;  // staged: 1 token 78-97% of the copy bandwidth (from 72-86%), 2: 68% (73)
     static constexpr unsigned BYTES = 2, BLOCK_COLS = 1;
@@ -117,12 +129,24 @@ struct MmaBF16 {
     }
 };
 
+// F16 rows: the weights enter f16 tensor cores as they are, the activations as f16 hi/lo pairs of x 2^e,
+// e per token and 256-column group putting the group's max|x| in [2^14, 2^15): 22 significant bits for
+// the large values and no f16 overflow. Each group's products accumulate scaled, between multiplications of
+// the accumulators by 2^e and 2^-e (powers of two: exact, and every rounding between them is the
+// unscaled one's); the order stays fixed by column, so a token's bits depend on its own values alone.
+struct MmaF16 : MmaBF16 {
+    using Op = he::F16Op;
+    static constexpr bool SCALED = true;
+    static constexpr unsigned STAGE_TOKENS = 0;  // streamed: 8B decode 158.8 tok/s, staged at 1 token 154.0
+};
+
 // ---- block formats: the integer product's lane readers ----
 // A reader gives, for each STEP-column step (32: one m16n8k32 product, 16: one m16n8k16) of a TILE of
 // TILE_STEPS steps, the lane's A words of one weight row: w[h] holds the 4 quants (bytes) of k-half h
 // (STEP 32: w[0] columns 8t..8t+3 of the step, w[1] 8t+4..8t+7; STEP 16: w[0] columns 4t..4t+3), and the
 // step's scale. SUPER readers (k-quants) give an integer sub-scale `isc` (and min `imin`) a step and the
-// tile's float scales (`tile`: d and -dmin); block readers a float scale `fsc` a step. `fetch` only
+// tile's float scales (`tile`: d and -dmin); block readers a float scale `fsc` a step (and, HAS_MIN, a
+// float minimum `fmin`, times the block's sum of activation integers). `fetch` only
 // loads (raw bits, nothing converted, so the loads stay in flight until the step that uses them).
 
 // Q8_0: a step is one 34-byte block (2-byte aligned), lane t takes quants 8t .. 8t + 7 as they are.
@@ -176,6 +200,89 @@ struct QQ4_0 {
         w[1] = sub_bytes((halves(r.q[2], r.q[3]) >> shift) & 0x0F0F0F0Fu, 0x08080808u);
     }
     static __device__ __forceinline__ float fsc(const Raw &r, int) { return he::f16_bits_to_f32(r.d); }
+};
+
+// Q4_1: a step is one 20-byte block (4-byte aligned): Q4_0's nibbles, unsigned, and a minimum m per block
+// (fmin), which enters as m times the block's sum of activation integers.
+struct QQ4_1 {
+    static constexpr unsigned STEP = 32, TILE_STEPS = 1, UNROLL = 8, SUNROLL = 8, BYTES = 20, BLOCK_COLS = 32, ALIGN = 4;
+    static constexpr unsigned STAGE_TOKENS = MMVQ_MAX_TOKENS;
+    static constexpr bool INT = true, SIGNED = false, SUPER = false, HAS_MIN = true;
+    // Lanes read words 1 + 2(t % 2) (+ 1) of 8 rows: rows an odd multiple of 4 words apart.
+    static constexpr bool bank_ok(unsigned words) { return words % 8 == 4; }
+    struct Raw {
+        unsigned int q[2], dm;
+    };
+    template <bool SM>
+    static __device__ __forceinline__ void fetch(Raw &r, const unsigned char *row, unsigned int col, unsigned int t) {
+        const unsigned char *b = row + (size_t)(col / 32) * BYTES;
+        r.q[0] = ld32<SM>(b + 4 + 8 * (t % 2));
+        r.q[1] = ld32<SM>(b + 8 + 8 * (t % 2));
+        r.dm = ld32<SM>(b);
+    }
+    static __device__ __forceinline__ void a(const Raw &r, int, unsigned int (&w)[2], unsigned int t) {
+        const unsigned int shift = t < 2 ? 0 : 4;
+        w[0] = (r.q[0] >> shift) & 0x0F0F0F0Fu, w[1] = (r.q[1] >> shift) & 0x0F0F0F0Fu;
+    }
+    static __device__ __forceinline__ float fsc(const Raw &r, int) { return he::f16_bits_to_f32(r.dm & 0xFFFFu); }
+    static __device__ __forceinline__ float fmin(const Raw &r, int) { return he::f16_bits_to_f32(r.dm >> 16); }
+};
+
+// The fifth bits of values 4i .. 4i + 3 (bits 0..3 of `bits`) as bit 4 of four bytes.
+__device__ __forceinline__ unsigned int fifth_bits(unsigned int bits) { return ((bits & 0xFu) * 0x00204081u & 0x01010101u) << 4; }
+
+// Q5_0: a step is one 22-byte block (2-byte aligned): Q4_0's nibbles with a fifth bit each (bit j of the
+// u32 at 2 for value j: byte t for lane t's values 8t .. 8t + 7), less 16.
+struct QQ5_0 {
+    // Four tiles a step of the loop: eight spill (a tile holds 7 registers a row).
+    static constexpr unsigned STEP = 32, TILE_STEPS = 1, UNROLL = 4, SUNROLL = 4, BYTES = 22, BLOCK_COLS = 32, ALIGN = 2;
+    static constexpr unsigned STAGE_TOKENS = MMVQ_MAX_TOKENS;
+    static constexpr bool INT = true, SIGNED = true, SUPER = false, HAS_MIN = false;
+    static constexpr bool bank_ok(unsigned words) { return words % 8 == 4 || words % 16 == 8; }
+    struct Raw {
+        unsigned int q[4], h[2], d;  // 16-bit halves
+    };
+    template <bool SM>
+    static __device__ __forceinline__ void fetch(Raw &r, const unsigned char *row, unsigned int col, unsigned int t) {
+        const unsigned char *b = row + (size_t)(col / 32) * BYTES;
+#pragma unroll
+        for (int i = 0; i < 4; i++) r.q[i] = ld16<SM>(b + 6 + 8 * (t % 2) + 2 * i);
+        r.h[0] = ld16<SM>(b + 2), r.h[1] = ld16<SM>(b + 4);
+        r.d = ld16<SM>(b);
+    }
+    static __device__ __forceinline__ void a(const Raw &r, int, unsigned int (&w)[2], unsigned int t) {
+        const unsigned int shift = t < 2 ? 0 : 4, hb = halves(r.h[0], r.h[1]) >> (8 * t);
+        w[0] = sub_bytes(((halves(r.q[0], r.q[1]) >> shift) & 0x0F0F0F0Fu) | fifth_bits(hb), 0x10101010u);
+        w[1] = sub_bytes(((halves(r.q[2], r.q[3]) >> shift) & 0x0F0F0F0Fu) | fifth_bits(hb >> 4), 0x10101010u);
+    }
+    static __device__ __forceinline__ float fsc(const Raw &r, int) { return he::f16_bits_to_f32(r.d); }
+};
+
+// Q5_1: a step is one 24-byte block (4-byte aligned): d, m, the fifth bits at 4, the nibbles at 8;
+// unsigned, with Q4_1's minimum.
+struct QQ5_1 {
+    static constexpr unsigned STEP = 32, TILE_STEPS = 1, UNROLL = 8, SUNROLL = 4, BYTES = 24, BLOCK_COLS = 32, ALIGN = 4;
+    static constexpr unsigned STAGE_TOKENS = MMVQ_MAX_TOKENS;
+    static constexpr bool INT = true, SIGNED = false, SUPER = false, HAS_MIN = true;
+    static constexpr bool bank_ok(unsigned words) { return words % 8 == 4; }
+    struct Raw {
+        unsigned int q[2], h, dm;
+    };
+    template <bool SM>
+    static __device__ __forceinline__ void fetch(Raw &r, const unsigned char *row, unsigned int col, unsigned int t) {
+        const unsigned char *b = row + (size_t)(col / 32) * BYTES;
+        r.q[0] = ld32<SM>(b + 8 + 8 * (t % 2));
+        r.q[1] = ld32<SM>(b + 12 + 8 * (t % 2));
+        r.h = ld32<SM>(b + 4);
+        r.dm = ld32<SM>(b);
+    }
+    static __device__ __forceinline__ void a(const Raw &r, int, unsigned int (&w)[2], unsigned int t) {
+        const unsigned int shift = t < 2 ? 0 : 4, hb = r.h >> (8 * t);
+        w[0] = ((r.q[0] >> shift) & 0x0F0F0F0Fu) | fifth_bits(hb);
+        w[1] = ((r.q[1] >> shift) & 0x0F0F0F0Fu) | fifth_bits(hb >> 4);
+    }
+    static __device__ __forceinline__ float fsc(const Raw &r, int) { return he::f16_bits_to_f32(r.dm & 0xFFFFu); }
+    static __device__ __forceinline__ float fmin(const Raw &r, int) { return he::f16_bits_to_f32(r.dm >> 16); }
 };
 
 // The 8 six-bit sub-scales and mins of a Q4_K / Q5_K header (d, dmin, 12 bytes) as bytes: sc[0] holds
@@ -315,22 +422,105 @@ struct QQ6_K {
     }
 };
 
+// Q2_K: a tile is half an 84-byte super-block (4-byte aligned): half n of its 256 values, 8 steps of 16
+// columns, step s the 2-bit quants at bits 2(s / 2) of qs[32n + 16(s % 2) + l] with sub-block 8n + s's
+// 4-bit scale (low nibble) and min (high); lane t takes l = 4t .. 4t + 3. value = d sc q - dmin m.
+struct QQ2_K {
+    static constexpr unsigned STEP = 16, TILE_STEPS = 8, UNROLL = 2, SUNROLL = 2, BYTES = 84, BLOCK_COLS = 256, ALIGN = 4;
+    static constexpr unsigned STAGE_TOKENS = MMVQ_MAX_TOKENS;
+    static constexpr unsigned SCALES = 0, QS = 16, D = 80;
+    static constexpr bool INT = true, SIGNED = false, SUPER = true, HAS_MIN = true;
+    static constexpr bool bank_ok(unsigned words) { return words % 8 == 4; }
+    struct Raw {
+        unsigned int q[2], sc[2], dm;  // q[l half], the half's 8 scale bytes, d and dmin
+    };
+    template <bool SM>
+    static __device__ __forceinline__ void fetch(Raw &r, const unsigned char *row, unsigned int col, unsigned int t) {
+        const unsigned char *b = row + (size_t)(col / 256) * BYTES;
+        const unsigned int n = (col / 128) % 2;
+        r.q[0] = ld32<SM>(b + QS + 32 * n + 4 * t);
+        r.q[1] = ld32<SM>(b + QS + 32 * n + 16 + 4 * t);
+        r.sc[0] = ld32<SM>(b + SCALES + 8 * n), r.sc[1] = ld32<SM>(b + SCALES + 8 * n + 4);
+        r.dm = ld32<SM>(b + D);
+    }
+    static __device__ __forceinline__ void a(const Raw &r, int s, unsigned int (&w)[1], unsigned int) {
+        w[0] = (r.q[s % 2] >> (2 * (s / 2))) & 0x03030303u;
+    }
+    static __device__ __forceinline__ int isc(const Raw &r, int s) { return (int)((r.sc[s / 4] >> (8 * (s % 4))) & 0xFu); }
+    static __device__ __forceinline__ int imin(const Raw &r, int s) {
+        return (int)((r.sc[s / 4] >> (8 * (s % 4) + 4)) & 0xFu);
+    }
+    static __device__ __forceinline__ void tile(const Raw &r, float &d, float &neg_dmin) {
+        d = he::f16_bits_to_f32(r.dm & 0xFFFFu);
+        neg_dmin = -he::f16_bits_to_f32(r.dm >> 16);
+    }
+};
+
+// Q3_K: a tile is half a 110-byte super-block (2-byte aligned), stepped as Q2_K: the 2-bit quants of qs,
+// a third bit from hmask[16(s % 2) + l] (bit 4n + s / 2; clear means less 4), and sub-block 8n + s's
+// 6-bit scale less 32 (low nibble of scale byte s, shifted 4n; high two bits from byte 8 + s % 4).
+struct QQ3_K {
+    static constexpr unsigned STEP = 16, TILE_STEPS = 8, UNROLL = 2, SUNROLL = 2, BYTES = 110, BLOCK_COLS = 256, ALIGN = 2;
+    static constexpr unsigned STAGE_TOKENS = MMVQ_MAX_TOKENS;
+    static constexpr unsigned HM = 0, QS = 32, SCALES = 96, D = 108;
+    static constexpr bool INT = true, SIGNED = true, SUPER = true, HAS_MIN = false;
+    static constexpr bool bank_ok(unsigned words) { return words % 8 == 4; }
+    struct Raw {
+        unsigned int q[2][2], hm[2][2];  // [l half][16-bit half]
+        unsigned int sc[6], d;           // the 12 scale bytes, 16 bits at a time
+        unsigned int n;                  // which half of the super-block
+    };
+    template <bool SM>
+    static __device__ __forceinline__ void fetch(Raw &r, const unsigned char *row, unsigned int col, unsigned int t) {
+        const unsigned char *b = row + (size_t)(col / 256) * BYTES;
+        r.n = (col / 128) % 2;
+#pragma unroll
+        for (int h = 0; h < 2; h++)
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                r.q[h][e] = ld16<SM>(b + QS + 32 * r.n + 16 * h + 4 * t + 2 * e);
+                r.hm[h][e] = ld16<SM>(b + HM + 16 * h + 4 * t + 2 * e);
+            }
+#pragma unroll
+        for (int i = 0; i < 6; i++) r.sc[i] = ld16<SM>(b + SCALES + 2 * i);
+        r.d = ld16<SM>(b + D);
+    }
+    static __device__ __forceinline__ void a(const Raw &r, int s, unsigned int (&w)[1], unsigned int) {
+        const int j = s / 2, h = s % 2;
+        const unsigned int q = (halves(r.q[h][0], r.q[h][1]) >> (2 * j)) & 0x03030303u;
+        const unsigned int hb = (halves(r.hm[h][0], r.hm[h][1]) >> (4 * r.n + j)) & 0x01010101u;
+        w[0] = sub_bytes(q | (hb << 2), 0x04040404u);
+    }
+    static __device__ __forceinline__ unsigned int scale_byte(const Raw &r, int i) { return (r.sc[i / 2] >> (8 * (i % 2))) & 0xFFu; }
+    static __device__ __forceinline__ int isc(const Raw &r, int s) {
+        const unsigned int low = (scale_byte(r, s) >> (4 * r.n)) & 0xFu;
+        const unsigned int high = (scale_byte(r, 8 + s % 4) >> (2 * (2 * r.n + s / 4))) & 0x3u;
+        return (int)(low | high << 4) - 32;
+    }
+    static __device__ __forceinline__ void tile(const Raw &r, float &d, float &neg_dmin) {
+        d = he::f16_bits_to_f32(r.d);
+        neg_dmin = 0.f;
+    }
+};
+
 // Calls fn(Reader{}) for the formats that have a lane reader; false for the others.
 template <typename Fn>
 bool with_reader(int dtype, Fn &&fn) {
     switch (dtype) {
     case HE_DTYPE_BF16: fn(MmaBF16{}); return true;
+    case HE_DTYPE_F16: fn(MmaF16{}); return true;
     case HE_DTYPE_Q8_0: fn(QQ8_0{}); return true;
     case HE_DTYPE_Q4_0: fn(QQ4_0{}); return true;
+    case HE_DTYPE_Q4_1: fn(QQ4_1{}); return true;
+    case HE_DTYPE_Q5_0: fn(QQ5_0{}); return true;
+    case HE_DTYPE_Q5_1: fn(QQ5_1{}); return true;
+    case HE_DTYPE_Q2_K: fn(QQ2_K{}); return true;
+    case HE_DTYPE_Q3_K: fn(QQ3_K{}); return true;
     case HE_DTYPE_Q4_K: fn(QQ4_K{}); return true;
     case HE_DTYPE_Q5_K: fn(QQ5_K{}); return true;
     case HE_DTYPE_Q6_K: fn(QQ6_K{}); return true;
     default: return false;
     }
-}
-
-__device__ __forceinline__ void mma_bf16(float (&d)[4], const unsigned int (&a)[4], unsigned int b0, unsigned int b1) {
-    he::Bf16Op::mma(d, a, b0, b1);
 }
 
 // d = A B for int8 A (weights: signed, or unsigned quants) and signed int8 B (the activation halves).
@@ -628,6 +818,19 @@ bool mmv_staged(unsigned int n) {
 // One token's staged row of `kch` columns: groups of 4 columns, hi[4] then lo[4] (16 bytes), then padding
 // that puts a quarter warp's 16-byte reads (tokens g and g + 1, lanes t = 0..3) in distinct banks.
 __host__ __device__ constexpr unsigned mmv_stride(unsigned kch) { return kch / 4 * 16 + 16; }
+// The staged activations' bytes: the rows, then (scaled readers) each token's group exponents, rounded up
+// so that the weight slots after them are 16-byte aligned.
+__host__ __device__ constexpr unsigned mmv_act_bytes(unsigned n, unsigned kch, bool scaled) {
+    return (n * mmv_stride(kch) + (scaled ? n * (kch / MMV_KC) * 4 : 0) + 15) / 16 * 16;
+}
+// The exponent e of a scaled group (see MmaF16) whose max|x| is `amax`: amax 2^e in [2^14, 2^15), within
+// [-64, 64] so that neither the staged values nor the scaled accumulators leave their ranges.
+__device__ __forceinline__ int mmv_group_exponent(float amax) {
+    const int biased = (int)((__float_as_uint(amax) >> 23) & 0xFFu);  // floor(log2 amax) + 127 (normal amax)
+    return biased == 0 ? 64 : max(-64, min(64, 14 - (biased - 127)));
+}
+// 2^e for e in [-126, 127].
+__device__ __forceinline__ float mmv_pow2(int e) { return __uint_as_float((unsigned int)(e + 127) << 23); }
 
 template <typename R, int NT, bool GLU, bool STAGED>
 __global__ __launch_bounds__(MMV_THREADS, NT <= 2 ? MMV_SMALL_MIN_BLOCKS : 2) void mmv_kernel(const unsigned char *__restrict__ w,
@@ -645,7 +848,9 @@ __global__ __launch_bounds__(MMV_THREADS, NT <= 2 ? MMV_SMALL_MIN_BLOCKS : 2) vo
     const unsigned int k_begin = blockIdx.y * shape.kr;
     const unsigned int k_end = min(cols, k_begin + shape.kr);
     const unsigned int kch = mmv_chunk(n, shape.kr, 4, MMV_KC, MMV_BF16_STAGE_BUDGET), stride = mmv_stride(kch);
+    const unsigned int groups = kch / MMV_KC;
     unsigned char *xs = mmv_smem;
+    int *xe = reinterpret_cast<int *>(xs + n * stride);  // scaled readers: [tok][group] exponents
     const MmvRows rw = mmv_rows<GLU>(w, w2, rows, row_bytes, warp, g);
     const unsigned char *wr[2] = {rw.wa, rw.wb};
 
@@ -684,9 +889,64 @@ __global__ __launch_bounds__(MMV_THREADS, NT <= 2 ? MMV_SMALL_MIN_BLOCKS : 2) vo
                     lo[e] = f[e] - hi[e];
                 }
                 *reinterpret_cast<uint4 *>(xs + (i / quads) * stride + 16 * (i % quads)) =
-                    make_uint4(pack_bf16(hi[0], hi[1]), pack_bf16(hi[2], hi[3]), pack_bf16(lo[0], lo[1]),
-                               pack_bf16(lo[2], lo[3]));
+                    make_uint4(R::Op::pack(hi[0], hi[1]), R::Op::pack(hi[2], hi[3]), R::Op::pack(lo[0], lo[1]),
+                               R::Op::pack(lo[2], lo[3]));
             }
+        }
+    };
+    // Scaled readers: a warp takes a token's 256-column group (8 columns a lane; lanes past a short last
+    // group hold zeros), its exponent from a shuffled max, and stages the values times 2^e.
+    auto stage_scaled = [&](unsigned int c0, unsigned int len) {
+        const unsigned int units = (len + MMV_KC - 1) / MMV_KC * 32, total = n * units;
+        for (unsigned int i = tid; i < total; i += MMV_THREADS) {
+            const unsigned int tok = i / units, e = i % units;  // e: 8-column unit of the chunk
+            const bool here = 8 * e < len;
+            float f[8];
+            if (here) {
+                const float4 *xp = reinterpret_cast<const float4 *>(x + (size_t)tok * cols + c0 + 8 * e);
+                const float4 p = __ldg(xp), q = __ldg(xp + 1);
+                f[0] = p.x, f[1] = p.y, f[2] = p.z, f[3] = p.w, f[4] = q.x, f[5] = q.y, f[6] = q.z, f[7] = q.w;
+            } else {
+#pragma unroll
+                for (int k = 0; k < 8; k++) f[k] = 0.f;
+            }
+            float amax = 0.f;
+#pragma unroll
+            for (int k = 0; k < 8; k++) amax = fmaxf(amax, fabsf(f[k]));
+#pragma unroll
+            for (int o = 16; o > 0; o /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
+            const int ex = mmv_group_exponent(amax);
+            const float scale = mmv_pow2(ex);
+            if (here) {
+#pragma unroll
+                for (int q = 0; q < 2; q++) {
+                    float hi[4], lo[4];
+#pragma unroll
+                    for (int k = 0; k < 4; k++) {
+                        const float v = f[4 * q + k] * scale;
+                        hi[k] = R::Op::unpack(R::Op::pack(v, 0.f));
+                        lo[k] = v - hi[k];
+                    }
+                    *reinterpret_cast<uint4 *>(xs + tok * stride + 16 * (2 * e + q)) =
+                        make_uint4(R::Op::pack(hi[0], hi[1]), R::Op::pack(hi[2], hi[3]), R::Op::pack(lo[0], lo[1]),
+                                   R::Op::pack(lo[2], lo[3]));
+                }
+            }
+            if (lane == 0) xe[tok * groups + e / 32] = ex;
+        }
+    };
+    auto stage_any = [&](unsigned int c0, unsigned int len) {
+        if constexpr (R::SCALED) stage_scaled(c0, len);
+        else stage(c0, len);
+    };
+    // Scaled readers: the lane's accumulators times 2^(sign e) of their tokens' group `gi` of the chunk.
+    auto rescale = [&](unsigned int gi, int sign) {
+#pragma unroll
+        for (int j = 0; j < NT; j++) {
+            if (8 * j >= n) break;
+            const unsigned int tok = min(8 * j + 2 * t, n - 1), tok1 = min(8 * j + 2 * t + 1, n - 1);
+            const float f0 = mmv_pow2(sign * xe[tok * groups + gi]), f1 = mmv_pow2(sign * xe[tok1 * groups + gi]);
+            acc[j][0] *= f0, acc[j][2] *= f0, acc[j][1] *= f1, acc[j][3] *= f1;
         }
     };
 
@@ -706,6 +966,8 @@ __global__ __launch_bounds__(MMV_THREADS, NT <= 2 ? MMV_SMALL_MIN_BLOCKS : 2) vo
         for (int u = 0; u < (int)UNROLL; u++) {
             if (col + u * R::STEP >= k_end) break;
             const unsigned int c = col + u * R::STEP - c0;  // column within the chunk
+            if constexpr (R::SCALED)
+                if (c % MMV_KC == 0) rescale(c / MMV_KC, 1);
             unsigned int fa[R::KSTEPS][2], fb[R::KSTEPS][2];
             R::frag(r[u][0], fa);
             R::frag(r[u][1], fb);
@@ -717,16 +979,18 @@ __global__ __launch_bounds__(MMV_THREADS, NT <= 2 ? MMV_SMALL_MIN_BLOCKS : 2) vo
                 for (int k = 0; k < (int)R::KSTEPS; k++) {
                     const unsigned int a[4] = {fa[k][0], fb[k][0], fa[k][1], fb[k][1]};
                     const uint4 v = *reinterpret_cast<const uint4 *>(xs + tok * stride + 4 * (c + R::group(t, k)));
-                    mma_bf16(acc[j], a, v.x, v.y);  // hi
-                    mma_bf16(acc[j], a, v.z, v.w);  // lo
+                    R::Op::mma(acc[j], a, v.x, v.y);  // hi
+                    R::Op::mma(acc[j], a, v.z, v.w);  // lo
                 }
             }
+            if constexpr (R::SCALED)
+                if ((c + R::STEP) % MMV_KC == 0 || col + u * R::STEP + R::STEP >= k_end) rescale(c / MMV_KC, -1);
         }
     };
 
     if constexpr (STAGED) {
-        staged_groups<R, UNROLL, R::STEP, GLU>(xs + n * stride, w, w2, rows, row_bytes, wr, warp, lane, k_begin, k_end,
-                                               kch, stage, compute);
+        staged_groups<R, UNROLL, R::STEP, GLU>(xs + mmv_act_bytes(n, kch, R::SCALED), w, w2, rows, row_bytes, wr, warp,
+                                               lane, k_begin, k_end, kch, stage_any, compute);
     } else {
         unsigned int staged = ~0u;
         Raw cur[UNROLL][2], nxt[UNROLL][2];
@@ -734,7 +998,7 @@ __global__ __launch_bounds__(MMV_THREADS, NT <= 2 ? MMV_SMALL_MIN_BLOCKS : 2) vo
         he::pdl_wait();
         for (unsigned int col = k_begin; col < k_end; col += GROUP) {
             if (col + GROUP < k_end) fetch_group(nxt, col + GROUP);
-            compute(cur, col, enter_chunk(col, k_begin, k_end, kch, staged, stage));
+            compute(cur, col, enter_chunk(col, k_begin, k_end, kch, staged, stage_any));
 #pragma unroll
             for (int u = 0; u < (int)UNROLL; u++) cur[u][0] = nxt[u][0], cur[u][1] = nxt[u][1];
         }
@@ -760,18 +1024,25 @@ constexpr int MMVQ_RANGE = 32639;  // the largest |v|: hi = (v + 128) >> 8 stays
 // order; 64 bytes of padding put the two tokens a half warp reads in distinct banks.
 __host__ __device__ constexpr unsigned mmvq_stride(unsigned kch) { return kch * 2 + 64; }
 
-__host__ __device__ constexpr unsigned mmvq_smem_bytes(unsigned n, unsigned kch, bool mins) {
-    return n * mmvq_stride(kch) + n * (kch / MMV_KC) * 4 + (mins ? n * (kch / 32) * 4 : 0);
+// The rows, each token's group scales and (readers with minimums, min_cols their STEP) its sums of v per
+// min_cols columns.
+__host__ __device__ constexpr unsigned mmvq_smem_bytes(unsigned n, unsigned kch, unsigned min_cols) {
+    return n * mmvq_stride(kch) + n * (kch / MMV_KC) * 4 + (min_cols != 0 ? n * (kch / min_cols) * 4 : 0);
 }
 // The staged activations' bytes, rounded up so that the weight slots after them are 16-byte aligned.
-__host__ __device__ constexpr unsigned mmvq_act_bytes(unsigned n, unsigned kch, bool mins) {
-    return (mmvq_smem_bytes(n, kch, mins) + 15) / 16 * 16;
+__host__ __device__ constexpr unsigned mmvq_act_bytes(unsigned n, unsigned kch, unsigned min_cols) {
+    return (mmvq_smem_bytes(n, kch, min_cols) + 15) / 16 * 16;
+}
+// The columns a reader's minimum spans (its step), or 0 for readers without one.
+template <typename R>
+__host__ __device__ constexpr unsigned mmvq_min_cols() {
+    return R::HAS_MIN ? R::STEP : 0;
 }
 // The unit of staged activation chunks: whole column groups and whole activation groups.
 __host__ __device__ constexpr unsigned mmvq_unit(unsigned group) { return group > MMV_KC ? group : MMV_KC; }
 
 template <typename R, int NT4, bool GLU, bool STAGED>
-__global__ __launch_bounds__(MMV_THREADS, NT4 <= 2 ? MMV_SMALL_MIN_BLOCKS : 1) void mmvq_kernel(
+__global__ __launch_bounds__(MMV_THREADS, NT4 <= 2 ? MMV_SMALL_MIN_BLOCKS : NT4 <= 4 ? MMVQ_MID_MIN_BLOCKS : 1) void mmvq_kernel(
     const unsigned char *__restrict__ w, const unsigned char *__restrict__ w2, unsigned int rows, unsigned int cols,
     size_t row_bytes, const float *__restrict__ x, unsigned int n, const float *bias, const float *residual, float *y,
     unsigned int ldy, float *partial, unsigned int *counters) {
@@ -786,7 +1057,8 @@ __global__ __launch_bounds__(MMV_THREADS, NT4 <= 2 ? MMV_SMALL_MIN_BLOCKS : 1) v
     const unsigned int k_begin = blockIdx.y * shape.kr;
     const unsigned int k_end = min(cols, k_begin + shape.kr);
     const unsigned int kch = mmv_chunk(n, shape.kr, 2, mmvq_unit(GROUP)), stride = mmvq_stride(kch);
-    const unsigned int groups = kch / MMV_KC, blocks = kch / 32;
+    constexpr unsigned MIN_LANES = R::STEP / 8;  // the staging lanes (8 columns each) a minimum spans
+    const unsigned int groups = kch / MMV_KC, blocks = kch / R::STEP;
     unsigned char *xs = mmv_smem;
     float *sx = reinterpret_cast<float *>(mmv_smem + n * stride);  // [tok][group]: the activation scales
     int *xv = reinterpret_cast<int *>(sx + n * groups);            // [tok][32-column block]: sums of v
@@ -843,9 +1115,9 @@ __global__ __launch_bounds__(MMV_THREADS, NT4 <= 2 ? MMV_SMALL_MIN_BLOCKS : 1) v
             }
             if (lane == 0) sx[tok * groups + e / 32] = amax / (float)MMVQ_RANGE;
             if constexpr (R::HAS_MIN) {
-                sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 1);
-                sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 2);
-                if (here && lane % 4 == 0) xv[tok * blocks + e / 4] = sum;
+#pragma unroll
+                for (unsigned o = 1; o < MIN_LANES; o *= 2) sum += __shfl_xor_sync(0xFFFFFFFFu, sum, o);
+                if (here && lane % MIN_LANES == 0) xv[tok * blocks + e / MIN_LANES] = sum;
             }
         }
     };
@@ -900,13 +1172,18 @@ __global__ __launch_bounds__(MMV_THREADS, NT4 <= 2 ? MMV_SMALL_MIN_BLOCKS : 1) v
                         ihi[j][0] += isa * d[0], ilo[j][0] += isa * d[1];
                         ihi[j][1] += isb * d[2], ilo[j][1] += isb * d[3];
                         if constexpr (R::HAS_MIN) {
-                            const int xs_sum = xv[min(4 * j + t, n - 1) * blocks + c / 32];
+                            const int xs_sum = xv[min(4 * j + t, n - 1) * blocks + c / R::STEP];
                             mins[j][0] += ima * xs_sum;
                             mins[j][1] += imb * xs_sum;
                         }
                     } else {
                         acc[j][0] = fmaf(fsa, (float)(d[0] * 256 + d[1]), acc[j][0]);
                         acc[j][1] = fmaf(fsb, (float)(d[2] * 256 + d[3]), acc[j][1]);
+                        if constexpr (R::HAS_MIN) {
+                            const float xs_sum = (float)xv[min(4 * j + t, n - 1) * blocks + c / R::STEP];
+                            acc[j][0] = fmaf(R::fmin(r[u][0], s), xs_sum, acc[j][0]);
+                            acc[j][1] = fmaf(R::fmin(r[u][1], s), xs_sum, acc[j][1]);
+                        }
                     }
                 }
             }
@@ -930,7 +1207,7 @@ __global__ __launch_bounds__(MMV_THREADS, NT4 <= 2 ? MMV_SMALL_MIN_BLOCKS : 1) v
                     }
                     out[j][0] = fmaf(da * s, acc[j][0], out[j][0]);
                     out[j][1] = fmaf(db * s, acc[j][1], out[j][1]);
-                    if constexpr (R::HAS_MIN) {
+                    if constexpr (R::SUPER && R::HAS_MIN) {
                         out[j][0] = fmaf(ma * s, (float)mins[j][0], out[j][0]);
                         out[j][1] = fmaf(mb * s, (float)mins[j][1], out[j][1]);
                     }
@@ -946,7 +1223,7 @@ __global__ __launch_bounds__(MMV_THREADS, NT4 <= 2 ? MMV_SMALL_MIN_BLOCKS : 1) v
     };
 
     if constexpr (STAGED) {
-        staged_groups<R, UNROLL, TILE, GLU>(mmv_smem + mmvq_act_bytes(n, kch, R::HAS_MIN), w, w2, rows, row_bytes, wr,
+        staged_groups<R, UNROLL, TILE, GLU>(mmv_smem + mmvq_act_bytes(n, kch, mmvq_min_cols<R>()), w, w2, rows, row_bytes, wr,
                                             warp, lane, k_begin, k_end, kch, stage, compute);
     } else {
         unsigned int staged = ~0u;
@@ -966,13 +1243,24 @@ __global__ __launch_bounds__(MMV_THREADS, NT4 <= 2 ? MMV_SMALL_MIN_BLOCKS : 1) v
     });
 }
 
+// Tokens an integer launch takes: MMVQ_LAUNCH_TOKENS, or HOSTEMBED_MMVQ_TOKENS (1 to MMVQ_MAX_TOKENS), to
+// measure. Any split gives a token the same bits.
+inline unsigned int mmvq_launch_tokens() {
+    static const unsigned int tokens = [] {
+        const char *v = getenv("HOSTEMBED_MMVQ_TOKENS");
+        const int t = v != nullptr ? atoi(v) : 0;
+        return t >= 1 && t <= (int)MMVQ_MAX_TOKENS ? (unsigned int)t : MMVQ_LAUNCH_TOKENS;
+    }();
+    return tokens;
+}
+
 template <typename R, bool GLU, bool STAGED>
 cudaError_t launch_mmv(const unsigned char *w, const unsigned char *w2, unsigned int rows, unsigned int cols,
                        size_t row_bytes, const float *x, unsigned int n, const float *bias, const float *residual,
                        float *y, unsigned int ldy, float *partial, unsigned int *counters, cudaStream_t stream) {
     const MmvShape shape = mmv_shape(rows, cols, GLU, R::INT);
     const dim3 grid(shape.row_blocks, shape.splits);
-    constexpr unsigned MAX = R::INT ? MMVQ_MAX_TOKENS : MMV_MAX_TOKENS;
+    const unsigned int MAX = R::INT ? mmvq_launch_tokens() : MMV_MAX_TOKENS;
     constexpr unsigned GROUP = mmv_group<R, STAGED>();
     constexpr unsigned WEIGHTS = STAGED ? WeightSlots<R, GROUP>::BLOCK_BYTES : 0;
     for (unsigned int t0 = 0; t0 < n; t0 += MAX) {
@@ -981,8 +1269,8 @@ cudaError_t launch_mmv(const unsigned char *w, const unsigned char *w2, unsigned
         const float *rt = residual != nullptr ? residual + (size_t)t0 * ldy : nullptr;
         float *yt = y + (size_t)t0 * ldy;
         int smem;
-        if constexpr (R::INT) smem = (int)(mmvq_act_bytes(nt, mmv_chunk(nt, shape.kr, 2, mmvq_unit(GROUP)), R::HAS_MIN) + WEIGHTS);
-        else smem = (int)(nt * mmv_stride(mmv_chunk(nt, shape.kr, 4, MMV_KC, MMV_BF16_STAGE_BUDGET)) + WEIGHTS);
+        if constexpr (R::INT) smem = (int)(mmvq_act_bytes(nt, mmv_chunk(nt, shape.kr, 2, mmvq_unit(GROUP)), mmvq_min_cols<R>()) + WEIGHTS);
+        else smem = (int)(mmv_act_bytes(nt, mmv_chunk(nt, shape.kr, 4, MMV_KC, MMV_BF16_STAGE_BUDGET), R::SCALED) + WEIGHTS);
         auto go = [&](auto kernel) {
             cudaError_t e = he::allow_smem(kernel, smem);
             if (e != cudaSuccess) return e;

@@ -462,6 +462,38 @@ fn mmv_matches_cpu_for_every_format_it_takes() {
     }
 }
 
+/// Each token's activations at their own magnitude, from 1e-7 to 3e5 (past f16's range: the F16 product
+/// scales each 256 columns), and one token whose 256-column groups span ten orders: every token within
+/// the bound of its own outputs.
+#[test]
+fn mmv_takes_activations_of_any_magnitude() {
+    if !gpu_present("mmv_takes_activations_of_any_magnitude") {
+        return;
+    }
+    let mut rng = Rng::fresh("mmv_takes_activations_of_any_magnitude");
+    let (rows, n) = (300, 5);
+    for dtype in mmv_dtypes() {
+        let cols = cols_for(dtype, 2048);
+        let bytes = encode(dtype, cols, &rng.vec(rows * cols, 1.0));
+        let w = TensorRef { dtype, shape: &[rows, cols], bytes: &bytes };
+        let mut x = rng.vec(n * cols, 1.0);
+        for (t, scale) in [1e-7f32, 1.0, 3e5, 7e4].into_iter().enumerate() {
+            x[t * cols..(t + 1) * cols].iter_mut().for_each(|v| *v *= scale);
+        }
+        for (c, v) in x[4 * cols..].iter_mut().enumerate() {
+            *v *= 10f32.powi((c / 256 % 11) as i32 - 5);
+        }
+        let wd = DeviceBuffer::from_slice(&bytes).unwrap();
+        let all = run_mmv(wd.ptr(), dtype, rows, cols, &x, n, None, None, rows);
+        for t in 0..n {
+            let mut want = vec![0f32; rows];
+            cpu::matvec(&w, &x[t * cols..(t + 1) * cols], &mut want);
+            let what = format!("mmv {} {rows}x{cols} token {t} of {n}", dtype.name());
+            assert_close(&what, &all[t * rows..(t + 1) * rows], &want, MMV_TOL);
+        }
+    }
+}
+
 #[test]
 fn mmv_swiglu_matches_cpu() {
     if !gpu_present("mmv_swiglu_matches_cpu") {
