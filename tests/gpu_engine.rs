@@ -12,7 +12,7 @@ use common::{Held, Scratch, device_info, info, init, logits, serial, stats, step
 use common::{Rng, kv_stats, on_threads, reset, set_sampling, stream_len, truncate, try_batch};
 use hostembed::sampler::{self, Sampling};
 
-use common::gpu_present;
+use common::{gpu_present, quiet};
 use hostembed::Status;
 use hostembed::checkpoint::Checkpoint;
 use hostembed::checkpoint::write::{write_synthetic_gguf, write_synthetic_hf};
@@ -103,8 +103,6 @@ fn prompt_of(n: usize) -> Vec<i32> {
 
 /// A prompt of several chunks at `greedy_cuda`'s max_batch of 32, the last one partial.
 const LONG_PROMPT: usize = 3 * 32 + 17;
-
-unsafe extern "C" fn quiet(_user: *mut c_void, _line: *const c_char) {}
 
 fn greedy_cuda() -> engine_options {
     engine_options {
@@ -372,7 +370,7 @@ fn batch_cuda(window: u32, streams: u32) -> engine_options {
 
 /// `n` ids from a seeded walk over the vocabulary.
 fn ids(rng: &mut Rng, n: usize) -> Vec<i32> {
-    (0..n).map(|_| rng.below(config().vocab as u64) as i32).collect()
+    rng.ids(config().vocab, n)
 }
 
 /// A stream's logits alone and in a batch of up to 64 single-token items, whatever the others are:
@@ -442,9 +440,7 @@ fn single_token_items_are_batch_invariant_on_cuda() {
         }
         let width = [1usize, 2, 7, 16, 33, 64][round % 6];
         let mut order: Vec<u32> = (0..streams).collect();
-        for i in (1..order.len()).rev() {
-            order.swap(i, rng.below(i as u64 + 1) as usize);
-        }
+        rng.shuffle(&mut order);
         order.truncate(width);
         let inputs: Vec<[i32; 1]> = order.iter().map(|&s| [last[s as usize]]).collect();
         let batch: Vec<(u32, &[i32])> = order.iter().zip(&inputs).map(|(&s, t)| (s, t.as_slice())).collect();
@@ -548,9 +544,7 @@ fn mixed_batches_match_stepping_alone_on_cuda() {
     let (mut worst_chunk, mut worst_after, mut chunks) = (0f64, 0f64, 0usize);
     for round in 0..40 {
         let mut order: Vec<u32> = (0..streams).filter(|_| rng.below(4) > 0).collect();
-        for i in (1..order.len()).rev() {
-            order.swap(i, rng.below(i as u64 + 1) as usize);
-        }
+        rng.shuffle(&mut order);
         let inputs: Vec<Vec<i32>> = order
             .iter()
             .map(|&s| {
