@@ -3,7 +3,7 @@
 
 use hostembed::Status;
 use hostembed::checkpoint::write::MemSource;
-use hostembed::checkpoint::write::{write_synthetic_gguf, write_synthetic_hf};
+use hostembed::checkpoint::write::{Recipe, write_synthetic_gguf, write_synthetic_hf};
 use hostembed::cuda::DeviceBuffer;
 use hostembed::engine::engine_options;
 use hostembed::ffi;
@@ -108,10 +108,11 @@ impl Scratch {
         p
     }
 
-    /// A GGUF file of synthetic weights named `name`.gguf inside this folder.
-    pub fn gguf(&self, name: &str, cfg: &ModelConfig, seed: u64, dtype: DType) -> PathBuf {
+    /// A GGUF file of synthetic weights named `name`.gguf inside this folder, its matrices in the
+    /// recipe's formats (a `DType` for all of them).
+    pub fn gguf(&self, name: &str, cfg: &ModelConfig, seed: u64, recipe: impl Into<Recipe>) -> PathBuf {
         let p = self.0.join(format!("{name}.gguf"));
-        write_synthetic_gguf(&p, cfg, seed, dtype).unwrap();
+        write_synthetic_gguf(&p, cfg, seed, recipe).unwrap();
         p
     }
 }
@@ -474,6 +475,62 @@ pub fn batches_match_stepping_alone(
     assert_eq!(kv_stats(batched), (total, total), "{what}: the pool after every stream's reset");
     println!("{what}: {counts:?}");
     counts
+}
+
+/// `batches_match_stepping_alone` on two fresh engines of `path` with `opts` (CUDA or the CPU, as
+/// `opts.backend` says), with enough single tokens and prompt chunks beside others, and a call of every
+/// stream, to mean anything; nothing held once they are freed.
+pub fn twins_batch_like_alone(what: &str, path: &Path, opts: &engine_options, mix: &Mix, page: u64, rng: &mut Rng) {
+    let batched = init(path, opts);
+    let alone = init(path, opts);
+    let i = info(&batched);
+    let cuda = opts.backend == hostembed::engine::engine_backend::Cuda;
+    assert_eq!((i.cuda, i.streams), (cuda, mix.widest), "{what}: the backend and the streams");
+    let counts = batches_match_stepping_alone(what, &batched, &alone, rng, mix, page);
+    assert!(
+        counts.singles_beside_others > 100 && counts.chunks_beside_others > 50 && counts.widest == i.streams as usize,
+        "{what}: too few items beside others to mean anything: {counts:?}"
+    );
+    drop((batched, alone));
+    assert_eq!(stats(), engine_memory::default(), "{what}: held after the engines were freed");
+}
+
+/// `twins_batch_like_alone` on `cfg` written as GGUF in every recipe (`every_recipe`).
+pub fn every_recipe_batches_like_alone(cfg: &ModelConfig, opts: &engine_options, mix: &Mix, page: u64, rng: &mut Rng) {
+    let dir = Scratch::new("batch-formats");
+    for recipe in every_recipe() {
+        let started = std::time::Instant::now();
+        let path = gguf_of_recipe(&dir, cfg, rng.next_u64(), recipe);
+        twins_batch_like_alone(recipe.name(), &path, opts, mix, page, rng);
+        println!("{}: {:.1} s", recipe.name(), started.elapsed().as_secs_f64());
+    }
+}
+
+/// Every format `FORMATS` lists for all of a model's matrices, then llama.cpp's Q4_K_M mix.
+pub fn every_recipe() -> Vec<Recipe> {
+    hostembed::tensor::FORMATS.iter().map(|f| Recipe::Uniform(f.dtype)).chain([Recipe::Q4KM]).collect()
+}
+
+/// Writes `cfg` in `recipe` into `dir` and checks the file stores every tensor as the recipe asks, with
+/// no fallback for rows that are not whole blocks (Q4_K_M: Q4_K and Q6_K both present).
+pub fn gguf_of_recipe(dir: &Scratch, cfg: &ModelConfig, seed: u64, recipe: Recipe) -> PathBuf {
+    let path = dir.gguf(recipe.name(), cfg, seed, recipe);
+    let ckpt = hostembed::checkpoint::Checkpoint::open(&path).unwrap();
+    for t in ckpt.tensors.values().filter(|t| t.shape.len() == 2) {
+        let fits = match recipe {
+            Recipe::Uniform(dtype) => t.dtype == dtype,
+            Recipe::Q4KM => {
+                matches!(t.dtype, DType::Q4_K | DType::Q6_K) && t.dtype == recipe.dtype(cfg, &t.name, &t.shape)
+            }
+        };
+        assert!(fits, "{}: tensor {} of {:?} stored as {}", recipe.name(), t.name, t.shape, t.dtype.name());
+    }
+    if recipe == Recipe::Q4KM {
+        for k in [DType::Q4_K, DType::Q6_K] {
+            assert!(ckpt.tensors.values().any(|t| t.dtype == k), "Q4_K_M without {}", k.name());
+        }
+    }
+    path
 }
 
 /// A model file the suite does not write itself (CI and scripts/gpu-build.sh put it there): under
