@@ -1,4 +1,6 @@
-//! Shared by the test files: the GPU suite's skip rule and small deterministic random data.
+//! Shared by the test files: the GPU suite's skip rule, small deterministic random data, the C ABI calls
+//! the tests make, the model files they find, and the loop that checks random batches against stepping
+//! each stream alone.
 #![allow(dead_code)]
 
 use hostembed::Status;
