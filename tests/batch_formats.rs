@@ -9,12 +9,12 @@
 
 mod common;
 use common::{Mix, Rng, cpu_options, every_recipe_batches_like_alone, twins_batch_like_alone};
-use common::{init, model_file, piece, serial, tokenize};
+use common::{decode_base, init, model_file, piece, serial, tokenize};
 
 use hostembed::checkpoint::write::gguf_metadata;
 use hostembed::checkpoint::{Checkpoint, gguf};
 use hostembed::ffi;
-use hostembed::model::{Arch, ModelConfig, RopeScaling};
+use hostembed::model::{Arch, ModelConfig};
 use hostembed::status::last_error;
 use hostembed::tensor::DType;
 use hostembed::tokenizer::{self, Tokenizer};
@@ -30,26 +30,7 @@ const MIX: Mix = Mix { rounds: 15, widest: STREAMS, chunk: 8, long_chunk: 40 };
 /// A Llama with GQA 2:1 whose every matrix row is whole k-quant super-blocks (256 values), so each
 /// format stores every matrix as itself; two layers, so Q4_K_M gives the second one's V and down Q6_K.
 fn config() -> ModelConfig {
-    ModelConfig {
-        arch: Arch::Llama,
-        vocab: 300,
-        hidden: 256,
-        layers: 2,
-        heads: 4,
-        kv_heads: 2,
-        head_dim: 64,
-        intermediate: 256,
-        rms_eps: 1e-5,
-        rope_theta: 10000.0,
-        rope_scaling: RopeScaling::None,
-        rope_interleaved: false,
-        max_position: 1024,
-        tied: false,
-        qkv_bias: false,
-        qk_norm: false,
-        bos: Some(1),
-        eos: Some(2),
-    }
+    ModelConfig { vocab: 300, heads: 4, head_dim: 64, intermediate: 256, ..decode_base(Arch::Llama) }
 }
 
 #[test]
