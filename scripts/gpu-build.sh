@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds everything the GPU machine runs (it has nvcc but no Rust toolchain) and packs it into
 # .gpu/bundle.tar.xz: the GPU test binaries (tests/gpu_*; the others run in CI), example binaries, the C
-# examples and the library. Each binary carries the kernels, so the bundle keeps under the 64 MiB a
+# examples, the library and models/gguf-f16.gguf (the `gguf` package's file; that machine has no
+# package index). Each binary carries the kernels, so the bundle keeps under the 64 MiB a
 # call may carry only without the CPU-only test binaries.
 # HOSTEMBED_CUDA_ARCHS defaults to 90 here (the lent card) to keep the build short.
 set -euo pipefail
@@ -31,6 +32,8 @@ for c in examples/*.c; do
     -Wl,-rpath,'$ORIGIN/..' -o "$out" -lm
 done
 cp -r scripts .gpu/bundle/
+scripts/write-gguf-f16.sh >/dev/null
+mkdir -p .gpu/bundle/models && cp models/gguf-f16.gguf .gpu/bundle/models/
 [ -d assets ] && cp -r assets .gpu/bundle/
 strip .gpu/bundle/tests/* .gpu/bundle/examples/* .gpu/bundle/libhostembed.so 2>/dev/null || true
 XZ_OPT=-9 tar -C .gpu -cJf .gpu/bundle.tar.xz bundle

@@ -22,6 +22,8 @@ OUT="${OUT:-$PWD/gpu-out}"
 mkdir -p "$OUT" /tmp/he && tar -C /tmp/he -xJf .gpu/bundle.tar.xz
 B=/tmp/he/bundle
 export HOSTEMBED_TEST_TMP=/tmp/he/tmp && mkdir -p "$HOSTEMBED_TEST_TMP"
+# The model files the bundle carries (tests/common's model_file looks there).
+export HOSTEMBED_TEST_MODELS=$B/models
 steps="${*:-info tests}"
 lt=$(find /opt /usr/local /usr/lib -name 'libcublasLt.so.1[23]' 2>/dev/null | head -1)
 [ -n "$lt" ] && export LD_LIBRARY_PATH="$(dirname "$lt")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"

@@ -7,12 +7,13 @@
 
 mod common;
 use common::{Held, Rng, Scratch, bits, info, init, logits, serial, stats, step, try_step};
+use common::{Mix, batches_match_stepping_alone, cpu_options, random_sampling};
 use common::{kv_stats, on_threads, reset, set_sampling, stream_len, truncate, try_batch};
 
 use hostembed::Status;
 use hostembed::abi::{engine_batch_item, engine_sampling};
 use hostembed::cpu::CpuStream;
-use hostembed::engine::{self, engine_backend, engine_options};
+use hostembed::engine::{self, engine_options};
 use hostembed::ffi;
 use hostembed::fit;
 use hostembed::model::{Arch, ModelConfig, RopeScaling};
@@ -20,7 +21,6 @@ use hostembed::placement::engine_memory;
 use hostembed::sampler::{self, Sampling};
 use hostembed::status::last_error;
 use hostembed::tensor::DType;
-use std::ffi::{c_char, c_void};
 use std::path::PathBuf;
 
 /// Positions in one page of the CPU backend's pool.
@@ -50,53 +50,12 @@ fn qwen2() -> ModelConfig {
     }
 }
 
-unsafe extern "C" fn quiet(_user: *mut c_void, _line: *const c_char) {}
-
-fn cpu_options(window: u32, streams: u32) -> engine_options {
-    engine_options {
-        backend: engine_backend::Cpu,
-        context: window,
-        max_streams: streams,
-        log: Some(quiet),
-        ..engine::default_options()
-    }
-}
-
 fn model(dir: &Scratch, rng: &mut Rng) -> PathBuf {
     dir.hf("qwen2", &qwen2(), rng.next_u64(), DType::Bf16)
 }
 
 fn random_ids(rng: &mut Rng, n: usize) -> Vec<i32> {
-    (0..n).map(|_| rng.below(qwen2().vocab as u64) as i32).collect()
-}
-
-/// Uniform in [0, 1).
-fn unit(rng: &mut Rng) -> f32 {
-    (rng.uniform() + 1.0) / 2.0
-}
-
-/// A random sampler: greedy or drawn, with or without top-k, top-p, min-p and a penalty.
-fn random_sampling(rng: &mut Rng) -> engine_sampling {
-    let pick = |rng: &mut Rng, p: f32| unit(rng) < p;
-    let mut s = ffi::engine_default_sampling();
-    if pick(rng, 0.7) {
-        s.temperature = 0.5 + unit(rng) * 1.5;
-    }
-    if pick(rng, 0.4) {
-        s.top_k = 1 + rng.below(60) as u32;
-    }
-    if pick(rng, 0.4) {
-        s.top_p = 0.5 + unit(rng) * 0.5;
-    }
-    if pick(rng, 0.5) {
-        s.min_p = unit(rng) * 0.3;
-    }
-    if pick(rng, 0.6) {
-        s.repeat_penalty = 0.7 + unit(rng) * 1.3;
-        s.repeat_last_n = rng.below(40) as u32;
-    }
-    s.seed = rng.next_u64();
-    s
+    rng.ids(qwen2().vocab, n)
 }
 
 /// Random batches on one engine and the same steps one stream at a time on another: every item's
@@ -115,86 +74,9 @@ fn random_batches_match_stepping_each_stream_alone() {
     assert_eq!(info(&batched).streams, streams);
     let (total, free) = kv_stats(&batched);
     assert_eq!((total, free), (streams as u64 * (window as u64).div_ceil(PAGE) * PAGE, total));
-    for s in 0..streams {
-        let sampling = random_sampling(&mut rng);
-        set_sampling(&batched, s, &sampling);
-        set_sampling(&alone, s, &sampling);
-    }
-    // What each stream feeds next: its last sampled token once it has one.
-    let mut last: Vec<Option<i32>> = vec![None; streams as usize];
-    let (mut items_run, mut singles_batched, mut refusals) = (0, 0, 0);
-    for round in 0..60 {
-        // Between batches: some streams are truncated, reset, or given new settings.
-        for s in 0..streams {
-            let len = stream_len(&batched, s);
-            assert_eq!(len, stream_len(&alone, s), "round {round} stream {s}: lengths");
-            match rng.below(20) {
-                0 => {
-                    reset(&batched, s);
-                    reset(&alone, s);
-                    last[s as usize] = None;
-                }
-                1 if len > 0 => {
-                    let keep = rng.below(len as u64) as u32;
-                    truncate(&batched, s, keep);
-                    truncate(&alone, s, keep);
-                    last[s as usize] = None;
-                }
-                2 => {
-                    let sampling = random_sampling(&mut rng);
-                    set_sampling(&batched, s, &sampling);
-                    set_sampling(&alone, s, &sampling);
-                }
-                _ => {}
-            }
-        }
-        // A batch of a random subset in random order: a prompt chunk, or the stream's last token.
-        let mut order: Vec<u32> = (0..streams).filter(|_| rng.below(3) > 0).collect();
-        for i in (1..order.len()).rev() {
-            order.swap(i, rng.below(i as u64 + 1) as usize);
-        }
-        let inputs: Vec<(u32, Vec<i32>)> = order
-            .iter()
-            .map(|&s| match last[s as usize] {
-                Some(t) if rng.below(4) > 0 => (s, vec![t]),
-                _ => {
-                    let longest = if rng.below(4) == 0 { 90 } else { 12 };
-                    let n = 1 + rng.below(longest) as usize;
-                    (s, random_ids(&mut rng, n))
-                }
-            })
-            .collect();
-        let items: Vec<(u32, &[i32])> = inputs.iter().map(|(s, t)| (*s, t.as_slice())).collect();
-        let (st, out) = try_batch(&batched, &items);
-        assert_eq!(st, Status::Ok, "round {round}: {}", last_error());
-        for (&(s, tokens), &(item_status, next)) in items.iter().zip(&out) {
-            let (want_status, want_next) = try_step(&alone, s, tokens);
-            assert_eq!(item_status, want_status, "round {round} stream {s} ({} tokens): status", tokens.len());
-            if want_status != Status::Ok {
-                assert_eq!(next, -1, "round {round} stream {s}: a failed item's next");
-                refusals += 1;
-                continue;
-            }
-            assert_eq!(next, want_next, "round {round} stream {s} ({} tokens): token", tokens.len());
-            assert_eq!(
-                bits(&logits(&batched, s)),
-                bits(&logits(&alone, s)),
-                "round {round} stream {s} ({} tokens): logits",
-                tokens.len()
-            );
-            last[s as usize] = Some(next);
-            items_run += 1;
-            singles_batched += (tokens.len() == 1 && items.len() > 1) as usize;
-        }
-        let held: u64 = (0..streams).map(|s| (stream_len(&batched, s) as u64).div_ceil(PAGE) * PAGE).sum();
-        assert_eq!(kv_stats(&batched), (total, total - held), "round {round}: free positions");
-    }
-    println!("{items_run} items stepped, {singles_batched} of them single tokens beside others, {refusals} refused");
-    assert!(items_run > 100 && singles_batched > 50, "too few items to mean anything");
-    for s in 0..streams {
-        reset(&batched, s);
-    }
-    assert_eq!(kv_stats(&batched), (total, total), "the pool after every stream's reset");
+    let mix = Mix { rounds: 60, widest: streams, chunk: 12, long_chunk: 90 };
+    let counts = batches_match_stepping_alone("qwen2 bf16", &batched, &alone, &mut rng, &mix, PAGE);
+    assert!(counts.items > 100 && counts.singles_beside_others > 50, "too few items to mean anything: {counts:?}");
     drop((batched, alone));
     assert_eq!(stats(), engine_memory::default());
 }
@@ -597,9 +479,7 @@ fn sixty_four_single_token_items_are_batch_invariant() {
     for round in 0..8 {
         // All 64 in a shuffled order on even rounds, a random subset on odd ones.
         let mut order: Vec<u32> = (0..streams).filter(|_| round % 2 == 0 || rng.below(2) == 0).collect();
-        for i in (1..order.len()).rev() {
-            order.swap(i, rng.below(i as u64 + 1) as usize);
-        }
+        rng.shuffle(&mut order);
         let inputs: Vec<(u32, [i32; 1])> = order.iter().map(|&s| (s, [last[s as usize]])).collect();
         let items: Vec<(u32, &[i32])> = inputs.iter().map(|(s, t)| (*s, &t[..])).collect();
         let (st, out) = try_batch(&batched, &items);

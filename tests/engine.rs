@@ -9,7 +9,7 @@ use common::{bits, max_abs_diff, rel_l2};
 
 use common::{Held, Scratch, info, init, logits, serial, stats, step, try_step};
 
-use common::Rng;
+use common::{Rng, quiet};
 use hostembed::Status;
 use hostembed::checkpoint::Checkpoint;
 
@@ -22,7 +22,6 @@ use hostembed::placement::engine_memory;
 use hostembed::sampler::{self, Sampling};
 use hostembed::status::last_error;
 use hostembed::tensor::DType;
-use std::ffi::{c_char, c_void};
 use std::path::Path;
 
 /// A small Llama 3: GQA 2:1, llama3 rope scaling, an untied head.
@@ -69,8 +68,6 @@ fn qwen2() -> ModelConfig {
     }
 }
 
-unsafe extern "C" fn quiet(_user: *mut c_void, _line: *const c_char) {}
-
 /// The CPU backend with a `window`-token window; the start-up line is dropped.
 fn cpu_options(window: u32) -> engine_options {
     engine_options { backend: engine_backend::Cpu, context: window, log: Some(quiet), ..engine::default_options() }
@@ -100,10 +97,6 @@ fn decode(e: &Held, stream: u32, prompt: &[i32], steps: usize) -> (Vec<i32>, Vec
     (tokens, all)
 }
 
-fn random_ids(rng: &mut Rng, vocab: usize, n: usize) -> Vec<i32> {
-    (0..n).map(|_| rng.below(vocab as u64) as i32).collect()
-}
-
 #[test]
 fn hf_and_gguf_of_the_same_weights_decode_the_same_tokens() {
     let _g = serial();
@@ -129,7 +122,7 @@ fn hf_and_gguf_of_the_same_weights_decode_the_same_tokens() {
 
         let h = init(&hf, &cpu_options(64));
         let g = init(&gguf, &cpu_options(64));
-        let prompt = random_ids(&mut rng, cfg.vocab, 8);
+        let prompt = rng.ids(cfg.vocab, 8);
         let (mut th, mut tg) = (step(&h, 0, &prompt), step(&g, 0, &prompt));
         let (mut worst, mut near_ties) = (0f64, Vec::new());
         for i in 0..=32 {
@@ -172,12 +165,12 @@ fn refused_steps_append_nothing() {
     let vocab = cfg.vocab as i32;
     assert_eq!(info(&e).streams, 2);
 
-    let prompt = random_ids(&mut rng, cfg.vocab, 10);
+    let prompt = rng.ids(cfg.vocab, 10);
     let first = step(&e, 0, &prompt);
     assert_eq!(step(&reference, 0, &prompt), first);
     let after_prompt = logits(&reference, 0);
 
-    let (st, next) = try_step(&e, 0, &random_ids(&mut rng, cfg.vocab, 7));
+    let (st, next) = try_step(&e, 0, &rng.ids(cfg.vocab, 7));
     assert_eq!((st, next), (Status::NoRoom, -7), "10 + 7 tokens in a 16-token window: {}", last_error());
     assert!(last_error().contains("window of 16"), "{}", last_error());
 
@@ -209,18 +202,18 @@ fn refused_steps_append_nothing() {
 
     // The refusals neither appended nor replaced the last logits.
     assert_eq!(bits(&logits(&e, 0)), bits(&logits(&reference, 0)), "logits after the refusals");
-    let fill = random_ids(&mut rng, cfg.vocab, 6);
+    let fill = rng.ids(cfg.vocab, 6);
     assert_eq!(step(&e, 0, &fill), step(&reference, 0, &fill), "the step that fills the window");
     assert_eq!(bits(&logits(&e, 0)), bits(&logits(&reference, 0)), "logits at a full window");
     assert_eq!(try_step(&e, 0, &[first]), (Status::NoRoom, -7), "a full window takes no token");
 
     // The other stream is untouched and has its own window.
-    assert_eq!(try_step(&e, 1, &random_ids(&mut rng, cfg.vocab, window as usize + 1)).0, Status::NoRoom);
+    assert_eq!(try_step(&e, 1, &rng.ids(cfg.vocab, window as usize + 1)).0, Status::NoRoom);
     assert_eq!(step(&e, 1, &prompt), first, "stream 1 starts empty");
     assert_eq!(bits(&logits(&e, 1)), bits(&after_prompt), "stream 1 after the same prompt");
     // A reset stream takes a window's worth again.
     reset(&e, 0);
-    let t = step(&e, 0, &random_ids(&mut rng, cfg.vocab, window as usize));
+    let t = step(&e, 0, &rng.ids(cfg.vocab, window as usize));
     assert!((0..vocab).contains(&t), "token {t}");
     drop((e, reference));
     assert_eq!(stats(), engine_memory::default());
@@ -242,22 +235,22 @@ fn prompts_of_several_chunks_past_the_window_append_nothing() {
     let reference = init(&path, &cpu_options(window as u32));
     let len = |e: &Held| common::stream_len(e, 0) as usize;
 
-    let (st, _) = try_step(&e, 0, &random_ids(&mut rng, cfg.vocab, window + 1));
+    let (st, _) = try_step(&e, 0, &rng.ids(cfg.vocab, window + 1));
     assert_eq!(st, Status::NoRoom, "{} tokens into an empty {window}-token window", window + 1);
     assert_eq!(len(&e), 0, "the refused prompt appended nothing");
 
-    let first = random_ids(&mut rng, cfg.vocab, chunk + 5);
+    let first = rng.ids(cfg.vocab, chunk + 5);
     let next = step(&e, 0, &first);
     assert_eq!(step(&reference, 0, &first), next);
     let room = window - first.len();
     for n in [room + 1, room + chunk, window] {
-        let (st, _) = try_step(&e, 0, &random_ids(&mut rng, cfg.vocab, n));
+        let (st, _) = try_step(&e, 0, &rng.ids(cfg.vocab, n));
         assert_eq!(st, Status::NoRoom, "{n} tokens after {}: {}", first.len(), last_error());
         assert_eq!(len(&e), first.len(), "{n} tokens after {}: appended", first.len());
     }
     assert_eq!(bits(&logits(&e, 0)), bits(&logits(&reference, 0)), "logits after the refusals");
     // The rest of the window, in one prompt of more than one chunk, is taken and matches the reference.
-    let rest = random_ids(&mut rng, cfg.vocab, room);
+    let rest = rng.ids(cfg.vocab, room);
     assert_eq!(step(&e, 0, &rest), step(&reference, 0, &rest));
     assert_eq!(bits(&logits(&e, 0)), bits(&logits(&reference, 0)), "logits at a full window");
     assert_eq!(len(&e), window);
@@ -280,7 +273,7 @@ fn bad_calls_to_logits_reset_and_model_info_are_refused() {
         ffi::engine_logits(e, stream, out, len)
     };
     assert_eq!(logits_call(e.0, 0, out.as_mut_ptr(), out.len()), Status::InvalidArgument, "before any step");
-    step(&e, 1, &random_ids(&mut rng, cfg.vocab, 4));
+    step(&e, 1, &rng.ids(cfg.vocab, 4));
     assert_eq!(logits_call(e.0, 1, out.as_mut_ptr(), out.len()), Status::Ok, "{}", last_error());
     // Each status checked as it comes, while engine_last_error() is still that call's.
     let expect = |what: &str, got: Status, want: Status| assert_eq!(got, want, "{what}: {}", last_error());
@@ -317,14 +310,14 @@ fn reset_then_the_same_prompt_gives_the_same_tokens() {
     let dir = Scratch::new("reset");
     let cfg = llama();
     let path = dir.hf("llama", &cfg, rng.next_u64(), DType::Bf16);
-    let prompt = random_ids(&mut rng, cfg.vocab, 9);
+    let prompt = rng.ids(cfg.vocab, 9);
     for opts in [cpu_options(128), sampled(rng.next_u64())] {
         let e = init(&path, &opts);
         let stream = 1;
         let (first, first_logits) = decode(&e, stream, &prompt, 32);
         reset(&e, stream);
         // Something else in between, on the same stream, then reset again.
-        decode(&e, stream, &random_ids(&mut rng, cfg.vocab, 5), 3);
+        decode(&e, stream, &rng.ids(cfg.vocab, 5), 3);
         reset(&e, stream);
         let (again, again_logits) = decode(&e, stream, &prompt, 32);
         assert_eq!(again, first, "temperature {}: tokens after reset", opts.temperature);
@@ -335,7 +328,7 @@ fn reset_then_the_same_prompt_gives_the_same_tokens() {
         );
         // Reset after a half-full stream, and a window's worth fits again.
         reset(&e, stream);
-        step(&e, stream, &random_ids(&mut rng, cfg.vocab, 128));
+        step(&e, stream, &rng.ids(cfg.vocab, 128));
     }
     assert_eq!(stats(), engine_memory::default());
 }
@@ -347,7 +340,7 @@ fn interleaved_streams_decode_as_each_alone() {
     let dir = Scratch::new("streams");
     let cfg = qwen2();
     let path = dir.gguf("qwen2", &cfg, rng.next_u64(), DType::F16);
-    let (a, b) = (random_ids(&mut rng, cfg.vocab, 7), random_ids(&mut rng, cfg.vocab, 12));
+    let (a, b) = (rng.ids(cfg.vocab, 7), rng.ids(cfg.vocab, 12));
     let steps = 24;
     for opts in [cpu_options(64), sampled(rng.next_u64())] {
         let opts = engine_options { max_streams: 4, ..opts };
@@ -381,13 +374,13 @@ fn logits_of_the_last_stepped_stream_equal_a_fresh_cpu_forward() {
     for path in [dir.hf("llama", &cfg, seed, DType::Bf16), dir.gguf("llama", &cfg, seed, DType::Q8_0)] {
         let window = 48;
         let e = init(&path, &engine_options { max_streams: 4, ..cpu_options(window) });
-        let mut fed = random_ids(&mut rng, cfg.vocab, 11);
+        let mut fed = rng.ids(cfg.vocab, 11);
         let mut next = step(&e, 2, &fed);
         for _ in 0..5 {
             fed.push(next);
             next = step(&e, 2, &[next]);
         }
-        step(&e, 1, &random_ids(&mut rng, cfg.vocab, 3));
+        step(&e, 1, &rng.ids(cfg.vocab, 3));
         fed.push(next);
         let last = step(&e, 2, &[next]);
 
@@ -410,7 +403,7 @@ fn sampled_decoding_repeats_for_a_seed_and_differs_for_another() {
     let dir = Scratch::new("sampled");
     let cfg = llama();
     let path = dir.hf("llama", &cfg, rng.next_u64(), DType::F32);
-    let prompt = random_ids(&mut rng, cfg.vocab, 6);
+    let prompt = rng.ids(cfg.vocab, 6);
     let seed = rng.next_u64();
     let stream = 2;
     let run = |opts: &engine_options| {

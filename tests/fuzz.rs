@@ -9,7 +9,7 @@
 
 mod common;
 
-use common::{Rng, c_path};
+use common::{Rng, c_path, quiet};
 use hostembed::Status;
 use hostembed::checkpoint::gguf::GgufValue;
 use hostembed::checkpoint::write::{gguf_metadata, synthetic_weights, write_gguf, write_hf_folder};
@@ -293,8 +293,6 @@ fn write_case(base: &Base, dir: &Path, rng: &mut Rng) -> (PathBuf, &'static str)
     std::fs::write(hf.join("tokenizer.json"), &tokenizer_json).unwrap();
     (hf, kind)
 }
-
-unsafe extern "C" fn quiet(_user: *mut std::ffi::c_void, _line: *const std::ffi::c_char) {}
 
 /// In the child: load, and use what loaded; the exit code says how it went.
 fn child(path: &Path) -> i32 {

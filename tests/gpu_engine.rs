@@ -2,8 +2,10 @@
 //! safetensors (BF16) and as GGUF (F16, Q8_0, BF16): the three placements give identical token streams,
 //! greedy and sampled, after a prompt of several chunks (SHA-256 of the token ids printed, as in the seed
 //! receipt); max_batch 0 is the default on CUDA too; CUDA against the CPU
-//! engine on the same files; safetensors against GGUF of the same weights; refused steps on CUDA.
-//! Prints SKIP without a device.
+//! engine on the same files; safetensors against GGUF of the same weights; refused steps on CUDA;
+//! batches (the KV page pool, truncate, per-stream sampling, and random batches of single tokens and
+//! prompt chunks against stepping alone in every weight format, the Q4_K_M mix and the `gguf` Python
+//! package's F16 file). Prints SKIP without a device.
 
 mod common;
 use common::{bits, max_abs_diff, rel_l2, top_two_gap};
@@ -12,7 +14,7 @@ use common::{Held, Scratch, device_info, info, init, logits, serial, stats, step
 use common::{Rng, kv_stats, on_threads, reset, set_sampling, stream_len, truncate, try_batch};
 use hostembed::sampler::{self, Sampling};
 
-use common::gpu_present;
+use common::{Mix, every_recipe_batches_like_alone, gpu_present, model_file, quiet, twins_batch_like_alone};
 use hostembed::Status;
 use hostembed::checkpoint::Checkpoint;
 use hostembed::checkpoint::write::{write_synthetic_gguf, write_synthetic_hf};
@@ -103,8 +105,6 @@ fn prompt_of(n: usize) -> Vec<i32> {
 
 /// A prompt of several chunks at `greedy_cuda`'s max_batch of 32, the last one partial.
 const LONG_PROMPT: usize = 3 * 32 + 17;
-
-unsafe extern "C" fn quiet(_user: *mut c_void, _line: *const c_char) {}
 
 fn greedy_cuda() -> engine_options {
     engine_options {
@@ -372,7 +372,7 @@ fn batch_cuda(window: u32, streams: u32) -> engine_options {
 
 /// `n` ids from a seeded walk over the vocabulary.
 fn ids(rng: &mut Rng, n: usize) -> Vec<i32> {
-    (0..n).map(|_| rng.below(config().vocab as u64) as i32).collect()
+    rng.ids(config().vocab, n)
 }
 
 /// A stream's logits alone and in a batch of up to 64 single-token items, whatever the others are:
@@ -442,9 +442,7 @@ fn single_token_items_are_batch_invariant_on_cuda() {
         }
         let width = [1usize, 2, 7, 16, 33, 64][round % 6];
         let mut order: Vec<u32> = (0..streams).collect();
-        for i in (1..order.len()).rev() {
-            order.swap(i, rng.below(i as u64 + 1) as usize);
-        }
+        rng.shuffle(&mut order);
         order.truncate(width);
         let inputs: Vec<[i32; 1]> = order.iter().map(|&s| [last[s as usize]]).collect();
         let batch: Vec<(u32, &[i32])> = order.iter().zip(&inputs).map(|(&s, t)| (s, t.as_slice())).collect();
@@ -548,9 +546,7 @@ fn mixed_batches_match_stepping_alone_on_cuda() {
     let (mut worst_chunk, mut worst_after, mut chunks) = (0f64, 0f64, 0usize);
     for round in 0..40 {
         let mut order: Vec<u32> = (0..streams).filter(|_| rng.below(4) > 0).collect();
-        for i in (1..order.len()).rev() {
-            order.swap(i, rng.below(i as u64 + 1) as usize);
-        }
+        rng.shuffle(&mut order);
         let inputs: Vec<Vec<i32>> = order
             .iter()
             .map(|&s| {
@@ -598,6 +594,54 @@ fn mixed_batches_match_stepping_alone_on_cuda() {
         "{chunks} prompt chunks: worst {worst_chunk:.2e} relative L2 from alone; later tokens of batched chunks {worst_after:.2e}"
     );
     assert!(chunks > 20);
+}
+
+/// 64 streams of 256 tokens on CUDA, in passes of up to 32 tokens; calls of 1 to 64 items with prompt
+/// chunks of 1 to 12 tokens (the decode rows' products), one in four up to 100 (the prompt path's, over
+/// several passes).
+fn mixed_batches() -> (engine_options, Mix) {
+    (batch_cuda(256, 64), Mix { rounds: 15, widest: 64, chunk: 12, long_chunk: 100 })
+}
+
+/// Every weight format, and llama.cpp's Q4_K_M mix, on CUDA: random batches of 1 to 64 items (single
+/// tokens and prompt chunks; streams joining, leaving, truncated and reset) give each stream the
+/// status, the token and the logits bits of stepping it alone, and the pool follows the streams.
+#[test]
+fn random_batches_match_stepping_alone_in_every_format_on_cuda() {
+    if !gpu_present("random_batches_match_stepping_alone_in_every_format_on_cuda") {
+        return;
+    }
+    let _g = serial();
+    let mut rng = Rng::fresh("random_batches_match_stepping_alone_in_every_format_on_cuda");
+    let (opts, mix) = mixed_batches();
+    every_recipe_batches_like_alone(&config(), &opts, &mix, hostembed::gpu::PAGE_TOKENS as u64, &mut rng);
+}
+
+/// models/gguf-f16.gguf, which the `gguf` Python package wrote as llama.cpp's converter lays out an F16
+/// Llama (scripts/gpu-build.sh bundles it; a SKIP line without it), on CUDA: its rows F16 on the card,
+/// and random batches bit-identical to stepping alone.
+#[test]
+fn the_gguf_packages_f16_file_decodes_batch_invariant_on_cuda() {
+    if !gpu_present("the_gguf_packages_f16_file_decodes_batch_invariant_on_cuda") {
+        return;
+    }
+    let Some(path) =
+        model_file("gguf-f16.gguf", "scripts/write-gguf-f16.sh writes it, scripts/gpu-build.sh bundles it")
+    else {
+        return;
+    };
+    let _g = serial();
+    let mut rng = Rng::fresh("the_gguf_packages_f16_file_decodes_batch_invariant_on_cuda");
+    let (opts, mix) = mixed_batches();
+    {
+        let e = init(&path, &opts);
+        // SAFETY: engine_rows is plain C data (integers and pointers) for which all zeros is a value.
+        let mut rows: hostembed::abi::engine_rows = unsafe { std::mem::zeroed() };
+        // SAFETY: a live engine and a struct to fill.
+        assert_eq!(unsafe { ffi::engine_embed_rows(e.0, &mut rows) }, Status::Ok, "{}", last_error());
+        assert_eq!((rows.dtype, rows.device_usable), (DType::F16, true));
+    }
+    twins_batch_like_alone("gguf-f16.gguf", &path, &opts, &mix, hostembed::gpu::PAGE_TOKENS as u64, &mut rng);
 }
 
 /// engine_truncate on CUDA: stepping the same tokens again after a truncate gives the same logits, bit

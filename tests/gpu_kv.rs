@@ -97,9 +97,7 @@ impl HostPool {
 
     fn tables(&self, rng: &mut Rng, lens: &[usize]) -> Vec<Vec<u32>> {
         let mut ids: Vec<u32> = (0..self.pages as u32).collect();
-        for i in (1..ids.len()).rev() {
-            ids.swap(i, rng.below(i as u64 + 1) as usize);
-        }
+        rng.shuffle(&mut ids);
         let mut next = ids.into_iter();
         lens.iter()
             .map(|&len| (0..len.div_ceil(PAGE_TOKENS)).map(|_| next.next().expect("pool too small")).collect())

@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{Held, Rng, Scratch, bits, init, logits, step, try_step};
+use common::{Held, Rng, Scratch, bits, init, logits, quiet, step, try_step};
 
 use hostembed::Status;
 use hostembed::checkpoint::write::{OwnedTensor, Recipe, synthetic_weights, write_gguf};
@@ -15,7 +15,7 @@ use hostembed::ffi;
 use hostembed::model::{Arch, ModelConfig, RopeScaling};
 use hostembed::status::last_error;
 use hostembed::tensor::DType;
-use std::ffi::{c_char, c_void};
+use std::ffi::c_void;
 
 /// A Llama with GQA 2:1 whose rows are whole super-blocks; 16 layers so Q4_K_M mixes Q4_K and Q6_K.
 fn config() -> ModelConfig {
@@ -40,8 +40,6 @@ fn config() -> ModelConfig {
         eos: Some(2),
     }
 }
-
-unsafe extern "C" fn quiet(_user: *mut c_void, _line: *const c_char) {}
 
 fn cpu_options() -> engine_options {
     engine_options { backend: engine_backend::Cpu, context: 64, log: Some(quiet), ..engine::default_options() }

@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{Held, Rng, Scratch, c_path, info, init, serial, step};
+use common::{Held, Rng, Scratch, c_path, info, init, serial, step, tokenize};
 use hostembed::Status;
 use hostembed::checkpoint::write::{synthetic_weights, write_gguf};
 use hostembed::engine::{self, engine_backend, engine_options};
@@ -368,17 +368,6 @@ fn eight_threads_on_one_engine_match_the_serial_run() {
         "8 threads x {} steps: tokens match the serial run; {fresh_logits} logits copies matched, {tokenized} tokenize calls beside",
         STEPS + 1
     );
-}
-
-fn tokenize(e: &Held, text: &str) -> Vec<i32> {
-    let mut ids = vec![0i32; text.len() + 8];
-    let mut n = 0usize;
-    let st = unsafe {
-        ffi::engine_tokenize(e.0, text.as_ptr() as *const c_char, text.len(), 0, ids.as_mut_ptr(), ids.len(), &mut n)
-    };
-    assert_eq!(st, Status::Ok, "engine_tokenize: {}", last_error());
-    ids.truncate(n);
-    ids
 }
 
 fn rss_bytes() -> u64 {

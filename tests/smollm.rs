@@ -7,14 +7,13 @@
 
 mod common;
 
-use common::{Held, info, init, step};
+use common::{info, init, model_file, piece, quiet, step, tokenize};
 
 use hostembed::Status;
 use hostembed::engine::{self, engine_backend, engine_options};
 use hostembed::ffi;
 use hostembed::status::last_error;
 use hostembed::tensor::DType;
-use std::ffi::{c_char, c_void};
 use std::path::PathBuf;
 
 /// "The capital of France is" and " Paris" in SmolLM2's vocabulary, as scripts/smollm_prompt_ids.py
@@ -65,16 +64,8 @@ const SENTENCES: &[(&str, &[i32])] = &[
 ];
 
 fn model() -> Option<PathBuf> {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("models/SmolLM2-135M-Instruct.Q4_1.gguf");
-    if path.is_file() {
-        Some(path)
-    } else {
-        println!("SKIP: {} is absent (scripts/fetch-smollm.sh fetches it)", path.display());
-        None
-    }
+    model_file("SmolLM2-135M-Instruct.Q4_1.gguf", "scripts/fetch-smollm.sh fetches it")
 }
-
-unsafe extern "C" fn quiet(_user: *mut c_void, _line: *const c_char) {}
 
 fn cpu_options() -> engine_options {
     engine_options { backend: engine_backend::Cpu, context: 64, log: Some(quiet), ..engine::default_options() }
@@ -98,32 +89,6 @@ fn smollm2_q4_1_continues_the_prompt_with_paris() {
     }
     println!("continuation ids: {continuation:?}");
     assert!(continuation.contains(&PARIS), "no \" Paris\" ({PARIS}) in the first {WITHIN} tokens: {continuation:?}");
-}
-
-fn tokenize(e: &Held, text: &str) -> Vec<i32> {
-    let mut ids = vec![-7i32; 4 * text.len() + 4];
-    let mut n = usize::MAX;
-    let st = unsafe {
-        ffi::engine_tokenize(
-            e.0,
-            text.as_ptr() as *const c_char,
-            text.len(),
-            hostembed::abi::ENGINE_BOS_NO,
-            ids.as_mut_ptr(),
-            ids.len(),
-            &mut n,
-        )
-    };
-    assert_eq!(st, Status::Ok, "{text:?}: {}", last_error());
-    ids.truncate(n);
-    ids
-}
-
-fn piece(e: &Held, id: i32) -> Vec<u8> {
-    let mut buf = vec![0 as c_char; 64];
-    let n = unsafe { ffi::engine_token_piece(e.0, id, buf.as_mut_ptr(), buf.len()) };
-    assert!(n >= 0 && (n as usize) < buf.len(), "piece of {id}: {n}");
-    buf[..n as usize].iter().map(|&b| b as u8).collect()
 }
 
 #[test]
