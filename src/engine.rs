@@ -359,8 +359,10 @@ fn load_decoder(
             let rows = RowsOnDevice { ptr: r.data, dtype: r.dtype, vocab: r.rows as usize, cols: r.cols as usize };
             let mut model = CudaBackend::load(&**ckpt, rows, max_batch_of(opts), opts.device, pool.pages, kv, window)?;
             logger.line(model.prompt_route());
-            if resolve_batch_tensor_cores(opts.batch_tensor_cores) {
-                model.set_batch_tensor_cores(true);
+            // Set either way: the model itself never reads the environment (NO with the variable set stays off).
+            let tensor_cores = resolve_batch_tensor_cores(opts.batch_tensor_cores);
+            model.set_batch_tensor_cores(tensor_cores);
+            if tensor_cores {
                 logger.line("batches of 16 or more single tokens share tensor-core products: a stream's logits depend on its batch");
             }
             Box::new(Streams::new(model, window, streams, pool.pages, sampling)?)

@@ -11,7 +11,7 @@ mod common;
 use common::{bits, max_abs_diff, rel_l2, top_two_gap};
 
 use common::{Held, Scratch, device_info, info, init, logits, serial, stats, step, try_step};
-use common::{Rng, kv_stats, on_threads, reset, set_sampling, stream_len, truncate, try_batch};
+use common::{Rng, kv_stats, on_threads, reset, set_env, set_sampling, stream_len, truncate, try_batch};
 use hostembed::sampler::{self, Sampling};
 
 use common::{Mix, every_recipe_batches_like_alone, gpu_present, model_file, quiet, twins_batch_like_alone};
@@ -472,7 +472,7 @@ unsafe extern "C" fn collect_lines(user: *mut c_void, line: *const c_char) {
 
 /// options.batch_tensor_cores YES reaches the CUDA engine: its start-up log says so, and a batch of 24
 /// single tokens gives logits near (not the bits of) those of the same engine options with NO, which are
-/// the bits of stepping each stream alone.
+/// the bits of stepping each stream alone, though HOSTEMBED_BATCH_TENSOR_CORES=1 is set.
 #[test]
 fn the_batch_tensor_core_option_reaches_cuda() {
     if !gpu_present("the_batch_tensor_core_option_reaches_cuda") {
@@ -485,6 +485,9 @@ fn the_batch_tensor_core_option_reaches_cuda() {
     let streams = 24u32;
     let said = "share tensor-core products";
     let mut engines = Vec::new();
+    // The variable says on: only AUTO may read it, so NO stays batch invariant.
+    let saved = std::env::var_os(engine::BATCH_TENSOR_CORES_ENV);
+    set_env(engine::BATCH_TENSOR_CORES_ENV, Some(std::ffi::OsStr::new("1")));
     for option in [engine_tristate::No, engine_tristate::Yes] {
         let mut lines: Vec<String> = Vec::new();
         let opts = engine_options {
@@ -497,6 +500,7 @@ fn the_batch_tensor_core_option_reaches_cuda() {
         assert_eq!(lines.iter().any(|l| l.contains(said)), option == engine_tristate::Yes, "{option:?}: {lines:?}");
         engines.push(e);
     }
+    set_env(engine::BATCH_TENSOR_CORES_ENV, saved.as_deref());
     let alone = init(path, &batch_cuda(128, streams));
     let prompts: Vec<Vec<i32>> = (0..streams).map(|s| ids(&mut rng, 3 + s as usize)).collect();
     for e in engines.iter().chain([&alone]) {

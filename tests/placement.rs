@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{Scratch, c_path, serial, stats};
+use common::{Scratch, c_path, serial, set_env, stats};
 
 use common::Rng;
 use hostembed::checkpoint::Checkpoint;
@@ -47,17 +47,6 @@ fn config(vocab: usize, hidden: usize, tied: bool) -> ModelConfig {
 
 fn cpu_options() -> engine_options {
     engine_options { backend: engine_backend::Cpu, ..engine::default_options() }
-}
-
-/// Sets the environment variable `name` to `value`, or removes it for None.
-fn set_env(name: &str, value: Option<&std::ffi::OsStr>) {
-    // SAFETY: every test that reads or writes the environment holds `serial()`.
-    unsafe {
-        match value {
-            Some(v) => std::env::set_var(name, v),
-            None => std::env::remove_var(name),
-        }
-    }
 }
 
 fn set_mmap_env(value: Option<&str>) {

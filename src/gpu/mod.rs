@@ -352,7 +352,7 @@ impl GpuModel {
             decode_graphs: HashMap::new(),
             decode_seen: HashSet::new(),
             logits_at: Vec::new(),
-            batch_tensor_cores: crate::engine::resolve_batch_tensor_cores(crate::abi::engine_tristate::Auto),
+            batch_tensor_cores: false,
             mmv: std::env::var("HOSTEMBED_MMV").map(|v| v != "0").unwrap_or(true),
             pool_pages,
             kv,

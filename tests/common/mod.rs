@@ -703,3 +703,14 @@ pub fn rows_on_card(src: &MemSource) -> (DeviceBuffer, RowsOnDevice) {
     let rows = RowsOnDevice { ptr: buf.ptr(), dtype: e.dtype, vocab: e.rows(), cols: e.cols() };
     (buf, rows)
 }
+
+/// Sets the environment variable `name` to `value`, or removes it for None.
+pub fn set_env(name: &str, value: Option<&std::ffi::OsStr>) {
+    // SAFETY: every test that reads or writes the environment holds `serial()`.
+    unsafe {
+        match value {
+            Some(v) => std::env::set_var(name, v),
+            None => std::env::remove_var(name),
+        }
+    }
+}
