@@ -23,6 +23,18 @@ fn main() {
 
     generate_header(&manifest, &out);
 
+    let mut archs = env::var("HOSTEMBED_CUDA_ARCHS").unwrap_or_else(|_| "all".into());
+    if archs.trim() == "all" {
+        archs = DEFAULT_ARCHS.to_string();
+    } else if archs.trim() == "native" {
+        let Some(found) = native_archs() else {
+            println!(
+                "cargo:warning=hostembed: HOSTEMBED_CUDA_ARCHS=native found no GPU (nvidia-smi), so no kernels were built: HOSTEMBED_CUDA_ARCHS=90 (a list of SM versions) builds them, HOSTEMBED_CUDA_ARCHS=all (the default) every architecture"
+            );
+            return;
+        };
+        archs = found;
+    }
     let nvcc = if env::var_os("HOSTEMBED_NO_CUDA").is_some() { None } else { find_nvcc(&manifest) };
     let Some(nvcc) = nvcc else {
         println!(
@@ -39,7 +51,7 @@ fn main() {
         .unwrap_or_else(|| panic!("no libcudart_static.a beside {}", nvcc.display()));
 
     check_declarations(&manifest, &include);
-    build_kernels(&manifest, &nvcc, &include);
+    build_kernels(&manifest, &nvcc, &include, &archs);
 
     println!("cargo:rustc-cfg=hostembed_cuda");
     println!("cargo:rustc-link-search=native={}", libdir.display());
@@ -47,6 +59,18 @@ fn main() {
     for lib in ["dl", "rt", "pthread", "stdc++"] {
         println!("cargo:rustc-link-lib={lib}");
     }
+}
+
+/// `HOSTEMBED_CUDA_ARCHS=native`: the SM versions of this machine's GPUs ("9.0" is 90), or None when
+/// nvidia-smi is missing, fails or lists none.
+fn native_archs() -> Option<String> {
+    let out = Command::new("nvidia-smi").args(["--query-gpu=compute_cap", "--format=csv,noheader"]).output().ok()?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let mut archs: Vec<u32> = text.lines().filter_map(|l| l.trim().replace('.', "").parse().ok()).collect();
+    archs.sort_unstable();
+    archs.dedup();
+    let list = archs.iter().map(u32::to_string).collect::<Vec<_>>().join(",");
+    (out.status.success() && !archs.is_empty()).then_some(list)
 }
 
 fn find_nvcc(manifest: &Path) -> Option<PathBuf> {
@@ -72,8 +96,7 @@ fn toolkit_root(nvcc: &Path) -> PathBuf {
     real.parent().and_then(Path::parent).map(Path::to_path_buf).expect("nvcc lives in <root>/bin")
 }
 
-fn build_kernels(manifest: &Path, nvcc: &Path, include: &Path) {
-    let archs = env::var("HOSTEMBED_CUDA_ARCHS").unwrap_or_else(|_| DEFAULT_ARCHS.to_string());
+fn build_kernels(manifest: &Path, nvcc: &Path, include: &Path, archs: &str) {
     let archs: Vec<&str> = archs.split(',').map(str::trim).filter(|a| !a.is_empty()).collect();
     assert!(!archs.is_empty(), "HOSTEMBED_CUDA_ARCHS names no architecture");
     let dir = manifest.join("kernels");
