@@ -1,5 +1,6 @@
 //! Builds the CUDA kernels with nvcc (when one is found), links the static CUDA runtime,
-//! proves the hand-written CUDA declarations against the real headers, and generates the C header.
+//! proves the hand-written CUDA declarations against the real headers, generates the C header and
+//! names the shared library's soname.
 
 use std::env;
 use std::fs;
@@ -22,6 +23,7 @@ fn main() {
     }
 
     generate_header(&manifest, &out);
+    soname(&out);
 
     let mut archs = env::var("HOSTEMBED_CUDA_ARCHS").unwrap_or_else(|_| "all".into());
     if archs.trim() == "all" {
@@ -71,6 +73,26 @@ fn native_archs() -> Option<String> {
     archs.dedup();
     let list = archs.iter().map(u32::to_string).collect::<Vec<_>>().join(",");
     (out.status.success() && !archs.is_empty()).then_some(list)
+}
+
+/// The shared library's soname is `libhostembed.so.MAJOR`, the name programs linked against it record.
+/// Links by that name beside the build's own libhostembed.so let such programs run from the build tree.
+fn soname(out: &Path) {
+    if env::var("CARGO_CFG_TARGET_OS").as_deref() != Ok("linux") {
+        return;
+    }
+    let name = format!("libhostembed.so.{}", env::var("CARGO_PKG_VERSION_MAJOR").unwrap());
+    println!("cargo:rustc-cdylib-link-arg=-Wl,-soname,{name}");
+    // OUT_DIR is <profile>/build/hostembed-<hash>/out: cargo writes the cdylib to <profile>/deps/
+    // and copies it to <profile>/.
+    let profile = out.ancestors().nth(3).expect("OUT_DIR is <profile>/build/<unit>/out");
+    for dir in [profile.to_path_buf(), profile.join("deps")] {
+        let link = dir.join(&name);
+        if fs::read_link(&link).is_err() {
+            let _ = fs::create_dir_all(&dir);
+            let _ = std::os::unix::fs::symlink("libhostembed.so", &link);
+        }
+    }
 }
 
 fn find_nvcc(manifest: &Path) -> Option<PathBuf> {
