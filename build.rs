@@ -361,7 +361,16 @@ fn tag_only(mut text: String) -> String {
 const ABI_SOURCES: &[&str] = &["src/abi.rs", "src/ffi.rs"];
 
 fn generate_header(manifest: &Path, out: &Path) {
-    let config = cbindgen::Config::from_file(manifest.join("cbindgen.toml")).expect("cbindgen.toml");
+    let mut config = cbindgen::Config::from_file(manifest.join("cbindgen.toml")).expect("cbindgen.toml");
+    // The crate's version is the library's: the header carries the one it was generated with.
+    let part = |p: &str| env::var(format!("CARGO_PKG_VERSION_{p}")).unwrap();
+    config.after_includes = Some(format!(
+        "\n// The version of the library this header belongs to; `engine_version()` gives the loaded one's.\n#define HOSTEMBED_VERSION_MAJOR {}\n#define HOSTEMBED_VERSION_MINOR {}\n#define HOSTEMBED_VERSION_PATCH {}\n#define HOSTEMBED_VERSION \"{}\"",
+        part("MAJOR"),
+        part("MINOR"),
+        part("PATCH"),
+        env::var("CARGO_PKG_VERSION").unwrap()
+    ));
     let target = out.join("hostembed.h");
     let builder = ABI_SOURCES.iter().fold(cbindgen::Builder::new(), |b, src| b.with_src(manifest.join(src)));
     match builder.with_config(config).generate() {
