@@ -94,9 +94,10 @@ int main(void) {
     assert_eq!(stdout, expected);
 }
 
-/// The header's version macros are Cargo.toml's version, and so is what `engine_version()` returns.
+/// The header's version macros are Cargo.toml's version, and so are what `engine_version()` returns
+/// and the Zig package's version.
 #[test]
-fn header_and_library_carry_the_crate_version() {
+fn header_library_and_zig_package_carry_the_crate_version() {
     let header = fs::read_to_string(native::repo().join("include/hostembed.h")).unwrap();
     let version = env!("CARGO_PKG_VERSION");
     let defines = [
@@ -112,6 +113,9 @@ fn header_and_library_carry_the_crate_version() {
     // SAFETY: engine_version returns a pointer to a static NUL-terminated string.
     let loaded = unsafe { std::ffi::CStr::from_ptr(hostembed::ffi::engine_version()) };
     assert_eq!(loaded.to_str().unwrap(), version);
+    let zon = fs::read_to_string(native::repo().join("build.zig.zon")).unwrap();
+    let line = format!(".version = \"{version}\",");
+    assert!(zon.lines().any(|l| l.trim() == line), "build.zig.zon lacks `{line}`");
 }
 
 /// Internal constants must not leak into callers' namespace as bare macros like VERSION.
