@@ -8,6 +8,8 @@
 # Usage: scripts/install.sh [--prefix DIR] [--libdir DIR] [--profile NAME] [--features LIST]  (or PREFIX=DIR)
 # --profile and --features are cargo's (tests/install.rs installs the build the tests already made).
 set -euo pipefail
+# A relative DESTDIR names a folder under the caller's directory, not the repository's.
+case "${DESTDIR:-}" in '' | /*) ;; *) DESTDIR=$PWD/$DESTDIR ;; esac
 cd "$(dirname "$0")/.."
 
 prefix=${PREFIX:-/usr/local}
