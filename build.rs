@@ -1,5 +1,6 @@
 //! Builds the CUDA kernels with nvcc (when one is found), links the static CUDA runtime,
-//! proves the hand-written CUDA declarations against the real headers, and generates the C header.
+//! proves the hand-written CUDA declarations against the real headers, generates the C header and
+//! names the shared library's soname.
 
 use std::env;
 use std::fs;
@@ -22,7 +23,20 @@ fn main() {
     }
 
     generate_header(&manifest, &out);
+    soname(&out);
 
+    let mut archs = env::var("HOSTEMBED_CUDA_ARCHS").unwrap_or_else(|_| "all".into());
+    if archs.trim() == "all" {
+        archs = DEFAULT_ARCHS.to_string();
+    } else if archs.trim() == "native" {
+        let Some(found) = native_archs() else {
+            println!(
+                "cargo:warning=hostembed: HOSTEMBED_CUDA_ARCHS=native found no GPU (nvidia-smi), so no kernels were built: HOSTEMBED_CUDA_ARCHS=90 (a list of SM versions) builds them, HOSTEMBED_CUDA_ARCHS=all (the default) every architecture"
+            );
+            return;
+        };
+        archs = found;
+    }
     let nvcc = if env::var_os("HOSTEMBED_NO_CUDA").is_some() { None } else { find_nvcc(&manifest) };
     let Some(nvcc) = nvcc else {
         println!(
@@ -39,13 +53,45 @@ fn main() {
         .unwrap_or_else(|| panic!("no libcudart_static.a beside {}", nvcc.display()));
 
     check_declarations(&manifest, &include);
-    build_kernels(&manifest, &nvcc, &include);
+    build_kernels(&manifest, &nvcc, &include, &archs);
 
     println!("cargo:rustc-cfg=hostembed_cuda");
     println!("cargo:rustc-link-search=native={}", libdir.display());
     println!("cargo:rustc-link-lib=static=cudart_static");
     for lib in ["dl", "rt", "pthread", "stdc++"] {
         println!("cargo:rustc-link-lib={lib}");
+    }
+}
+
+/// `HOSTEMBED_CUDA_ARCHS=native`: the SM versions of this machine's GPUs ("9.0" is 90), or None when
+/// nvidia-smi is missing, fails or lists none.
+fn native_archs() -> Option<String> {
+    let out = Command::new("nvidia-smi").args(["--query-gpu=compute_cap", "--format=csv,noheader"]).output().ok()?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let mut archs: Vec<u32> = text.lines().filter_map(|l| l.trim().replace('.', "").parse().ok()).collect();
+    archs.sort_unstable();
+    archs.dedup();
+    let list = archs.iter().map(u32::to_string).collect::<Vec<_>>().join(",");
+    (out.status.success() && !archs.is_empty()).then_some(list)
+}
+
+/// The shared library's soname is `libhostembed.so.MAJOR`, the name programs linked against it record.
+/// Links by that name beside the build's own libhostembed.so let such programs run from the build tree.
+fn soname(out: &Path) {
+    if env::var("CARGO_CFG_TARGET_OS").as_deref() != Ok("linux") {
+        return;
+    }
+    let name = format!("libhostembed.so.{}", env::var("CARGO_PKG_VERSION_MAJOR").unwrap());
+    println!("cargo:rustc-cdylib-link-arg=-Wl,-soname,{name}");
+    // OUT_DIR is <profile>/build/hostembed-<hash>/out: cargo writes the cdylib to <profile>/deps/
+    // and copies it to <profile>/.
+    let profile = out.ancestors().nth(3).expect("OUT_DIR is <profile>/build/<unit>/out");
+    for dir in [profile.to_path_buf(), profile.join("deps")] {
+        let link = dir.join(&name);
+        if fs::read_link(&link).is_err() {
+            let _ = fs::create_dir_all(&dir);
+            let _ = std::os::unix::fs::symlink("libhostembed.so", &link);
+        }
     }
 }
 
@@ -72,8 +118,7 @@ fn toolkit_root(nvcc: &Path) -> PathBuf {
     real.parent().and_then(Path::parent).map(Path::to_path_buf).expect("nvcc lives in <root>/bin")
 }
 
-fn build_kernels(manifest: &Path, nvcc: &Path, include: &Path) {
-    let archs = env::var("HOSTEMBED_CUDA_ARCHS").unwrap_or_else(|_| DEFAULT_ARCHS.to_string());
+fn build_kernels(manifest: &Path, nvcc: &Path, include: &Path, archs: &str) {
     let archs: Vec<&str> = archs.split(',').map(str::trim).filter(|a| !a.is_empty()).collect();
     assert!(!archs.is_empty(), "HOSTEMBED_CUDA_ARCHS names no architecture");
     let dir = manifest.join("kernels");
@@ -316,7 +361,16 @@ fn tag_only(mut text: String) -> String {
 const ABI_SOURCES: &[&str] = &["src/abi.rs", "src/ffi.rs"];
 
 fn generate_header(manifest: &Path, out: &Path) {
-    let config = cbindgen::Config::from_file(manifest.join("cbindgen.toml")).expect("cbindgen.toml");
+    let mut config = cbindgen::Config::from_file(manifest.join("cbindgen.toml")).expect("cbindgen.toml");
+    // The crate's version is the library's: the header carries the one it was generated with.
+    let part = |p: &str| env::var(format!("CARGO_PKG_VERSION_{p}")).unwrap();
+    config.after_includes = Some(format!(
+        "\n// The version of the library this header belongs to; `engine_version()` gives the loaded one's.\n#define HOSTEMBED_VERSION_MAJOR {}\n#define HOSTEMBED_VERSION_MINOR {}\n#define HOSTEMBED_VERSION_PATCH {}\n#define HOSTEMBED_VERSION \"{}\"",
+        part("MAJOR"),
+        part("MINOR"),
+        part("PATCH"),
+        env::var("CARGO_PKG_VERSION").unwrap()
+    ));
     let target = out.join("hostembed.h");
     let builder = ABI_SOURCES.iter().fold(cbindgen::Builder::new(), |b, src| b.with_src(manifest.join(src)));
     match builder.with_config(config).generate() {

@@ -8,6 +8,12 @@
 #include <stddef.h>
 #include <stdint.h>
 
+// The version of the library this header belongs to; `engine_version()` gives the loaded one's.
+#define HOSTEMBED_VERSION_MAJOR 0
+#define HOSTEMBED_VERSION_MINOR 1
+#define HOSTEMBED_VERSION_PATCH 0
+#define HOSTEMBED_VERSION "0.1.0"
+
 // The ABI this header describes; a caller compares it with `engine_abi_version()`.
 #define HOSTEMBED_ABI_VERSION 4
 
@@ -368,6 +374,10 @@ extern "C" {
 
 // The ABI version of the loaded library; equal to `HOSTEMBED_ABI_VERSION` when header and library match.
 uint32_t engine_abi_version(void);
+
+// The loaded library's version, "MAJOR.MINOR.PATCH", a static string: `HOSTEMBED_VERSION` of the header
+// it was built with.
+const char *engine_version(void);
 
 // A static, human-readable name for a status ("no room", "bad model", ...); any value is accepted
 // (-1 arrives as `UINT32_MAX`), and one outside `engine_status` gives "unknown status".

@@ -25,7 +25,8 @@ for ex in target/release/examples/*; do
   case "$ex" in *.d|*-*) continue ;; esac
   [ -x "$ex" ] && cp "$ex" .gpu/bundle/examples/
 done
-cp target/release/libhostembed.so .gpu/bundle/
+# The library with its soname link (libhostembed.so.MAJOR), the name the C examples record.
+cp -P target/release/libhostembed.so target/release/libhostembed.so.[0-9]* .gpu/bundle/
 for c in examples/*.c; do
   out=".gpu/bundle/examples/$(basename "$c" .c)"
   cc -std=c99 -O2 -Wall -Wextra -Werror -pedantic -Iinclude "$c" -L.gpu/bundle -lhostembed \

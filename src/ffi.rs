@@ -69,6 +69,20 @@ pub extern "C" fn engine_abi_version() -> u32 {
     HOSTEMBED_ABI_VERSION
 }
 
+/// The loaded library's version, "MAJOR.MINOR.PATCH", a static string: `HOSTEMBED_VERSION` of the header
+/// it was built with.
+#[unsafe(no_mangle)]
+pub extern "C" fn engine_version() -> *const c_char {
+    VERSION.as_ptr()
+}
+
+/// The crate's version, which is the library's.
+const VERSION: &std::ffi::CStr =
+    match std::ffi::CStr::from_bytes_with_nul(concat!(env!("CARGO_PKG_VERSION"), "\0").as_bytes()) {
+        Ok(v) => v,
+        Err(_) => panic!("CARGO_PKG_VERSION holds a NUL"),
+    };
+
 /// A static, human-readable name for a status ("no room", "bad model", ...); any value is accepted
 /// (-1 arrives as `UINT32_MAX`), and one outside `engine_status` gives "unknown status".
 // The enum's own ABI type, so C and Zig callers pass an `engine_status` without a cast.

@@ -1,5 +1,6 @@
 //! The committed header is the one the sources generate, it compiles cleanly as C99 and C++17
-//! (twice in one unit), and a C program agrees with the library on the ABI version.
+//! (twice in one unit), it carries the crate's version, and a C program agrees with the library on the
+//! ABI version and the version.
 
 mod native;
 
@@ -68,12 +69,14 @@ fn c_program_sees_the_header_abi_version() {
     fs::write(
         &source,
         r#"#include <stdio.h>
+#include <string.h>
 #include "hostembed.h"
 
 int main(void) {
     uint32_t loaded = engine_abi_version();
     printf("header %u library %u\n", (unsigned)HOSTEMBED_ABI_VERSION, (unsigned)loaded);
-    return loaded == HOSTEMBED_ABI_VERSION ? 0 : 1;
+    printf("header %s library %s\n", HOSTEMBED_VERSION, engine_version());
+    return loaded == HOSTEMBED_ABI_VERSION && strcmp(engine_version(), HOSTEMBED_VERSION) == 0 ? 0 : 1;
 }
 "#,
     )
@@ -83,8 +86,36 @@ int main(void) {
     let out = native::run(&exe, &[]);
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "the library's ABI version differs from the header's: {stdout}");
-    let expected = format!("header {v} library {v}\n", v = hostembed::ffi::HOSTEMBED_ABI_VERSION);
+    let expected = format!(
+        "header {v} library {v}\nheader {c} library {c}\n",
+        v = hostembed::ffi::HOSTEMBED_ABI_VERSION,
+        c = env!("CARGO_PKG_VERSION")
+    );
     assert_eq!(stdout, expected);
+}
+
+/// The header's version macros are Cargo.toml's version, and so are what `engine_version()` returns
+/// and the Zig package's version.
+#[test]
+fn header_library_and_zig_package_carry_the_crate_version() {
+    let header = fs::read_to_string(native::repo().join("include/hostembed.h")).unwrap();
+    let version = env!("CARGO_PKG_VERSION");
+    let defines = [
+        ("HOSTEMBED_VERSION_MAJOR", env!("CARGO_PKG_VERSION_MAJOR").to_string()),
+        ("HOSTEMBED_VERSION_MINOR", env!("CARGO_PKG_VERSION_MINOR").to_string()),
+        ("HOSTEMBED_VERSION_PATCH", env!("CARGO_PKG_VERSION_PATCH").to_string()),
+        ("HOSTEMBED_VERSION", format!("\"{version}\"")),
+    ];
+    for (name, value) in defines {
+        let line = format!("#define {name} {value}");
+        assert!(header.lines().any(|l| l == line), "include/hostembed.h lacks `{line}`");
+    }
+    // SAFETY: engine_version returns a pointer to a static NUL-terminated string.
+    let loaded = unsafe { std::ffi::CStr::from_ptr(hostembed::ffi::engine_version()) };
+    assert_eq!(loaded.to_str().unwrap(), version);
+    let zon = fs::read_to_string(native::repo().join("build.zig.zon")).unwrap();
+    let line = format!(".version = \"{version}\",");
+    assert!(zon.lines().any(|l| l.trim() == line), "build.zig.zon lacks `{line}`");
 }
 
 /// Internal constants must not leak into callers' namespace as bare macros like VERSION.

@@ -1,8 +1,6 @@
 //! Prints hostembed's fit plan and start-up line for the seed's 24 GB card at a 98304-token window.
 const std = @import("std");
-const c = @cImport({
-    @cInclude("hostembed.h");
-});
+const c = @import("hostembed");
 
 const MiB: u64 = 1 << 20;
 
