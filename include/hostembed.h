@@ -519,6 +519,18 @@ enum engine_status engine_logits(const struct engine *e,
                                  float *out,
                                  size_t len);
 
+// The `k` most likely next tokens after stream `stream`'s last step, most likely first (a tie to the
+// lower id), in `ids[0..k)`, with their log-probabilities in `logprobs[0..k)`: the log-softmax of
+// `engine_logits` in double precision, before the sampling transforms (temperature, penalties, cuts),
+// as OpenAI's `top_logprobs` reports them. `k` may be 0 (the arrays may then be NULL); past the
+// vocabulary it is INVALID_ARGUMENT. Available when `engine_logits` is; logits with a NaN are
+// BAD_MODEL (no distribution to report).
+enum engine_status engine_top_logprobs(const struct engine *e,
+                                       uint32_t stream,
+                                       size_t k,
+                                       int32_t *ids,
+                                       float *logprobs);
+
 // Empties stream `stream` so it can take a new prompt, giving its KV pages back to the pool; its
 // sampler settings stay.
 enum engine_status engine_reset(struct engine *e, uint32_t stream);

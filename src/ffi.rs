@@ -645,6 +645,48 @@ pub unsafe extern "C" fn engine_logits(e: *const engine, stream: u32, out: *mut 
     })
 }
 
+/// The `k` most likely next tokens after stream `stream`'s last step, most likely first (a tie to the
+/// lower id), in `ids[0..k)`, with their log-probabilities in `logprobs[0..k)`: the log-softmax of
+/// `engine_logits` in double precision, before the sampling transforms (temperature, penalties, cuts),
+/// as OpenAI's `top_logprobs` reports them. `k` may be 0 (the arrays may then be NULL); past the
+/// vocabulary it is INVALID_ARGUMENT. Available when `engine_logits` is; logits with a NaN are
+/// BAD_MODEL (no distribution to report).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn engine_top_logprobs(
+    e: *const engine,
+    stream: u32,
+    k: usize,
+    ids: *mut i32,
+    logprobs: *mut f32,
+) -> engine_status {
+    guard("engine_top_logprobs", || {
+        // SAFETY: the caller passes an engine from engine_init_fit (or NULL, refused), not yet freed.
+        let e = unsafe { handle(e) }?;
+        let vocab = e.info.vocab as usize;
+        if k > vocab {
+            crate::bail!(InvalidArgument, "k is {k}; the vocabulary is {vocab}");
+        }
+        if k > 0 && (ids.is_null() || logprobs.is_null()) {
+            crate::bail!(InvalidArgument, "ids or logprobs is NULL with k {k}");
+        }
+        let logits = e.lock().logits(stream)?;
+        let Some(top) = crate::sampler::top_logprobs(&logits, k) else {
+            crate::bail!(BadModel, "stream {stream}'s logits hold a NaN or no finite value: no distribution");
+        };
+        if k == 0 {
+            return Ok(());
+        }
+        // SAFETY: the caller promises `ids` and `logprobs` hold `k` values each (neither NULL, checked).
+        let (ids, logprobs) =
+            unsafe { (std::slice::from_raw_parts_mut(ids, k), std::slice::from_raw_parts_mut(logprobs, k)) };
+        for ((id, lp), (token, value)) in ids.iter_mut().zip(logprobs.iter_mut()).zip(top) {
+            // Below the vocabulary, which fits i32 (checked at load).
+            (*id, *lp) = (token as i32, value);
+        }
+        Ok(())
+    })
+}
+
 /// Empties stream `stream` so it can take a new prompt, giving its KV pages back to the pool; its
 /// sampler settings stay.
 #[unsafe(no_mangle)]

@@ -137,6 +137,27 @@ const EXP2_TAYLOR: [u32; 8] =
 /// x at or beyond this weighs 0 (2^36 * 2^-40 rounds to 0).
 const WEIGHT_CUTOFF: f32 = 40.0;
 
+/// The `k` most likely tokens of `logits` (k at most their count), most likely first and a tie to the
+/// lower id, each with its log-probability: the log-softmax over the whole row in f64, before any
+/// sampling transform (temperature, penalties, cuts). None when no distribution exists: a NaN logit, or
+/// a largest logit that is not finite.
+pub fn top_logprobs(logits: &[f32], k: usize) -> Option<Vec<(u32, f32)>> {
+    let max = logits.iter().fold(f64::NEG_INFINITY, |m, &l| m.max(l as f64));
+    if !max.is_finite() || logits.iter().any(|l| l.is_nan()) {
+        return None;
+    }
+    let log_z = max + logits.iter().map(|&l| (l as f64 - max).exp()).sum::<f64>().ln();
+    let first = |a: &u32, b: &u32| logits[*b as usize].total_cmp(&logits[*a as usize]).then(a.cmp(b));
+    let mut order: Vec<u32> = (0..logits.len() as u32).collect();
+    let k = k.min(order.len());
+    if k > 0 && k < order.len() {
+        order.select_nth_unstable_by(k - 1, first);
+    }
+    order.truncate(k);
+    order.sort_unstable_by(first);
+    Some(order.into_iter().map(|i| (i, (logits[i as usize] as f64 - log_z) as f32)).collect())
+}
+
 /// splitmix64's output function applied to `x` (wrapping arithmetic).
 pub fn splitmix64(x: u64) -> u64 {
     let mut z = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
@@ -270,6 +291,21 @@ pub fn sample(logits: &[f32], s: &Sampling, stream: u32, position: u64) -> u32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn top_logprobs_order_ties_and_refusals() {
+        let logits = [1.0f32, 3.0, 3.0, f32::NEG_INFINITY, 2.0];
+        let top = top_logprobs(&logits, 4).unwrap();
+        assert_eq!(top.iter().map(|t| t.0).collect::<Vec<_>>(), [1, 2, 4, 0], "a tie goes to the lower id");
+        let log_z = (1f64.exp() + 2.0 * 3f64.exp() + 2f64.exp()).ln();
+        assert!((top[0].1 as f64 - (3.0 - log_z)).abs() < 1e-6 && top[0].1 == top[1].1);
+        assert_eq!(top_logprobs(&logits, 9).unwrap().len(), 5, "k past the row gives the whole row");
+        assert_eq!(top_logprobs(&logits, 5).unwrap()[4], (3, f32::NEG_INFINITY));
+        assert!(top_logprobs(&logits, 0).unwrap().is_empty());
+        assert!(top_logprobs(&[0.0, f32::NAN], 1).is_none(), "a NaN");
+        assert!(top_logprobs(&[f32::NEG_INFINITY; 3], 1).is_none(), "no finite logit");
+        assert!(top_logprobs(&[0.0, f32::INFINITY], 1).is_none(), "an infinite logit");
+    }
 
     #[test]
     fn splitmix64_matches_the_reference_sequence() {

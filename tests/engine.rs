@@ -396,6 +396,58 @@ fn logits_of_the_last_stepped_stream_equal_a_fresh_cpu_forward() {
     assert_eq!(stats(), engine_memory::default());
 }
 
+/// engine_top_logprobs(e, s, k, ids, lps) into two vectors of k, with its status.
+fn top_logprobs(e: &Held, stream: u32, k: usize) -> (Status, Vec<i32>, Vec<f32>) {
+    let (mut ids, mut lps) = (vec![-1i32; k], vec![f32::NAN; k]);
+    let st = unsafe { ffi::engine_top_logprobs(e.0, stream, k, ids.as_mut_ptr(), lps.as_mut_ptr()) };
+    (st, ids, lps)
+}
+
+/// The top-k log-probabilities against a float64 log-softmax of engine_logits (within 1e-5), in the
+/// reference's order (a tie to the lower id), for k from 0 to the whole vocabulary, whatever the stream's
+/// sampling settings; the whole vocabulary's probabilities sum to 1; bad calls are refused.
+#[test]
+fn top_logprobs_are_the_log_softmax_of_the_logits_in_order() {
+    let _g = serial();
+    let mut rng = Rng::fresh("top_logprobs_are_the_log_softmax_of_the_logits_in_order");
+    let dir = Scratch::new("top-logprobs");
+    let cfg = llama();
+    let path = dir.gguf("llama", &cfg, rng.next_u64(), DType::Q8_0);
+    let e = init(&path, &engine_options { max_streams: 2, ..sampled(7) });
+    let (st, _, _) = top_logprobs(&e, 0, 3);
+    assert_eq!(st, Status::InvalidArgument, "before any step: {}", last_error());
+    step(&e, 0, &rng.ids(cfg.vocab, 9));
+    let got_logits = logits(&e, 0);
+    let max = got_logits.iter().fold(f64::NEG_INFINITY, |m, &l| m.max(l as f64));
+    let log_z = max + got_logits.iter().map(|&l| (l as f64 - max).exp()).sum::<f64>().ln();
+    let mut want: Vec<(usize, f64)> = got_logits.iter().enumerate().map(|(i, &l)| (i, l as f64 - log_z)).collect();
+    want.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+    let vocab = cfg.vocab;
+    for k in [0, 1, 2, 5, 40, vocab - 1, vocab] {
+        let (st, ids, lps) = top_logprobs(&e, 0, k);
+        assert_eq!(st, Status::Ok, "k {k}: {}", last_error());
+        for (i, (&id, &lp)) in ids.iter().zip(&lps).enumerate() {
+            assert_eq!(id as usize, want[i].0, "k {k}: rank {i}");
+            assert!((lp as f64 - want[i].1).abs() <= 1e-5, "k {k}: rank {i}: {lp} against {}", want[i].1);
+            assert!(i == 0 || lps[i - 1] >= lp, "k {k}: not sorted at rank {i}");
+        }
+    }
+    let (_, _, all) = top_logprobs(&e, 0, vocab);
+    let total: f64 = all.iter().map(|&lp| (lp as f64).exp()).sum();
+    assert!((total - 1.0).abs() < 1e-5, "the probabilities sum to {total}");
+    assert_eq!(top_logprobs(&e, 0, vocab + 1).0, Status::InvalidArgument, "k past the vocabulary");
+    let null = unsafe { ffi::engine_top_logprobs(e.0, 0, 1, std::ptr::null_mut(), std::ptr::null_mut()) };
+    assert_eq!(null, Status::InvalidArgument, "NULL arrays with k 1");
+    let none = unsafe { ffi::engine_top_logprobs(e.0, 0, 0, std::ptr::null_mut(), std::ptr::null_mut()) };
+    assert_eq!(none, Status::Ok, "k 0 with NULL arrays: {}", last_error());
+    let engine_null =
+        unsafe { ffi::engine_top_logprobs(std::ptr::null(), 0, 0, std::ptr::null_mut(), std::ptr::null_mut()) };
+    assert_eq!(engine_null, Status::InvalidArgument, "a NULL engine");
+    assert_eq!(top_logprobs(&e, 5, 1).0, Status::OutOfRange, "a stream past max_streams: {}", last_error());
+    drop(e);
+    assert_eq!(stats(), engine_memory::default());
+}
+
 #[test]
 fn sampled_decoding_repeats_for_a_seed_and_differs_for_another() {
     let _g = serial();
