@@ -399,6 +399,7 @@ fn logits_of_the_last_stepped_stream_equal_a_fresh_cpu_forward() {
 /// engine_top_logprobs(e, s, k, ids, lps) into two vectors of k, with its status.
 fn top_logprobs(e: &Held, stream: u32, k: usize) -> (Status, Vec<i32>, Vec<f32>) {
     let (mut ids, mut lps) = (vec![-1i32; k], vec![f32::NAN; k]);
+    // SAFETY: a live engine, and two arrays of k values.
     let st = unsafe { ffi::engine_top_logprobs(e.0, stream, k, ids.as_mut_ptr(), lps.as_mut_ptr()) };
     (st, ids, lps)
 }
@@ -436,10 +437,13 @@ fn top_logprobs_are_the_log_softmax_of_the_logits_in_order() {
     let total: f64 = all.iter().map(|&lp| (lp as f64).exp()).sum();
     assert!((total - 1.0).abs() < 1e-5, "the probabilities sum to {total}");
     assert_eq!(top_logprobs(&e, 0, vocab + 1).0, Status::InvalidArgument, "k past the vocabulary");
+    // SAFETY: a live engine; the NULL arrays are what is refused.
     let null = unsafe { ffi::engine_top_logprobs(e.0, 0, 1, std::ptr::null_mut(), std::ptr::null_mut()) };
     assert_eq!(null, Status::InvalidArgument, "NULL arrays with k 1");
+    // SAFETY: a live engine; k 0 reads no array.
     let none = unsafe { ffi::engine_top_logprobs(e.0, 0, 0, std::ptr::null_mut(), std::ptr::null_mut()) };
     assert_eq!(none, Status::Ok, "k 0 with NULL arrays: {}", last_error());
+    // SAFETY: NULL is refused before anything is read.
     let engine_null =
         unsafe { ffi::engine_top_logprobs(std::ptr::null(), 0, 0, std::ptr::null_mut(), std::ptr::null_mut()) };
     assert_eq!(engine_null, Status::InvalidArgument, "a NULL engine");
