@@ -130,6 +130,7 @@ fn build_kernels(manifest: &Path, nvcc: &Path, include: &Path, archs: &str) {
     kernels.sort();
 
     // cc reads NVCC for CUDA builds; setting it here keeps the search order above authoritative.
+    // SAFETY: no other thread runs at this point (the nvcc workers below start later) to read the environment.
     unsafe { env::set_var("NVCC", nvcc) };
     let mut build = cc::Build::new();
     build

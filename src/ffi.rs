@@ -41,10 +41,12 @@ pub(crate) fn guard_value<T>(what: &str, fallback: T, f: impl FnOnce() -> Result
 
 /// A reference from a pointer C passed, or INVALID_ARGUMENT naming the argument.
 pub(crate) unsafe fn arg_ref<'a, T>(p: *const T, name: &str) -> Result<&'a T> {
+    // SAFETY: the caller guarantees `p` is NULL or points to a `T` that stays live and unmutated for `'a`.
     unsafe { p.as_ref() }.ok_or_else(|| Error::new(Status::InvalidArgument, format!("{name} is NULL")))
 }
 
 pub(crate) unsafe fn arg_mut<'a, T>(p: *mut T, name: &str) -> Result<&'a mut T> {
+    // SAFETY: the caller guarantees `p` is NULL or points to a `T` that stays live and unaliased for `'a`.
     unsafe { p.as_mut() }.ok_or_else(|| Error::new(Status::InvalidArgument, format!("{name} is NULL")))
 }
 
@@ -52,6 +54,7 @@ pub(crate) unsafe fn arg_mut<'a, T>(p: *mut T, name: &str) -> Result<&'a mut T> 
 pub(crate) unsafe fn write_c_string(text: &str, buf: *mut c_char, len: usize) -> usize {
     if !buf.is_null() && len > 0 {
         let n = text.len().min(len - 1);
+        // SAFETY: `buf` is non-NULL and holds `len > n` bytes (the caller's contract), and `text`, a separate Rust string, has at least `n`.
         unsafe {
             std::ptr::copy_nonoverlapping(text.as_ptr() as *const c_char, buf, n);
             *buf.add(n) = 0;
@@ -104,6 +107,7 @@ pub extern "C" fn engine_last_error() -> *const c_char {
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn engine_device_info(device: i32, out: *mut engine_device_info) -> engine_status {
     guard("engine_device_info", || {
+        // SAFETY: `out` is NULL (refused) or points to a writable engine_device_info (the header's contract).
         let out = unsafe { arg_mut(out, "out") }?;
         *out = cuda::device_info(device)?;
         Ok(())
@@ -127,7 +131,9 @@ pub extern "C" fn engine_fit_default_inputs() -> engine_fit_inputs {
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn engine_fit_plan(inputs: *const engine_fit_inputs, out: *mut engine_plan) -> engine_status {
     guard("engine_fit_plan", || {
+        // SAFETY: `inputs` is NULL (refused) or points to a readable engine_fit_inputs (the header's contract).
         let inputs = unsafe { arg_ref(inputs, "inputs") }?;
+        // SAFETY: `out` is NULL (refused) or points to a writable engine_plan (the header's contract).
         let out = unsafe { arg_mut(out, "out") }?;
         let plan = fit::plan(inputs)?;
         *out = plan;
@@ -143,6 +149,7 @@ pub unsafe extern "C" fn engine_fit_plan(inputs: *const engine_fit_inputs, out: 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn engine_plan_describe(plan: *const engine_plan, buf: *mut c_char, len: usize) -> usize {
     if !buf.is_null() && len > 0 {
+        // SAFETY: `buf` is non-NULL (checked) and holds `len > 0` bytes (the header's contract).
         unsafe { *buf = 0 };
     }
     guard_value("engine_plan_describe", 0, || {
@@ -154,6 +161,7 @@ pub unsafe extern "C" fn engine_plan_describe(plan: *const engine_plan, buf: *mu
             (std::mem::offset_of!(engine_plan, placement), "placement"),
             (std::mem::offset_of!(engine_plan, max_window_placement), "max_window_placement"),
         ] {
+            // SAFETY: `plan` is non-NULL (checked) and points to an engine_plan (the header's contract); `offset` is a u32 field's, read unaligned.
             let raw = unsafe { std::ptr::read_unaligned((plan as *const u8).add(offset) as *const u32) };
             if engine_placement::from_raw(raw).is_none() {
                 return Err(Error::new(
@@ -162,7 +170,9 @@ pub unsafe extern "C" fn engine_plan_describe(plan: *const engine_plan, buf: *mu
                 ));
             }
         }
+        // SAFETY: `plan` points to an engine_plan whose enum fields were just checked to hold valid values.
         let plan = unsafe { arg_ref(plan, "plan") }?;
+        // SAFETY: `buf` is NULL or holds `len` bytes (the header's contract), which is all `write_c_string` asks.
         Ok(unsafe { write_c_string(&fit::describe(plan), buf, len) })
     })
 }
@@ -244,6 +254,7 @@ unsafe fn options_from_c(p: *const engine_options) -> Result<engine_options> {
     if p.is_null() {
         return Ok(eng::default_options());
     }
+    // SAFETY: `p` is non-NULL (checked) and points to an engine_options (the caller's contract); each offset is a u32 field's, read unaligned.
     let raw = |offset: usize| unsafe { std::ptr::read_unaligned((p as *const u8).add(offset) as *const u32) };
     let tristates = [
         (std::mem::offset_of!(engine_options, unified), "unified"),
@@ -277,11 +288,13 @@ unsafe fn options_from_c(p: *const engine_options) -> Result<engine_options> {
             ));
         }
     }
+    // SAFETY: `p` points to an engine_options whose enum fields were all checked above to hold valid values.
     Ok(unsafe { std::ptr::read(p) })
 }
 
 /// The handle C passed, or INVALID_ARGUMENT for NULL.
 unsafe fn handle<'a>(e: *const engine) -> Result<&'a engine> {
+    // SAFETY: the caller guarantees `e` is NULL or an engine from engine_init_fit, not yet freed.
     unsafe { arg_ref(e, "engine") }
 }
 
@@ -300,15 +313,19 @@ pub unsafe extern "C" fn engine_init_fit(
     out: *mut *mut engine,
 ) -> engine_status {
     if !out.is_null() {
+        // SAFETY: `out` is non-NULL (checked) and points to a writable engine pointer (the header's contract).
         unsafe { *out = std::ptr::null_mut() };
     }
     guard("engine_init_fit", || {
+        // SAFETY: `out` is NULL (refused) or points to a writable engine pointer (the header's contract).
         let out = unsafe { arg_mut(out, "out") }?;
         if model_path.is_null() {
             return Err(Error::new(Status::InvalidArgument, "model_path is NULL"));
         }
+        // SAFETY: `model_path` is non-NULL (checked) and NUL-terminated (the header's contract).
         let bytes = unsafe { std::ffi::CStr::from_ptr(model_path) }.to_bytes();
         let path = std::path::Path::new(<std::ffi::OsStr as std::os::unix::ffi::OsStrExt>::from_bytes(bytes));
+        // SAFETY: `opts` is NULL or points to an engine_options (the header's contract), which is `options_from_c`'s.
         let opts = unsafe { options_from_c(opts) }?;
         let e = Engine::init_fit(path, &opts)?;
         *out = Box::into_raw(Box::new(engine::new(e)));
@@ -322,6 +339,7 @@ pub unsafe extern "C" fn engine_init_fit(
 pub unsafe extern "C" fn engine_free(e: *mut engine) {
     guard("engine_free", || {
         if !e.is_null() {
+            // SAFETY: `e` is non-NULL and came from `Box::into_raw` in engine_init_fit; the header makes this its one free, with no call inside.
             drop(unsafe { Box::from_raw(e) });
         }
         Ok(())
@@ -332,6 +350,7 @@ pub unsafe extern "C" fn engine_free(e: *mut engine) {
 /// mapping); NULL when the rows are on the card, on the CPU backend, or `e` is NULL.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn engine_host_embed_ptr(e: *const engine) -> *const c_void {
+    // SAFETY: the caller passes an engine from engine_init_fit (or NULL, refused), not yet freed.
     guard_value("engine_host_embed_ptr", std::ptr::null(), || Ok(unsafe { handle(e) }?.lock().rows().host_embed_ptr()))
 }
 
@@ -339,7 +358,9 @@ pub unsafe extern "C" fn engine_host_embed_ptr(e: *const engine) -> *const c_voi
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn engine_embed_rows(e: *const engine, out: *mut engine_rows) -> engine_status {
     guard("engine_embed_rows", || {
+        // SAFETY: the caller passes an engine from engine_init_fit (or NULL, refused), not yet freed.
         let e = unsafe { handle(e) }?;
+        // SAFETY: `out` is NULL (refused) or points to a writable engine_rows (the header's contract).
         *unsafe { arg_mut(out, "out") }? = e.lock().rows().describe();
         Ok(())
     })
@@ -359,8 +380,10 @@ pub unsafe extern "C" fn engine_embed(
     cuda_stream: *mut c_void,
 ) -> engine_status {
     // Read the dtype as the integer C passed before Rust treats it as an enum.
+    // SAFETY: `out_dtype` is a live repr(C) enum argument, read as the 32-bit integer C passed for it.
     let raw_dtype = unsafe { std::ptr::read(&out_dtype as *const engine_dtype as *const u32) };
     guard("engine_embed", || {
+        // SAFETY: the caller passes an engine from engine_init_fit (or NULL, refused), not yet freed.
         let e = unsafe { handle(e) }?;
         let dtype = match raw_dtype {
             0 => engine_dtype::F32,
@@ -378,6 +401,7 @@ pub unsafe extern "C" fn engine_embed(
         if n > 0 && device_out.is_null() {
             return Err(Error::new(Status::InvalidArgument, "device_out is NULL"));
         }
+        // SAFETY: with `n > 0` both pointers are non-NULL (checked) and hold `n` ids and `n` rows where the backend reads them (the header's contract).
         unsafe { e.lock().embed(device_ids, n, device_out, dtype, cuda_stream) }
     })
 }
@@ -387,6 +411,7 @@ pub unsafe extern "C" fn engine_embed(
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn engine_memory_stats(out: *mut engine_memory) -> engine_status {
     guard("engine_memory_stats", || {
+        // SAFETY: `out` is NULL (refused) or points to a writable engine_memory (the header's contract).
         *unsafe { arg_mut(out, "out") }? = placement::memory_stats();
         Ok(())
     })
@@ -397,7 +422,9 @@ pub unsafe extern "C" fn engine_memory_stats(out: *mut engine_memory) -> engine_
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn engine_plan_of(e: *const engine, out: *mut engine_plan) -> engine_status {
     guard("engine_plan_of", || {
+        // SAFETY: the caller passes an engine from engine_init_fit (or NULL, refused), not yet freed.
         let e = unsafe { handle(e) }?;
+        // SAFETY: `out` is NULL (refused) or points to a writable engine_plan (the header's contract).
         let out = unsafe { arg_mut(out, "out") }?;
         match e.lock().plan() {
             Some(plan) => {
@@ -428,7 +455,9 @@ pub unsafe extern "C" fn engine_step(
     next: *mut i32,
 ) -> engine_status {
     guard("engine_step", || {
+        // SAFETY: the caller passes an engine from engine_init_fit (or NULL, refused), not yet freed.
         let e = unsafe { handle(e) }?;
+        // SAFETY: `next` is NULL (refused) or points to a writable i32 (the header's contract).
         let next = unsafe { arg_mut(next, "next") }?;
         if tokens.is_null() {
             crate::bail!(InvalidArgument, "tokens is NULL");
@@ -462,6 +491,7 @@ pub unsafe extern "C" fn engine_step_batch(
     n_items: usize,
 ) -> engine_status {
     guard("engine_step_batch", || {
+        // SAFETY: the caller passes an engine from engine_init_fit (or NULL, refused), not yet freed.
         let e = unsafe { handle(e) }?;
         if n_items == 0 {
             return Ok(());
@@ -565,7 +595,9 @@ pub extern "C" fn engine_default_sampling() -> engine_sampling {
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn engine_set_sampling(e: *mut engine, stream: u32, s: *const engine_sampling) -> engine_status {
     guard("engine_set_sampling", || {
+        // SAFETY: the caller passes an engine from engine_init_fit (or NULL, refused), not yet freed.
         let e = unsafe { handle(e) }?;
+        // SAFETY: `s` is NULL (refused) or points to a readable engine_sampling (the header's contract).
         let s = unsafe { arg_ref(s, "sampling") }?;
         e.lock().set_sampling(stream, s)
     })
@@ -579,7 +611,9 @@ pub unsafe extern "C" fn engine_get_sampling(
     out: *mut engine_sampling,
 ) -> engine_status {
     guard("engine_get_sampling", || {
+        // SAFETY: the caller passes an engine from engine_init_fit (or NULL, refused), not yet freed.
         let e = unsafe { handle(e) }?;
+        // SAFETY: `out` is NULL (refused) or points to a writable engine_sampling (the header's contract).
         let out = unsafe { arg_mut(out, "out") }?;
         *out = e.lock().sampling(stream)?;
         Ok(())
@@ -593,6 +627,7 @@ pub unsafe extern "C" fn engine_get_sampling(
 /// exist. The stream's logits are dropped when it loses positions.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn engine_truncate(e: *mut engine, stream: u32, len: u32) -> engine_status {
+    // SAFETY: the caller passes an engine from engine_init_fit (or NULL, refused), not yet freed.
     guard("engine_truncate", || unsafe { handle(e) }?.lock().truncate(stream, len as usize))
 }
 
@@ -600,7 +635,9 @@ pub unsafe extern "C" fn engine_truncate(e: *mut engine, stream: u32, len: u32) 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn engine_stream_len(e: *const engine, stream: u32, len: *mut u32) -> engine_status {
     guard("engine_stream_len", || {
+        // SAFETY: the caller passes an engine from engine_init_fit (or NULL, refused), not yet freed.
         let e = unsafe { handle(e) }?;
+        // SAFETY: `len` is NULL (refused) or points to a writable u32 (the header's contract).
         let len = unsafe { arg_mut(len, "len") }?;
         // At most the window, which fits u32.
         *len = e.lock().stream_len(stream)? as u32;
@@ -616,8 +653,11 @@ pub unsafe extern "C" fn engine_kv_stats(
     tokens_free: *mut u64,
 ) -> engine_status {
     guard("engine_kv_stats", || {
+        // SAFETY: the caller passes an engine from engine_init_fit (or NULL, refused), not yet freed.
         let e = unsafe { handle(e) }?;
+        // SAFETY: `tokens_total` is NULL (refused) or points to a writable u64 (the header's contract).
         let total = unsafe { arg_mut(tokens_total, "tokens_total") }?;
+        // SAFETY: `tokens_free` is NULL (refused) or points to a writable u64, not the same one (the header's contract).
         let free = unsafe { arg_mut(tokens_free, "tokens_free") }?;
         (*total, *free) = e.lock().kv_stats();
         Ok(())
@@ -630,6 +670,7 @@ pub unsafe extern "C" fn engine_kv_stats(
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn engine_logits(e: *const engine, stream: u32, out: *mut f32, len: usize) -> engine_status {
     guard("engine_logits", || {
+        // SAFETY: the caller passes an engine from engine_init_fit (or NULL, refused), not yet freed.
         let e = unsafe { handle(e) }?;
         if out.is_null() {
             crate::bail!(InvalidArgument, "out is NULL");
@@ -691,6 +732,7 @@ pub unsafe extern "C" fn engine_top_logprobs(
 /// sampler settings stay.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn engine_reset(e: *mut engine, stream: u32) -> engine_status {
+    // SAFETY: the caller passes an engine from engine_init_fit (or NULL, refused), not yet freed.
     guard("engine_reset", || unsafe { handle(e) }?.lock().reset(stream))
 }
 
@@ -698,7 +740,9 @@ pub unsafe extern "C" fn engine_reset(e: *mut engine, stream: u32) -> engine_sta
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn engine_model_info(e: *const engine, out: *mut engine_model_info) -> engine_status {
     guard("engine_model_info", || {
+        // SAFETY: the caller passes an engine from engine_init_fit (or NULL, refused), not yet freed.
         let e = unsafe { handle(e) }?;
+        // SAFETY: `out` is NULL (refused) or points to a writable engine_model_info (the header's contract).
         *unsafe { arg_mut(out, "out") }? = e.info;
         Ok(())
     })
@@ -740,12 +784,15 @@ pub unsafe extern "C" fn engine_tokenize(
     n_out: *mut usize,
 ) -> engine_status {
     guard("engine_tokenize", || {
+        // SAFETY: `n_out` is NULL (refused) or points to a writable size_t (the header's contract).
         let n_out = unsafe { arg_mut(n_out, "n_out") }?;
         *n_out = 0;
+        // SAFETY: the caller passes an engine from engine_init_fit (or NULL, refused), not yet freed.
         let e = unsafe { handle(e) }?;
         let bytes: &[u8] = match (len, text.is_null()) {
             (0, _) => &[],
             (_, true) => crate::bail!(InvalidArgument, "text is NULL with len {len}"),
+            // SAFETY: `text` is non-NULL here and holds `len` bytes (the header's contract).
             (_, false) => unsafe { std::slice::from_raw_parts(text as *const u8, len) },
         };
         let text = std::str::from_utf8(bytes)
@@ -772,6 +819,7 @@ pub unsafe extern "C" fn engine_tokenize(
         if tokens.len() > cap {
             crate::bail!(OutOfRange, "the text needs {} ids, ids holds {cap}", tokens.len());
         }
+        // SAFETY: `ids` is non-NULL (checked) and holds `cap >= tokens.len()` ids (the header's contract).
         let out = unsafe { std::slice::from_raw_parts_mut(ids, tokens.len()) };
         for (slot, &token) in out.iter_mut().zip(&tokens) {
             // Below the model's vocabulary, which fits i32 (checked at load).
@@ -790,10 +838,12 @@ pub unsafe extern "C" fn engine_tokenize(
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn engine_token_piece(e: *const engine, id: i32, buf: *mut c_char, len: usize) -> i32 {
     if !buf.is_null() && len > 0 {
+        // SAFETY: `buf` is non-NULL (checked) and holds `len > 0` bytes (the header's contract).
         unsafe { *buf = 0 };
     }
     let mut need = 0i32;
     let status = guard("engine_token_piece", || {
+        // SAFETY: the caller passes an engine from engine_init_fit (or NULL, refused), not yet freed.
         let e = unsafe { handle(e) }?;
         if buf.is_null() && len > 0 {
             crate::bail!(InvalidArgument, "buf is NULL with len {len}");
@@ -808,6 +858,7 @@ pub unsafe extern "C" fn engine_token_piece(e: *const engine, id: i32, buf: *mut
             .map_err(|_| crate::err!(OutOfRange, "token {id}'s piece is {} bytes", piece.len()))?;
         if len > 0 {
             let n = piece.len().min(len - 1);
+            // SAFETY: `buf` is non-NULL (checked) and holds `len > n` bytes (the header's contract); `piece` is a separate Rust slice of at least `n`.
             unsafe {
                 std::ptr::copy_nonoverlapping(piece.as_ptr(), buf as *mut u8, n);
                 *buf.add(n) = 0;

@@ -84,8 +84,10 @@ pub struct Rows {
     row_bytes: usize,
 }
 
-// The pointers are either owned by `holder` or point into a mapping the engine keeps alive.
+// SAFETY: the pointers are owned by `holder` or point into a mapping the engine keeps alive, and
+// nothing writes through them; the owners in `holder` are Send themselves.
 unsafe impl Send for Rows {}
+// SAFETY: `&self` only reads the rows (or hands their addresses to kernels that read them).
 unsafe impl Sync for Rows {}
 
 impl Rows {
@@ -173,6 +175,7 @@ impl Rows {
         match unsafe { HostRegistration::new(start, len, flags) } {
             Ok(reg) => {
                 let offset = host as usize - start as usize;
+                // SAFETY: the registration covers `[start, start + len)`, which holds the rows at `offset`.
                 let data = unsafe { (reg.device_ptr() as *const u8).add(offset) } as *const c_void;
                 Ok(rows(Holder::Registered(reg), data))
             }
@@ -182,6 +185,7 @@ impl Rows {
                     e.message
                 ));
                 // A failed registration can leave its error for the next launch check to find.
+                // SAFETY: takes no arguments; reads and clears the runtime's last error.
                 unsafe { rt::cudaGetLastError() };
                 Self::host_mapped(src)
             }
@@ -254,7 +258,7 @@ impl Rows {
     ///
     /// # Safety
     /// `ids` must hold `n` ints and `out` room for `n` rows of `cols` values in `out_dtype`, both
-    /// readable/writable by the device on `stream`.
+    /// readable/writable by the device on `stream`, and `bad` one device-writable int.
     pub unsafe fn gather_device(
         &self,
         ids: *const i32,
@@ -270,6 +274,8 @@ impl Rows {
         check_out_dtype(out_dtype)?;
         let n = u32::try_from(n)
             .map_err(|_| crate::err!(InvalidArgument, "{n} ids in one gather (at most {})", u32::MAX))?;
+        // SAFETY: `data` is the device-readable rows this owner keeps alive, `vocab` rows of `cols` in
+        // `dtype`; `ids`, `out` and `bad` are the device memory this function's contract asks for.
         let code = unsafe {
             crate::kernels::hostembed_embed_gather(
                 self.data,
@@ -309,6 +315,7 @@ impl Rows {
         }
         let mut values = vec![0f32; self.cols];
         for (&id, o) in ids.iter().zip(out.chunks_exact_mut(self.cols * size)) {
+            // SAFETY: `host` is non-NULL (checked) and holds `vocab` rows of `row_bytes` that outlive self; `id < vocab`.
             let row =
                 unsafe { std::slice::from_raw_parts(self.host.add(id as usize * self.row_bytes), self.row_bytes) };
             tensor::decode_row(self.dtype, row, &mut values);
