@@ -1,6 +1,9 @@
 //! hostembed: embedding rows in GPU-mapped host memory when the card has no room for them, and a
 //! dense decode engine around them, behind a C ABI (include/hostembed.h).
 
+// Every unsafe block and unsafe impl says why it is sound in a `// SAFETY:` comment above it.
+#![warn(clippy::undocumented_unsafe_blocks)]
+
 pub mod abi;
 pub mod backend;
 pub mod checkpoint;
