@@ -2,7 +2,7 @@
 //! dense decode engine around them, behind a C ABI (include/hostembed.h).
 
 // Every unsafe block and unsafe impl says why it is sound in a `// SAFETY:` comment above it.
-#![warn(clippy::undocumented_unsafe_blocks)]
+#![deny(clippy::undocumented_unsafe_blocks)]
 
 pub mod abi;
 pub mod backend;
