@@ -829,6 +829,25 @@ __device__ __forceinline__ int mmv_group_exponent(float amax) {
     const int biased = (int)((__float_as_uint(amax) >> 23) & 0xFFu);  // floor(log2 amax) + 127 (normal amax)
     return biased == 0 ? 64 : max(-64, min(64, 14 - (biased - 127)));
 }
+// A warp staging a token's 256-column group: the lane's 8 columns from 8e of the chunk at c0 (zeros where
+// not `here`, past a short last group), and the group's max|x| over the warp.
+__device__ __forceinline__ float stage_unit(const float *x, unsigned int tok, unsigned int cols, unsigned int c0,
+                                            unsigned int e, bool here, float (&f)[8]) {
+    if (here) {
+        const float4 *xp = reinterpret_cast<const float4 *>(x + (size_t)tok * cols + c0 + 8 * e);
+        const float4 p = __ldg(xp), q = __ldg(xp + 1);
+        f[0] = p.x, f[1] = p.y, f[2] = p.z, f[3] = p.w, f[4] = q.x, f[5] = q.y, f[6] = q.z, f[7] = q.w;
+    } else {
+#pragma unroll
+        for (int k = 0; k < 8; k++) f[k] = 0.f;
+    }
+    float amax = 0.f;
+#pragma unroll
+    for (int k = 0; k < 8; k++) amax = fmaxf(amax, fabsf(f[k]));
+#pragma unroll
+    for (int o = 16; o > 0; o /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
+    return amax;
+}
 // 2^e for e in [-126, 127].
 __device__ __forceinline__ float mmv_pow2(int e) { return __uint_as_float((unsigned int)(e + 127) << 23); }
 
@@ -902,19 +921,7 @@ __global__ __launch_bounds__(MMV_THREADS, NT <= 2 ? MMV_SMALL_MIN_BLOCKS : 2) vo
             const unsigned int tok = i / units, e = i % units;  // e: 8-column unit of the chunk
             const bool here = 8 * e < len;
             float f[8];
-            if (here) {
-                const float4 *xp = reinterpret_cast<const float4 *>(x + (size_t)tok * cols + c0 + 8 * e);
-                const float4 p = __ldg(xp), q = __ldg(xp + 1);
-                f[0] = p.x, f[1] = p.y, f[2] = p.z, f[3] = p.w, f[4] = q.x, f[5] = q.y, f[6] = q.z, f[7] = q.w;
-            } else {
-#pragma unroll
-                for (int k = 0; k < 8; k++) f[k] = 0.f;
-            }
-            float amax = 0.f;
-#pragma unroll
-            for (int k = 0; k < 8; k++) amax = fmaxf(amax, fabsf(f[k]));
-#pragma unroll
-            for (int o = 16; o > 0; o /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
+            const float amax = stage_unit(x, tok, cols, c0, e, here, f);
             const int ex = mmv_group_exponent(amax);
             const float scale = mmv_pow2(ex);
             if (here) {
@@ -1084,19 +1091,7 @@ __global__ __launch_bounds__(MMV_THREADS, NT4 <= 2 ? MMV_SMALL_MIN_BLOCKS : NT4 
             const unsigned int tok = i / units, e = i % units;  // e: 8-column unit of the chunk
             const bool here = 8 * e < len;
             float f[8];
-            if (here) {
-                const float4 *xp = reinterpret_cast<const float4 *>(x + (size_t)tok * cols + c0 + 8 * e);
-                const float4 p = __ldg(xp), q = __ldg(xp + 1);
-                f[0] = p.x, f[1] = p.y, f[2] = p.z, f[3] = p.w, f[4] = q.x, f[5] = q.y, f[6] = q.z, f[7] = q.w;
-            } else {
-#pragma unroll
-                for (int k = 0; k < 8; k++) f[k] = 0.f;
-            }
-            float amax = 0.f;
-#pragma unroll
-            for (int k = 0; k < 8; k++) amax = fmaxf(amax, fabsf(f[k]));
-#pragma unroll
-            for (int o = 16; o > 0; o /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
+            const float amax = stage_unit(x, tok, cols, c0, e, here, f);
             const float inv = amax > 0.f ? (float)MMVQ_RANGE / amax : 0.f;
             unsigned int hw[2] = {0u, 0u}, lw[2] = {0u, 0u};
             int sum = 0;
