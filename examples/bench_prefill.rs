@@ -4,6 +4,9 @@
 //!
 //!     cargo run --release --example bench_prefill -- [--lengths 512,4096,16384,65536] [--runs 5]
 //!         [--chunk 2048] [--layers 32] [--quick] [--q4-k-m] [--kv bf16|f16|f32|q8_0|fp8_e4m3[,V]]
+//!         [--dtype bf16|f16|...]
+//!
+//! `--dtype` gives the first tables' weight format (BF16 by default; F16 is what converters write).
 //!
 //! `--kv` keeps the KV cache in another type (K and V, or K,V apart; BF16 by default): every table then
 //! runs with it, so an 8-bit cache's prompt rates and its decode right after a long prompt compare with
@@ -33,6 +36,7 @@ struct Args {
     quick: bool,
     q4_k_m: bool,
     kv: KvTypes,
+    dtype: DType,
 }
 
 fn parse() -> Args {
@@ -44,6 +48,7 @@ fn parse() -> Args {
         quick: false,
         q4_k_m: false,
         kv: KvTypes::GPU_DEFAULT,
+        dtype: DType::Bf16,
     };
     let mut lengths_given = false;
     let mut it = std::env::args().skip(1);
@@ -61,6 +66,10 @@ fn parse() -> Args {
             "--quick" => a.quick = true,
             "--q4-k-m" => a.q4_k_m = true,
             "--kv" => a.kv = parse_kv(&value()),
+            "--dtype" => {
+                let name = value();
+                a.dtype = DType::from_name(&name).unwrap_or_else(|| panic!("--dtype: no format {name}"));
+            }
             other => panic!("unknown flag {other} (see the comment at the top of examples/bench_prefill.rs)"),
         }
     }
@@ -231,7 +240,7 @@ fn main() {
         std::process::exit(1);
     });
     let cfg = llama3_8b(args.layers);
-    let src = build(&cfg, DType::Bf16);
+    let src = build(&cfg, args.dtype);
     let (_rows, rows) = Rows::new(&src, false);
     // Room for the longest prompt and the decode after it.
     let positions = args.lengths.iter().copied().max().unwrap_or(4096).max(4096) + 65;
@@ -246,7 +255,7 @@ fn main() {
         GpuModel::weight_bytes(&src) as f64 / (1u64 << 30) as f64
     );
 
-    println!("\n| prompt tokens | BF16 tok/s | seconds | decode right after, tok/s |");
+    println!("\n| prompt tokens | {} tok/s | seconds | decode right after, tok/s |", args.dtype.name().to_uppercase());
     println!("| --- | --- | --- | --- |");
     let mut bf16_at = HashMap::new();
     for &len in &args.lengths {

@@ -16,7 +16,8 @@
 //
 // Layout: a block of 8 warps takes 128 weight rows (each warp rows g and g + 8 of its 16 as mma's A; a
 // GLU launch puts 8 gate rows and the same 8 up rows in a warp) and one of `splits` column ranges. The
-// activations of a chunk of columns are staged once per block in shared memory; each lane takes its
+// activations of a chunk of columns are staged once per block in shared memory (half kernels past 8
+// tokens: converted once a product by mmv_prep_kernel and copied a chunk ahead); each lane takes its
 // weight rows either straight from memory into registers (a column group ahead of the arithmetic) or
 // from its warp's slots in shared memory (WeightStage: copied with cp.async, groups ahead). A lane
 // (g, t) holds, per 32-column step, 8 of the step's columns of its two rows (a reader's choice, the
@@ -851,7 +852,84 @@ __device__ __forceinline__ float stage_unit(const float *x, unsigned int tok, un
 // 2^e for e in [-126, 127].
 __device__ __forceinline__ float mmv_pow2(int e) { return __uint_as_float((unsigned int)(e + 127) << 23); }
 
-template <typename R, int NT, bool GLU, bool STAGED>
+// Four columns as a half kernel stages them: hi[4] then lo[4], each pair packed. Plain (BF16): hi = bf16
+// rn(x); scaled (F16): the reader's rn(x 2^e) of the group's exponent.
+template <typename Op>
+__device__ __forceinline__ uint4 mmv_quad_plain(const float *f) {
+    float hi[4], lo[4];
+#pragma unroll
+    for (int e = 0; e < 4; e++) {
+        hi[e] = __bfloat162float(__float2bfloat16_rn(f[e]));
+        lo[e] = f[e] - hi[e];
+    }
+    return make_uint4(Op::pack(hi[0], hi[1]), Op::pack(hi[2], hi[3]), Op::pack(lo[0], lo[1]), Op::pack(lo[2], lo[3]));
+}
+template <typename Op>
+__device__ __forceinline__ uint4 mmv_quad_scaled(const float *f, float scale) {
+    float hi[4], lo[4];
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        const float v = f[k] * scale;
+        hi[k] = Op::unpack(Op::pack(v, 0.f));
+        lo[k] = v - hi[k];
+    }
+    return make_uint4(Op::pack(hi[0], hi[1]), Op::pack(hi[2], hi[3]), Op::pack(lo[0], lo[1]), Op::pack(lo[2], lo[3]));
+}
+
+// ---- activations staged once a product (launches of more than MMV_PREP_AFTER tokens) ----
+// Every row block of a product stages the same activations; past a few tokens, converting them in each
+// block (a dependent global load and a warp's max a unit, repeated by 32-112 row blocks) cost more than the
+// tensor cores' work. A launch of more tokens converts them once into the workspace, after the split
+// sums: each token's row as the blocks' shared memory holds it (per 4 columns hi[4], lo[4]), then
+// (scaled readers) each token's exponent a 256-column group; the blocks copy chunks of it with cp.async a
+// chunk ahead of the arithmetic. Same values, so the same bits, as converting in the block.
+constexpr unsigned MMV_PREP_AFTER = 8;
+
+// Floats of the split sums of a launch of `n` tokens, rounded up to 16 bytes: where the staged rows start.
+__host__ __device__ inline size_t mmv_prep_offset(const MmvShape &s, bool glu, unsigned int n, unsigned int rows) {
+    const size_t sums = s.splits > 1 ? (size_t)s.splits * (glu ? 2 : 1) * n * rows : 0;
+    return (sums + 3) / 4 * 4;
+}
+// Floats of the staged rows and exponents of `n` tokens.
+__host__ __device__ inline size_t mmv_prep_floats(unsigned int n, unsigned int cols) {
+    return (size_t)n * cols + (size_t)n * ((cols + MMV_KC - 1) / MMV_KC);
+}
+
+// One warp a token's 256-column group: its 8 columns a lane, as stage_scaled / stage do in a block.
+template <typename R>
+__global__ __launch_bounds__(MMV_THREADS) void mmv_prep_kernel(const float *__restrict__ x, unsigned int n,
+                                                                unsigned int cols, uint4 *__restrict__ xp,
+                                                                int *__restrict__ xe) {
+    he::pdl_launch_dependents();
+    const unsigned int groups = (cols + MMV_KC - 1) / MMV_KC, lane = threadIdx.x % 32;
+    const unsigned int unit = blockIdx.x * MMV_WARPS + threadIdx.x / 32;
+    he::pdl_wait();  // x comes from the kernel before; the product before may still read xp
+    if (unit >= n * groups) return;  // a whole warp
+    const unsigned int tok = unit / groups, gi = unit % groups, c0 = gi * MMV_KC;
+    const bool here = c0 + 8 * lane < cols;
+    float f[8];
+    const float amax = stage_unit(x, tok, cols, c0, lane, here, f);
+    uint4 *at = xp + ((size_t)tok * cols + c0) / 4 + 2 * lane;
+    if constexpr (R::SCALED) {
+        const int ex = mmv_group_exponent(amax);
+        const float scale = mmv_pow2(ex);
+        if (here) at[0] = mmv_quad_scaled<typename R::Op>(f, scale), at[1] = mmv_quad_scaled<typename R::Op>(f + 4, scale);
+        if (lane == 0) xe[tok * groups + gi] = ex;
+    } else {
+        if (here) at[0] = mmv_quad_plain<typename R::Op>(f), at[1] = mmv_quad_plain<typename R::Op>(f + 4);
+    }
+}
+
+// The staged activations' bytes of a launch: one chunk converted in the block, or (PREP) two copied.
+__host__ __device__ inline unsigned int mmv_half_smem(unsigned int n, unsigned int kr, unsigned int group, bool scaled,
+                                                      bool prep) {
+    if (!prep) return mmv_act_bytes(n, mmv_chunk(n, kr, 4, MMV_KC, MMV_BF16_STAGE_BUDGET), scaled);
+    return 2 * mmv_act_bytes(n, mmv_chunk(n, kr, 4, group, MMV_BF16_STAGE_BUDGET), false);
+}
+
+// PREP: the activations come staged from mmv_prep_kernel (in the workspace after the split sums), in chunks
+// of whole column groups copied a chunk ahead into two buffers; the streamed kernel only.
+template <typename R, int NT, bool GLU, bool STAGED, bool PREP = false>
 __global__ __launch_bounds__(MMV_THREADS, NT <= 2 ? MMV_SMALL_MIN_BLOCKS : 2) void mmv_kernel(const unsigned char *__restrict__ w,
                                                          const unsigned char *__restrict__ w2, unsigned int rows,
                                                          unsigned int cols, size_t row_bytes,
@@ -866,10 +944,16 @@ __global__ __launch_bounds__(MMV_THREADS, NT <= 2 ? MMV_SMALL_MIN_BLOCKS : 2) vo
     const MmvShape shape = mmv_shape(rows, cols, GLU);
     const unsigned int k_begin = blockIdx.y * shape.kr;
     const unsigned int k_end = min(cols, k_begin + shape.kr);
-    const unsigned int kch = mmv_chunk(n, shape.kr, 4, MMV_KC, MMV_BF16_STAGE_BUDGET), stride = mmv_stride(kch);
+    static_assert(!(PREP && STAGED), "staged activations come with streamed weights");
+    const unsigned int kch = mmv_chunk(n, shape.kr, 4, PREP ? GROUP : MMV_KC, MMV_BF16_STAGE_BUDGET), stride = mmv_stride(kch);
     const unsigned int groups = kch / MMV_KC;
     unsigned char *xs = mmv_smem;
+    const unsigned char *xb = xs;  // the chunk the arithmetic reads (PREP: one of two buffers)
     int *xe = reinterpret_cast<int *>(xs + n * stride);  // scaled readers: [tok][group] exponents
+    // PREP: the staged rows and every token's exponents of the whole row (mmv_prep_kernel's layout).
+    const uint4 *xp = reinterpret_cast<const uint4 *>(partial + mmv_prep_offset(shape, GLU, n, rows));
+    const int *xpe = reinterpret_cast<const int *>(xp) + (size_t)n * cols;
+    const unsigned int row_groups = (cols + MMV_KC - 1) / MMV_KC;
     const MmvRows rw = mmv_rows<GLU>(w, w2, rows, row_bytes, warp, g);
     const unsigned char *wr[2] = {rw.wa, rw.wb};
 
@@ -901,15 +985,7 @@ __global__ __launch_bounds__(MMV_THREADS, NT <= 2 ? MMV_SMALL_MIN_BLOCKS : 2) vo
                 const unsigned int i = i0 + u * MMV_THREADS;
                 if (i >= total) break;
                 const float f[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
-                float hi[4], lo[4];
-#pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    hi[e] = __bfloat162float(__float2bfloat16_rn(f[e]));
-                    lo[e] = f[e] - hi[e];
-                }
-                *reinterpret_cast<uint4 *>(xs + (i / quads) * stride + 16 * (i % quads)) =
-                    make_uint4(R::Op::pack(hi[0], hi[1]), R::Op::pack(hi[2], hi[3]), R::Op::pack(lo[0], lo[1]),
-                               R::Op::pack(lo[2], lo[3]));
+                *reinterpret_cast<uint4 *>(xs + (i / quads) * stride + 16 * (i % quads)) = mmv_quad_plain<typename R::Op>(f);
             }
         }
     };
@@ -926,18 +1002,9 @@ __global__ __launch_bounds__(MMV_THREADS, NT <= 2 ? MMV_SMALL_MIN_BLOCKS : 2) vo
             const float scale = mmv_pow2(ex);
             if (here) {
 #pragma unroll
-                for (int q = 0; q < 2; q++) {
-                    float hi[4], lo[4];
-#pragma unroll
-                    for (int k = 0; k < 4; k++) {
-                        const float v = f[4 * q + k] * scale;
-                        hi[k] = R::Op::unpack(R::Op::pack(v, 0.f));
-                        lo[k] = v - hi[k];
-                    }
+                for (int q = 0; q < 2; q++)
                     *reinterpret_cast<uint4 *>(xs + tok * stride + 16 * (2 * e + q)) =
-                        make_uint4(R::Op::pack(hi[0], hi[1]), R::Op::pack(hi[2], hi[3]), R::Op::pack(lo[0], lo[1]),
-                                   R::Op::pack(lo[2], lo[3]));
-                }
+                        mmv_quad_scaled<typename R::Op>(f + 4 * q, scale);
             }
             if (lane == 0) xe[tok * groups + e / 32] = ex;
         }
@@ -946,13 +1013,18 @@ __global__ __launch_bounds__(MMV_THREADS, NT <= 2 ? MMV_SMALL_MIN_BLOCKS : 2) vo
         if constexpr (R::SCALED) stage_scaled(c0, len);
         else stage(c0, len);
     };
-    // Scaled readers: the lane's accumulators times 2^(sign e) of their tokens' group `gi` of the chunk.
-    auto rescale = [&](unsigned int gi, int sign) {
+    // A token's exponent of the group that holds column `col`, whose chunk starts at `c0`.
+    auto exponent = [&](unsigned int tok, unsigned int col, unsigned int c0) {
+        if constexpr (PREP) return __ldg(xpe + tok * row_groups + col / MMV_KC);
+        else return xe[tok * groups + (col - c0) / MMV_KC];
+    };
+    // Scaled readers: the lane's accumulators times 2^(sign e) of their tokens' group holding `col`.
+    auto rescale = [&](unsigned int col, unsigned int c0, int sign) {
 #pragma unroll
         for (int j = 0; j < NT; j++) {
-            if (8 * j >= n) break;
+            if (!PREP && 8 * j >= n) break;
             const unsigned int tok = min(8 * j + 2 * t, n - 1), tok1 = min(8 * j + 2 * t + 1, n - 1);
-            const float f0 = mmv_pow2(sign * xe[tok * groups + gi]), f1 = mmv_pow2(sign * xe[tok1 * groups + gi]);
+            const float f0 = mmv_pow2(sign * exponent(tok, col, c0)), f1 = mmv_pow2(sign * exponent(tok1, col, c0));
             acc[j][0] *= f0, acc[j][2] *= f0, acc[j][1] *= f1, acc[j][3] *= f1;
         }
     };
@@ -973,31 +1045,69 @@ __global__ __launch_bounds__(MMV_THREADS, NT <= 2 ? MMV_SMALL_MIN_BLOCKS : 2) vo
         for (int u = 0; u < (int)UNROLL; u++) {
             if (col + u * R::STEP >= k_end) break;
             const unsigned int c = col + u * R::STEP - c0;  // column within the chunk
+            // Groups start at multiples of MMV_KC in the row (k_begin is one, and so is a converted chunk).
             if constexpr (R::SCALED)
-                if (c % MMV_KC == 0) rescale(c / MMV_KC, 1);
+                if ((col + u * R::STEP) % MMV_KC == 0) rescale(col + u * R::STEP, c0, 1);
             unsigned int fa[R::KSTEPS][2], fb[R::KSTEPS][2];
             R::frag(r[u][0], fa);
             R::frag(r[u][1], fb);
 #pragma unroll
             for (int j = 0; j < NT; j++) {
-                if (8 * j >= n) break;  // a whole tile of absent tokens
+                // A whole tile of absent tokens; PREP launches compute every tile, so that the compiler may
+                // interleave the tiles' dependent tensor-core chains.
+                if (!PREP && 8 * j >= n) break;
                 const unsigned int tok = min(8 * j + g, n - 1);  // absent tokens reread the last one
 #pragma unroll
                 for (int k = 0; k < (int)R::KSTEPS; k++) {
                     const unsigned int a[4] = {fa[k][0], fb[k][0], fa[k][1], fb[k][1]};
-                    const uint4 v = *reinterpret_cast<const uint4 *>(xs + tok * stride + 4 * (c + R::group(t, k)));
+                    const uint4 v = *reinterpret_cast<const uint4 *>(xb + tok * stride + 4 * (c + R::group(t, k)));
                     R::Op::mma(acc[j], a, v.x, v.y);  // hi
                     R::Op::mma(acc[j], a, v.z, v.w);  // lo
                 }
             }
             if constexpr (R::SCALED)
-                if ((c + R::STEP) % MMV_KC == 0 || col + u * R::STEP + R::STEP >= k_end) rescale(c / MMV_KC, -1);
+                if ((col + u * R::STEP + R::STEP) % MMV_KC == 0 || col + u * R::STEP + R::STEP >= k_end)
+                    rescale(col + u * R::STEP, c0, -1);
         }
     };
 
     if constexpr (STAGED) {
         staged_groups<R, UNROLL, R::STEP, GLU>(xs + mmv_act_bytes(n, kch, R::SCALED), w, w2, rows, row_bytes, wr, warp,
                                                lane, k_begin, k_end, kch, stage_any, compute);
+    } else if constexpr (PREP) {
+        // Chunk ci's copies go out when every warp has left chunk ci - 1 (whose buffer they take) and are
+        // waited for when the arithmetic enters chunk ci + 1: a whole chunk's arithmetic hides them.
+        const unsigned int buf = mmv_act_bytes(n, kch, false), chunks = (k_end - k_begin + kch - 1) / kch;
+        auto issue = [&](unsigned int ci) {
+            if (ci < chunks) {
+                const unsigned int c0 = k_begin + ci * kch, quads = min(kch, k_end - c0) / 4, total = n * quads;
+                unsigned char *dst = xs + (ci % 2) * buf;
+                for (unsigned int i = tid; i < total; i += MMV_THREADS) {
+                    const unsigned int tok = i / quads, q = i % quads;
+                    he::cp_async16(dst + tok * stride + 16 * q, xp + ((size_t)tok * cols + c0) / 4 + q, true);
+                }
+            }
+            he::cp_async_commit();
+        };
+        unsigned int entered = ~0u;
+        Raw cur[UNROLL][2], nxt[UNROLL][2];
+        fetch_group(cur, k_begin);
+        he::pdl_wait();  // the staged rows come from mmv_prep_kernel
+        issue(0);
+        for (unsigned int col = k_begin; col < k_end; col += GROUP) {
+            if (col + GROUP < k_end) fetch_group(nxt, col + GROUP);
+            const unsigned int ci = (col - k_begin) / kch;
+            if (ci != entered) {
+                he::cp_async_wait<0>();
+                __syncthreads();  // chunk ci is every thread's; every warp has left chunk ci - 1
+                issue(ci + 1);
+                entered = ci;
+                xb = xs + (ci % 2) * buf;
+            }
+            compute(cur, col, k_begin + ci * kch);
+#pragma unroll
+            for (int u = 0; u < (int)UNROLL; u++) cur[u][0] = nxt[u][0], cur[u][1] = nxt[u][1];
+        }
     } else {
         unsigned int staged = ~0u;
         Raw cur[UNROLL][2], nxt[UNROLL][2];
@@ -1249,6 +1359,16 @@ inline unsigned int mmvq_launch_tokens() {
     return tokens;
 }
 
+// Whether launches of more than MMV_PREP_AFTER tokens convert their activations once (mmv_prep_kernel):
+// on unless HOSTEMBED_MMV_PREP=0, to measure. Both ways give the same bits.
+inline bool mmv_prep_on() {
+    static const bool on = [] {
+        const char *v = getenv("HOSTEMBED_MMV_PREP");
+        return v == nullptr || v[0] != '0';
+    }();
+    return on;
+}
+
 template <typename R, bool GLU, bool STAGED>
 cudaError_t launch_mmv(const unsigned char *w, const unsigned char *w2, unsigned int rows, unsigned int cols,
                        size_t row_bytes, const float *x, unsigned int n, const float *bias, const float *residual,
@@ -1263,9 +1383,20 @@ cudaError_t launch_mmv(const unsigned char *w, const unsigned char *w2, unsigned
         const float *xt = x + (size_t)t0 * cols;
         const float *rt = residual != nullptr ? residual + (size_t)t0 * ldy : nullptr;
         float *yt = y + (size_t)t0 * ldy;
+        const bool prep = !R::INT && !STAGED && nt > MMV_PREP_AFTER && mmv_prep_on();
         int smem;
         if constexpr (R::INT) smem = (int)(mmvq_act_bytes(nt, mmv_chunk(nt, shape.kr, 2, mmvq_unit(GROUP)), mmvq_min_cols<R>()) + WEIGHTS);
-        else smem = (int)(mmv_act_bytes(nt, mmv_chunk(nt, shape.kr, 4, MMV_KC, MMV_BF16_STAGE_BUDGET), R::SCALED) + WEIGHTS);
+        else smem = (int)(mmv_half_smem(nt, shape.kr, GROUP, R::SCALED, prep) + WEIGHTS);
+        if constexpr (!R::INT && !STAGED) {
+            if (prep) {
+                float *staged = partial + mmv_prep_offset(shape, GLU, nt, rows);
+                const unsigned int warps = nt * ((cols + MMV_KC - 1) / MMV_KC);
+                const cudaError_t e = he::launch_overlapped(
+                    mmv_prep_kernel<R>, dim3((warps + MMV_WARPS - 1) / MMV_WARPS), dim3(MMV_THREADS), 0, stream, xt, nt,
+                    cols, reinterpret_cast<uint4 *>(staged), reinterpret_cast<int *>(staged + (size_t)nt * cols));
+                if (e != cudaSuccess) return e;
+            }
+        }
         auto go = [&](auto kernel) {
             cudaError_t e = he::allow_smem(kernel, smem);
             if (e != cudaSuccess) return e;
@@ -1278,6 +1409,12 @@ cudaError_t launch_mmv(const unsigned char *w, const unsigned char *w2, unsigned
             else if (nt <= 8) e = go(mmvq_kernel<R, 2, GLU, STAGED>);
             else if (nt <= 16) e = go(mmvq_kernel<R, 4, GLU, STAGED>);
             else e = go(mmvq_kernel<R, 8, GLU, STAGED>);
+        } else if constexpr (!STAGED) {
+            static_assert(MMV_PREP_AFTER == 8, "the first tile count that converts once");
+            if (nt <= 8) e = go(mmv_kernel<R, 1, GLU, false>);
+            else if (nt <= 16) e = prep ? go(mmv_kernel<R, 2, GLU, false, true>) : go(mmv_kernel<R, 2, GLU, false>);
+            else if (nt <= 32) e = prep ? go(mmv_kernel<R, 4, GLU, false, true>) : go(mmv_kernel<R, 4, GLU, false>);
+            else e = prep ? go(mmv_kernel<R, 8, GLU, false, true>) : go(mmv_kernel<R, 8, GLU, false>);
         } else {
             if (nt <= 8) e = go(mmv_kernel<R, 1, GLU, STAGED>);
             else if (nt <= 16) e = go(mmv_kernel<R, 2, GLU, STAGED>);
@@ -1318,7 +1455,9 @@ extern "C" cudaError_t hostembed_mmv_workspace(unsigned int rows, unsigned int c
     if (partial_floats == nullptr || counters == nullptr || rows == 0 || cols == 0) return cudaErrorInvalidValue;
     const MmvShape s = mmv_shape(rows, cols, glu != 0);
     const unsigned int nt = min(n, MMV_MAX_TOKENS);
-    *partial_floats = s.splits > 1 ? (size_t)s.splits * (glu ? 2 : 1) * nt * rows : 0;
+    // The split sums, then (half kernels past MMV_PREP_AFTER tokens) the activations staged once.
+    *partial_floats = nt > MMV_PREP_AFTER ? mmv_prep_offset(s, glu != 0, nt, rows) + mmv_prep_floats(nt, cols)
+                                          : (s.splits > 1 ? (size_t)s.splits * (glu ? 2 : 1) * nt * rows : 0);
     *counters = s.splits > 1 ? s.row_blocks : 0;
     return cudaSuccess;
 }
@@ -1333,6 +1472,9 @@ static cudaError_t mmv_entry(const void *w, const void *w2, int dtype, unsigned 
     if (GLU && hostembed_mmv_supports(dtype, w2, cols) != cudaSuccess) return cudaErrorNotSupported;
     const MmvShape s = mmv_shape(rows, cols, GLU);
     if (s.splits > 1 && (partial == nullptr || counters == nullptr)) return cudaErrorInvalidValue;
+    // The half kernels past MMV_PREP_AFTER tokens stage the activations in the workspace (16-byte rows).
+    if (n > MMV_PREP_AFTER && (partial == nullptr || reinterpret_cast<uintptr_t>(partial) % 16 != 0))
+        return cudaErrorInvalidValue;
     if (n == 0) return cudaSuccess;
     cudaError_t err = cudaErrorNotSupported;
     const unsigned char *wb = static_cast<const unsigned char *>(w), *wb2 = static_cast<const unsigned char *>(w2);

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine from the repo root: unpacks .gpu/bundle.tar.xz and runs the GPU suite,
 # then whatever steps are named (default: tests). Logs go to $OUT (or ./gpu-out).
-# Steps: info tests tests-parallel targets formats targets-kv sanitize profile-decode hfref bench-embed bench-decode bench-mmv bench-model bench-prefill bench-prefill-quant
+# Steps: info tests tests-parallel targets formats prep targets-f16 targets-kv sanitize profile-decode hfref bench-embed bench-decode bench-mmv bench-model bench-prefill bench-prefill-quant
 # bench-convert bench-kv torch-prefill, or any example's name. bench-mmv times the decode products alone
 # and bench-model the whole 8B model's decode (BF16 and the Q4_K_M mix): as shipped, with the weights
 # always streamed through registers (HOSTEMBED_MMV_STAGE=0), and without overlapped launches (HOSTEMBED_PDL=0). bench-kv measures the KV cache types on the Llama-3-8B shape:
@@ -147,6 +147,30 @@ for step in $steps; do
       for dtype in ${HOSTEMBED_FORMATS:-f16 q4_k_m bf16 q8_0}; do
         run_bench bench_batch --dtype "$dtype" --streams 1,8,16,64 --no-long --no-host-rows --steps 32
       done ;;
+    prep)
+      # The half kernels past 8 tokens converting their activations once a product, against converting them
+      # in every block (HOSTEMBED_MMV_PREP=0): the products alone, then the F16 and BF16 models' streams.
+      rc=0
+      log="$OUT/prep.log"
+      for p in 1 0; do
+        export HOSTEMBED_MMV_PREP=$p
+        echo "HOSTEMBED_MMV_PREP=$p" >> "$log"
+        run_bench bench_decode --kernels-only --no-matvec --mmv-only F16
+        run_bench bench_decode --kernels-only --no-matvec --mmv-only BF16
+        for dtype in f16 bf16; do
+          run_bench bench_batch --dtype "$dtype" --streams 1,8,16,64 --no-long --no-host-rows --steps 32
+        done
+      done
+      unset HOSTEMBED_MMV_PREP ;;
+    targets-f16)
+      # Issue 31's one-stream F16 rows (decode at a 64 and a 16,384-token cache, a 4,096-token prompt), the
+      # streams table's largest count with the rows in host memory, and Q4_K_M decode with them there.
+      rc=0
+      log="$OUT/targets-f16.log"
+      run_bench bench_decode --no-kernels --no-mmv --dtype f16 --prompt 64,16384 --tokens 128 --runs 3 --greedy
+      run_bench bench_prefill --quick --dtype f16 --lengths 4096
+      run_bench bench_batch --dtype f16 --streams 64 --no-long --steps 32
+      run_bench bench_decode --no-kernels --no-mmv --dtype q4_k_m --prompt 64 --tokens 128 --runs 3 --greedy --host-rows ;;
     targets-kv)
       rc=0
       log="$OUT/targets-kv.log"

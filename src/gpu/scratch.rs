@@ -88,6 +88,8 @@ const MMV_KC: usize = 256;
 const MMV_TARGET_BLOCKS: usize = 256;
 const MMV_MAX_SPLITS: usize = 16;
 pub const MMV_MAX_TOKENS: usize = 64;
+/// Launches of more tokens stage their activations once in the workspace (mmv.cu's MMV_PREP_AFTER).
+const MMV_PREP_AFTER: usize = 8;
 
 /// (row blocks, column ranges) of a tensor-core decode product of `rows` x `cols`, as mmv.cu's mmv_shape.
 pub fn mmv_shape(rows: usize, cols: usize, glu: bool) -> (usize, usize) {
@@ -106,10 +108,12 @@ pub fn mmv_shape(rows: usize, cols: usize, glu: bool) -> (usize, usize) {
 /// hostembed_mmv_workspace answers.
 pub fn mmv_workspace(rows: usize, cols: usize, glu: bool, n: usize) -> (usize, usize) {
     let (row_blocks, splits) = mmv_shape(rows, cols, glu);
-    if splits == 1 {
-        return (0, 0);
-    }
-    (splits * if glu { 2 } else { 1 } * n.min(MMV_MAX_TOKENS) * rows, row_blocks)
+    let n = n.min(MMV_MAX_TOKENS);
+    let sums = if splits > 1 { splits * if glu { 2 } else { 1 } * n * rows } else { 0 };
+    // Then the activations staged once: each token's row (4 bytes a column) and its group exponents.
+    let floats =
+        if n > MMV_PREP_AFTER { sums.next_multiple_of(4) + n * cols + n * cols.div_ceil(MMV_KC) } else { sums };
+    (floats, if splits > 1 { row_blocks } else { 0 })
 }
 
 /// What the built kernels ask for (their knobs may differ from the defaults `mmv_workspace` mirrors);
