@@ -83,6 +83,8 @@ fn soname(out: &Path) {
     }
     let name = format!("libhostembed.so.{}", env::var("CARGO_PKG_VERSION_MAJOR").unwrap());
     println!("cargo:rustc-cdylib-link-arg=-Wl,-soname,{name}");
+    // Dependencies' C entry points (llguidance's llg_*) stay inside: the library exports engine_* alone.
+    println!("cargo:rustc-cdylib-link-arg=-Wl,--exclude-libs,ALL");
     // OUT_DIR is <profile>/build/hostembed-<hash>/out: cargo writes the cdylib to <profile>/deps/
     // and copies it to <profile>/.
     let profile = out.ancestors().nth(3).expect("OUT_DIR is <profile>/build/<unit>/out");

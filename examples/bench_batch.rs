@@ -108,6 +108,7 @@ fn step(
             index: i as u32,
             tokens,
             sampling: Sampling::GREEDY,
+            mask: None,
             next: Err(Error::new(Status::Panic, "not stepped")),
         })
         .collect();

@@ -5,9 +5,12 @@
  *
  *   decode MODEL [-p PROMPT] [-n TOKENS] [--context N] [--temp T] [--seed S] [--room BYTES]
  *          [--backend cpu|cuda|auto] [--kv TYPE[,VTYPE]] [--chat [--system TEXT]]
+ *          [--json-schema FILE | --regex RE]
  *
  * --kv keeps the KV cache in TYPE (default, bf16, f16, f32, q8_0, fp8_e4m3), K and V alike, or K in
  * TYPE and V in VTYPE: an 8-bit cache halves every stream, so a longer window fits.
+ * --json-schema holds the output to one JSON value the schema in FILE accepts, --regex to text the
+ * regular expression RE matches whole (engine_set_constraint).
  */
 #define _POSIX_C_SOURCE 200809L
 #include "hostembed.h"
@@ -21,7 +24,9 @@ static void usage(const char *program) {
     fprintf(stderr,
             "usage: %s MODEL [-p PROMPT] [-n TOKENS] [--context N] [--temp T] [--seed S] [--room BYTES]\n"
             "       [--backend cpu|cuda|auto] [--kv TYPE[,VTYPE]] [--chat [--system TEXT]]\n"
+            "       [--json-schema FILE | --regex RE]\n"
             "TYPE is default, bf16, f16, f32, q8_0 or fp8_e4m3 (the KV cache; VTYPE for V apart).\n"
+            "--json-schema / --regex hold the output to the JSON schema in FILE / to the regular expression RE.\n"
             "MODEL is an HF folder (config.json + safetensors) or a .gguf file.\n",
             program);
 }
@@ -30,6 +35,39 @@ static double seconds_now(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* The whole of the file at `path`, NUL-terminated, its length in *len; NULL (with a message) on failure. */
+static char *read_file(const char *path, size_t *len) {
+    FILE *f = fopen(path, "rb");
+    if (f == NULL) {
+        fprintf(stderr, "decode: cannot open %s: %s\n", path, strerror(errno));
+        return NULL;
+    }
+    size_t cap = 4096, n = 0;
+    char *text = malloc(cap);
+    while (text != NULL) {
+        n += fread(text + n, 1, cap - n - 1, f);
+        if (n < cap - 1) break;
+        char *grown = realloc(text, cap * 2);
+        if (grown == NULL) {
+            free(text);
+            text = NULL;
+            break;
+        }
+        text = grown;
+        cap *= 2;
+    }
+    int failed = ferror(f);
+    fclose(f);
+    if (text == NULL || failed) {
+        fprintf(stderr, "decode: cannot read %s\n", path);
+        free(text);
+        return NULL;
+    }
+    text[n] = '\0';
+    *len = n;
+    return text;
 }
 
 /* Prints the failed call, its status and the library's message; returns 1 for main. */
@@ -121,6 +159,7 @@ int main(int argc, char **argv) {
     const char *model = NULL;
     const char *prompt = "hostembed moves the embedding rows into host memory, and";
     const char *system_message = NULL;
+    const char *schema_path = NULL, *regex = NULL;
     int chat = 0;
     unsigned long long max_tokens = 32, context = 0, seed = 0, room = 0;
     double temperature = 0.0;
@@ -131,7 +170,8 @@ int main(int argc, char **argv) {
         const char *value = i + 1 < argc ? argv[i + 1] : NULL;
         int takes_value = strcmp(arg, "-p") == 0 || strcmp(arg, "-n") == 0 || strcmp(arg, "--context") == 0 ||
                           strcmp(arg, "--temp") == 0 || strcmp(arg, "--seed") == 0 || strcmp(arg, "--room") == 0 ||
-                          strcmp(arg, "--backend") == 0 || strcmp(arg, "--system") == 0 || strcmp(arg, "--kv") == 0;
+                          strcmp(arg, "--backend") == 0 || strcmp(arg, "--system") == 0 || strcmp(arg, "--kv") == 0 ||
+                          strcmp(arg, "--json-schema") == 0 || strcmp(arg, "--regex") == 0;
         if (strcmp(arg, "-h") == 0 || strcmp(arg, "--help") == 0) {
             usage(argv[0]);
             return 0;
@@ -148,6 +188,10 @@ int main(int argc, char **argv) {
             prompt = value;
         } else if (strcmp(arg, "--system") == 0) {
             system_message = value;
+        } else if (strcmp(arg, "--json-schema") == 0) {
+            schema_path = value;
+        } else if (strcmp(arg, "--regex") == 0) {
+            regex = value;
         } else if (strcmp(arg, "-n") == 0) {
             if (!parse_u64(value, arg, &max_tokens)) return 2;
         } else if (strcmp(arg, "--context") == 0) {
@@ -205,6 +249,10 @@ int main(int argc, char **argv) {
         fprintf(stderr, "decode: --system goes with --chat\n");
         return 2;
     }
+    if (schema_path != NULL && regex != NULL) {
+        fprintf(stderr, "decode: --json-schema or --regex, not both\n");
+        return 2;
+    }
 
     if (context > UINT32_MAX) {
         fprintf(stderr, "decode: --context %llu is more than %lu tokens\n", context, (unsigned long)UINT32_MAX);
@@ -223,7 +271,7 @@ int main(int argc, char **argv) {
 
     int rc = 1;
     int32_t *ids = NULL;
-    char *chat_text = NULL;
+    char *chat_text = NULL, *schema = NULL;
     struct engine_model_info info;
     s = engine_model_info(e, &info);
     if (s != ENGINE_STATUS_OK) {
@@ -234,6 +282,24 @@ int main(int argc, char **argv) {
            (unsigned long long)info.vocab, (unsigned long long)info.layers, (unsigned long long)info.hidden,
            (unsigned long long)info.window, (unsigned long long)info.streams, placement_name(info.placement),
            kv_type_name(info.kv_type_k), kv_type_name(info.kv_type_v));
+
+    /* The constraint holds from the stream's next step on: the first token the prompt's step samples. */
+    if (schema_path != NULL) {
+        size_t len = 0;
+        schema = read_file(schema_path, &len);
+        if (schema == NULL) goto done;
+        s = engine_set_constraint(e, 0, ENGINE_CONSTRAINT_JSON_SCHEMA, schema, len);
+        if (s != ENGINE_STATUS_OK) {
+            fail("engine_set_constraint (--json-schema)", s);
+            goto done;
+        }
+    } else if (regex != NULL) {
+        s = engine_set_constraint(e, 0, ENGINE_CONSTRAINT_REGEX, regex, strlen(regex));
+        if (s != ENGINE_STATUS_OK) {
+            fail("engine_set_constraint (--regex)", s);
+            goto done;
+        }
+    }
 
     /* With --chat, the model's template turns the messages into the prompt; it writes BOS itself when
      * the model wants one, so the text is tokenized as it stands. */
@@ -344,6 +410,7 @@ int main(int argc, char **argv) {
     rc = 0;
 
 done:
+    free(schema);
     free(chat_text);
     free(ids);
     engine_free(e);

@@ -126,6 +126,20 @@ typedef enum engine_dtype {
   ENGINE_DTYPE_Q6_K = 12,
 } engine_dtype;
 
+// What `engine_set_constraint` holds a stream's output to.
+typedef enum engine_constraint {
+  // No constraint: the stream samples from every token.
+  ENGINE_CONSTRAINT_NONE = 0,
+  // A JSON schema (its text); the output is one JSON value the schema accepts.
+  ENGINE_CONSTRAINT_JSON_SCHEMA = 1,
+  // A regular expression (Rust `regex` syntax) the whole output matches.
+  ENGINE_CONSTRAINT_REGEX = 2,
+  // A grammar in llguidance's Lark syntax (`start: ...`).
+  ENGINE_CONSTRAINT_LARK = 3,
+  // Any one JSON value; takes no text.
+  ENGINE_CONSTRAINT_JSON = 4,
+} engine_constraint;
+
 // A loaded model with its embedding rows placed; opaque to C.
 //
 // Threads: an engine may be called from several threads at once. Calls that touch its decode state
@@ -493,6 +507,27 @@ enum engine_status engine_set_sampling(struct engine *e,
 enum engine_status engine_get_sampling(const struct engine *e,
                                        uint32_t stream,
                                        struct engine_sampling *out);
+
+// Holds stream `stream`'s output to a constraint from its next step on: the token that step samples
+// and every one after it are drawn only among the tokens the constraint allows (greedy or any sampling
+// setting; min-p and top-p see the distribution renormalized over them), and once the constraint is
+// complete only end-of-generation tokens (`engine_is_eog`) are. `text` is `len` bytes of UTF-8 (no NUL
+// needed): a JSON schema for JSON_SCHEMA (local `#/...` refs; an `x-guidance` key sets llguidance's JSON
+// options, e.g. `{"whitespace_flexible": false}`), a regular expression the whole output matches for
+// REGEX, an llguidance Lark grammar for LARK; JSON (any one JSON value) and NONE (removes the
+// constraint) take none. The constraint follows its stream: tokens the stream is given from then on
+// must be ones it allows (else that step's item fails with INVALID_ARGUMENT and appends nothing),
+// `engine_truncate` and `engine_reset` roll it back with the stream, and setting another replaces it.
+// `engine_logits` and `engine_top_logprobs` still report the model's logits before the mask. The first
+// call builds the vocabulary's token trie (tens of milliseconds). INVALID_ARGUMENT, with the stream
+// unchanged, for a schema, regex or grammar llguidance refuses (its message in `engine_last_error()`),
+// a `kind` outside the enum, text that is not UTF-8, `text` NULL with `len` > 0; OUT_OF_RANGE for a
+// stream the engine does not have; UNSUPPORTED when the model has no usable tokenizer.
+enum engine_status engine_set_constraint(struct engine *e,
+                                         uint32_t stream,
+                                         enum engine_constraint kind,
+                                         const char *text,
+                                         size_t len);
 
 // Keeps the first `len` positions of stream `stream` and gives the KV pages past them back to the
 // pool; stepping the same tokens again in the same pieces gives the same logits, bit for bit (on CUDA, a

@@ -363,6 +363,24 @@ pub struct engine_sampling {
     pub seed: u64,
 }
 
+/// What `engine_set_constraint` holds a stream's output to.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum engine_constraint {
+    /// No constraint: the stream samples from every token.
+    None = 0,
+    /// A JSON schema (its text); the output is one JSON value the schema accepts.
+    JsonSchema = 1,
+    /// A regular expression (Rust `regex` syntax) the whole output matches.
+    Regex = 2,
+    /// A grammar in llguidance's Lark syntax (`start: ...`).
+    Lark = 3,
+    /// Any one JSON value; takes no text.
+    Json = 4,
+}
+
+from_raw!(engine_constraint(u32): None, JsonSchema, Regex, Lark, Json);
+
 /// One stream's part of `engine_step_batch`: its input, and what the call wrote back.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]

@@ -8,7 +8,8 @@
 //! and truncate, reset and failed items give pages back. A backend only reads `KvStream::pages` to
 //! find where each position lives in its pool memory.
 
-use crate::sampler::Sampling;
+use crate::constraint::{Constraint, PendingMask};
+use crate::sampler::{self, Sampling};
 use crate::status::{Error, Result, Status};
 use crate::{bail, err};
 
@@ -126,8 +127,23 @@ pub struct StepItem<'a, C> {
     pub tokens: &'a [u32],
     /// The stream's own sampler settings.
     pub sampling: Sampling,
+    /// The mask of the stream's constraint, computed while the forward runs; None when it has none.
+    pub mask: Option<&'a PendingMask>,
     /// Out: the token the sampler picks after `tokens`; an Err item appended nothing.
     pub next: Result<u32>,
+}
+
+impl<C> StepItem<'_, C> {
+    /// The token the item's sampler picks from `logits` after the stream's tokens `history` and the
+    /// item's own, among those its constraint allows when it has one (waiting for the mask). A mask that
+    /// failed samples freely: `Streams` then fails the item.
+    pub fn sample(&self, logits: &[f32], history: &[u32]) -> u32 {
+        let (s, index, new) = (&self.sampling, self.index, self.tokens);
+        self.mask
+            .and_then(PendingMask::wait)
+            .and_then(|allowed| sampler::sample_stream_masked(logits, allowed, s, index, history, new))
+            .unwrap_or_else(|| sampler::sample_stream(logits, s, index, history, new))
+    }
 }
 
 /// What an item holds until its backend sets it.
@@ -194,6 +210,8 @@ pub trait Decoder: Send {
     fn stream_len(&self, stream: u32) -> Result<usize>;
     /// A stream's sampler settings (checked by the caller).
     fn set_sampling(&mut self, stream: u32, s: Sampling) -> Result<()>;
+    /// Holds a stream's output to `c` from its next step on (None: no constraint).
+    fn set_constraint(&mut self, stream: u32, c: Option<Constraint>) -> Result<()>;
     fn sampling(&self, stream: u32) -> Result<Sampling>;
     /// (positions in the pool, positions free).
     fn kv_stats(&self) -> (u64, u64);
@@ -206,6 +224,8 @@ pub struct Streams<B: Backend> {
     window: usize,
     slots: Vec<Option<KvStream<B::Cache>>>,
     sampling: Vec<Sampling>,
+    /// Each stream's constraint, which truncate and reset roll back with it.
+    constraints: Vec<Option<Constraint>>,
     pool: PagePool,
     /// The streams whose logits the backend holds, with their item index in its last batch.
     last: Vec<(u32, usize)>,
@@ -225,8 +245,13 @@ impl<B: Backend> Streams<B> {
             .try_reserve_exact(count)
             .map_err(|_| err!(NoRoom, "the host has no room for a table of {count} streams"))?;
         settings.resize(count, sampling);
+        let mut constraints = Vec::new();
+        constraints
+            .try_reserve_exact(count)
+            .map_err(|_| err!(NoRoom, "the host has no room for a table of {count} streams"))?;
+        constraints.resize_with(count, || None);
         let pool = PagePool::new(B::PAGE_TOKENS, pages)?;
-        Ok(Streams { backend, window, slots, sampling: settings, pool, last: Vec::new() })
+        Ok(Streams { backend, window, slots, sampling: settings, constraints, pool, last: Vec::new() })
     }
 
     /// The backend, for tests that look under the seam.
@@ -288,6 +313,15 @@ impl<B: Backend> Streams<B> {
         }
     }
 
+    /// Runs the tokens of admitted item `item` through its stream's constraint, if it has one.
+    fn feed_constraint(&mut self, item: &BatchStep) -> Result<()> {
+        let slot = item.stream as usize;
+        match self.constraints[slot].as_mut() {
+            Some(c) => c.feed(self.slots[slot].as_ref().map_or(0, |s| s.len), item.tokens),
+            None => Ok(()),
+        }
+    }
+
     fn forget_logits(&mut self, stream: u32) {
         self.last.retain(|&(s, _)| s != stream);
     }
@@ -307,49 +341,92 @@ impl<B: Backend> Decoder for Streams<B> {
         if let Some(twice) = items.iter().find(|i| !named.insert(i.stream)) {
             bail!(InvalidArgument, "stream {} is named twice in one batch", twice.stream);
         }
-        // Which items run, in the caller's order; the others have their status already.
+        // Which items run, in the caller's order; the others have their status already. A constrained
+        // stream's tokens go through its constraint first: one it refuses fails the item.
         let mut run = Vec::with_capacity(items.len());
         for (i, item) in items.iter_mut().enumerate() {
-            match self.admit(item) {
+            let admitted = self.admit(item);
+            match admitted.clone().and_then(|()| self.feed_constraint(item)) {
                 Ok(()) => run.push(i),
-                Err(e) => item.next = Err(e),
+                Err(e) => {
+                    if admitted.is_ok() {
+                        self.trim_pages(item.stream as usize);
+                    }
+                    item.next = Err(e);
+                }
             }
         }
         if run.is_empty() {
             return Ok(());
         }
-        let mut by_slot: Vec<Option<&mut KvStream<B::Cache>>> = self.slots.iter_mut().map(Option::as_mut).collect();
-        let mut step: Vec<StepItem<'_, B::Cache>> = run
+        let Streams { backend, slots, sampling, constraints, .. } = self;
+        let masks: Vec<Option<PendingMask>> =
+            run.iter().map(|&i| constraints[items[i].stream as usize].as_ref().map(|_| PendingMask::new())).collect();
+        let mut by_slot: Vec<Option<&mut KvStream<B::Cache>>> = slots.iter_mut().map(Option::as_mut).collect();
+        let mut constrained: Vec<Option<&mut Constraint>> = constraints.iter_mut().map(Option::as_mut).collect();
+        // The constrained items' masks are computed on one thread beside the backend's forward (on CUDA
+        // the host only queues and waits then); the sampler waits for each.
+        let work: Vec<(&mut Constraint, &PendingMask)> = run
             .iter()
-            .map(|&i| {
-                let stream = items[i].stream;
-                StepItem {
-                    stream: by_slot[stream as usize].take().expect("admitted, and named once"),
-                    index: stream,
-                    tokens: items[i].tokens,
-                    sampling: self.sampling[stream as usize],
-                    next: Err(not_run()),
-                }
-            })
+            .zip(&masks)
+            .filter_map(|(&i, m)| Some((constrained[items[i].stream as usize].take()?, m.as_ref()?)))
             .collect();
-        let ran = self.backend.step_batch(&mut step);
         let mut last = Vec::new();
-        for (k, s) in step.iter_mut().enumerate() {
-            let next = std::mem::replace(&mut s.next, Err(not_run()));
-            let next = match (&ran, next) {
-                (Err(e), Err(_)) => Err(e.clone()),
-                (_, next) => next,
-            };
-            if next.is_ok() {
-                s.stream.tokens.extend_from_slice(s.tokens);
-                last.push((s.index, k));
+        let ran = std::thread::scope(|scope| {
+            if !work.is_empty() {
+                scope.spawn(move || {
+                    for (c, mask) in work {
+                        mask.compute(c);
+                    }
+                });
             }
-            items[run[k]].next = next;
-        }
-        drop(step);
+            let mut step: Vec<StepItem<'_, B::Cache>> = run
+                .iter()
+                .zip(&masks)
+                .map(|(&i, mask)| {
+                    let stream = items[i].stream;
+                    StepItem {
+                        stream: by_slot[stream as usize].take().expect("admitted, and named once"),
+                        index: stream,
+                        tokens: items[i].tokens,
+                        sampling: sampling[stream as usize],
+                        mask: mask.as_ref(),
+                        next: Err(not_run()),
+                    }
+                })
+                .collect();
+            let lens: Vec<usize> = step.iter().map(|s| s.stream.len).collect();
+            let ran = backend.step_batch(&mut step);
+            for (k, s) in step.iter_mut().enumerate() {
+                let next = std::mem::replace(&mut s.next, Err(not_run()));
+                let next = match (&ran, next) {
+                    (Err(e), Err(_)) => Err(e.clone()),
+                    (_, next) => next,
+                };
+                // A mask that failed fails its item, which then appends nothing.
+                let next = match (next, masks[k].as_ref().and_then(PendingMask::error)) {
+                    (Ok(_), Some(e)) => {
+                        backend.truncate(s.stream, lens[k]);
+                        Err(e)
+                    }
+                    (next, _) => next,
+                };
+                if next.is_ok() {
+                    s.stream.tokens.extend_from_slice(s.tokens);
+                    last.push((s.index, k));
+                }
+                items[run[k]].next = next;
+            }
+            ran
+        });
         for &i in &run {
+            let slot = items[i].stream as usize;
+            let len = self.slots[slot].as_ref().map_or(0, |s| s.len);
+            if let Some(c) = self.constraints[slot].as_mut() {
+                if items[i].next.is_ok() { c.stepped(len) } else { c.rollback(len) }
+            }
             if items[i].next.is_err() {
-                self.trim_pages(items[i].stream as usize);
+                self.trim_pages(slot);
             }
         }
         self.last = last;
@@ -386,6 +463,9 @@ impl<B: Backend> Decoder for Streams<B> {
             s.tokens.truncate(len);
             self.forget_logits(stream);
         }
+        if let Some(c) = self.constraints[slot].as_mut() {
+            c.rollback(len);
+        }
         self.trim_pages(slot);
         Ok(())
     }
@@ -398,6 +478,12 @@ impl<B: Backend> Decoder for Streams<B> {
     fn set_sampling(&mut self, stream: u32, s: Sampling) -> Result<()> {
         let slot = self.slot(stream, "")?;
         self.sampling[slot] = s;
+        Ok(())
+    }
+
+    fn set_constraint(&mut self, stream: u32, c: Option<Constraint>) -> Result<()> {
+        let slot = self.slot(stream, "")?;
+        self.constraints[slot] = c;
         Ok(())
     }
 

@@ -23,7 +23,6 @@ use std::sync::Arc;
 use crate::backend::{Backend, KvStream, StepItem};
 use crate::kv::{KvType, KvTypes};
 use crate::model::{Arch, LayerWeights, ModelConfig, ModelWeights, TensorRef, TensorSource};
-use crate::sampler;
 use crate::status::Result;
 use crate::{bail, err};
 
@@ -895,7 +894,7 @@ impl Backend for CpuBackend {
         for ((item, out), history) in items.iter_mut().zip(outs).zip(&histories) {
             match out {
                 Ok(logits) => {
-                    item.next = Ok(sampler::sample_stream(&logits, &item.sampling, item.index, history, item.tokens));
+                    item.next = Ok(item.sample(&logits, history));
                     self.logits.push(Some(logits));
                 }
                 Err(e) => {

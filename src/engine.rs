@@ -9,6 +9,7 @@
 use crate::abi::engine_device_info;
 use crate::backend::{Backend, BatchStep, Decoder, Streams};
 use crate::checkpoint::Checkpoint;
+use crate::constraint::Constraint;
 use crate::cpu::{CpuBackend, CpuStream};
 use crate::cuda::{self, PinnedBuffer};
 use crate::cudart as rt;
@@ -665,6 +666,11 @@ impl Engine {
 
     pub fn sampling(&self, stream: u32) -> Result<Sampling> {
         self.backend.sampling(stream)
+    }
+
+    /// Holds stream `stream`'s output to `c` from its next step on (None removes its constraint).
+    pub fn set_constraint(&mut self, stream: u32, c: Option<Constraint>) -> Result<()> {
+        self.backend.set_constraint(stream, c)
     }
 
     /// (positions the KV pool holds, positions free).

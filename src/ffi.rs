@@ -3,8 +3,8 @@
 #![allow(non_camel_case_types, clippy::missing_safety_doc)]
 
 use crate::abi::{
-    engine_backend, engine_batch_item, engine_dtype, engine_fit_inputs, engine_kv_type, engine_memory, engine_options,
-    engine_placement, engine_plan, engine_rows, engine_sampling, engine_tristate,
+    engine_backend, engine_batch_item, engine_constraint, engine_dtype, engine_fit_inputs, engine_kv_type,
+    engine_memory, engine_options, engine_placement, engine_plan, engine_rows, engine_sampling, engine_tristate,
 };
 pub use crate::abi::{engine_device_info, engine_model_info};
 use crate::cuda;
@@ -180,6 +180,7 @@ pub unsafe extern "C" fn engine_plan_describe(plan: *const engine_plan, buf: *mu
 // ---------------------------------------------------------------------------------------------
 // Engine
 
+use crate::constraint::{self, Grammars};
 use crate::engine::{self as eng, Engine};
 use crate::placement;
 use std::os::raw::c_void;
@@ -201,6 +202,8 @@ pub struct engine {
     tokenizer: Option<Arc<Tokenizer>>,
     /// BOS/EOS flags, end-of-generation ids and the chat template, fixed at the load.
     text: TextRules,
+    /// llguidance's view of the vocabulary, built by the first `engine_set_constraint`.
+    grammars: Mutex<Option<Arc<Grammars>>>,
 }
 
 impl engine {
@@ -227,7 +230,21 @@ impl engine {
         let tokenizer = e.shared_tokenizer();
         let text = special::resolve(&e.checkpoint().special, c.bos, c.eos, c.vocab, tokenizer.as_deref());
         let info = engine_model_info { add_bos: text.add_bos, add_eos: text.add_eos, ..info };
-        engine { state: Mutex::new(e), info, tokenizer, text }
+        engine { state: Mutex::new(e), info, tokenizer, text, grammars: Mutex::new(None) }
+    }
+
+    /// The vocabulary constraints compile against, built on first use (outside the decode lock).
+    fn grammars(&self) -> Result<Arc<Grammars>> {
+        let mut built = self.grammars.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(g) = built.as_ref() {
+            return Ok(Arc::clone(g));
+        }
+        let tokenizer = self.tokenizer.clone().ok_or_else(|| {
+            Error::new(Status::Unsupported, "constraints need the model's tokenizer, and it has none usable")
+        })?;
+        let g = Arc::new(Grammars::new(tokenizer, self.info.vocab as usize, &self.text.eog)?);
+        *built = Some(Arc::clone(&g));
+        Ok(g)
     }
 
     /// The engine's state, one caller at a time. A panic caught while the lock was held leaves the
@@ -617,6 +634,58 @@ pub unsafe extern "C" fn engine_get_sampling(
         let out = unsafe { arg_mut(out, "out") }?;
         *out = e.lock().sampling(stream)?;
         Ok(())
+    })
+}
+
+/// Holds stream `stream`'s output to a constraint from its next step on: the token that step samples
+/// and every one after it are drawn only among the tokens the constraint allows (greedy or any sampling
+/// setting; min-p and top-p see the distribution renormalized over them), and once the constraint is
+/// complete only end-of-generation tokens (`engine_is_eog`) are. `text` is `len` bytes of UTF-8 (no NUL
+/// needed): a JSON schema for JSON_SCHEMA (local `#/...` refs; an `x-guidance` key sets llguidance's JSON
+/// options, e.g. `{"whitespace_flexible": false}`), a regular expression the whole output matches for
+/// REGEX, an llguidance Lark grammar for LARK; JSON (any one JSON value) and NONE (removes the
+/// constraint) take none. The constraint follows its stream: tokens the stream is given from then on
+/// must be ones it allows (else that step's item fails with INVALID_ARGUMENT and appends nothing),
+/// `engine_truncate` and `engine_reset` roll it back with the stream, and setting another replaces it.
+/// `engine_logits` and `engine_top_logprobs` still report the model's logits before the mask. The first
+/// call builds the vocabulary's token trie (tens of milliseconds). INVALID_ARGUMENT, with the stream
+/// unchanged, for a schema, regex or grammar llguidance refuses (its message in `engine_last_error()`),
+/// a `kind` outside the enum, text that is not UTF-8, `text` NULL with `len` > 0; OUT_OF_RANGE for a
+/// stream the engine does not have; UNSUPPORTED when the model has no usable tokenizer.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn engine_set_constraint(
+    e: *mut engine,
+    stream: u32,
+    kind: engine_constraint,
+    text: *const c_char,
+    len: usize,
+) -> engine_status {
+    // Read the kind as the integer C passed before Rust treats it as an enum.
+    // SAFETY: `kind` is a live repr(C) enum argument, read as the 32-bit integer C passed for it.
+    let raw_kind = unsafe { std::ptr::read(&kind as *const engine_constraint as *const u32) };
+    guard("engine_set_constraint", || {
+        // SAFETY: the caller passes an engine from engine_init_fit (or NULL, refused), not yet freed.
+        let e = unsafe { handle(e) }?;
+        let kind = engine_constraint::from_raw(raw_kind)
+            .ok_or_else(|| crate::err!(InvalidArgument, "kind is {raw_kind}, not an engine_constraint"))?;
+        let bytes: &[u8] = match (len, text.is_null()) {
+            (0, _) => &[],
+            (_, true) => crate::bail!(InvalidArgument, "text is NULL with len {len}"),
+            // SAFETY: `text` is non-NULL here and holds `len` bytes (the header's contract).
+            (_, false) => unsafe { std::slice::from_raw_parts(text as *const u8, len) },
+        };
+        let text = std::str::from_utf8(bytes)
+            .map_err(|err| crate::err!(InvalidArgument, "text is not UTF-8 at byte {}", err.valid_up_to()))?;
+        // The stream is checked before a compile that may take a while; the compile holds no lock.
+        e.lock().stream_len(stream)?;
+        let compiled = match kind {
+            engine_constraint::None => {
+                constraint::check_no_text(kind, text)?;
+                None
+            }
+            _ => e.grammars()?.compile(kind, text)?,
+        };
+        e.lock().set_constraint(stream, compiled)
     })
 }
 

@@ -7,6 +7,7 @@
 pub mod abi;
 pub mod backend;
 pub mod checkpoint;
+pub mod constraint;
 pub mod cpu;
 pub mod cuda;
 pub mod cudart;

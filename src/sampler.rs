@@ -126,6 +126,63 @@ pub fn sample_stream(logits: &[f32], s: &Sampling, stream: u32, history: &[u32],
     sample(&penalized, s, stream, position)
 }
 
+/// `sample_stream` among the ids `allowed` lets through (bit `i % 32` of word `i / 32`, llguidance's
+/// token-set layout; ids past the logits are ignored): the token is the one `sample_stream` picks when
+/// every other logit is -inf, since the penalty, the cuts and the draw then read the allowed ids alone
+/// (min-p and top-p see the distribution renormalized over them). Where every allowed logit is -inf it
+/// is the lowest allowed id. None when no id is allowed.
+pub fn sample_stream_masked(
+    logits: &[f32],
+    allowed: &[u32],
+    s: &Sampling,
+    stream: u32,
+    history: &[u32],
+    new: &[u32],
+) -> Option<u32> {
+    let penalized = penalty_ids(history, new, s);
+    let value = |i: usize| match penalized.binary_search(&(i as u32)) {
+        Ok(_) => penalize(logits[i], s.repeat_penalty),
+        Err(_) => logits[i],
+    };
+    if s.temperature.is_nan() || s.temperature <= 0.0 || s.top_k == 1 {
+        // Greedy: the largest allowed logit in one pass, the lowest id among equals (`argmax`'s rule).
+        let mut best: Option<(u32, u32)> = None;
+        for_each_allowed(allowed, logits.len(), |i| {
+            let k = key(value(i));
+            if best.is_none_or(|(_, b)| k > b) {
+                best = Some((i as u32, k));
+            }
+        });
+        return best.map(|(i, _)| i);
+    }
+    let mut ids = Vec::new();
+    let mut kept = Vec::new();
+    for_each_allowed(allowed, logits.len(), |i| {
+        ids.push(i as u32);
+        kept.push(value(i));
+    });
+    if ids.is_empty() {
+        return None;
+    }
+    let position = (history.len() + new.len()) as u64;
+    Some(ids[sample(&kept, s, stream, position) as usize])
+}
+
+/// Calls `f` with each id below `n` that `allowed` lets through, ascending.
+fn for_each_allowed(allowed: &[u32], n: usize, mut f: impl FnMut(usize)) {
+    for (w, &word) in allowed.iter().enumerate() {
+        let mut bits = word;
+        while bits != 0 {
+            let i = w * 32 + bits.trailing_zeros() as usize;
+            if i >= n {
+                return;
+            }
+            f(i);
+            bits &= bits - 1;
+        }
+    }
+}
+
 /// The vocabulary sizes the sampler takes: every sum of weights then fits in a u64.
 const MAX_VOCAB: usize = (1 << 28) - 1;
 
@@ -136,6 +193,35 @@ const EXP2_TAYLOR: [u32; 8] =
     [0x3F80_0000, 0xBF31_7218, 0x3E75_FDF0, 0xBD63_5847, 0x3C1D_955B, 0xBAAE_C3FF, 0x3921_8489, 0xB77F_E5FE];
 /// x at or beyond this weighs 0 (2^36 * 2^-40 rounds to 0).
 const WEIGHT_CUTOFF: f32 = 40.0;
+
+/// Step 4's cut: moves the shortest run of top-ranked entries whose weights sum to at least `thresh`
+/// (below their total) to the front of `weighted`, in any order, and returns its length. Selection
+/// halves the range that holds the cut, so the cost is linear where a sort of every entry was not.
+fn top_p_keep(weighted: &mut [(u32, u64)], thresh: u64, rank: &impl Fn(&u32, &u32) -> std::cmp::Ordering) -> usize {
+    let by_rank = |a: &(u32, u64), b: &(u32, u64)| rank(&a.0, &b.0);
+    // weighted[..lo] are the lo top-ranked entries, summing to `above` < thresh; the cut ends in lo..hi.
+    let (mut lo, mut hi, mut above) = (0, weighted.len(), 0u64);
+    while hi - lo > 32 {
+        let mid = lo + (hi - lo) / 2;
+        weighted[lo..hi].select_nth_unstable_by(mid - lo, by_rank);
+        let left: u64 = weighted[lo..mid].iter().map(|e| e.1).sum();
+        if above + left >= thresh {
+            hi = mid;
+        } else {
+            above += left;
+            lo = mid;
+        }
+    }
+    weighted[lo..hi].sort_unstable_by(by_rank);
+    let mut running = above;
+    for (k, e) in weighted[lo..hi].iter().enumerate() {
+        running += e.1;
+        if running >= thresh {
+            return lo + k + 1;
+        }
+    }
+    unreachable!("the weights before {hi} sum to thresh {thresh} or more")
+}
 
 /// The `k` most likely tokens of `logits` (k at most their count), most likely first and a tie to the
 /// lower id, each with its log-probability: the log-softmax over the whole row in f64, before any
@@ -262,16 +348,8 @@ pub fn sample(logits: &[f32], s: &Sampling, stream: u32, position: u64) -> u32 {
         let p24 = (s.top_p * 16_777_216.0).round_ties_even() as u64;
         let thresh = ((total as u128 * p24 as u128).div_ceil(1 << 24) as u64).max(1);
         if thresh < total {
-            weighted.sort_unstable_by(|a, b| rank(&a.0, &b.0));
-            let mut running = 0u64;
-            let cut = weighted
-                .iter()
-                .position(|&(_, w)| {
-                    running += w;
-                    running >= thresh
-                })
-                .expect("the weights sum to total > thresh");
-            weighted.truncate(cut + 1);
+            let keep = top_p_keep(&mut weighted, thresh, &rank);
+            weighted.truncate(keep);
         }
     }
 
@@ -426,6 +504,102 @@ mod tests {
         assert_eq!(drawn(0.45), vec![0, 1], "1/4 < 0.45 <= 1/2");
         assert_eq!(drawn(0.9), vec![0]);
         assert_eq!(drawn(1.0), vec![0]);
+    }
+
+    #[test]
+    fn the_top_p_cut_by_selection_is_the_sorted_prefix() {
+        let mut state = 0xC0FF_EEu64;
+        let mut next = || {
+            state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            splitmix64(state)
+        };
+        for case in 0..300 {
+            let n = 2 + (next() % 3000) as usize;
+            let logits: Vec<f32> = (0..n).map(|_| (next() % 64) as f32 / 4.0).collect();
+            let rank = |&a: &u32, &b: &u32| key(logits[b as usize]).cmp(&key(logits[a as usize])).then(a.cmp(&b));
+            let weighted: Vec<(u32, u64)> =
+                (0..n as u32).map(|i| (i, exp2_weight(16.0 - logits[i as usize]))).filter(|e| e.1 > 0).collect();
+            let total: u64 = weighted.iter().map(|e| e.1).sum();
+            let thresh = 1 + next() % (total - 1).max(1);
+            if thresh >= total {
+                continue;
+            }
+            let mut sorted = weighted.clone();
+            sorted.sort_unstable_by(|a, b| rank(&a.0, &b.0));
+            let mut running = 0;
+            let want = 1 + sorted
+                .iter()
+                .position(|e| {
+                    running += e.1;
+                    running >= thresh
+                })
+                .unwrap();
+            let mut got = weighted.clone();
+            let keep = top_p_keep(&mut got, thresh, &rank);
+            assert_eq!(keep, want, "case {case}");
+            let mut kept: Vec<u32> = got[..keep].iter().map(|e| e.0).collect();
+            let mut expected: Vec<u32> = sorted[..want].iter().map(|e| e.0).collect();
+            kept.sort_unstable();
+            expected.sort_unstable();
+            assert_eq!(kept, expected, "case {case}");
+        }
+    }
+
+    #[test]
+    fn a_mask_samples_as_minus_infinity_on_every_other_logit() {
+        let mut state = 0x5EED_u64;
+        let mut next = || {
+            state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            splitmix64(state)
+        };
+        for case in 0..400u64 {
+            let n = 1 + (next() % 300) as usize;
+            let logits: Vec<f32> = (0..n).map(|_| (next() % 2000) as f32 / 100.0 - 10.0).collect();
+            let mut allowed = vec![0u32; n.div_ceil(32) + 1];
+            let density = 1 + next() % 8;
+            for i in 0..n {
+                if next() % density == 0 {
+                    allowed[i / 32] |= 1 << (i % 32);
+                }
+            }
+            // Bits past the logits are ignored.
+            *allowed.last_mut().unwrap() |= 0x8000_0000;
+            let first = (0..n).find(|&i| allowed[i / 32] >> (i % 32) & 1 == 1);
+            let mut s = Sampling { seed: next(), ..Sampling::GREEDY };
+            if case % 4 != 0 {
+                s.temperature = 0.3 + (next() % 100) as f32 / 50.0;
+            }
+            if case % 3 == 0 {
+                s.top_k = 1 + (next() % 20) as u32;
+            }
+            if case % 5 < 2 {
+                s.top_p = 0.5 + (next() % 50) as f32 / 100.0;
+            }
+            if case % 7 < 3 {
+                s.min_p = (next() % 30) as f32 / 100.0;
+            }
+            if case % 2 == 0 {
+                (s.repeat_penalty, s.repeat_last_n) = (1.4, 6);
+            }
+            let history: Vec<u32> = (0..5).map(|_| (next() % n as u64) as u32).collect();
+            let new = [(next() % n as u64) as u32];
+            let got = sample_stream_masked(&logits, &allowed, &s, 3, &history, &new);
+            let Some(first) = first else {
+                assert_eq!(got, None, "case {case}: nothing allowed");
+                continue;
+            };
+            let masked: Vec<f32> = (0..n)
+                .map(|i| if allowed[i / 32] >> (i % 32) & 1 == 1 { logits[i] } else { f32::NEG_INFINITY })
+                .collect();
+            // A penalty never lifts -inf, so the masked row gives the same draw (its top-k may count
+            // masked ids, which weigh 0).
+            let want = sample_stream(&masked, &s, 3, &history, &new);
+            assert_eq!(got, Some(want), "case {case}: {s:?}");
+            assert!(got >= Some(first as u32));
+        }
+        // Every allowed logit -inf: the lowest allowed id, never a masked one.
+        let row = [0.0, f32::NEG_INFINITY, f32::NEG_INFINITY];
+        assert_eq!(sample_stream_masked(&row, &[0b110], &Sampling::GREEDY, 0, &[], &[1]), Some(1));
     }
 
     #[test]

@@ -232,6 +232,83 @@ fn decode_example_takes_a_kv_cache_type() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("--kv is default, bf16"), "{:?}", out);
 }
 
+/// examples/decode.c's --regex and --json-schema: a random tiny model's output is held to the regex, or
+/// is one JSON value the schema accepts, and ends there; a regex llguidance refuses fails with its message.
+#[test]
+fn decode_example_holds_its_output_to_a_regex_or_a_schema() {
+    use hostembed::checkpoint::write::write_synthetic_hf;
+    use hostembed::model::{Arch, ModelConfig, RopeScaling};
+    use hostembed::tensor::DType;
+    use hostembed::tokenizer::Tokenizer;
+
+    let dir = native::scratch("decode-constraint");
+    let exe = dir.join("decode");
+    native::build_c_program(&native::repo().join("examples/decode.c"), &exe);
+    let tokenizer_json = native::repo().join("assets/tokenizer.json");
+    let tokenizer = Tokenizer::from_json(&tokenizer_json).unwrap();
+    let special = |t: &str| tokenizer.token_id(t).unwrap_or_else(|| panic!("no token {t}"));
+    let cfg = ModelConfig {
+        arch: Arch::Llama,
+        vocab: tokenizer.vocab_size(),
+        hidden: 64,
+        layers: 2,
+        heads: 2,
+        kv_heads: 1,
+        head_dim: 32,
+        intermediate: 128,
+        rms_eps: 1e-5,
+        rope_theta: 10000.0,
+        rope_scaling: RopeScaling::None,
+        rope_interleaved: false,
+        max_position: 512,
+        tied: false,
+        qkv_bias: false,
+        qk_norm: false,
+        bos: Some(special("<|bos|>")),
+        eos: Some(special("<|eos|>")),
+    };
+    let model = dir.join("tiny");
+    write_synthetic_hf(&model, &cfg, 11, DType::Bf16).unwrap();
+    std::fs::copy(&tokenizer_json, model.join("tokenizer.json")).unwrap();
+    let model = model.display().to_string();
+    // The text decode prints after the prompt, up to its closing "[end of text ...]" line.
+    let output = |args: &[&str]| -> String {
+        let mut all = vec![model.as_str(), "--backend", "cpu", "-p", "Answer:", "-n", "200", "--temp", "0.9"];
+        all.extend_from_slice(args);
+        let out = native::run(&exe, &all);
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(out.status.success(), "{args:?}: {stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+        let text = stdout.split_once("Answer:").unwrap().1;
+        let (text, rest) = text.split_once("\n\n[").unwrap();
+        assert!(rest.starts_with("end of text"), "{args:?}: no end of generation: {stdout}");
+        text.to_string()
+    };
+    let re = "[0-9]{3}-[a-z]{2,4}";
+    let text = output(&["--regex", re]);
+    let full = regex::Regex::new(&format!("^{re}$")).unwrap();
+    assert!(full.is_match(&text), "--regex {re}: {text:?}");
+    let schema = dir.join("schema.json");
+    std::fs::write(
+        &schema,
+        r#"{"type":"object","properties":{"n":{"type":"integer","minimum":0,"maximum":99},"ok":{"type":"boolean"}},"required":["n","ok"],"additionalProperties":false}"#,
+    )
+    .unwrap();
+    let text = output(&["--json-schema", schema.to_str().unwrap(), "--seed", "3"]);
+    let value: serde_json::Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text:?}"));
+    let object = value.as_object().unwrap();
+    assert!(object.len() == 2 && object["n"].as_u64().is_some_and(|n| n <= 99) && object["ok"].is_boolean(), "{text}");
+
+    let out = native::run(&exe, &[model.as_str(), "--backend", "cpu", "--regex", "(unclosed"]);
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("engine_set_constraint (--regex): invalid argument") && stderr.contains("unclosed"),
+        "{stderr}"
+    );
+    let out = native::run(&exe, &[model.as_str(), "--regex", "a", "--json-schema", "s.json"]);
+    assert_eq!(out.status.code(), Some(2));
+}
+
 /// examples/gen_tiny writes the demo's files; its Q4_K_M file holds llama.cpp's mix (Q4_K matrices, Q6_K
 /// for the head and for the attn_v and ffn_down of the layers the recipe picks, F32 norms), every
 /// tensor in the format `Recipe::Q4KM` gives it, and the CPU engine decodes it with its tokenizer.

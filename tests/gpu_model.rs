@@ -337,6 +337,7 @@ fn step_items(
                 index: *slot as u32,
                 tokens,
                 sampling: Sampling::GREEDY,
+                mask: None,
                 next: Err(Error::new(Status::Panic, "not stepped")),
             }
         })
@@ -521,6 +522,7 @@ fn an_item_without_pages_fails_alone_and_the_others_proceed() {
         index: 7,
         tokens: &c,
         sampling: Sampling::GREEDY,
+        mask: None,
         next: Err(Error::new(Status::Panic, "not stepped")),
     }];
     gpu.step_batch(&mut one).unwrap();

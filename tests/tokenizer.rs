@@ -868,7 +868,12 @@ fn chat_template_functions() {
             .unwrap(),
         "Hi \"you\"|USER|2"
     );
-    assert_eq!(render("{{ messages[0] | tojson }}").unwrap(), r#"{"content": "  Hi \"you\"\n", "role": "user"}"#);
+    // Keys in the message's own order, as Python's json.dumps writes a dict (transformers does not sort them).
+    assert_eq!(render("{{ messages[0] | tojson }}").unwrap(), r#"{"role": "user", "content": "  Hi \"you\"\n"}"#);
+    assert_eq!(
+        render("{{ messages[0] | tojson(sort_keys=true) }}").unwrap(),
+        r#"{"content": "  Hi \"you\"\n", "role": "user"}"#
+    );
     assert_eq!(
         render("{{ [1, 'é', none, true] | tojson(indent=2) }}").unwrap(),
         "[\n  1,\n  \"é\",\n  null,\n  true\n]"

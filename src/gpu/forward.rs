@@ -183,7 +183,8 @@ impl GpuModel {
     ) -> Result<u32> {
         self.check_tokens(stream, tokens)?;
         reserve_pages(pool, stream, tokens.len())?;
-        let mut items = [StepItem { stream, index: stream_index, tokens, sampling: *sampling, next: Err(not_run()) }];
+        let mut items =
+            [StepItem { stream, index: stream_index, tokens, sampling: *sampling, mask: None, next: Err(not_run()) }];
         let ran = self.step_batch(&mut items);
         let [StepItem { stream, next, .. }] = items;
         if next.is_ok() {
@@ -344,6 +345,14 @@ impl GpuModel {
         for (k, (&i, &t)) in pending.iter().zip(&tokens).enumerate() {
             sampled[i] = Some(t);
             self.logits_at[i] = LogitsAt::Row(k);
+        }
+        // A constrained item's token is drawn again on the host among the tokens its mask allows (the
+        // mask was computed while the passes ran); the device's draw for it is dropped.
+        for &i in run {
+            if items[i].mask.is_some() {
+                let logits = self.logits(i)?;
+                sampled[i] = Some(items[i].sample(&logits, &items[i].stream.tokens) as i32);
+            }
         }
         run.iter()
             .map(|&i| {

@@ -36,6 +36,8 @@ pub struct Tokenizer {
     model: Model,
     /// Indexed by id: what the token adds to the text (empty for ids the vocabulary skips and padding).
     pieces: Vec<Vec<u8>>,
+    /// Ids that stand for a control token (`<|im_end|>`, `<unk>`), never for their text; ascending.
+    special: Vec<u32>,
     /// What the load has to say that does not stop it (an unknown pre-tokenizer name), one line each.
     notes: Vec<String>,
     /// Whether BOS goes first when the model's keys do not say, for a GGUF vocabulary (its kind or its
@@ -375,6 +377,7 @@ impl Tokenizer {
                 },
             )
             .collect();
+        tokenizer.special = special_ids(token_types);
         tokenizer.notes = notes;
         tokenizer.default_add_bos = Some(family.add_bos);
         Ok(tokenizer)
@@ -398,7 +401,13 @@ impl Tokenizer {
                 if is_padding(t, kind) { Vec::new() } else { spm::piece(t, kind.unwrap_or(token_type::NORMAL)) }
             })
             .collect();
-        Ok(Tokenizer { model: Model::Spm(Box::new(model)), pieces, notes: Vec::new(), default_add_bos: Some(true) })
+        Ok(Tokenizer {
+            model: Model::Spm(Box::new(model)),
+            pieces,
+            special: special_ids(token_types),
+            notes: Vec::new(),
+            default_add_bos: Some(true),
+        })
     }
 
     /// The tokenizer a checkpoint points at, for a model of `vocab` ids; None when it has none. Errors
@@ -446,7 +455,9 @@ impl Tokenizer {
             };
         }
         // A tokenizer.json says through its post-processor whether BOS goes first (special.rs asks it).
-        Ok(Tokenizer { model: Model::Hf(Box::new(inner)), pieces, notes: Vec::new(), default_add_bos: None })
+        let mut special: Vec<u32> = added.iter().filter(|(_, t)| t.special).map(|(&id, _)| id).collect();
+        special.sort_unstable();
+        Ok(Tokenizer { model: Model::Hf(Box::new(inner)), pieces, special, notes: Vec::new(), default_add_bos: None })
     }
 
     /// The ids of `text`, after `add_bos` when given. Control tokens written in the text (`<|eos|>`)
@@ -514,6 +525,11 @@ impl Tokenizer {
         self.pieces.len()
     }
 
+    /// Whether `id` is a control token: its piece is a name (`<|im_end|>`), not text the model writes.
+    pub fn is_special(&self, id: u32) -> bool {
+        self.special.binary_search(&id).is_ok()
+    }
+
     /// The id of a token string (a special token such as `<|eos|>`), if the vocabulary has it.
     pub fn token_id(&self, token: &str) -> Option<u32> {
         match &self.model {
@@ -544,6 +560,12 @@ fn check_token_types(tokens: &[String], token_types: &[i32]) -> Result<()> {
 
 /// Padding rows of a GGUF vocabulary: type UNUSED, or the `[PAD123]` names converters fill them with.
 /// Their piece is empty, as it is for the ids a tokenizer.json lacks.
+/// The ids a GGUF vocabulary marks as control or unknown tokens, ascending.
+fn special_ids(token_types: &[i32]) -> Vec<u32> {
+    let special = |&(_, &kind): &(usize, &i32)| kind == token_type::CONTROL || kind == token_type::UNKNOWN;
+    token_types.iter().enumerate().filter(special).map(|(id, _)| id as u32).collect()
+}
+
 fn is_padding(token: &str, kind: Option<i32>) -> bool {
     kind == Some(token_type::UNUSED)
         || token
