@@ -25,6 +25,7 @@ use super::scratch::{ATTENTION_TOKENS, attention_grid, attention_parts};
 use super::weights::{DeviceWeight, Qkv};
 use super::{GpuModel, GpuStream};
 use crate::backend::{PagePool, StepItem};
+use crate::cuda::DeviceBuffer;
 use crate::sampler::{self, Sampling};
 use crate::status::{Error, Result, Status};
 use crate::{bail, err};
@@ -240,7 +241,8 @@ impl GpuModel {
     /// logits after every token, and writes `out[i]` = log p(tokens[i + 1]) under the logits after token
     /// `i` for `i < tokens.len() - 1` (`Backend::score`). Each chunk of `max_batch` runs one forward pass
     /// with its final-normed rows kept; the head runs over them in groups of the scratch's logits rows,
-    /// each group's log-softmax on the device, so memory stays one group of logits. A chunk on tensor
+    /// each group's log-softmax on the device, so memory stays one group of logits and a float a token
+    /// (copied back once, at the end: no chunk waits for the host). A chunk on tensor
     /// cores runs the head there too (its half-format input, as the chunk's own products), but the last
     /// token's logits take the decode product a step's head takes: `logits(0)` is what `engine_step`
     /// would have left. Nothing is sampled.
@@ -263,8 +265,11 @@ impl GpuModel {
         let f = |off: usize| self.buf(off) as *mut f32;
         let (xn, logits) = (f(self.s.xn), f(self.s.logits));
         let act = self.buf(self.s.act);
-        // The rows' targets and log-probabilities sit where the finished pass no longer reads.
-        let (targets, scored) = (self.buf(self.s.up) as *mut c_int, f(self.s.gate));
+        // The rows' targets sit where a finished pass no longer reads; the log-probabilities of every chunk
+        // stay on the device until the end, so no chunk waits for the host.
+        let targets = self.buf(self.s.up) as *mut c_int;
+        let results = DeviceBuffer::new(tokens.len() * 4)?;
+        let scored = results.ptr() as *mut f32;
         let none = ptr::null::<f32>();
         let mut last_row = 0;
         for (c, chunk) in tokens.chunks(self.max_batch).enumerate() {
@@ -314,16 +319,14 @@ impl GpuModel {
                     last_row = g - 1;
                 }
                 // The next group's product overwrites these rows after this kernel, in stream order.
-                launch::row_logprobs(logits, vocab, g, targets.wrapping_add(g0), scored.wrapping_add(g0), s)?;
-            }
-            let mut chunk_out = vec![0f32; n];
-            self.download(self.s.gate, &mut chunk_out)?;
-            for (r, v) in chunk_out.into_iter().enumerate() {
-                if from + r + 1 < tokens.len() {
-                    out[from + r] = v;
-                }
+                launch::row_logprobs(logits, vocab, g, targets.wrapping_add(g0), scored.wrapping_add(from + g0), s)?;
             }
         }
+        self.stream.synchronize()?;
+        let mut all = vec![0f32; tokens.len()];
+        results.download(&mut all)?;
+        let last = tokens.len() - 1;
+        out[..last].copy_from_slice(&all[..last]);
         stream.len = end;
         self.logits_at.push(LogitsAt::Row(last_row));
         Ok(())
