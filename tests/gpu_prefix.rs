@@ -17,6 +17,7 @@ mod native;
 use common::shared::{self, fork, kv_usage, no_cache, score};
 use common::{
     Held, Rng, Scratch, bits, gpu_present, init, logits, model_file, quiet, rel_l2, reset, serial, stats, step,
+    truncate,
 };
 
 use hostembed::Status;
@@ -188,13 +189,27 @@ fn prefix_cache_hits_on_cuda_have_the_bits_of_the_same_chunks() {
         bits(&logits(&e, 1)) == bits(&one_call)
     );
     assert!(rel <= 2e-3, "{rel:.3e} from the prompt computed in one call");
-    // Both leave; a third stream asks for the same prompt: the pages come from the cache.
+    // Both leave; a third stream asks for the same prompt: it takes every whole page of stream 1's from
+    // the cache (the system prompt's and its question's) and computes the positions past them as a
+    // chunk of its own. A reference that computed those positions again as their own call matches it.
     reset(&e, 0);
     reset(&e, 1);
     let cached = kv_usage(&e).tokens_cached;
     step(&e, 2, &p1);
-    assert!(kv_usage(&e).tokens_cached < cached, "pages taken from the cache");
-    assert!(bits(&logits(&e, 2)) == bits(&same_chunks), "from the cache");
+    let whole = (p1.len() - 1) / PAGE * PAGE;
+    assert_eq!(cached - kv_usage(&e).tokens_cached, whole as u64, "every whole page taken from the cache");
+    let recomputed_tail = {
+        let r = init(&path, &no_cache(cuda(512, 1)));
+        step(&r, 0, &system);
+        step(&r, 0, &q1);
+        truncate(&r, 0, whole as u32);
+        step(&r, 0, &p1[whole..]);
+        logits(&r, 0)
+    };
+    assert!(bits(&logits(&e, 2)) == bits(&recomputed_tail), "the bits of the pages' calls and the tail's own");
+    let rel = rel_l2(&logits(&e, 2), &same_chunks);
+    println!("from the cache, against the system prompt and the question as two calls: {rel:.3e} relative L2");
+    assert!(rel <= 2e-3, "{rel:.3e} from two calls");
     check_pool(&e, &[0, 0, p1.len()], total, "at the end");
     drop(e);
     assert_eq!(stats(), engine_memory::default());
