@@ -349,7 +349,7 @@ fn c_type(rust: &str) -> String {
 
 /// Structs whose C name is also a function's (`engine_device_info(dev, &info)`): C keeps struct tags
 /// apart from ordinary names, so these are declared as tags only and used as `struct name`.
-const TAG_ONLY: &[&str] = &["engine_device_info", "engine_model_info"];
+const TAG_ONLY: &[&str] = &["engine_device_info", "engine_model_info", "engine_kv_usage"];
 
 fn tag_only(mut text: String) -> String {
     for name in TAG_ONLY {

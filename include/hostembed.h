@@ -15,7 +15,7 @@
 #define HOSTEMBED_VERSION "0.1.0"
 
 // The ABI this header describes; a caller compares it with `engine_abi_version()`.
-#define HOSTEMBED_ABI_VERSION 4
+#define HOSTEMBED_ABI_VERSION 5
 
 // The default reserve for the load's other buffers (kernel modules, the kit): about 85 MB measured.
 #define ENGINE_FIT_DEFAULT_RESERVE_BYTES (256 << 20)
@@ -284,6 +284,10 @@ typedef struct engine_options {
   // batch). NO keeps every stream's bits the same alone or in any batch. AUTO = the environment's
   // HOSTEMBED_BATCH_TENSOR_CORES is "1". The CPU backend is always batch invariant.
   enum engine_tristate batch_tensor_cores;
+  // A prompt whose first whole KV pages hold the same tokens as pages in the pool (a live stream's,
+  // or kept from a reset or truncated one) takes those pages instead of computing them; pages no
+  // stream holds are kept until a step needs their room. AUTO = on. See `engine_kv_usage`.
+  enum engine_tristate prefix_cache;
 } engine_options;
 
 // Where a caller's kernels can find the rows, in whatever placement they live.
@@ -346,6 +350,19 @@ typedef struct engine_sampling {
   // The draw depends on (seed, stream index, position) only.
   uint64_t seed;
 } engine_sampling;
+
+// The KV pool's positions by state, in whole pages (`engine_kv_usage`). `tokens_total - tokens_free`
+// are the positions of the pages streams hold, each page counted once however many hold it.
+struct engine_kv_usage {
+  // As `engine_kv_stats`: every position of the pool, and those of pages no stream holds (which a
+  // step takes when it needs room; `tokens_cached` among them).
+  uint64_t tokens_total;
+  uint64_t tokens_free;
+  // Positions of pages more than one stream holds (`engine_fork`, or the prefix cache's matches).
+  uint64_t tokens_shared;
+  // Positions of pages the prefix cache keeps that no stream holds.
+  uint64_t tokens_cached;
+};
 
 // What a caller needs to drive the engine.
 struct engine_model_info {
@@ -532,8 +549,9 @@ enum engine_status engine_set_constraint(struct engine *e,
 // Keeps the first `len` positions of stream `stream` and gives the KV pages past them back to the
 // pool; stepping the same tokens again in the same pieces gives the same logits, bit for bit (on CUDA, a
 // prompt chunk the cut falls inside, stepped again as a shorter chunk, may take another product route:
-// within 2e-3 relative L2). OUT_OF_RANGE when `len` is more than the stream holds or the stream does not
-// exist. The stream's logits are dropped when it loses positions.
+// within 2e-3 relative L2; so may a prompt that takes the prefix cache's pages for its first whole pages,
+// see `engine_options.prefix_cache`). OUT_OF_RANGE when `len` is more than the stream holds or the stream
+// does not exist. The stream's logits are dropped when it loses positions.
 enum engine_status engine_truncate(struct engine *e,
                                    uint32_t stream,
                                    uint32_t len);
@@ -541,10 +559,45 @@ enum engine_status engine_truncate(struct engine *e,
 // Tokens stream `stream` holds now, into `*len`.
 enum engine_status engine_stream_len(const struct engine *e, uint32_t stream, uint32_t *len);
 
-// The KV pool: positions it holds in all, and positions free (whole free pages), into the two outputs.
+// The KV pool: positions it holds in all, and positions free (whole pages no stream holds, those the
+// prefix cache keeps included: a step takes them when it needs room), into the two outputs.
 enum engine_status engine_kv_stats(const struct engine *e,
                                    uint64_t *tokens_total,
                                    uint64_t *tokens_free);
+
+// The KV pool's positions by state into `*out`: in all, free (as `engine_kv_stats`), held by more than
+// one stream, and kept by the prefix cache with no stream holding them (counted free too). Whole pages,
+// each counted once however many streams hold it, so the positions streams hold are `tokens_total -
+// tokens_free`.
+enum engine_status engine_kv_usage(const struct engine *e,
+                                   struct engine_kv_usage *out);
+
+// Stream `dst` is reset, then holds the first `len` positions of stream `src` (tokens and KV), sharing
+// `src`'s KV pages: no position is computed or copied, and each stream goes on on its own (the first
+// write into a page the other holds copies that page). `dst` keeps its own sampler settings and has
+// no logits until it is stepped. No page is taken: a step that writes into a shared page takes one
+// for the copy (NO_ROOM for that step when none is free). INVALID_ARGUMENT for `src == dst`;
+// OUT_OF_RANGE for a stream the engine does not have or `len` past `src`'s length. A refused call
+// changes nothing.
+enum engine_status engine_fork(struct engine *e,
+                               uint32_t src,
+                               uint32_t dst,
+                               uint32_t len);
+
+// Appends `n` tokens to stream `stream` as `engine_step` would (its KV, its history for the repetition
+// penalty; no token is sampled) and writes `logprobs[i]` = log p(tokens[i] | every token before it):
+// the float64 log-softmax of the logits after the position before, as `engine_top_logprobs` reports
+// them. `logprobs[0]` is NaN when the stream was empty; otherwise it comes from the stream's kept
+// logits, or, when none are kept, from its last position computed again with the tokens. The tokens run
+// as a prompt does (in chunks, the logits of every position computed), not one step a token; afterwards
+// `engine_logits` gives the logits after the last of them. NO_ROOM past the window (checked before any
+// id is read) or when the KV pool has no free page; OUT_OF_RANGE for an id outside the vocabulary or a
+// stream the engine does not have; INVALID_ARGUMENT for NULLs or `n` 0. A refused call changes nothing.
+enum engine_status engine_score(struct engine *e,
+                                uint32_t stream,
+                                const int32_t *tokens,
+                                size_t n,
+                                float *logprobs);
 
 // Copies the logits of the last position of stream `stream` into `out` (`len` must be at least the
 // vocabulary). Logits are kept for every stream the last step or batch that stepped anything stepped:
@@ -566,9 +619,11 @@ enum engine_status engine_top_logprobs(const struct engine *e,
                                        int32_t *ids,
                                        float *logprobs);
 
-// Empties stream `stream` so it can take a new prompt, giving its KV pages back to the pool; its
-// sampler settings stay.
-enum engine_status engine_reset(struct engine *e, uint32_t stream);
+// Empties stream `stream` so it can take a new prompt, giving its KV pages back to the pool (with the
+// prefix cache on, its whole pages stay there for a prompt that starts the same, until a step needs
+// their room); its sampler settings stay.
+enum engine_status engine_reset(struct engine *e,
+                                uint32_t stream);
 
 // The model's figures and the engine's window and streams; runs beside steps without waiting.
 enum engine_status engine_model_info(const struct engine *e, struct engine_model_info *out);

@@ -173,6 +173,13 @@ cudaError_t hostembed_sample_rows(float *logits, unsigned int vocab, unsigned in
                                   const hostembed_sample_row *settings, const int *ids, unsigned int n_ids,
                                   void *scratch, size_t scratch_size, int *tokens, cudaStream_t stream);
 
+// ---- logprob.cu ----
+// For each of `rows` rows of logits (vocab apart): out[r] = logits[r][targets[r]] - log(sum_i
+// exp(logits[r][i])), the sum in double after the row's max is taken out, as the host's log-softmax;
+// NaN where targets[r] is outside [0, vocab) or the row holds a NaN or no finite value. rows <= 65535.
+cudaError_t hostembed_row_logprobs(const float *logits, unsigned int vocab, unsigned int rows, const int *targets,
+                                   float *out, cudaStream_t stream);
+
 // ---- prompt chunks on tensor cores (gemm.cu, flash.cu; sm_80 and newer) ----
 // Operands of the tensor-core paths are HE_DTYPE_BF16 or HE_DTYPE_F16 ("half" formats below); products
 // accumulate in f32.

@@ -23,7 +23,7 @@ macro_rules! from_raw {
 }
 
 /// The ABI this header describes; a caller compares it with `engine_abi_version()`.
-pub const HOSTEMBED_ABI_VERSION: u32 = 4;
+pub const HOSTEMBED_ABI_VERSION: u32 = 5;
 
 // ---------------------------------------------------------------------------------------------
 // Status
@@ -339,6 +339,10 @@ pub struct engine_options {
     /// batch). NO keeps every stream's bits the same alone or in any batch. AUTO = the environment's
     /// HOSTEMBED_BATCH_TENSOR_CORES is "1". The CPU backend is always batch invariant.
     pub batch_tensor_cores: engine_tristate,
+    /// A prompt whose first whole KV pages hold the same tokens as pages in the pool (a live stream's,
+    /// or kept from a reset or truncated one) takes those pages instead of computing them; pages no
+    /// stream holds are kept until a step needs their room. AUTO = on. See `engine_kv_usage`.
+    pub prefix_cache: engine_tristate,
 }
 
 /// How one stream picks its next token; `engine_default_sampling()` is greedy with no penalty.
@@ -424,6 +428,21 @@ pub struct engine_model_info {
     /// The K and V cache types in use (never ENGINE_KV_DEFAULT: the backend's choice is resolved).
     pub kv_type_k: engine_kv_type,
     pub kv_type_v: engine_kv_type,
+}
+
+/// The KV pool's positions by state, in whole pages (`engine_kv_usage`). `tokens_total - tokens_free`
+/// are the positions of the pages streams hold, each page counted once however many hold it.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct engine_kv_usage {
+    /// As `engine_kv_stats`: every position of the pool, and those of pages no stream holds (which a
+    /// step takes when it needs room; `tokens_cached` among them).
+    pub tokens_total: u64,
+    pub tokens_free: u64,
+    /// Positions of pages more than one stream holds (`engine_fork`, or the prefix cache's matches).
+    pub tokens_shared: u64,
+    /// Positions of pages the prefix cache keeps that no stream holds.
+    pub tokens_cached: u64,
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -298,6 +298,14 @@ impl KvPages {
         &self.data()[at..at + self.block(which)]
     }
 
+    /// Copies page `from`'s rows of every layer into page `to`.
+    pub fn copy_page(&mut self, from: u32, to: u32) {
+        assert!((from as usize) < self.pages && (to as usize) < self.pages, "a page outside the pool");
+        let bytes = self.layers * (self.block(0) + self.block(1));
+        let (src, dst) = (self.at(from, 0, 0), self.at(to, 0, 0));
+        self.data_mut().copy_within(src..src + bytes, dst);
+    }
+
     /// Writes `values` (kv_heads x head_dim) as the K (`which` 0) or V (1) row of `layer` at position `pos`
     /// of a stream holding `pages`, rounded to its type.
     fn store(&mut self, pages: &[u32], pos: usize, layer: usize, which: usize, values: &[f32]) {
@@ -409,26 +417,43 @@ impl<'a> CpuModel<'a> {
     /// Appends `tokens` and returns the logits after each of them (teacher forcing).
     pub fn forward_all(&self, stream: &mut CpuStream, tokens: &[u32]) -> Result<Vec<Vec<f32>>> {
         self.with_own_pages(stream, |kv, stream| {
-            self.check_tokens(kv, stream, tokens)?;
-            let chunk_tokens = tokens.len().min(CHUNK_TOKENS);
-            let mut s = Scratch::new(&self.cfg, chunk_tokens, self.step_threads(stream))?;
-            let mut logits = try_filled(chunk_tokens as u128 * self.cfg.vocab as u128, 0f32)?;
             let mut all = Vec::with_capacity(tokens.len());
-            self.pool.install(|| {
-                for chunk in tokens.chunks(CHUNK_TOKENS) {
-                    self.advance(
-                        kv,
-                        &[Segment { pages: &stream.pages, tokens: chunk, first_pos: stream.len, row: 0 }],
-                        &mut s,
-                    );
-                    stream.len += chunk.len();
-                    let logits = &mut logits[..chunk.len() * self.cfg.vocab];
-                    self.logits(&mut s, 0..chunk.len(), logits);
-                    all.extend(logits.chunks_exact(self.cfg.vocab).map(<[f32]>::to_vec));
-                }
-            });
+            self.forward_each(kv, stream, tokens, |_, row| all.push(row.to_vec()))?;
             Ok(all)
         })
+    }
+
+    /// Appends `tokens` to a stream whose pages are in `kv` in chunks of `CHUNK_TOKENS`, and hands
+    /// `each` the logits after every token (its index, the row) in order, one chunk's rows at a time:
+    /// memory for one chunk's logits, whatever the length. The same bits as `forward_in` gives for the
+    /// last token.
+    pub fn forward_each(
+        &self,
+        kv: &mut KvPages,
+        stream: &mut CpuStream,
+        tokens: &[u32],
+        mut each: impl FnMut(usize, &[f32]),
+    ) -> Result<()> {
+        self.check_tokens(kv, stream, tokens)?;
+        let chunk_tokens = tokens.len().min(CHUNK_TOKENS);
+        let mut s = Scratch::new(&self.cfg, chunk_tokens, self.step_threads(stream))?;
+        let mut logits = try_filled(chunk_tokens as u128 * self.cfg.vocab as u128, 0f32)?;
+        self.pool.install(|| {
+            for (c, chunk) in tokens.chunks(CHUNK_TOKENS).enumerate() {
+                self.advance(
+                    kv,
+                    &[Segment { pages: &stream.pages, tokens: chunk, first_pos: stream.len, row: 0 }],
+                    &mut s,
+                );
+                stream.len += chunk.len();
+                let logits = &mut logits[..chunk.len() * self.cfg.vocab];
+                self.logits(&mut s, 0..chunk.len(), logits);
+                for (i, row) in logits.chunks_exact(self.cfg.vocab).enumerate() {
+                    each(c * CHUNK_TOKENS + i, row);
+                }
+            }
+        });
+        Ok(())
     }
 
     /// Runs `f` on a stream made by `new_stream` and its own pages.
@@ -911,5 +936,21 @@ impl Backend for CpuBackend {
             .get(i)
             .and_then(Option::clone)
             .ok_or_else(|| err!(InvalidArgument, "item {i} of the last batch has no logits"))
+    }
+
+    fn copy_page(&mut self, from: u32, to: u32) -> Result<()> {
+        self.kv.copy_page(from, to);
+        Ok(())
+    }
+
+    fn score(&mut self, stream: &mut CpuStream, tokens: &[u32], out: &mut [f32]) -> Result<()> {
+        self.logits.clear();
+        let mut last = None;
+        self.model.forward_each(&mut self.kv, stream, tokens, |i, row| match tokens.get(i + 1) {
+            Some(&next) => out[i] = crate::backend::log_prob(row, next),
+            None => last = Some(row.to_vec()),
+        })?;
+        self.logits.push(last);
+        Ok(())
     }
 }

@@ -62,6 +62,7 @@ pub fn default_options() -> engine_options {
         kv_type_k: engine_kv_type::ENGINE_KV_DEFAULT,
         kv_type_v: engine_kv_type::ENGINE_KV_DEFAULT,
         batch_tensor_cores: engine_tristate::Auto,
+        prefix_cache: engine_tristate::Auto,
     }
 }
 
@@ -92,6 +93,11 @@ pub const BATCH_TENSOR_CORES_ENV: &str = "HOSTEMBED_BATCH_TENSOR_CORES";
 /// invariant): Auto reads HOSTEMBED_BATCH_TENSOR_CORES.
 pub fn resolve_batch_tensor_cores(option: engine_tristate) -> bool {
     tristate_or_env(option, BATCH_TENSOR_CORES_ENV)
+}
+
+/// Whether the engine's KV pool keeps a prefix cache: Auto is on.
+pub fn resolve_prefix_cache(option: engine_tristate) -> bool {
+    option != engine_tristate::No
 }
 
 /// Whether host and device share memory: Auto asks the device (integrated with pageable access), and
@@ -350,10 +356,11 @@ fn load_decoder(
     let window = window_of(&ckpt.config, opts)? as usize;
     let sampling = sampling_of(opts);
     let streams = streams as usize;
+    let prefix_cache = resolve_prefix_cache(opts.prefix_cache);
     Ok(match kind {
         BackendKind::Cpu => {
             let backend = CpuBackend::with_kv(ckpt.shared(), pool.pages, kv)?;
-            Box::new(Streams::new(backend, window, streams, pool.pages, sampling)?)
+            Box::new(Streams::new(backend, window, streams, pool.pages, sampling)?.with_prefix_cache(prefix_cache))
         }
         BackendKind::Cuda => {
             let r = rows.describe();
@@ -366,7 +373,7 @@ fn load_decoder(
             if tensor_cores {
                 logger.line("batches of 16 or more single tokens share tensor-core products: a stream's logits depend on its batch");
             }
-            Box::new(Streams::new(model, window, streams, pool.pages, sampling)?)
+            Box::new(Streams::new(model, window, streams, pool.pages, sampling)?.with_prefix_cache(prefix_cache))
         }
     })
 }
@@ -651,6 +658,40 @@ impl Engine {
     /// Keeps the first `len` positions of stream `stream`, giving back the pages past them.
     pub fn truncate(&mut self, stream: u32, len: usize) -> Result<()> {
         self.backend.truncate(stream, len)
+    }
+
+    /// Empties stream `dst`, then gives it the first `len` positions of stream `src`, sharing its KV
+    /// pages (copied on the first write into one). A refusal changes nothing.
+    pub fn fork(&mut self, src: u32, dst: u32, len: usize) -> Result<()> {
+        self.backend.fork(src, dst, len)
+    }
+
+    /// Appends `tokens` to stream `stream` as a step would, computing the logits at every position, and
+    /// writes `out[i]` = log p(tokens[i] | everything before it) (`out[0]` NaN when the stream was empty).
+    pub fn score(&mut self, stream: u32, tokens: &[i32], out: &mut [f32]) -> Result<()> {
+        let vocab = self.ckpt.config.vocab;
+        if let Some((i, t)) = tokens.iter().enumerate().find(|(_, t)| **t < 0 || **t as usize >= vocab) {
+            crate::bail!(OutOfRange, "engine_score: token {i} is id {t}, outside the vocabulary (0..{vocab})");
+        }
+        let ids: Vec<u32> = tokens.iter().map(|&t| t as u32).collect();
+        self.backend.score(stream, &ids, out)
+    }
+
+    /// The KV pool's positions by state.
+    pub fn kv_usage(&self) -> crate::abi::engine_kv_usage {
+        self.backend.kv_usage()
+    }
+
+    /// The KV pool pages stream `stream` holds, in position order (for tests).
+    #[doc(hidden)]
+    pub fn stream_pages(&self, stream: u32) -> Result<Vec<u32>> {
+        self.backend.stream_pages(stream)
+    }
+
+    /// Checks the KV pool's page counts against every stream's pages (for tests).
+    #[doc(hidden)]
+    pub fn audit_pages(&self) -> Result<()> {
+        self.backend.audit()
     }
 
     /// Tokens stream `stream` holds now.

@@ -351,3 +351,61 @@ fn gen_tiny_writes_a_q4_k_m_mix_that_decodes() {
     assert!(out.status.success(), "stdout:\n{stdout}\nstderr:\n{}", String::from_utf8_lossy(&out.stderr));
     assert!(stdout.lines().any(|l| l.starts_with("decode: ") && l.contains(" tokens in ")), "{stdout}");
 }
+
+/// examples/perplexity.c builds with every warning an error, refuses bad arguments with its usage, and
+/// scores two chunks of README.md on a tiny model with the repo's tokenizer: running figures, then a
+/// finite perplexity.
+#[test]
+fn perplexity_example_scores_chunks_of_a_text() {
+    use hostembed::checkpoint::write::write_synthetic_hf;
+    use hostembed::model::{Arch, ModelConfig, RopeScaling};
+    use hostembed::tensor::DType;
+    use hostembed::tokenizer::Tokenizer;
+
+    let dir = native::scratch("perplexity-example");
+    let exe = dir.join("perplexity");
+    native::build_c_program(&native::repo().join("examples/perplexity.c"), &exe);
+    let tokenizer_json = native::repo().join("assets/tokenizer.json");
+    let tokenizer = Tokenizer::from_json(&tokenizer_json).unwrap();
+    let cfg = ModelConfig {
+        arch: Arch::Llama,
+        vocab: tokenizer.vocab_size(),
+        hidden: 64,
+        layers: 2,
+        heads: 4,
+        kv_heads: 2,
+        head_dim: 16,
+        intermediate: 128,
+        rms_eps: 1e-5,
+        rope_theta: 10000.0,
+        rope_scaling: RopeScaling::None,
+        rope_interleaved: false,
+        max_position: 256,
+        tied: false,
+        qkv_bias: false,
+        qk_norm: false,
+        bos: tokenizer.token_id("<|bos|>"),
+        eos: tokenizer.token_id("<|eos|>"),
+    };
+    let model = dir.join("tiny");
+    write_synthetic_hf(&model, &cfg, 7, DType::Bf16).unwrap();
+    std::fs::copy(&tokenizer_json, model.join("tokenizer.json")).unwrap();
+    let model = model.display().to_string();
+    let text = native::repo().join("README.md").display().to_string();
+
+    let out = native::run(&exe, &[model.as_str()]);
+    assert_eq!(out.status.code(), Some(2), "too few arguments");
+    assert!(String::from_utf8_lossy(&out.stderr).starts_with("usage: "));
+    let out = native::run(&exe, &[model.as_str(), text.as_str(), "--ctx", "3"]);
+    assert_eq!(out.status.code(), Some(2), "a chunk of 3");
+
+    let args = [model.as_str(), text.as_str(), "--ctx", "64", "--chunks", "2", "--backend", "cpu"];
+    let out = native::run(&exe, &args);
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "stdout:\n{stdout}\nstderr:\n{stderr}");
+    assert!(stdout.starts_with("[1]") && stdout.contains(",[2]"), "{stdout}");
+    let line = stdout.lines().find(|l| l.starts_with("perplexity ")).unwrap_or_else(|| panic!("{stdout}"));
+    assert!(line.contains("over 62 tokens (2 chunks of 64"), "{line}");
+    let ppl: f64 = line.split_whitespace().nth(1).unwrap().parse().unwrap();
+    assert!(ppl.is_finite() && ppl > 1.0, "{line}");
+}

@@ -69,6 +69,9 @@ fn default_options_are_documented_values() {
     assert_eq!((o.temperature, o.top_k, o.top_p), (0.0, 0, 1.0));
     assert!(o.log.is_none() && o.log_user.is_null());
     assert_eq!(o.batch_tensor_cores, engine_tristate::Auto);
+    assert_eq!(o.prefix_cache, engine_tristate::Auto);
+    assert!(engine::resolve_prefix_cache(o.prefix_cache), "AUTO keeps a prefix cache");
+    assert!(engine::resolve_prefix_cache(engine_tristate::Yes) && !engine::resolve_prefix_cache(engine_tristate::No));
 }
 
 #[test]
@@ -497,6 +500,7 @@ fn nulls_and_bad_enums_are_invalid_arguments() {
             std::mem::offset_of!(engine_options, mmap_rows),
             std::mem::offset_of!(engine_options, backend),
             std::mem::offset_of!(engine_options, batch_tensor_cores),
+            std::mem::offset_of!(engine_options, prefix_cache),
         ] {
             let mut raw = opts;
             std::ptr::write((&mut raw as *mut engine_options as *mut u8).add(field) as *mut u32, 7);

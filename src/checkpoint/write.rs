@@ -796,3 +796,51 @@ fn write_gguf_entries(
     }
     result
 }
+
+/// The GGUF file at `src` rewritten at `dst` with every tensor decoded to F32 as stored (each row by the
+/// format's own decoder, so the values are exactly those a backend computes with): the same metadata,
+/// names, shapes and order (llama's Q/K rows stay permuted). The exact F32 model of a quantized file.
+pub fn write_gguf_dequantized(src: &Path, dst: &Path) -> Result<()> {
+    let bytes = std::fs::read(src).map_err(|e| io_error(src, e))?;
+    let g = gguf::parse(&bytes, &src.display().to_string())?;
+    let align = g.alignment as usize;
+    let mut header = Vec::new();
+    header.extend_from_slice(gguf::MAGIC);
+    header.extend_from_slice(&gguf::VERSION.to_le_bytes());
+    header.extend_from_slice(&(g.tensors.len() as u64).to_le_bytes());
+    header.extend_from_slice(&(g.metadata.len() as u64).to_le_bytes());
+    for (k, v) in &g.metadata {
+        gguf::put_string(&mut header, k);
+        v.encode(&mut header);
+    }
+    let mut offset = 0usize;
+    for t in &g.tensors {
+        let values = t.dims.iter().product::<u64>() as usize;
+        gguf::put_string(&mut header, &t.name);
+        header.extend_from_slice(&(t.dims.len() as u32).to_le_bytes());
+        for d in &t.dims {
+            header.extend_from_slice(&d.to_le_bytes());
+        }
+        header.extend_from_slice(&DType::F32.ggml_type().to_le_bytes());
+        header.extend_from_slice(&(offset as u64).to_le_bytes());
+        offset = (offset + values * 4).next_multiple_of(align);
+    }
+    header.resize(header.len().next_multiple_of(align), 0);
+    let file = File::create(dst).map_err(|e| io_error(dst, e))?;
+    let mut out = BufWriter::with_capacity(8 << 20, file);
+    out.write_all(&header).map_err(|e| io_error(dst, e))?;
+    for t in &g.tensors {
+        let cols = t.dims[0] as usize;
+        let row_bytes = t.dtype.row_bytes(cols).ok_or_else(|| err!(BadModel, "tensor {}: rows of {cols}", t.name))?;
+        let (mut row, mut le) = (vec![0f32; cols], Vec::with_capacity(cols * 4));
+        for stored in bytes[t.start..t.start + t.bytes].chunks_exact(row_bytes) {
+            crate::tensor::decode_row(t.dtype, stored, &mut row);
+            le.clear();
+            le.extend(row.iter().flat_map(|v| v.to_le_bytes()));
+            out.write_all(&le).map_err(|e| io_error(dst, e))?;
+        }
+        let size = t.bytes / row_bytes * cols * 4;
+        out.write_all(&vec![0u8; size.next_multiple_of(align) - size]).map_err(|e| io_error(dst, e))?;
+    }
+    out.into_inner().map_err(|e| io_error(dst, e.error()))?.sync_all().map_err(|e| io_error(dst, e))
+}

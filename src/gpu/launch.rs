@@ -459,6 +459,20 @@ pub(super) fn convert(x: *const f32, out: *mut c_void, dtype: DType, len: usize,
     cuda::check(unsafe { kn::hostembed_convert(x, out, dtype as c_int, len, s) }, "hostembed_convert")
 }
 
+/// out[r] = log p(targets[r]) under logits row r (`vocab` apart), for `rows` rows: `log_prob` on the device.
+pub(super) fn row_logprobs(
+    logits: *const f32,
+    vocab: usize,
+    rows: usize,
+    targets: *const c_int,
+    out: *mut f32,
+    s: cudaStream_t,
+) -> Result<()> {
+    // SAFETY: device pointers to `rows` logits rows, targets and outputs (see the module's note).
+    let code = unsafe { kn::hostembed_row_logprobs(logits, vocab as c_uint, rows as c_uint, targets, out, s) };
+    cuda::check(code, "hostembed_row_logprobs")
+}
+
 /// Whether the flash kernel takes heads of `head_dim` values.
 pub(super) fn flash_supports(head_dim: usize) -> bool {
     // SAFETY: a pure query on a number.

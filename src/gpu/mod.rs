@@ -458,4 +458,14 @@ impl Backend for CudaBackend {
         self.enter()?;
         self.model.logits(i)
     }
+
+    fn copy_page(&mut self, from: u32, to: u32) -> Result<()> {
+        self.enter()?;
+        self.model.copy_page(from, to)
+    }
+
+    fn score(&mut self, stream: &mut GpuStream, tokens: &[u32], out: &mut [f32]) -> Result<()> {
+        self.enter()?;
+        self.model.score(stream, tokens, out)
+    }
 }

@@ -156,6 +156,35 @@ impl GpuModel {
         Ok(KvStream::new(GpuCache { table, on_device: Vec::new(), model_id: self.id }, window))
     }
 
+    /// Queues a copy of pool page `from`'s K and V into page `to`, every layer (copy on write): stream
+    /// order puts it before any later step's reads and writes.
+    pub fn copy_page(&self, from: u32, to: u32) -> Result<()> {
+        if from as usize >= self.pool_pages || to as usize >= self.pool_pages {
+            bail!(InvalidArgument, "pages {from} and {to}: the KV pool has {}", self.pool_pages);
+        }
+        let page = self.page.page_bytes();
+        let layer = self.pool_pages * page;
+        let pool = self.pool.ptr() as *mut u8;
+        for l in 0..self.cfg.layers {
+            let (src, dst) = (l * layer + from as usize * page, l * layer + to as usize * page);
+            cuda::check(
+                // SAFETY: both pages lie inside the pool allocation (ids checked above), distinct pages do
+                // not overlap, and the copy runs in stream order with every kernel that reads the pool.
+                unsafe {
+                    rt::cudaMemcpyAsync(
+                        pool.wrapping_add(dst) as *mut c_void,
+                        pool.wrapping_add(src) as *const c_void,
+                        page,
+                        rt::cudaMemcpyDeviceToDevice,
+                        self.stream.raw(),
+                    )
+                },
+                "cudaMemcpyAsync(KV page)",
+            )?;
+        }
+        Ok(())
+    }
+
     /// Queues the upload of the entries of `stream`'s page table that differ from the device copy.
     pub(super) fn sync_table(&self, stream: &mut GpuStream) -> Result<()> {
         let pages = &stream.pages;

@@ -3,6 +3,8 @@
 //! each stream alone.
 #![allow(dead_code)]
 
+pub mod shared;
+
 use hostembed::Status;
 use hostembed::checkpoint::write::MemSource;
 use hostembed::checkpoint::write::{Recipe, write_synthetic_gguf, write_synthetic_hf};

@@ -73,6 +73,8 @@ pub fn build_c_program(source: &Path, exe: &Path) {
         "-L".as_ref(),
         lib.as_os_str(),
         "-lhostembed".as_ref(),
+        // examples/perplexity.c's exp and sqrt.
+        "-lm".as_ref(),
         rpath.as_ref(),
     ]);
     compile(&c_compiler(), &args, &source.display().to_string());
