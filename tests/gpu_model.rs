@@ -338,6 +338,8 @@ fn step_items(
                 tokens,
                 sampling: Sampling::GREEDY,
                 next: Err(Error::new(Status::Panic, "not stepped")),
+                heads: 1,
+                drawn: Vec::new(),
             }
         })
         .collect();
@@ -522,6 +524,8 @@ fn an_item_without_pages_fails_alone_and_the_others_proceed() {
         tokens: &c,
         sampling: Sampling::GREEDY,
         next: Err(Error::new(Status::Panic, "not stepped")),
+        heads: 1,
+        drawn: Vec::new(),
     }];
     gpu.step_batch(&mut one).unwrap();
     let e = one[0].next.as_ref().unwrap_err();
