@@ -44,7 +44,12 @@ fn chat(user: &str) -> String {
 }
 
 /// Decodes `tokens` greedily after `prompt` on stream 0; (tokens, seconds of decoding, proposed, accepted).
-fn decode(e: &mut Engine, prompt: &[i32], tokens: usize, spec: Option<engine_speculation>) -> (Vec<i32>, f64, u64, u64) {
+fn decode(
+    e: &mut Engine,
+    prompt: &[i32],
+    tokens: usize,
+    spec: Option<engine_speculation>,
+) -> (Vec<i32>, f64, u64, u64) {
     e.reset(0).expect("stream 0");
     let s = spec.unwrap_or(hostembed::speculative::DEFAULT);
     e.set_speculation(0, &s).expect("the settings are valid");
@@ -123,7 +128,8 @@ fn main() {
         "prompt", "tokens", "plain tok/s", "lookup tok/s", "speed-up", "accepted", "same"
     );
     for (name, text) in &prompts {
-        let prompt: Vec<i32> = tok.encode(text, None).expect("the prompt tokenizes").iter().map(|&t| t as i32).collect();
+        let prompt: Vec<i32> =
+            tok.encode(text, None).expect("the prompt tokenizes").iter().map(|&t| t as i32).collect();
         let (mut plain_best, mut spec_best) = (f64::MAX, f64::MAX);
         let (mut same, mut pa) = (true, (0, 0));
         for _ in 0..runs {
