@@ -800,7 +800,7 @@ impl<B: Backend> Decoder for Streams<B> {
                 (Err(e), Err(_)) => Err(e.clone()),
                 (_, next) => next,
             };
-            if next.is_ok() {
+            if let Ok(plain) = next {
                 s.stream.tokens.extend_from_slice(s.tokens);
                 let n = proposed[i];
                 let proposals = &runs[i][runs[i].len() - n..];
@@ -811,7 +811,7 @@ impl<B: Backend> Decoder for Streams<B> {
                     self.backend.truncate(s.stream, len);
                     s.stream.tokens.truncate(len);
                 }
-                let own = if n > 0 { s.drawn[kept] } else { *next.as_ref().expect("checked") };
+                let own = if n > 0 { s.drawn[kept] } else { plain };
                 items[i].out = proposals[..kept].iter().copied().chain([own]).collect();
                 items[i].next = Ok(own);
                 if n > 0 {

@@ -111,7 +111,8 @@ fn batch(e: &Held, items: &[Item<'_>]) -> (Status, Vec<(Status, i32, Vec<i32>)>)
     (st, res)
 }
 
-/// `n` tokens after `prompt` on `stream`, `cap` the out room of each step (0: one token a step).
+/// The tokens after `prompt` on `stream` until at least `n`, `cap` the out room of each step (0: one
+/// token a step); the stream holds all but the last.
 fn generate(e: &Held, stream: u32, prompt: &[i32], n: usize, cap: usize) -> Vec<i32> {
     let mut got = Vec::new();
     let mut input = prompt.to_vec();
@@ -123,7 +124,6 @@ fn generate(e: &Held, stream: u32, prompt: &[i32], n: usize, cap: usize) -> Vec<
         got.extend_from_slice(out);
         input = vec![*next];
     }
-    got.truncate(n);
     got
 }
 
@@ -162,9 +162,10 @@ fn greedy_lookup_gives_the_tokens_and_logits_of_plain_steps() {
             let prompt = if p % 3 == 2 { rng.ids(cfg.vocab, 5) } else { repeating_prompt(&mut rng, cfg.vocab) };
             let want = generate(&plain, 0, &prompt, 128, 0);
             let got = generate(&spec, 0, &prompt, 128, max as usize + 1 + p % 2);
-            assert_eq!(got, want, "{arch:?} prompt {p} with max_tokens {max}");
+            assert_eq!(got[..128], want[..], "{arch:?} prompt {p} with max_tokens {max}");
             // The logits kept are those after the stream's last position, as a plain step leaves them.
             let len = stream_len(&spec, 0);
+            assert_eq!(len as usize, prompt.len() + got.len() - 1);
             let mut input = prompt.clone();
             input.extend_from_slice(&got);
             reset(&plain, 1);
@@ -200,7 +201,7 @@ fn smollm2_greedy_lookup_is_token_for_token() {
         let prompt = common::tokenize(&spec, text);
         let want = generate(&plain, 0, &prompt, 40, 0);
         let got = generate(&spec, 0, &prompt, 40, 9);
-        assert_eq!(got, want, "{text:?}");
+        assert_eq!(got[..40], want[..], "{text:?}");
         reset(&spec, 0);
         reset(&plain, 0);
     }
@@ -226,7 +227,7 @@ fn random_batches_mixing_speculative_and_plain_items_match_stepping_alone() {
         // Each stream's tokens (prompt and produced) and what its next input is.
         let mut history: Vec<Vec<i32>> = vec![Vec::new(); STREAMS];
         let mut input: Vec<Vec<i32>> = vec![Vec::new(); STREAMS];
-        let mut caps = vec![0usize; STREAMS];
+        let mut caps = [0usize; STREAMS];
         let mut prompts: Vec<Vec<i32>> = Vec::new();
         for s in 0..STREAMS {
             let max = 1 + rng.below(8) as u32;
