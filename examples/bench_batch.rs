@@ -110,6 +110,8 @@ fn step(
             sampling: Sampling::GREEDY,
             mask: None,
             next: Err(Error::new(Status::Panic, "not stepped")),
+            heads: 1,
+            drawn: Vec::new(),
         })
         .collect();
     gpu.step_batch(&mut items).unwrap_or_else(|e| panic!("step_batch: {e}"));

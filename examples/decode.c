@@ -4,13 +4,17 @@
  * optional --system message) put in the model's own chat template.
  *
  *   decode MODEL [-p PROMPT] [-n TOKENS] [--context N] [--temp T] [--seed S] [--room BYTES]
- *          [--backend cpu|cuda|auto] [--kv TYPE[,VTYPE]] [--chat [--system TEXT]]
+ *          [--backend cpu|cuda|auto] [--kv TYPE[,VTYPE]] [--chat [--system TEXT]] [--lookup]
  *          [--json-schema FILE | --regex RE]
  *
  * --kv keeps the KV cache in TYPE (default, bf16, f16, f32, q8_0, fp8_e4m3), K and V alike, or K in
  * TYPE and V in VTYPE: an 8-bit cache halves every stream, so a longer window fits.
  * --json-schema holds the output to one JSON value the schema in FILE accepts, --regex to text the
  * regular expression RE matches whole (engine_set_constraint).
+ *
+ * --lookup decodes with prompt lookup (ENGINE_DRAFT_NGRAM): each step proposes the tokens that followed
+ * the text's last few tokens where they occurred before, the model checks them all in one step, and
+ * the output is the same; the end line reports how many proposals were accepted.
  */
 #define _POSIX_C_SOURCE 200809L
 #include "hostembed.h"
@@ -23,7 +27,7 @@
 static void usage(const char *program) {
     fprintf(stderr,
             "usage: %s MODEL [-p PROMPT] [-n TOKENS] [--context N] [--temp T] [--seed S] [--room BYTES]\n"
-            "       [--backend cpu|cuda|auto] [--kv TYPE[,VTYPE]] [--chat [--system TEXT]]\n"
+            "       [--backend cpu|cuda|auto] [--kv TYPE[,VTYPE]] [--chat [--system TEXT]] [--lookup]\n"
             "       [--json-schema FILE | --regex RE]\n"
             "TYPE is default, bf16, f16, f32, q8_0 or fp8_e4m3 (the KV cache; VTYPE for V apart).\n"
             "--json-schema / --regex hold the output to the JSON schema in FILE / to the regular expression RE.\n"
@@ -160,7 +164,7 @@ int main(int argc, char **argv) {
     const char *prompt = "hostembed moves the embedding rows into host memory, and";
     const char *system_message = NULL;
     const char *schema_path = NULL, *regex = NULL;
-    int chat = 0;
+    int chat = 0, lookup = 0;
     unsigned long long max_tokens = 32, context = 0, seed = 0, room = 0;
     double temperature = 0.0;
     engine_options opts = engine_default_options();
@@ -178,6 +182,10 @@ int main(int argc, char **argv) {
         }
         if (strcmp(arg, "--chat") == 0) {
             chat = 1;
+            continue;
+        }
+        if (strcmp(arg, "--lookup") == 0) {
+            lookup = 1;
             continue;
         }
         if (takes_value && value == NULL) {
@@ -372,41 +380,83 @@ int main(int argc, char **argv) {
         goto done;
     }
 
-    /* Each sampled token is printed, then fed back, until an end-of-generation token (eos, end of turn),
-     * -n tokens, or the window is full. */
-    unsigned long long generated = 0, steps = 0;
+    engine_speculation spec = engine_default_speculation();
+    if (lookup) {
+        spec.draft = ENGINE_DRAFT_NGRAM;
+        s = engine_set_speculation(e, 0, &spec);
+        if (s != ENGINE_STATUS_OK) {
+            printf("\n");
+            fail("engine_set_speculation", s);
+            goto done;
+        }
+    }
+
+    /* Each step's tokens are printed, and its last fed back, until an end-of-generation token (eos, end
+     * of turn), -n tokens, or the window is full. With --lookup a step may produce several tokens: the
+     * proposals the model accepted, then its own. */
+    int32_t out[ENGINE_SPECULATION_MAX_TOKENS + 1];
+    int32_t produced[ENGINE_SPECULATION_MAX_TOKENS + 1];
+    size_t n_produced = 1;
+    produced[0] = next;
+    unsigned long long generated = 0, steps = 0, decoded = 0;
     unsigned long long position = n;
     const char *stop = "token limit";
     start = seconds_now();
     for (;;) {
-        if (engine_is_eog(e, next)) {
-            stop = "end of text";
-            break;
+        int finished = 0;
+        for (size_t k = 0; k < n_produced && !finished; k++) {
+            if (engine_is_eog(e, produced[k])) {
+                stop = "end of text";
+                finished = 1;
+                break;
+            }
+            if (print_piece(e, produced[k]) != 0) goto done;
+            generated++;
+            finished = generated >= max_tokens;
         }
-        if (print_piece(e, next) != 0) goto done;
-        generated++;
-        if (generated >= max_tokens) break;
+        if (finished) break;
         if (position >= (unsigned long long)info.window) {
             stop = "window full";
             break;
         }
         int32_t token = next;
-        s = engine_step(e, 0, &token, 1, &next);
+        engine_batch_item item = {.stream = 0, .tokens = &token, .n = 1};
+        if (lookup) {
+            item.out = out;
+            item.out_cap = (size_t)spec.max_tokens + 1;
+        }
+        s = engine_step_batch(e, &item, 1);
+        if (s == ENGINE_STATUS_OK) s = item.status;
         if (s != ENGINE_STATUS_OK) {
             printf("\n");
-            fail("engine_step", s);
+            fail("engine_step_batch", s);
             goto done;
         }
         steps++;
-        position++;
+        decoded += item.n_out;
+        position += item.n_out;
+        next = item.next;
+        n_produced = lookup ? item.n_out : 1;
+        if (lookup) {
+            memcpy(produced, out, item.n_out * sizeof *out);
+        } else {
+            produced[0] = next;
+        }
     }
     double decode_seconds = seconds_now() - start;
 
     printf("\n\n[%s after %llu tokens]\n", stop, generated);
     printf("prompt: %zu tokens in %.2f ms, %.1f tok/s\n", n, prompt_seconds * 1e3,
            prompt_seconds > 0 ? (double)n / prompt_seconds : 0.0);
-    printf("decode: %llu tokens in %.2f ms, %.1f tok/s\n", steps, decode_seconds * 1e3,
-           decode_seconds > 0 && steps > 0 ? (double)steps / decode_seconds : 0.0);
+    printf("decode: %llu tokens in %llu steps, %.2f ms, %.1f tok/s\n", decoded, steps, decode_seconds * 1e3,
+           decode_seconds > 0 && decoded > 0 ? (double)decoded / decode_seconds : 0.0);
+    if (lookup) {
+        uint64_t proposed = 0, accepted = 0;
+        if (engine_speculation_stats(e, 0, &proposed, &accepted) == ENGINE_STATUS_OK) {
+            printf("lookup: %llu of %llu proposed tokens accepted (%.0f%%)\n", (unsigned long long)accepted,
+                   (unsigned long long)proposed, proposed > 0 ? 100.0 * (double)accepted / (double)proposed : 0.0);
+        }
+    }
     rc = 0;
 
 done:

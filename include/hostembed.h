@@ -20,6 +20,9 @@
 // The default reserve for the load's other buffers (kernel modules, the kit): about 85 MB measured.
 #define ENGINE_FIT_DEFAULT_RESERVE_BYTES (256 << 20)
 
+// The most tokens a stream may propose a step.
+#define ENGINE_SPECULATION_MAX_TOKENS 32
+
 // `engine_tokenize`'s `add_bos`: no BOS (C's `false`).
 #define ENGINE_BOS_NO 0
 
@@ -125,6 +128,17 @@ typedef enum engine_dtype {
   // GGUF Q6_K: super-blocks of 256 values, 8-bit sub-block scales, 6-bit quants (210 bytes).
   ENGINE_DTYPE_Q6_K = 12,
 } engine_dtype;
+
+// Where a stream's speculative proposals come from.
+typedef enum engine_draft {
+  // No speculation: a step produces one token.
+  ENGINE_DRAFT_NONE = 0,
+  // Prompt lookup: the stream's last n tokens matched in its own history, the tokens that followed
+  // them proposed.
+  ENGINE_DRAFT_NGRAM = 1,
+  // A drafter model (`engine_options.draft_model`).
+  ENGINE_DRAFT_MODEL = 2,
+} engine_draft;
 
 // What `engine_set_constraint` holds a stream's output to.
 typedef enum engine_constraint {
@@ -288,6 +302,9 @@ typedef struct engine_options {
   // or kept from a reset or truncated one) takes those pages instead of computing them; pages no
   // stream holds are kept until a step needs their room. AUTO = on. See `engine_kv_usage`.
   enum engine_tristate prefix_cache;
+  // A drafter checkpoint sharing the target's vocabulary, for `ENGINE_DRAFT_MODEL`; NULL: none. This
+  // version loads no drafter: a path is refused with UNSUPPORTED.
+  const char *draft_model;
 } engine_options;
 
 // Where a caller's kernels can find the rows, in whatever placement they live.
@@ -329,7 +346,27 @@ typedef struct engine_batch_item {
   int32_t next;
   // Out: this item's status; a failed item appends nothing.
   enum engine_status status;
+  // Room for every token the step produces for this stream (with speculation, the accepted proposals
+  // and then the target's own token). NULL or `out_cap` 0: the item steps one token, as without it;
+  // else `out_cap` must hold the stream's `max_tokens` + 1.
+  int32_t *out;
+  size_t out_cap;
+  // Out: tokens written to `out`, the last equal to `next` (1 without speculation; 0 when failed).
+  size_t n_out;
 } engine_batch_item;
+
+// A stream's speculative decoding settings (`engine_set_speculation`); `engine_default_speculation()`
+// is off. Proposals are verified in one forward of the target; greedy and sampled output are the
+// tokens the stream would produce without speculation.
+typedef struct engine_speculation {
+  enum engine_draft draft;
+  // Most tokens proposed a step (1..=ENGINE_SPECULATION_MAX_TOKENS when drafting).
+  uint32_t max_tokens;
+  // NGRAM: the lengths of the stream's last tokens matched against its history, the longest first
+  // (1 <= ngram_min <= ngram_max).
+  uint32_t ngram_min;
+  uint32_t ngram_max;
+} engine_speculation;
 
 // How one stream picks its next token; `engine_default_sampling()` is greedy with no penalty.
 // A stream starts with the engine options' settings; `engine_set_sampling` changes them.
@@ -502,11 +539,39 @@ enum engine_status engine_step(struct engine *e,
 // does not exist or an id outside the vocabulary, NO_ROOM past the window (checked before its tokens
 // are read) or when the KV pool has no free page for it, INVALID_ARGUMENT for `n` 0. The call returns
 // INVALID_ARGUMENT, stepping nothing, only when it is malformed: `e` NULL, `items` NULL with
-// `n_items` > 0, an item's `tokens` NULL with `n` > 0, a stream named twice; otherwise OK (or the
+// `n_items` > 0, an item's `tokens` NULL with `n` > 0, a stream named twice, an item's `out` given
+// with `out_cap` below its stream's `max_tokens` + 1 while the stream speculates; otherwise OK (or the
 // device's failure). A stream's tokens and logits are the same whether it steps alone or in a batch.
+//
+// Speculation (`engine_set_speculation`): an item with `out` and `out_cap` given may produce several
+// tokens: its stream's proposals are verified in the same forward as the batch's other items, and
+// `out` receives the accepted ones and then the target's own token (`n_out` of them, the last equal to
+// `next`); the stream holds the item's tokens and the accepted proposals. The tokens are those stepping
+// one token at a time would produce; `engine_logits` gives the logits after the last position kept.
 enum engine_status engine_step_batch(struct engine *e,
                                      struct engine_batch_item *items,
                                      size_t n_items);
+
+// Speculation off (`ENGINE_DRAFT_NONE`), with the settings prompt lookup starts from when `draft` is
+// set: max_tokens 8, ngram_min 2, ngram_max 4.
+struct engine_speculation engine_default_speculation(void);
+
+// Sets stream `stream`'s speculative decoding from its next step on, and starts its counts again.
+// A step proposes only for an item given `out` (see `engine_step_batch`). INVALID_ARGUMENT for NULL,
+// a `draft` that names no `engine_draft`, `max_tokens` outside 1..=ENGINE_SPECULATION_MAX_TOKENS or
+// NGRAM lengths with `ngram_min` 0 or above `ngram_max` (while `draft` is not NONE); UNSUPPORTED for
+// `ENGINE_DRAFT_MODEL` (this version loads no drafter); OUT_OF_RANGE for a stream the engine does not
+// have.
+enum engine_status engine_set_speculation(struct engine *e,
+                                          uint32_t stream,
+                                          const struct engine_speculation *s);
+
+// Tokens stream `stream` proposed and tokens verification accepted since its speculation was last set
+// (either pointer may be NULL). OUT_OF_RANGE for a stream the engine does not have.
+enum engine_status engine_speculation_stats(const struct engine *e,
+                                            uint32_t stream,
+                                            uint64_t *proposed,
+                                            uint64_t *accepted);
 
 // Greedy sampling with no cut and no penalty (temperature 0, top_k 0, top_p 1, min_p 0,
 // repeat_penalty 1, repeat_last_n 64, seed 0).

@@ -343,6 +343,9 @@ pub struct engine_options {
     /// or kept from a reset or truncated one) takes those pages instead of computing them; pages no
     /// stream holds are kept until a step needs their room. AUTO = on. See `engine_kv_usage`.
     pub prefix_cache: engine_tristate,
+    /// A drafter checkpoint sharing the target's vocabulary, for `ENGINE_DRAFT_MODEL`; NULL: none. This
+    /// version loads no drafter: a path is refused with UNSUPPORTED.
+    pub draft_model: *const c_char,
 }
 
 /// How one stream picks its next token; `engine_default_sampling()` is greedy with no penalty.
@@ -398,7 +401,47 @@ pub struct engine_batch_item {
     pub next: i32,
     /// Out: this item's status; a failed item appends nothing.
     pub status: engine_status,
+    /// Room for every token the step produces for this stream (with speculation, the accepted proposals
+    /// and then the target's own token). NULL or `out_cap` 0: the item steps one token, as without it;
+    /// else `out_cap` must hold the stream's `max_tokens` + 1.
+    pub out: *mut i32,
+    pub out_cap: usize,
+    /// Out: tokens written to `out`, the last equal to `next` (1 without speculation; 0 when failed).
+    pub n_out: usize,
 }
+
+/// Where a stream's speculative proposals come from.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum engine_draft {
+    /// No speculation: a step produces one token.
+    None = 0,
+    /// Prompt lookup: the stream's last n tokens matched in its own history, the tokens that followed
+    /// them proposed.
+    Ngram = 1,
+    /// A drafter model (`engine_options.draft_model`).
+    Model = 2,
+}
+
+from_raw!(engine_draft(u32): None, Ngram, Model);
+
+/// A stream's speculative decoding settings (`engine_set_speculation`); `engine_default_speculation()`
+/// is off. Proposals are verified in one forward of the target; greedy and sampled output are the
+/// tokens the stream would produce without speculation.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct engine_speculation {
+    pub draft: engine_draft,
+    /// Most tokens proposed a step (1..=ENGINE_SPECULATION_MAX_TOKENS when drafting).
+    pub max_tokens: u32,
+    /// NGRAM: the lengths of the stream's last tokens matched against its history, the longest first
+    /// (1 <= ngram_min <= ngram_max).
+    pub ngram_min: u32,
+    pub ngram_max: u32,
+}
+
+/// The most tokens a stream may propose a step.
+pub const ENGINE_SPECULATION_MAX_TOKENS: u32 = 32;
 
 /// What a caller needs to drive the engine.
 #[repr(C)]

@@ -26,9 +26,10 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use crate::abi::engine_kv_usage;
+use crate::abi::{engine_kv_usage, engine_speculation};
 use crate::constraint::{Constraint, PendingMask};
 use crate::sampler::{self, Sampling};
+use crate::speculative::{self, SpecState};
 use crate::status::{Error, Result, Status};
 use crate::{bail, err};
 
@@ -394,6 +395,18 @@ pub struct StepItem<'a, C> {
     pub mask: Option<&'a PendingMask>,
     /// Out: the token the sampler picks after `tokens`; an Err item appended nothing.
     pub next: Result<u32>,
+    /// Positions at the end of `tokens` whose next token is drawn (1..=tokens.len(); 1 for a plain step,
+    /// more to verify proposals): each draws as a step ending there would.
+    pub heads: usize,
+    /// Out: the token drawn after each of those positions, in order (the last is `next`).
+    pub drawn: Vec<u32>,
+}
+
+impl<'a, C> StepItem<'a, C> {
+    /// A plain step of `tokens`: one token drawn after the last.
+    pub fn new(stream: &'a mut KvStream<C>, index: u32, tokens: &'a [u32], sampling: Sampling) -> StepItem<'a, C> {
+        StepItem { stream, index, tokens, sampling, mask: None, next: Err(not_run()), heads: 1, drawn: Vec::new() }
+    }
 }
 
 impl<C> StepItem<'_, C> {
@@ -425,14 +438,21 @@ pub trait Backend: Send {
     /// An empty stream with room for `window` tokens; it takes no KV memory (its pages come from the pool).
     fn new_stream(&self, window: usize) -> Result<KvStream<Self::Cache>>;
 
-    /// Appends each item's tokens to its stream (each stream appears once) and sets its `next`. The
-    /// pages every item's new positions need are already in its stream's `pages`. An item refused here is
-    /// left as it was (its `len` unchanged); the others proceed. Err only when the device failed.
+    /// Appends each item's tokens to its stream (each stream appears once) and sets its `drawn` (the
+    /// token drawn after each of its last `heads` positions) and `next` (the last of them). The pages
+    /// every item's new positions need are already in its stream's `pages`. An item refused here is left
+    /// as it was (its `len` unchanged); the others proceed. Err only when the device failed.
     fn step_batch(&mut self, items: &mut [StepItem<'_, Self::Cache>]) -> Result<()>;
 
-    /// The logits after the last position of item `i` of the last `step_batch` (a stepped item), or of
-    /// the last `score` (item 0).
-    fn logits(&self, i: usize) -> Result<Vec<f32>>;
+    /// The logits after head position `head` (0..heads) of item `i` of the last `step_batch` (a stepped
+    /// item), or after the last position of the last `score` (item 0, head 0).
+    fn logits(&self, i: usize, head: usize) -> Result<Vec<f32>>;
+
+    /// The most tokens an item may run with `heads` > 1 and have every head's logits the bits of stepping
+    /// its positions one at a time (speculation runs no longer verifications).
+    fn verify_tokens(&self) -> usize {
+        usize::MAX
+    }
 
     /// Cuts `stream` to its first `len` positions (`len` <= its length); the backend drops whatever it
     /// keeps for the positions cut. `Streams` then gives back the pages past `len`.
@@ -457,11 +477,16 @@ pub struct BatchStep<'a> {
     pub stream: u32,
     pub tokens: &'a [u32],
     pub next: Result<u32>,
+    /// Tokens the step may produce for this stream: 1 steps one token; more lets the stream's
+    /// speculation propose up to this many less one.
+    pub most: usize,
+    /// Out: every token the step produced (accepted proposals, then `next`).
+    pub out: Vec<u32>,
 }
 
 impl<'a> BatchStep<'a> {
     pub fn new(stream: u32, tokens: &'a [u32]) -> BatchStep<'a> {
-        BatchStep { stream, tokens, next: Err(not_run()) }
+        BatchStep { stream, tokens, next: Err(not_run()), most: 1, out: Vec::new() }
     }
 }
 
@@ -501,6 +526,11 @@ pub trait Decoder: Send {
     fn kv_usage(&self) -> engine_kv_usage;
     /// The pool pages a stream holds, in position order (for tests).
     fn stream_pages(&self, stream: u32) -> Result<Vec<u32>>;
+    /// A stream's speculation settings from its next step on (checked by the caller).
+    fn set_speculation(&mut self, stream: u32, s: engine_speculation) -> Result<()>;
+    fn speculation(&self, stream: u32) -> Result<engine_speculation>;
+    /// (tokens proposed, tokens accepted) on a stream since its speculation was last set.
+    fn speculation_stats(&self, stream: u32) -> Result<(u64, u64)>;
     /// Checks the pool's counts against every stream's pages (for tests): INVALID_ARGUMENT saying what
     /// disagrees.
     fn audit(&self) -> Result<()>;
@@ -526,8 +556,10 @@ pub struct Streams<B: Backend> {
     /// Each stream's constraint, which truncate and reset roll back with it.
     constraints: Vec<Option<Constraint>>,
     pool: PagePool,
-    /// The streams whose logits the backend holds, with their item index in its last batch.
-    last: Vec<(u32, usize)>,
+    /// The streams whose logits the backend holds, with their item index in its last batch and the head
+    /// position of their last kept token.
+    last: Vec<(u32, usize, usize)>,
+    spec: Vec<SpecState>,
 }
 
 impl<B: Backend> Streams<B> {
@@ -550,7 +582,8 @@ impl<B: Backend> Streams<B> {
             .map_err(|_| err!(NoRoom, "the host has no room for a table of {count} streams"))?;
         constraints.resize_with(count, || None);
         let pool = PagePool::new(B::PAGE_TOKENS, pages)?;
-        Ok(Streams { backend, window, slots, sampling: settings, constraints, pool, last: Vec::new() })
+        let spec = vec![SpecState::new(speculative::DEFAULT); count];
+        Ok(Streams { backend, window, slots, sampling: settings, constraints, pool, last: Vec::new(), spec })
     }
 
     /// The same streams with the prefix cache on or off (off unless told).
@@ -577,8 +610,9 @@ impl<B: Backend> Streams<B> {
     /// to compute its last position again): the stream exists, holds the pages its new positions need,
     /// the page of its first new position is its own (copied when another stream holds it, out of the
     /// prefix cache otherwise), and with `reuse` the prefix cache's pages stand for the item's first
-    /// whole pages (their tokens appended). NO_ROOM past the window or the pool, with nothing changed.
-    fn admit(&mut self, stream: u32, start: Option<usize>, tokens: &[u32], reuse: bool) -> Result<Admission> {
+    /// whole pages among its first `reuse` tokens (their tokens appended). NO_ROOM past the window or the
+    /// pool, with nothing changed.
+    fn admit(&mut self, stream: u32, start: Option<usize>, tokens: &[u32], reuse: usize) -> Result<Admission> {
         let slot = self.slot(stream, "")?;
         let n = tokens.len();
         if n == 0 {
@@ -603,9 +637,9 @@ impl<B: Backend> Streams<B> {
         // The cache's pages for the item's next whole pages, leaving its last token to compute.
         let mut matched: Vec<(u64, u32)> = Vec::new();
         let whole = start / page;
-        if reuse && start.is_multiple_of(page) && s.pages.len() == whole && s.keys.len() == whole {
+        if reuse > 0 && start.is_multiple_of(page) && s.pages.len() == whole && s.keys.len() == whole {
             let mut parent = s.keys.last().copied().unwrap_or(ROOT);
-            while (matched.len() + 1) * page < n {
+            while (matched.len() + 1) * page < reuse.min(n) {
                 let at = matched.len() * page;
                 let Some((node, p)) = self.pool.lookup(parent, &tokens[at..at + page]) else { break };
                 matched.push((node, p));
@@ -709,7 +743,28 @@ impl<B: Backend> Streams<B> {
     }
 
     fn forget_logits(&mut self, stream: u32) {
-        self.last.retain(|&(s, _)| s != stream);
+        self.last.retain(|&(s, _, _)| s != stream);
+    }
+
+    /// The tokens stream `stream` proposes after `tokens` for an item that may produce `most` tokens:
+    /// none unless its speculation is on, and never past its window or the backend's verification.
+    fn propose(&mut self, stream: u32, tokens: &[u32], most: usize) -> Vec<u32> {
+        let Ok(slot) = self.slot(stream, "") else { return Vec::new() };
+        let len = self.slots[slot].as_ref().map_or(0, |s| s.len);
+        let room = self.window.saturating_sub(len + tokens.len());
+        let fits = self.backend.verify_tokens().saturating_sub(tokens.len());
+        let bound = most.saturating_sub(1).min(room).min(fits);
+        if bound == 0 || tokens.is_empty() {
+            return Vec::new();
+        }
+        let k = self.spec[slot].budget().min(bound);
+        if k == 0 {
+            return Vec::new();
+        }
+        let set = self.spec[slot].settings;
+        let mut history = self.slots[slot].as_ref().map_or(Vec::new(), |s| s.tokens.clone());
+        history.extend_from_slice(tokens);
+        speculative::lookup(&history, set.ngram_min as usize, set.ngram_max as usize, k)
     }
 }
 
@@ -727,21 +782,39 @@ impl<B: Backend> Decoder for Streams<B> {
         if let Some(twice) = items.iter().find(|i| !named.insert(i.stream)) {
             bail!(InvalidArgument, "stream {} is named twice in one batch", twice.stream);
         }
+        // Each item's run: its tokens, then what its stream proposes after them (a constrained stream
+        // proposes nothing: its mask is computed for one draw).
+        let mut runs: Vec<Vec<u32>> = Vec::with_capacity(items.len());
+        let mut proposed = vec![0usize; items.len()];
         // Which items run, in the caller's order; the others have their status already. A constrained
         // stream's tokens go through its constraint first: one it refuses fails the item.
         let mut run = Vec::with_capacity(items.len());
         for (i, item) in items.iter_mut().enumerate() {
-            let admitted = match self.admit(item.stream, None, item.tokens, true) {
+            item.out.clear();
+            let constrained = self.constraints.get(item.stream as usize).is_some_and(Option::is_some);
+            let proposals = if constrained { Vec::new() } else { self.propose(item.stream, item.tokens, item.most) };
+            let mut tokens = item.tokens.to_vec();
+            tokens.extend_from_slice(&proposals);
+            // The cache may stand for the item's own tokens only: every proposal needs its logits.
+            let mut admitted = self.admit(item.stream, None, &tokens, item.tokens.len());
+            if admitted.as_ref().is_err_and(|e| e.status == Status::NoRoom) && !proposals.is_empty() {
+                // No room for the proposals: the item steps as without them.
+                tokens.truncate(item.tokens.len());
+                admitted = self.admit(item.stream, None, &tokens, item.tokens.len());
+            }
+            proposed[i] = tokens.len() - item.tokens.len();
+            runs.push(tokens);
+            let a = match admitted {
                 Ok(a) => a,
                 Err(e) => {
                     item.next = Err(e);
                     continue;
                 }
             };
-            match self.feed_constraint(item.stream as usize, admitted.len, item.tokens) {
-                Ok(()) => run.push((i, admitted)),
+            match self.feed_constraint(a.slot, a.len, item.tokens) {
+                Ok(()) => run.push((i, a)),
                 Err(e) => {
-                    self.restore(&admitted);
+                    self.restore(&a);
                     item.next = Err(e);
                 }
             }
@@ -764,6 +837,7 @@ impl<B: Backend> Decoder for Streams<B> {
             .filter_map(|((i, _), m)| Some((constrained[items[*i].stream as usize].take()?, m.as_ref()?)))
             .collect();
         let mut last = Vec::new();
+        let mut verified = Vec::new();
         let ran = std::thread::scope(|scope| {
             if !work.is_empty() {
                 scope.spawn(move || {
@@ -777,19 +851,21 @@ impl<B: Backend> Decoder for Streams<B> {
                 .zip(&masks)
                 .map(|((i, a), mask)| {
                     let stream = items[*i].stream;
-                    StepItem {
-                        stream: by_slot[stream as usize].take().expect("admitted, and named once"),
-                        index: stream,
-                        tokens: &items[*i].tokens[a.skip..],
-                        sampling: sampling[stream as usize],
-                        mask: mask.as_ref(),
-                        next: Err(not_run()),
-                    }
+                    let mut item = StepItem::new(
+                        by_slot[stream as usize].take().expect("admitted, and named once"),
+                        stream,
+                        &runs[*i][a.skip..],
+                        sampling[stream as usize],
+                    );
+                    item.heads = proposed[*i] + 1;
+                    item.mask = mask.as_ref();
+                    item
                 })
                 .collect();
             let lens: Vec<usize> = step.iter().map(|s| s.stream.len).collect();
             let ran = backend.step_batch(&mut step);
             for (k, s) in step.iter_mut().enumerate() {
+                let i = run[k].0;
                 let next = std::mem::replace(&mut s.next, Err(not_run()));
                 let next = match (&ran, next) {
                     (Err(e), Err(_)) => Err(e.clone()),
@@ -803,18 +879,38 @@ impl<B: Backend> Decoder for Streams<B> {
                     }
                     (next, _) => next,
                 };
-                if next.is_ok() {
-                    s.stream.tokens.extend_from_slice(s.tokens);
-                    last.push((s.index, k));
+                let Ok(plain) = next else {
+                    items[i].next = next;
+                    continue;
+                };
+                s.stream.tokens.extend_from_slice(s.tokens);
+                let n = proposed[i];
+                let proposals = &runs[i][runs[i].len() - n..];
+                let kept = if n > 0 { speculative::accepted(proposals, &s.drawn) } else { 0 };
+                if kept < n {
+                    // The rejected positions leave the stream; `trim_pages` below gives back their pages.
+                    let len = s.stream.len - (n - kept);
+                    backend.truncate(s.stream, len);
+                    s.stream.tokens.truncate(len);
                 }
-                items[run[k].0].next = next;
+                let own = if n > 0 { s.drawn[kept] } else { plain };
+                items[i].out = proposals[..kept].iter().copied().chain([own]).collect();
+                items[i].next = Ok(own);
+                if n > 0 {
+                    verified.push((s.index as usize, n, kept));
+                }
+                last.push((s.index, k, if n > 0 { kept } else { 0 }));
             }
             ran
         });
+        for (stream, n, kept) in verified {
+            self.spec[stream].record(n, kept);
+        }
         for (i, a) in &run {
             if items[*i].next.is_err() {
                 self.restore(a);
             } else {
+                self.trim_pages(a.slot);
                 self.enter_pages(a.slot);
             }
             let len = self.slots[a.slot].as_ref().map_or(0, |s| s.len);
@@ -827,8 +923,8 @@ impl<B: Backend> Decoder for Streams<B> {
     }
 
     fn logits(&self, stream: u32) -> Result<Vec<f32>> {
-        if let Some(&(_, i)) = self.last.iter().find(|&&(s, _)| s == stream) {
-            return self.backend.logits(i);
+        if let Some(&(_, i, head)) = self.last.iter().find(|&&(s, _, _)| s == stream) {
+            return self.backend.logits(i, head);
         }
         self.slot(stream, "")?;
         Err(err!(InvalidArgument, "no logits for stream {stream}: it was not stepped by the last batch"))
@@ -905,8 +1001,8 @@ impl<B: Backend> Decoder for Streams<B> {
             bail!(NoRoom, "stream {stream}: {n} tokens after {len} do not fit the stream's window of {}", self.window);
         }
         // The first token's distribution: the stream's kept logits, or its last position computed again.
-        let kept = match self.last.iter().find(|&&(s, _)| s == stream) {
-            Some(&(_, i)) if len > 0 => self.backend.logits(i).ok(),
+        let kept = match self.last.iter().find(|&&(s, _, _)| s == stream) {
+            Some(&(_, i, head)) if len > 0 => self.backend.logits(i, head).ok(),
             _ => None,
         };
         let run: Vec<u32> = match (len, &kept) {
@@ -917,7 +1013,7 @@ impl<B: Backend> Decoder for Streams<B> {
             }
         };
         let start = len + n - run.len();
-        let a = self.admit(stream, Some(start), &run, false)?;
+        let a = self.admit(stream, Some(start), &run, 0)?;
         // The tokens go through the stream's constraint as a step's would (one it refuses fails the call).
         if let Err(e) = self.feed_constraint(slot, len, tokens) {
             self.restore(&a);
@@ -935,7 +1031,7 @@ impl<B: Backend> Decoder for Streams<B> {
             return Err(e);
         }
         s.tokens.extend_from_slice(&run);
-        self.last = vec![(stream, 0)];
+        self.last = vec![(stream, 0, 0)];
         self.enter_pages(slot);
         if let Some(c) = self.constraints[slot].as_mut() {
             c.stepped(len + n);
@@ -994,6 +1090,21 @@ impl<B: Backend> Decoder for Streams<B> {
     fn stream_pages(&self, stream: u32) -> Result<Vec<u32>> {
         let slot = self.slot(stream, "")?;
         Ok(self.slots[slot].as_ref().map_or(Vec::new(), |s| s.pages.clone()))
+    }
+
+    fn set_speculation(&mut self, stream: u32, s: engine_speculation) -> Result<()> {
+        let slot = self.slot(stream, "")?;
+        self.spec[slot] = SpecState::new(s);
+        Ok(())
+    }
+
+    fn speculation(&self, stream: u32) -> Result<engine_speculation> {
+        Ok(self.spec[self.slot(stream, "")?].settings)
+    }
+
+    fn speculation_stats(&self, stream: u32) -> Result<(u64, u64)> {
+        let s = &self.spec[self.slot(stream, "")?];
+        Ok((s.proposed, s.accepted))
     }
 
     fn audit(&self) -> Result<()> {

@@ -23,6 +23,7 @@ use std::sync::Arc;
 use crate::backend::{Backend, KvStream, StepItem};
 use crate::kv::{KvType, KvTypes};
 use crate::model::{Arch, LayerWeights, ModelConfig, ModelWeights, TensorRef, TensorSource};
+use crate::sampler;
 use crate::status::Result;
 use crate::{bail, err};
 
@@ -496,7 +497,21 @@ impl<'a> CpuModel<'a> {
     /// streams share each pass through the weights, and prompts fill the rest of a pass; every logit is
     /// the one the stream gets stepped alone, bit for bit.
     pub fn forward_batch(&self, kv: &mut KvPages, items: &mut [(&mut CpuStream, &[u32])]) -> Vec<Result<Vec<f32>>> {
-        let mut out: Vec<Result<Vec<f32>>> =
+        let heads = vec![1; items.len()];
+        let outs = self.forward_batch_heads(kv, items, &heads);
+        outs.into_iter().map(|o| o.map(|mut rows| rows.pop().unwrap_or_default())).collect()
+    }
+
+    /// `forward_batch` returning the logits after each of item i's last `heads[i]` tokens (at least 1,
+    /// at most its token count), in order: speculation's verification.
+    pub fn forward_batch_heads(
+        &self,
+        kv: &mut KvPages,
+        items: &mut [(&mut CpuStream, &[u32])],
+        heads: &[usize],
+    ) -> Vec<Result<Vec<Vec<f32>>>> {
+        assert_eq!(heads.len(), items.len(), "one head count an item");
+        let mut out: Vec<Result<Vec<Vec<f32>>>> =
             items.iter().map(|(stream, tokens)| self.check_tokens(kv, stream, tokens).map(|()| Vec::new())).collect();
         let total: usize = items.iter().zip(&out).filter(|(_, o)| o.is_ok()).map(|((_, t), _)| t.len()).sum();
         if total == 0 {
@@ -537,16 +552,18 @@ impl<'a> CpuModel<'a> {
                 }
                 self.advance(kv, &segments, &mut s);
                 drop(segments);
-                // The logits of the items whose last token ran in this pass.
-                let finishing: Vec<(usize, usize)> = taken
-                    .iter()
-                    .scan(0, |row, &(i, take)| {
-                        *row += take;
-                        Some((i, *row - 1, done[i] + take == items[i].1.len()))
-                    })
-                    .filter(|&(_, _, last)| last)
-                    .map(|(i, row, _)| (i, row))
-                    .collect();
+                // The rows of this pass whose logits are wanted: each item's last `heads` tokens.
+                let mut finishing: Vec<(usize, usize)> = Vec::new();
+                let mut row = 0;
+                for &(i, take) in &taken {
+                    let first_head = items[i].1.len() - heads[i].clamp(1, items[i].1.len());
+                    for t in done[i]..done[i] + take {
+                        if t >= first_head {
+                            finishing.push((i, row + t - done[i]));
+                        }
+                    }
+                    row += take;
+                }
                 for &(i, take) in &taken {
                     done[i] += take;
                 }
@@ -556,7 +573,9 @@ impl<'a> CpuModel<'a> {
                         Ok(mut logits) => {
                             self.logits_of_rows(&mut s, &rows, &mut logits);
                             for (&(i, _), l) in finishing.iter().zip(logits.chunks_exact(vocab)) {
-                                out[i] = Ok(l.to_vec());
+                                if let Ok(rows) = out[i].as_mut() {
+                                    rows.push(l.to_vec());
+                                }
                             }
                         }
                         Err(e) => finishing.iter().for_each(|&(i, _)| out[i] = Err(e.clone())),
@@ -871,7 +890,8 @@ pub struct CpuBackend {
     // Declared before `_source`: dropped before what it reads.
     model: CpuModel<'static>,
     kv: KvPages,
-    logits: Vec<Option<Vec<f32>>>,
+    /// Per item, the logits after each of its head positions (none for a refused item).
+    logits: Vec<Vec<Vec<f32>>>,
     _source: Arc<dyn TensorSource + Send + Sync>,
 }
 
@@ -913,29 +933,53 @@ impl Backend for CpuBackend {
     fn step_batch(&mut self, items: &mut [StepItem<'_, CpuCache>]) -> Result<()> {
         self.logits.clear();
         let histories: Vec<Vec<u32>> = items.iter().map(|i| i.stream.tokens.clone()).collect();
+        let heads: Vec<usize> = items.iter().map(|i| i.heads.clamp(1, i.tokens.len().max(1))).collect();
         let mut inputs: Vec<(&mut CpuStream, &[u32])> = items.iter_mut().map(|i| (&mut *i.stream, i.tokens)).collect();
-        let outs = self.model.forward_batch(&mut self.kv, &mut inputs);
+        let outs = self.model.forward_batch_heads(&mut self.kv, &mut inputs, &heads);
         drop(inputs);
-        for ((item, out), history) in items.iter_mut().zip(outs).zip(&histories) {
+        for (((item, out), history), &h) in items.iter_mut().zip(outs).zip(&histories).zip(&heads) {
             match out {
-                Ok(logits) => {
-                    item.next = Ok(item.sample(&logits, history));
-                    self.logits.push(Some(logits));
+                Ok(rows) if item.mask.is_some() => {
+                    // A constrained item proposes nothing: one draw, among the tokens its constraint allows.
+                    let next = item.sample(rows.last().expect("at least one head"), history);
+                    item.drawn = vec![next];
+                    item.next = Ok(next);
+                    self.logits.push(rows);
+                }
+                Ok(rows) => {
+                    // Each head draws as a step ending at its position would.
+                    let first = item.tokens.len() - h;
+                    item.drawn = rows
+                        .iter()
+                        .enumerate()
+                        .map(|(k, l)| {
+                            sampler::sample_stream(
+                                l,
+                                &item.sampling,
+                                item.index,
+                                history,
+                                &item.tokens[..first + k + 1],
+                            )
+                        })
+                        .collect();
+                    item.next = Ok(*item.drawn.last().expect("at least one head"));
+                    self.logits.push(rows);
                 }
                 Err(e) => {
                     item.next = Err(e);
-                    self.logits.push(None);
+                    self.logits.push(Vec::new());
                 }
             }
         }
         Ok(())
     }
 
-    fn logits(&self, i: usize) -> Result<Vec<f32>> {
+    fn logits(&self, i: usize, head: usize) -> Result<Vec<f32>> {
         self.logits
             .get(i)
-            .and_then(Option::clone)
-            .ok_or_else(|| err!(InvalidArgument, "item {i} of the last batch has no logits"))
+            .and_then(|rows| rows.get(head))
+            .cloned()
+            .ok_or_else(|| err!(InvalidArgument, "item {i} of the last batch has no logits at head {head}"))
     }
 
     fn copy_page(&mut self, from: u32, to: u32) -> Result<()> {
@@ -950,7 +994,7 @@ impl Backend for CpuBackend {
             Some(&next) => out[i] = crate::backend::log_prob(row, next),
             None => last = Some(row.to_vec()),
         })?;
-        self.logits.push(last);
+        self.logits.push(last.into_iter().collect());
         Ok(())
     }
 }

@@ -31,7 +31,9 @@ use std::sync::{Arc, Mutex};
 /// The environment variable the seed issue gates file-mapped rows with; "1" means on.
 pub const MMAP_ROWS_ENV: &str = "DS4_EMBD_MMAP";
 
-pub use crate::abi::{engine_backend, engine_kv_type, engine_log_fn, engine_options, engine_tristate};
+pub use crate::abi::{
+    engine_backend, engine_draft, engine_kv_type, engine_log_fn, engine_options, engine_speculation, engine_tristate,
+};
 
 pub const DEFAULT_MAX_BATCH: u32 = 512;
 
@@ -63,6 +65,7 @@ pub fn default_options() -> engine_options {
         kv_type_v: engine_kv_type::ENGINE_KV_DEFAULT,
         batch_tensor_cores: engine_tristate::Auto,
         prefix_cache: engine_tristate::Auto,
+        draft_model: std::ptr::null(),
     }
 }
 
@@ -117,6 +120,12 @@ pub fn check_options(o: &engine_options) -> Result<()> {
     }
     if o.max_batch as usize > MAX_BATCH_LIMIT {
         crate::bail!(InvalidArgument, "options.max_batch is {}, past {MAX_BATCH_LIMIT}", o.max_batch);
+    }
+    if !o.draft_model.is_null() {
+        crate::bail!(
+            Unsupported,
+            "options.draft_model is set; this version loads no drafter (prompt lookup needs none)"
+        );
     }
     sampling_of(o).check("options.")
 }
@@ -411,6 +420,23 @@ pub struct BatchItem<'a> {
     pub stream: u32,
     pub tokens: &'a [i32],
     pub next: Result<u32>,
+    /// Tokens the step may produce: 1 steps one; more lets the stream's speculation propose.
+    pub most: usize,
+    /// Out: every token the step produced, the last equal to `next`.
+    pub out: Vec<u32>,
+}
+
+impl<'a> BatchItem<'a> {
+    /// A plain step of `tokens` on `stream`.
+    pub fn new(stream: u32, tokens: &'a [i32]) -> BatchItem<'a> {
+        BatchItem { stream, tokens, next: Err(crate::err!(Panic, "not stepped")), most: 1, out: Vec::new() }
+    }
+
+    /// A step that may produce up to `most` tokens (speculation, where the stream has it on).
+    pub fn with_most(mut self, most: usize) -> BatchItem<'a> {
+        self.most = most.max(1);
+        self
+    }
 }
 
 /// Streams the CPU backend admits when `max_streams` is 0 (it has no device memory to plan).
@@ -603,7 +629,7 @@ impl Engine {
 
     /// Appends `tokens` to stream `stream` and returns the token its sampler picks next: a batch of one.
     pub fn step(&mut self, stream: u32, tokens: &[i32]) -> Result<u32> {
-        let mut items = [BatchItem { stream, tokens, next: Err(crate::err!(Panic, "not stepped")) }];
+        let mut items = [BatchItem::new(stream, tokens)];
         self.step_batch(&mut items)?;
         let [item] = items;
         item.next.map_err(|e| crate::Error::new(e.status, format!("engine_step: {}", e.message)))
@@ -630,9 +656,12 @@ impl Engine {
         let mut steps: Vec<BatchStep> = Vec::with_capacity(items.len());
         let mut run = Vec::with_capacity(items.len());
         for (i, (item, ids)) in items.iter_mut().zip(&ids).enumerate() {
+            item.out.clear();
             match ids {
                 Ok(ids) => {
-                    steps.push(BatchStep::new(item.stream, ids));
+                    let mut step = BatchStep::new(item.stream, ids);
+                    step.most = item.most.max(1);
+                    steps.push(step);
                     run.push(i);
                 }
                 Err(e) => item.next = Err(e.clone()),
@@ -641,8 +670,31 @@ impl Engine {
         let ran = self.backend.step_batch(&mut steps);
         for (step, &i) in steps.into_iter().zip(&run) {
             items[i].next = step.next;
+            items[i].out = step.out;
         }
         ran
+    }
+
+    /// Stream `stream`'s speculation from its next step on (INVALID_ARGUMENT for settings out of range,
+    /// UNSUPPORTED for a drafter model, which this engine has not loaded); its counts start again.
+    pub fn set_speculation(&mut self, stream: u32, s: &engine_speculation) -> Result<()> {
+        crate::speculative::check(s)?;
+        if s.draft == engine_draft::Model {
+            crate::bail!(
+                Unsupported,
+                "stream {stream}: ENGINE_DRAFT_MODEL needs a drafter, and this engine loaded none"
+            );
+        }
+        self.backend.set_speculation(stream, *s)
+    }
+
+    pub fn speculation(&self, stream: u32) -> Result<engine_speculation> {
+        self.backend.speculation(stream)
+    }
+
+    /// (tokens proposed, tokens accepted) on stream `stream` since its speculation was last set.
+    pub fn speculation_stats(&self, stream: u32) -> Result<(u64, u64)> {
+        self.backend.speculation_stats(stream)
     }
 
     /// The logits after the last position of stream `stream`, for the streams the last batch stepped.

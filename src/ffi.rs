@@ -7,6 +7,7 @@ use crate::abi::{
     engine_memory, engine_options, engine_placement, engine_plan, engine_rows, engine_sampling, engine_tristate,
 };
 pub use crate::abi::{engine_device_info, engine_kv_usage, engine_model_info};
+use crate::abi::{engine_draft, engine_speculation};
 use crate::cuda;
 use crate::status::{self, Error, Result, Status, engine_status};
 use std::os::raw::c_char;
@@ -500,8 +501,15 @@ pub unsafe extern "C" fn engine_step(
 /// does not exist or an id outside the vocabulary, NO_ROOM past the window (checked before its tokens
 /// are read) or when the KV pool has no free page for it, INVALID_ARGUMENT for `n` 0. The call returns
 /// INVALID_ARGUMENT, stepping nothing, only when it is malformed: `e` NULL, `items` NULL with
-/// `n_items` > 0, an item's `tokens` NULL with `n` > 0, a stream named twice; otherwise OK (or the
+/// `n_items` > 0, an item's `tokens` NULL with `n` > 0, a stream named twice, an item's `out` given
+/// with `out_cap` below its stream's `max_tokens` + 1 while the stream speculates; otherwise OK (or the
 /// device's failure). A stream's tokens and logits are the same whether it steps alone or in a batch.
+///
+/// Speculation (`engine_set_speculation`): an item with `out` and `out_cap` given may produce several
+/// tokens: its stream's proposals are verified in the same forward as the batch's other items, and
+/// `out` receives the accepted ones and then the target's own token (`n_out` of them, the last equal to
+/// `next`); the stream holds the item's tokens and the accepted proposals. The tokens are those stepping
+/// one token at a time would produce; `engine_logits` gives the logits after the last position kept.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn engine_step_batch(
     e: *mut engine,
@@ -536,11 +544,28 @@ pub unsafe extern "C" fn engine_step_batch(
         for item in items.iter_mut() {
             item.next = -1;
             item.status = Status::InvalidArgument;
+            item.n_out = 0;
         }
         if let Some(why) = malformed {
             crate::bail!(InvalidArgument, "engine_step_batch: {why}");
         }
         let mut state = e.lock();
+        // Room for a speculating stream's every token, checked before anything is stepped.
+        for (k, item) in items.iter().enumerate() {
+            if item.out.is_null() || item.out_cap == 0 {
+                continue;
+            }
+            let Ok(spec) = state.speculation(item.stream) else { continue };
+            if spec.draft != eng::engine_draft::None && item.out_cap < spec.max_tokens as usize + 1 {
+                crate::bail!(
+                    InvalidArgument,
+                    "engine_step_batch: items[{k}].out_cap is {}; stream {} may produce max_tokens + 1 = {}",
+                    item.out_cap,
+                    item.stream,
+                    spec.max_tokens as usize + 1
+                );
+            }
+        }
         let window = state.window();
         let mut batch = Vec::with_capacity(n_items);
         let mut at = Vec::with_capacity(n_items);
@@ -566,7 +591,8 @@ pub unsafe extern "C" fn engine_step_batch(
                         // SAFETY: the caller promises `tokens` holds `n` ids, and `n` is at most the window.
                         unsafe { std::slice::from_raw_parts(item.tokens, item.n) }
                     };
-                    batch.push(eng::BatchItem { stream: item.stream, tokens, next: Ok(0) });
+                    let most = if item.out.is_null() { 1 } else { item.out_cap };
+                    batch.push(eng::BatchItem::new(item.stream, tokens).with_most(most));
                     at.push(k);
                 }
                 Err(err) => {
@@ -580,8 +606,19 @@ pub unsafe extern "C" fn engine_step_batch(
         for (b, &k) in batch.into_iter().zip(&at) {
             match b.next {
                 Ok(t) => {
-                    items[k].next = t as i32;
-                    items[k].status = Status::Ok;
+                    let item = &mut items[k];
+                    item.next = t as i32;
+                    item.status = Status::Ok;
+                    item.n_out = b.out.len();
+                    if !item.out.is_null() && item.out_cap > 0 {
+                        // `most` was out_cap, so the step produced at most that many.
+                        debug_assert!(b.out.len() <= item.out_cap);
+                        // SAFETY: the caller promises `out` holds `out_cap` ints, and the step produced at most `out_cap` tokens.
+                        let out = unsafe { std::slice::from_raw_parts_mut(item.out, b.out.len().min(item.out_cap)) };
+                        for (o, &t) in out.iter_mut().zip(&b.out) {
+                            *o = t as i32;
+                        }
+                    }
                 }
                 Err(err) => {
                     items[k].status = err.status;
@@ -594,6 +631,68 @@ pub unsafe extern "C" fn engine_step_batch(
         ran?;
         if let Some((k, err)) = first_error {
             status::set_last_error(&format!("engine_step_batch: items[{k}]: {}", err.message));
+        }
+        Ok(())
+    })
+}
+
+/// Speculation off (`ENGINE_DRAFT_NONE`), with the settings prompt lookup starts from when `draft` is
+/// set: max_tokens 8, ngram_min 2, ngram_max 4.
+#[unsafe(no_mangle)]
+pub extern "C" fn engine_default_speculation() -> engine_speculation {
+    crate::speculative::DEFAULT
+}
+
+/// Sets stream `stream`'s speculative decoding from its next step on, and starts its counts again.
+/// A step proposes only for an item given `out` (see `engine_step_batch`). INVALID_ARGUMENT for NULL,
+/// a `draft` that names no `engine_draft`, `max_tokens` outside 1..=ENGINE_SPECULATION_MAX_TOKENS or
+/// NGRAM lengths with `ngram_min` 0 or above `ngram_max` (while `draft` is not NONE); UNSUPPORTED for
+/// `ENGINE_DRAFT_MODEL` (this version loads no drafter); OUT_OF_RANGE for a stream the engine does not
+/// have.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn engine_set_speculation(
+    e: *mut engine,
+    stream: u32,
+    s: *const engine_speculation,
+) -> engine_status {
+    guard("engine_set_speculation", || {
+        // SAFETY: the caller passes an engine from engine_init_fit (or NULL, refused), not yet freed.
+        let e = unsafe { handle(e) }?;
+        if s.is_null() {
+            crate::bail!(InvalidArgument, "speculation is NULL");
+        }
+        // SAFETY: `s` is non-NULL (checked) and points to an engine_speculation; `draft` is its first field, a u32.
+        let draft = unsafe { std::ptr::read_unaligned(s as *const u32) };
+        if engine_draft::from_raw(draft).is_none() {
+            crate::bail!(InvalidArgument, "speculation->draft is {draft}, not an engine_draft");
+        }
+        // SAFETY: `s` points to an engine_speculation whose enum field was checked above.
+        let s = unsafe { std::ptr::read(s) };
+        e.lock().set_speculation(stream, &s)
+    })
+}
+
+/// Tokens stream `stream` proposed and tokens verification accepted since its speculation was last set
+/// (either pointer may be NULL). OUT_OF_RANGE for a stream the engine does not have.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn engine_speculation_stats(
+    e: *const engine,
+    stream: u32,
+    proposed: *mut u64,
+    accepted: *mut u64,
+) -> engine_status {
+    guard("engine_speculation_stats", || {
+        // SAFETY: the caller passes an engine from engine_init_fit (or NULL, refused), not yet freed.
+        let e = unsafe { handle(e) }?;
+        let (p, a) = e.lock().speculation_stats(stream)?;
+        // SAFETY: each pointer is NULL or points to a writable u64 (the header's contract).
+        unsafe {
+            if let Some(out) = proposed.as_mut() {
+                *out = p;
+            }
+            if let Some(out) = accepted.as_mut() {
+                *out = a;
+            }
         }
         Ok(())
     })

@@ -21,6 +21,7 @@ pub mod kv;
 pub mod model;
 pub mod placement;
 pub mod sampler;
+pub mod speculative;
 pub mod status;
 pub mod tensor;
 pub mod tokenizer;

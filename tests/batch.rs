@@ -267,12 +267,30 @@ fn malformed_batches_and_bad_arguments_are_refused() {
     assert_eq!((stream_len(&e, 0), stream_len(&e, 1)), (0, 0), "nothing appended");
 
     // NULL items with items to read, NULL tokens with tokens to read, a NULL engine.
-    let mut item = engine_batch_item { stream: 0, tokens: std::ptr::null(), n: 2, next: -7, status: Status::Ok };
+    let mut item = engine_batch_item {
+        stream: 0,
+        tokens: std::ptr::null(),
+        n: 2,
+        next: -7,
+        status: Status::Ok,
+        out: std::ptr::null_mut(),
+        out_cap: 0,
+        n_out: 0,
+    };
     assert_eq!(unsafe { ffi::engine_step_batch(e.0, &mut item, 1) }, Status::InvalidArgument);
     assert_eq!((item.status, item.next), (Status::InvalidArgument, -1));
     assert_eq!(unsafe { ffi::engine_step_batch(e.0, std::ptr::null_mut(), 2) }, Status::InvalidArgument);
     assert_eq!(unsafe { ffi::engine_step_batch(e.0, std::ptr::null_mut(), 0) }, Status::Ok, "an empty batch");
-    let mut fine = engine_batch_item { stream: 0, tokens: prompt.as_ptr(), n: 1, next: -7, status: Status::Ok };
+    let mut fine = engine_batch_item {
+        stream: 0,
+        tokens: prompt.as_ptr(),
+        n: 1,
+        next: -7,
+        status: Status::Ok,
+        out: std::ptr::null_mut(),
+        out_cap: 0,
+        n_out: 0,
+    };
     assert_eq!(unsafe { ffi::engine_step_batch(std::ptr::null_mut(), &mut fine, 1) }, Status::InvalidArgument);
     assert_eq!(stream_len(&e, 0), 0);
 

@@ -339,6 +339,8 @@ fn step_items(
                 sampling: Sampling::GREEDY,
                 mask: None,
                 next: Err(Error::new(Status::Panic, "not stepped")),
+                heads: 1,
+                drawn: Vec::new(),
             }
         })
         .collect();
@@ -524,6 +526,8 @@ fn an_item_without_pages_fails_alone_and_the_others_proceed() {
         sampling: Sampling::GREEDY,
         mask: None,
         next: Err(Error::new(Status::Panic, "not stepped")),
+        heads: 1,
+        drawn: Vec::new(),
     }];
     gpu.step_batch(&mut one).unwrap();
     let e = one[0].next.as_ref().unwrap_err();

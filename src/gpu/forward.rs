@@ -27,7 +27,7 @@ use super::{GpuModel, GpuStream};
 use crate::backend::{PagePool, StepItem};
 use crate::cuda::DeviceBuffer;
 use crate::sampler::{self, Sampling};
-use crate::status::{Error, Result, Status};
+use crate::status::{Error, Result};
 use crate::{bail, err};
 
 /// Chunks of at least this many tokens take the tensor-core path: below it the matrix-vector kernel,
@@ -36,8 +36,6 @@ pub const TENSOR_CORE_MIN_TOKENS: usize = 16;
 
 /// Where an item of the last step left its logits.
 pub(super) enum LogitsAt {
-    /// Nowhere: the item was refused or the step failed.
-    None,
     /// A row of the scratch's logits.
     Row(usize),
     /// Copied to the host (a step with more items than the scratch has logits rows).
@@ -109,11 +107,6 @@ pub(super) enum Head<'a> {
     All,
 }
 
-/// The status an item holds until its step sets it.
-fn not_run() -> Error {
-    Error::new(Status::Panic, "the batch item was not stepped")
-}
-
 impl GpuModel {
     /// Steps `items` (streams of this model, each named once, each holding the pages its new positions
     /// need) and sets each item's `next`. An item refused (foreign stream, bad ids, past its window or
@@ -121,7 +114,7 @@ impl GpuModel {
     /// and then no item appends anything.
     pub fn step_batch(&mut self, items: &mut [StepItem<'_, GpuCache>]) -> Result<()> {
         self.logits_at.clear();
-        self.logits_at.resize_with(items.len(), || LogitsAt::None);
+        self.logits_at.resize_with(items.len(), Vec::new);
         let mut run = Vec::with_capacity(items.len());
         for (i, item) in items.iter_mut().enumerate() {
             match self.admit(item) {
@@ -133,18 +126,19 @@ impl GpuModel {
             return Ok(());
         }
         match self.run_items(items, &run) {
-            Ok(tokens) => {
-                for (&i, token) in run.iter().zip(tokens) {
+            Ok(drawn) => {
+                for (&i, drawn) in run.iter().zip(drawn) {
                     let item = &mut items[i];
                     item.stream.len += item.tokens.len();
-                    item.next = Ok(token);
+                    item.next = Ok(*drawn.last().expect("at least one head"));
+                    item.drawn = drawn;
                 }
                 Ok(())
             }
             Err(e) => {
                 for &i in &run {
                     items[i].next = Err(e.clone());
-                    self.logits_at[i] = LogitsAt::None;
+                    self.logits_at[i].clear();
                 }
                 Err(e)
             }
@@ -153,14 +147,20 @@ impl GpuModel {
 
     /// The logits after the last position of item `i` of the last step.
     pub fn logits(&self, i: usize) -> Result<Vec<f32>> {
-        match self.logits_at.get(i) {
+        let heads = self.logits_at.get(i).map_or(0, Vec::len);
+        self.head_logits(i, heads.saturating_sub(1))
+    }
+
+    /// The logits after head position `head` of item `i` of the last step (`StepItem::heads`).
+    pub fn head_logits(&self, i: usize, head: usize) -> Result<Vec<f32>> {
+        match self.logits_at.get(i).and_then(|h| h.get(head)) {
             Some(LogitsAt::Row(row)) => {
                 let mut out = vec![0f32; self.cfg.vocab];
                 self.download(self.s.logits + row * self.cfg.vocab * 4, &mut out)?;
                 Ok(out)
             }
             Some(LogitsAt::Host(v)) => Ok(v.clone()),
-            _ => Err(err!(InvalidArgument, "item {i} of the last step has no logits")),
+            _ => Err(err!(InvalidArgument, "item {i} of the last step has no logits at head {head}")),
         }
     }
 
@@ -184,8 +184,7 @@ impl GpuModel {
     ) -> Result<u32> {
         self.check_tokens(stream, tokens)?;
         reserve_pages(pool, stream, tokens.len())?;
-        let mut items =
-            [StepItem { stream, index: stream_index, tokens, sampling: *sampling, mask: None, next: Err(not_run()) }];
+        let mut items = [StepItem::new(stream, stream_index, tokens, *sampling)];
         let ran = self.step_batch(&mut items);
         let [StepItem { stream, next, .. }] = items;
         if next.is_ok() {
@@ -234,7 +233,7 @@ impl GpuModel {
         stream.len += tokens.len();
         stream.tokens.extend_from_slice(tokens);
         self.logits_at.clear();
-        self.logits_at.push(LogitsAt::Row(0));
+        self.logits_at.push(vec![LogitsAt::Row(0)]);
         Ok(out)
     }
 
@@ -329,7 +328,7 @@ impl GpuModel {
         let last = tokens.len() - 1;
         out[..last].copy_from_slice(&all[..last]);
         stream.len = end;
-        self.logits_at.push(LogitsAt::Row(last_row));
+        self.logits_at.push(vec![LogitsAt::Row(last_row)]);
         Ok(())
     }
 
@@ -357,11 +356,16 @@ impl GpuModel {
         self.sync_table(item.stream)
     }
 
-    /// Runs the admitted items `run` and returns the token sampled for each, in `run`'s order.
-    fn run_items(&mut self, items: &[StepItem<'_, GpuCache>], run: &[usize]) -> Result<Vec<u32>> {
+    /// Runs the admitted items `run` and returns the tokens drawn after each one's head positions (its
+    /// last `heads`, each drawn as a step ending there would), in `run`'s order.
+    fn run_items(&mut self, items: &[StepItem<'_, GpuCache>], run: &[usize]) -> Result<Vec<Vec<u32>>> {
         let b = self.max_batch;
         let rows_cap = self.s.logit_rows;
         let token_lists: Vec<&[u32]> = items.iter().map(|it| it.tokens).collect();
+        let heads_of = |i: usize| items[i].heads.clamp(1, items[i].tokens.len());
+        // The head rows a pass's pieces need.
+        let head_count =
+            |pass: &[Piece]| -> usize { pass.iter().filter(|p| p.last).map(|p| heads_of(p.item).min(p.len)).sum() };
         // Round r holds each item's r-th chunk of max_batch tokens, so a chunk's pass follows the
         // passes of the chunks before it.
         let rounds = run.iter().map(|&i| items[i].tokens.len().div_ceil(b)).max().unwrap_or(0);
@@ -386,10 +390,11 @@ impl GpuModel {
                     row: 0,
                     path: Path::Matvec,
                 };
-                // A piece that would take the pass past max_batch rows (pads included) starts the next.
+                // A piece that would take the pass past max_batch rows (pads included) or its heads past
+                // the logits rows starts the next.
                 let mut grown = pass.clone();
                 grown.push(piece);
-                if !pass.is_empty() && (self.lay_out(&mut grown).n > b || grown.len() > rows_cap) {
+                if !pass.is_empty() && (self.lay_out(&mut grown).n > b || head_count(&grown) > rows_cap) {
                     passes.push(std::mem::replace(&mut pass, vec![piece]));
                 } else {
                     pass = grown;
@@ -400,77 +405,96 @@ impl GpuModel {
             }
         }
 
-        let mut sampled = vec![None; items.len()];
-        // Items whose logits and token sit in the device rows [0, pending.len()), in row order.
-        let mut pending: Vec<usize> = Vec::new();
+        let mut sampled: Vec<Vec<Option<i32>>> = items.iter().map(|it| vec![None; it.heads.max(1)]).collect();
+        // (item, head) whose logits and token sit in the device rows [0, pending.len()), in row order.
+        let mut pending: Vec<(usize, usize)> = Vec::new();
         for mut pass in passes {
             let shape = self.lay_out(&mut pass);
             self.upload_pass(&pass, &token_lists)?;
-            let heads: Vec<(usize, usize)> =
-                pass.iter().filter(|p| p.last).map(|p| (p.row + p.len - 1, p.item)).collect();
+            // (row, item, head, the head's token index in the item): a piece's last rows, one a head.
+            let heads: Vec<(usize, usize, usize, usize)> = pass
+                .iter()
+                .filter(|p| p.last)
+                .flat_map(|p| {
+                    let h = heads_of(p.item).min(p.len);
+                    (0..h).map(move |k| (p.row + p.len - h + k, p.item, k, p.from + p.len - h + k))
+                })
+                .collect();
             if pending.len() + heads.len() > rows_cap {
                 self.spill(&pending, &mut sampled)?;
                 pending.clear();
             }
             let base = pending.len();
             let head_rows: Vec<usize> = heads.iter().map(|h| h.0).collect();
-            let single_tokens = heads.len() == shape.n && base == 0;
+            // The captured graphs hold passes of single tokens only.
+            let single_tokens = pass.iter().all(|p| p.len == 1) && heads.len() == shape.n && base == 0;
             if !(single_tokens && self.replay_decode(&pass, shape)?) {
                 let head = if heads.is_empty() { Head::Skip } else { Head::Rows { rows: &head_rows, base } };
                 self.enqueue_forward(&pass, shape, head)?;
             }
             let penalties: Vec<Vec<u32>> = heads
                 .iter()
-                .map(|&(_, i)| sampler::penalty_ids(&items[i].stream.tokens, items[i].tokens, &items[i].sampling))
+                .map(|&(_, i, _, t)| {
+                    sampler::penalty_ids(&items[i].stream.tokens, &items[i].tokens[..t + 1], &items[i].sampling)
+                })
                 .collect();
             let rows: Vec<launch::SampleRow<'_>> = heads
                 .iter()
                 .zip(&penalties)
-                .map(|(&(_, i), penalty)| launch::SampleRow {
+                .map(|(&(_, i, _, t), penalty)| launch::SampleRow {
                     sampling: &items[i].sampling,
                     stream_index: items[i].index,
-                    position: (items[i].stream.len + items[i].tokens.len()) as u64,
+                    position: (items[i].stream.len + t + 1) as u64,
                     penalty,
                 })
                 .collect();
             self.sample_rows(base, &rows)?;
-            pending.extend(heads.iter().map(|&(_, i)| i));
+            pending.extend(heads.iter().map(|&(_, i, k, _)| (i, k)));
         }
         let mut tokens = vec![0i32; pending.len()];
         self.download(self.s.token, &mut tokens)?;
-        for (k, (&i, &t)) in pending.iter().zip(&tokens).enumerate() {
-            sampled[i] = Some(t);
-            self.logits_at[i] = LogitsAt::Row(k);
+        for (k, (&(i, h), &t)) in pending.iter().zip(&tokens).enumerate() {
+            sampled[i][h] = Some(t);
+            self.logits_at[i].push(LogitsAt::Row(k));
         }
         // A constrained item's token is drawn again on the host among the tokens its mask allows (the
         // mask was computed while the passes ran); the device's draw for it is dropped.
         for &i in run {
             if items[i].mask.is_some() {
                 let logits = self.logits(i)?;
-                sampled[i] = Some(items[i].sample(&logits, &items[i].stream.tokens) as i32);
+                sampled[i][heads_of(i) - 1] = Some(items[i].sample(&logits, &items[i].stream.tokens) as i32);
             }
         }
         run.iter()
             .map(|&i| {
-                let t = sampled[i].unwrap_or(-1);
-                if t < 0 || t as usize >= self.cfg.vocab {
-                    bail!(CudaError, "the device sampler returned token {t} for a vocabulary of {}", self.cfg.vocab);
-                }
-                Ok(t as u32)
+                sampled[i][..heads_of(i)]
+                    .iter()
+                    .map(|t| {
+                        let t = t.unwrap_or(-1);
+                        if t < 0 || t as usize >= self.cfg.vocab {
+                            bail!(
+                                CudaError,
+                                "the device sampler returned token {t} for a vocabulary of {}",
+                                self.cfg.vocab
+                            );
+                        }
+                        Ok(t as u32)
+                    })
+                    .collect()
             })
             .collect()
     }
 
-    /// Copies the logits and tokens of the items in the device rows to the host, freeing the rows.
-    fn spill(&mut self, pending: &[usize], sampled: &mut [Option<i32>]) -> Result<()> {
+    /// Copies the logits and tokens of the heads in the device rows to the host, freeing the rows.
+    fn spill(&mut self, pending: &[(usize, usize)], sampled: &mut [Vec<Option<i32>>]) -> Result<()> {
         let vocab = self.cfg.vocab;
         let mut logits = vec![0f32; pending.len() * vocab];
         self.download(self.s.logits, &mut logits)?;
         let mut tokens = vec![0i32; pending.len()];
         self.download(self.s.token, &mut tokens)?;
-        for (k, &i) in pending.iter().enumerate() {
-            sampled[i] = Some(tokens[k]);
-            self.logits_at[i] = LogitsAt::Host(logits[k * vocab..(k + 1) * vocab].to_vec());
+        for (k, &(i, h)) in pending.iter().enumerate() {
+            sampled[i][h] = Some(tokens[k]);
+            self.logits_at[i].push(LogitsAt::Host(logits[k * vocab..(k + 1) * vocab].to_vec()));
         }
         Ok(())
     }

@@ -121,7 +121,8 @@ pub struct GpuModel {
     /// Those keys of single-token passes run once already (the next one is captured).
     decode_seen: HashSet<(usize, usize)>,
     /// Where each item of the last step left its logits.
-    logits_at: Vec<forward::LogitsAt>,
+    /// Per item of the last step, where the logits after each of its head positions are.
+    logits_at: Vec<Vec<forward::LogitsAt>>,
     /// Whether passes of many single tokens take the tensor-core products (not batch invariant).
     batch_tensor_cores: bool,
     /// Whether decode rows take the batch-invariant tensor-core products where a weight's format has them
@@ -454,9 +455,14 @@ impl Backend for CudaBackend {
         self.model.step_batch(items)
     }
 
-    fn logits(&self, i: usize) -> Result<Vec<f32>> {
+    fn logits(&self, i: usize, head: usize) -> Result<Vec<f32>> {
         self.enter()?;
-        self.model.logits(i)
+        self.model.head_logits(i, head)
+    }
+
+    fn verify_tokens(&self) -> usize {
+        // Shorter runs take the matrix-vector kernels, whose rows are the bits of single-token steps.
+        (forward::TENSOR_CORE_MIN_TOKENS - 1).min(self.model.max_batch())
     }
 
     fn copy_page(&mut self, from: u32, to: u32) -> Result<()> {

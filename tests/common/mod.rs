@@ -292,6 +292,9 @@ pub fn try_batch(e: &Held, items: &[(u32, &[i32])]) -> (Status, Vec<(Status, i32
             n: tokens.len(),
             next: -7,
             status: Status::Panic,
+            out: std::ptr::null_mut(),
+            out_cap: 0,
+            n_out: 0,
         })
         .collect();
     let st = unsafe { ffi::engine_step_batch(e.0, c.as_mut_ptr(), c.len()) };

@@ -1,0 +1,228 @@
+//! Speculative decoding on CUDA (prints SKIP without a device): prompt lookup's verification runs the
+//! proposals as a short piece on the matrix-vector kernels, each head row drawn by the device sampler,
+//! so greedy output with lookup is the output without it, token for token (tiny models in the cache
+//! types, and SmolLM2-135M Q4_1 when present); random batches mixing speculative and plain items give
+//! each stream the tokens of stepping it alone, with the pool's counts exact after every rejection; and
+//! the CPU backend agrees on the F32 route.
+
+mod common;
+use common::shared::{self, no_cache};
+use common::{Held, Rng, Scratch, cpu_options, gpu_present, init, model_file, quiet, reset, serial};
+
+use hostembed::Status;
+use hostembed::abi::{engine_batch_item, engine_draft, engine_speculation};
+use hostembed::engine::{self, engine_backend, engine_kv_type, engine_options, engine_tristate};
+use hostembed::ffi;
+use hostembed::model::{Arch, ModelConfig, RopeScaling};
+use hostembed::status::last_error;
+use hostembed::tensor::DType;
+
+const PAGE: usize = hostembed::gpu::PAGE_TOKENS;
+
+fn config(arch: Arch) -> ModelConfig {
+    ModelConfig {
+        arch,
+        vocab: 512,
+        hidden: 128,
+        layers: 2,
+        heads: 4,
+        kv_heads: 2,
+        head_dim: 32,
+        intermediate: 256,
+        rms_eps: 1e-5,
+        rope_theta: 10000.0,
+        rope_scaling: RopeScaling::None,
+        rope_interleaved: false,
+        max_position: 512,
+        tied: arch == Arch::Qwen2,
+        qkv_bias: arch == Arch::Qwen2,
+        qk_norm: false,
+        bos: Some(1),
+        eos: Some(2),
+    }
+}
+
+fn cuda(window: u32, streams: u32) -> engine_options {
+    engine_options {
+        backend: engine_backend::Cuda,
+        room_bytes: 1 << 50,
+        mmap_rows: engine_tristate::No,
+        context: window,
+        max_streams: streams,
+        max_batch: 64,
+        log: Some(quiet),
+        ..engine::default_options()
+    }
+}
+
+fn lookup(max_tokens: u32) -> engine_speculation {
+    engine_speculation { draft: engine_draft::Ngram, max_tokens, ngram_min: 1, ngram_max: 3 }
+}
+
+fn set_speculation(e: &Held, stream: u32, s: &engine_speculation) {
+    // SAFETY: a live engine and a live struct.
+    let st = unsafe { ffi::engine_set_speculation(e.0, stream, s) };
+    assert_eq!(st, Status::Ok, "{}", last_error());
+}
+
+/// One step of each (stream, tokens, out room) item: each item's (status, tokens out).
+fn batch(e: &Held, items: &[(u32, &[i32], usize)]) -> Vec<(Status, Vec<i32>)> {
+    let mut outs: Vec<Vec<i32>> = items.iter().map(|i| vec![-9; i.2]).collect();
+    let mut c: Vec<engine_batch_item> = items
+        .iter()
+        .zip(outs.iter_mut())
+        .map(|(&(stream, tokens, cap), out)| engine_batch_item {
+            stream,
+            tokens: tokens.as_ptr(),
+            n: tokens.len(),
+            next: -7,
+            status: Status::Panic,
+            out: if cap == 0 { std::ptr::null_mut() } else { out.as_mut_ptr() },
+            out_cap: cap,
+            n_out: 0,
+        })
+        .collect();
+    // SAFETY: a live engine and items whose pointers live across the call.
+    let st = unsafe { ffi::engine_step_batch(e.0, c.as_mut_ptr(), c.len()) };
+    assert_eq!(st, Status::Ok, "{}", last_error());
+    c.iter()
+        .zip(&outs)
+        .map(|(i, out)| {
+            let got = if i.out.is_null() { vec![i.next] } else { out[..i.n_out].to_vec() };
+            if i.status == Status::Ok {
+                assert_eq!(got.last(), Some(&i.next));
+            }
+            (i.status, got)
+        })
+        .collect()
+}
+
+fn generate(e: &Held, prompt: &[i32], n: usize, cap: usize) -> Vec<i32> {
+    let (mut got, mut input) = (Vec::new(), prompt.to_vec());
+    while got.len() < n {
+        let (st, out) = batch(e, &[(0, &input, cap)]).remove(0);
+        assert_eq!(st, Status::Ok, "{}", last_error());
+        input = vec![*out.last().unwrap()];
+        got.extend(out);
+    }
+    got.truncate(n);
+    got
+}
+
+fn repeating_prompt(rng: &mut Rng, vocab: usize) -> Vec<i32> {
+    let len = 6 + rng.below(10) as usize;
+    let line = rng.ids(vocab, len);
+    let mut p = Vec::new();
+    for _ in 0..3 {
+        let mut l = line.clone();
+        let at = rng.below(len as u64) as usize;
+        l[at] = rng.below(vocab as u64) as i32;
+        p.extend(l);
+    }
+    p
+}
+
+/// 20 prompts x 128 tokens per model and cache type: lookup's tokens are plain decoding's.
+#[test]
+fn gpu_greedy_lookup_is_token_for_token() {
+    if !gpu_present("gpu_greedy_lookup_is_token_for_token") {
+        return;
+    }
+    let _g = serial();
+    let mut rng = Rng::fresh("gpu_greedy_lookup_is_token_for_token");
+    let dir = Scratch::new("gpu-spec-greedy");
+    for (arch, dtype, kv) in [
+        (Arch::Llama, DType::Bf16, engine_kv_type::ENGINE_KV_DEFAULT),
+        (Arch::Qwen2, DType::Q8_0, engine_kv_type::ENGINE_KV_Q8_0),
+        (Arch::Llama, DType::F32, engine_kv_type::ENGINE_KV_F32),
+    ] {
+        let cfg = config(arch);
+        let path = dir.gguf(&format!("{arch:?}-{}", dtype.name()), &cfg, rng.next_u64(), dtype);
+        let opts = engine_options { kv_type_k: kv, kv_type_v: kv, ..cuda(512, 1) };
+        let spec = init(&path, &opts);
+        let plain = init(&path, &opts);
+        let cpu = (dtype == DType::F32).then(|| init(&path, &cpu_options(512, 1)));
+        for p in 0..20 {
+            let max = 1 + rng.below(12) as u32;
+            set_speculation(&spec, 0, &lookup(max));
+            let prompt = repeating_prompt(&mut rng, cfg.vocab);
+            let want = generate(&plain, &prompt, 128, 0);
+            let got = generate(&spec, &prompt, 128, max as usize + 1);
+            assert_eq!(got, want, "{arch:?} {} prompt {p}, max_tokens {max}", dtype.name());
+            if let Some(cpu) = &cpu {
+                reset(cpu, 0);
+                let on_cpu = generate(cpu, &prompt, 32, 0);
+                let agree = on_cpu.iter().zip(&got).take_while(|(a, b)| a == b).count();
+                println!("{arch:?} F32 prompt {p}: CUDA and CPU agree on the first {agree} of 32 tokens");
+            }
+            reset(&spec, 0);
+            reset(&plain, 0);
+        }
+    }
+}
+
+#[test]
+fn gpu_smollm2_lookup_is_token_for_token() {
+    if !gpu_present("gpu_smollm2_lookup_is_token_for_token") {
+        return;
+    }
+    let Some(path) = model_file("SmolLM2-135M-Instruct.Q4_1.gguf", "scripts/fetch-smollm.sh fetches it") else {
+        return;
+    };
+    let _g = serial();
+    let spec = init(&path, &cuda(1024, 1));
+    let plain = init(&path, &cuda(1024, 1));
+    set_speculation(&spec, 0, &lookup(8));
+    let mut rng = Rng::fresh("gpu_smollm2_lookup_is_token_for_token");
+    for p in 0..20 {
+        let prompt = repeating_prompt(&mut rng, 49152);
+        assert_eq!(generate(&spec, &prompt, 128, 9), generate(&plain, &prompt, 128, 0), "prompt {p}");
+        reset(&spec, 0);
+        reset(&plain, 0);
+    }
+}
+
+#[test]
+fn gpu_random_batches_mixing_speculative_and_plain_items_match_stepping_alone() {
+    if !gpu_present("gpu_random_batches_mixing_speculative_and_plain_items_match_stepping_alone") {
+        return;
+    }
+    let _g = serial();
+    let mut rng = Rng::fresh("gpu_random_batches_mixing_speculative_and_plain_items_match_stepping_alone");
+    let dir = Scratch::new("gpu-spec-batches");
+    let cfg = config(Arch::Llama);
+    let path = dir.gguf("m", &cfg, rng.next_u64(), DType::Bf16);
+    const STREAMS: usize = 8;
+    let e = init(&path, &no_cache(cuda(1024, STREAMS as u32)));
+    let reference = init(&path, &no_cache(cuda(1024, 1)));
+    let total = shared::kv_usage(&e).tokens_total;
+    let mut history: Vec<Vec<i32>> = vec![Vec::new(); STREAMS];
+    let mut input: Vec<Vec<i32>> = (0..STREAMS).map(|_| repeating_prompt(&mut rng, cfg.vocab)).collect();
+    let caps: Vec<usize> = (0..STREAMS)
+        .map(|s| {
+            let max = 1 + rng.below(10) as u32;
+            set_speculation(&e, s as u32, &lookup(max));
+            max as usize + 1
+        })
+        .collect();
+    for round in 0..40 {
+        let chosen: Vec<usize> = (0..STREAMS).filter(|_| rng.below(3) > 0).collect();
+        let items: Vec<(u32, &[i32], usize)> =
+            chosen.iter().map(|&s| (s as u32, &input[s][..], if rng.below(2) == 0 { 0 } else { caps[s] })).collect();
+        let res = batch(&e, &items);
+        for (&s, (st, out)) in chosen.iter().zip(res) {
+            assert_eq!(st, Status::Ok, "round {round} stream {s}: {}", last_error());
+            history[s].extend_from_slice(&input[s]);
+            reset(&reference, 0);
+            let mut want = vec![common::step(&reference, 0, &history[s])];
+            while want.len() < out.len() {
+                want.push(common::step(&reference, 0, &want[want.len() - 1..]));
+            }
+            assert_eq!(out, want, "round {round} stream {s}");
+            history[s].extend_from_slice(&out[..out.len() - 1]);
+            input[s] = vec![*out.last().unwrap()];
+        }
+        let lens: Vec<usize> = history.iter().map(Vec::len).collect();
+        shared::check_pool(&e, &lens, total, PAGE, &format!("round {round}"));
+    }
+}

@@ -1,0 +1,430 @@
+//! Speculative decoding on the CPU backend through the C ABI: prompt lookup (ENGINE_DRAFT_NGRAM)
+//! verified in one forward per step. Greedy output with speculation is the output without it, token
+//! for token (tiny models and, when present, SmolLM2-135M Q4_1); random batches mixing speculative and
+//! plain items give each stream the tokens of stepping it alone, with the KV pool's counts exact after
+//! every rejection; sampled output keeps the target's distribution (a chi-square test, and the tokens
+//! themselves, since the draw is seeded by position); bad input is refused as the header says.
+
+mod common;
+use common::shared::{self, fork, no_cache};
+use common::{Held, Rng, Scratch, cpu_options, init, logits, model_file, reset, serial, set_sampling, stream_len};
+
+use hostembed::Status;
+use hostembed::abi::{
+    ENGINE_SPECULATION_MAX_TOKENS, engine_batch_item, engine_draft, engine_sampling, engine_speculation,
+};
+use hostembed::engine::{self, engine_backend, engine_options};
+use hostembed::ffi;
+use hostembed::model::{Arch, ModelConfig, RopeScaling};
+use hostembed::status::last_error;
+use hostembed::tensor::DType;
+use std::path::PathBuf;
+
+const PAGE: usize = hostembed::cpu::PAGE_TOKENS;
+
+fn tiny(arch: Arch) -> ModelConfig {
+    ModelConfig {
+        arch,
+        vocab: 64,
+        hidden: 64,
+        layers: 2,
+        heads: 4,
+        kv_heads: 2,
+        head_dim: 16,
+        intermediate: 96,
+        rms_eps: 1e-5,
+        rope_theta: 10000.0,
+        rope_scaling: RopeScaling::None,
+        rope_interleaved: false,
+        max_position: 512,
+        tied: arch == Arch::Qwen2,
+        qkv_bias: arch == Arch::Qwen2,
+        qk_norm: false,
+        bos: Some(1),
+        eos: Some(2),
+    }
+}
+
+fn lookup(max_tokens: u32) -> engine_speculation {
+    engine_speculation { draft: engine_draft::Ngram, max_tokens, ngram_min: 1, ngram_max: 3 }
+}
+
+fn set_speculation(e: &Held, stream: u32, s: &engine_speculation) -> Status {
+    // SAFETY: a live engine and a live struct.
+    unsafe { ffi::engine_set_speculation(e.0, stream, s) }
+}
+
+fn spec_stats(e: &Held, stream: u32) -> (u64, u64) {
+    let (mut p, mut a) = (u64::MAX, u64::MAX);
+    // SAFETY: a live engine and two writable counters.
+    let st = unsafe { ffi::engine_speculation_stats(e.0, stream, &mut p, &mut a) };
+    assert_eq!(st, Status::Ok, "{}", last_error());
+    (p, a)
+}
+
+/// One item: a stream, its tokens, and the room its `out` has (0: no out).
+struct Item<'a> {
+    stream: u32,
+    tokens: &'a [i32],
+    cap: usize,
+}
+
+/// engine_step_batch's status and each item's (status, next, out).
+fn batch(e: &Held, items: &[Item<'_>]) -> (Status, Vec<(Status, i32, Vec<i32>)>) {
+    let mut outs: Vec<Vec<i32>> = items.iter().map(|i| vec![-9; i.cap]).collect();
+    let mut c: Vec<engine_batch_item> = items
+        .iter()
+        .zip(outs.iter_mut())
+        .map(|(i, out)| engine_batch_item {
+            stream: i.stream,
+            tokens: i.tokens.as_ptr(),
+            n: i.tokens.len(),
+            next: -7,
+            status: Status::Panic,
+            out: if i.cap == 0 { std::ptr::null_mut() } else { out.as_mut_ptr() },
+            out_cap: i.cap,
+            n_out: usize::MAX,
+        })
+        .collect();
+    // SAFETY: a live engine and items whose pointers live across the call.
+    let st = unsafe { ffi::engine_step_batch(e.0, c.as_mut_ptr(), c.len()) };
+    let res = c
+        .iter()
+        .zip(&outs)
+        .map(|(i, out)| {
+            let got = if i.out.is_null() {
+                if i.status == Status::Ok {
+                    assert_eq!(i.n_out, 1, "a plain item produces one token");
+                }
+                vec![i.next]
+            } else {
+                assert!(i.n_out <= i.out_cap, "n_out {} past out_cap {}", i.n_out, i.out_cap);
+                out[..i.n_out].to_vec()
+            };
+            if i.status == Status::Ok {
+                assert_eq!(got.last(), Some(&i.next), "the last token out is next");
+                assert!(out[i.n_out.min(out.len())..].iter().all(|&t| t == -9), "written past n_out");
+            }
+            (i.status, i.next, got)
+        })
+        .collect();
+    (st, res)
+}
+
+/// The tokens after `prompt` on `stream` until at least `n`, `cap` the out room of each step (0: one
+/// token a step); the stream holds all but the last.
+fn generate(e: &Held, stream: u32, prompt: &[i32], n: usize, cap: usize) -> Vec<i32> {
+    let mut got = Vec::new();
+    let mut input = prompt.to_vec();
+    while got.len() < n {
+        let (st, items) = batch(e, &[Item { stream, tokens: &input, cap }]);
+        assert_eq!(st, Status::Ok, "{}", last_error());
+        let (ist, next, out) = &items[0];
+        assert_eq!(*ist, Status::Ok, "{}", last_error());
+        got.extend_from_slice(out);
+        input = vec![*next];
+    }
+    got
+}
+
+/// A prompt that repeats itself, with changes: what prompt lookup pays off on.
+fn repeating_prompt(rng: &mut Rng, vocab: usize) -> Vec<i32> {
+    let len = 6 + rng.below(10) as usize;
+    let line = rng.ids(vocab, len);
+    let mut p = Vec::new();
+    for _ in 0..2 + rng.below(3) {
+        let mut l = line.clone();
+        let at = rng.below(l.len() as u64) as usize;
+        l[at] = rng.below(vocab as u64) as i32;
+        p.extend(l);
+    }
+    p
+}
+
+fn model(dir: &Scratch, cfg: &ModelConfig, rng: &mut Rng, dtype: DType) -> PathBuf {
+    dir.gguf("m", cfg, rng.next_u64(), dtype)
+}
+
+#[test]
+fn greedy_lookup_gives_the_tokens_and_logits_of_plain_steps() {
+    let _g = serial();
+    let mut rng = Rng::fresh("greedy_lookup_gives_the_tokens_and_logits_of_plain_steps");
+    let dir = Scratch::new("spec-greedy");
+    let (mut proposed, mut accepted) = (0, 0);
+    for (arch, dtype) in [(Arch::Llama, DType::Q8_0), (Arch::Qwen2, DType::F32)] {
+        let cfg = tiny(arch);
+        let path = model(&dir, &cfg, &mut rng, dtype);
+        let spec = init(&path, &cpu_options(512, 2));
+        let plain = init(&path, &cpu_options(512, 2));
+        for p in 0..10 {
+            let max = 1 + rng.below(10) as u32;
+            assert_eq!(set_speculation(&spec, 0, &lookup(max)), Status::Ok, "{}", last_error());
+            let prompt = if p % 3 == 2 { rng.ids(cfg.vocab, 5) } else { repeating_prompt(&mut rng, cfg.vocab) };
+            let want = generate(&plain, 0, &prompt, 128, 0);
+            let got = generate(&spec, 0, &prompt, 128, max as usize + 1 + p % 2);
+            assert_eq!(got[..128], want[..], "{arch:?} prompt {p} with max_tokens {max}");
+            // The logits kept are those after the stream's last position, as a plain step leaves them.
+            let len = stream_len(&spec, 0);
+            assert_eq!(len as usize, prompt.len() + got.len() - 1);
+            let mut input = prompt.clone();
+            input.extend_from_slice(&got);
+            reset(&plain, 1);
+            common::step(&plain, 1, &input[..len as usize]);
+            assert_eq!(common::bits(&logits(&spec, 0)), common::bits(&logits(&plain, 1)), "logits after {len}");
+            let (pr, ac) = spec_stats(&spec, 0);
+            assert!(ac <= pr);
+            (proposed, accepted) = (proposed + pr, accepted + ac);
+            reset(&spec, 0);
+            reset(&plain, 0);
+        }
+    }
+    println!("proposed {proposed}, accepted {accepted}");
+    assert!(accepted > 0 && accepted < proposed, "proposed {proposed}, accepted {accepted}");
+}
+
+#[test]
+fn smollm2_greedy_lookup_is_token_for_token() {
+    let Some(path) = model_file("SmolLM2-135M-Instruct.Q4_1.gguf", "scripts/fetch-smollm.sh fetches it") else {
+        return;
+    };
+    let _g = serial();
+    let opts = engine_options { backend: engine_backend::Cpu, context: 256, ..cpu_options(256, 1) };
+    let spec = init(&path, &opts);
+    let plain = init(&path, &opts);
+    assert_eq!(set_speculation(&spec, 0, &lookup(8)), Status::Ok, "{}", last_error());
+    let texts = [
+        "Repeat this code exactly:\nfor (int i = 0; i < n; i++) {\n    sum += a[i] * b[i];\n}\nfor (int i = 0; i < n; i++) {\n",
+        "The capital of France is",
+        "List the days of the week: Monday, Tuesday, Wednesday, Thursday, Friday, Saturday, Sunday. Again: Monday,",
+    ];
+    for text in texts {
+        let prompt = common::tokenize(&spec, text);
+        let want = generate(&plain, 0, &prompt, 40, 0);
+        let got = generate(&spec, 0, &prompt, 40, 9);
+        assert_eq!(got[..40], want[..], "{text:?}");
+        reset(&spec, 0);
+        reset(&plain, 0);
+    }
+    let (p, a) = spec_stats(&spec, 0);
+    println!("SmolLM2: proposed {p}, accepted {a}");
+    assert!(a > 0, "the repeated code is accepted");
+}
+
+#[test]
+fn random_batches_mixing_speculative_and_plain_items_match_stepping_alone() {
+    let _g = serial();
+    let mut rng = Rng::fresh("random_batches_mixing_speculative_and_plain_items_match_stepping_alone");
+    let dir = Scratch::new("spec-batches");
+    let cfg = tiny(Arch::Llama);
+    let path = model(&dir, &cfg, &mut rng, DType::Q8_0);
+    const STREAMS: usize = 6;
+    const WINDOW: u32 = 160;
+    for cached in [true, false] {
+        let opts = cpu_options(WINDOW, STREAMS as u32);
+        let e = init(&path, &if cached { opts } else { no_cache(opts) });
+        let reference = init(&path, &no_cache(cpu_options(WINDOW, 1)));
+        let total = shared::kv_usage(&e).tokens_total;
+        // Each stream's tokens (prompt and produced) and what its next input is.
+        let mut history: Vec<Vec<i32>> = vec![Vec::new(); STREAMS];
+        let mut input: Vec<Vec<i32>> = vec![Vec::new(); STREAMS];
+        let mut caps = [0usize; STREAMS];
+        let mut prompts: Vec<Vec<i32>> = Vec::new();
+        for s in 0..STREAMS {
+            let max = 1 + rng.below(8) as u32;
+            assert_eq!(set_speculation(&e, s as u32, &lookup(max)), Status::Ok);
+            caps[s] = max as usize + 1;
+            // Some streams start from the same prompt, so the cache shares their pages.
+            let p = if s > 0 && rng.below(3) == 0 { prompts[0].clone() } else { repeating_prompt(&mut rng, cfg.vocab) };
+            prompts.push(p.clone());
+            input[s] = p;
+        }
+        for round in 0..60 {
+            let mut chosen: Vec<usize> = (0..STREAMS).filter(|_| rng.below(3) > 0).collect();
+            rng.shuffle(&mut chosen);
+            let items: Vec<Item<'_>> = chosen
+                .iter()
+                .map(|&s| Item {
+                    stream: s as u32,
+                    tokens: &input[s],
+                    cap: if rng.below(2) == 0 { 0 } else { caps[s] },
+                })
+                .collect();
+            let (st, res) = batch(&e, &items);
+            assert_eq!(st, Status::Ok, "{}", last_error());
+            let mut next_inputs = Vec::new();
+            for (&s, (ist, next, out)) in chosen.iter().zip(res) {
+                if ist == Status::NoRoom {
+                    // The window is full: start the stream again.
+                    assert!(
+                        history[s].len() + input[s].len() + out.len() > WINDOW as usize - 2 || ist != Status::NoRoom
+                    );
+                    reset(&e, s as u32);
+                    history[s].clear();
+                    next_inputs.push((s, prompts[s].clone()));
+                    continue;
+                }
+                assert_eq!(ist, Status::Ok, "round {round} stream {s}: {}", last_error());
+                // The reference: stepped one token at a time, alone, without speculation.
+                history[s].extend_from_slice(&input[s]);
+                reset(&reference, 0);
+                let mut want = vec![common::step(&reference, 0, &history[s])];
+                while want.len() < out.len() {
+                    want.push(common::step(&reference, 0, &want[want.len() - 1..]));
+                }
+                assert_eq!(out, want, "round {round} stream {s}");
+                history[s].extend_from_slice(&out[..out.len() - 1]);
+                next_inputs.push((s, vec![next]));
+            }
+            for (s, i) in next_inputs {
+                input[s] = i;
+            }
+            let lens: Vec<usize> = history.iter().map(Vec::len).collect();
+            shared::check_pool(&e, &lens, total, PAGE, &format!("round {round}"));
+        }
+        let stats: Vec<(u64, u64)> = (0..STREAMS as u32).map(|s| spec_stats(&e, s)).collect();
+        println!("cache {cached}: proposed, accepted per stream {stats:?}");
+        assert!(stats.iter().any(|&(p, a)| a > 0 && a < p), "{stats:?}");
+    }
+}
+
+/// Speculative sampling keeps the target's distribution: over many seeds, the two tokens a step after
+/// a repeated prompt produces (an accepted or resampled proposal, then the next) are distributed as
+/// plain sampling's (chi-square at p > 0.001), and, the draw being seeded by position, are the same tokens.
+#[test]
+fn sampled_tokens_keep_the_distribution() {
+    let _g = serial();
+    let mut rng = Rng::fresh("sampled_tokens_keep_the_distribution");
+    let dir = Scratch::new("spec-sampling");
+    let mut cfg = tiny(Arch::Llama);
+    cfg.vocab = 32;
+    let path = model(&dir, &cfg, &mut rng, DType::F32);
+    // The draw is seeded by (seed, stream, position): both engines step stream 1.
+    let plain = init(&path, &cpu_options(128, 2));
+    let e = init(&path, &cpu_options(128, 2));
+    let line = rng.ids(cfg.vocab, 5);
+    let prompt: Vec<i32> = line.iter().chain(&line).chain(&line[..3]).copied().collect();
+    let n = prompt.len() - 1;
+    common::step(&e, 0, &prompt[..n]);
+    common::step(&plain, 0, &prompt[..n]);
+    let last = &prompt[n..];
+    const DRAWS: u64 = 20_000;
+    let vocab = cfg.vocab;
+    let (mut plain_counts, mut spec_counts) = (vec![0u64; vocab], vec![0u64; vocab]);
+    let (mut mismatched, mut proposed, mut accepted) = (0, 0, 0);
+    for seed in 0..DRAWS {
+        let s = engine_sampling {
+            temperature: 1.3,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            seed,
+            ..ffi::engine_default_sampling()
+        };
+        // Plain: the first sampled token.
+        assert_eq!(fork(&plain, 0, 1, n), Status::Ok, "{}", last_error());
+        set_sampling(&plain, 1, &s);
+        let (_, p) = batch(&plain, &[Item { stream: 1, tokens: last, cap: 0 }]);
+        // Speculative: the first token out (a proposal kept, or the target's own after a rejection).
+        // Set again each draw, so that no pause after rejections skips the proposal.
+        assert_eq!(fork(&e, 0, 1, n), Status::Ok, "{}", last_error());
+        set_sampling(&e, 1, &s);
+        assert_eq!(set_speculation(&e, 1, &lookup(2)), Status::Ok);
+        let (_, q) = batch(&e, &[Item { stream: 1, tokens: last, cap: 3 }]);
+        let (pr, ac) = spec_stats(&e, 1);
+        (proposed, accepted) = (proposed + pr, accepted + ac);
+        let (p, q) = (p[0].2[0] as usize, q[0].2[0] as usize);
+        plain_counts[p] += 1;
+        spec_counts[q] += 1;
+        mismatched += (p != q) as u32;
+    }
+    println!("proposed {proposed}, accepted {accepted}; plain {plain_counts:?}; speculative {spec_counts:?}");
+    assert!(proposed >= DRAWS && accepted > 0 && accepted < proposed, "the lookup proposed and was tested");
+    // Two-sample chi-square over the tokens drawn at least 5 times in all.
+    let (mut chi2, mut df) = (0.0f64, -1i64);
+    for t in 0..vocab {
+        let (a, b) = (plain_counts[t] as f64, spec_counts[t] as f64);
+        if a + b >= 5.0 {
+            chi2 += (a - b).powi(2) / (a + b);
+            df += 1;
+        }
+    }
+    // The 0.999 quantile of chi-square with df degrees of freedom (Wilson-Hilferty).
+    let z = 3.090232;
+    let d = df.max(1) as f64;
+    let bound = d * (1.0 - 2.0 / (9.0 * d) + z * (2.0 / (9.0 * d)).sqrt()).powi(3);
+    assert!(chi2 < bound, "chi-square {chi2} over {df} degrees of freedom, bound {bound}");
+    assert_eq!(mismatched, 0, "the seeded draw gives the plain tokens");
+}
+
+#[test]
+fn bad_input_is_refused() {
+    let _g = serial();
+    let mut rng = Rng::fresh("bad_input_is_refused");
+    let dir = Scratch::new("spec-bad");
+    let cfg = tiny(Arch::Llama);
+    let path = model(&dir, &cfg, &mut rng, DType::Q8_0);
+    let e = init(&path, &cpu_options(64, 2));
+    let d = ffi::engine_default_speculation();
+    assert_eq!((d.draft, d.max_tokens, d.ngram_min, d.ngram_max), (engine_draft::None, 8, 2, 4));
+
+    // Settings out of range, and streams the engine does not have.
+    assert_eq!(set_speculation(&e, 2, &lookup(4)), Status::OutOfRange);
+    assert!(last_error().contains("stream 2"), "{}", last_error());
+    let (mut p, mut a) = (0, 0);
+    assert_eq!(unsafe { ffi::engine_speculation_stats(e.0, 9, &mut p, &mut a) }, Status::OutOfRange);
+    assert_eq!(unsafe { ffi::engine_set_speculation(e.0, 0, std::ptr::null()) }, Status::InvalidArgument);
+    for bad in [lookup(0), lookup(ENGINE_SPECULATION_MAX_TOKENS + 1), engine_speculation { ngram_min: 4, ..lookup(2) }]
+    {
+        assert_eq!(set_speculation(&e, 0, &bad), Status::InvalidArgument, "{bad:?}");
+    }
+    assert_eq!(
+        set_speculation(&e, 0, &engine_speculation { draft: engine_draft::Model, ..lookup(4) }),
+        Status::Unsupported
+    );
+    let mut raw = [7u32, 4, 1, 3];
+    let st = unsafe { ffi::engine_set_speculation(e.0, 0, raw.as_mut_ptr() as *const engine_speculation) };
+    assert_eq!(st, Status::InvalidArgument, "draft 7");
+    assert!(last_error().contains("engine_draft"), "{}", last_error());
+
+    // out_cap below max_tokens + 1: the call is refused, nothing stepped (the other item neither).
+    assert_eq!(set_speculation(&e, 0, &lookup(4)), Status::Ok);
+    let prompt: Vec<i32> = [3, 4, 5, 6].repeat(4);
+    let (st, res) =
+        batch(&e, &[Item { stream: 1, tokens: &prompt, cap: 0 }, Item { stream: 0, tokens: &prompt, cap: 4 }]);
+    assert_eq!(st, Status::InvalidArgument);
+    assert!(last_error().contains("out_cap"), "{}", last_error());
+    assert!(res.iter().all(|r| r.0 == Status::InvalidArgument && r.1 == -1));
+    assert_eq!((stream_len(&e, 0), stream_len(&e, 1)), (0, 0));
+    // Without speculation any room will do.
+    let (st, res) = batch(&e, &[Item { stream: 1, tokens: &prompt, cap: 1 }]);
+    assert_eq!((st, res[0].0, res[0].2.len()), (Status::Ok, Status::Ok, 1));
+
+    // At the window's end a stream proposes fewer, and never passes the window.
+    let (st, _) = batch(&e, &[Item { stream: 0, tokens: &prompt[..], cap: 5 }]);
+    assert_eq!(st, Status::Ok);
+    let mut next = vec![prompt[0]];
+    loop {
+        let len = stream_len(&e, 0) as usize;
+        let (st, res) = batch(&e, &[Item { stream: 0, tokens: &next, cap: 5 }]);
+        assert_eq!(st, Status::Ok);
+        if res[0].0 == Status::NoRoom {
+            assert_eq!(len, 64, "refused only with the window full");
+            break;
+        }
+        assert_eq!(res[0].0, Status::Ok, "{}", last_error());
+        let now = stream_len(&e, 0) as usize;
+        assert_eq!(now, len + res[0].2.len(), "the stream holds its input and the accepted proposals");
+        assert!(now <= 64);
+        next = vec![res[0].1];
+    }
+    let lens = [64, stream_len(&e, 1) as usize];
+    shared::check_pool(&e, &lens, shared::kv_usage(&e).tokens_total, PAGE, "at the window's end");
+
+    // A drafter checkpoint is refused at load (this version loads none).
+    let c = common::c_path(&path);
+    let opts = engine_options { draft_model: c.as_ptr(), ..cpu_options(64, 1) };
+    let mut h = std::ptr::null_mut();
+    assert_eq!(unsafe { ffi::engine_init_fit(c.as_ptr(), &opts, &mut h) }, Status::Unsupported);
+    assert!(h.is_null());
+    let _ = engine::default_options();
+}
