@@ -491,7 +491,13 @@ pub const Scheduler = struct {
             }
             if (r.constrained) _ = c.engine_set_constraint(s.engine, ch.stream, c.ENGINE_CONSTRAINT_NONE, null, 0);
             _ = c.engine_reset(s.engine, ch.stream);
-            s.free_streams.append(gpa, ch.stream) catch {};
+        }
+        // Back in reverse, so the next request takes the same streams in the same order: a sampled draw
+        // depends on (seed, stream, position), and a seeded request repeated alone repeats its output.
+        var k = r.choices.len;
+        while (k > 0) {
+            k -= 1;
+            s.free_streams.append(gpa, r.choices[k].stream) catch {};
         }
         metrics.addSpeculation(proposed, accepted);
         s.reserved -= r.reserved;
