@@ -474,6 +474,7 @@ const Writer = struct {
         @memset(closed, false);
         var chunk: std.ArrayList(u8) = .empty;
         defer chunk.deinit(gpa);
+        var last_check = std.time.milliTimestamp();
 
         r.mutex.lock();
         while (true) {
@@ -515,7 +516,10 @@ const Writer = struct {
                 }
             }
             if (r.released) break;
-            r.cond.timedWait(&r.mutex, 50 * std.time.ns_per_ms) catch {
+            r.cond.timedWait(&r.mutex, 50 * std.time.ns_per_ms) catch {};
+            const now = std.time.milliTimestamp();
+            if (now - last_check >= 50) {
+                last_check = now;
                 r.mutex.unlock();
                 const gone = w.conn.peerGone();
                 r.mutex.lock();
@@ -526,7 +530,7 @@ const Writer = struct {
                     r.mutex.unlock();
                     return false;
                 }
-            };
+            }
         }
         r.mutex.unlock();
         if (w.params.stream) {

@@ -105,7 +105,11 @@ class Server:
         return self.raw(head + payload)
 
     def metrics(self):
-        with urllib.request.urlopen(self.base + "/metrics", timeout=5) as r:
+        return self.metrics_with_key(None)
+
+    def metrics_with_key(self, key):
+        request = urllib.request.Request(self.base + "/metrics", headers={"Authorization": f"Bearer {key}"} if key else {})
+        with urllib.request.urlopen(request, timeout=5) as r:
             values = {}
             for line in r.read().decode().splitlines():
                 if line and not line.startswith("#"):
@@ -419,6 +423,17 @@ def test_malformed(srv):
     check("Paris" in r.choices[0].message.content, "a well-formed request right after is served")
 
 
+def test_load(srv, requests):
+    """load.py's bounded Poisson run: no failure, and the server's memory within 50 MB of before."""
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "load.py")
+    out = subprocess.run([sys.executable, script, "--base", srv.base, "--model", MODEL_NAME, "--requests", str(requests),
+                          "--rate", "20", "--max-tokens", "4", "--prompt-tokens", "8", "--max-in-flight", "32",
+                          "--max-seconds", "120", "--pid", str(srv.proc.pid), "--rss-limit-mb", "50"],
+                         capture_output=True, text=True, timeout=300)
+    print(out.stdout + out.stderr, end="")
+    check(out.returncode == 0, f"{requests} Poisson requests: none failed, memory within 50 MB")
+
+
 def test_metrics(srv):
     m = srv.metrics()
     check(m.get('hostembed_requests_total{endpoint="chat"}', 0) > 0 and m.get("hostembed_completion_tokens_total", 0) > 0,
@@ -428,10 +443,17 @@ def test_metrics(srv):
     check(m.get("hostembed_kv_tokens_total", 0) > 0, "metrics report the KV pool")
 
 
-def test_limits_key_and_drain(binary, model):
-    """A second server: one stream, an API key, a 1 s queue timeout; then SIGTERM while streaming."""
-    srv = Server(binary, model, "--ctx", "512", "--streams", "1", "--api-key", "sekrit", "--queue-timeout", "1")
+def test_limits_key_and_drain(binary, model, reference):
+    """A second server: one stream, prompt lookup, an API key, a 1 s queue timeout; then SIGTERM while
+    streaming."""
+    srv = Server(binary, model, "--ctx", "512", "--streams", "1", "--api-key", "sekrit", "--queue-timeout", "1",
+                 "--lookup", "4")
     try:
+        # Prompt lookup proposes tokens from the stream's own history; the output stays the greedy one.
+        r = complete(srv.client("sekrit"), reference[0], max_tokens=24)
+        check(r.choices[0].text == reference[1], f"greedy output with --lookup equals the output without: {r.choices[0].text!r}")
+        check(srv.metrics_with_key("sekrit").get("hostembed_speculation_accepted_total", 0) > 0, "prompt lookup accepted proposals")
+
         try:
             chat(srv.client("wrong"), "hi", max_tokens=2)
             check(False, "a wrong API key is refused")
@@ -479,6 +501,7 @@ def main():
     ap.add_argument("model")
     ap.add_argument("--clients", type=int, default=32)
     ap.add_argument("--only", default=None)
+    ap.add_argument("--load-requests", type=int, default=200)
     args = ap.parse_args()
     t0 = time.time()
     srv = Server(args.server, args.model, "--ctx", "512", "--streams", str(args.clients), "--kv-type", "f16",
@@ -487,7 +510,11 @@ def main():
              ("n", lambda: test_n_and_sampling(srv)), ("logprobs", lambda: test_logprobs(srv)),
              ("response_format", lambda: test_response_format(srv)), ("sse", lambda: test_raw_sse(srv)),
              ("concurrent", lambda: test_concurrent(srv, args.clients)), ("disconnect", lambda: test_disconnect(srv)),
-             ("malformed", lambda: test_malformed(srv)), ("metrics", lambda: test_metrics(srv))]
+             ("malformed", lambda: test_malformed(srv)), ("load", lambda: test_load(srv, args.load_requests)),
+             ("metrics", lambda: test_metrics(srv))]
+    # A repetitive text, where prompt lookup finds proposals, decoded here without it.
+    lookup_prompt = "one two three four, one two three four, one two three four, one two three four,"
+    reference = (lookup_prompt, complete(srv.client(), lookup_prompt, max_tokens=24).choices[0].text)
     try:
         for name, fn in tests:
             if args.only in (None, name):
@@ -503,7 +530,7 @@ def main():
         srv.stop()
     if args.only in (None, "drain"):
         print("--- limits, API key, drain", flush=True)
-        test_limits_key_and_drain(args.server, args.model)
+        test_limits_key_and_drain(args.server, args.model, reference)
     print(f"server tests: {len(failures)} failed ({time.time() - t0:.1f} s)")
     sys.exit(1 if failures else 0)
 
