@@ -41,7 +41,6 @@ pub const Conn = struct {
     buf: [header_limit]u8 = undefined,
     start: usize = 0,
     end: usize = 0,
-    header_len: usize = 0,
     body: std.ArrayList(u8) = .empty,
     /// Set when a write failed: the peer is gone.
     broken: bool = false,
@@ -145,7 +144,6 @@ pub const Conn = struct {
         if (length > limits.max_body) return .{ .refused = .{ .status = 413, .message = "the request body is over the limit" } };
         // The header stays in the buffer (the request's slices point into it) until the next read.
         conn.start = head_end;
-        conn.header_len = head_end;
         conn.body.clearRetainingCapacity();
         conn.body.ensureTotalCapacity(gpa, length) catch return .{ .refused = .{ .status = 413, .message = "no memory for the body" } };
         const buffered = @min(length, conn.end - conn.start);

@@ -114,6 +114,7 @@ pub const Scheduler = struct {
     vocab: u32,
     kv_total: u64,
     total_streams: u32,
+    window: u32,
 
     mutex: std.Thread.Mutex = .{},
     cond: std.Thread.Condition = .{},
@@ -140,7 +141,7 @@ pub const Scheduler = struct {
         if (c.engine_model_info(engine, &info) != c.ENGINE_STATUS_OK) return error.EngineInfo;
         var usage: c.struct_engine_kv_usage = undefined;
         if (c.engine_kv_usage(engine, &usage) != c.ENGINE_STATUS_OK) return error.EngineInfo;
-        s.* = .{ .engine = engine, .opts = opts, .vocab = info.vocab, .kv_total = usage.tokens_total, .total_streams = info.streams };
+        s.* = .{ .engine = engine, .opts = opts, .vocab = info.vocab, .kv_total = usage.tokens_total, .total_streams = info.streams, .window = info.window };
         var k: u32 = info.streams;
         while (k > 0) {
             k -= 1;
@@ -216,11 +217,12 @@ pub const Scheduler = struct {
         }
     }
 
-    /// KV positions a request may come to hold: its prompt and every choice's tokens (with a step of
-    /// speculation past the last).
+    /// KV positions a request may come to hold: its prompt (shared by the forked choices) and every
+    /// choice's tokens with a step of speculation past the last, at most a full window a stream.
     fn kvNeed(s: *const Scheduler, r: *const Request) u64 {
-        const extra: u64 = if (s.opts.lookup > 0) s.opts.lookup else 0;
-        return r.prompt.len + @as(u64, r.n) * (@as(u64, r.max_tokens) + 1 + extra);
+        const extra: u64 = s.opts.lookup;
+        const tokens = r.prompt.len + @as(u64, r.n) * (@as(u64, r.max_tokens) + 1 + extra);
+        return @min(tokens, @as(u64, r.n) * s.window);
     }
 
     fn admit(s: *Scheduler) void {
