@@ -106,18 +106,18 @@ const Params = struct {
 };
 
 const chat_fields = [_][]const u8{
-    "model",            "messages",        "max_tokens",            "max_completion_tokens", "temperature",
-    "top_p",            "n",               "stream",                "stream_options",        "stop",
-    "seed",             "frequency_penalty", "presence_penalty",    "logprobs",              "top_logprobs",
-    "response_format",  "user",            "logit_bias",            "tools",                 "tool_choice",
-    "parallel_tool_calls", "store",        "metadata",              "service_tier",          "top_k",
-    "min_p",            "repetition_penalty", "functions",          "function_call",
+    "model",               "messages",           "max_tokens",       "max_completion_tokens", "temperature",
+    "top_p",               "n",                  "stream",           "stream_options",        "stop",
+    "seed",                "frequency_penalty",  "presence_penalty", "logprobs",              "top_logprobs",
+    "response_format",     "user",               "logit_bias",       "tools",                 "tool_choice",
+    "parallel_tool_calls", "store",              "metadata",         "service_tier",          "top_k",
+    "min_p",               "repetition_penalty", "functions",        "function_call",
 };
 const completion_fields = [_][]const u8{
-    "model",            "prompt",          "max_tokens",            "temperature",           "top_p",
-    "n",                "stream",          "stream_options",        "stop",                  "seed",
-    "frequency_penalty", "presence_penalty", "logprobs",            "echo",                  "best_of",
-    "suffix",           "user",            "logit_bias",            "top_k",                 "min_p",
+    "model",              "prompt",           "max_tokens",     "temperature", "top_p",
+    "n",                  "stream",           "stream_options", "stop",        "seed",
+    "frequency_penalty",  "presence_penalty", "logprobs",       "echo",        "best_of",
+    "suffix",             "user",             "logit_bias",     "top_k",       "min_p",
     "repetition_penalty", "response_format",
 };
 

@@ -173,6 +173,20 @@ pub const Conn = struct {
         }
     }
 
+    /// Ends our side and reads what the peer still sends for a moment before closing: closing with
+    /// unread bytes resets the connection, and the peer could lose the response it was sent.
+    pub fn lingeringClose(conn: *Conn) void {
+        posix.shutdown(conn.fd, .send) catch return;
+        const deadline = std.time.milliTimestamp() + 1000;
+        var discard: [16384]u8 = undefined;
+        var left: usize = 16 << 20;
+        while (left > 0 and conn.waitReadable(deadline)) {
+            const n = posix.read(conn.fd, &discard) catch return;
+            if (n == 0) return;
+            left -|= n;
+        }
+    }
+
     /// True when the peer closed its side or reset the connection (checked without blocking).
     pub fn peerGone(conn: *Conn) bool {
         if (conn.broken) return true;

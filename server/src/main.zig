@@ -306,6 +306,7 @@ fn serveConnection(server: *Server, fd: posix.socket_t) void {
             .refused => |r| {
                 metrics.countFailure();
                 http.respondError(conn, r.status, r.message, null, null, false);
+                conn.lingeringClose();
                 return;
             },
             .request => |req| {
