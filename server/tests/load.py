@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
 """A bounded load run against an OpenAI-compatible server: requests arrive as a Poisson process at
---rate a second (at most --max-in-flight at once, the whole run cut at --max-seconds), each a streamed
+--rate a second (at most --max-in-flight at once, the whole run cut at --max-seconds), or with
+--clients N from N clients each sending its next request when the last is answered; each a streamed
 text completion of --max-tokens greedy tokens. Prints time to first token and inter-token latency
 (p50, p99), output throughput, errors, and with --pid the server's resident memory before and after.
 Loopback only: --base must name 127.0.0.1 or localhost.
 
-usage: load.py --model NAME [--base http://127.0.0.1:8080] [--requests 200] [--rate 20] [--max-tokens 16]
+usage: load.py --model NAME [--base http://127.0.0.1:8080] [--requests 200] [--rate 20 | --clients N] [--max-tokens 16]
                [--prompt-tokens 32] [--pid PID] [--rss-limit-mb 50]
 Exits 1 when a request failed or the memory grew past --rss-limit-mb."""
 
@@ -82,6 +83,7 @@ def main():
     ap.add_argument("--rate", type=float, default=20.0, help="mean arrivals a second")
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--prompt-tokens", type=int, default=32, help="about this many words a prompt")
+    ap.add_argument("--clients", type=int, default=0, help="closed loop: this many clients instead of Poisson arrivals")
     ap.add_argument("--max-in-flight", type=int, default=64)
     ap.add_argument("--max-seconds", type=float, default=600)
     ap.add_argument("--seed", type=int, default=1)
@@ -100,6 +102,21 @@ def main():
     slots = threading.Semaphore(args.max_in_flight)
     start = time.perf_counter()
     next_at = start
+    if args.clients > 0:
+        queue = list(reversed(prompts))
+
+        def client():
+            while time.perf_counter() - start < args.max_seconds:
+                with lock:
+                    if not queue:
+                        return
+                    p = queue.pop()
+                one_request(url.hostname, url.port or 80, args.model, p, args.max_tokens, out, lock)
+
+        threads = [threading.Thread(target=client, daemon=True) for _ in range(args.clients)]
+        for t in threads:
+            t.start()
+        prompts = []
     for prompt in prompts:
         next_at += rng.expovariate(args.rate)
         time.sleep(max(0.0, next_at - time.perf_counter()))
@@ -124,14 +141,16 @@ def main():
     ttft = [(s[0] - t0) * 1000 for t0, s, _, e in out if s and not e]
     itl = [(b - a) * 1000 for _, s, _, e in out if not e for a, b in zip(s, s[1:])]
     tokens = sum(n for _, _, n, e in out if not e)
-    print(f"load: {len(out)} requests ({len(threads)} sent, {len(errors)} failed) in {wall:.1f} s at {args.rate:g}/s offered, "
+    sent = len(out) if args.clients > 0 else len(threads)
+    how = f"from {args.clients} clients" if args.clients > 0 else f"at {args.rate:g}/s offered"
+    print(f"load: {len(out)} requests ({sent} sent, {len(errors)} failed) in {wall:.1f} s {how}, "
           f"{args.max_tokens} tokens each")
     print(f"load: TTFT p50 {percentile(ttft, 50):.1f} ms, p99 {percentile(ttft, 99):.1f} ms; "
           f"inter-token p50 {percentile(itl, 50):.1f} ms, p99 {percentile(itl, 99):.1f} ms")
     print(f"load: output {tokens / wall:.1f} tokens/s ({tokens} tokens), mean ITL {statistics.fmean(itl) if itl else float('nan'):.1f} ms")
     for e in errors[:5]:
         print(f"load: error: {e}")
-    ok = not errors and len(out) == len(threads)
+    ok = not errors and len(out) == sent
     if args.pid:
         rss_after = rss_kib(args.pid)
         grew = (rss_after - rss_before) / 1024
