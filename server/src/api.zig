@@ -438,6 +438,7 @@ fn chatPrompt(server: *Server, arena: std.mem.Allocator, obj: ObjectMap) ![]i32 
         n = c.engine_chat_template(server.engine.?, list.ptr, list.len, true, buf.ptr, buf.len);
     }
     if (n < 0) return badf(arena, "messages", "the chat template refused the messages: {s}", .{c.engine_last_error()});
+    if (@as(usize, @intCast(n)) >= buf.len) return bad(.{ .status = 500, .message = "the chat template's text changed length between two renderings" });
     return tokenize(server, arena, buf[0..@intCast(n)], false, "messages");
 }
 

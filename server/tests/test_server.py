@@ -263,6 +263,29 @@ def test_raw_sse(srv):
     check(events.count("\n\n") == len(lines), "curl: events are separated by blank lines")
 
 
+def test_utf8(srv):
+    """Emoji take several byte tokens each: every event must still be whole UTF-8, the same text as whole."""
+    body = {"model": MODEL_NAME, "prompt": "Emojis: \U0001F600\U0001F603\U0001F604\U0001F601\U0001F606", "max_tokens": 12,
+            "temperature": 0, "logprobs": 0}
+    status, reply = srv.post("/v1/completions", body)
+    whole = json.loads(reply.partition(b"\r\n\r\n")[2])["choices"][0]
+    tokens = whole["logprobs"]["tokens"]
+    check(any("\ufffd" in t for t in tokens), f"the model's tokens split characters: {tokens[:6]}")
+    status, reply = srv.post("/v1/completions", dict(body, stream=True))
+    pieces, strict = [], True
+    for line in reply.partition(b"\r\n\r\n")[2].split(b"\n"):
+        if line.startswith(b"data: {"):
+            try:
+                event = json.loads(line[6:].decode("utf-8", errors="strict"))
+            except UnicodeDecodeError:
+                strict = False
+                continue
+            pieces += [c["text"] for c in event["choices"]]
+    text = "".join(pieces)
+    check(strict and "\ufffd" not in text and any(ord(ch) > 0xFFFF for ch in text) and text == whole["text"],
+          f"streamed events hold whole characters only, equal to the whole response: {text!r}")
+
+
 def test_concurrent(srv, clients):
     client = srv.client()
     prompts = [f"Count from {k} to {k + 5}:" for k in range(clients)]
@@ -509,6 +532,7 @@ def main():
     tests = [("basics", lambda: test_basics(srv)), ("stop", lambda: test_stop(srv)),
              ("n", lambda: test_n_and_sampling(srv)), ("logprobs", lambda: test_logprobs(srv)),
              ("response_format", lambda: test_response_format(srv)), ("sse", lambda: test_raw_sse(srv)),
+             ("utf8", lambda: test_utf8(srv)),
              ("concurrent", lambda: test_concurrent(srv, args.clients)), ("disconnect", lambda: test_disconnect(srv)),
              ("malformed", lambda: test_malformed(srv)), ("load", lambda: test_load(srv, args.load_requests)),
              ("metrics", lambda: test_metrics(srv))]
