@@ -103,6 +103,8 @@ const Params = struct {
     top_logprobs: ?u32 = null,
     constraint: c.engine_constraint = c.ENGINE_CONSTRAINT_NONE,
     constraint_text: []const u8 = "",
+    frequency_penalty: f32 = 0,
+    presence_penalty: f32 = 0,
 };
 
 const chat_fields = [_][]const u8{
@@ -154,6 +156,8 @@ fn generate(server: *Server, conn: *http.Conn, req: http.Request, kind: Kind) bo
         .constraint = params.constraint,
         .constraint_text = params.constraint_text,
         .top_logprobs = params.top_logprobs,
+        .frequency_penalty = params.frequency_penalty,
+        .presence_penalty = params.presence_penalty,
     };
     r.init(params.n) catch return false;
     defer r.deinit();
@@ -294,10 +298,11 @@ fn parse(server: *Server, arena: std.mem.Allocator, body: []const u8, kind: Kind
         s.repeat_penalty = @floatCast(rp);
         s.repeat_last_n = 64;
     }
-    for ([_][]const u8{ "frequency_penalty", "presence_penalty" }) |name| {
-        if (try getFloat(arena, obj, name, -2, 2)) |x| if (x != 0)
-            return badf(arena, name, "a nonzero '{s}' is not supported by this server; 'repetition_penalty' is", .{name});
-    }
+    p.frequency_penalty = @floatCast((try getFloat(arena, obj, "frequency_penalty", -2, 2)) orelse 0);
+    p.presence_penalty = @floatCast((try getFloat(arena, obj, "presence_penalty", -2, 2)) orelse 0);
+    const penalized = p.frequency_penalty != 0 or p.presence_penalty != 0;
+    if (penalized and field(obj, "repetition_penalty") != null)
+        return bad(.{ .message = "'repetition_penalty' does not combine with 'frequency_penalty' or 'presence_penalty'", .param = "repetition_penalty" });
     if (try getInt(arena, obj, "seed", std.math.minInt(i64), std.math.maxInt(i64))) |seed| {
         s.seed = @bitCast(seed);
     } else s.seed = std.crypto.random.int(u64);
@@ -327,6 +332,8 @@ fn parse(server: *Server, arena: std.mem.Allocator, body: []const u8, kind: Kind
     }
 
     if (field(obj, "response_format")) |rf| try parseResponseFormat(arena, rf, p);
+    if (penalized and p.constraint != c.ENGINE_CONSTRAINT_NONE)
+        return bad(.{ .message = "'response_format' does not combine with 'frequency_penalty' or 'presence_penalty' in this server", .param = "response_format" });
 
     p.prompt = switch (kind) {
         .chat => try chatPrompt(server, arena, obj),

@@ -29,9 +29,14 @@ pub const Choice = struct {
     finish: Finish = .none,
     out: std.ArrayList(u8) = .empty,
     logprobs: std.ArrayList(TokenLogprob) = .empty,
+    /// For the server's own sampling (OpenAI's penalties): how often each token was generated, and the
+    /// choice's random draws.
+    counts: std.AutoHashMapUnmanaged(i32, u32) = .empty,
+    rng: std.Random.DefaultPrng = .init(0),
 
     fn deinit(ch: *Choice) void {
         ch.holder.deinit(gpa);
+        ch.counts.deinit(gpa);
         ch.out.deinit(gpa);
         for (ch.logprobs.items) |lp| {
             gpa.free(lp.top_ids);
@@ -52,6 +57,9 @@ pub const Request = struct {
     constraint_text: []const u8 = "",
     /// null: no logprobs; else how many alternatives each token reports.
     top_logprobs: ?u32 = null,
+    /// OpenAI's penalties; either nonzero makes the server sample the choices itself from the logits.
+    frequency_penalty: f32 = 0,
+    presence_penalty: f32 = 0,
 
     // The scheduler's own.
     choices: []Choice = &.{},
@@ -75,7 +83,11 @@ pub const Request = struct {
     pub fn init(r: *Request, n: u32) !void {
         r.n = n;
         r.choices = try gpa.alloc(Choice, n);
-        for (r.choices) |*ch| ch.* = .{};
+        for (r.choices, 0..) |*ch, k| ch.* = .{ .rng = .init(r.sampling.seed +% k *% 0x9E3779B97F4A7C15) };
+    }
+
+    pub fn samplesItself(r: *const Request) bool {
+        return r.frequency_penalty != 0 or r.presence_penalty != 0;
     }
 
     pub fn deinit(r: *Request) void {
@@ -130,11 +142,22 @@ pub const Scheduler = struct {
     items: std.ArrayList(c.engine_batch_item) = .empty,
     owners: std.ArrayList(Owner) = .empty,
     logits: []f32 = &.{},
+    candidates: std.ArrayList(Candidate) = .empty,
 
     /// Requests submitted and not yet released, for draining and the metrics.
     live: std.atomic.Value(u32) = .init(0),
 
     const Owner = struct { req: *Request, choice: ?u32, chunk: usize };
+
+    const Candidate = struct {
+        id: i32,
+        /// Weight relative to the likeliest token.
+        p: f64,
+
+        fn likelierFirst(_: void, a: Candidate, b: Candidate) bool {
+            return a.p > b.p or (a.p == b.p and a.id < b.id);
+        }
+    };
 
     pub fn init(s: *Scheduler, engine: *c.engine, opts: Options) !void {
         var info: c.struct_engine_model_info = undefined;
@@ -266,7 +289,7 @@ pub const Scheduler = struct {
     }
 
     fn setUp(s: *Scheduler, r: *Request) !void {
-        const spec_on = s.opts.lookup > 0 and r.top_logprobs == null;
+        const spec_on = s.opts.lookup > 0 and r.top_logprobs == null and !r.samplesItself();
         for (r.choices) |ch| {
             if (c.engine_reset(s.engine, ch.stream) != c.ENGINE_STATUS_OK) return error.Engine;
             if (c.engine_set_sampling(s.engine, ch.stream, &r.sampling) != c.ENGINE_STATUS_OK) return error.Engine;
@@ -371,7 +394,15 @@ pub const Scheduler = struct {
             } else s.fail(r, if (item.status == c.ENGINE_STATUS_NO_ROOM) 503 else 400);
             return;
         }
-        const produced: []const i32 = if (item.out != null and item.n_out > 0) item.out[0..item.n_out] else @as([*]const i32, @ptrCast(&item.next))[0..1];
+        var own: [1]i32 = undefined;
+        const ends_prefill = o.choice == null and r.prefilled + o.chunk >= r.prefillEnd() and r.n == 1;
+        const produced: []const i32 = if (r.samplesItself() and (o.choice != null or ends_prefill)) own: {
+            own[0] = s.sampleItself(r, &r.choices[o.choice orelse 0]) catch {
+                s.fail(r, 500);
+                return;
+            };
+            break :own &own;
+        } else if (item.out != null and item.n_out > 0) item.out[0..item.n_out] else @as([*]const i32, @ptrCast(&item.next))[0..1];
         if (o.choice) |k| {
             const ch = &r.choices[k];
             for (produced) |tok| {
@@ -405,6 +436,10 @@ pub const Scheduler = struct {
         }
         ch.generated += 1;
         metrics.addCompletionTokens(1);
+        if (r.samplesItself()) {
+            const entry = ch.counts.getOrPut(gpa, tok) catch null;
+            if (entry) |e| e.value_ptr.* = if (e.found_existing) e.value_ptr.* + 1 else 1;
+        }
         var lp: ?TokenLogprob = null;
         if (r.top_logprobs) |k| lp = s.logprobOf(ch.stream, tok, k) catch null;
 
@@ -424,6 +459,59 @@ pub const Scheduler = struct {
             ch.pending = tok;
             r.cond.broadcast();
         }
+    }
+
+    /// Samples a choice's next token from its stream's logits with OpenAI's penalties (each logit less
+    /// frequency_penalty times the token's count and presence_penalty once it occurred), then the
+    /// request's temperature, top-k, top-p and min-p; greedy at temperature 0. The draws come from the
+    /// choice's own generator, seeded by the request's seed and the choice's index.
+    fn sampleItself(s: *Scheduler, r: *Request, ch: *Choice) !i32 {
+        const logits = s.logits;
+        if (c.engine_logits(s.engine, ch.stream, logits.ptr, logits.len) != c.ENGINE_STATUS_OK) return error.Engine;
+        var it = ch.counts.iterator();
+        while (it.next()) |e| {
+            const id: usize = @intCast(e.key_ptr.*);
+            logits[id] -= r.frequency_penalty * @as(f32, @floatFromInt(e.value_ptr.*)) + r.presence_penalty;
+        }
+        var best: usize = 0;
+        for (logits, 0..) |x, i| if (x > logits[best]) {
+            best = i;
+        };
+        const sp = r.sampling;
+        if (!(sp.temperature > 0)) return @intCast(best);
+        // Candidates: tokens within e^-30 of the likeliest (the rest weigh nothing next to it), likeliest first.
+        s.candidates.clearRetainingCapacity();
+        const floor = logits[best] - 30 * sp.temperature;
+        for (logits, 0..) |x, i| if (x >= floor) try s.candidates.append(gpa, .{ .id = @intCast(i), .p = 0 });
+        for (s.candidates.items) |*cand| cand.p = @exp((logits[@intCast(cand.id)] - logits[best]) / sp.temperature);
+        std.mem.sort(Candidate, s.candidates.items, {}, Candidate.likelierFirst);
+        var keep = s.candidates.items.len;
+        if (sp.top_k > 0) keep = @min(keep, sp.top_k);
+        var total: f64 = 0;
+        for (s.candidates.items[0..keep]) |cand| total += cand.p;
+        if (sp.top_p < 1) {
+            var sum: f64 = 0;
+            for (s.candidates.items[0..keep], 0..) |cand, i| {
+                sum += cand.p;
+                if (sum >= sp.top_p * total) {
+                    keep = i + 1;
+                    break;
+                }
+            }
+        }
+        if (sp.min_p > 0) {
+            var i: usize = 1;
+            while (i < keep and s.candidates.items[i].p >= sp.min_p) i += 1;
+            keep = i;
+        }
+        total = 0;
+        for (s.candidates.items[0..keep]) |cand| total += cand.p;
+        var draw = ch.rng.random().float(f64) * total;
+        for (s.candidates.items[0..keep]) |cand| {
+            draw -= cand.p;
+            if (draw <= 0) return cand.id;
+        }
+        return s.candidates.items[keep - 1].id;
     }
 
     /// The sampled token's log-probability (from the logits, as it may lie outside the top k) and the

@@ -204,6 +204,24 @@ def test_n_and_sampling(srv):
     check(bool(r.choices[0].message.content), "temperature, top_p and repetition_penalty accepted")
 
 
+def test_penalties(srv):
+    """frequency_penalty and presence_penalty: the server samples from the logits itself."""
+    client = srv.client()
+    prompt = "one two three, one two three, one two three, one two three,"
+    plain = complete(client, prompt, max_tokens=16).choices[0].text
+    tiny = complete(client, prompt, max_tokens=16, frequency_penalty=0.0001).choices[0].text
+    check(tiny == plain, f"greedy with a negligible penalty is the engine's greedy output: {tiny!r}")
+    heavy = complete(client, prompt, max_tokens=16, frequency_penalty=2.0, presence_penalty=2.0).choices[0].text
+    most = lambda t: max(t.split().count(w) for w in set(t.split())) if t.split() else 0
+    check(heavy != plain and most(heavy) < most(plain), f"penalties stop the repetition: {plain!r} -> {heavy!r}")
+    a = complete(client, prompt, max_tokens=8, temperature=1.0, seed=3, n=2, presence_penalty=0.5)
+    b = complete(client, prompt, max_tokens=8, temperature=1.0, seed=3, n=2, presence_penalty=0.5)
+    check([c.text for c in a.choices] == [c.text for c in b.choices], "penalized sampling repeats with its seed")
+    status, _ = srv.post("/v1/completions", {"model": MODEL_NAME, "prompt": "x", "max_tokens": 2, "presence_penalty": 1,
+                                             "response_format": {"type": "json_object"}})
+    check(status == 400, "penalties with response_format are refused")
+
+
 def test_logprobs(srv):
     client = srv.client()
     r = chat(client, "Say hello.", max_tokens=5, logprobs=True, top_logprobs=3)
@@ -345,8 +363,9 @@ def bad_requests():
         "logprobs": ["yes", 3],
         "top_logprobs": [50, -1, "x"],
         "response_format": ["json", {"type": "bogus"}, {"type": "json_schema"}, {"type": "json_schema", "json_schema": {"schema": 5}}],
-        "frequency_penalty": [0.5, 5, "x"],
-        "presence_penalty": [1.0, -5],
+        "frequency_penalty": [5, -2.5, "x", [0]],
+        "presence_penalty": [-5, True],
+        "repetition_penalty": [0, 100, "x"],
         "tools": [[{"type": "function", "function": {"name": "f"}}]],
         "logit_bias": [{"1": 5}],
         "bogus_field": [1],
@@ -530,7 +549,7 @@ def main():
     srv = Server(args.server, args.model, "--ctx", "512", "--streams", str(args.clients), "--kv-type", "f16",
                  "--header-timeout", "2", "--body-timeout", "2")
     tests = [("basics", lambda: test_basics(srv)), ("stop", lambda: test_stop(srv)),
-             ("n", lambda: test_n_and_sampling(srv)), ("logprobs", lambda: test_logprobs(srv)),
+             ("n", lambda: test_n_and_sampling(srv)), ("penalties", lambda: test_penalties(srv)), ("logprobs", lambda: test_logprobs(srv)),
              ("response_format", lambda: test_response_format(srv)), ("sse", lambda: test_raw_sse(srv)),
              ("utf8", lambda: test_utf8(srv)),
              ("concurrent", lambda: test_concurrent(srv, args.clients)), ("disconnect", lambda: test_disconnect(srv)),
