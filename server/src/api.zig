@@ -248,8 +248,34 @@ fn depthOver(v: Value, limit: usize) bool {
     return false;
 }
 
+/// Most nesting and most values a request body may hold: checked by a scan before any value is built,
+/// so a body within the size limit cannot make the parse take a hundred times its size.
+const max_depth = 64;
+const max_values = 1 << 18;
+
+fn precheck(arena: std.mem.Allocator, body: []const u8) error{Bad}!void {
+    var scanner = std.json.Scanner.initCompleteInput(arena, body);
+    var depth: usize = 0;
+    var values: usize = 0;
+    while (true) {
+        const token = scanner.next() catch |err| return badf(arena, null, "the request body is not valid JSON ({s})", .{@errorName(err)});
+        switch (token) {
+            .object_begin, .array_begin => {
+                depth += 1;
+                if (depth > max_depth) return badf(arena, null, "the request body nests deeper than {d}", .{max_depth});
+            },
+            .object_end, .array_end => depth -= 1,
+            .end_of_document => return,
+            else => {},
+        }
+        values += 1;
+        if (values > max_values) return badf(arena, null, "the request body holds more than {d} JSON values", .{max_values});
+    }
+}
+
 fn parse(server: *Server, arena: std.mem.Allocator, body: []const u8, kind: Kind, p: *Params) !void {
     if (!std.unicode.utf8ValidateSlice(body)) return bad(.{ .message = "the request body is not valid UTF-8" });
+    try precheck(arena, body);
     const root = std.json.parseFromSliceLeaky(Value, arena, body, .{ .duplicate_field_behavior = .use_last }) catch |err|
         return badf(arena, null, "the request body is not valid JSON ({s})", .{@errorName(err)});
     if (root != .object) return bad(.{ .message = "the request body must be a JSON object" });

@@ -393,6 +393,7 @@ def bad_requests():
         ("overlong UTF-8", post("/v1/chat/completions", text.replace(b"hi", b"\xc0\xaf"))),
         ("NUL in content", post("/v1/chat/completions", text.replace(b"hi", b"h\\u0000i"))),
         ("lone surrogate escape", post("/v1/chat/completions", text.replace(b"hi", b"\\ud800"))),
+        ("a million values", post("/v1/chat/completions", b'{"model":"' + MODEL_NAME.encode() + b'","x":[' + b"1," * 1000000 + b'1]}')),
         ("huge number", post("/v1/chat/completions", text.replace(b'"max_tokens": 2', b'"max_tokens": ' + b"9" * 5000))),
         ("oversized body", post("/v1/chat/completions", b'{"model":"x","pad":"' + b"a" * (5 << 20) + b'"}')),
         ("oversized Content-Length", b"POST /v1/chat/completions HTTP/1.1\r\nContent-Length: 99999999999\r\n\r\n"),
