@@ -132,7 +132,6 @@ pub const Scheduler = struct {
     cond: std.Thread.Condition = .{},
     incoming: std.ArrayList(*Request) = .empty,
     draining: bool = false,
-    stopping: bool = false,
 
     // The scheduler thread's own.
     waiting: std.ArrayList(*Request) = .empty,
@@ -198,12 +197,8 @@ pub const Scheduler = struct {
     pub fn run(s: *Scheduler) void {
         while (true) {
             s.mutex.lock();
-            while (s.incoming.items.len == 0 and s.waiting.items.len == 0 and s.running.items.len == 0 and !s.stopping) {
+            while (s.incoming.items.len == 0 and s.waiting.items.len == 0 and s.running.items.len == 0) {
                 s.cond.timedWait(&s.mutex, 100 * std.time.ns_per_ms) catch {};
-            }
-            if (s.stopping) {
-                s.mutex.unlock();
-                return;
             }
             s.waiting.appendSlice(gpa, s.incoming.items) catch {};
             s.incoming.clearRetainingCapacity();
