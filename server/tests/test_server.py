@@ -321,6 +321,30 @@ def test_concurrent(srv, clients):
     check(m.get("hostembed_step_items_total", 0) > m.get("hostembed_steps_total", 1), "steps batched several items")
 
 
+def test_interleave(srv):
+    """A long prompt is read in chunks beside a running stream's decode steps, not in one stall: the
+    stream keeps getting tokens while the prompt is read (the server runs with --chunk 64)."""
+    stamps, started = [], threading.Event()
+
+    def running():
+        for chunk in complete(srv.client(), "Once upon a time", max_tokens=60, stream=True):
+            if any(c.text for c in chunk.choices):
+                stamps.append(time.time())
+                started.set()
+
+    t = threading.Thread(target=running)
+    t.start()
+    started.wait(30)
+    long_prompt = " ".join(["alpha beta gamma delta"] * 100)  # about 400 tokens, 7 chunks
+    sent = time.time()
+    r = complete(srv.client(), long_prompt, max_tokens=1)
+    answered = time.time()
+    t.join(60)
+    during = sum(sent <= x <= answered for x in stamps)
+    check(r.usage.prompt_tokens >= 320 and during >= 4,
+          f"a running stream got {during} tokens while a {r.usage.prompt_tokens}-token prompt was read")
+
+
 def test_disconnect(srv):
     with socket.create_connection(("127.0.0.1", srv.port)) as s:
         body = json.dumps({"model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": 400, "stream": True}).encode()
@@ -548,12 +572,13 @@ def main():
     args = ap.parse_args()
     t0 = time.time()
     srv = Server(args.server, args.model, "--ctx", "512", "--streams", str(args.clients), "--kv-type", "f16",
-                 "--header-timeout", "2", "--body-timeout", "2")
+                 "--header-timeout", "2", "--body-timeout", "2", "--chunk", "64", "--batch-tokens", "256")
     tests = [("basics", lambda: test_basics(srv)), ("stop", lambda: test_stop(srv)),
              ("n", lambda: test_n_and_sampling(srv)), ("penalties", lambda: test_penalties(srv)), ("logprobs", lambda: test_logprobs(srv)),
              ("response_format", lambda: test_response_format(srv)), ("sse", lambda: test_raw_sse(srv)),
              ("utf8", lambda: test_utf8(srv)),
-             ("concurrent", lambda: test_concurrent(srv, args.clients)), ("disconnect", lambda: test_disconnect(srv)),
+             ("concurrent", lambda: test_concurrent(srv, args.clients)), ("interleave", lambda: test_interleave(srv)),
+             ("disconnect", lambda: test_disconnect(srv)),
              ("malformed", lambda: test_malformed(srv)), ("load", lambda: test_load(srv, args.load_requests)),
              ("metrics", lambda: test_metrics(srv))]
     # A repetitive text, where prompt lookup finds proposals, decoded here without it.
