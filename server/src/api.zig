@@ -27,11 +27,15 @@ pub fn handle(server: *Server, conn: *http.Conn, req: http.Request) bool {
     const path = if (std.mem.indexOfScalar(u8, req.target, '?')) |q| req.target[0..q] else req.target;
     if (std.mem.eql(u8, path, "/health")) {
         if (req.method != .GET and req.method != .HEAD) return methodNotAllowed(conn, req);
-        if (!server.ready.load(.acquire)) {
-            http.respond(conn, 503, "application/json", "{\"status\":\"loading\"}", req.keep_alive, "Retry-After: 1\r\n");
-        } else if (server.draining.load(.acquire)) {
-            http.respond(conn, 503, "application/json", "{\"status\":\"draining\"}", req.keep_alive, "");
-        } else http.respond(conn, 200, "application/json", "{\"status\":\"ok\"}", req.keep_alive, "");
+        const state: struct { status: u16, body: []const u8, extra: []const u8 } = if (!server.ready.load(.acquire))
+            .{ .status = 503, .body = "{\"status\":\"loading\"}", .extra = "Retry-After: 1\r\n" }
+        else if (server.draining.load(.acquire))
+            .{ .status = 503, .body = "{\"status\":\"draining\"}", .extra = "" }
+        else
+            .{ .status = 200, .body = "{\"status\":\"ok\"}", .extra = "" };
+        // HEAD gets GET's header alone.
+        http.respondHead(conn, state.status, "application/json", state.body.len, req.keep_alive, state.extra);
+        if (req.method == .GET) conn.writeAll(state.body);
         return true;
     }
     if (!server.authorized(req.authorization)) {

@@ -218,13 +218,19 @@ pub fn reason(status: u16) []const u8 {
     };
 }
 
-/// Writes a whole response. `extra` is more header lines, each ending in CRLF.
-pub fn respond(conn: *Conn, status: u16, content_type: []const u8, body: []const u8, keep_alive: bool, extra: []const u8) void {
+/// Writes a response's header for a body of `length` bytes. `extra` is more header lines, each ending
+/// in CRLF.
+pub fn respondHead(conn: *Conn, status: u16, content_type: []const u8, length: usize, keep_alive: bool, extra: []const u8) void {
     var head: [512]u8 = undefined;
     const h = std.fmt.bufPrint(&head, "HTTP/1.1 {d} {s}\r\nContent-Type: {s}\r\nContent-Length: {d}\r\nConnection: {s}\r\n{s}\r\n", .{
-        status, reason(status), content_type, body.len, if (keep_alive) "keep-alive" else "close", extra,
+        status, reason(status), content_type, length, if (keep_alive) "keep-alive" else "close", extra,
     }) catch return;
     conn.writeAll(h);
+}
+
+/// Writes a whole response.
+pub fn respond(conn: *Conn, status: u16, content_type: []const u8, body: []const u8, keep_alive: bool, extra: []const u8) void {
+    respondHead(conn, status, content_type, body.len, keep_alive, extra);
     conn.writeAll(body);
 }
 

@@ -149,6 +149,8 @@ def test_basics(srv):
     check([m["id"] for m in models["data"]] == [MODEL_NAME], "GET /v1/models lists the served model")
     client = srv.client()
     check([m.id for m in client.models.list()] == [MODEL_NAME], "openai: models.list")
+    status, reply = srv.raw(b"HEAD /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n", timeout=5)
+    check(status == 200 and reply.endswith(b"\r\n\r\n"), "HEAD /health: the header alone")
 
     r = complete(client, "The capital of France is", max_tokens=6)
     text = r.choices[0].text
