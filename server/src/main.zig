@@ -284,7 +284,8 @@ fn acceptLoop(server: *Server, listener: *std.net.Server) void {
             posix.close(conn.stream.handle);
             continue;
         }
-        const t = std.Thread.spawn(.{ .stack_size = 1 << 20 }, serveConnection, .{ server, conn.stream.handle }) catch {
+        // The library's tokenizer and chat template run on this thread: a stack as large as a main thread's.
+        const t = std.Thread.spawn(.{ .stack_size = 8 << 20 }, serveConnection, .{ server, conn.stream.handle }) catch {
             _ = server.connections.fetchSub(1, .acq_rel);
             posix.close(conn.stream.handle);
             continue;
