@@ -1,0 +1,35 @@
+//! Builds hostembed-server through the hostembed package at the repository's root (build.zig.zon names
+//! it), as any Zig caller would: `zig build` (zig 0.15.2). -Dlib-dir names the folder holding
+//! libhostembed.so (an installed PREFIX/lib, or ../target/release); without it the package builds the
+//! library with cargo.
+const std = @import("std");
+
+pub fn build(b: *std.Build) void {
+    const target = b.standardTargetOptions(.{});
+    const optimize = b.standardOptimizeOption(.{});
+    const lib_dir = b.option([]const u8, "lib-dir", "folder holding libhostembed.so");
+    const hostembed = b.dependency("hostembed", .{ .target = target, .optimize = optimize, .@"lib-dir" = lib_dir });
+
+    const module = b.createModule(.{
+        .root_source_file = b.path("src/main.zig"),
+        .target = target,
+        .optimize = optimize,
+        .link_libc = true,
+    });
+    module.addImport("hostembed", hostembed.module("hostembed"));
+
+    const exe = b.addExecutable(.{ .name = "hostembed-server", .root_module = module });
+    b.installArtifact(exe);
+
+    const run = b.addRunArtifact(exe);
+    run.step.dependOn(b.getInstallStep());
+    if (b.args) |args| run.addArgs(args);
+    b.step("run", "run the server (arguments after --)").dependOn(&run.step);
+
+    const unit = b.addTest(.{ .root_module = b.createModule(.{
+        .root_source_file = b.path("src/text.zig"),
+        .target = target,
+        .optimize = optimize,
+    }) });
+    b.step("test", "unit tests of the text handling (UTF-8 holding, stop strings, JSON escaping)").dependOn(&b.addRunArtifact(unit).step);
+}

@@ -1,0 +1,745 @@
+//! The endpoints: OpenAI's request fields checked and turned into a scheduler request, and its
+//! response, chunk and error shapes written back.
+const std = @import("std");
+const c = @import("hostembed");
+const http = @import("http.zig");
+const sched = @import("sched.zig");
+const text = @import("text.zig");
+const metrics = @import("metrics.zig");
+const Server = @import("main.zig").Server;
+
+const gpa = std.heap.c_allocator;
+const Value = std.json.Value;
+const ObjectMap = std.json.ObjectMap;
+
+/// A request the client got wrong: answered with a 4xx in OpenAI's error shape.
+const Bad = struct {
+    status: u16 = 400,
+    message: []const u8,
+    param: ?[]const u8 = null,
+    code: ?[]const u8 = null,
+};
+
+const Kind = enum { chat, completion };
+
+/// Serves one request; false when the connection must close afterwards.
+pub fn handle(server: *Server, conn: *http.Conn, req: http.Request) bool {
+    const path = if (std.mem.indexOfScalar(u8, req.target, '?')) |q| req.target[0..q] else req.target;
+    if (std.mem.eql(u8, path, "/health")) {
+        if (req.method != .GET and req.method != .HEAD) return methodNotAllowed(conn, req);
+        const state: struct { status: u16, body: []const u8, extra: []const u8 } = if (!server.ready.load(.acquire))
+            .{ .status = 503, .body = "{\"status\":\"loading\"}", .extra = "Retry-After: 1\r\n" }
+        else if (server.draining.load(.acquire))
+            .{ .status = 503, .body = "{\"status\":\"draining\"}", .extra = "" }
+        else
+            .{ .status = 200, .body = "{\"status\":\"ok\"}", .extra = "" };
+        // HEAD gets GET's header alone.
+        http.respondHead(conn, state.status, "application/json", state.body.len, req.keep_alive, state.extra);
+        if (req.method == .GET) conn.writeAll(state.body);
+        return true;
+    }
+    if (!server.authorized(req.authorization)) {
+        metrics.countFailure();
+        http.respondError(conn, 401, "a valid API key is required: Authorization: Bearer KEY", null, "invalid_api_key", req.keep_alive);
+        return true;
+    }
+    if (!server.ready.load(.acquire)) {
+        http.respondError(conn, 503, "the model is loading", null, null, req.keep_alive);
+        return true;
+    }
+    if (std.mem.eql(u8, path, "/v1/models") or std.mem.startsWith(u8, path, "/v1/models/")) {
+        if (req.method != .GET) return methodNotAllowed(conn, req);
+        return models(server, conn, req, path);
+    }
+    if (std.mem.eql(u8, path, "/metrics")) {
+        if (req.method != .GET) return methodNotAllowed(conn, req);
+        var out: std.ArrayList(u8) = .empty;
+        defer out.deinit(gpa);
+        metrics.render(gpa, &out, server.engine.?) catch return false;
+        http.respond(conn, 200, "text/plain; version=0.0.4", out.items, req.keep_alive, "");
+        return true;
+    }
+    const kind: Kind = if (std.mem.eql(u8, path, "/v1/chat/completions")) .chat else if (std.mem.eql(u8, path, "/v1/completions")) .completion else {
+        metrics.countFailure();
+        http.respondError(conn, 404, "no such endpoint", null, null, req.keep_alive);
+        return true;
+    };
+    if (req.method != .POST) return methodNotAllowed(conn, req);
+    return generate(server, conn, req, kind);
+}
+
+fn methodNotAllowed(conn: *http.Conn, req: http.Request) bool {
+    metrics.countFailure();
+    http.respondError(conn, 405, "method not allowed for this endpoint", null, null, req.keep_alive);
+    return true;
+}
+
+fn models(server: *Server, conn: *http.Conn, req: http.Request, path: []const u8) bool {
+    var out: std.ArrayList(u8) = .empty;
+    defer out.deinit(gpa);
+    const one = path.len > "/v1/models/".len;
+    if (one and !std.mem.eql(u8, path["/v1/models/".len..], server.name)) {
+        http.respondError(conn, 404, "no such model", "model", "model_not_found", req.keep_alive);
+        return true;
+    }
+    writeModel(server, &out, one) catch return false;
+    http.respond(conn, 200, "application/json", out.items, req.keep_alive, "");
+    return true;
+}
+
+fn writeModel(server: *Server, out: *std.ArrayList(u8), one: bool) !void {
+    if (!one) try out.appendSlice(gpa, "{\"object\":\"list\",\"data\":[");
+    try out.appendSlice(gpa, "{\"id\":");
+    try text.appendValidJsonString(gpa, out, server.name);
+    try out.print(gpa, ",\"object\":\"model\",\"created\":{d},\"owned_by\":\"hostembed\",\"max_model_len\":{d}}}", .{ server.created, server.info.window });
+    if (!one) try out.appendSlice(gpa, "]}");
+}
+
+/// Everything a generation request asked for, checked.
+const Params = struct {
+    prompt: []i32 = &.{},
+    n: u32 = 1,
+    max_tokens: ?u32 = null,
+    stops: std.ArrayList([]const u8) = .empty,
+    stream: bool = false,
+    include_usage: bool = false,
+    sampling: c.engine_sampling,
+    top_logprobs: ?u32 = null,
+    constraint: c.engine_constraint = c.ENGINE_CONSTRAINT_NONE,
+    constraint_text: []const u8 = "",
+    frequency_penalty: f32 = 0,
+    presence_penalty: f32 = 0,
+};
+
+const chat_fields = [_][]const u8{
+    "model",               "messages",           "max_tokens",       "max_completion_tokens", "temperature",
+    "top_p",               "n",                  "stream",           "stream_options",        "stop",
+    "seed",                "frequency_penalty",  "presence_penalty", "logprobs",              "top_logprobs",
+    "response_format",     "user",               "logit_bias",       "tools",                 "tool_choice",
+    "parallel_tool_calls", "store",              "metadata",         "service_tier",          "top_k",
+    "min_p",               "repetition_penalty", "functions",        "function_call",
+};
+const completion_fields = [_][]const u8{
+    "model",              "prompt",           "max_tokens",     "temperature", "top_p",
+    "n",                  "stream",           "stream_options", "stop",        "seed",
+    "frequency_penalty",  "presence_penalty", "logprobs",       "echo",        "best_of",
+    "suffix",             "user",             "logit_bias",     "top_k",       "min_p",
+    "repetition_penalty", "response_format",
+};
+
+fn generate(server: *Server, conn: *http.Conn, req: http.Request, kind: Kind) bool {
+    var arena_state = std.heap.ArenaAllocator.init(gpa);
+    defer arena_state.deinit();
+    const arena = arena_state.allocator();
+    var params: Params = .{ .sampling = c.engine_default_sampling() };
+    parse(server, arena, req.body, kind, &params) catch |err| {
+        metrics.countFailure();
+        const why: Bad = switch (err) {
+            error.Bad => last_bad,
+            else => .{ .status = 500, .message = "out of memory" },
+        };
+        http.respondError(conn, why.status, why.message, why.param, why.code, req.keep_alive);
+        return true;
+    };
+    if (server.draining.load(.acquire)) {
+        http.respondError(conn, 503, "the server is shutting down", null, null, false);
+        return false;
+    }
+    metrics.countRequest(kind == .chat);
+    metrics.addPromptTokens(params.prompt.len);
+    _ = server.busy.fetchAdd(1, .acq_rel);
+    defer _ = server.busy.fetchSub(1, .acq_rel);
+
+    const r = gpa.create(sched.Request) catch return false;
+    defer gpa.destroy(r);
+    r.* = .{
+        .prompt = params.prompt,
+        .max_tokens = params.max_tokens.?,
+        .stops = params.stops.items,
+        .sampling = params.sampling,
+        .constraint = params.constraint,
+        .constraint_text = params.constraint_text,
+        .top_logprobs = params.top_logprobs,
+        .frequency_penalty = params.frequency_penalty,
+        .presence_penalty = params.presence_penalty,
+    };
+    r.init(params.n) catch return false;
+    defer r.deinit();
+    server.scheduler.submit(r) catch |err| {
+        metrics.countFailure();
+        const msg = switch (err) {
+            error.Draining => "the server is shutting down",
+            error.Busy => "too many requests are waiting; retry later",
+            error.OutOfMemory => "out of memory",
+        };
+        http.respondError(conn, 503, msg, null, null, req.keep_alive);
+        return true;
+    };
+    var w = Writer{ .server = server, .conn = conn, .r = r, .kind = kind, .params = &params, .arena = arena };
+    w.id = w.makeId();
+    const keep = w.run();
+    // The request's memory goes only once the scheduler has let it go.
+    r.mutex.lock();
+    while (!r.released) r.cond.wait(&r.mutex);
+    r.mutex.unlock();
+    return keep and !w.streamed;
+}
+
+threadlocal var last_bad: Bad = .{ .message = "" };
+
+fn bad(b: Bad) error{Bad} {
+    last_bad = b;
+    return error.Bad;
+}
+
+fn badf(arena: std.mem.Allocator, param: ?[]const u8, comptime fmt: []const u8, args: anytype) error{Bad} {
+    return bad(.{ .message = std.fmt.allocPrint(arena, fmt, args) catch "invalid request", .param = param });
+}
+
+fn field(obj: ObjectMap, name: []const u8) ?Value {
+    const v = obj.get(name) orelse return null;
+    return if (v == .null) null else v;
+}
+
+fn getInt(arena: std.mem.Allocator, obj: ObjectMap, name: []const u8, min: i64, max: i64) error{Bad}!?i64 {
+    const v = field(obj, name) orelse return null;
+    const x = switch (v) {
+        .integer => |i| i,
+        .float => |f| if (@floor(f) == f and f >= -9e15 and f <= 9e15) @as(i64, @intFromFloat(f)) else return badf(arena, name, "'{s}' must be an integer", .{name}),
+        .number_string => return badf(arena, name, "'{s}' is out of range ({d} to {d})", .{ name, min, max }),
+        else => return badf(arena, name, "'{s}' must be an integer", .{name}),
+    };
+    if (x < min or x > max) return badf(arena, name, "'{s}' is {d}, outside {d} to {d}", .{ name, x, min, max });
+    return x;
+}
+
+fn getFloat(arena: std.mem.Allocator, obj: ObjectMap, name: []const u8, min: f64, max: f64) error{Bad}!?f64 {
+    const v = field(obj, name) orelse return null;
+    const x: f64 = switch (v) {
+        .integer => |i| @floatFromInt(i),
+        .float => |f| f,
+        .number_string => return badf(arena, name, "'{s}' is out of range ({d} to {d})", .{ name, min, max }),
+        else => return badf(arena, name, "'{s}' must be a number", .{name}),
+    };
+    if (!(x >= min and x <= max)) return badf(arena, name, "'{s}' is {d}, outside {d} to {d}", .{ name, x, min, max });
+    return x;
+}
+
+fn getBool(arena: std.mem.Allocator, obj: ObjectMap, name: []const u8) error{Bad}!?bool {
+    const v = field(obj, name) orelse return null;
+    return switch (v) {
+        .bool => |b| b,
+        else => badf(arena, name, "'{s}' must be a boolean", .{name}),
+    };
+}
+
+fn getString(arena: std.mem.Allocator, obj: ObjectMap, name: []const u8) error{Bad}!?[]const u8 {
+    const v = field(obj, name) orelse return null;
+    return switch (v) {
+        .string => |s| s,
+        else => badf(arena, name, "'{s}' must be a string", .{name}),
+    };
+}
+
+/// Depth of nesting of a JSON value, counted only up to `limit` (so the walk itself stays shallow).
+fn depthOver(v: Value, limit: usize) bool {
+    if (limit == 0) return true;
+    switch (v) {
+        .array => |a| for (a.items) |x| if (depthOver(x, limit - 1)) return true,
+        .object => |o| for (o.values()) |x| if (depthOver(x, limit - 1)) return true,
+        else => {},
+    }
+    return false;
+}
+
+/// Most nesting and most values a request body may hold: checked by a scan before any value is built,
+/// so a body within the size limit cannot make the parse take a hundred times its size.
+const max_depth = 64;
+const max_values = 1 << 18;
+
+fn precheck(arena: std.mem.Allocator, body: []const u8) error{Bad}!void {
+    var scanner = std.json.Scanner.initCompleteInput(arena, body);
+    var depth: usize = 0;
+    var values: usize = 0;
+    while (true) {
+        const token = scanner.next() catch |err| return badf(arena, null, "the request body is not valid JSON ({s})", .{@errorName(err)});
+        switch (token) {
+            .object_begin, .array_begin => {
+                depth += 1;
+                if (depth > max_depth) return badf(arena, null, "the request body nests deeper than {d}", .{max_depth});
+            },
+            .object_end, .array_end => depth -= 1,
+            .end_of_document => return,
+            else => {},
+        }
+        values += 1;
+        if (values > max_values) return badf(arena, null, "the request body holds more than {d} JSON values", .{max_values});
+    }
+}
+
+fn parse(server: *Server, arena: std.mem.Allocator, body: []const u8, kind: Kind, p: *Params) !void {
+    if (!std.unicode.utf8ValidateSlice(body)) return bad(.{ .message = "the request body is not valid UTF-8" });
+    try precheck(arena, body);
+    const root = std.json.parseFromSliceLeaky(Value, arena, body, .{ .duplicate_field_behavior = .use_last }) catch |err|
+        return badf(arena, null, "the request body is not valid JSON ({s})", .{@errorName(err)});
+    if (root != .object) return bad(.{ .message = "the request body must be a JSON object" });
+    const obj = root.object;
+    const known: []const []const u8 = if (kind == .chat) &chat_fields else &completion_fields;
+    for (obj.keys()) |key| {
+        for (known) |k| {
+            if (std.mem.eql(u8, k, key)) break;
+        } else return badf(arena, key, "unrecognized request argument supplied: {s}", .{key});
+    }
+
+    const model = (try getString(arena, obj, "model")) orelse return bad(.{ .message = "'model' is required", .param = "model" });
+    if (!std.mem.eql(u8, model, server.name))
+        return bad(.{ .status = 404, .message = try std.fmt.allocPrint(arena, "the model '{s}' does not exist (this server serves '{s}')", .{ model, server.name }), .param = "model", .code = "model_not_found" });
+
+    for ([_][]const u8{ "tools", "functions", "tool_choice", "function_call" }) |name| {
+        if (field(obj, name)) |v| {
+            const empty = (v == .array and v.array.items.len == 0) or (v == .string and std.mem.eql(u8, v.string, "none"));
+            if (!empty) return badf(arena, name, "'{s}' is not supported by this server", .{name});
+        }
+    }
+    if (field(obj, "logit_bias")) |v| {
+        if (v != .object or v.object.count() > 0) return bad(.{ .message = "'logit_bias' is not supported by this server", .param = "logit_bias" });
+    }
+    if (try getBool(arena, obj, "echo")) |echo| if (echo) return bad(.{ .message = "'echo' is not supported by this server", .param = "echo" });
+    if (field(obj, "suffix") != null) return bad(.{ .message = "'suffix' is not supported by this server", .param = "suffix" });
+
+    const streams: i64 = @intCast(server.scheduler.streams());
+    p.n = @intCast((try getInt(arena, obj, "n", 1, @min(streams, 128))) orelse 1);
+    if (try getInt(arena, obj, "best_of", 1, 128)) |best_of| if (best_of != p.n) return bad(.{ .message = "'best_of' other than 'n' is not supported", .param = "best_of" });
+    p.stream = (try getBool(arena, obj, "stream")) orelse false;
+    if (field(obj, "stream_options")) |so| {
+        if (so != .object) return bad(.{ .message = "'stream_options' must be an object", .param = "stream_options" });
+        for (so.object.keys()) |key| if (!std.mem.eql(u8, key, "include_usage") and !std.mem.eql(u8, key, "include_obfuscation"))
+            return badf(arena, "stream_options", "unrecognized stream option: {s}", .{key});
+        p.include_usage = (try getBool(arena, so.object, "include_usage")) orelse false;
+    }
+
+    var s = c.engine_default_sampling();
+    s.temperature = @floatCast((try getFloat(arena, obj, "temperature", 0, 2)) orelse 1.0);
+    const top_p = (try getFloat(arena, obj, "top_p", 0, 1)) orelse 1.0;
+    s.top_p = @floatCast(@max(top_p, 1e-6));
+    s.top_k = @intCast((try getInt(arena, obj, "top_k", 0, 1 << 20)) orelse 0);
+    s.min_p = @floatCast((try getFloat(arena, obj, "min_p", 0, 1)) orelse 0);
+    if (try getFloat(arena, obj, "repetition_penalty", 0.01, 10)) |rp| {
+        s.repeat_penalty = @floatCast(rp);
+        s.repeat_last_n = 64;
+    }
+    p.frequency_penalty = @floatCast((try getFloat(arena, obj, "frequency_penalty", -2, 2)) orelse 0);
+    p.presence_penalty = @floatCast((try getFloat(arena, obj, "presence_penalty", -2, 2)) orelse 0);
+    const penalized = p.frequency_penalty != 0 or p.presence_penalty != 0;
+    if (penalized and field(obj, "repetition_penalty") != null)
+        return bad(.{ .message = "'repetition_penalty' does not combine with 'frequency_penalty' or 'presence_penalty'", .param = "repetition_penalty" });
+    if (try getInt(arena, obj, "seed", std.math.minInt(i64), std.math.maxInt(i64))) |seed| {
+        s.seed = @bitCast(seed);
+    } else s.seed = std.crypto.random.int(u64);
+    p.sampling = s;
+
+    if (kind == .chat) {
+        if (try getBool(arena, obj, "logprobs")) |want| {
+            if (want) p.top_logprobs = @intCast((try getInt(arena, obj, "top_logprobs", 0, 20)) orelse 0);
+        }
+        if (p.top_logprobs == null and field(obj, "top_logprobs") != null)
+            return bad(.{ .message = "'top_logprobs' needs 'logprobs' true", .param = "top_logprobs" });
+    } else if (try getInt(arena, obj, "logprobs", 0, 5)) |k| p.top_logprobs = @intCast(k);
+
+    if (field(obj, "stop")) |stop| {
+        switch (stop) {
+            .string => |one| try p.stops.append(arena, one),
+            .array => |list| {
+                if (list.items.len > 16) return bad(.{ .message = "at most 16 stop sequences", .param = "stop" });
+                for (list.items) |item| {
+                    if (item != .string) return bad(.{ .message = "'stop' must be a string or an array of strings", .param = "stop" });
+                    try p.stops.append(arena, item.string);
+                }
+            },
+            else => return bad(.{ .message = "'stop' must be a string or an array of strings", .param = "stop" }),
+        }
+        for (p.stops.items) |one| if (one.len == 0 or one.len > 512) return bad(.{ .message = "each stop sequence is 1 to 512 bytes", .param = "stop" });
+    }
+
+    if (field(obj, "response_format")) |rf| try parseResponseFormat(arena, rf, p);
+    if (penalized and p.constraint != c.ENGINE_CONSTRAINT_NONE)
+        return bad(.{ .message = "'response_format' does not combine with 'frequency_penalty' or 'presence_penalty' in this server", .param = "response_format" });
+
+    p.prompt = switch (kind) {
+        .chat => try chatPrompt(server, arena, obj),
+        .completion => try completionPrompt(server, arena, obj),
+    };
+    if (p.prompt.len == 0) return bad(.{ .message = "the prompt is empty", .param = if (kind == .chat) "messages" else "prompt" });
+
+    const window: u64 = server.info.window;
+    const asked = (try getInt(arena, obj, if (kind == .chat and field(obj, "max_completion_tokens") != null) "max_completion_tokens" else "max_tokens", 1, std.math.maxInt(u32)));
+    if (p.prompt.len >= window or (asked != null and p.prompt.len + @as(u64, @intCast(asked.?)) > window)) {
+        return bad(.{
+            .message = try std.fmt.allocPrint(arena, "this model's maximum context length is {d} tokens; the request has {d} prompt tokens and asks for {d} more", .{ window, p.prompt.len, asked orelse 1 }),
+            .param = if (kind == .chat) "messages" else "prompt",
+            .code = "context_length_exceeded",
+        });
+    }
+    p.max_tokens = if (asked) |a| @intCast(a) else @intCast(window - p.prompt.len);
+}
+
+fn parseResponseFormat(arena: std.mem.Allocator, rf: Value, p: *Params) !void {
+    if (rf != .object) return bad(.{ .message = "'response_format' must be an object", .param = "response_format" });
+    const kind = (try getString(arena, rf.object, "type")) orelse return bad(.{ .message = "'response_format.type' is required", .param = "response_format" });
+    if (std.mem.eql(u8, kind, "text")) return;
+    if (std.mem.eql(u8, kind, "json_object")) {
+        p.constraint = c.ENGINE_CONSTRAINT_JSON;
+        return;
+    }
+    if (!std.mem.eql(u8, kind, "json_schema")) return badf(arena, "response_format", "unknown response_format type '{s}'", .{kind});
+    const js = field(rf.object, "json_schema") orelse return bad(.{ .message = "'response_format.json_schema' is required", .param = "response_format" });
+    if (js != .object) return bad(.{ .message = "'response_format.json_schema' must be an object", .param = "response_format" });
+    const schema = field(js.object, "schema") orelse return bad(.{ .message = "'response_format.json_schema.schema' is required", .param = "response_format" });
+    if (schema != .object and schema != .bool) return bad(.{ .message = "the schema must be a JSON object", .param = "response_format" });
+    if (depthOver(schema, 64)) return bad(.{ .message = "the schema is nested too deeply", .param = "response_format" });
+    p.constraint = c.ENGINE_CONSTRAINT_JSON_SCHEMA;
+    p.constraint_text = try std.json.Stringify.valueAlloc(arena, schema, .{});
+}
+
+fn tokenize(server: *Server, arena: std.mem.Allocator, s: []const u8, add_bos: bool, param: []const u8) ![]i32 {
+    var n: usize = 0;
+    const bos: i32 = if (add_bos) c.ENGINE_BOS_YES else c.ENGINE_BOS_NO;
+    var st = c.engine_tokenize(server.engine.?, s.ptr, s.len, bos, null, 0, &n);
+    if (st != c.ENGINE_STATUS_OK and st != c.ENGINE_STATUS_OUT_OF_RANGE)
+        return badf(arena, param, "the text cannot be tokenized: {s}", .{c.engine_last_error()});
+    const ids = try arena.alloc(i32, n);
+    st = c.engine_tokenize(server.engine.?, s.ptr, s.len, bos, ids.ptr, ids.len, &n);
+    if (st != c.ENGINE_STATUS_OK) return badf(arena, param, "the text cannot be tokenized: {s}", .{c.engine_last_error()});
+    return ids[0..n];
+}
+
+fn completionPrompt(server: *Server, arena: std.mem.Allocator, obj: ObjectMap) ![]i32 {
+    const prompt = field(obj, "prompt") orelse return bad(.{ .message = "'prompt' is required", .param = "prompt" });
+    switch (prompt) {
+        .string => |s| {
+            if (s.len > 0 and std.mem.indexOfScalar(u8, s, 0) != null) return bad(.{ .message = "the prompt holds a NUL character", .param = "prompt" });
+            return tokenize(server, arena, s, server.info.add_bos, "prompt");
+        },
+        .array => |list| {
+            if (list.items.len == 1 and list.items[0] == .string) return tokenize(server, arena, list.items[0].string, server.info.add_bos, "prompt");
+            const ids = try arena.alloc(i32, list.items.len);
+            for (list.items, ids) |item, *id| {
+                if (item != .integer) return bad(.{ .message = "'prompt' must be a string, one string in an array, or an array of token ids (several prompts in one request are not supported)", .param = "prompt" });
+                if (item.integer < 0 or item.integer >= server.info.vocab) return badf(arena, "prompt", "token id {d} is outside the vocabulary of {d}", .{ item.integer, server.info.vocab });
+                id.* = @intCast(item.integer);
+            }
+            return ids;
+        },
+        else => return bad(.{ .message = "'prompt' must be a string or an array of token ids", .param = "prompt" }),
+    }
+}
+
+fn chatPrompt(server: *Server, arena: std.mem.Allocator, obj: ObjectMap) ![]i32 {
+    const messages = field(obj, "messages") orelse return bad(.{ .message = "'messages' is required", .param = "messages" });
+    if (messages != .array or messages.array.items.len == 0) return bad(.{ .message = "'messages' must be a non-empty array", .param = "messages" });
+    if (messages.array.items.len > 4096) return bad(.{ .message = "too many messages", .param = "messages" });
+    const list = try arena.alloc(c.engine_chat_message, messages.array.items.len);
+    for (messages.array.items, list) |m, *out| {
+        if (m != .object) return bad(.{ .message = "each message must be an object", .param = "messages" });
+        for (m.object.keys()) |key| {
+            const allowed = [_][]const u8{ "role", "content", "name", "refusal" };
+            for (allowed) |k| {
+                if (std.mem.eql(u8, k, key)) break;
+            } else return badf(arena, "messages", "unsupported message field '{s}'", .{key});
+        }
+        var role = (try getString(arena, m.object, "role")) orelse return bad(.{ .message = "each message needs a 'role'", .param = "messages" });
+        if (std.mem.eql(u8, role, "developer")) role = "system";
+        const roles = [_][]const u8{ "system", "user", "assistant" };
+        for (roles) |k| {
+            if (std.mem.eql(u8, k, role)) break;
+        } else return badf(arena, "messages", "unsupported role '{s}' (system, developer, user and assistant are)", .{role});
+        var content: std.ArrayList(u8) = .empty;
+        if (field(m.object, "content")) |cv| switch (cv) {
+            .string => |s| try content.appendSlice(arena, s),
+            .array => |parts| for (parts.items) |part| {
+                if (part != .object) return bad(.{ .message = "a content part must be an object", .param = "messages" });
+                const t = (try getString(arena, part.object, "type")) orelse "";
+                if (!std.mem.eql(u8, t, "text")) return badf(arena, "messages", "content parts of type '{s}' are not supported (text is)", .{t});
+                const s = (try getString(arena, part.object, "text")) orelse return bad(.{ .message = "a text part needs 'text'", .param = "messages" });
+                try content.appendSlice(arena, s);
+            },
+            else => return bad(.{ .message = "'content' must be a string or an array of text parts", .param = "messages" }),
+        } else if (!std.mem.eql(u8, role, "assistant")) return bad(.{ .message = "a message needs 'content'", .param = "messages" });
+        if (std.mem.indexOfScalar(u8, content.items, 0) != null) return bad(.{ .message = "a message holds a NUL character", .param = "messages" });
+        out.* = .{ .role = (try arena.dupeZ(u8, role)).ptr, .content = (try arena.dupeZ(u8, content.items)).ptr };
+    }
+    var buf = try arena.alloc(u8, 16 * 1024);
+    var n = c.engine_chat_template(server.engine.?, list.ptr, list.len, true, buf.ptr, buf.len);
+    if (n >= 0 and @as(usize, @intCast(n)) >= buf.len) {
+        buf = try arena.alloc(u8, @as(usize, @intCast(n)) + 1);
+        n = c.engine_chat_template(server.engine.?, list.ptr, list.len, true, buf.ptr, buf.len);
+    }
+    if (n < 0) return badf(arena, "messages", "the chat template refused the messages: {s}", .{c.engine_last_error()});
+    if (@as(usize, @intCast(n)) >= buf.len) return bad(.{ .status = 500, .message = "the chat template's text changed length between two renderings" });
+    return tokenize(server, arena, buf[0..@intCast(n)], false, "messages");
+}
+
+/// Writes what the choices produce: a whole response, or server-sent events as they come.
+const Writer = struct {
+    server: *Server,
+    conn: *http.Conn,
+    r: *sched.Request,
+    kind: Kind,
+    params: *Params,
+    arena: std.mem.Allocator,
+    id: []const u8 = "",
+    created: i64 = 0,
+    streamed: bool = false,
+    headers_sent: bool = false,
+
+    fn makeId(w: *Writer) []const u8 {
+        var raw: [12]u8 = undefined;
+        std.crypto.random.bytes(&raw);
+        w.created = std.time.timestamp();
+        const hex = std.fmt.bytesToHex(raw, .lower);
+        return std.fmt.allocPrint(w.arena, "{s}-{s}", .{ if (w.kind == .chat) "chatcmpl" else "cmpl", hex }) catch "cmpl";
+    }
+
+    /// Returns false when the connection must close.
+    fn run(w: *Writer) bool {
+        const r = w.r;
+        const n = r.choices.len;
+        const sent = w.arena.alloc(usize, n) catch return false;
+        const sent_lp = w.arena.alloc(usize, n) catch return false;
+        const closed = w.arena.alloc(bool, n) catch return false;
+        @memset(sent, 0);
+        @memset(sent_lp, 0);
+        @memset(closed, false);
+        var chunk: std.ArrayList(u8) = .empty;
+        defer chunk.deinit(gpa);
+        var last_check = std.time.milliTimestamp();
+
+        r.mutex.lock();
+        while (true) {
+            if (r.failure) |why| {
+                r.mutex.unlock();
+                metrics.countFailure();
+                if (!w.headers_sent) {
+                    http.respondError(w.conn, r.failure_status, why, null, null, w.params.stream == false);
+                    return !w.params.stream;
+                }
+                chunk.clearRetainingCapacity();
+                chunk.appendSlice(gpa, "data: ") catch return false;
+                http.errorBody(&chunk, r.failure_status, why, null, null) catch return false;
+                chunk.appendSlice(gpa, "\n\n") catch return false;
+                w.conn.writeAll(chunk.items);
+                return false;
+            }
+            if (w.params.stream) {
+                chunk.clearRetainingCapacity();
+                for (r.choices, 0..) |*ch, k| {
+                    if (closed[k]) continue;
+                    const new_text = ch.out.items[sent[k]..];
+                    const new_lp = ch.logprobs.items[sent_lp[k]..];
+                    if (new_text.len > 0 or new_lp.len > 0) {
+                        w.deltaEvent(&chunk, k, new_text, new_lp, null) catch return false;
+                        sent[k] = ch.out.items.len;
+                        sent_lp[k] = ch.logprobs.items.len;
+                    }
+                    if (ch.finish != .none) {
+                        w.deltaEvent(&chunk, k, "", &.{}, ch.finish) catch return false;
+                        closed[k] = true;
+                    }
+                }
+                if (chunk.items.len > 0) {
+                    r.mutex.unlock();
+                    w.startStream();
+                    w.conn.writeAll(chunk.items);
+                    r.mutex.lock();
+                }
+            }
+            if (r.released) break;
+            r.cond.timedWait(&r.mutex, 50 * std.time.ns_per_ms) catch {};
+            const now = std.time.milliTimestamp();
+            if (now - last_check >= 50) {
+                last_check = now;
+                r.mutex.unlock();
+                const gone = w.conn.peerGone();
+                r.mutex.lock();
+                if (gone) {
+                    // The client left: its streams go back at the scheduler's next step.
+                    r.cancelled.store(true, .release);
+                    while (!r.released) r.cond.wait(&r.mutex);
+                    r.mutex.unlock();
+                    return false;
+                }
+            }
+        }
+        r.mutex.unlock();
+        if (w.params.stream) {
+            w.startStream();
+            chunk.clearRetainingCapacity();
+            if (w.params.include_usage) {
+                w.eventHead(&chunk) catch return false;
+                chunk.appendSlice(gpa, "[],\"usage\":") catch return false;
+                w.usageJson(&chunk) catch return false;
+                chunk.appendSlice(gpa, "}\n\n") catch return false;
+            }
+            chunk.appendSlice(gpa, "data: [DONE]\n\n") catch return false;
+            w.conn.writeAll(chunk.items);
+            return false;
+        }
+        chunk.clearRetainingCapacity();
+        w.wholeResponse(&chunk) catch return false;
+        http.respond(w.conn, 200, "application/json", chunk.items, true, "");
+        return !w.conn.broken;
+    }
+
+    fn startStream(w: *Writer) void {
+        if (w.headers_sent) return;
+        w.headers_sent = true;
+        w.streamed = true;
+        w.conn.writeAll("HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\nConnection: close\r\n\r\n");
+        if (w.kind == .chat) {
+            // The assistant's role comes first, as OpenAI sends it.
+            var first: std.ArrayList(u8) = .empty;
+            defer first.deinit(gpa);
+            for (0..w.r.choices.len) |k| {
+                w.eventHead(&first) catch return;
+                first.print(gpa, "[{{\"index\":{d},\"delta\":{{\"role\":\"assistant\",\"content\":\"\"}},\"logprobs\":null,\"finish_reason\":null}}]}}\n\n", .{k}) catch return;
+            }
+            w.conn.writeAll(first.items);
+        }
+    }
+
+    fn eventHead(w: *Writer, out: *std.ArrayList(u8)) !void {
+        try out.print(gpa, "data: {{\"id\":\"{s}\",\"object\":\"{s}\",\"created\":{d},\"model\":", .{ w.id, if (w.kind == .chat) "chat.completion.chunk" else "text_completion", w.created });
+        try text.appendValidJsonString(gpa, out, w.server.name);
+        try out.appendSlice(gpa, ",\"choices\":");
+    }
+
+    fn deltaEvent(w: *Writer, out: *std.ArrayList(u8), k: usize, new_text: []const u8, lps: []const sched.TokenLogprob, finish: ?sched.Finish) !void {
+        try w.eventHead(out);
+        try out.print(gpa, "[{{\"index\":{d},", .{k});
+        if (w.kind == .chat) {
+            try out.appendSlice(gpa, "\"delta\":");
+            if (finish != null) try out.appendSlice(gpa, "{}") else {
+                try out.appendSlice(gpa, "{\"content\":");
+                try text.appendJsonString(gpa, out, new_text);
+                try out.appendSlice(gpa, "}");
+            }
+        } else {
+            try out.appendSlice(gpa, "\"text\":");
+            try text.appendJsonString(gpa, out, new_text);
+        }
+        try out.appendSlice(gpa, ",\"logprobs\":");
+        try w.logprobsJson(out, lps, 0);
+        try out.appendSlice(gpa, ",\"finish_reason\":");
+        try finishJson(out, finish orelse .none);
+        try out.appendSlice(gpa, "}]}\n\n");
+    }
+
+    fn wholeResponse(w: *Writer, out: *std.ArrayList(u8)) !void {
+        try out.print(gpa, "{{\"id\":\"{s}\",\"object\":\"{s}\",\"created\":{d},\"model\":", .{ w.id, if (w.kind == .chat) "chat.completion" else "text_completion", w.created });
+        try text.appendValidJsonString(gpa, out, w.server.name);
+        try out.appendSlice(gpa, ",\"choices\":[");
+        for (w.r.choices, 0..) |*ch, k| {
+            if (k > 0) try out.append(gpa, ',');
+            try out.print(gpa, "{{\"index\":{d},", .{k});
+            if (w.kind == .chat) {
+                try out.appendSlice(gpa, "\"message\":{\"role\":\"assistant\",\"content\":");
+                try text.appendJsonString(gpa, out, ch.out.items);
+                try out.appendSlice(gpa, ",\"refusal\":null}");
+            } else {
+                try out.appendSlice(gpa, "\"text\":");
+                try text.appendJsonString(gpa, out, ch.out.items);
+            }
+            try out.appendSlice(gpa, ",\"logprobs\":");
+            try w.logprobsJson(out, ch.logprobs.items, 0);
+            try out.appendSlice(gpa, ",\"finish_reason\":");
+            try finishJson(out, ch.finish);
+            try out.append(gpa, '}');
+        }
+        try out.appendSlice(gpa, "],\"usage\":");
+        try w.usageJson(out);
+        try out.append(gpa, '}');
+    }
+
+    fn usageJson(w: *Writer, out: *std.ArrayList(u8)) !void {
+        const completion = w.r.completionTokens();
+        try out.print(gpa, "{{\"prompt_tokens\":{d},\"completion_tokens\":{d},\"total_tokens\":{d}}}", .{ w.r.prompt.len, completion, w.r.prompt.len + completion });
+    }
+
+    fn piece(w: *Writer, id: i32, buf: []u8) []const u8 {
+        const n = c.engine_token_piece(w.server.engine.?, id, buf.ptr, buf.len);
+        return if (n > 0) buf[0..@min(@as(usize, @intCast(n)), buf.len - 1)] else "";
+    }
+
+    fn logprobsJson(w: *Writer, out: *std.ArrayList(u8), lps: []const sched.TokenLogprob, offset: usize) !void {
+        if (w.params.top_logprobs == null or lps.len == 0) return out.appendSlice(gpa, "null");
+        var buf: [256]u8 = undefined;
+        if (w.kind == .chat) {
+            try out.appendSlice(gpa, "{\"content\":[");
+            for (lps, 0..) |lp, i| {
+                if (i > 0) try out.append(gpa, ',');
+                try w.tokenEntry(out, lp.id, lp.logprob, &buf);
+                out.items.len -= 1; // reopen the entry for its alternatives
+                try out.appendSlice(gpa, ",\"top_logprobs\":[");
+                for (lp.top_ids, lp.top_logprobs, 0..) |id, x, j| {
+                    if (j > 0) try out.append(gpa, ',');
+                    try w.tokenEntry(out, id, x, &buf);
+                }
+                try out.appendSlice(gpa, "]}");
+            }
+            return out.appendSlice(gpa, "],\"refusal\":null}");
+        }
+        // The legacy completions shape: parallel arrays, and each position's alternatives as a map.
+        try out.appendSlice(gpa, "{\"tokens\":[");
+        for (lps, 0..) |lp, i| {
+            if (i > 0) try out.append(gpa, ',');
+            try text.appendValidJsonString(gpa, out, w.piece(lp.id, &buf));
+        }
+        try out.appendSlice(gpa, "],\"token_logprobs\":[");
+        for (lps, 0..) |lp, i| {
+            if (i > 0) try out.append(gpa, ',');
+            try text.appendJsonFloat(gpa, out, lp.logprob);
+        }
+        try out.appendSlice(gpa, "],\"top_logprobs\":[");
+        for (lps, 0..) |lp, i| {
+            if (i > 0) try out.append(gpa, ',');
+            try out.append(gpa, '{');
+            for (lp.top_ids, lp.top_logprobs, 0..) |id, x, j| {
+                if (j > 0) try out.append(gpa, ',');
+                try text.appendValidJsonString(gpa, out, w.piece(id, &buf));
+                try out.append(gpa, ':');
+                try text.appendJsonFloat(gpa, out, x);
+            }
+            try out.append(gpa, '}');
+        }
+        try out.appendSlice(gpa, "],\"text_offset\":[");
+        var at = offset;
+        for (lps, 0..) |lp, i| {
+            if (i > 0) try out.append(gpa, ',');
+            try out.print(gpa, "{d}", .{at});
+            at += w.piece(lp.id, &buf).len;
+        }
+        try out.appendSlice(gpa, "]}");
+    }
+
+    fn tokenEntry(w: *Writer, out: *std.ArrayList(u8), id: i32, logprob: f32, buf: []u8) !void {
+        const p = w.piece(id, buf);
+        try out.appendSlice(gpa, "{\"token\":");
+        try text.appendValidJsonString(gpa, out, p);
+        try out.appendSlice(gpa, ",\"logprob\":");
+        try text.appendJsonFloat(gpa, out, logprob);
+        try out.appendSlice(gpa, ",\"bytes\":[");
+        for (p, 0..) |b, i| {
+            if (i > 0) try out.append(gpa, ',');
+            try out.print(gpa, "{d}", .{b});
+        }
+        try out.appendSlice(gpa, "]}");
+    }
+};
+
+fn finishJson(out: *std.ArrayList(u8), f: sched.Finish) !void {
+    try out.appendSlice(gpa, switch (f) {
+        .none => "null",
+        .stop => "\"stop\"",
+        .length => "\"length\"",
+    });
+}

@@ -1,0 +1,610 @@
+#!/usr/bin/env python3
+"""Tests hostembed-server with real clients: the official `openai` package, curl for the raw event
+stream, raw sockets for malformed and hostile requests. Starts the server on the model it is given (CI:
+SmolLM2-135M-Instruct on the CPU backend), every request greedy and a few tokens long.
+
+usage: test_server.py SERVER_BINARY MODEL [--only NAME]
+Exits 1 when any check failed; prints one line per check."""
+
+import argparse
+import concurrent.futures
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import jsonschema
+import openai
+
+MODEL_NAME = "test-model"
+failures = []
+
+
+def check(cond, what):
+    print(("ok    " if cond else "FAIL  ") + what, flush=True)
+    if not cond:
+        failures.append(what)
+    return cond
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, binary, model, *extra):
+        self.port = free_port()
+        self.log = open(f"/tmp/hostembed-server-{self.port}.log", "w")
+        self.proc = subprocess.Popen(
+            [binary, "-m", model, "--model-name", MODEL_NAME, "--port", str(self.port), "--backend", "cpu", *extra],
+            stdout=self.log, stderr=subprocess.STDOUT)
+        self.base = f"http://127.0.0.1:{self.port}"
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"the server exited with {self.proc.returncode}; see {self.log.name}")
+            try:
+                with urllib.request.urlopen(self.base + "/health", timeout=2) as r:
+                    if json.load(r).get("status") == "ok":
+                        return
+            except OSError:
+                pass
+            time.sleep(0.2)
+        raise SystemExit("the server did not become healthy in 120 s")
+
+    def client(self, key="none"):
+        return openai.OpenAI(base_url=self.base + "/v1", api_key=key, max_retries=0, timeout=120)
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.log.close()
+
+    def raw(self, data, timeout=10, chunks=None):
+        """Sends bytes on a fresh connection; the status (None when the server closed without a
+        response) and the whole reply."""
+        with socket.create_connection(("127.0.0.1", self.port), timeout=timeout) as s:
+            try:
+                for piece in chunks or [data]:
+                    s.sendall(piece)
+            except OSError:
+                pass
+            reply = b""
+            try:
+                # Until the server closes, or one whole response has come (a kept-alive connection stays open).
+                while True:
+                    got = s.recv(65536)
+                    if not got:
+                        break
+                    reply += got
+                    head, sep, body = reply.partition(b"\r\n\r\n")
+                    length = re.search(rb"\r\nContent-Length: (\d+)", head)
+                    if sep and length and len(body) >= int(length.group(1)):
+                        break
+            except (ConnectionResetError, socket.timeout):
+                pass
+        m = re.match(rb"HTTP/1\.1 (\d{3}) ", reply)
+        return (int(m.group(1)) if m else None), reply
+
+    def post(self, path, body, extra_headers=b""):
+        payload = body if isinstance(body, bytes) else json.dumps(body).encode()
+        head = (f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(payload)}\r\nConnection: close\r\n").encode() + extra_headers + b"\r\n"
+        return self.raw(head + payload)
+
+    def metrics(self):
+        return self.metrics_with_key(None)
+
+    def metrics_with_key(self, key):
+        request = urllib.request.Request(self.base + "/metrics", headers={"Authorization": f"Bearer {key}"} if key else {})
+        with urllib.request.urlopen(request, timeout=5) as r:
+            values = {}
+            for line in r.read().decode().splitlines():
+                if line and not line.startswith("#"):
+                    name, _, value = line.rpartition(" ")
+                    values[name] = float(value)
+            return values
+
+
+def chat(client, text, **kw):
+    kw.setdefault("max_tokens", 8)
+    kw.setdefault("temperature", 0)
+    return client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": text}], **kw)
+
+
+def complete(client, prompt, **kw):
+    kw.setdefault("max_tokens", 8)
+    kw.setdefault("temperature", 0)
+    return client.completions.create(model=MODEL_NAME, prompt=prompt, **kw)
+
+
+def stream_chat_text(client, text, **kw):
+    pieces, finish, usage = [], None, None
+    for chunk in chat(client, text, stream=True, **kw):
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            if choice.delta.content:
+                pieces.append(choice.delta.content)
+            if choice.finish_reason:
+                finish = choice.finish_reason
+    return "".join(pieces), finish, usage
+
+
+def test_basics(srv):
+    with urllib.request.urlopen(srv.base + "/v1/models", timeout=5) as r:
+        models = json.load(r)
+    check([m["id"] for m in models["data"]] == [MODEL_NAME], "GET /v1/models lists the served model")
+    client = srv.client()
+    check([m.id for m in client.models.list()] == [MODEL_NAME], "openai: models.list")
+    status, reply = srv.raw(b"HEAD /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n", timeout=5)
+    check(status == 200 and reply.endswith(b"\r\n\r\n"), "HEAD /health: the header alone")
+
+    r = complete(client, "The capital of France is", max_tokens=6)
+    text = r.choices[0].text
+    check("Paris" in text, f"completion continues with Paris: {text!r}")
+    check(r.usage.prompt_tokens > 0 and r.usage.completion_tokens == 6 and
+          r.usage.total_tokens == r.usage.prompt_tokens + 6, f"completion usage: {r.usage}")
+    check(r.choices[0].finish_reason == "length", "max_tokens ends with finish_reason length")
+
+    r = chat(client, "What is the capital of France? Answer in one word.", max_tokens=16)
+    content = r.choices[0].message.content
+    check(r.choices[0].message.role == "assistant" and "Paris" in content, f"chat answers Paris: {content!r}")
+    check(r.choices[0].finish_reason in ("stop", "length"), "chat finish_reason")
+    check(r.usage.completion_tokens <= 16, "chat usage within max_tokens")
+    r2 = chat(client, "What is the capital of France? Answer in one word.", max_completion_tokens=16)
+    check(r2.choices[0].message.content == content, "max_completion_tokens is max_tokens")
+
+    text, finish, usage = stream_chat_text(client, "What is the capital of France? Answer in one word.",
+                                           max_tokens=16, stream_options={"include_usage": True})
+    check(text == content, f"streamed chat equals the whole response: {text!r}")
+    check(finish == r.choices[0].finish_reason, "streamed finish_reason")
+    check(usage is not None and usage.completion_tokens == r.usage.completion_tokens, f"stream usage chunk: {usage}")
+
+
+def test_stop(srv):
+    client = srv.client()
+    prompt = "List the days of the week: Monday, Tuesday,"
+    full = complete(client, prompt, max_tokens=12).choices[0].text
+    check(len(full) > 6, f"a text to cut: {full!r}")
+    # A stop string straddling whatever tokens cover the middle of the text.
+    at = len(full) // 2
+    stop = full[at - 2: at + 2]
+    want = full[: full.index(stop)]
+    r = complete(client, prompt, max_tokens=12, stop=[stop, "zzzz-not-there"])
+    check(r.choices[0].text == want and r.choices[0].finish_reason == "stop",
+          f"stop {stop!r}: {r.choices[0].text!r} == {want!r}, {r.choices[0].finish_reason}")
+    pieces = []
+    for chunk in complete(client, prompt, max_tokens=12, stop=stop, stream=True):
+        pieces.extend(ch.text for ch in chunk.choices)
+    check("".join(pieces) == want, f"streamed stop never emits the stop string: {''.join(pieces)!r}")
+
+
+def test_n_and_sampling(srv):
+    client = srv.client()
+    alone = chat(client, "Name a color.", max_tokens=6).choices[0].message.content
+    r = chat(client, "Name a color.", max_tokens=6, n=2)
+    check([c.index for c in r.choices] == [0, 1], "n=2 gives two choices")
+    check(all(c.message.content == alone for c in r.choices), "greedy n=2 choices equal the single greedy answer")
+    a = chat(client, "Write a word.", max_tokens=8, n=2, temperature=1.0, seed=7)
+    b = chat(client, "Write a word.", max_tokens=8, n=2, temperature=1.0, seed=7)
+    check([c.message.content for c in a.choices] == [c.message.content for c in b.choices], "a seed repeats sampled output")
+    check(a.usage.completion_tokens == sum(1 for _ in []) or a.usage.completion_tokens > 0, "n=2 usage counts tokens")
+    r = chat(client, "Write a word.", max_tokens=8, temperature=0.8, top_p=0.9, extra_body={"repetition_penalty": 1.1})
+    check(bool(r.choices[0].message.content), "temperature, top_p and repetition_penalty accepted")
+
+
+def test_penalties(srv):
+    """frequency_penalty and presence_penalty: the server samples from the logits itself."""
+    client = srv.client()
+    prompt = "one two three, one two three, one two three, one two three,"
+    plain = complete(client, prompt, max_tokens=16).choices[0].text
+    tiny = complete(client, prompt, max_tokens=16, frequency_penalty=0.0001).choices[0].text
+    check(tiny == plain, f"greedy with a negligible penalty is the engine's greedy output: {tiny!r}")
+    heavy = complete(client, prompt, max_tokens=16, frequency_penalty=2.0, presence_penalty=2.0).choices[0].text
+    most = lambda t: max(t.split().count(w) for w in set(t.split())) if t.split() else 0
+    check(heavy != plain and most(heavy) < most(plain), f"penalties stop the repetition: {plain!r} -> {heavy!r}")
+    a = complete(client, prompt, max_tokens=8, temperature=1.0, seed=3, n=2, presence_penalty=0.5)
+    b = complete(client, prompt, max_tokens=8, temperature=1.0, seed=3, n=2, presence_penalty=0.5)
+    check([c.text for c in a.choices] == [c.text for c in b.choices], "penalized sampling repeats with its seed")
+    status, _ = srv.post("/v1/completions", {"model": MODEL_NAME, "prompt": "x", "max_tokens": 2, "presence_penalty": 1,
+                                             "response_format": {"type": "json_object"}})
+    check(status == 400, "penalties with response_format are refused")
+
+
+def test_logprobs(srv):
+    client = srv.client()
+    r = chat(client, "Say hello.", max_tokens=5, logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    check(len(content) == r.usage.completion_tokens, f"one logprob entry a token ({len(content)})")
+    ok = all(len(e.top_logprobs) == 3 and e.logprob <= 0 and abs(e.logprob - e.top_logprobs[0].logprob) < 1e-4
+             and e.token == e.top_logprobs[0].token for e in content)
+    check(ok, "greedy tokens are their top alternative, with log-probabilities <= 0")
+    check("".join(e.token for e in content) == r.choices[0].message.content, "logprob tokens spell the content")
+    r = complete(client, "One, two, three,", max_tokens=4, logprobs=2)
+    lp = r.choices[0].logprobs
+    check(len(lp.tokens) == 4 and len(lp.token_logprobs) == 4 and all(len(t) <= 2 for t in lp.top_logprobs),
+          "completions logprobs: tokens, token_logprobs, top_logprobs")
+
+
+def test_response_format(srv):
+    client = srv.client()
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                                "age": {"type": "integer", "minimum": 0, "maximum": 150}},
+              "required": ["name", "age"], "additionalProperties": False}
+    r = chat(client, "Give a person's name and age as JSON.", max_tokens=40,
+             response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema}})
+    text = r.choices[0].message.content
+    try:
+        jsonschema.validate(json.loads(text), schema)
+        valid = True
+    except (ValueError, jsonschema.ValidationError) as err:
+        valid = False
+        print("      ", err)
+    check(valid and r.choices[0].finish_reason == "stop", f"json_schema output validates: {text!r}")
+    r = chat(client, 'Reply with JSON: {"ok": true}', max_tokens=40,
+             response_format={"type": "json_object"})
+    try:
+        json.loads(r.choices[0].message.content)
+        parsed = True
+    except ValueError:
+        parsed = False
+    check(parsed, f"json_object output parses: {r.choices[0].message.content!r}")
+    status, _ = srv.post("/v1/chat/completions", {"model": MODEL_NAME, "max_tokens": 4, "messages": [{"role": "user", "content": "x"}],
+                                                  "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}})
+    check(status == 400, f"a schema the engine refuses is 400 ({status})")
+
+
+def test_raw_sse(srv):
+    body = json.dumps({"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 4, "temperature": 0, "stream": True,
+                       "stream_options": {"include_usage": True}})
+    out = subprocess.run(["curl", "-sS", "-N", "-i", "-H", "Content-Type: application/json", "-d", body,
+                          srv.base + "/v1/completions"], capture_output=True, timeout=60)
+    head, _, events = out.stdout.decode().partition("\r\n\r\n")
+    check("content-type: text/event-stream" in head.lower(), "curl: text/event-stream")
+    lines = [ln for ln in events.split("\n") if ln]
+    check(all(ln.startswith("data: ") for ln in lines), "curl: every event line is data:")
+    check(lines and lines[-1] == "data: [DONE]", "curl: the stream ends with data: [DONE]")
+    chunks = [json.loads(ln[6:]) for ln in lines[:-1]]
+    check(all(ch["object"] == "text_completion" for ch in chunks), "curl: chunks are text_completion objects")
+    check(chunks and chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 4, "curl: the usage chunk comes last")
+    check(events.count("\n\n") == len(lines), "curl: events are separated by blank lines")
+
+
+def test_utf8(srv):
+    """Emoji take several byte tokens each: every event must still be whole UTF-8, the same text as whole."""
+    body = {"model": MODEL_NAME, "prompt": "Emojis: \U0001F600\U0001F603\U0001F604\U0001F601\U0001F606", "max_tokens": 12,
+            "temperature": 0, "logprobs": 0}
+    status, reply = srv.post("/v1/completions", body)
+    whole = json.loads(reply.partition(b"\r\n\r\n")[2])["choices"][0]
+    tokens = whole["logprobs"]["tokens"]
+    check(any("\ufffd" in t for t in tokens), f"the model's tokens split characters: {tokens[:6]}")
+    status, reply = srv.post("/v1/completions", dict(body, stream=True))
+    pieces, strict = [], True
+    for line in reply.partition(b"\r\n\r\n")[2].split(b"\n"):
+        if line.startswith(b"data: {"):
+            try:
+                event = json.loads(line[6:].decode("utf-8", errors="strict"))
+            except UnicodeDecodeError:
+                strict = False
+                continue
+            pieces += [c["text"] for c in event["choices"]]
+    text = "".join(pieces)
+    check(strict and "\ufffd" not in text and any(ord(ch) > 0xFFFF for ch in text) and text == whole["text"],
+          f"streamed events hold whole characters only, equal to the whole response: {text!r}")
+
+
+def test_concurrent(srv, clients):
+    client = srv.client()
+    prompts = [f"Count from {k} to {k + 5}:" for k in range(clients)]
+    alone = [complete(client, p, max_tokens=6).choices[0].text for p in prompts]
+
+    def streamed(p):
+        return "".join(ch.text for chunk in complete(srv.client(), p, max_tokens=6, stream=True) for ch in chunk.choices)
+
+    t = time.time()
+    with concurrent.futures.ThreadPoolExecutor(clients) as pool:
+        together = list(pool.map(streamed, prompts))
+    same = sum(a == b for a, b in zip(alone, together))
+    check(same == clients, f"{clients} concurrent streaming clients each equal the request alone ({same} same, {time.time() - t:.1f} s)")
+    m = srv.metrics()
+    check(m.get("hostembed_step_items_total", 0) > m.get("hostembed_steps_total", 1), "steps batched several items")
+
+
+def test_interleave(srv):
+    """A long prompt is read in chunks beside a running stream's decode steps, not in one stall: the
+    stream keeps getting tokens while the prompt is read (the server runs with --chunk 64)."""
+    stamps, started = [], threading.Event()
+
+    def running():
+        for chunk in complete(srv.client(), "Once upon a time", max_tokens=60, stream=True):
+            if any(c.text for c in chunk.choices):
+                stamps.append(time.time())
+                started.set()
+
+    t = threading.Thread(target=running)
+    t.start()
+    started.wait(30)
+    long_prompt = " ".join(["alpha beta gamma delta"] * 100)  # about 400 tokens, 7 chunks
+    sent = time.time()
+    r = complete(srv.client(), long_prompt, max_tokens=1)
+    answered = time.time()
+    t.join(60)
+    during = sum(sent <= x <= answered for x in stamps)
+    check(r.usage.prompt_tokens >= 320 and during >= 4,
+          f"a running stream got {during} tokens while a {r.usage.prompt_tokens}-token prompt was read")
+
+
+def test_disconnect(srv):
+    with socket.create_connection(("127.0.0.1", srv.port)) as s:
+        body = json.dumps({"model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": 400, "stream": True}).encode()
+        s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+        got = b""
+        while got.count(b"data: ") < 2:
+            got += s.recv(4096)
+    deadline = time.time() + 10
+    while time.time() < deadline and srv.metrics().get("hostembed_requests_running", 1) > 0:
+        time.sleep(0.1)
+    check(srv.metrics().get("hostembed_requests_running", 1) == 0, "a disconnected stream is freed")
+
+
+def bad_requests():
+    """(description, bytes) pairs, each of which must get a 4xx in OpenAI's error shape."""
+    good = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    out = []
+
+    def post(path, payload, extra=b""):
+        return (f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(payload)}\r\nConnection: close\r\n").encode() + extra + b"\r\n" + payload
+
+    text = json.dumps(good).encode()
+    rich = json.dumps(dict(good, stop=["a", "b"], temperature=0.5, stream=True,
+                           response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}})).encode()
+    for cut in range(1, len(rich), 2):
+        out.append((f"truncated JSON at {cut}", post("/v1/chat/completions", rich[:cut])))
+    wrong = {
+        "model": [None, 5, "other-model", [], {}],
+        "messages": [None, "hi", [], [1], [{"role": "user"}], [{"role": "tool", "content": "x"}], [{"content": "x"}],
+                     [{"role": "user", "content": 5}], [{"role": "user", "content": [{"type": "image_url"}]}],
+                     [{"role": "user", "content": "x", "tool_calls": []}], [{"role": 7, "content": "x"}]],
+        "max_tokens": ["5", -1, 0, 1.5, 10 ** 30, 2 ** 63, 4096, True, [], 1e308],
+        "temperature": ["hot", -1, 3, 10 ** 400, [], {}],
+        "top_p": [-0.1, 1.5, "x"],
+        "n": [0, -1, 1000, "2", 2.5],
+        "stop": [5, [1], [""], ["a"] * 20, {"a": 1}, "x" * 1000],
+        "seed": ["x", 1.5, 10 ** 30],
+        "stream": ["yes", 1],
+        "stream_options": ["x", {"bogus": True}, {"include_usage": "yes"}],
+        "logprobs": ["yes", 3],
+        "top_logprobs": [50, -1, "x"],
+        "response_format": ["json", {"type": "bogus"}, {"type": "json_schema"}, {"type": "json_schema", "json_schema": {"schema": 5}}],
+        "frequency_penalty": [5, -2.5, "x", [0]],
+        "presence_penalty": [-5, True],
+        "repetition_penalty": [0, 100, "x"],
+        "tools": [[{"type": "function", "function": {"name": "f"}}]],
+        "logit_bias": [{"1": 5}],
+        "bogus_field": [1],
+    }
+    for name, values in wrong.items():
+        for v in values:
+            body = dict(good)
+            if v is None:
+                body.pop(name, None)
+            else:
+                body[name] = v
+            out.append((f"{name}={json.dumps(v)[:40]}", post("/v1/chat/completions", json.dumps(body).encode())))
+    completion = {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 2}
+    for name, v in [("prompt", 5), ("prompt", [[1, 2]]), ("prompt", [-1]), ("prompt", [10 ** 9]), ("prompt", ["a", "b"]),
+                    ("prompt", ""), ("echo", True), ("best_of", 3), ("suffix", "x"), ("logprobs", 9), ("prompt", "word " * 3000)]:
+        body = dict(completion, **{name: v})
+        out.append((f"completions {name}={json.dumps(v)[:40]}", post("/v1/completions", json.dumps(body).encode())))
+    out += [
+        ("not an object", post("/v1/chat/completions", b"[1,2,3]")),
+        ("empty body", post("/v1/chat/completions", b"")),
+        ("deep nesting", post("/v1/chat/completions", b"[" * 200000 + b"]" * 200000)),
+        ("deep nesting in a field", post("/v1/chat/completions", b'{"model":"' + MODEL_NAME.encode() + b'","x":' + b"{\"a\":" * 50000 + b"1" + b"}" * 50000 + b"}")),
+        ("deep schema", post("/v1/chat/completions", json.dumps(dict(good, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": json.loads('{"a":' * 100 + "1" + "}" * 100)}})).encode())),
+        ("invalid UTF-8", post("/v1/chat/completions", text.replace(b"hi", b"h\xff\xfei"))),
+        ("overlong UTF-8", post("/v1/chat/completions", text.replace(b"hi", b"\xc0\xaf"))),
+        ("NUL in content", post("/v1/chat/completions", text.replace(b"hi", b"h\\u0000i"))),
+        ("lone surrogate escape", post("/v1/chat/completions", text.replace(b"hi", b"\\ud800"))),
+        ("a million values", post("/v1/chat/completions", b'{"model":"' + MODEL_NAME.encode() + b'","x":[' + b"1," * 1000000 + b'1]}')),
+        ("huge number", post("/v1/chat/completions", text.replace(b'"max_tokens": 2', b'"max_tokens": ' + b"9" * 5000))),
+        ("oversized body", post("/v1/chat/completions", b'{"model":"x","pad":"' + b"a" * (5 << 20) + b'"}')),
+        ("oversized Content-Length", b"POST /v1/chat/completions HTTP/1.1\r\nContent-Length: 99999999999\r\n\r\n"),
+        ("negative Content-Length", b"POST /v1/chat/completions HTTP/1.1\r\nContent-Length: -5\r\n\r\n"),
+        ("conflicting Content-Length", b"POST /v1/chat/completions HTTP/1.1\r\nContent-Length: 5\r\nContent-Length: 6\r\n\r\nhello"),
+        ("chunked body", b"POST /v1/chat/completions HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n"),
+        ("garbage", b"GARBAGE\r\n\r\n"),
+        ("binary garbage", bytes(range(256)) * 4 + b"\r\n\r\n"),
+        ("no version", b"GET /health\r\n\r\n"),
+        ("HTTP/2 preface", b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"),
+        ("relative target", b"GET health HTTP/1.1\r\n\r\n"),
+        ("header without colon", b"GET /health HTTP/1.1\r\nnocolon\r\n\r\n"),
+        ("header flood", b"GET /health HTTP/1.1\r\n" + b"X-Flood: " + b"a" * 100 + b"\r\n" * 1 + b"".join(b"X-%d: y\r\n" % i for i in range(2000)) + b"\r\n"),
+        ("huge header line", b"GET /health HTTP/1.1\r\nX: " + b"a" * 40000 + b"\r\n\r\n"),
+        ("unknown path", b"GET /v2/nothing HTTP/1.1\r\n\r\n"),
+        ("wrong method", b"DELETE /v1/chat/completions HTTP/1.1\r\n\r\n"),
+        ("GET on a POST endpoint", b"GET /v1/completions HTTP/1.1\r\n\r\n"),
+        ("bad Expect", b"POST /v1/completions HTTP/1.1\r\nExpect: 200-ok\r\nContent-Length: 2\r\n\r\n{}"),
+        ("unknown model", post("/v1/chat/completions", json.dumps(dict(good, model="gpt-4")).encode())),
+    ]
+    return out
+
+
+def test_malformed(srv):
+    cases = bad_requests()
+    bad = []
+    for what, data in cases:
+        status, reply = srv.raw(data, timeout=20)
+        ok = status is not None and 400 <= status < 500
+        if status is not None and ok:
+            body = reply.partition(b"\r\n\r\n")[2]
+            try:
+                err = json.loads(body)["error"]
+                ok = isinstance(err["message"], str) and "type" in err and "param" in err and "code" in err
+            except (ValueError, KeyError, TypeError):
+                ok = False
+        if not ok:
+            bad.append(f"{what}: {reply[:200]!r}")
+    for line in bad:
+        print("      ", line)
+    check(not bad and len(cases) >= 200, f"{len(cases)} malformed requests each got a 4xx in OpenAI's error shape")
+    status, reply = srv.post("/v1/chat/completions", {"model": "gpt-4", "messages": [{"role": "user", "content": "x"}]})
+    check(status == 404 and b"model_not_found" in reply, "an unknown model is 404 model_not_found")
+    status, reply = srv.post("/v1/completions", {"model": MODEL_NAME, "prompt": "word " * 3000, "max_tokens": 2})
+    check(status == 400 and b"context_length_exceeded" in reply, "a prompt past the window is 400 context_length_exceeded")
+    status, _ = srv.post("/v1/chat/completions", b'{"model":"x","pad":"' + b"a" * (5 << 20) + b'"}')
+    check(status == 413, f"a body over 4 MiB is 413 ({status})")
+
+    # Slow senders: a header or body that never completes is cut off at the server's bounds.
+    t = time.time()
+    status, _ = srv.raw(None, timeout=20, chunks=[b"POST /v1/completions HTTP/1.1\r\nContent-Le"])
+    slow_header = time.time() - t
+    t = time.time()
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=20) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nContent-Length: 100\r\n\r\n{")
+        reply = s.recv(4096)
+    slow_body = time.time() - t
+    check(slow_header < 6 and slow_body < 6 and b" 408 " in reply, f"slow senders are cut off ({slow_header:.1f} s, {slow_body:.1f} s)")
+
+    # Keep-alive: two requests on one connection.
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as s:
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\nGET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        reply = b""
+        while chunk := s.recv(65536):
+            reply += chunk
+    check(reply.count(b"HTTP/1.1 200 OK") == 2, "keep-alive serves two pipelined requests on one connection")
+
+    check(srv.proc.poll() is None, "the server is still running")
+    r = chat(srv.client(), "What is the capital of France? Answer in one word.", max_tokens=16)
+    check("Paris" in r.choices[0].message.content, "a well-formed request right after is served")
+
+
+def test_load(srv, requests):
+    """load.py's bounded Poisson run: no failure, and the server's memory within 50 MB of before."""
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "load.py")
+    out = subprocess.run([sys.executable, script, "--base", srv.base, "--model", MODEL_NAME, "--requests", str(requests),
+                          "--rate", "20", "--max-tokens", "4", "--prompt-tokens", "8", "--max-in-flight", "32",
+                          "--max-seconds", "120", "--pid", str(srv.proc.pid), "--rss-limit-mb", "50"],
+                         capture_output=True, text=True, timeout=300)
+    print(out.stdout + out.stderr, end="")
+    check(out.returncode == 0, f"{requests} Poisson requests: none failed, memory within 50 MB")
+
+
+def test_metrics(srv):
+    m = srv.metrics()
+    check(m.get('hostembed_requests_total{endpoint="chat"}', 0) > 0 and m.get("hostembed_completion_tokens_total", 0) > 0,
+          "metrics count requests and tokens")
+    check(m.get('hostembed_time_to_first_token_seconds_bucket{le="+Inf"}', 0) > 0 and
+          m.get("hostembed_inter_token_seconds_count", 0) > 0, "metrics hold TTFT and inter-token histograms")
+    check(m.get("hostembed_kv_tokens_total", 0) > 0, "metrics report the KV pool")
+
+
+def test_limits_key_and_drain(binary, model, reference):
+    """A second server: one stream, prompt lookup, an API key, a 1 s queue timeout; then SIGTERM while
+    streaming."""
+    srv = Server(binary, model, "--ctx", "512", "--streams", "1", "--api-key", "sekrit", "--queue-timeout", "1",
+                 "--lookup", "4")
+    try:
+        # Prompt lookup proposes tokens from the stream's own history; the output stays the greedy one.
+        r = complete(srv.client("sekrit"), reference[0], max_tokens=24)
+        check(r.choices[0].text == reference[1], f"greedy output with --lookup equals the output without: {r.choices[0].text!r}")
+        check(srv.metrics_with_key("sekrit").get("hostembed_speculation_accepted_total", 0) > 0, "prompt lookup accepted proposals")
+
+        try:
+            chat(srv.client("wrong"), "hi", max_tokens=2)
+            check(False, "a wrong API key is refused")
+        except openai.AuthenticationError:
+            check(True, "a wrong API key is refused with 401")
+        status, _ = srv.post("/v1/completions", {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 2})
+        check(status == 401, "no API key is 401")
+        check(bool(chat(srv.client("sekrit"), "hi", max_tokens=2).choices), "the right API key is served")
+
+        # The one stream busy with a long request: the next cannot fit, waits its second, gets 503.
+        long_stream = chat(srv.client("sekrit"), "Tell a long story.", max_tokens=300, stream=True)
+        first = next(iter(long_stream))
+        status, reply = srv.post("/v1/completions", {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 2},
+                                 b"Authorization: Bearer sekrit\r\n")
+        check(status == 503 and b"Retry-After: 1" in reply, f"a request that cannot fit gets 503 with Retry-After ({status})")
+        long_stream.close()
+
+        # SIGTERM while a stream runs: it finishes, new requests are refused, the server exits 0.
+        got = []
+        done = threading.Event()
+
+        def consume():
+            for chunk in chat(srv.client("sekrit"), "Count to twenty.", max_tokens=24, stream=True):
+                got.extend(c.delta.content or "" for c in chunk.choices)
+            done.set()
+
+        t = threading.Thread(target=consume)
+        t.start()
+        time.sleep(0.5)
+        srv.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.2)
+        status, _ = srv.post("/v1/completions", {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 2},
+                             b"Authorization: Bearer sekrit\r\n")
+        check(status in (503, None), f"a request during the drain is refused ({status})")
+        t.join(60)
+        check(done.is_set() and got, "the running stream finished during the drain")
+        check(srv.proc.wait(30) == 0, "the server exited 0 after draining")
+    finally:
+        srv.stop()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("server")
+    ap.add_argument("model")
+    ap.add_argument("--clients", type=int, default=32)
+    ap.add_argument("--only", default=None)
+    ap.add_argument("--load-requests", type=int, default=200)
+    args = ap.parse_args()
+    t0 = time.time()
+    srv = Server(args.server, args.model, "--ctx", "512", "--streams", str(args.clients), "--kv-type", "f16",
+                 "--header-timeout", "2", "--body-timeout", "2", "--chunk", "64", "--batch-tokens", "256")
+    tests = [("basics", lambda: test_basics(srv)), ("stop", lambda: test_stop(srv)),
+             ("n", lambda: test_n_and_sampling(srv)), ("penalties", lambda: test_penalties(srv)), ("logprobs", lambda: test_logprobs(srv)),
+             ("response_format", lambda: test_response_format(srv)), ("sse", lambda: test_raw_sse(srv)),
+             ("utf8", lambda: test_utf8(srv)),
+             ("concurrent", lambda: test_concurrent(srv, args.clients)), ("interleave", lambda: test_interleave(srv)),
+             ("disconnect", lambda: test_disconnect(srv)),
+             ("malformed", lambda: test_malformed(srv)), ("load", lambda: test_load(srv, args.load_requests)),
+             ("metrics", lambda: test_metrics(srv))]
+    # A repetitive text, where prompt lookup finds proposals, decoded here without it.
+    lookup_prompt = "one two three four, one two three four, one two three four, one two three four,"
+    reference = (lookup_prompt, complete(srv.client(), lookup_prompt, max_tokens=24).choices[0].text)
+    try:
+        for name, fn in tests:
+            if args.only in (None, name):
+                t = time.time()
+                print(f"--- {name}", flush=True)
+                try:
+                    fn()
+                except Exception as err:  # a crash of one test is its failure, the others still run
+                    check(False, f"{name} raised {type(err).__name__}: {err}")
+                print(f"    ({time.time() - t:.1f} s)", flush=True)
+        check(srv.proc.poll() is None, "the server survived every test")
+    finally:
+        srv.stop()
+    if args.only in (None, "drain"):
+        print("--- limits, API key, drain", flush=True)
+        test_limits_key_and_drain(args.server, args.model, reference)
+    print(f"server tests: {len(failures)} failed ({time.time() - t0:.1f} s)")
+    sys.exit(1 if failures else 0)
+
+
+if __name__ == "__main__":
+    main()
