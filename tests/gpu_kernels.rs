@@ -1315,10 +1315,10 @@ fn sampling_handles_degenerate_logits_like_the_cpu() {
     }
 }
 
-/// Scratch for `hostembed_sample_rows`: what the GPU model gives it (`launch::sample_rows_bytes`: 56 bytes
+/// Scratch for `hostembed_sample_rows`: what the GPU model gives it (`launch::sample_rows_bytes`: 64 bytes
 /// and a 33 KiB workspace a row, 8 bytes a vocabulary entry for the ids, 1 KiB of alignment).
 fn rows_scratch_bytes(vocab: usize, rows: usize) -> usize {
-    rows * (56 + (33 << 10)) + vocab * 8 + 1024
+    rows * (64 + (33 << 10)) + vocab * 8 + 1024
 }
 
 /// One batched draw of `rows` logits rows (`logits`: rows x vocab on the device) with `settings[r]`, the
@@ -1346,6 +1346,8 @@ fn device_sample_rows(
             stream_index: *stream,
             seed: s.seed,
             position: *position,
+            mask_row: kn::NO_MASK,
+            reserved: 0,
         });
         flat.extend(ids.iter().map(|&t| t as i32));
     }
@@ -1362,6 +1364,7 @@ fn device_sample_rows(
             host.as_ptr(),
             flat.as_ptr(),
             flat.len() as c_uint,
+            ptr::null(),
             scratch.ptr(),
             scratch_bytes,
             tokens.ptr() as *mut c_int,
@@ -1462,7 +1465,13 @@ fn batched_sampler_refuses_bad_arguments() {
     let (code, _) = device_sample_rows(&logits, vocab, &[greedy, greedy], &[vec![], vec![]], 64);
     assert_ne!(code, 0, "a scratch too small for the settings");
     // A row whose ids run past the ids passed.
-    let mut host = kn::hostembed_sample_row { repeat_penalty: 1.5, n_penalty: 3, penalty_at: 0, ..Default::default() };
+    let mut host = kn::hostembed_sample_row {
+        repeat_penalty: 1.5,
+        n_penalty: 3,
+        penalty_at: 0,
+        mask_row: kn::NO_MASK,
+        ..Default::default()
+    };
     let ids = [1i32, 2];
     let scratch = poisoned(big);
     let tokens = poisoned(8);
@@ -1476,6 +1485,7 @@ fn batched_sampler_refuses_bad_arguments() {
                 rows,
                 ids.as_ptr(),
                 ids.len() as c_uint,
+                ptr::null(),
                 scratch_ptr,
                 big,
                 tokens.ptr() as *mut c_int,
@@ -1492,6 +1502,9 @@ fn batched_sampler_refuses_bad_arguments() {
     assert_ne!(call(&host, misaligned, vocab), 0, "a scratch off its 256-byte boundary");
     assert_ne!(call(&host, scratch.ptr(), 0), 0, "no vocabulary");
     assert_ne!(call(&host, scratch.ptr(), 1 << 28), 0, "a vocabulary past 2^28 - 1");
+    host.mask_row = 0;
+    assert_ne!(call(&host, scratch.ptr(), vocab), 0, "a row's mask and no masks");
+    host.mask_row = kn::NO_MASK;
     let mut t = [0i32; 2];
     tokens.download(&mut t).unwrap();
     assert_eq!(t, [-1, -1], "a refused call wrote tokens");
