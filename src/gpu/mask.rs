@@ -99,6 +99,91 @@ impl GpuModel {
 #[cfg(test)]
 mod tests {
     use super::allows_any;
+    use crate::sampler::{self, Sampling, key, splitmix64};
+
+    /// kernels/sample.cu's masking, on the host: a masked id takes key 0 (the NaN with every bit set), an
+    /// allowed id's key is raised to 1 at least (the NaN one below that).
+    fn as_the_device_masks(logits: &[f32], allowed: &[u32]) -> Vec<f32> {
+        let lowest = f32::from_bits(0xFFFF_FFFF);
+        let raised = f32::from_bits(0xFFFF_FFFE);
+        let is_allowed = |i: usize| allowed[i / 32] >> (i % 32) & 1 == 1;
+        logits
+            .iter()
+            .enumerate()
+            .map(|(i, &l)| {
+                if !is_allowed(i) {
+                    lowest
+                } else if key(l) == 0 {
+                    raised
+                } else {
+                    l
+                }
+            })
+            .collect()
+    }
+
+    /// The device's sampler is `sampler::sample_stream` bit for bit (tests/gpu_kernels.rs); on the row its
+    /// masking makes, that draw is `sample_stream_masked`'s for every setting, with -inf and NaN logits
+    /// among the allowed ones, and allowed ids whose logits are all -inf.
+    #[test]
+    fn masking_by_the_lowest_key_is_the_masked_draw() {
+        let mut state = 0x3A5C_u64;
+        let mut next = || {
+            state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            splitmix64(state)
+        };
+        let mut off_argmax = 0;
+        for case in 0..3000u64 {
+            let n = 1 + (next() % 400) as usize;
+            let mut logits: Vec<f32> = (0..n).map(|_| (next() % 2000) as f32 / 100.0 - 10.0).collect();
+            if case % 3 == 1 {
+                // Runs of equal logits.
+                logits.iter_mut().for_each(|l| *l = l.round());
+            }
+            let mut allowed = vec![0u32; n.div_ceil(32)];
+            let density = [1, 2, 8, 50, n as u64 + 1][(next() % 5) as usize];
+            for i in 0..n {
+                if next() % density == 0 {
+                    allowed[i / 32] |= 1 << (i % 32);
+                }
+            }
+            let one = (next() % n as u64) as usize;
+            allowed[one / 32] |= 1 << (one % 32);
+            match case % 11 {
+                0 => {
+                    (0..n).filter(|&i| allowed[i / 32] >> (i % 32) & 1 == 1).for_each(|i| logits[i] = f32::NEG_INFINITY)
+                }
+                1 => logits[one] = f32::NAN,
+                2 => logits[one] = -f32::NAN,
+                3 => logits.iter_mut().step_by(3).for_each(|l| *l = f32::NEG_INFINITY),
+                _ => {}
+            }
+            let mut s = Sampling { seed: next(), ..Sampling::GREEDY };
+            if case % 4 != 0 {
+                s.temperature = 0.2 + (next() % 100) as f32 / 40.0;
+            }
+            if case % 3 == 0 {
+                s.top_k = 1 + (next() % 50) as u32;
+            }
+            if case % 5 < 2 {
+                s.top_p = 0.3 + (next() % 70) as f32 / 100.0;
+            }
+            if case % 7 < 3 {
+                s.min_p = (next() % 40) as f32 / 100.0;
+            }
+            if case % 2 == 0 {
+                (s.repeat_penalty, s.repeat_last_n) = ([1.4, 0.7][(next() % 2) as usize], 8);
+            }
+            let history: Vec<u32> = (0..next() % 12).map(|_| (next() % n as u64) as u32).collect();
+            let new = [(next() % n as u64) as u32];
+            let stream = (next() % 8) as u32;
+            let want = sampler::sample_stream_masked(&logits, &allowed, &s, stream, &history, &new);
+            let got = sampler::sample_stream(&as_the_device_masks(&logits, &allowed), &s, stream, &history, &new);
+            assert_eq!(Some(got), want, "case {case}: {s:?}");
+            off_argmax += usize::from(got != sampler::argmax(&logits));
+        }
+        assert!(off_argmax > 1000, "only {off_argmax} draws left the free argmax");
+    }
 
     #[test]
     fn only_ids_below_the_vocabulary_count() {
