@@ -145,7 +145,8 @@ cudaError_t hostembed_sample(float *logits, unsigned int vocab, float temperatur
                              cudaStream_t stream);
 
 // One row's settings for hostembed_sample_rows (src/kernels.rs repeats the struct): what hostembed_sample
-// takes for one row, its n_penalty ids at ids[penalty_at..].
+// takes for one row, its n_penalty ids at ids[penalty_at..], and the row of `masks` holding the ids it may
+// draw (HOSTEMBED_NO_MASK: every id).
 typedef struct hostembed_sample_row {
     float temperature;
     unsigned int top_k;
@@ -157,21 +158,30 @@ typedef struct hostembed_sample_row {
     unsigned int stream_index;
     uint64_t seed;
     uint64_t position;
+    unsigned int mask_row;
+    unsigned int reserved;
 } hostembed_sample_row;
 #ifdef __cplusplus
-static_assert(sizeof(hostembed_sample_row) == 48 && offsetof(hostembed_sample_row, seed) == 32,
+static_assert(sizeof(hostembed_sample_row) == 56 && offsetof(hostembed_sample_row, seed) == 32 &&
+                  offsetof(hostembed_sample_row, mask_row) == 48,
               "src/kernels.rs lays the row out so");
 #endif
+#define HOSTEMBED_NO_MASK 0xffffffffu
 
 // hostembed_sample for each of `rows` rows in at most three launches: row r's token from logits + r * vocab
 // (left as it was) into tokens[r], drawn with settings[r] (its distinct ids at ids[penalty_at ..
-// penalty_at + n_penalty), inside ids[0..n_ids)), the same token hostembed_sample draws. settings and ids
-// are host memory, copied into the scratch before this returns; scratch is device memory of scratch_size
-// bytes, 256-byte aligned: 56 bytes a row and 8 an id at least, more for rows of many blocks
+// penalty_at + n_penalty), inside ids[0..n_ids)), the same token hostembed_sample draws. A row whose
+// mask_row is not HOSTEMBED_NO_MASK draws among the ids its mask allows (bit i % 32 of word i / 32 of the
+// (vocab + 31) / 32 words at masks + mask_row * that), as src/sampler.rs sample_stream_masked does: every
+// other id ranks below all of them and weighs 0, so the token is the one drawn with those logits at -inf;
+// the mask must allow an id below vocab. masks is device memory (NULL when no row has one). settings and
+// ids are host memory, copied into the scratch before this returns; scratch is device memory of
+// scratch_size bytes, 256-byte aligned: 64 bytes a row and 8 an id at least, more for rows of many blocks
 // (cudaErrorInvalidValue when even the settings and ids do not fit).
 cudaError_t hostembed_sample_rows(float *logits, unsigned int vocab, unsigned int rows,
                                   const hostembed_sample_row *settings, const int *ids, unsigned int n_ids,
-                                  void *scratch, size_t scratch_size, int *tokens, cudaStream_t stream);
+                                  const unsigned int *masks, void *scratch, size_t scratch_size, int *tokens,
+                                  cudaStream_t stream);
 
 // ---- logprob.cu ----
 // For each of `rows` rows of logits (vocab apart): out[r] = logits[r][targets[r]] - log(sum_i

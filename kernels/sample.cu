@@ -25,7 +25,8 @@
 // 26-30 us, top-p alone 20-28 us, top_k 1000 + top_p 0.9 about 46-56 us (the sorts of a thousand keys).
 // Vocabularies under ONE_BLOCK_BELOW (or a device without cooperative launch) run the same code in one
 // block, with the workspace in shared memory instead of the scratch. hostembed_sample_rows runs the same
-// code for every row of a pass in one launch (see "every row of a pass in one launch" below).
+// code for every row of a pass in one launch (see "every row of a pass in one launch" below), a constrained
+// row reading its mask's bit beside each logit (see sample_one).
 #include <algorithm>
 #include <atomic>
 
@@ -348,8 +349,14 @@ struct BlockShared {
 
 // The sampler of one row of logits, run by `blocks` blocks together (this one is `blk`), `sync()` the
 // barrier across them; `scratch` is the row's own workspace when MULTI, `smem` the block's shared memory.
+// `allowed` (NULL: every id) is the row's constraint mask, one bit an id: a masked id takes key 0, below
+// every allowed one (whose key is raised to 1 at least: only two NaN payloads of the same sign tell 0 and
+// 1 apart), and key 0 is a NaN logit, which weighs 0. So every step below reads the allowed ids as
+// src/sampler.rs sample_stream_masked does, and the argmax (greedy, or a draw whose weights are all 0) is
+// the largest allowed logit.
 template <bool MULTI, typename Sync>
-__device__ __forceinline__ void sample_one(const float *__restrict__ logits, unsigned int vocab, float temperature,
+__device__ __forceinline__ void sample_one(const float *__restrict__ logits, const unsigned int *__restrict__ allowed,
+                                           unsigned int vocab, float temperature,
                                            unsigned int top_k, float top_p, float min_p, unsigned long long seed,
                                            unsigned int stream_index, unsigned long long position,
                                            unsigned long long *scratch, int *token, const unsigned int blk,
@@ -375,7 +382,12 @@ __device__ __forceinline__ void sample_one(const float *__restrict__ logits, uns
     auto for_items = [&](auto body) {
         for (unsigned int base = lo; base < hi; base += THREADS) body(base + tid, base + tid < hi);
     };
-    auto key_at = [&](unsigned int i) { return i - lo < CACHE ? keys[i - lo] : he::float_key(logits[i]); };
+    auto load_key = [&](unsigned int i) {
+        const unsigned int key = he::float_key(logits[i]);
+        if (allowed == nullptr) return key;
+        return (allowed[i / 32] >> (i % 32)) & 1u ? max(key, 1u) : 0u;
+    };
+    auto key_at = [&](unsigned int i) { return i - lo < CACHE ? keys[i - lo] : load_key(i); };
 
     const bool sampling = temperature > 0.f && top_k != 1;
     const bool use_top_k = top_k != 0 && top_k < vocab;
@@ -385,7 +397,7 @@ __device__ __forceinline__ void sample_one(const float *__restrict__ logits, uns
     unsigned long long best = 0;
     for_items([&](unsigned int i, bool valid) {
         if (!valid) return;
-        const unsigned int key = he::float_key(logits[i]);
+        const unsigned int key = load_key(i);
         if (i - lo < CACHE) keys[i - lo] = key;
         best = max_u64(best, ((unsigned long long)key << 32) | (FULL - i));
     });
@@ -685,8 +697,8 @@ __global__ __launch_bounds__(THREADS) void sample_kernel(const float *__restrict
                                                          unsigned long long position, unsigned long long *scratch,
                                                          int *token) {
     __shared__ BlockShared<MULTI> smem;
-    sample_one<MULTI>(logits, vocab, temperature, top_k, top_p, min_p, seed, stream_index, position, scratch, token,
-                      blockIdx.x, gridDim.x, GridSync<MULTI>{}, smem);
+    sample_one<MULTI>(logits, nullptr, vocab, temperature, top_k, top_p, min_p, seed, stream_index, position, scratch,
+                      token, blockIdx.x, gridDim.x, GridSync<MULTI>{}, smem);
 }
 
 // Blocks of `kernel` that fit on the current device at once; 0 where it has no cooperative launch. Asked
@@ -823,23 +835,26 @@ __device__ __forceinline__ bool row_penalizes(const hostembed_sample_row &p) {
 }
 
 // Grid row blockIdx.y samples row blockIdx.y: gridDim.x blocks a row (MULTI), or one (its workspace in
-// shared memory).
+// shared memory); a row with a mask_row draws among the ids of that row of `masks`.
 template <bool MULTI>
 __global__ __launch_bounds__(THREADS) void sample_rows_kernel(const float *__restrict__ logits, unsigned int vocab,
                                                               const hostembed_sample_row *__restrict__ rows,
+                                                              const unsigned int *__restrict__ masks,
                                                               unsigned int *barriers, unsigned long long *work,
                                                               size_t work_words, int *tokens) {
     const unsigned int r = blockIdx.y;
     const hostembed_sample_row p = rows[r];
     const float *row = logits + (size_t)r * vocab;
+    const unsigned int *allowed =
+        p.mask_row == HOSTEMBED_NO_MASK ? nullptr : masks + (size_t)p.mask_row * ((vocab + 31) / 32);
     __shared__ BlockShared<MULTI> smem;
     if constexpr (MULTI)
-        sample_one<true>(row, vocab, p.temperature, p.top_k, p.top_p, p.min_p, p.seed, p.stream_index, p.position,
-                         work + r * work_words, tokens + r, blockIdx.x, gridDim.x, RowSync{barriers + 2 * r, gridDim.x},
-                         smem);
+        sample_one<true>(row, allowed, vocab, p.temperature, p.top_k, p.top_p, p.min_p, p.seed, p.stream_index,
+                         p.position, work + r * work_words, tokens + r, blockIdx.x, gridDim.x,
+                         RowSync{barriers + 2 * r, gridDim.x}, smem);
     else
-        sample_one<false>(row, vocab, p.temperature, p.top_k, p.top_p, p.min_p, p.seed, p.stream_index, p.position,
-                          work, tokens + r, 0, 1, GridSync<false>{}, smem);
+        sample_one<false>(row, allowed, vocab, p.temperature, p.top_k, p.top_p, p.min_p, p.seed, p.stream_index,
+                          p.position, work, tokens + r, 0, 1, GridSync<false>{}, smem);
 }
 
 std::atomic<int> known_rows[64];
@@ -910,8 +925,8 @@ extern "C" cudaError_t hostembed_sample(float *logits, unsigned int vocab, float
 // three launches (the penalty and barrier reset, the draw, the restore).
 extern "C" cudaError_t hostembed_sample_rows(float *logits, unsigned int vocab, unsigned int rows,
                                              const hostembed_sample_row *settings, const int *ids,
-                                             unsigned int n_ids, void *scratch, size_t scratch_size, int *tokens,
-                                             cudaStream_t stream) {
+                                             unsigned int n_ids, const unsigned int *masks, void *scratch,
+                                             size_t scratch_size, int *tokens, cudaStream_t stream) {
     if (logits == nullptr || tokens == nullptr || scratch == nullptr || vocab == 0 || vocab > MAX_VOCAB ||
         rows > 65535 || (rows > 0 && settings == nullptr) || (n_ids > 0 && ids == nullptr) ||
         reinterpret_cast<uintptr_t>(scratch) % 256 != 0)
@@ -922,6 +937,8 @@ extern "C" cudaError_t hostembed_sample_rows(float *logits, unsigned int vocab, 
     for (unsigned int r = 0; r < rows; r++) {
         const hostembed_sample_row &p = settings[r];
         if (p.n_penalty > n_ids || p.penalty_at > n_ids - p.n_penalty) return cudaErrorInvalidValue;
+        if (p.mask_row != HOSTEMBED_NO_MASK && (masks == nullptr || reinterpret_cast<uintptr_t>(masks) % 4 != 0))
+            return cudaErrorInvalidValue;
         if (p.n_penalty > 0 && p.repeat_penalty == p.repeat_penalty && p.repeat_penalty != 1.f) {
             any_penalty = true;
             most_ids = std::max(most_ids, p.n_penalty);
@@ -960,7 +977,7 @@ extern "C" cudaError_t hostembed_sample_rows(float *logits, unsigned int vocab, 
     if (per_row > 1) {
         const float *logits_arg = logits;
         size_t work_words = at.work_bytes / 8;
-        void *args[] = {&logits_arg, &vocab, &rows_dev, &barriers, &work, &work_words, &tokens};
+        void *args[] = {&logits_arg, &vocab, &rows_dev, &masks, &barriers, &work, &work_words, &tokens};
         drawn = cudaLaunchCooperativeKernel(reinterpret_cast<const void *>(&sample_rows_kernel<true>),
                                             dim3(per_row, rows), dim3(THREADS), args, 0, stream);
         done = drawn != cudaErrorCooperativeLaunchTooLarge && drawn != cudaErrorNotSupported;
@@ -968,8 +985,8 @@ extern "C" cudaError_t hostembed_sample_rows(float *logits, unsigned int vocab, 
         if (!done) (void)cudaGetLastError();  // fewer resources than asked for: one block a row instead
     }
     if (!done) {
-        sample_rows_kernel<false><<<dim3(1, rows), THREADS, 0, stream>>>(logits, vocab, rows_dev, barriers, work, 0,
-                                                                         tokens);
+        sample_rows_kernel<false><<<dim3(1, rows), THREADS, 0, stream>>>(logits, vocab, rows_dev, masks, barriers,
+                                                                         work, 0, tokens);
         drawn = cudaGetLastError();
     }
     if (any_penalty) {

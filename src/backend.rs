@@ -411,7 +411,8 @@ impl<'a, C> StepItem<'a, C> {
 
 impl<C> StepItem<'_, C> {
     /// The token the item's sampler picks from `logits` after the stream's tokens `history` and the
-    /// item's own, among those its constraint allows when it has one (waiting for the mask). A mask that
+    /// item's own, among those its constraint allows when it has one (waiting for the mask): the CPU
+    /// backend's draw (CUDA's sampler applies the mask on the device, with the same result). A mask that
     /// failed samples freely: `Streams` then fails the item.
     pub fn sample(&self, logits: &[f32], history: &[u32]) -> u32 {
         let (s, index, new) = (&self.sampling, self.index, self.tokens);

@@ -435,6 +435,12 @@ impl Event {
         check(unsafe { rt::cudaEventRecord(self.0, stream) }, "cudaEventRecord")
     }
 
+    /// Waits until the work queued before the last `record` has run.
+    pub fn synchronize(&self) -> Result<()> {
+        // SAFETY: `self.0` is this owner's live event.
+        check(unsafe { rt::cudaEventSynchronize(self.0) }, "cudaEventSynchronize")
+    }
+
     /// Milliseconds from `start` to this event, waiting for this event first.
     pub fn elapsed_ms_since(&self, start: &Event) -> Result<f32> {
         // SAFETY: `self.0` is this owner's live event.

@@ -8,7 +8,8 @@ use crate::cudart::{cudaError_t, cudaStream_t};
 use std::os::raw::{c_char, c_int, c_uint, c_void};
 
 /// One row's settings for `hostembed_sample_rows`, as kernels/hostembed_kernels.cuh declares it: what
-/// `hostembed_sample` takes for one row, its `n_penalty` ids at `ids[penalty_at..]`.
+/// `hostembed_sample` takes for one row, its `n_penalty` ids at `ids[penalty_at..]`, and the row of the
+/// masks holding the ids it may draw (`NO_MASK`: every id).
 #[repr(C)]
 #[allow(non_camel_case_types)]
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -23,8 +24,13 @@ pub struct hostembed_sample_row {
     pub stream_index: c_uint,
     pub seed: u64,
     pub position: u64,
+    pub mask_row: c_uint,
+    pub reserved: c_uint,
 }
-const _: () = assert!(std::mem::size_of::<hostembed_sample_row>() == 48);
+const _: () = assert!(std::mem::size_of::<hostembed_sample_row>() == 56);
+
+/// `hostembed_sample_row::mask_row` of a row drawn among every id (HOSTEMBED_NO_MASK).
+pub const NO_MASK: c_uint = c_uint::MAX;
 
 cuda_fns! {
     // embed.cu
@@ -43,7 +49,7 @@ cuda_fns! {
     pub fn hostembed_attention(q: *const f32, q_stride: c_uint, kv_pool: *const c_void, tables: *const *const c_uint, pool_pages: c_uint, k_type: c_int, v_type: c_int, pos: *const c_int, n: c_uint, heads: c_uint, kv_heads: c_uint, head_dim: c_uint, scale: f32, splits: c_uint, grid_parts: c_uint, partial: *mut f32, out: *mut f32, stream: cudaStream_t) -> cudaError_t;
     pub fn hostembed_swiglu(gate: *const f32, up: *const f32, out: *mut f32, len: usize, stream: cudaStream_t) -> cudaError_t;
     pub fn hostembed_add(a: *const f32, b: *const f32, out: *mut f32, len: usize, stream: cudaStream_t) -> cudaError_t;
-    pub fn hostembed_sample_rows(logits: *mut f32, vocab: c_uint, rows: c_uint, settings: *const hostembed_sample_row, ids: *const c_int, n_ids: c_uint, scratch: *mut c_void, scratch_size: usize, tokens: *mut c_int, stream: cudaStream_t) -> cudaError_t;
+    pub fn hostembed_sample_rows(logits: *mut f32, vocab: c_uint, rows: c_uint, settings: *const hostembed_sample_row, ids: *const c_int, n_ids: c_uint, masks: *const c_uint, scratch: *mut c_void, scratch_size: usize, tokens: *mut c_int, stream: cudaStream_t) -> cudaError_t;
     pub fn hostembed_sample(logits: *mut f32, vocab: c_uint, temperature: f32, top_k: c_uint, top_p: f32, min_p: f32, repeat_penalty: f32, penalty: *mut c_int, n_penalty: c_uint, seed: u64, stream_index: c_uint, position: u64, scratch: *mut c_void, token: *mut c_int, stream: cudaStream_t) -> cudaError_t;
     // logprob.cu
     pub fn hostembed_row_logprobs(logits: *const f32, vocab: c_uint, rows: c_uint, targets: *const c_int, out: *mut f32, stream: cudaStream_t) -> cudaError_t;

@@ -1315,10 +1315,10 @@ fn sampling_handles_degenerate_logits_like_the_cpu() {
     }
 }
 
-/// Scratch for `hostembed_sample_rows`: what the GPU model gives it (`launch::sample_rows_bytes`: 56 bytes
+/// Scratch for `hostembed_sample_rows`: what the GPU model gives it (`launch::sample_rows_bytes`: 64 bytes
 /// and a 33 KiB workspace a row, 8 bytes a vocabulary entry for the ids, 1 KiB of alignment).
 fn rows_scratch_bytes(vocab: usize, rows: usize) -> usize {
-    rows * (56 + (33 << 10)) + vocab * 8 + 1024
+    rows * (64 + (33 << 10)) + vocab * 8 + 1024
 }
 
 /// One batched draw of `rows` logits rows (`logits`: rows x vocab on the device) with `settings[r]`, the
@@ -1346,6 +1346,8 @@ fn device_sample_rows(
             stream_index: *stream,
             seed: s.seed,
             position: *position,
+            mask_row: kn::NO_MASK,
+            reserved: 0,
         });
         flat.extend(ids.iter().map(|&t| t as i32));
     }
@@ -1362,6 +1364,7 @@ fn device_sample_rows(
             host.as_ptr(),
             flat.as_ptr(),
             flat.len() as c_uint,
+            ptr::null(),
             scratch.ptr(),
             scratch_bytes,
             tokens.ptr() as *mut c_int,
@@ -1462,7 +1465,13 @@ fn batched_sampler_refuses_bad_arguments() {
     let (code, _) = device_sample_rows(&logits, vocab, &[greedy, greedy], &[vec![], vec![]], 64);
     assert_ne!(code, 0, "a scratch too small for the settings");
     // A row whose ids run past the ids passed.
-    let mut host = kn::hostembed_sample_row { repeat_penalty: 1.5, n_penalty: 3, penalty_at: 0, ..Default::default() };
+    let mut host = kn::hostembed_sample_row {
+        repeat_penalty: 1.5,
+        n_penalty: 3,
+        penalty_at: 0,
+        mask_row: kn::NO_MASK,
+        ..Default::default()
+    };
     let ids = [1i32, 2];
     let scratch = poisoned(big);
     let tokens = poisoned(8);
@@ -1476,6 +1485,7 @@ fn batched_sampler_refuses_bad_arguments() {
                 rows,
                 ids.as_ptr(),
                 ids.len() as c_uint,
+                ptr::null(),
                 scratch_ptr,
                 big,
                 tokens.ptr() as *mut c_int,
@@ -1492,6 +1502,9 @@ fn batched_sampler_refuses_bad_arguments() {
     assert_ne!(call(&host, misaligned, vocab), 0, "a scratch off its 256-byte boundary");
     assert_ne!(call(&host, scratch.ptr(), 0), 0, "no vocabulary");
     assert_ne!(call(&host, scratch.ptr(), 1 << 28), 0, "a vocabulary past 2^28 - 1");
+    host.mask_row = 0;
+    assert_ne!(call(&host, scratch.ptr(), vocab), 0, "a row's mask and no masks");
+    host.mask_row = kn::NO_MASK;
     let mut t = [0i32; 2];
     tokens.download(&mut t).unwrap();
     assert_eq!(t, [-1, -1], "a refused call wrote tokens");
@@ -1556,4 +1569,124 @@ fn sampler_refuses_bad_arguments() {
     assert_eq!(call(logits, 16, unsafe { (scratch as *mut u8).add(4) } as *mut c_void, token), invalid, "misaligned");
     assert_eq!(call(logits, 0, scratch, token), invalid, "no vocabulary");
     assert_eq!(call(logits, 1 << 28, scratch, token), invalid, "a vocabulary past 2^28 - 1");
+}
+
+/// Constrained rows in `hostembed_sample_rows`: in one launch beside free rows, each masked row's token is
+/// `sampler::sample_stream_masked`'s (every cut, min-p, the penalty; masks of every id down to about one,
+/// and allowed ids whose logits are all -inf), each free row's `sample_stream`'s; the logits are left as
+/// they were.
+#[test]
+fn masked_rows_draw_the_host_masked_samplers_token() {
+    if !gpu_present("masked_rows_draw_the_host_masked_samplers_token") {
+        return;
+    }
+    let mut rng = Rng::fresh("masked_rows_draw_the_host_masked_samplers_token");
+    let (mut compared, mut masked_away) = (0, 0);
+    for vocab in [1usize, 33, 4096, 8192, 32000, 128256] {
+        let words = vocab.div_ceil(32);
+        for round in 0..6 {
+            let rows = 1 + rng.below(12) as usize;
+            let (mut logits, mut masks, mut ids) = (Vec::new(), Vec::<u32>::new(), Vec::<c_int>::new());
+            let (mut settings, mut want, mut has_mask) = (Vec::new(), Vec::new(), Vec::new());
+            for _ in 0..rows {
+                let kind = rng.below(3) as usize;
+                let mut row = sample_logits(&mut rng, vocab, kind);
+                let masked = rng.below(4) > 0;
+                let mut allowed = vec![0u32; words];
+                if masked {
+                    // Every id, half, one in fifty, or about one.
+                    let density = [1, 2, 50, vocab as u64 + 1][rng.below(4) as usize];
+                    for i in 0..vocab {
+                        if rng.below(density) == 0 {
+                            allowed[i / 32] |= 1 << (i % 32);
+                        }
+                    }
+                    let one = rng.below(vocab as u64) as usize;
+                    allowed[one / 32] |= 1 << (one % 32);
+                    if rng.below(6) == 0 {
+                        for i in (0..vocab).filter(|&i| allowed[i / 32] >> (i % 32) & 1 == 1) {
+                            row[i] = f32::NEG_INFINITY;
+                        }
+                    }
+                }
+                let (temperature, top_k, top_p) = if rng.below(4) == 0 {
+                    (0.0, 0, 1.0)
+                } else {
+                    SAMPLE_SETTINGS[rng.below(SAMPLE_SETTINGS.len() as u64) as usize]
+                };
+                let (repeat_penalty, repeat_last_n) = [(1.0, 64), (1.3, 16), (0.8, 8)][rng.below(3) as usize];
+                let min_p = [0.0, 0.05, 0.3][rng.below(3) as usize];
+                let s =
+                    Sampling { temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed: rng.next_u64() };
+                let history: Vec<u32> = (0..rng.below(12)).map(|_| rng.below(vocab as u64) as u32).collect();
+                let new = [rng.below(vocab as u64) as u32];
+                let stream = rng.below(8) as u32;
+                let penalty = sampler::penalty_ids(&history, &new, &s);
+                want.push(if masked {
+                    sampler::sample_stream_masked(&row, &allowed, &s, stream, &history, &new).unwrap()
+                } else {
+                    sampler::sample_stream(&row, &s, stream, &history, &new)
+                });
+                settings.push(kn::hostembed_sample_row {
+                    temperature,
+                    top_k,
+                    top_p,
+                    min_p,
+                    repeat_penalty,
+                    n_penalty: penalty.len() as c_uint,
+                    penalty_at: ids.len() as c_uint,
+                    stream_index: stream,
+                    seed: s.seed,
+                    position: (history.len() + 1) as u64,
+                    mask_row: if masked { (masks.len() / words) as c_uint } else { kn::NO_MASK },
+                    reserved: 0,
+                });
+                ids.extend(penalty.iter().map(|&t| t as c_int));
+                if masked {
+                    masks.extend(&allowed);
+                }
+                has_mask.push(masked);
+                logits.extend(row);
+            }
+            let d = DeviceBuffer::from_slice(&logits).unwrap();
+            let m = DeviceBuffer::from_slice(&masks).unwrap();
+            // What GpuModel gives the sampler: a row's settings and workspace, 8 bytes an id.
+            let scratch_size = rows * (64 + (33 << 10)) + ids.len().max(vocab) * 8 + 1024;
+            let (scratch, tokens) = (poisoned(scratch_size), poisoned(rows * 4));
+            ok(
+                unsafe {
+                    kn::hostembed_sample_rows(
+                        d.ptr() as *mut f32,
+                        vocab as c_uint,
+                        rows as c_uint,
+                        settings.as_ptr(),
+                        ids.as_ptr(),
+                        ids.len() as c_uint,
+                        m.ptr() as *const c_uint,
+                        scratch.ptr(),
+                        scratch_size,
+                        tokens.ptr() as *mut c_int,
+                        NULL_STREAM,
+                    )
+                },
+                "hostembed_sample_rows",
+            );
+            let mut got = vec![0i32; rows];
+            tokens.download(&mut got).unwrap();
+            for r in 0..rows {
+                let what = format!("vocab {vocab} round {round} row {r} (masked: {}) {:?}", has_mask[r], settings[r]);
+                assert_eq!(got[r], want[r] as i32, "{what}");
+                compared += 1;
+                if has_mask[r] {
+                    let row = &logits[r * vocab..(r + 1) * vocab];
+                    // Would the free draw have left the mask? Then the mask decided this token.
+                    masked_away += usize::from(sampler::argmax(row) != want[r]);
+                }
+            }
+            let after = download_f32(&d, rows * vocab);
+            assert!(logits.iter().zip(&after).all(|(a, b)| a.to_bits() == b.to_bits()), "the logits changed");
+        }
+    }
+    println!("{compared} rows identical to src/sampler.rs, {masked_away} masked rows off their argmax");
+    assert!(masked_away > 0, "no mask changed a draw");
 }

@@ -20,11 +20,13 @@ use std::os::raw::{c_int, c_uint, c_void};
 use std::ptr;
 
 use super::launch::{self, AttentionShape, HalfMatrix, KvPages};
+use super::mask;
 use super::pages::{GpuCache, PAGE_TOKENS};
 use super::scratch::{ATTENTION_TOKENS, attention_grid, attention_parts};
 use super::weights::{DeviceWeight, Qkv};
 use super::{GpuModel, GpuStream};
 use crate::backend::{PagePool, StepItem};
+use crate::constraint::PendingMask;
 use crate::cuda::DeviceBuffer;
 use crate::sampler::{self, Sampling};
 use crate::status::{Error, Result};
@@ -408,6 +410,8 @@ impl GpuModel {
         let mut sampled: Vec<Vec<Option<i32>>> = items.iter().map(|it| vec![None; it.heads.max(1)]).collect();
         // (item, head) whose logits and token sit in the device rows [0, pending.len()), in row order.
         let mut pending: Vec<(usize, usize)> = Vec::new();
+        // Mask rows the passes since those rows were last read back have taken.
+        let mut masked = 0;
         for mut pass in passes {
             let shape = self.lay_out(&mut pass);
             self.upload_pass(&pass, &token_lists)?;
@@ -423,6 +427,7 @@ impl GpuModel {
             if pending.len() + heads.len() > rows_cap {
                 self.spill(&pending, &mut sampled)?;
                 pending.clear();
+                masked = 0;
             }
             let base = pending.len();
             let head_rows: Vec<usize> = heads.iter().map(|h| h.0).collect();
@@ -438,14 +443,28 @@ impl GpuModel {
                     sampler::penalty_ids(&items[i].stream.tokens, &items[i].tokens[..t + 1], &items[i].sampling)
                 })
                 .collect();
+            // A constrained item's token (after its last position) is drawn among the ids its mask allows:
+            // the mask, computed on a host thread while the forward runs, is waited for once the pass is
+            // queued.
+            let allowed: Vec<Option<&[u32]>> = heads
+                .iter()
+                .map(|&(_, i, _, t)| {
+                    let mask = items[i].mask.filter(|_| t + 1 == items[i].tokens.len());
+                    mask.and_then(PendingMask::wait).filter(|m| mask::allows_any(m, self.cfg.vocab))
+                })
+                .collect();
+            let mask_rows = self.stage_masks(&allowed, masked)?;
+            masked += mask_rows.iter().flatten().count();
             let rows: Vec<launch::SampleRow<'_>> = heads
                 .iter()
                 .zip(&penalties)
-                .map(|(&(_, i, _, t), penalty)| launch::SampleRow {
+                .zip(mask_rows)
+                .map(|((&(_, i, _, t), penalty), mask)| launch::SampleRow {
                     sampling: &items[i].sampling,
                     stream_index: items[i].index,
                     position: (items[i].stream.len + t + 1) as u64,
                     penalty,
+                    mask,
                 })
                 .collect();
             self.sample_rows(base, &rows)?;
@@ -456,14 +475,6 @@ impl GpuModel {
         for (k, (&(i, h), &t)) in pending.iter().zip(&tokens).enumerate() {
             sampled[i][h] = Some(t);
             self.logits_at[i].push(LogitsAt::Row(k));
-        }
-        // A constrained item's token is drawn again on the host among the tokens its mask allows (the
-        // mask was computed while the passes ran); the device's draw for it is dropped.
-        for &i in run {
-            if items[i].mask.is_some() {
-                let logits = self.logits(i)?;
-                sampled[i][heads_of(i) - 1] = Some(items[i].sample(&logits, &items[i].stream.tokens) as i32);
-            }
         }
         run.iter()
             .map(|&i| {
@@ -500,8 +511,8 @@ impl GpuModel {
     }
 
     /// Samples the token after each of `rows` logits rows from row `first` on into the same token rows (the
-    /// logits end as they began), in one batched draw, or more where the rows' penalized ids together pass
-    /// the vocabulary.
+    /// logits end as they began; a row with a mask row draws among its allowed ids), in one batched draw, or
+    /// more where the rows' penalized ids together pass the vocabulary.
     fn sample_rows(&self, first: usize, rows: &[launch::SampleRow<'_>]) -> Result<()> {
         let vocab = self.cfg.vocab;
         let s = self.stream.raw();
@@ -515,8 +526,8 @@ impl GpuModel {
             }
             let logits = (self.buf(self.s.logits) as *mut f32).wrapping_add((first + start) * vocab);
             let tokens = (self.buf(self.s.token) as *mut c_int).wrapping_add(first + start);
-            let scratch = self.buf(self.s.sample);
-            launch::sample_rows(logits, vocab, &rows[start..end], scratch, self.s.sample_bytes, tokens, s)?;
+            let (scratch, masks) = (self.buf(self.s.sample), self.buf(self.s.masks) as *const c_uint);
+            launch::sample_rows(logits, vocab, &rows[start..end], masks, scratch, self.s.sample_bytes, tokens, s)?;
             start = end;
         }
         Ok(())

@@ -280,13 +280,15 @@ pub(super) fn embed_gather(
     cuda::check(code, "hostembed_embed_gather")
 }
 
-/// One row of `sample_rows`: an item's settings, its stream index, the position of the token drawn, and
-/// its penalized ids (`sampler::penalty_ids`: distinct, fewer than the vocabulary).
+/// One row of `sample_rows`: an item's settings, its stream index, the position of the token drawn, its
+/// penalized ids (`sampler::penalty_ids`: distinct, fewer than the vocabulary), and the row of the masks
+/// holding the ids its constraint allows (None: every id).
 pub(super) struct SampleRow<'a> {
     pub sampling: &'a Sampling,
     pub stream_index: u32,
     pub position: u64,
     pub penalty: &'a [u32],
+    pub mask: Option<u32>,
 }
 
 /// A row's workspace in `hostembed_sample_rows` at most, with some to spare: 8 bytes a word of the
@@ -295,20 +297,24 @@ pub(super) struct SampleRow<'a> {
 const SAMPLE_ROW_WORK_BYTES: usize = 33 << 10;
 
 /// Bytes of the scratch region `sample_rows` draws in, for calls of up to `rows` rows whose penalized ids
-/// together are at most `vocab`: 56 bytes a row (settings and barrier words) and 8 an id (the id and its
+/// together are at most `vocab`: 64 bytes a row (settings and barrier words) and 8 an id (the id and its
 /// saved logit), the rows' workspaces, and room for the alignments.
 pub(super) fn sample_rows_bytes(vocab: usize, rows: usize) -> usize {
-    rows * (56 + SAMPLE_ROW_WORK_BYTES) + vocab * 8 + 1024
+    rows * (64 + SAMPLE_ROW_WORK_BYTES) + vocab * 8 + 1024
 }
 
 /// Draws the token after each of `rows` logits rows (`vocab` floats apart from `logits` on) into the same
 /// rows of `tokens`, each as `hostembed_sample` draws it (`sampler::sample_stream`'s token), in at most
 /// three launches. `scratch` is a region of `scratch_size` bytes (`sample_rows_bytes`); the rows'
-/// penalized ids together at most the vocabulary. The logits end as they began.
+/// penalized ids together at most the vocabulary. A row with a mask draws `sampler::sample_stream_masked`'s
+/// token, among the ids of row `mask` of `masks` (device memory, `vocab.div_ceil(32)` words a row; each
+/// such row allows an id below `vocab`). The logits end as they began.
+#[allow(clippy::too_many_arguments)]
 pub(super) fn sample_rows(
     logits: *mut f32,
     vocab: usize,
     rows: &[SampleRow<'_>],
+    masks: *const c_uint,
     scratch: *mut c_void,
     scratch_size: usize,
     tokens: *mut c_int,
@@ -334,11 +340,14 @@ pub(super) fn sample_rows(
             stream_index: r.stream_index,
             seed,
             position: r.position,
+            mask_row: r.mask.unwrap_or(kn::NO_MASK),
+            reserved: 0,
         });
     }
     let (n_rows, n_ids) = (count(rows.len(), "rows")?, count(ids.len(), "penalized ids")?);
     // SAFETY: `settings` and `ids` are host arrays of the lengths passed, copied before the call returns;
-    // logits, tokens and the scratch region are device memory sized for these rows (see the module's note).
+    // logits, tokens, the masks and the scratch region are device memory sized for these rows (see the
+    // module's note).
     let code = unsafe {
         kn::hostembed_sample_rows(
             logits,
@@ -347,6 +356,7 @@ pub(super) fn sample_rows(
             settings.as_ptr(),
             ids.as_ptr(),
             n_ids,
+            masks,
             scratch,
             scratch_size,
             tokens,

@@ -12,7 +12,8 @@
 //! A step runs a batch of items of different streams: `forward.rs` packs them into passes of at most
 //! `max_batch` tokens, each token carrying its own position and page table, so single-token items of
 //! every stream share each weight read. All work is queued on one CUDA stream; the only host wait is for
-//! the sampled tokens. Passes of single tokens replay a CUDA graph captured per token count (they read
+//! the sampled tokens (and, once a pass is queued, for its constrained items' masks, which the device's
+//! sampler applies: `mask.rs`). Passes of single tokens replay a CUDA graph captured per token count (they read
 //! everything that changes from the scratch; HOSTEMBED_CUDA_GRAPHS=0 turns that off). Prompt chunks of
 //! `TENSOR_CORE_MIN_TOKENS` or more run their matrix products on tensor cores (cuBLASLt when it can
 //! be loaded, else the library's own kernel) and their attention as flash attention, except where
@@ -30,6 +31,7 @@ mod blas;
 mod forward;
 mod graph;
 mod launch;
+mod mask;
 mod pages;
 mod scratch;
 mod weights;
@@ -141,6 +143,8 @@ pub struct GpuModel {
     blas: Option<blas::Blas>,
     /// Which products the prompt path runs, for the engine's log line.
     route: String,
+    /// The pinned staging of constrained rows' masks.
+    mask_stage: mask::MaskStage,
     // Declared last: dropped after everything that points into them.
     stream: Stream,
     scratch: DeviceBuffer,
@@ -363,6 +367,7 @@ impl GpuModel {
             flash,
             blas,
             route,
+            mask_stage: mask::MaskStage::default(),
             stream,
             scratch,
             pool,

@@ -1,8 +1,8 @@
 //! The scratch allocation: activations of one pass (f32, and the half-format copies the tensor-core
 //! products read), each token's id, position and page table, the logits of up to `logit_rows` items,
-//! the attention's partial results, the sampler's buffers, the slab weights of other formats are
-//! converted into for those products and their library's workspace, at offsets `ScratchLayout` fixes;
-//! and the copies in and out of it.
+//! the attention's partial results, the sampler's buffers and the constrained rows' masks, the slab
+//! weights of other formats are converted into for those products and their library's workspace, at
+//! offsets `ScratchLayout` fixes; and the copies in and out of it.
 
 use std::os::raw::c_void;
 
@@ -169,6 +169,9 @@ pub(super) struct ScratchLayout {
     /// The sampler's region (`launch::sample_rows`: settings, penalized ids, workspaces) and its bytes.
     pub(super) sample: usize,
     pub(super) sample_bytes: usize,
+    /// The constrained rows' allowed ids, `mask_words` u32 words a logits row (`mask::MaskStage`).
+    pub(super) masks: usize,
+    pub(super) mask_words: usize,
     /// Half-format activations of a chunk: the normed input, the attention output or the SwiGLU.
     pub(super) act: usize,
     /// In the same region past a chunk's normed input: that input's rounding residue (k and v refined).
@@ -209,6 +212,8 @@ impl ScratchLayout {
         let token = l.push(logit_rows * 4);
         let sample_bytes = super::launch::sample_rows_bytes(cfg.vocab, logit_rows);
         let sample = l.push(sample_bytes);
+        let mask_words = cfg.vocab.div_ceil(32);
+        let masks = l.push(logit_rows * mask_words * 4);
         let act = l.push(b * (2 * cfg.hidden).max(cfg.q_dim()).max(cfg.intermediate) * 2);
         let act_residue = act + b * cfg.hidden * 2;
         let slab = l.push(slab_values * 2);
@@ -236,6 +241,8 @@ impl ScratchLayout {
             logit_rows,
             sample,
             sample_bytes,
+            masks,
+            mask_words,
             act,
             act_residue,
             slab,
