@@ -19,15 +19,16 @@
 use std::os::raw::{c_int, c_uint, c_void};
 use std::ptr;
 
-use super::launch::{self, AttentionShape, HalfMatrix, KvPages};
+use super::launch::{self, HalfMatrix};
+use super::ops::PassOps;
 use super::pages::{GpuCache, PAGE_TOKENS};
-use super::scratch::{ATTENTION_TOKENS, attention_grid, attention_parts};
-use super::weights::{DeviceWeight, Qkv};
+use super::scratch::attention_grid;
+use super::weights::DeviceWeight;
 use super::{GpuModel, GpuStream};
 use crate::backend::{PagePool, StepItem};
 use crate::cuda::DeviceBuffer;
 use crate::sampler::{self, Sampling};
-use crate::status::{Error, Result};
+use crate::status::Result;
 use crate::{bail, err};
 
 /// Chunks of at least this many tokens take the tensor-core path: below it the matrix-vector kernel,
@@ -45,14 +46,14 @@ pub(super) enum LogitsAt {
 /// A product's refinement (`product`): its outputs from row `from` of the weight on again from the
 /// half input's rounding residue at `residue` (rows `w.cols` apart).
 #[derive(Clone, Copy)]
-struct Refine {
-    from: usize,
-    residue: *const c_void,
+pub(super) struct Refine {
+    pub from: usize,
+    pub residue: *const c_void,
 }
 
 /// Which kernels a piece's products take.
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-enum Path {
+pub(super) enum Path {
     /// The matrix-vector kernels on f32 activations.
     Matvec,
     /// Tensor cores, in one product with every other single token of the pass (the batch option).
@@ -65,19 +66,19 @@ enum Path {
 #[derive(Clone, Copy)]
 pub(super) struct Piece {
     /// The item's index in the step.
-    item: usize,
+    pub item: usize,
     /// The piece's first token in the item's tokens, and its token count.
-    from: usize,
-    len: usize,
+    pub from: usize,
+    pub len: usize,
     /// The position of its first token.
-    pos: usize,
+    pub pos: usize,
     /// The stream's page table (a device address).
-    table: *const c_uint,
+    pub table: *const c_uint,
     /// Whether the item ends with this piece (its logits follow the piece's last token).
-    last: bool,
+    pub last: bool,
     /// Its first row in the pass, and its path (set by `lay_out`).
-    row: usize,
-    path: Path,
+    pub row: usize,
+    pub path: Path,
 }
 
 /// Rows between the starts of two tensor-core pieces: 16 rows of any width that is a multiple of 8 are
@@ -585,7 +586,7 @@ impl GpuModel {
     /// format is converted into the slab first. With `refine`, rows [from, w.rows) of y then add the
     /// product of the input's residue, so those outputs are the f32 input's to ~2^-16.
     #[allow(clippy::too_many_arguments)]
-    fn product(
+    pub(super) fn product(
         &self,
         w: &DeviceWeight,
         a: *const c_void,
@@ -659,187 +660,12 @@ impl GpuModel {
     pub(super) fn enqueue_forward(&self, pieces: &[Piece], shape: PassShape, head: Head<'_>) -> Result<()> {
         let cfg = &self.cfg;
         let s = self.stream.raw();
-        let PassShape { n, m, split_end, grid_parts } = shape;
-        let tc = n - m;
-        // The tensor-core products' row groups: the single tokens together, each chunk on its own; the
-        // chunks' k and v are refined (the singles' option is for speed, and every other single token
-        // is f32 throughout).
-        let mut groups: Vec<(usize, usize)> = Vec::new();
-        let singles_group = pieces.iter().any(|p| p.path == Path::TensorSingle);
-        let singles: Vec<&Piece> = pieces.iter().filter(|p| p.path == Path::TensorSingle).collect();
-        if let (Some(first), Some(last)) = (singles.first(), singles.last()) {
-            groups.push((first.row, last.row + 1 - first.row));
-        }
-        groups.extend(pieces.iter().filter(|p| p.path == Path::Tensor).map(|p| (p.row, p.len)));
-        let (hidden, q_dim, kv_dim, inter, hd) =
-            (cfg.hidden, cfg.q_dim(), cfg.kv_dim(), cfg.intermediate, cfg.head_dim);
-        let qkv_dim = q_dim + 2 * kv_dim;
+        crate::arch::forward(cfg.arch, &mut PassOps::new(self, pieces, shape), &self.layers)?;
+        let (n, hidden, half, tensor) = (shape.n, cfg.hidden, self.half, self.mmv_work());
         let f = |off: usize| self.buf(off) as *mut f32;
-        let (x, xn, qkv, attn, gate, up) =
-            (f(self.s.x), f(self.s.xn), f(self.s.qkv), f(self.s.attn), f(self.s.gate), f(self.s.up));
-        let partial = f(self.s.partial);
-        let act = self.buf(self.s.act);
-        let ids = self.buf(self.s.ids) as *const c_int;
-        let pos = self.buf(self.s.pos) as *const c_int;
-        let tables = self.buf(self.s.tables) as *const *const c_uint;
-        let inv_freq = self.buf(self.s.inv_freq) as *const f32;
-        // Device addresses are only formed here, never read on the host: wrapping arithmetic is enough.
+        let (x, xn, act) = (f(self.s.x), f(self.s.xn), self.buf(self.s.act));
         let row = |p: *mut f32, r: usize, width: usize| p.wrapping_add(r * width);
-        let act_row = |r: usize, width: usize| (act as *mut u8).wrapping_add(r * width * 2) as *mut c_void;
-        // Bytes of one layer's pages.
-        let layer_bytes = self.pool_pages * self.page.page_bytes();
-        let pool = self.pool.ptr() as *mut u8;
-        let shape_of = |rows: usize| AttentionShape {
-            n: rows,
-            heads: cfg.heads,
-            kv_heads: cfg.kv_heads,
-            head_dim: hd,
-            qkv_stride: qkv_dim,
-        };
-        let scale = 1.0 / (hd as f32).sqrt();
         let none = ptr::null::<f32>();
-        let half = self.half;
-        let tensor = self.mmv_work();
-        // The normed input: f32 rows [0, m) into xn, half rows [m, n) into act (and with `residue`, their
-        // rounding residue into act_residue).
-        let residue = (self.buf(self.s.act_residue) as *mut u8).cast::<c_void>();
-        let norm_in = |w: &DeviceWeight, with_residue: bool| -> Result<()> {
-            if m > 0 {
-                launch::rmsnorm(x, w.f32_ptr(), cfg.rms_eps, xn, m, hidden, s)?;
-            }
-            if tc > 0 {
-                let res = if with_residue { residue } else { ptr::null_mut() };
-                launch::rmsnorm_to(row(x, m, hidden), w.f32_ptr(), cfg.rms_eps, act, res, half, tc, hidden, s)?;
-            }
-            Ok(())
-        };
-        // y = w input (+ bias) (+ residual) for every row: rows [0, m) from the f32 `input`, rows [m, n)
-        // from the half activations in act; y and residual rows are `ldy` apart. `refine_from`: the half
-        // rows' outputs from that row of w on again from the residue (as the f32 rows' are).
-        let project = |w: &DeviceWeight,
-                       input: *const f32,
-                       bias: *const f32,
-                       residual: *const f32,
-                       y: *mut f32,
-                       ldy,
-                       refine_from: Option<usize>| {
-            if m > 0 {
-                launch::decode_product(w, input, m, bias, residual, y, ldy, tensor, s)?;
-            }
-            for (g, &(r0, rows)) in groups.iter().enumerate() {
-                let residual = if residual.is_null() { residual } else { residual.wrapping_add(r0 * ldy) };
-                let refine = refine_from.filter(|_| !(singles_group && g == 0)).map(|from| Refine {
-                    from,
-                    residue: (residue as *const u8).wrapping_add((r0 - m) * w.cols * 2).cast::<c_void>(),
-                });
-                let (a, y) = (act_row(r0 - m, w.cols), y.wrapping_add(r0 * ldy));
-                self.product(w, a, rows, bias, residual, y, ldy, refine)?;
-            }
-            Ok::<(), Error>(())
-        };
-
-        launch::embed_gather(&self.rows, ids, n, x, s)?;
-        for (l, layer) in self.layers.iter().enumerate() {
-            let kv = KvPages {
-                pool: pool.wrapping_add(l * layer_bytes) as *mut c_void,
-                pages: self.pool_pages,
-                kv: self.kv,
-            };
-
-            // K and V from the normed input to f32 accuracy: the cache keeps them, and a bf16 input's
-            // rounding, rounded again into the cache, was most of the prompt logits' distance from the
-            // CPU's (tests/prompt_roundings.rs); q's rounding costs far less.
-            norm_in(&layer.w.attn_norm, true)?;
-            let qkv_bias = layer.qkv_bias();
-            match &layer.qkv {
-                Qkv::Fused(w) => project(w, xn, qkv_bias, none, qkv, qkv_dim, Some(q_dim))?,
-                Qkv::Split(parts) => {
-                    // The biases lie back to back like q, k and v in a row of the qkv buffer.
-                    let bias = |at: usize| if qkv_bias.is_null() { none } else { qkv_bias.wrapping_add(at) };
-                    for (k, (w, at)) in parts.iter().zip([0, q_dim, q_dim + kv_dim]).enumerate() {
-                        project(w, xn, bias(at), none, qkv.wrapping_add(at), qkv_dim, (k > 0).then_some(0))?;
-                    }
-                }
-            }
-            let (q_norm, k_norm) = (layer.w.q_norm.as_ref(), layer.w.k_norm.as_ref());
-            launch::rope_kv(
-                qkv,
-                shape_of(n),
-                pos,
-                inv_freq,
-                cfg.rope_interleaved,
-                q_norm,
-                k_norm,
-                cfg.rms_eps,
-                kv,
-                tables,
-                s,
-            )?;
-
-            // Attention: rows [0, split_end) on the split kernel into attn (f32), in launches of
-            // ATTENTION_TOKENS; the tensor-core rows among them are converted into act; the other tensor
-            // rows' pieces on flash attention, each over its own stream, straight into act.
-            for g0 in (0..split_end).step_by(ATTENTION_TOKENS) {
-                let g = (split_end - g0).min(ATTENTION_TOKENS);
-                launch::attention(
-                    row(qkv, g0, qkv_dim),
-                    shape_of(g),
-                    kv,
-                    tables.wrapping_add(g0),
-                    pos.wrapping_add(g0),
-                    scale,
-                    attention_parts(),
-                    grid_parts,
-                    partial,
-                    row(attn, g0, q_dim),
-                    s,
-                )?;
-            }
-            if split_end > m {
-                launch::convert(row(attn, m, q_dim), act, half, (split_end - m) * q_dim, s)?;
-            }
-            if self.flash {
-                for p in pieces.iter().filter(|p| p.path == Path::Tensor) {
-                    let (q, at, out) = (row(qkv, p.row, qkv_dim), pos.wrapping_add(p.row), act_row(p.row - m, q_dim));
-                    // An 8-bit cache: the stream's positions so far, this piece's included, decoded once.
-                    let stage = (self.s.stage_tokens > 0).then(|| launch::FlashStage {
-                        ptr: self.buf(self.s.stage),
-                        tokens: self.s.stage_tokens,
-                        ctx: p.pos + p.len,
-                    });
-                    if let Some(st) = stage {
-                        launch::flash_stage(kv, p.table, cfg.kv_heads, cfg.head_dim, st, s)?;
-                    }
-                    launch::flash_attention(q, shape_of(p.len), kv, p.table, at, scale, out, half, q_dim, stage, s)?;
-                }
-            }
-            project(&layer.w.o, attn, none, x, x, hidden, None)?;
-
-            norm_in(&layer.w.ffn_norm, false)?;
-            if m > 0 {
-                if layer.w.gate.dtype == layer.w.up.dtype {
-                    launch::decode_swiglu(&layer.w.gate, &layer.w.up, xn, m, gate, tensor, s)?;
-                } else {
-                    launch::decode_product(&layer.w.gate, xn, m, none, none, gate, inter, tensor, s)?;
-                    launch::decode_product(&layer.w.up, xn, m, none, none, up, inter, tensor, s)?;
-                    launch::swiglu(gate, up, gate, m * inter, s)?;
-                }
-                launch::decode_product(&layer.w.down, gate, m, none, x, x, hidden, tensor, s)?;
-            }
-            if tc > 0 {
-                for &(r0, rows) in &groups {
-                    let a = act_row(r0 - m, hidden);
-                    self.product(&layer.w.gate, a, rows, none, none, row(gate, r0, inter), inter, None)?;
-                    self.product(&layer.w.up, a, rows, none, none, row(up, r0, inter), inter, None)?;
-                }
-                // The normed input is read by now: the SwiGLU output takes its place.
-                launch::swiglu_to(row(gate, m, inter), row(up, m, inter), act, half, tc * inter, s)?;
-                for &(r0, rows) in &groups {
-                    let xr = row(x, r0, hidden);
-                    self.product(&layer.w.down, act_row(r0 - m, inter), rows, none, xr, xr, hidden, None)?;
-                }
-            }
-        }
         let vocab = self.head.rows;
         match head {
             Head::Skip => Ok(()),
