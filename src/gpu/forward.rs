@@ -16,17 +16,15 @@
 //! a stream's logits are the same bits alone and in any batch, unless the batch tensor-core option
 //! moves single tokens to one product over all of them.
 
-use std::os::raw::{c_int, c_uint, c_void};
+use std::os::raw::{c_int, c_uint};
 use std::ptr;
 
-use super::launch::{self, HalfMatrix};
+use super::launch;
 use super::ops::PassOps;
 use super::pages::{GpuCache, PAGE_TOKENS};
 use super::scratch::attention_grid;
-use super::weights::DeviceWeight;
 use super::{GpuModel, GpuStream};
 use crate::backend::{PagePool, StepItem};
-use crate::cuda::DeviceBuffer;
 use crate::sampler::{self, Sampling};
 use crate::status::Result;
 use crate::{bail, err};
@@ -41,14 +39,6 @@ pub(super) enum LogitsAt {
     Row(usize),
     /// Copied to the host (a step with more items than the scratch has logits rows).
     Host(Vec<f32>),
-}
-
-/// A product's refinement (`product`): its outputs from row `from` of the weight on again from the
-/// half input's rounding residue at `residue` (rows `w.cols` apart).
-#[derive(Clone, Copy)]
-pub(super) struct Refine {
-    pub from: usize,
-    pub residue: *const c_void,
 }
 
 /// Which kernels a piece's products take.
@@ -194,143 +184,6 @@ impl GpuModel {
             pool.give_back(stream.pages.drain(pool.pages_for(stream.len)..));
         }
         ran.and(next)
-    }
-
-    /// Appends `tokens` to one stream (pages from `pool`) and returns the logits after each of them
-    /// (teacher forcing), for parity tests.
-    pub fn all_logits(&mut self, pool: &mut PagePool, stream: &mut GpuStream, tokens: &[u32]) -> Result<Vec<Vec<f32>>> {
-        self.check_tokens(stream, tokens)?;
-        reserve_pages(pool, stream, tokens.len())?;
-        self.sync_table(stream)?;
-        let mut out = Vec::with_capacity(tokens.len());
-        let (hidden, vocab) = (self.cfg.hidden, self.cfg.vocab);
-        let token_lists = [tokens];
-        for (c, chunk) in tokens.chunks(self.max_batch).enumerate() {
-            let from = c * self.max_batch;
-            let piece = Piece {
-                item: 0,
-                from,
-                len: chunk.len(),
-                pos: stream.len + from,
-                table: stream.cache.table_ptr(),
-                last: false,
-                row: 0,
-                path: Path::Matvec,
-            };
-            let mut pass = vec![piece];
-            let shape = self.lay_out(&mut pass);
-            self.upload_pass(&pass, &token_lists)?;
-            self.enqueue_forward(&pass, shape, Head::All)?;
-            for t in 0..chunk.len() {
-                let x = (self.buf(self.s.xn) as *const f32).wrapping_add(t * hidden);
-                let logits = self.buf(self.s.logits) as *mut f32;
-                let (none, s) = (ptr::null(), self.stream.raw());
-                launch::decode_product(&self.head, x, 1, none, none, logits, vocab, self.mmv_work(), s)?;
-                let mut row = vec![0f32; vocab];
-                self.download(self.s.logits, &mut row)?;
-                out.push(row);
-            }
-        }
-        stream.len += tokens.len();
-        stream.tokens.extend_from_slice(tokens);
-        self.logits_at.clear();
-        self.logits_at.push(vec![LogitsAt::Row(0)]);
-        Ok(out)
-    }
-
-    /// Appends `tokens` to one stream (its pages in place) as a step of one item would, computing the
-    /// logits after every token, and writes `out[i]` = log p(tokens[i + 1]) under the logits after token
-    /// `i` for `i < tokens.len() - 1` (`Backend::score`). Each chunk of `max_batch` runs one forward pass
-    /// with its final-normed rows kept; the head runs over them in groups of the scratch's logits rows,
-    /// each group's log-softmax on the device, so memory stays one group of logits and a float a token
-    /// (copied back once, at the end: no chunk waits for the host). A chunk on tensor
-    /// cores runs the head there too (its half-format input, as the chunk's own products), but the last
-    /// token's logits take the decode product a step's head takes: `logits(0)` is what `engine_step`
-    /// would have left. Nothing is sampled.
-    pub fn score(&mut self, stream: &mut GpuStream, tokens: &[u32], out: &mut [f32]) -> Result<()> {
-        self.logits_at.clear();
-        self.check_tokens(stream, tokens)?;
-        let end = stream.len + tokens.len();
-        if stream.pages.len() * PAGE_TOKENS < end {
-            bail!(
-                NoRoom,
-                "positions up to {end} need {} KV pages; the stream holds {}",
-                end.div_ceil(PAGE_TOKENS),
-                stream.pages.len()
-            );
-        }
-        self.sync_table(stream)?;
-        let (hidden, vocab, s) = (self.cfg.hidden, self.cfg.vocab, self.stream.raw());
-        let rows_cap = self.s.logit_rows;
-        let token_lists = [tokens];
-        let f = |off: usize| self.buf(off) as *mut f32;
-        let (xn, logits) = (f(self.s.xn), f(self.s.logits));
-        let act = self.buf(self.s.act);
-        // The rows' targets sit where a finished pass no longer reads; the log-probabilities of every chunk
-        // stay on the device until the end, so no chunk waits for the host.
-        let targets = self.buf(self.s.up) as *mut c_int;
-        let results = DeviceBuffer::new(tokens.len() * 4)?;
-        let scored = results.ptr() as *mut f32;
-        let none = ptr::null::<f32>();
-        let mut last_row = 0;
-        for (c, chunk) in tokens.chunks(self.max_batch).enumerate() {
-            let from = c * self.max_batch;
-            let n = chunk.len();
-            let piece = Piece {
-                item: 0,
-                from,
-                len: n,
-                pos: stream.len + from,
-                table: stream.cache.table_ptr(),
-                last: false,
-                row: 0,
-                path: Path::Matvec,
-            };
-            let mut pass = vec![piece];
-            let shape = self.lay_out(&mut pass);
-            self.upload_pass(&pass, &token_lists)?;
-            self.enqueue_forward(&pass, shape, Head::All)?;
-            let next: Vec<c_int> = (0..n).map(|r| tokens.get(from + r + 1).map_or(-1, |&t| t as c_int)).collect();
-            self.upload(self.s.up, &next)?;
-            let on_tc = pass[0].path == Path::Tensor && self.head.dtype == self.half;
-            if on_tc {
-                launch::convert(xn, act, self.half, n * hidden, s)?;
-            }
-            let last_chunk = from + n == tokens.len();
-            for g0 in (0..n).step_by(rows_cap) {
-                let g = (n - g0).min(rows_cap);
-                // The call's last token: the step's own head, alone in the group's last row.
-                let step_head = last_chunk && g0 + g == n;
-                if on_tc {
-                    let tc_rows = if step_head { g - 1 } else { g };
-                    if tc_rows > 0 {
-                        let a = (act as *mut u8).wrapping_add(g0 * hidden * 2) as *mut c_void;
-                        self.product(&self.head, a, tc_rows, none, none, logits, vocab, None)?;
-                    }
-                    if step_head {
-                        let (x, y) = (xn.wrapping_add((n - 1) * hidden), logits.wrapping_add((g - 1) * vocab));
-                        launch::decode_product(&self.head, x, 1, none, none, y, vocab, self.mmv_work(), s)?;
-                    }
-                } else {
-                    // Each row alone, as a step's head computes its last row.
-                    let x = xn.wrapping_add(g0 * hidden);
-                    launch::decode_product(&self.head, x, g, none, none, logits, vocab, self.mmv_work(), s)?;
-                }
-                if step_head {
-                    last_row = g - 1;
-                }
-                // The next group's product overwrites these rows after this kernel, in stream order.
-                launch::row_logprobs(logits, vocab, g, targets.wrapping_add(g0), scored.wrapping_add(from + g0), s)?;
-            }
-        }
-        self.stream.synchronize()?;
-        let mut all = vec![0f32; tokens.len()];
-        results.download(&mut all)?;
-        let last = tokens.len() - 1;
-        out[..last].copy_from_slice(&all[..last]);
-        stream.len = end;
-        self.logits_at.push(vec![LogitsAt::Row(last_row)]);
-        Ok(())
     }
 
     /// Everything that could refuse a stream's tokens before anything is written.
@@ -563,7 +416,7 @@ impl GpuModel {
     }
 
     /// Uploads each row's id, position and page table address, in one copy.
-    fn upload_pass(&self, pieces: &[Piece], token_lists: &[&[u32]]) -> Result<()> {
+    pub(super) fn upload_pass(&self, pieces: &[Piece], token_lists: &[&[u32]]) -> Result<()> {
         let b = self.max_batch;
         let mut meta = vec![0u8; b * 16];
         // Pad rows: id 0, position -1 (nothing written, nothing attended), no page table.
@@ -579,67 +432,6 @@ impl GpuModel {
             }
         }
         self.upload(self.s.meta, &meta)
-    }
-
-    /// y[t] = w a[t] (+ bias) (+ residual[t]) for `n` half-format rows of `a` (`w.cols` apart): on
-    /// cuBLASLt where it is loaded and takes the shape, else on the library's kernel; a weight in another
-    /// format is converted into the slab first. With `refine`, rows [from, w.rows) of y then add the
-    /// product of the input's residue, so those outputs are the f32 input's to ~2^-16.
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn product(
-        &self,
-        w: &DeviceWeight,
-        a: *const c_void,
-        n: usize,
-        bias: *const f32,
-        residual: *const f32,
-        y: *mut f32,
-        ldy: usize,
-        refine: Option<Refine>,
-    ) -> Result<()> {
-        let s = self.stream.raw();
-        let mut m = HalfMatrix { ptr: w.ptr, dtype: self.half, rows: w.rows, cols: w.cols };
-        if w.dtype != self.half {
-            let slab = self.buf(self.s.slab);
-            launch::convert_matrix(w, slab, self.half, s)?;
-            m.ptr = slab;
-        }
-        self.matmul(a, &m, n, bias, residual, y, ldy)?;
-        let Some(r) = refine else { return Ok(()) };
-        let rows = HalfMatrix {
-            ptr: (m.ptr as *const u8).wrapping_add(r.from * m.cols * 2) as *const c_void,
-            dtype: m.dtype,
-            rows: m.rows - r.from,
-            cols: m.cols,
-        };
-        let ys = y.wrapping_add(r.from);
-        self.matmul(r.residue, &rows, n, ptr::null(), ys, ys, ldy)
-    }
-
-    /// y[t] = m a[t] (+ bias) (+ residual[t]) for a matrix already in the half format.
-    #[allow(clippy::too_many_arguments)]
-    fn matmul(
-        &self,
-        a: *const c_void,
-        m: &HalfMatrix,
-        n: usize,
-        bias: *const f32,
-        residual: *const f32,
-        y: *mut f32,
-        ldy: usize,
-    ) -> Result<()> {
-        let s = self.stream.raw();
-        let on_blas = match &self.blas {
-            Some(b) => b.matmul(a, m.cols, m, n, residual, y, ldy, self.buf(self.s.workspace), s)?,
-            None => false,
-        };
-        if !on_blas {
-            return launch::gemm(a, m.cols, m, n, bias, residual, y, ldy, s);
-        }
-        if !bias.is_null() {
-            launch::add_bias(y, ldy, bias, m.rows, n, s)?;
-        }
-        Ok(())
     }
 
     /// The tensor-core decode products' workspace, or None when they are off.

@@ -32,6 +32,7 @@ mod graph;
 mod launch;
 mod ops;
 mod pages;
+mod score;
 mod scratch;
 mod weights;
 

@@ -8,14 +8,22 @@ use std::os::raw::{c_int, c_uint, c_void};
 use std::ptr;
 
 use super::GpuModel;
-use super::forward::{PassShape, Path, Piece, Refine};
-use super::launch::{self, AttentionShape, KvPages};
+use super::forward::{PassShape, Path, Piece};
+use super::launch::{self, AttentionShape, HalfMatrix, KvPages};
 use super::scratch::{ATTENTION_TOKENS, attention_parts};
 use super::weights::{DeviceWeight, Qkv};
 use crate::arch::{Feeds, Ops};
 use crate::cudart::cudaStream_t;
 use crate::status::Result;
 use crate::tensor::DType;
+
+/// A product's refinement (`product`): its outputs from row `from` of the weight on again from the
+/// half input's rounding residue at `residue` (rows `w.cols` apart).
+#[derive(Clone, Copy)]
+pub(super) struct Refine {
+    pub from: usize,
+    pub residue: *const c_void,
+}
 
 /// One pass's rows, their layout, and the scratch addresses its launches take.
 pub(super) struct PassOps<'a> {
@@ -309,6 +317,69 @@ impl Ops for PassOps<'_> {
                 let xr = row(x, r0, hidden);
                 self.model.product(down, self.act_row(r0, inter), rows, none, xr, xr, hidden, None)?;
             }
+        }
+        Ok(())
+    }
+}
+
+impl GpuModel {
+    /// y[t] = w a[t] (+ bias) (+ residual[t]) for `n` half-format rows of `a` (`w.cols` apart): on
+    /// cuBLASLt where it is loaded and takes the shape, else on the library's kernel; a weight in another
+    /// format is converted into the slab first. With `refine`, rows [from, w.rows) of y then add the
+    /// product of the input's residue, so those outputs are the f32 input's to ~2^-16.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn product(
+        &self,
+        w: &DeviceWeight,
+        a: *const c_void,
+        n: usize,
+        bias: *const f32,
+        residual: *const f32,
+        y: *mut f32,
+        ldy: usize,
+        refine: Option<Refine>,
+    ) -> Result<()> {
+        let s = self.stream.raw();
+        let mut m = HalfMatrix { ptr: w.ptr, dtype: self.half, rows: w.rows, cols: w.cols };
+        if w.dtype != self.half {
+            let slab = self.buf(self.s.slab);
+            launch::convert_matrix(w, slab, self.half, s)?;
+            m.ptr = slab;
+        }
+        self.matmul(a, &m, n, bias, residual, y, ldy)?;
+        let Some(r) = refine else { return Ok(()) };
+        let rows = HalfMatrix {
+            ptr: (m.ptr as *const u8).wrapping_add(r.from * m.cols * 2) as *const c_void,
+            dtype: m.dtype,
+            rows: m.rows - r.from,
+            cols: m.cols,
+        };
+        let ys = y.wrapping_add(r.from);
+        self.matmul(r.residue, &rows, n, ptr::null(), ys, ys, ldy)
+    }
+
+    /// y[t] = m a[t] (+ bias) (+ residual[t]) for a matrix already in the half format.
+    #[allow(clippy::too_many_arguments)]
+    fn matmul(
+        &self,
+        a: *const c_void,
+        m: &HalfMatrix,
+        n: usize,
+        bias: *const f32,
+        residual: *const f32,
+        y: *mut f32,
+        ldy: usize,
+    ) -> Result<()> {
+        let s = self.stream.raw();
+        let on_blas = match &self.blas {
+            Some(b) => b.matmul(a, m.cols, m, n, residual, y, ldy, self.buf(self.s.workspace), s)?,
+            None => false,
+        };
+        if !on_blas {
+            return launch::gemm(a, m.cols, m, n, bias, residual, y, ldy, s);
+        }
+        if !bias.is_null() {
+            launch::add_bias(y, ldy, bias, m.rows, n, s)?;
         }
         Ok(())
     }
