@@ -52,3 +52,107 @@ pub fn forward<O: Ops>(ops: &mut O, layers: &[LayerWeights<O::Weight>]) -> Resul
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::{Arch, ModelConfig, RopeScaling};
+
+    /// Operations that write down what they were asked, each weight by its name.
+    struct Recorder(Vec<String>);
+
+    impl Ops for Recorder {
+        type Weight = String;
+
+        fn embed(&mut self) -> Result<()> {
+            self.0.push("embed".into());
+            Ok(())
+        }
+        fn norm(&mut self, w: &String, feeds: Feeds) -> Result<()> {
+            self.0.push(format!("norm {w} {feeds:?}"));
+            Ok(())
+        }
+        fn qkv(&mut self, q: &String, k: &String, v: &String, bias: Option<[&String; 3]>) -> Result<()> {
+            self.0.push(format!("qkv {q} {k} {v} {bias:?}"));
+            Ok(())
+        }
+        fn rope_append(&mut self, layer: usize, head_norms: Option<[&String; 2]>) -> Result<()> {
+            self.0.push(format!("rope_append {layer} {head_norms:?}"));
+            Ok(())
+        }
+        fn attention(&mut self, layer: usize) -> Result<()> {
+            self.0.push(format!("attention {layer}"));
+            Ok(())
+        }
+        fn add_attention_out(&mut self, o: &String) -> Result<()> {
+            self.0.push(format!("add_attention_out {o}"));
+            Ok(())
+        }
+        fn add_swiglu_ffn(&mut self, gate: &String, up: &String, down: &String) -> Result<()> {
+            self.0.push(format!("add_swiglu_ffn {gate} {up} {down}"));
+            Ok(())
+        }
+    }
+
+    fn config(arch: Arch) -> ModelConfig {
+        let t = arch.traits();
+        ModelConfig {
+            arch,
+            vocab: 10,
+            hidden: 8,
+            layers: 2,
+            heads: 2,
+            kv_heads: 1,
+            head_dim: 4,
+            intermediate: 16,
+            rms_eps: 1e-6,
+            rope_theta: 10000.0,
+            rope_scaling: RopeScaling::None,
+            rope_interleaved: false,
+            max_position: 32,
+            tied: true,
+            qkv_bias: t.qkv_bias,
+            qk_norm: t.qk_norm,
+            bos: None,
+            eos: None,
+        }
+    }
+
+    /// Each architecture's pass as the registry runs it: every layer's operations in order, with the
+    /// optional operands its tensor list gives it and no others.
+    #[test]
+    fn each_architecture_passes_its_own_tensors_in_order() {
+        for arch in Arch::ALL {
+            let cfg = config(arch);
+            let layers: Vec<LayerWeights<String>> =
+                (0..cfg.layers).map(|l| LayerWeights::build(&cfg, l, |w| Ok(w.name.clone())).unwrap()).collect();
+            let mut ops = Recorder(Vec::new());
+            crate::arch::forward(arch, &mut ops, &layers).unwrap();
+            let mut want = vec!["embed".to_string()];
+            for l in 0..cfg.layers {
+                let n = |part: &str| crate::model::names::layer(l, part);
+                let bias = arch == Arch::Qwen2;
+                let head_norms = arch == Arch::Qwen3;
+                let q = |part: &str| format!("{:?}", n(part));
+                want.push(format!("norm {} Cache", n(names::ATTN_NORM)));
+                let bias = if bias {
+                    format!("Some([{}, {}, {}])", q(names::Q_BIAS), q(names::K_BIAS), q(names::V_BIAS))
+                } else {
+                    "None".into()
+                };
+                want.push(format!("qkv {} {} {} {bias}", n(names::Q), n(names::K), n(names::V)));
+                let norms = if head_norms {
+                    format!("Some([{}, {}])", q(names::Q_NORM), q(names::K_NORM))
+                } else {
+                    "None".into()
+                };
+                want.push(format!("rope_append {l} {norms}"));
+                want.push(format!("attention {l}"));
+                want.push(format!("add_attention_out {}", n(names::O)));
+                want.push(format!("norm {} Product", n(names::FFN_NORM)));
+                want.push(format!("add_swiglu_ffn {} {} {}", n(names::GATE), n(names::UP), n(names::DOWN)));
+            }
+            assert_eq!(ops.0, want, "{arch:?}");
+        }
+    }
+}
