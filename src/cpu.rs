@@ -10,7 +10,8 @@
 //! stays the reference for every type.
 //!
 //! A step of n tokens runs through the layers as a batch, in chunks of at most `CHUNK_TOKENS` so that
-//! its scratch does not grow with the prompt. Each matrix product decodes a weight row once per chunk
+//! its scratch does not grow with the prompt; each pass is the architecture's file (`arch`) over the
+//! CPU's operations (cpu/pass.rs). Each matrix product decodes a weight row once per chunk
 //! and dots it with every token (cpu/matmul.rs); attention runs each token over the stream's cache up
 //! to its own position, its softmax over position-aligned blocks with a running max and this
 //! backend's own exp (cpu/attention.rs, cpu/exp.rs). Both split their work across threads

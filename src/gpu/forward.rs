@@ -1,9 +1,10 @@
 //! The forward pass of a batch. A step's items (prompt chunks and single tokens of different streams)
 //! are packed into passes of at most `max_batch` tokens; a pass runs every layer once over all of its
-//! tokens, queued on the model's stream. Its tokens are rows: first those on the matrix-vector kernels
-//! (single tokens, and chunks shorter than `TENSOR_CORE_MIN_TOKENS`), then those on tensor cores (longer
-//! chunks, and single tokens when the batch tensor-core option is on and the pass has enough of them);
-//! each product runs once over each group, so single tokens of every stream share each weight read.
+//! tokens, queued on the model's stream (the architecture's file over the operations of ops.rs). Its
+//! tokens are rows: first those on the matrix-vector kernels (single tokens, and chunks shorter than
+//! `TENSOR_CORE_MIN_TOKENS`), then those on tensor cores (longer chunks, and single tokens when the
+//! batch tensor-core option is on and the pass has enough of them); each product runs once over each
+//! group, so single tokens of every stream share each weight read.
 //! Every row carries its own id, position and page table (uploaded together before the pass), so the
 //! rotation with the KV append and the decode attention serve all streams in one launch; a long prompt
 //! chunk's flash attention runs per chunk, over its own stream's pages.
