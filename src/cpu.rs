@@ -10,7 +10,8 @@
 //! stays the reference for every type.
 //!
 //! A step of n tokens runs through the layers as a batch, in chunks of at most `CHUNK_TOKENS` so that
-//! its scratch does not grow with the prompt. Each matrix product decodes a weight row once per chunk
+//! its scratch does not grow with the prompt; each pass is the architecture's file (`arch`) over the
+//! CPU's operations (cpu/pass.rs). Each matrix product decodes a weight row once per chunk
 //! and dots it with every token (cpu/matmul.rs); attention runs each token over the stream's cache up
 //! to its own position, its softmax over position-aligned blocks with a running max and this
 //! backend's own exp (cpu/attention.rs, cpu/exp.rs). Both split their work across threads
@@ -18,24 +19,30 @@
 //! of f64 operations however the tokens are batched and whatever the thread count or the host's libm,
 //! so a prompt stepped at once gives the logits it gives token by token, bit for bit.
 
-use std::sync::Arc;
-
-use crate::backend::{Backend, KvStream, StepItem};
+use crate::backend::KvStream;
 use crate::kv::{KvType, KvTypes};
 use crate::model::{Arch, LayerWeights, ModelConfig, ModelWeights, TensorRef, TensorSource};
-use crate::sampler;
 use crate::status::Result;
 use crate::{bail, err};
 
 mod attention;
+mod backend;
 mod exp;
+mod kv_pages;
 mod matmul;
 mod parallel;
+mod pass;
+mod scratch;
 
 use self::attention::{AttentionScratch, Batch, KEY_BLOCK, KvRows};
+pub use self::backend::CpuBackend;
+pub use self::kv_pages::{CpuCache, CpuStream, KvPages};
 use self::matmul::{RowTile, Write};
 use self::parallel::Pool;
 pub use self::parallel::{MAX_THREADS, THREADS_ENV, thread_count};
+use self::pass::{CpuPass, Segment};
+use self::scratch::{Scratch, try_filled};
+pub use self::scratch::{scratch_bytes, step_threads};
 
 /// Tokens a step runs through the layers together; a longer step runs in chunks of this many. Past a
 /// few dozen tokens a decoded row is reused enough that larger chunks only cost scratch.
@@ -221,128 +228,6 @@ pub struct CpuModel<'a> {
     kv: KvTypes,
     /// The threads a step runs on: this one and the pool's workers.
     pool: Pool,
-}
-
-/// KV memory in pages of `PAGE_TOKENS` positions, each holding every layer's K and V rows:
-/// [page][layer][K rows, V rows], each PAGE_TOKENS rows of kv_heads heads, a head's row as its type
-/// stores it (`KvType::encode`). K and V are rounded to their types once, when written. Fresh pages
-/// are zero pages the host has not touched yet, so a pool costs memory only as streams fill it.
-pub struct KvPages {
-    /// The pages' bytes, kept in f32s so that F32 rows (whose offsets are all multiples of 4) read as
-    /// aligned floats.
-    data: Vec<f32>,
-    layers: usize,
-    kv_heads: usize,
-    head_dim: usize,
-    kv: KvTypes,
-    /// Bytes of one position's K row and of its V row (every head).
-    row: [usize; 2],
-    pages: usize,
-}
-
-impl KvPages {
-    /// `pages` pages of f32 K and V for the model `cfg`; NO_ROOM when the host cannot give them.
-    pub fn new(cfg: &ModelConfig, pages: usize) -> Result<KvPages> {
-        Self::with_types(cfg, pages, KvTypes::CPU_DEFAULT)
-    }
-
-    /// `pages` pages of K and V in `kv`'s types; UNSUPPORTED when a type cannot hold the model's heads,
-    /// NO_ROOM when the host cannot give them.
-    pub fn with_types(cfg: &ModelConfig, pages: usize, kv: KvTypes) -> Result<KvPages> {
-        kv.check(cfg)?;
-        let row = [kv.k, kv.v].map(|t| cfg.kv_heads * t.row_bytes(cfg.head_dim));
-        let len = (PAGE_TOKENS * (row[0] + row[1]))
-            .checked_mul(cfg.layers)
-            .and_then(|page| page.checked_mul(pages))
-            .ok_or_else(|| err!(NoRoom, "a KV pool of {pages} pages overflows the address space"))?;
-        let data = zeroed_f32(len.div_ceil(4))?;
-        Ok(KvPages { data, layers: cfg.layers, kv_heads: cfg.kv_heads, head_dim: cfg.head_dim, kv, row, pages })
-    }
-
-    pub fn pages(&self) -> usize {
-        self.pages
-    }
-
-    /// The K and V types the pages store.
-    pub fn kv_types(&self) -> KvTypes {
-        self.kv
-    }
-
-    /// Bytes the pages hold.
-    pub fn bytes(&self) -> usize {
-        self.data.len() * 4
-    }
-
-    fn data(&self) -> &[u8] {
-        // SAFETY: the f32 storage read as its bytes: u8 has no alignment, f32 no padding.
-        unsafe { std::slice::from_raw_parts(self.data.as_ptr() as *const u8, self.data.len() * 4) }
-    }
-
-    fn data_mut(&mut self) -> &mut [u8] {
-        // SAFETY: as `data`; every byte pattern written is a valid f32, and the borrow is exclusive.
-        unsafe { std::slice::from_raw_parts_mut(self.data.as_mut_ptr() as *mut u8, self.data.len() * 4) }
-    }
-
-    /// Bytes of one layer's K (`which` 0) or V (1) rows in a page.
-    fn block(&self, which: usize) -> usize {
-        PAGE_TOKENS * self.row[which]
-    }
-
-    /// Where page `page`'s K (`which` 0) or V (1) rows of `layer` start.
-    fn at(&self, page: u32, layer: usize, which: usize) -> usize {
-        (page as usize * self.layers + layer) * (self.block(0) + self.block(1)) + which * self.block(0)
-    }
-
-    /// Page `page`'s K (`which` 0) or V (1) rows of `layer`.
-    fn rows(&self, page: u32, layer: usize, which: usize) -> &[u8] {
-        let at = self.at(page, layer, which);
-        &self.data()[at..at + self.block(which)]
-    }
-
-    /// Copies page `from`'s rows of every layer into page `to`.
-    pub fn copy_page(&mut self, from: u32, to: u32) {
-        assert!((from as usize) < self.pages && (to as usize) < self.pages, "a page outside the pool");
-        let bytes = self.layers * (self.block(0) + self.block(1));
-        let (src, dst) = (self.at(from, 0, 0), self.at(to, 0, 0));
-        self.data_mut().copy_within(src..src + bytes, dst);
-    }
-
-    /// Writes `values` (kv_heads x head_dim) as the K (`which` 0) or V (1) row of `layer` at position `pos`
-    /// of a stream holding `pages`, rounded to its type.
-    fn store(&mut self, pages: &[u32], pos: usize, layer: usize, which: usize, values: &[f32]) {
-        let at = self.at(pages[pos / PAGE_TOKENS], layer, which) + (pos % PAGE_TOKENS) * self.row[which];
-        let ty = if which == 0 { self.kv.k } else { self.kv.v };
-        let (row_bytes, head_dim) = (self.row[which], self.head_dim);
-        let row = &mut self.data_mut()[at..at + row_bytes];
-        let head_bytes = ty.row_bytes(head_dim);
-        for (head, out) in values.chunks_exact(head_dim).zip(row.chunks_exact_mut(head_bytes)) {
-            ty.encode(head, out);
-        }
-    }
-
-    /// One layer's K or V rows of a stream holding `pages`, for its first `positions` positions.
-    fn stream_rows(&self, pages: &[u32], positions: usize, layer: usize, which: usize) -> KvRows<'_> {
-        let pages = pages[..positions.div_ceil(PAGE_TOKENS)].iter().map(|&p| self.rows(p, layer, which)).collect();
-        let ty = if which == 0 { self.kv.k } else { self.kv.v };
-        KvRows { pages, page_tokens: PAGE_TOKENS, ty, kv_heads: self.kv_heads, head_dim: self.head_dim }
-    }
-}
-
-/// A CPU stream's own KV memory: the pages of a stream made by `CpuModel::new_stream`, outside any
-/// pool; None for an engine's streams, whose pages are in the backend's pool.
-pub struct CpuCache {
-    own: Option<KvPages>,
-}
-
-pub type CpuStream = KvStream<CpuCache>;
-
-/// One stream's share of a pass through the layers: `tokens` at positions `first_pos..`, rows
-/// `row..row + tokens.len()` of the pass's activations.
-struct Segment<'s> {
-    pages: &'s [u32],
-    tokens: &'s [u32],
-    first_pos: usize,
-    row: usize,
 }
 
 // Every block of attention's rows lies in one page.
@@ -621,77 +506,30 @@ impl<'a> CpuModel<'a> {
     fn advance(&self, kv: &mut KvPages, segments: &[Segment], s: &mut Scratch) {
         let cfg = &self.cfg;
         let n: usize = segments.iter().map(|g| g.tokens.len()).sum();
-        let (hidden, q_dim, kv_dim, head_dim) = (cfg.hidden, cfg.q_dim(), cfg.kv_dim(), cfg.head_dim);
         let Scratch { x, h, q, k, v, attn, gate, up, rotation, tiles, attention } = s;
-        let (x, h, q, attn) = (&mut x[..n * hidden], &mut h[..n * hidden], &mut q[..n * q_dim], &mut attn[..n * q_dim]);
-        let (k, v) = (&mut k[..n * kv_dim], &mut v[..n * kv_dim]);
-        let (gate, up) = (&mut gate[..n * cfg.intermediate], &mut up[..n * cfg.intermediate]);
-        let embed_row_bytes = self.embed.dtype.row_bytes(hidden).expect("validated at load");
-        let tokens = segments.iter().flat_map(|g| g.tokens);
-        for (row, &t) in x.chunks_exact_mut(hidden).zip(tokens) {
-            let t = t as usize;
-            crate::tensor::decode_row(
-                self.embed.dtype,
-                &self.embed.bytes[t * embed_row_bytes..(t + 1) * embed_row_bytes],
-                row,
-            );
-        }
         // The position of each row of the pass.
-        let positions: Vec<usize> =
-            segments.iter().flat_map(|g| (0..g.tokens.len()).map(move |t| g.first_pos + t)).collect();
-        // Projects `input` (n tokens) through `w` into (or onto) `out`.
-        let mut project = |w: &CpuWeight, input: &[f32], out: &mut [f32], mode: Write| {
-            matmul::matmul(w.matrix(), input, n, out, mode, tiles);
+        let positions = segments.iter().flat_map(|g| (0..g.tokens.len()).map(move |t| g.first_pos + t)).collect();
+        let mut pass = CpuPass {
+            cfg,
+            embed: &self.embed,
+            inv_freq: &self.inv_freq,
+            kv,
+            segments,
+            positions,
+            n,
+            x: &mut x[..n * cfg.hidden],
+            h: &mut h[..n * cfg.hidden],
+            q: &mut q[..n * cfg.q_dim()],
+            k: &mut k[..n * cfg.kv_dim()],
+            v: &mut v[..n * cfg.kv_dim()],
+            attn: &mut attn[..n * cfg.q_dim()],
+            gate: &mut gate[..n * cfg.intermediate],
+            up: &mut up[..n * cfg.intermediate],
+            rotation,
+            tiles,
+            attention,
         };
-        for (l, layer) in self.layers.iter().enumerate() {
-            norm_rows(x, layer.attn_norm.values(), cfg.rms_eps, h);
-            project(&layer.q, h, q, Write::Set);
-            project(&layer.k, h, k, Write::Set);
-            project(&layer.v, h, v, Write::Set);
-            if let (Some(qb), Some(kb), Some(vb)) = (&layer.q_bias, &layer.k_bias, &layer.v_bias) {
-                q.chunks_exact_mut(q_dim).for_each(|row| add(row, qb.values()));
-                k.chunks_exact_mut(kv_dim).for_each(|row| add(row, kb.values()));
-                v.chunks_exact_mut(kv_dim).for_each(|row| add(row, vb.values()));
-            }
-            if let (Some(qn), Some(kn)) = (&layer.q_norm, &layer.k_norm) {
-                norm_heads(q, qn.values(), cfg.rms_eps);
-                norm_heads(k, kn.values(), cfg.rms_eps);
-            }
-            for ((q_row, k_row), &pos) in q.chunks_exact_mut(q_dim).zip(k.chunks_exact_mut(kv_dim)).zip(&positions) {
-                rotation_at(pos, &self.inv_freq, rotation);
-                rotate(q_row, head_dim, rotation, cfg.rope_interleaved);
-                rotate(k_row, head_dim, rotation, cfg.rope_interleaved);
-            }
-            for g in segments {
-                for t in 0..g.tokens.len() {
-                    let (row, pos) = ((g.row + t) * kv_dim, g.first_pos + t);
-                    kv.store(g.pages, pos, l, 0, &k[row..row + kv_dim]);
-                    kv.store(g.pages, pos, l, 1, &v[row..row + kv_dim]);
-                }
-            }
-            for g in segments {
-                let (rows, ctx) = (g.row..g.row + g.tokens.len(), g.first_pos + g.tokens.len());
-                let batch = Batch {
-                    q: &q[rows.start * q_dim..rows.end * q_dim],
-                    k: kv.stream_rows(g.pages, ctx, l, 0),
-                    v: kv.stream_rows(g.pages, ctx, l, 1),
-                    first_pos: g.first_pos,
-                    heads: cfg.heads,
-                    kv_heads: cfg.kv_heads,
-                    head_dim,
-                };
-                batch.run(&mut attn[rows.start * q_dim..rows.end * q_dim], attention);
-            }
-            project(&layer.o, attn, x, Write::Add);
-
-            norm_rows(x, layer.ffn_norm.values(), cfg.rms_eps, h);
-            project(&layer.gate, h, gate, Write::Set);
-            project(&layer.up, h, up, Write::Set);
-            for (g, &u) in gate.iter_mut().zip(up.iter()) {
-                *g = silu_times(*g, u);
-            }
-            project(&layer.down, gate, x, Write::Add);
-        }
+        crate::arch::forward(cfg.arch, &mut pass, &self.layers).expect("the CPU's operations do not fail");
     }
 
     /// The logits of the pass's rows `rows` (hidden states in `s.x`), one row of `out` each.
@@ -723,278 +561,5 @@ impl<'a> CpuModel<'a> {
 fn norm_rows(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     for (x, o) in x.chunks_exact(w.len()).zip(out.chunks_exact_mut(w.len())) {
         rmsnorm(x, w, eps, o);
-    }
-}
-
-/// Qwen3's RMSNorm over each head_dim slice of projected q or k rows, in place.
-fn norm_heads(x: &mut [f32], w: &[f32], eps: f32) {
-    for head in x.chunks_exact_mut(w.len()) {
-        let inv_rms = inverse_rms(head, eps);
-        for (v, &g) in head.iter_mut().zip(w) {
-            *v = g * (*v * inv_rms);
-        }
-    }
-}
-
-// ---------------------------------------------------------------------------------------------------
-// Scratch: what a step allocates beside the streams, sized once for the plan and for the allocation.
-
-/// Every buffer of a step, for chunks of up to `tokens` tokens on `threads` threads, as counts of
-/// values (u128: the plan sizes any window without overflow). Nothing here grows with the context.
-struct ScratchLens {
-    /// f32s of x and h each (tokens x hidden), of q and attn each (tokens x q_dim), of gate and up
-    /// each (tokens x intermediate).
-    hidden: u128,
-    q: u128,
-    /// f32s of the chunk's new k and v rows each (tokens x kv_dim), copied into the pages.
-    kv: u128,
-    intermediate: u128,
-    /// (cos, sin) pairs: head_dim / 2.
-    rotation: u128,
-    /// f32s: the logits a step returns.
-    logits: u128,
-    threads: u128,
-    /// Per thread: f32s of its row tile.
-    tile: u128,
-    /// Per thread: its attention buffers, as `AttentionScratch::lens` counts them.
-    attention: [u128; 7],
-}
-
-impl ScratchLens {
-    fn new(cfg: &ModelConfig, tokens: u128, threads: u128) -> ScratchLens {
-        let widest = cfg.hidden.max(cfg.q_dim()).max(cfg.intermediate);
-        ScratchLens {
-            hidden: tokens * cfg.hidden as u128,
-            q: tokens * cfg.q_dim() as u128,
-            kv: tokens * cfg.kv_dim() as u128,
-            intermediate: tokens * cfg.intermediate as u128,
-            rotation: cfg.head_dim as u128 / 2,
-            logits: cfg.vocab as u128,
-            threads,
-            tile: RowTile::len(widest) as u128,
-            attention: AttentionScratch::lens(cfg.heads / cfg.kv_heads, cfg.head_dim).map(|n| n as u128),
-        }
-    }
-
-    fn bytes(&self) -> u128 {
-        let shared = (2 * (self.hidden + self.q + self.kv + self.intermediate) + self.logits) * 4 + self.rotation * 8;
-        let attention = self.attention.iter().sum::<u128>() * 8;
-        shared + self.threads * (self.tile * 4 + attention)
-    }
-}
-
-/// Host bytes a CPU step takes beside the streams' caches, at most, at a `window`-token window with
-/// `threads` allowed: the activations of a chunk (at most CHUNK_TOKENS, and never more than the
-/// window), the logits, and a row tile and attention blocks for each of
-/// `step_threads` threads. u64::MAX where that overflows 64 bits.
-pub fn scratch_bytes(cfg: &ModelConfig, window: usize, threads: usize) -> u64 {
-    let threads = step_threads(cfg, window, threads);
-    let lens = ScratchLens::new(cfg, window.min(CHUNK_TOKENS) as u128, threads as u128);
-    u64::try_from(lens.bytes()).unwrap_or(u64::MAX)
-}
-
-/// Threads a step at a `window`-token window gets, of `threads` allowed: no more than a full chunk's
-/// multiply-adds (every weight, and attention over the whole window) keep busy, so that a small
-/// model does not hold a scratch for every core.
-pub fn step_threads(cfg: &ModelConfig, window: usize, threads: usize) -> usize {
-    let (hidden, q, kv, inter) =
-        (cfg.hidden as u128, cfg.q_dim() as u128, cfg.kv_dim() as u128, cfg.intermediate as u128);
-    let weights = hidden * (q + 2 * kv) + q * hidden + 3 * hidden * inter;
-    let attention = 2 * q * window as u128;
-    let work = window.min(CHUNK_TOKENS) as u128 * cfg.layers as u128 * (weights + attention);
-    let worth = work / (4 * parallel::MIN_THREAD_WORK as u128);
-    threads.min(usize::try_from(worth).unwrap_or(usize::MAX)).clamp(1, MAX_THREADS)
-}
-
-/// The buffers `ScratchLens` sizes.
-struct Scratch {
-    x: Vec<f32>,
-    h: Vec<f32>,
-    q: Vec<f32>,
-    k: Vec<f32>,
-    v: Vec<f32>,
-    attn: Vec<f32>,
-    gate: Vec<f32>,
-    up: Vec<f32>,
-    rotation: Vec<(f32, f32)>,
-    tiles: Vec<RowTile>,
-    attention: Vec<AttentionScratch>,
-}
-
-impl Scratch {
-    /// Buffers for chunks of up to `tokens` tokens; NO_ROOM when the host cannot give them (before
-    /// any token is appended).
-    fn new(cfg: &ModelConfig, tokens: usize, threads: usize) -> Result<Scratch> {
-        let l = ScratchLens::new(cfg, tokens as u128, threads as u128);
-        let (mut tiles, mut attention) = (Vec::new(), Vec::new());
-        tiles
-            .try_reserve_exact(threads)
-            .map_err(|_| err!(NoRoom, "the host has no room for {threads} threads' scratch"))?;
-        attention
-            .try_reserve_exact(threads)
-            .map_err(|_| err!(NoRoom, "the host has no room for {threads} threads' scratch"))?;
-        for _ in 0..threads {
-            tiles.push(RowTile { decoded: try_filled(l.tile, 0.0)? });
-            attention.push(AttentionScratch::new(cfg.heads / cfg.kv_heads, cfg.head_dim)?);
-        }
-        Ok(Scratch {
-            x: try_filled(l.hidden, 0.0)?,
-            h: try_filled(l.hidden, 0.0)?,
-            q: try_filled(l.q, 0.0)?,
-            k: try_filled(l.kv, 0.0)?,
-            v: try_filled(l.kv, 0.0)?,
-            attn: try_filled(l.q, 0.0)?,
-            gate: try_filled(l.intermediate, 0.0)?,
-            up: try_filled(l.intermediate, 0.0)?,
-            rotation: try_filled(l.rotation, (0.0, 0.0))?,
-            tiles,
-            attention,
-        })
-    }
-}
-
-/// `len` zeros, or NO_ROOM when the allocator refuses or `len` overflows the address space.
-fn try_zeros(len: u128) -> Result<Vec<f64>> {
-    try_filled(len, 0.0)
-}
-
-/// `len` copies of `value`, or NO_ROOM when the allocator refuses or `len` overflows the address space.
-fn try_filled<T: Clone>(len: u128, value: T) -> Result<Vec<T>> {
-    let len = usize::try_from(len).map_err(|_| err!(NoRoom, "a buffer of {len} values overflows the address space"))?;
-    let mut v = Vec::new();
-    v.try_reserve_exact(len)
-        .map_err(|_| err!(NoRoom, "the host has no room for a buffer of {len} x {} bytes", size_of::<T>()))?;
-    v.resize(len, value);
-    Ok(v)
-}
-
-/// `len` zeros, or NO_ROOM when the allocator refuses; fresh zeroed pages are only touched when written.
-fn zeroed_f32(len: usize) -> Result<Vec<f32>> {
-    if len == 0 {
-        return Ok(Vec::new());
-    }
-    let layout = std::alloc::Layout::array::<f32>(len)
-        .map_err(|_| err!(NoRoom, "a KV cache of {len} floats overflows the address space"))?;
-    // SAFETY: the layout's size is not zero (len > 0).
-    let ptr = unsafe { std::alloc::alloc_zeroed(layout) } as *mut f32;
-    if ptr.is_null() {
-        bail!(NoRoom, "the host has no room for a KV cache of {} bytes", layout.size());
-    }
-    // SAFETY: `ptr` comes from the global allocator with Vec's layout for `len` f32s, all zero bits.
-    Ok(unsafe { Vec::from_raw_parts(ptr, len, len) })
-}
-
-/// The CPU backend: a `CpuModel` built once at load over a source it keeps alive, the KV pool's
-/// memory, and the logits of each item of the last batch.
-pub struct CpuBackend {
-    // Declared before `_source`: dropped before what it reads.
-    model: CpuModel<'static>,
-    kv: KvPages,
-    /// Per item, the logits after each of its head positions (none for a refused item).
-    logits: Vec<Vec<Vec<f32>>>,
-    _source: Arc<dyn TensorSource + Send + Sync>,
-}
-
-impl CpuBackend {
-    /// Checks the model in `source` (so a bad model fails the load, not the first step), builds its view
-    /// and a KV pool of `pages` pages of f32 K and V.
-    pub fn new(source: Arc<dyn TensorSource + Send + Sync>, pages: usize) -> Result<CpuBackend> {
-        Self::with_kv(source, pages, KvTypes::CPU_DEFAULT)
-    }
-
-    /// `new` with the pool's K and V in `kv`'s types, rounded as the GPU rounds them.
-    pub fn with_kv(source: Arc<dyn TensorSource + Send + Sync>, pages: usize, kv: KvTypes) -> Result<CpuBackend> {
-        // SAFETY: an Arc's pointee never moves, and this struct drops the view before its Arc.
-        let src: &'static dyn TensorSource = unsafe { &*Arc::as_ptr(&source) };
-        let model = CpuModel::new(src)?.with_kv_types(kv)?;
-        let kv = KvPages::with_types(model.config(), pages, kv)?;
-        Ok(CpuBackend { model, kv, logits: Vec::new(), _source: source })
-    }
-
-    pub fn model(&self) -> &CpuModel<'static> {
-        &self.model
-    }
-
-    /// Host bytes the KV pool holds: what `fit::cpu_kv_bytes` counts for its pages' positions.
-    pub fn pool_bytes(&self) -> u64 {
-        self.kv.bytes() as u64
-    }
-}
-
-impl Backend for CpuBackend {
-    type Cache = CpuCache;
-
-    const PAGE_TOKENS: usize = PAGE_TOKENS;
-
-    fn new_stream(&self, window: usize) -> Result<CpuStream> {
-        Ok(KvStream::new(CpuCache { own: None }, window))
-    }
-
-    fn step_batch(&mut self, items: &mut [StepItem<'_, CpuCache>]) -> Result<()> {
-        self.logits.clear();
-        let histories: Vec<Vec<u32>> = items.iter().map(|i| i.stream.tokens.clone()).collect();
-        let heads: Vec<usize> = items.iter().map(|i| i.heads.clamp(1, i.tokens.len().max(1))).collect();
-        let mut inputs: Vec<(&mut CpuStream, &[u32])> = items.iter_mut().map(|i| (&mut *i.stream, i.tokens)).collect();
-        let outs = self.model.forward_batch_heads(&mut self.kv, &mut inputs, &heads);
-        drop(inputs);
-        for (((item, out), history), &h) in items.iter_mut().zip(outs).zip(&histories).zip(&heads) {
-            match out {
-                Ok(rows) if item.mask.is_some() => {
-                    // A constrained item proposes nothing: one draw, among the tokens its constraint allows.
-                    let next = item.sample(rows.last().expect("at least one head"), history);
-                    item.drawn = vec![next];
-                    item.next = Ok(next);
-                    self.logits.push(rows);
-                }
-                Ok(rows) => {
-                    // Each head draws as a step ending at its position would.
-                    let first = item.tokens.len() - h;
-                    item.drawn = rows
-                        .iter()
-                        .enumerate()
-                        .map(|(k, l)| {
-                            sampler::sample_stream(
-                                l,
-                                &item.sampling,
-                                item.index,
-                                history,
-                                &item.tokens[..first + k + 1],
-                            )
-                        })
-                        .collect();
-                    item.next = Ok(*item.drawn.last().expect("at least one head"));
-                    self.logits.push(rows);
-                }
-                Err(e) => {
-                    item.next = Err(e);
-                    self.logits.push(Vec::new());
-                }
-            }
-        }
-        Ok(())
-    }
-
-    fn logits(&self, i: usize, head: usize) -> Result<Vec<f32>> {
-        self.logits
-            .get(i)
-            .and_then(|rows| rows.get(head))
-            .cloned()
-            .ok_or_else(|| err!(InvalidArgument, "item {i} of the last batch has no logits at head {head}"))
-    }
-
-    fn copy_page(&mut self, from: u32, to: u32) -> Result<()> {
-        self.kv.copy_page(from, to);
-        Ok(())
-    }
-
-    fn score(&mut self, stream: &mut CpuStream, tokens: &[u32], out: &mut [f32]) -> Result<()> {
-        self.logits.clear();
-        let mut last = None;
-        self.model.forward_each(&mut self.kv, stream, tokens, |i, row| match tokens.get(i + 1) {
-            Some(&next) => out[i] = crate::backend::log_prob(row, next),
-            None => last = Some(row.to_vec()),
-        })?;
-        self.logits.push(last.into_iter().collect());
-        Ok(())
     }
 }

@@ -5,6 +5,7 @@
 #![deny(clippy::undocumented_unsafe_blocks)]
 
 pub mod abi;
+pub mod arch;
 pub mod backend;
 pub mod checkpoint;
 pub mod constraint;

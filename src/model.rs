@@ -320,9 +320,9 @@ impl<'a> TensorRef<'a> {
 }
 
 // ---------------------------------------------------------------------------------------------------
-// The weight table: every tensor a dense decoder reads, declared once. Checkpoint validation, the CPU
-// backend and the GPU loader all walk it; a new role is a new line in `LayerWeights`, and the compiler
-// then points at each backend that must use it.
+// The weight table's machinery: an architecture file declares its layers' tensors with `weight_table!`
+// (`arch/llama.rs`); checkpoint validation, the CPU backend and the GPU loader all walk that table, and a
+// new role is a new line there, after which the compiler points at each backend that must place it.
 
 /// One dimension of a weight's shape, as the config gives it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -392,7 +392,7 @@ pub struct Weight {
 }
 
 impl Weight {
-    fn new(spec: &'static WeightSpec, layer: Option<usize>, cfg: &ModelConfig) -> Weight {
+    pub(crate) fn new(spec: &'static WeightSpec, layer: Option<usize>, cfg: &ModelConfig) -> Weight {
         let name = layer.map_or_else(|| spec.name.to_string(), |i| names::layer(i, spec.name));
         Weight { spec, name, shape: spec.shape.iter().map(|d| d.of(cfg)).collect() }
     }
@@ -436,49 +436,46 @@ macro_rules! weight_table {
         /// One decoder layer's weights by role; `T` is what a reader keeps of each (a tensor view, a
         /// device pointer, a region of an allocation).
         pub struct LayerWeights<T> {
-            $( $(#[$doc])* pub $field: weight_field!($need, T), )+
+            $( $(#[$doc])* pub $field: $crate::model::weight_field!($need, T), )+
         }
 
         /// The layer's rows of the weight table, in file order.
-        pub const LAYER_WEIGHTS: &[WeightSpec] = &[
-            $( WeightSpec { role: stringify!($field), name: $name, shape: &[$(Dim::$dim),+], need: Need::$need }, )+
+        pub const LAYER_WEIGHTS: &[$crate::model::WeightSpec] = &[
+            $( $crate::model::WeightSpec {
+                role: stringify!($field),
+                name: $name,
+                shape: &[$($crate::model::Dim::$dim),+],
+                need: $crate::model::Need::$need,
+            }, )+
         ];
 
         impl<T> LayerWeights<T> {
             /// Layer `layer` of the model `cfg` describes, asking `f` for each weight it has in file order.
-            pub fn build(cfg: &ModelConfig, layer: usize, mut f: impl FnMut(&Weight) -> Result<T>) -> Result<Self> {
+            pub fn build(
+                cfg: &$crate::model::ModelConfig,
+                layer: usize,
+                mut f: impl FnMut(&$crate::model::Weight) -> $crate::status::Result<T>,
+            ) -> $crate::status::Result<Self> {
                 let mut specs = LAYER_WEIGHTS.iter();
-                let mut next = || Weight::new(specs.next().expect("one table row per field"), Some(layer), cfg);
-                Ok(LayerWeights { $( $field: { let w = next(); weight_value!($need, w, cfg, &mut f) }, )+ })
+                let mut next = || $crate::model::Weight::new(specs.next().expect("one table row per field"), Some(layer), cfg);
+                Ok(LayerWeights { $( $field: { let w = next(); $crate::model::weight_value!($need, w, cfg, &mut f) }, )+ })
             }
 
             /// Each weight through `f`, in file order.
-            pub fn try_map<U>(self, mut f: impl FnMut(T) -> Result<U>) -> Result<LayerWeights<U>> {
-                Ok(LayerWeights { $( $field: weight_map!($need, self.$field, &mut f), )+ })
+            pub fn try_map<U>(
+                self,
+                mut f: impl FnMut(T) -> $crate::status::Result<U>,
+            ) -> $crate::status::Result<LayerWeights<U>> {
+                Ok(LayerWeights { $( $field: $crate::model::weight_map!($need, self.$field, &mut f), )+ })
             }
         }
     };
 }
 
-weight_table! {
-    /// RMSNorm weight before attention.
-    attn_norm: names::ATTN_NORM, [Hidden], Always;
-    q: names::Q, [QDim, Hidden], Always;
-    k: names::K, [KvDim, Hidden], Always;
-    v: names::V, [KvDim, Hidden], Always;
-    q_bias: names::Q_BIAS, [QDim], QkvBias;
-    k_bias: names::K_BIAS, [KvDim], QkvBias;
-    v_bias: names::V_BIAS, [KvDim], QkvBias;
-    /// RMSNorm weight over each head of q, before the rotation.
-    q_norm: names::Q_NORM, [HeadDim], QkNorm;
-    k_norm: names::K_NORM, [HeadDim], QkNorm;
-    o: names::O, [Hidden, QDim], Always;
-    /// RMSNorm weight before the feed-forward block.
-    ffn_norm: names::FFN_NORM, [Hidden], Always;
-    gate: names::GATE, [Intermediate, Hidden], Always;
-    up: names::UP, [Intermediate, Hidden], Always;
-    down: names::DOWN, [Hidden, Intermediate], Always;
-}
+pub(crate) use {weight_field, weight_map, weight_table, weight_value};
+
+/// The layer weights of the architectures the backends run: the llama family's tensor list.
+pub use crate::arch::llama::{LAYER_WEIGHTS, LayerWeights};
 
 /// The weights around the layers, in file order: the embedding first, the final norm and head last.
 pub const EMBED_WEIGHT: WeightSpec =

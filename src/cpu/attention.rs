@@ -12,7 +12,7 @@
 
 use super::exp::{NORMAL, exp, exp_normal};
 use super::parallel::{run_parts, threads_for};
-use super::try_zeros;
+use super::scratch::try_zeros;
 use crate::kv::{self, KvType};
 use crate::tensor::dot::{bf16_bits_to_f32, f16_bits_to_f32};
 

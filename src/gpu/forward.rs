@@ -1,9 +1,10 @@
 //! The forward pass of a batch. A step's items (prompt chunks and single tokens of different streams)
 //! are packed into passes of at most `max_batch` tokens; a pass runs every layer once over all of its
-//! tokens, queued on the model's stream. Its tokens are rows: first those on the matrix-vector kernels
-//! (single tokens, and chunks shorter than `TENSOR_CORE_MIN_TOKENS`), then those on tensor cores (longer
-//! chunks, and single tokens when the batch tensor-core option is on and the pass has enough of them);
-//! each product runs once over each group, so single tokens of every stream share each weight read.
+//! tokens, queued on the model's stream (the architecture's file over the operations of ops.rs). Its
+//! tokens are rows: first those on the matrix-vector kernels (single tokens, and chunks shorter than
+//! `TENSOR_CORE_MIN_TOKENS`), then those on tensor cores (longer chunks, and single tokens when the
+//! batch tensor-core option is on and the pass has enough of them); each product runs once over each
+//! group, so single tokens of every stream share each weight read.
 //! Every row carries its own id, position and page table (uploaded together before the pass), so the
 //! rotation with the KV append and the decode attention serve all streams in one launch; a long prompt
 //! chunk's flash attention runs per chunk, over its own stream's pages.
@@ -16,20 +17,19 @@
 //! a stream's logits are the same bits alone and in any batch, unless the batch tensor-core option
 //! moves single tokens to one product over all of them.
 
-use std::os::raw::{c_int, c_uint, c_void};
+use std::os::raw::{c_int, c_uint};
 use std::ptr;
 
-use super::launch::{self, AttentionShape, HalfMatrix, KvPages};
+use super::launch;
 use super::mask;
+use super::ops::PassOps;
 use super::pages::{GpuCache, PAGE_TOKENS};
-use super::scratch::{ATTENTION_TOKENS, attention_grid, attention_parts};
-use super::weights::{DeviceWeight, Qkv};
+use super::scratch::attention_grid;
 use super::{GpuModel, GpuStream};
 use crate::backend::{PagePool, StepItem};
 use crate::constraint::PendingMask;
-use crate::cuda::DeviceBuffer;
 use crate::sampler::{self, Sampling};
-use crate::status::{Error, Result};
+use crate::status::Result;
 use crate::{bail, err};
 
 /// Chunks of at least this many tokens take the tensor-core path: below it the matrix-vector kernel,
@@ -44,17 +44,9 @@ pub(super) enum LogitsAt {
     Host(Vec<f32>),
 }
 
-/// A product's refinement (`product`): its outputs from row `from` of the weight on again from the
-/// half input's rounding residue at `residue` (rows `w.cols` apart).
-#[derive(Clone, Copy)]
-struct Refine {
-    from: usize,
-    residue: *const c_void,
-}
-
 /// Which kernels a piece's products take.
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-enum Path {
+pub(super) enum Path {
     /// The matrix-vector kernels on f32 activations.
     Matvec,
     /// Tensor cores, in one product with every other single token of the pass (the batch option).
@@ -67,19 +59,19 @@ enum Path {
 #[derive(Clone, Copy)]
 pub(super) struct Piece {
     /// The item's index in the step.
-    item: usize,
+    pub item: usize,
     /// The piece's first token in the item's tokens, and its token count.
-    from: usize,
-    len: usize,
+    pub from: usize,
+    pub len: usize,
     /// The position of its first token.
-    pos: usize,
+    pub pos: usize,
     /// The stream's page table (a device address).
-    table: *const c_uint,
+    pub table: *const c_uint,
     /// Whether the item ends with this piece (its logits follow the piece's last token).
-    last: bool,
+    pub last: bool,
     /// Its first row in the pass, and its path (set by `lay_out`).
-    row: usize,
-    path: Path,
+    pub row: usize,
+    pub path: Path,
 }
 
 /// Rows between the starts of two tensor-core pieces: 16 rows of any width that is a multiple of 8 are
@@ -195,143 +187,6 @@ impl GpuModel {
             pool.give_back(stream.pages.drain(pool.pages_for(stream.len)..));
         }
         ran.and(next)
-    }
-
-    /// Appends `tokens` to one stream (pages from `pool`) and returns the logits after each of them
-    /// (teacher forcing), for parity tests.
-    pub fn all_logits(&mut self, pool: &mut PagePool, stream: &mut GpuStream, tokens: &[u32]) -> Result<Vec<Vec<f32>>> {
-        self.check_tokens(stream, tokens)?;
-        reserve_pages(pool, stream, tokens.len())?;
-        self.sync_table(stream)?;
-        let mut out = Vec::with_capacity(tokens.len());
-        let (hidden, vocab) = (self.cfg.hidden, self.cfg.vocab);
-        let token_lists = [tokens];
-        for (c, chunk) in tokens.chunks(self.max_batch).enumerate() {
-            let from = c * self.max_batch;
-            let piece = Piece {
-                item: 0,
-                from,
-                len: chunk.len(),
-                pos: stream.len + from,
-                table: stream.cache.table_ptr(),
-                last: false,
-                row: 0,
-                path: Path::Matvec,
-            };
-            let mut pass = vec![piece];
-            let shape = self.lay_out(&mut pass);
-            self.upload_pass(&pass, &token_lists)?;
-            self.enqueue_forward(&pass, shape, Head::All)?;
-            for t in 0..chunk.len() {
-                let x = (self.buf(self.s.xn) as *const f32).wrapping_add(t * hidden);
-                let logits = self.buf(self.s.logits) as *mut f32;
-                let (none, s) = (ptr::null(), self.stream.raw());
-                launch::decode_product(&self.head, x, 1, none, none, logits, vocab, self.mmv_work(), s)?;
-                let mut row = vec![0f32; vocab];
-                self.download(self.s.logits, &mut row)?;
-                out.push(row);
-            }
-        }
-        stream.len += tokens.len();
-        stream.tokens.extend_from_slice(tokens);
-        self.logits_at.clear();
-        self.logits_at.push(vec![LogitsAt::Row(0)]);
-        Ok(out)
-    }
-
-    /// Appends `tokens` to one stream (its pages in place) as a step of one item would, computing the
-    /// logits after every token, and writes `out[i]` = log p(tokens[i + 1]) under the logits after token
-    /// `i` for `i < tokens.len() - 1` (`Backend::score`). Each chunk of `max_batch` runs one forward pass
-    /// with its final-normed rows kept; the head runs over them in groups of the scratch's logits rows,
-    /// each group's log-softmax on the device, so memory stays one group of logits and a float a token
-    /// (copied back once, at the end: no chunk waits for the host). A chunk on tensor
-    /// cores runs the head there too (its half-format input, as the chunk's own products), but the last
-    /// token's logits take the decode product a step's head takes: `logits(0)` is what `engine_step`
-    /// would have left. Nothing is sampled.
-    pub fn score(&mut self, stream: &mut GpuStream, tokens: &[u32], out: &mut [f32]) -> Result<()> {
-        self.logits_at.clear();
-        self.check_tokens(stream, tokens)?;
-        let end = stream.len + tokens.len();
-        if stream.pages.len() * PAGE_TOKENS < end {
-            bail!(
-                NoRoom,
-                "positions up to {end} need {} KV pages; the stream holds {}",
-                end.div_ceil(PAGE_TOKENS),
-                stream.pages.len()
-            );
-        }
-        self.sync_table(stream)?;
-        let (hidden, vocab, s) = (self.cfg.hidden, self.cfg.vocab, self.stream.raw());
-        let rows_cap = self.s.logit_rows;
-        let token_lists = [tokens];
-        let f = |off: usize| self.buf(off) as *mut f32;
-        let (xn, logits) = (f(self.s.xn), f(self.s.logits));
-        let act = self.buf(self.s.act);
-        // The rows' targets sit where a finished pass no longer reads; the log-probabilities of every chunk
-        // stay on the device until the end, so no chunk waits for the host.
-        let targets = self.buf(self.s.up) as *mut c_int;
-        let results = DeviceBuffer::new(tokens.len() * 4)?;
-        let scored = results.ptr() as *mut f32;
-        let none = ptr::null::<f32>();
-        let mut last_row = 0;
-        for (c, chunk) in tokens.chunks(self.max_batch).enumerate() {
-            let from = c * self.max_batch;
-            let n = chunk.len();
-            let piece = Piece {
-                item: 0,
-                from,
-                len: n,
-                pos: stream.len + from,
-                table: stream.cache.table_ptr(),
-                last: false,
-                row: 0,
-                path: Path::Matvec,
-            };
-            let mut pass = vec![piece];
-            let shape = self.lay_out(&mut pass);
-            self.upload_pass(&pass, &token_lists)?;
-            self.enqueue_forward(&pass, shape, Head::All)?;
-            let next: Vec<c_int> = (0..n).map(|r| tokens.get(from + r + 1).map_or(-1, |&t| t as c_int)).collect();
-            self.upload(self.s.up, &next)?;
-            let on_tc = pass[0].path == Path::Tensor && self.head.dtype == self.half;
-            if on_tc {
-                launch::convert(xn, act, self.half, n * hidden, s)?;
-            }
-            let last_chunk = from + n == tokens.len();
-            for g0 in (0..n).step_by(rows_cap) {
-                let g = (n - g0).min(rows_cap);
-                // The call's last token: the step's own head, alone in the group's last row.
-                let step_head = last_chunk && g0 + g == n;
-                if on_tc {
-                    let tc_rows = if step_head { g - 1 } else { g };
-                    if tc_rows > 0 {
-                        let a = (act as *mut u8).wrapping_add(g0 * hidden * 2) as *mut c_void;
-                        self.product(&self.head, a, tc_rows, none, none, logits, vocab, None)?;
-                    }
-                    if step_head {
-                        let (x, y) = (xn.wrapping_add((n - 1) * hidden), logits.wrapping_add((g - 1) * vocab));
-                        launch::decode_product(&self.head, x, 1, none, none, y, vocab, self.mmv_work(), s)?;
-                    }
-                } else {
-                    // Each row alone, as a step's head computes its last row.
-                    let x = xn.wrapping_add(g0 * hidden);
-                    launch::decode_product(&self.head, x, g, none, none, logits, vocab, self.mmv_work(), s)?;
-                }
-                if step_head {
-                    last_row = g - 1;
-                }
-                // The next group's product overwrites these rows after this kernel, in stream order.
-                launch::row_logprobs(logits, vocab, g, targets.wrapping_add(g0), scored.wrapping_add(from + g0), s)?;
-            }
-        }
-        self.stream.synchronize()?;
-        let mut all = vec![0f32; tokens.len()];
-        results.download(&mut all)?;
-        let last = tokens.len() - 1;
-        out[..last].copy_from_slice(&all[..last]);
-        stream.len = end;
-        self.logits_at.push(vec![LogitsAt::Row(last_row)]);
-        Ok(())
     }
 
     /// Everything that could refuse a stream's tokens before anything is written.
@@ -573,7 +428,7 @@ impl GpuModel {
     }
 
     /// Uploads each row's id, position and page table address, in one copy.
-    fn upload_pass(&self, pieces: &[Piece], token_lists: &[&[u32]]) -> Result<()> {
+    pub(super) fn upload_pass(&self, pieces: &[Piece], token_lists: &[&[u32]]) -> Result<()> {
         let b = self.max_batch;
         let mut meta = vec![0u8; b * 16];
         // Pad rows: id 0, position -1 (nothing written, nothing attended), no page table.
@@ -589,67 +444,6 @@ impl GpuModel {
             }
         }
         self.upload(self.s.meta, &meta)
-    }
-
-    /// y[t] = w a[t] (+ bias) (+ residual[t]) for `n` half-format rows of `a` (`w.cols` apart): on
-    /// cuBLASLt where it is loaded and takes the shape, else on the library's kernel; a weight in another
-    /// format is converted into the slab first. With `refine`, rows [from, w.rows) of y then add the
-    /// product of the input's residue, so those outputs are the f32 input's to ~2^-16.
-    #[allow(clippy::too_many_arguments)]
-    fn product(
-        &self,
-        w: &DeviceWeight,
-        a: *const c_void,
-        n: usize,
-        bias: *const f32,
-        residual: *const f32,
-        y: *mut f32,
-        ldy: usize,
-        refine: Option<Refine>,
-    ) -> Result<()> {
-        let s = self.stream.raw();
-        let mut m = HalfMatrix { ptr: w.ptr, dtype: self.half, rows: w.rows, cols: w.cols };
-        if w.dtype != self.half {
-            let slab = self.buf(self.s.slab);
-            launch::convert_matrix(w, slab, self.half, s)?;
-            m.ptr = slab;
-        }
-        self.matmul(a, &m, n, bias, residual, y, ldy)?;
-        let Some(r) = refine else { return Ok(()) };
-        let rows = HalfMatrix {
-            ptr: (m.ptr as *const u8).wrapping_add(r.from * m.cols * 2) as *const c_void,
-            dtype: m.dtype,
-            rows: m.rows - r.from,
-            cols: m.cols,
-        };
-        let ys = y.wrapping_add(r.from);
-        self.matmul(r.residue, &rows, n, ptr::null(), ys, ys, ldy)
-    }
-
-    /// y[t] = m a[t] (+ bias) (+ residual[t]) for a matrix already in the half format.
-    #[allow(clippy::too_many_arguments)]
-    fn matmul(
-        &self,
-        a: *const c_void,
-        m: &HalfMatrix,
-        n: usize,
-        bias: *const f32,
-        residual: *const f32,
-        y: *mut f32,
-        ldy: usize,
-    ) -> Result<()> {
-        let s = self.stream.raw();
-        let on_blas = match &self.blas {
-            Some(b) => b.matmul(a, m.cols, m, n, residual, y, ldy, self.buf(self.s.workspace), s)?,
-            None => false,
-        };
-        if !on_blas {
-            return launch::gemm(a, m.cols, m, n, bias, residual, y, ldy, s);
-        }
-        if !bias.is_null() {
-            launch::add_bias(y, ldy, bias, m.rows, n, s)?;
-        }
-        Ok(())
     }
 
     /// The tensor-core decode products' workspace, or None when they are off.
@@ -670,187 +464,12 @@ impl GpuModel {
     pub(super) fn enqueue_forward(&self, pieces: &[Piece], shape: PassShape, head: Head<'_>) -> Result<()> {
         let cfg = &self.cfg;
         let s = self.stream.raw();
-        let PassShape { n, m, split_end, grid_parts } = shape;
-        let tc = n - m;
-        // The tensor-core products' row groups: the single tokens together, each chunk on its own; the
-        // chunks' k and v are refined (the singles' option is for speed, and every other single token
-        // is f32 throughout).
-        let mut groups: Vec<(usize, usize)> = Vec::new();
-        let singles_group = pieces.iter().any(|p| p.path == Path::TensorSingle);
-        let singles: Vec<&Piece> = pieces.iter().filter(|p| p.path == Path::TensorSingle).collect();
-        if let (Some(first), Some(last)) = (singles.first(), singles.last()) {
-            groups.push((first.row, last.row + 1 - first.row));
-        }
-        groups.extend(pieces.iter().filter(|p| p.path == Path::Tensor).map(|p| (p.row, p.len)));
-        let (hidden, q_dim, kv_dim, inter, hd) =
-            (cfg.hidden, cfg.q_dim(), cfg.kv_dim(), cfg.intermediate, cfg.head_dim);
-        let qkv_dim = q_dim + 2 * kv_dim;
+        crate::arch::forward(cfg.arch, &mut PassOps::new(self, pieces, shape), &self.layers)?;
+        let (n, hidden, half, tensor) = (shape.n, cfg.hidden, self.half, self.mmv_work());
         let f = |off: usize| self.buf(off) as *mut f32;
-        let (x, xn, qkv, attn, gate, up) =
-            (f(self.s.x), f(self.s.xn), f(self.s.qkv), f(self.s.attn), f(self.s.gate), f(self.s.up));
-        let partial = f(self.s.partial);
-        let act = self.buf(self.s.act);
-        let ids = self.buf(self.s.ids) as *const c_int;
-        let pos = self.buf(self.s.pos) as *const c_int;
-        let tables = self.buf(self.s.tables) as *const *const c_uint;
-        let inv_freq = self.buf(self.s.inv_freq) as *const f32;
-        // Device addresses are only formed here, never read on the host: wrapping arithmetic is enough.
+        let (x, xn, act) = (f(self.s.x), f(self.s.xn), self.buf(self.s.act));
         let row = |p: *mut f32, r: usize, width: usize| p.wrapping_add(r * width);
-        let act_row = |r: usize, width: usize| (act as *mut u8).wrapping_add(r * width * 2) as *mut c_void;
-        // Bytes of one layer's pages.
-        let layer_bytes = self.pool_pages * self.page.page_bytes();
-        let pool = self.pool.ptr() as *mut u8;
-        let shape_of = |rows: usize| AttentionShape {
-            n: rows,
-            heads: cfg.heads,
-            kv_heads: cfg.kv_heads,
-            head_dim: hd,
-            qkv_stride: qkv_dim,
-        };
-        let scale = 1.0 / (hd as f32).sqrt();
         let none = ptr::null::<f32>();
-        let half = self.half;
-        let tensor = self.mmv_work();
-        // The normed input: f32 rows [0, m) into xn, half rows [m, n) into act (and with `residue`, their
-        // rounding residue into act_residue).
-        let residue = (self.buf(self.s.act_residue) as *mut u8).cast::<c_void>();
-        let norm_in = |w: &DeviceWeight, with_residue: bool| -> Result<()> {
-            if m > 0 {
-                launch::rmsnorm(x, w.f32_ptr(), cfg.rms_eps, xn, m, hidden, s)?;
-            }
-            if tc > 0 {
-                let res = if with_residue { residue } else { ptr::null_mut() };
-                launch::rmsnorm_to(row(x, m, hidden), w.f32_ptr(), cfg.rms_eps, act, res, half, tc, hidden, s)?;
-            }
-            Ok(())
-        };
-        // y = w input (+ bias) (+ residual) for every row: rows [0, m) from the f32 `input`, rows [m, n)
-        // from the half activations in act; y and residual rows are `ldy` apart. `refine_from`: the half
-        // rows' outputs from that row of w on again from the residue (as the f32 rows' are).
-        let project = |w: &DeviceWeight,
-                       input: *const f32,
-                       bias: *const f32,
-                       residual: *const f32,
-                       y: *mut f32,
-                       ldy,
-                       refine_from: Option<usize>| {
-            if m > 0 {
-                launch::decode_product(w, input, m, bias, residual, y, ldy, tensor, s)?;
-            }
-            for (g, &(r0, rows)) in groups.iter().enumerate() {
-                let residual = if residual.is_null() { residual } else { residual.wrapping_add(r0 * ldy) };
-                let refine = refine_from.filter(|_| !(singles_group && g == 0)).map(|from| Refine {
-                    from,
-                    residue: (residue as *const u8).wrapping_add((r0 - m) * w.cols * 2).cast::<c_void>(),
-                });
-                let (a, y) = (act_row(r0 - m, w.cols), y.wrapping_add(r0 * ldy));
-                self.product(w, a, rows, bias, residual, y, ldy, refine)?;
-            }
-            Ok::<(), Error>(())
-        };
-
-        launch::embed_gather(&self.rows, ids, n, x, s)?;
-        for (l, layer) in self.layers.iter().enumerate() {
-            let kv = KvPages {
-                pool: pool.wrapping_add(l * layer_bytes) as *mut c_void,
-                pages: self.pool_pages,
-                kv: self.kv,
-            };
-
-            // K and V from the normed input to f32 accuracy: the cache keeps them, and a bf16 input's
-            // rounding, rounded again into the cache, was most of the prompt logits' distance from the
-            // CPU's (tests/prompt_roundings.rs); q's rounding costs far less.
-            norm_in(&layer.w.attn_norm, true)?;
-            let qkv_bias = layer.qkv_bias();
-            match &layer.qkv {
-                Qkv::Fused(w) => project(w, xn, qkv_bias, none, qkv, qkv_dim, Some(q_dim))?,
-                Qkv::Split(parts) => {
-                    // The biases lie back to back like q, k and v in a row of the qkv buffer.
-                    let bias = |at: usize| if qkv_bias.is_null() { none } else { qkv_bias.wrapping_add(at) };
-                    for (k, (w, at)) in parts.iter().zip([0, q_dim, q_dim + kv_dim]).enumerate() {
-                        project(w, xn, bias(at), none, qkv.wrapping_add(at), qkv_dim, (k > 0).then_some(0))?;
-                    }
-                }
-            }
-            let (q_norm, k_norm) = (layer.w.q_norm.as_ref(), layer.w.k_norm.as_ref());
-            launch::rope_kv(
-                qkv,
-                shape_of(n),
-                pos,
-                inv_freq,
-                cfg.rope_interleaved,
-                q_norm,
-                k_norm,
-                cfg.rms_eps,
-                kv,
-                tables,
-                s,
-            )?;
-
-            // Attention: rows [0, split_end) on the split kernel into attn (f32), in launches of
-            // ATTENTION_TOKENS; the tensor-core rows among them are converted into act; the other tensor
-            // rows' pieces on flash attention, each over its own stream, straight into act.
-            for g0 in (0..split_end).step_by(ATTENTION_TOKENS) {
-                let g = (split_end - g0).min(ATTENTION_TOKENS);
-                launch::attention(
-                    row(qkv, g0, qkv_dim),
-                    shape_of(g),
-                    kv,
-                    tables.wrapping_add(g0),
-                    pos.wrapping_add(g0),
-                    scale,
-                    attention_parts(),
-                    grid_parts,
-                    partial,
-                    row(attn, g0, q_dim),
-                    s,
-                )?;
-            }
-            if split_end > m {
-                launch::convert(row(attn, m, q_dim), act, half, (split_end - m) * q_dim, s)?;
-            }
-            if self.flash {
-                for p in pieces.iter().filter(|p| p.path == Path::Tensor) {
-                    let (q, at, out) = (row(qkv, p.row, qkv_dim), pos.wrapping_add(p.row), act_row(p.row - m, q_dim));
-                    // An 8-bit cache: the stream's positions so far, this piece's included, decoded once.
-                    let stage = (self.s.stage_tokens > 0).then(|| launch::FlashStage {
-                        ptr: self.buf(self.s.stage),
-                        tokens: self.s.stage_tokens,
-                        ctx: p.pos + p.len,
-                    });
-                    if let Some(st) = stage {
-                        launch::flash_stage(kv, p.table, cfg.kv_heads, cfg.head_dim, st, s)?;
-                    }
-                    launch::flash_attention(q, shape_of(p.len), kv, p.table, at, scale, out, half, q_dim, stage, s)?;
-                }
-            }
-            project(&layer.w.o, attn, none, x, x, hidden, None)?;
-
-            norm_in(&layer.w.ffn_norm, false)?;
-            if m > 0 {
-                if layer.w.gate.dtype == layer.w.up.dtype {
-                    launch::decode_swiglu(&layer.w.gate, &layer.w.up, xn, m, gate, tensor, s)?;
-                } else {
-                    launch::decode_product(&layer.w.gate, xn, m, none, none, gate, inter, tensor, s)?;
-                    launch::decode_product(&layer.w.up, xn, m, none, none, up, inter, tensor, s)?;
-                    launch::swiglu(gate, up, gate, m * inter, s)?;
-                }
-                launch::decode_product(&layer.w.down, gate, m, none, x, x, hidden, tensor, s)?;
-            }
-            if tc > 0 {
-                for &(r0, rows) in &groups {
-                    let a = act_row(r0 - m, hidden);
-                    self.product(&layer.w.gate, a, rows, none, none, row(gate, r0, inter), inter, None)?;
-                    self.product(&layer.w.up, a, rows, none, none, row(up, r0, inter), inter, None)?;
-                }
-                // The normed input is read by now: the SwiGLU output takes its place.
-                launch::swiglu_to(row(gate, m, inter), row(up, m, inter), act, half, tc * inter, s)?;
-                for &(r0, rows) in &groups {
-                    let xr = row(x, r0, hidden);
-                    self.product(&layer.w.down, act_row(r0 - m, inter), rows, none, xr, xr, hidden, None)?;
-                }
-            }
-        }
         let vocab = self.head.rows;
         match head {
             Head::Skip => Ok(()),

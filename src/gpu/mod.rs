@@ -32,7 +32,9 @@ mod forward;
 mod graph;
 mod launch;
 mod mask;
+mod ops;
 mod pages;
+mod score;
 mod scratch;
 mod weights;
 
@@ -46,12 +48,12 @@ use self::graph::StepGraph;
 pub use self::pages::{GpuCache, GpuStream, PAGE_TOKENS, PageLayout};
 use self::scratch::ScratchLayout;
 pub use self::scratch::{MMV_MAX_TOKENS, attention_grid_parts, mmv_shape, mmv_workspace};
-use self::weights::{DeviceWeight, GpuLayer, plan, prompt_format, upload};
+use self::weights::{DeviceWeight, plan, prompt_format, upload};
 use crate::backend::{Backend, PagePool, StepItem};
 use crate::cuda::{self, DeviceBuffer, StagedUploader, Stream};
 use crate::cudart as rt;
 use crate::kv::{KvType, KvTypes};
-use crate::model::{ModelConfig, TensorSource, rope_inv_freq};
+use crate::model::{LayerWeights, ModelConfig, TensorSource, rope_inv_freq};
 use crate::status::Result;
 use crate::tensor::DType;
 use crate::{bail, err};
@@ -112,7 +114,7 @@ pub struct GpuModel {
     cfg: ModelConfig,
     max_batch: usize,
     id: u64,
-    layers: Vec<GpuLayer>,
+    layers: Vec<LayerWeights<DeviceWeight>>,
     final_norm: *const f32,
     head: DeviceWeight,
     rows: RowsOnDevice,
@@ -302,8 +304,7 @@ impl GpuModel {
         let weights = DeviceBuffer::new(plan.total)?;
         let mut uploader = StagedUploader::new()?;
         let mut up = |p| upload(&weights, &mut uploader, p);
-        let layers =
-            plan.layers.into_iter().map(|l| l.try_map(&mut up).map(GpuLayer::new)).collect::<Result<Vec<_>>>()?;
+        let layers = plan.layers.into_iter().map(|l| l.try_map(&mut up)).collect::<Result<Vec<_>>>()?;
         let final_norm = up(plan.final_norm)?.f32_ptr();
         let head = match plan.lm_head {
             Some(p) => up(p)?,

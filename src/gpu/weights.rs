@@ -2,7 +2,6 @@
 //! allocation whose size `plan` predicts exactly, and handed out by role.
 
 use std::os::raw::c_void;
-use std::ptr;
 
 use super::Layout;
 use crate::cuda::{DeviceBuffer, StagedUploader};
@@ -36,25 +35,15 @@ fn qkv_fused(q: DType, k: DType, v: DType) -> bool {
     q == k && k == v
 }
 
-/// One layer on the device: its weights by role, and q/k/v as the projection reads them.
-pub(super) struct GpuLayer {
-    pub w: LayerWeights<DeviceWeight>,
-    pub qkv: Qkv,
-}
-
-impl GpuLayer {
-    pub(super) fn new(w: LayerWeights<DeviceWeight>) -> GpuLayer {
-        let qkv = if qkv_fused(w.q.dtype, w.k.dtype, w.v.dtype) {
-            Qkv::Fused(DeviceWeight { rows: w.q.rows + w.k.rows + w.v.rows, ..w.q })
+impl Qkv {
+    /// q, k and v as the projection reads them: one matrix where they share a format (the loader laid
+    /// them out back to back, `place_layer`), else three.
+    pub(super) fn of(q: &DeviceWeight, k: &DeviceWeight, v: &DeviceWeight) -> Qkv {
+        if qkv_fused(q.dtype, k.dtype, v.dtype) {
+            Qkv::Fused(DeviceWeight { rows: q.rows + k.rows + v.rows, ..*q })
         } else {
-            Qkv::Split([w.q, w.k, w.v])
-        };
-        GpuLayer { w, qkv }
-    }
-
-    /// The q, k and v biases back to back (f32), or NULL.
-    pub(super) fn qkv_bias(&self) -> *const f32 {
-        self.w.q_bias.map_or(ptr::null(), |b| b.f32_ptr())
+            Qkv::Split([*q, *k, *v])
+        }
     }
 }
 

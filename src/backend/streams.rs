@@ -1,0 +1,493 @@
+//! `Streams`: the engine's stream slots over one backend and one page pool, each slot's sampler
+//! settings, constraint and speculation, and the pool's accounting around every batch (the module doc
+//! of `backend` says how pages are taken, shared, copied and cached).
+
+use super::{Backend, BatchStep, Decoder, KvStream, PagePool, ROOT, StepItem, log_prob, not_run};
+use crate::abi::{engine_kv_usage, engine_speculation};
+use crate::constraint::{Constraint, PendingMask};
+use crate::sampler::Sampling;
+use crate::speculative::{self, SpecState};
+use crate::status::{Result, Status};
+use crate::{bail, err};
+
+mod admit;
+
+/// A backend with `count` stream slots of `window` tokens over one page pool; a slot gets its stream on
+/// its first step.
+pub struct Streams<B: Backend> {
+    backend: B,
+    window: usize,
+    slots: Vec<Option<KvStream<B::Cache>>>,
+    sampling: Vec<Sampling>,
+    /// Each stream's constraint, which truncate and reset roll back with it.
+    constraints: Vec<Option<Constraint>>,
+    pool: PagePool,
+    /// The streams whose logits the backend holds, with their item index in its last batch and the head
+    /// position of their last kept token.
+    last: Vec<(u32, usize, usize)>,
+    spec: Vec<SpecState>,
+}
+
+impl<B: Backend> Streams<B> {
+    /// `count` streams sampling with `sampling`, over a pool of `pages` pages of `B::PAGE_TOKENS`.
+    /// NO_ROOM where the host cannot give the tables (their sizes come from the caller's options).
+    pub fn new(backend: B, window: usize, count: usize, pages: usize, sampling: Sampling) -> Result<Streams<B>> {
+        let mut slots = Vec::new();
+        slots
+            .try_reserve_exact(count)
+            .map_err(|_| err!(NoRoom, "the host has no room for a table of {count} streams"))?;
+        slots.resize_with(count, || None);
+        let mut settings = Vec::new();
+        settings
+            .try_reserve_exact(count)
+            .map_err(|_| err!(NoRoom, "the host has no room for a table of {count} streams"))?;
+        settings.resize(count, sampling);
+        let mut constraints = Vec::new();
+        constraints
+            .try_reserve_exact(count)
+            .map_err(|_| err!(NoRoom, "the host has no room for a table of {count} streams"))?;
+        constraints.resize_with(count, || None);
+        let pool = PagePool::new(B::PAGE_TOKENS, pages)?;
+        let spec = vec![SpecState::new(speculative::DEFAULT); count];
+        Ok(Streams { backend, window, slots, sampling: settings, constraints, pool, last: Vec::new(), spec })
+    }
+
+    /// The same streams with the prefix cache on or off (off unless told).
+    pub fn with_prefix_cache(mut self, on: bool) -> Self {
+        self.pool.set_prefix_cache(on);
+        self
+    }
+
+    /// The backend, for tests that look under the seam.
+    pub fn backend(&self) -> &B {
+        &self.backend
+    }
+
+    /// The slot of `stream`; OUT_OF_RANGE past the admitted count, the message led by `call`.
+    fn slot(&self, stream: u32, call: &str) -> Result<usize> {
+        let count = self.slots.len();
+        if stream as usize >= count {
+            bail!(OutOfRange, "{call}stream {stream}, but {count} streams were admitted");
+        }
+        Ok(stream as usize)
+    }
+
+    /// Enters a stream's whole pages past those it has keys for into the prefix cache.
+    fn enter_pages(&mut self, slot: usize) {
+        if !self.pool.caching() {
+            return;
+        }
+        let page = self.pool.page_tokens();
+        let Some(s) = self.slots[slot].as_mut() else { return };
+        while s.keys.len() < s.len / page {
+            let i = s.keys.len();
+            let parent = if i == 0 { ROOT } else { s.keys[i - 1] };
+            let node = self.pool.enter(s.pages[i], parent, &s.tokens[i * page..(i + 1) * page]);
+            s.keys.push(node);
+        }
+    }
+
+    /// Gives back the pages of stream slot `slot` past its length, the last first.
+    fn trim_pages(&mut self, slot: usize) {
+        if let Some(s) = self.slots[slot].as_mut() {
+            let keep = self.pool.pages_for(s.len);
+            s.keys.truncate(s.len / self.pool.page_tokens());
+            if s.pages.len() > keep {
+                self.pool.give_back(s.pages.drain(keep..));
+            }
+        }
+    }
+
+    /// Runs the tokens of admitted item `item` through its stream's constraint, if it has one.
+    /// Runs `tokens`, to be appended at position `at` of stream slot `slot`, through its constraint, if any.
+    fn feed_constraint(&mut self, slot: usize, at: usize, tokens: &[u32]) -> Result<()> {
+        match self.constraints[slot].as_mut() {
+            Some(c) => c.feed(at, tokens),
+            None => Ok(()),
+        }
+    }
+
+    fn forget_logits(&mut self, stream: u32) {
+        self.last.retain(|&(s, _, _)| s != stream);
+    }
+
+    /// The tokens stream `stream` proposes after `tokens` for an item that may produce `most` tokens:
+    /// none unless its speculation is on, and never past its window or the backend's verification.
+    fn propose(&mut self, stream: u32, tokens: &[u32], most: usize) -> Vec<u32> {
+        let Ok(slot) = self.slot(stream, "") else { return Vec::new() };
+        let len = self.slots[slot].as_ref().map_or(0, |s| s.len);
+        let room = self.window.saturating_sub(len + tokens.len());
+        let fits = self.backend.verify_tokens().saturating_sub(tokens.len());
+        let bound = most.saturating_sub(1).min(room).min(fits);
+        if bound == 0 || tokens.is_empty() {
+            return Vec::new();
+        }
+        let k = self.spec[slot].budget().min(bound);
+        if k == 0 {
+            return Vec::new();
+        }
+        let set = self.spec[slot].settings;
+        let mut history = self.slots[slot].as_ref().map_or(Vec::new(), |s| s.tokens.clone());
+        history.extend_from_slice(tokens);
+        speculative::lookup(&history, set.ngram_min as usize, set.ngram_max as usize, k)
+    }
+}
+
+impl<B: Backend> Decoder for Streams<B> {
+    fn stream_count(&self) -> usize {
+        self.slots.len()
+    }
+
+    fn window(&self) -> usize {
+        self.window
+    }
+
+    fn step_batch(&mut self, items: &mut [BatchStep<'_>]) -> Result<()> {
+        let mut named = std::collections::HashSet::with_capacity(items.len());
+        if let Some(twice) = items.iter().find(|i| !named.insert(i.stream)) {
+            bail!(InvalidArgument, "stream {} is named twice in one batch", twice.stream);
+        }
+        // Each item's run: its tokens, then what its stream proposes after them (a constrained stream
+        // proposes nothing: its mask is computed for one draw).
+        let mut runs: Vec<Vec<u32>> = Vec::with_capacity(items.len());
+        let mut proposed = vec![0usize; items.len()];
+        // Which items run, in the caller's order; the others have their status already. A constrained
+        // stream's tokens go through its constraint first: one it refuses fails the item.
+        let mut run = Vec::with_capacity(items.len());
+        for (i, item) in items.iter_mut().enumerate() {
+            item.out.clear();
+            let constrained = self.constraints.get(item.stream as usize).is_some_and(Option::is_some);
+            let proposals = if constrained { Vec::new() } else { self.propose(item.stream, item.tokens, item.most) };
+            let mut tokens = item.tokens.to_vec();
+            tokens.extend_from_slice(&proposals);
+            // The cache may stand for the item's own tokens only: every proposal needs its logits.
+            let mut admitted = self.admit(item.stream, None, &tokens, item.tokens.len());
+            if admitted.as_ref().is_err_and(|e| e.status == Status::NoRoom) && !proposals.is_empty() {
+                // No room for the proposals: the item steps as without them.
+                tokens.truncate(item.tokens.len());
+                admitted = self.admit(item.stream, None, &tokens, item.tokens.len());
+            }
+            proposed[i] = tokens.len() - item.tokens.len();
+            runs.push(tokens);
+            let a = match admitted {
+                Ok(a) => a,
+                Err(e) => {
+                    item.next = Err(e);
+                    continue;
+                }
+            };
+            match self.feed_constraint(a.slot, a.len, item.tokens) {
+                Ok(()) => run.push((i, a)),
+                Err(e) => {
+                    self.restore(&a);
+                    item.next = Err(e);
+                }
+            }
+        }
+        if run.is_empty() {
+            return Ok(());
+        }
+        let Streams { backend, slots, sampling, constraints, .. } = self;
+        let masks: Vec<Option<PendingMask>> = run
+            .iter()
+            .map(|(i, _)| constraints[items[*i].stream as usize].as_ref().map(|_| PendingMask::new()))
+            .collect();
+        let mut by_slot: Vec<Option<&mut KvStream<B::Cache>>> = slots.iter_mut().map(Option::as_mut).collect();
+        let mut constrained: Vec<Option<&mut Constraint>> = constraints.iter_mut().map(Option::as_mut).collect();
+        // The constrained items' masks are computed on one thread beside the backend's forward (on CUDA
+        // the host only queues and waits then); the sampler waits for each.
+        let work: Vec<(&mut Constraint, &PendingMask)> = run
+            .iter()
+            .zip(&masks)
+            .filter_map(|((i, _), m)| Some((constrained[items[*i].stream as usize].take()?, m.as_ref()?)))
+            .collect();
+        let mut last = Vec::new();
+        let mut verified = Vec::new();
+        let ran = std::thread::scope(|scope| {
+            if !work.is_empty() {
+                scope.spawn(move || {
+                    for (c, mask) in work {
+                        mask.compute(c);
+                    }
+                });
+            }
+            let mut step: Vec<StepItem<'_, B::Cache>> = run
+                .iter()
+                .zip(&masks)
+                .map(|((i, a), mask)| {
+                    let stream = items[*i].stream;
+                    let mut item = StepItem::new(
+                        by_slot[stream as usize].take().expect("admitted, and named once"),
+                        stream,
+                        &runs[*i][a.skip..],
+                        sampling[stream as usize],
+                    );
+                    item.heads = proposed[*i] + 1;
+                    item.mask = mask.as_ref();
+                    item
+                })
+                .collect();
+            let lens: Vec<usize> = step.iter().map(|s| s.stream.len).collect();
+            let ran = backend.step_batch(&mut step);
+            for (k, s) in step.iter_mut().enumerate() {
+                let i = run[k].0;
+                let next = std::mem::replace(&mut s.next, Err(not_run()));
+                let next = match (&ran, next) {
+                    (Err(e), Err(_)) => Err(e.clone()),
+                    (_, next) => next,
+                };
+                // A mask that failed fails its item, which then appends nothing.
+                let next = match (next, masks[k].as_ref().and_then(PendingMask::error)) {
+                    (Ok(_), Some(e)) => {
+                        backend.truncate(s.stream, lens[k]);
+                        Err(e)
+                    }
+                    (next, _) => next,
+                };
+                let Ok(plain) = next else {
+                    items[i].next = next;
+                    continue;
+                };
+                s.stream.tokens.extend_from_slice(s.tokens);
+                let n = proposed[i];
+                let proposals = &runs[i][runs[i].len() - n..];
+                let kept = if n > 0 { speculative::accepted(proposals, &s.drawn) } else { 0 };
+                if kept < n {
+                    // The rejected positions leave the stream; `trim_pages` below gives back their pages.
+                    let len = s.stream.len - (n - kept);
+                    backend.truncate(s.stream, len);
+                    s.stream.tokens.truncate(len);
+                }
+                let own = if n > 0 { s.drawn[kept] } else { plain };
+                items[i].out = proposals[..kept].iter().copied().chain([own]).collect();
+                items[i].next = Ok(own);
+                if n > 0 {
+                    verified.push((s.index as usize, n, kept));
+                }
+                last.push((s.index, k, if n > 0 { kept } else { 0 }));
+            }
+            ran
+        });
+        for (stream, n, kept) in verified {
+            self.spec[stream].record(n, kept);
+        }
+        for (i, a) in &run {
+            if items[*i].next.is_err() {
+                self.restore(a);
+            } else {
+                self.trim_pages(a.slot);
+                self.enter_pages(a.slot);
+            }
+            let len = self.slots[a.slot].as_ref().map_or(0, |s| s.len);
+            if let Some(c) = self.constraints[a.slot].as_mut() {
+                if items[*i].next.is_ok() { c.stepped(len) } else { c.rollback(len) }
+            }
+        }
+        self.last = last;
+        ran
+    }
+
+    fn logits(&self, stream: u32) -> Result<Vec<f32>> {
+        if let Some(&(_, i, head)) = self.last.iter().find(|&&(s, _, _)| s == stream) {
+            return self.backend.logits(i, head);
+        }
+        self.slot(stream, "")?;
+        Err(err!(InvalidArgument, "no logits for stream {stream}: it was not stepped by the last batch"))
+    }
+
+    fn reset(&mut self, stream: u32) -> Result<()> {
+        self.truncate(stream, 0)?;
+        self.forget_logits(stream);
+        Ok(())
+    }
+
+    fn truncate(&mut self, stream: u32, len: usize) -> Result<()> {
+        let slot = self.slot(stream, "")?;
+        let Some(s) = self.slots[slot].as_mut() else {
+            if len > 0 {
+                bail!(OutOfRange, "stream {stream} holds 0 tokens; it cannot keep {len}");
+            }
+            return Ok(());
+        };
+        if len > s.len {
+            bail!(OutOfRange, "stream {stream} holds {} tokens; it cannot keep {len}", s.len);
+        }
+        if len < s.len {
+            self.backend.truncate(s, len);
+            s.tokens.truncate(len);
+            self.forget_logits(stream);
+        }
+        if let Some(c) = self.constraints[slot].as_mut() {
+            c.rollback(len);
+        }
+        self.trim_pages(slot);
+        Ok(())
+    }
+
+    fn fork(&mut self, src: u32, dst: u32, len: usize) -> Result<()> {
+        let from = self.slot(src, "engine_fork: source ")?;
+        let to = self.slot(dst, "engine_fork: destination ")?;
+        if src == dst {
+            bail!(InvalidArgument, "engine_fork: stream {src} onto itself");
+        }
+        let have = self.slots[from].as_ref().map_or(0, |s| s.len);
+        if len > have {
+            bail!(OutOfRange, "engine_fork: stream {src} holds {have} tokens; it cannot give {len}");
+        }
+        if self.slots[to].is_none() {
+            self.slots[to] = Some(self.backend.new_stream(self.window)?);
+        }
+        self.reset(dst)?;
+        if len == 0 {
+            return Ok(());
+        }
+        let page = self.pool.page_tokens();
+        let s = self.slots[from].as_ref().expect("it holds positions");
+        let pages = s.pages[..self.pool.pages_for(len)].to_vec();
+        let tokens = s.tokens[..len].to_vec();
+        let keys = s.keys[..s.keys.len().min(len / page)].to_vec();
+        for &p in &pages {
+            self.pool.hold(p);
+        }
+        let d = self.slots[to].as_mut().expect("made above");
+        (d.pages, d.tokens, d.keys, d.len) = (pages, tokens, keys, len);
+        Ok(())
+    }
+
+    fn score(&mut self, stream: u32, tokens: &[u32], out: &mut [f32]) -> Result<()> {
+        let slot = self.slot(stream, "")?;
+        let n = tokens.len();
+        if n == 0 {
+            bail!(InvalidArgument, "stream {stream}: no tokens to score");
+        }
+        assert_eq!(out.len(), n, "one log-probability a token");
+        let len = self.slots[slot].as_ref().map_or(0, |s| s.len);
+        if n > self.window - len.min(self.window) {
+            bail!(NoRoom, "stream {stream}: {n} tokens after {len} do not fit the stream's window of {}", self.window);
+        }
+        // The first token's distribution: the stream's kept logits, or its last position computed again.
+        let kept = match self.last.iter().find(|&&(s, _, _)| s == stream) {
+            Some(&(_, i, head)) if len > 0 => self.backend.logits(i, head).ok(),
+            _ => None,
+        };
+        let run: Vec<u32> = match (len, &kept) {
+            (0, _) | (_, Some(_)) => tokens.to_vec(),
+            _ => {
+                let last = *self.slots[slot].as_ref().and_then(|s| s.tokens.last()).expect("a stream of len > 0");
+                std::iter::once(last).chain(tokens.iter().copied()).collect()
+            }
+        };
+        let start = len + n - run.len();
+        let a = self.admit(stream, Some(start), &run, 0)?;
+        // The tokens go through the stream's constraint as a step's would (one it refuses fails the call).
+        if let Err(e) = self.feed_constraint(slot, len, tokens) {
+            self.restore(&a);
+            return Err(e);
+        }
+        let mut scored = vec![f32::NAN; run.len()];
+        let s = self.slots[slot].as_mut().expect("admitted");
+        if let Err(e) = self.backend.score(s, &run, &mut scored) {
+            self.restore(&a);
+            if let Some(c) = self.constraints[slot].as_mut() {
+                c.rollback(len);
+            }
+            // The backend may have dropped what it kept.
+            self.last.clear();
+            return Err(e);
+        }
+        s.tokens.extend_from_slice(&run);
+        self.last = vec![(stream, 0, 0)];
+        self.enter_pages(slot);
+        if let Some(c) = self.constraints[slot].as_mut() {
+            c.stepped(len + n);
+        }
+        match (len, kept) {
+            (0, _) => {
+                out[0] = f32::NAN;
+                out[1..].copy_from_slice(&scored[..n - 1]);
+            }
+            (_, Some(logits)) => {
+                out[0] = log_prob(&logits, tokens[0]);
+                out[1..].copy_from_slice(&scored[..n - 1]);
+            }
+            (_, None) => out.copy_from_slice(&scored[..n]),
+        }
+        Ok(())
+    }
+
+    fn stream_len(&self, stream: u32) -> Result<usize> {
+        let slot = self.slot(stream, "")?;
+        Ok(self.slots[slot].as_ref().map_or(0, |s| s.len()))
+    }
+
+    fn set_sampling(&mut self, stream: u32, s: Sampling) -> Result<()> {
+        let slot = self.slot(stream, "")?;
+        self.sampling[slot] = s;
+        Ok(())
+    }
+
+    fn set_constraint(&mut self, stream: u32, c: Option<Constraint>) -> Result<()> {
+        let slot = self.slot(stream, "")?;
+        self.constraints[slot] = c;
+        Ok(())
+    }
+
+    fn sampling(&self, stream: u32) -> Result<Sampling> {
+        Ok(self.sampling[self.slot(stream, "")?])
+    }
+
+    fn kv_stats(&self) -> (u64, u64) {
+        let page = self.pool.page_tokens() as u64;
+        (self.pool.total_pages() as u64 * page, self.pool.free_pages() as u64 * page)
+    }
+
+    fn kv_usage(&self) -> engine_kv_usage {
+        let page = self.pool.page_tokens() as u64;
+        let u = self.pool.usage();
+        engine_kv_usage {
+            tokens_total: self.pool.total_pages() as u64 * page,
+            tokens_free: u.free as u64 * page,
+            tokens_shared: u.shared as u64 * page,
+            tokens_cached: u.cached as u64 * page,
+        }
+    }
+
+    fn stream_pages(&self, stream: u32) -> Result<Vec<u32>> {
+        let slot = self.slot(stream, "")?;
+        Ok(self.slots[slot].as_ref().map_or(Vec::new(), |s| s.pages.clone()))
+    }
+
+    fn set_speculation(&mut self, stream: u32, s: engine_speculation) -> Result<()> {
+        let slot = self.slot(stream, "")?;
+        self.spec[slot] = SpecState::new(s);
+        Ok(())
+    }
+
+    fn speculation(&self, stream: u32) -> Result<engine_speculation> {
+        Ok(self.spec[self.slot(stream, "")?].settings)
+    }
+
+    fn speculation_stats(&self, stream: u32) -> Result<(u64, u64)> {
+        let s = &self.spec[self.slot(stream, "")?];
+        Ok((s.proposed, s.accepted))
+    }
+
+    fn audit(&self) -> Result<()> {
+        let page = self.pool.page_tokens();
+        for (i, s) in self.slots.iter().enumerate() {
+            let Some(s) = s else { continue };
+            if s.pages.len() != self.pool.pages_for(s.len) || s.tokens.len() != s.len || s.keys.len() > s.len / page {
+                bail!(
+                    InvalidArgument,
+                    "stream {i}: {} positions, {} tokens, {} pages, {} keys",
+                    s.len,
+                    s.tokens.len(),
+                    s.pages.len(),
+                    s.keys.len()
+                );
+            }
+        }
+        let holders = self.slots.iter().flatten().map(|s| s.pages.as_slice());
+        self.pool.audit(holders).map_err(|why| err!(InvalidArgument, "the KV pool: {why}"))
+    }
+}

@@ -1,0 +1,386 @@
+//! The CUDA backend's operations (`arch::Ops`): each queues on the model's stream the launches of one
+//! operation over a pass's rows, as `forward.rs` lays them out: rows [0, m) on the matrix-vector kernels
+//! in f32, rows [m, n) on tensor-core products in groups (the single tokens together, each long chunk
+//! on its own) from the half activations in `act`. Nothing here waits or reads the device, so a pass
+//! of single tokens captures into a graph.
+
+use std::os::raw::{c_int, c_uint, c_void};
+use std::ptr;
+
+use super::GpuModel;
+use super::forward::{PassShape, Path, Piece};
+use super::launch::{self, AttentionShape, HalfMatrix, KvPages};
+use super::scratch::{ATTENTION_TOKENS, attention_parts};
+use super::weights::{DeviceWeight, Qkv};
+use crate::arch::{Feeds, Ops};
+use crate::cudart::cudaStream_t;
+use crate::status::Result;
+use crate::tensor::DType;
+
+/// A product's refinement (`product`): its outputs from row `from` of the weight on again from the
+/// half input's rounding residue at `residue` (rows `w.cols` apart).
+#[derive(Clone, Copy)]
+pub(super) struct Refine {
+    pub from: usize,
+    pub residue: *const c_void,
+}
+
+/// One pass's rows, their layout, and the scratch addresses its launches take.
+pub(super) struct PassOps<'a> {
+    model: &'a GpuModel,
+    pieces: &'a [Piece],
+    m: usize,
+    n: usize,
+    split_end: usize,
+    grid_parts: usize,
+    /// The tensor-core products' row groups (first row, rows): the single tokens together, each chunk
+    /// on its own.
+    groups: Vec<(usize, usize)>,
+    /// Whether the first group is the single tokens (which are not refined: their option is for speed).
+    singles_group: bool,
+    x: *mut f32,
+    xn: *mut f32,
+    qkv: *mut f32,
+    attn: *mut f32,
+    gate: *mut f32,
+    up: *mut f32,
+    partial: *mut f32,
+    act: *mut c_void,
+    /// The half rows' rounding residue, for refined products.
+    residue: *mut c_void,
+    pos: *const c_int,
+    tables: *const *const c_uint,
+    inv_freq: *const f32,
+    tensor: Option<launch::MmvWork>,
+    half: DType,
+    s: cudaStream_t,
+}
+
+// Device addresses are only formed here, never read on the host: wrapping arithmetic is enough.
+fn row(p: *mut f32, r: usize, width: usize) -> *mut f32 {
+    p.wrapping_add(r * width)
+}
+
+impl<'a> PassOps<'a> {
+    /// The operations over `pieces`, laid out as `shape`, whose rows' ids, positions and page tables are
+    /// already in scratch.
+    pub(super) fn new(model: &'a GpuModel, pieces: &'a [Piece], shape: PassShape) -> PassOps<'a> {
+        let PassShape { n, m, split_end, grid_parts } = shape;
+        let mut groups: Vec<(usize, usize)> = Vec::new();
+        let singles_group = pieces.iter().any(|p| p.path == Path::TensorSingle);
+        let singles: Vec<&Piece> = pieces.iter().filter(|p| p.path == Path::TensorSingle).collect();
+        if let (Some(first), Some(last)) = (singles.first(), singles.last()) {
+            groups.push((first.row, last.row + 1 - first.row));
+        }
+        groups.extend(pieces.iter().filter(|p| p.path == Path::Tensor).map(|p| (p.row, p.len)));
+        let f = |off: usize| model.buf(off) as *mut f32;
+        PassOps {
+            model,
+            pieces,
+            m,
+            n,
+            split_end,
+            grid_parts,
+            groups,
+            singles_group,
+            x: f(model.s.x),
+            xn: f(model.s.xn),
+            qkv: f(model.s.qkv),
+            attn: f(model.s.attn),
+            gate: f(model.s.gate),
+            up: f(model.s.up),
+            partial: f(model.s.partial),
+            act: model.buf(model.s.act),
+            residue: model.buf(model.s.act_residue),
+            pos: model.buf(model.s.pos) as *const c_int,
+            tables: model.buf(model.s.tables) as *const *const c_uint,
+            inv_freq: model.buf(model.s.inv_freq) as *const f32,
+            tensor: model.mmv_work(),
+            half: model.half,
+            s: model.stream.raw(),
+        }
+    }
+
+    /// Rows of the tensor-core activations, from row `r` (counted from the pass's first row) of `width`.
+    fn act_row(&self, r: usize, width: usize) -> *mut c_void {
+        (self.act as *mut u8).wrapping_add((r - self.m) * width * 2) as *mut c_void
+    }
+
+    fn shape_of(&self, rows: usize) -> AttentionShape {
+        let cfg = &self.model.cfg;
+        AttentionShape {
+            n: rows,
+            heads: cfg.heads,
+            kv_heads: cfg.kv_heads,
+            head_dim: cfg.head_dim,
+            qkv_stride: cfg.q_dim() + 2 * cfg.kv_dim(),
+        }
+    }
+
+    /// Layer `layer`'s part of the KV pool.
+    fn kv(&self, layer: usize) -> KvPages {
+        let model = self.model;
+        let layer_bytes = model.pool_pages * model.page.page_bytes();
+        KvPages {
+            pool: (model.pool.ptr() as *mut u8).wrapping_add(layer * layer_bytes) as *mut c_void,
+            pages: model.pool_pages,
+            kv: model.kv,
+        }
+    }
+
+    /// y = w input (+ bias) (+ residual) for every row: rows [0, m) from the f32 `input`, rows [m, n)
+    /// from the half activations in act; y and residual rows are `ldy` apart. `refine_from`: the half
+    /// rows' outputs from that row of w on again from the residue (as the f32 rows' are).
+    #[allow(clippy::too_many_arguments)]
+    fn project(
+        &self,
+        w: &DeviceWeight,
+        input: *const f32,
+        bias: *const f32,
+        residual: *const f32,
+        y: *mut f32,
+        ldy: usize,
+        refine_from: Option<usize>,
+    ) -> Result<()> {
+        if self.m > 0 {
+            launch::decode_product(w, input, self.m, bias, residual, y, ldy, self.tensor, self.s)?;
+        }
+        for (g, &(r0, rows)) in self.groups.iter().enumerate() {
+            let residual = if residual.is_null() { residual } else { residual.wrapping_add(r0 * ldy) };
+            let refine = refine_from.filter(|_| !(self.singles_group && g == 0)).map(|from| Refine {
+                from,
+                residue: (self.residue as *const u8).wrapping_add((r0 - self.m) * w.cols * 2).cast::<c_void>(),
+            });
+            let (a, y) = (self.act_row(r0, w.cols), y.wrapping_add(r0 * ldy));
+            self.model.product(w, a, rows, bias, residual, y, ldy, refine)?;
+        }
+        Ok(())
+    }
+}
+
+impl Ops for PassOps<'_> {
+    type Weight = DeviceWeight;
+
+    fn embed(&mut self) -> Result<()> {
+        let ids = self.model.buf(self.model.s.ids) as *const c_int;
+        launch::embed_gather(&self.model.rows, ids, self.n, self.x, self.s)
+    }
+
+    /// The normed input: f32 rows [0, m) into xn, half rows [m, n) into act, and for the q/k/v product
+    /// their rounding residue into act_residue: K and V from the normed input to f32 accuracy, because
+    /// the cache keeps them, and a bf16 input's rounding, rounded again into the cache, was most of the
+    /// prompt logits' distance from the CPU's (tests/prompt_roundings.rs); q's rounding costs far less.
+    fn norm(&mut self, w: &DeviceWeight, feeds: Feeds) -> Result<()> {
+        let (cfg, m, tc) = (&self.model.cfg, self.m, self.n - self.m);
+        if m > 0 {
+            launch::rmsnorm(self.x, w.f32_ptr(), cfg.rms_eps, self.xn, m, cfg.hidden, self.s)?;
+        }
+        if tc > 0 {
+            let res = if feeds == Feeds::Cache { self.residue } else { ptr::null_mut() };
+            let x = row(self.x, m, cfg.hidden);
+            launch::rmsnorm_to(x, w.f32_ptr(), cfg.rms_eps, self.act, res, self.half, tc, cfg.hidden, self.s)?;
+        }
+        Ok(())
+    }
+
+    /// One product where q, k and v share a format (the loader laid them out as one matrix, and their
+    /// biases back to back), else three; k and v refined on the tensor-core rows.
+    fn qkv(
+        &mut self,
+        q: &DeviceWeight,
+        k: &DeviceWeight,
+        v: &DeviceWeight,
+        bias: Option<[&DeviceWeight; 3]>,
+    ) -> Result<()> {
+        let cfg = &self.model.cfg;
+        let (q_dim, kv_dim) = (cfg.q_dim(), cfg.kv_dim());
+        let qkv_dim = q_dim + 2 * kv_dim;
+        let none = ptr::null::<f32>();
+        let qkv_bias = bias.map_or(none, |[q, _, _]| q.f32_ptr());
+        match Qkv::of(q, k, v) {
+            Qkv::Fused(w) => self.project(&w, self.xn, qkv_bias, none, self.qkv, qkv_dim, Some(q_dim)),
+            Qkv::Split(parts) => {
+                // The biases lie back to back like q, k and v in a row of the qkv buffer.
+                let bias = |at: usize| if qkv_bias.is_null() { none } else { qkv_bias.wrapping_add(at) };
+                for (k, (w, at)) in parts.iter().zip([0, q_dim, q_dim + kv_dim]).enumerate() {
+                    self.project(w, self.xn, bias(at), none, self.qkv.wrapping_add(at), qkv_dim, (k > 0).then_some(0))?;
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// One launch: the per-head norms, the rotation and the KV append of every row of the pass.
+    fn rope_append(&mut self, layer: usize, head_norms: Option<[&DeviceWeight; 2]>) -> Result<()> {
+        let cfg = &self.model.cfg;
+        let (q_norm, k_norm) = match head_norms {
+            Some([q, k]) => (Some(q), Some(k)),
+            None => (None, None),
+        };
+        let (shape, kv) = (self.shape_of(self.n), self.kv(layer));
+        let (qkv, pos, inv_freq, interleaved) = (self.qkv, self.pos, self.inv_freq, cfg.rope_interleaved);
+        launch::rope_kv(qkv, shape, pos, inv_freq, interleaved, q_norm, k_norm, cfg.rms_eps, kv, self.tables, self.s)
+    }
+
+    /// Rows [0, split_end) on the split kernel into attn (f32), in launches of ATTENTION_TOKENS; the
+    /// tensor-core rows among them are converted into act; the other tensor rows' pieces on flash
+    /// attention, each over its own stream, straight into act.
+    fn attention(&mut self, layer: usize) -> Result<()> {
+        let (model, cfg, s) = (self.model, &self.model.cfg, self.s);
+        let (q_dim, hd) = (cfg.q_dim(), cfg.head_dim);
+        let qkv_dim = q_dim + 2 * cfg.kv_dim();
+        let kv = self.kv(layer);
+        let scale = 1.0 / (hd as f32).sqrt();
+        let (split_end, m) = (self.split_end, self.m);
+        for g0 in (0..split_end).step_by(ATTENTION_TOKENS) {
+            let g = (split_end - g0).min(ATTENTION_TOKENS);
+            launch::attention(
+                row(self.qkv, g0, qkv_dim),
+                self.shape_of(g),
+                kv,
+                self.tables.wrapping_add(g0),
+                self.pos.wrapping_add(g0),
+                scale,
+                attention_parts(),
+                self.grid_parts,
+                self.partial,
+                row(self.attn, g0, q_dim),
+                s,
+            )?;
+        }
+        if split_end > m {
+            launch::convert(row(self.attn, m, q_dim), self.act, self.half, (split_end - m) * q_dim, s)?;
+        }
+        if model.flash {
+            for p in self.pieces.iter().filter(|p| p.path == Path::Tensor) {
+                let (q, at, out) =
+                    (row(self.qkv, p.row, qkv_dim), self.pos.wrapping_add(p.row), self.act_row(p.row, q_dim));
+                // An 8-bit cache: the stream's positions so far, this piece's included, decoded once.
+                let stage = (model.s.stage_tokens > 0).then(|| launch::FlashStage {
+                    ptr: model.buf(model.s.stage),
+                    tokens: model.s.stage_tokens,
+                    ctx: p.pos + p.len,
+                });
+                if let Some(st) = stage {
+                    launch::flash_stage(kv, p.table, cfg.kv_heads, cfg.head_dim, st, s)?;
+                }
+                launch::flash_attention(
+                    q,
+                    self.shape_of(p.len),
+                    kv,
+                    p.table,
+                    at,
+                    scale,
+                    out,
+                    self.half,
+                    q_dim,
+                    stage,
+                    s,
+                )?;
+            }
+        }
+        Ok(())
+    }
+
+    fn add_attention_out(&mut self, o: &DeviceWeight) -> Result<()> {
+        let hidden = self.model.cfg.hidden;
+        self.project(o, self.attn, ptr::null(), self.x, self.x, hidden, None)
+    }
+
+    /// The matrix-vector rows with gate and up in one launch where they share a format; then the
+    /// tensor-core groups' gate and up products, one SwiGLU into act over all their rows, and their down
+    /// products.
+    fn add_swiglu_ffn(&mut self, gate: &DeviceWeight, up: &DeviceWeight, down: &DeviceWeight) -> Result<()> {
+        let (cfg, s, tensor) = (&self.model.cfg, self.s, self.tensor);
+        let (hidden, inter) = (cfg.hidden, cfg.intermediate);
+        let (m, tc, x, xn) = (self.m, self.n - self.m, self.x, self.xn);
+        let none = ptr::null::<f32>();
+        if m > 0 {
+            if gate.dtype == up.dtype {
+                launch::decode_swiglu(gate, up, xn, m, self.gate, tensor, s)?;
+            } else {
+                launch::decode_product(gate, xn, m, none, none, self.gate, inter, tensor, s)?;
+                launch::decode_product(up, xn, m, none, none, self.up, inter, tensor, s)?;
+                launch::swiglu(self.gate, self.up, self.gate, m * inter, s)?;
+            }
+            launch::decode_product(down, self.gate, m, none, x, x, hidden, tensor, s)?;
+        }
+        if tc > 0 {
+            for &(r0, rows) in &self.groups {
+                let a = self.act_row(r0, hidden);
+                self.model.product(gate, a, rows, none, none, row(self.gate, r0, inter), inter, None)?;
+                self.model.product(up, a, rows, none, none, row(self.up, r0, inter), inter, None)?;
+            }
+            // The normed input is read by now: the SwiGLU output takes its place.
+            launch::swiglu_to(row(self.gate, m, inter), row(self.up, m, inter), self.act, self.half, tc * inter, s)?;
+            for &(r0, rows) in &self.groups {
+                let xr = row(x, r0, hidden);
+                self.model.product(down, self.act_row(r0, inter), rows, none, xr, xr, hidden, None)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl GpuModel {
+    /// y[t] = w a[t] (+ bias) (+ residual[t]) for `n` half-format rows of `a` (`w.cols` apart): on
+    /// cuBLASLt where it is loaded and takes the shape, else on the library's kernel; a weight in another
+    /// format is converted into the slab first. With `refine`, rows [from, w.rows) of y then add the
+    /// product of the input's residue, so those outputs are the f32 input's to ~2^-16.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn product(
+        &self,
+        w: &DeviceWeight,
+        a: *const c_void,
+        n: usize,
+        bias: *const f32,
+        residual: *const f32,
+        y: *mut f32,
+        ldy: usize,
+        refine: Option<Refine>,
+    ) -> Result<()> {
+        let s = self.stream.raw();
+        let mut m = HalfMatrix { ptr: w.ptr, dtype: self.half, rows: w.rows, cols: w.cols };
+        if w.dtype != self.half {
+            let slab = self.buf(self.s.slab);
+            launch::convert_matrix(w, slab, self.half, s)?;
+            m.ptr = slab;
+        }
+        self.matmul(a, &m, n, bias, residual, y, ldy)?;
+        let Some(r) = refine else { return Ok(()) };
+        let rows = HalfMatrix {
+            ptr: (m.ptr as *const u8).wrapping_add(r.from * m.cols * 2) as *const c_void,
+            dtype: m.dtype,
+            rows: m.rows - r.from,
+            cols: m.cols,
+        };
+        let ys = y.wrapping_add(r.from);
+        self.matmul(r.residue, &rows, n, ptr::null(), ys, ys, ldy)
+    }
+
+    /// y[t] = m a[t] (+ bias) (+ residual[t]) for a matrix already in the half format.
+    #[allow(clippy::too_many_arguments)]
+    fn matmul(
+        &self,
+        a: *const c_void,
+        m: &HalfMatrix,
+        n: usize,
+        bias: *const f32,
+        residual: *const f32,
+        y: *mut f32,
+        ldy: usize,
+    ) -> Result<()> {
+        let s = self.stream.raw();
+        let on_blas = match &self.blas {
+            Some(b) => b.matmul(a, m.cols, m, n, residual, y, ldy, self.buf(self.s.workspace), s)?,
+            None => false,
+        };
+        if !on_blas {
+            return launch::gemm(a, m.cols, m, n, bias, residual, y, ldy, s);
+        }
+        if !bias.is_null() {
+            launch::add_bias(y, ldy, bias, m.rows, n, s)?;
+        }
+        Ok(())
+    }
+}
