@@ -33,7 +33,7 @@ use hostembed::cpu::CpuBackend;
 use hostembed::cuda::{self, DeviceBuffer};
 use hostembed::gpu::{CudaBackend, RowsOnDevice};
 use hostembed::kv::KvTypes;
-use hostembed::model::{Arch, ModelConfig, RopeScaling, TensorSource, names};
+use hostembed::model::{ModelConfig, TensorSource, names};
 use hostembed::sampler::{self, Sampling, splitmix64};
 use hostembed::tensor::DType;
 use hostembed::tokenizer::{Tokenizer, special};
@@ -111,29 +111,6 @@ fn vocabulary(model: &str) -> (usize, Arc<Tokenizer>, Vec<u32>) {
     (vocab, tokenizer, rules.eog)
 }
 
-fn llama(hidden: usize, layers: usize, heads: usize, kv_heads: usize, inter: usize, vocab: usize) -> ModelConfig {
-    ModelConfig {
-        arch: Arch::Llama,
-        vocab,
-        hidden,
-        layers,
-        heads,
-        kv_heads,
-        head_dim: hidden / heads,
-        intermediate: inter,
-        rms_eps: 1e-5,
-        rope_theta: 500000.0,
-        rope_scaling: RopeScaling::None,
-        rope_interleaved: false,
-        max_position: 131072,
-        tied: false,
-        qkv_bias: false,
-        qk_norm: false,
-        bos: None,
-        eos: None,
-    }
-}
-
 fn main() {
     let mut model = "models/SmolLM2-135M-Instruct.Q4_1.gguf".to_string();
     let mut runs = 3usize;
@@ -164,8 +141,8 @@ fn main() {
         };
         let shape = shape.unwrap_or_else(|| if cuda { "8b".into() } else { "small".into() });
         let (mut cfg, recipe) = match shape.as_str() {
-            "small" => (llama(256, 8, 8, 2, 768, 8192), Recipe::Uniform(DType::Q8_0)),
-            "8b" => (llama(4096, 32, 32, 8, 14336, 128256), Recipe::Uniform(DType::Bf16)),
+            "small" => (ModelConfig::llama(256, 8, 8, 2, 768, 8192), Recipe::Uniform(DType::Q8_0)),
+            "8b" => (ModelConfig::llama(4096, 32, 32, 8, 14336, 128256), Recipe::Uniform(DType::Bf16)),
             other => panic!("--shape: small or 8b, not {other}"),
         };
         cfg.layers = layers.unwrap_or(cfg.layers);

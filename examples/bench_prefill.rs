@@ -24,7 +24,7 @@ use hostembed::checkpoint::write::{MemSource, Recipe};
 use hostembed::cuda::{self, DeviceBuffer, PinnedBuffer};
 use hostembed::gpu::{GpuModel, PAGE_TOKENS, RowsOnDevice};
 use hostembed::kv::{KvType, KvTypes};
-use hostembed::model::{Arch, ModelConfig, RopeScaling, TensorSource, names};
+use hostembed::model::{ModelConfig, TensorSource, names};
 use hostembed::sampler::Sampling;
 use hostembed::tensor::{DType, encode_row};
 
@@ -92,26 +92,7 @@ fn parse_kv(value: &str) -> KvTypes {
 }
 
 fn llama3_8b(layers: usize) -> ModelConfig {
-    ModelConfig {
-        arch: Arch::Llama,
-        vocab: 128256,
-        hidden: 4096,
-        layers,
-        heads: 32,
-        kv_heads: 8,
-        head_dim: 128,
-        intermediate: 14336,
-        rms_eps: 1e-5,
-        rope_theta: 500000.0,
-        rope_scaling: RopeScaling::None,
-        rope_interleaved: false,
-        max_position: 131072,
-        tied: false,
-        qkv_bias: false,
-        qk_norm: false,
-        bos: None,
-        eos: None,
-    }
+    ModelConfig::llama(4096, layers, 32, 8, 14336, 128256)
 }
 
 fn median(mut v: Vec<f64>) -> f64 {

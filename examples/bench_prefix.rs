@@ -21,7 +21,7 @@ use hostembed::cpu::CpuBackend;
 use hostembed::cuda::{self, DeviceBuffer};
 use hostembed::gpu::{CudaBackend, RowsOnDevice};
 use hostembed::kv::KvTypes;
-use hostembed::model::{Arch, ModelConfig, RopeScaling, TensorSource, names};
+use hostembed::model::{ModelConfig, TensorSource, names};
 use hostembed::sampler::Sampling;
 use hostembed::tensor::DType;
 
@@ -43,35 +43,12 @@ struct Args {
     max_batch: usize,
 }
 
-fn llama(hidden: usize, layers: usize, heads: usize, kv_heads: usize, inter: usize, vocab: usize) -> ModelConfig {
-    ModelConfig {
-        arch: Arch::Llama,
-        vocab,
-        hidden,
-        layers,
-        heads,
-        kv_heads,
-        head_dim: hidden / heads,
-        intermediate: inter,
-        rms_eps: 1e-5,
-        rope_theta: 500000.0,
-        rope_scaling: RopeScaling::None,
-        rope_interleaved: false,
-        max_position: 131072,
-        tied: false,
-        qkv_bias: false,
-        qk_norm: false,
-        bos: None,
-        eos: None,
-    }
-}
-
 fn parse() -> Args {
     let mut kind = Kind::Cpu;
     let (mut shape, mut layers, mut dtype) = (None::<String>, None::<usize>, None::<Recipe>);
     let mut a = Args {
         kind,
-        cfg: llama(256, 8, 8, 2, 768, 8192),
+        cfg: ModelConfig::llama(256, 8, 8, 2, 768, 8192),
         recipe: Recipe::Uniform(DType::Q8_0),
         system: 2000,
         question: 100,
@@ -109,8 +86,8 @@ fn parse() -> Args {
     a.kind = kind;
     let shape = shape.unwrap_or_else(|| if kind == Kind::Cuda { "8b".into() } else { "small".into() });
     (a.cfg, a.recipe) = match shape.as_str() {
-        "small" => (llama(256, 8, 8, 2, 768, 8192), Recipe::Uniform(DType::Q8_0)),
-        "8b" => (llama(4096, 32, 32, 8, 14336, 128256), Recipe::Uniform(DType::Bf16)),
+        "small" => (ModelConfig::llama(256, 8, 8, 2, 768, 8192), Recipe::Uniform(DType::Q8_0)),
+        "8b" => (ModelConfig::llama(4096, 32, 32, 8, 14336, 128256), Recipe::Uniform(DType::Bf16)),
         other => panic!("--shape: small or 8b, not {other}"),
     };
     if let Some(l) = layers {

@@ -22,32 +22,9 @@ use hostembed::cpu::CpuBackend;
 use hostembed::cuda::{self, DeviceBuffer};
 use hostembed::gpu::{CudaBackend, RowsOnDevice};
 use hostembed::kv::KvTypes;
-use hostembed::model::{Arch, ModelConfig, RopeScaling, TensorSource, names};
+use hostembed::model::{ModelConfig, TensorSource, names};
 use hostembed::sampler::Sampling;
 use hostembed::tensor::DType;
-
-fn llama(hidden: usize, layers: usize, heads: usize, kv_heads: usize, inter: usize, vocab: usize) -> ModelConfig {
-    ModelConfig {
-        arch: Arch::Llama,
-        vocab,
-        hidden,
-        layers,
-        heads,
-        kv_heads,
-        head_dim: hidden / heads,
-        intermediate: inter,
-        rms_eps: 1e-5,
-        rope_theta: 500000.0,
-        rope_scaling: RopeScaling::None,
-        rope_interleaved: false,
-        max_position: 131072,
-        tied: false,
-        qkv_bias: false,
-        qk_norm: false,
-        bos: None,
-        eos: None,
-    }
-}
 
 /// The stream table and, on CUDA, the embedding rows it reads (declared after it: dropped later).
 struct Table {
@@ -145,9 +122,9 @@ fn main() {
         });
     }
     let (mut cfg, default_recipe) = if cuda_backend {
-        (llama(4096, 32, 32, 8, 14336, 128256), Recipe::Uniform(DType::F16))
+        (ModelConfig::llama(4096, 32, 32, 8, 14336, 128256), Recipe::Uniform(DType::F16))
     } else {
-        (llama(256, 8, 8, 2, 768, 8192), Recipe::Uniform(DType::Q8_0))
+        (ModelConfig::llama(256, 8, 8, 2, 768, 8192), Recipe::Uniform(DType::Q8_0))
     };
     if let Some(l) = layers {
         cfg.layers = l;

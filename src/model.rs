@@ -96,6 +96,38 @@ pub struct ModelConfig {
 }
 
 impl ModelConfig {
+    /// A Llama of this shape with Llama 3's rope base and norm epsilon, untied, no special tokens:
+    /// the random models benchmarks and tests build (`llama(4096, 32, 32, 8, 14336, 128256)` is the 8B shape).
+    pub fn llama(
+        hidden: usize,
+        layers: usize,
+        heads: usize,
+        kv_heads: usize,
+        intermediate: usize,
+        vocab: usize,
+    ) -> Self {
+        ModelConfig {
+            arch: Arch::Llama,
+            vocab,
+            hidden,
+            layers,
+            heads,
+            kv_heads,
+            head_dim: hidden / heads,
+            intermediate,
+            rms_eps: 1e-5,
+            rope_theta: 500000.0,
+            rope_scaling: RopeScaling::None,
+            rope_interleaved: false,
+            max_position: 131072,
+            tied: false,
+            qkv_bias: false,
+            qk_norm: false,
+            bos: None,
+            eos: None,
+        }
+    }
+
     /// What refuses appending `tokens` to a stream holding `len` of `window`: no tokens, an id outside
     /// the vocabulary, or too many tokens. Every backend checks this before writing anything.
     pub fn check_append(&self, len: usize, window: usize, tokens: &[u32]) -> Result<()> {
