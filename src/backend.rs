@@ -1234,6 +1234,10 @@ impl<B: Backend> Decoder for Streams<B> {
         if s.draft == engine_draft::Model && self.drafter.is_none() {
             bail!(Unsupported, "stream {stream}: ENGINE_DRAFT_MODEL needs a drafter, and this engine loaded none");
         }
+        // A stream that stops drafting gives its drafter stream's pages back to the drafter's pool.
+        if let Some(d) = self.drafter.as_mut().filter(|_| s.draft != engine_draft::Model) {
+            d.reset(stream)?;
+        }
         self.spec[slot] = SpecState::new(s);
         Ok(())
     }
