@@ -1267,7 +1267,7 @@ impl<B: Backend> Decoder for Streams<B> {
             }
         }
         if let Some(d) = self.drafter.as_ref() {
-            d.audit().map_err(|e| err!(InvalidArgument, "the drafter's {}", e.message))?;
+            d.audit().map_err(|e| err!(InvalidArgument, "the drafter: {}", e.message))?;
             for (i, (t, ds)) in self.slots.iter().zip(&d.slots).enumerate() {
                 let target = t.as_ref().map_or(&[][..], |s| &s.tokens[..]);
                 let drafter = ds.as_ref().map_or(&[][..], |s| &s.tokens[..]);

@@ -18,7 +18,7 @@ use common::{
 use hostembed::Status;
 use hostembed::abi::engine_draft;
 use hostembed::checkpoint::write::write_gguf_dequantized;
-use hostembed::engine::engine_options;
+use hostembed::engine::{Engine, InitStep, engine_options};
 use hostembed::ffi;
 use hostembed::model::Arch;
 use hostembed::status::last_error;
@@ -239,6 +239,7 @@ fn a_drafter_of_another_vocabulary_is_refused() {
     let dir = Scratch::new("draft-bad");
     let cfg = tiny(Arch::Llama);
     let target = dir.gguf("target", &cfg, rng.next_u64(), DType::Q8_0);
+    let before = common::stats();
     let wide =
         dir.gguf("wide", &hostembed::model::ModelConfig { vocab: 96, ..cfg.clone() }, rng.next_u64(), DType::Q8_0);
     let refused = |drafter: &Path| {
@@ -255,6 +256,14 @@ fn a_drafter_of_another_vocabulary_is_refused() {
     let (st, why) = refused(&dir.join("absent.gguf"));
     assert_ne!(st, Status::Ok);
     assert!(why.contains("draft_model"), "{why}");
+    assert_eq!(common::stats(), before, "a refused drafter leaves nothing held");
+    // A load that fails at any step after the drafter opened holds nothing afterwards either.
+    let d = c_path(&target);
+    for step in [InitStep::Opened, InitStep::Planned, InitStep::RowsPlaced, InitStep::Loaded] {
+        let r = Engine::init_fit_failing_after(&target, &with_drafter(cpu_options(64, 1), &d), Some(step));
+        assert!(r.is_err(), "{step:?}");
+        assert_eq!(common::stats(), before, "after failing at {step:?}");
+    }
 
     // With a drafter loaded, MODEL is accepted and its settings are checked as lookup's are.
     let d = c_path(&target);
