@@ -2,10 +2,13 @@
 //! without `ENGINE_DRAFT_NGRAM`, on two prompts: a passage of code to repeat with one line changed (what
 //! lookup pays off on) and an ordinary chat question (where it should cost next to nothing). Prints a
 //! table of tokens a second (the best of `--runs`), the speed-up, the acceptance, and whether both runs
-//! produced the same tokens (they must).
+//! produced the same tokens (they must). With `--draft DRAFTER` the speculative runs propose with that
+//! drafter model (`ENGINE_DRAFT_MODEL`) instead of prompt lookup. `--f32-of FILE` makes the model FILE
+//! with every tensor decoded to F32 (written to a temporary file), so that FILE can draft for it.
 //!
 //!     cargo run --release --example bench_speculative -- [--model models/SmolLM2-135M-Instruct.Q4_1.gguf]
-//!         [--backend cpu|cuda] [--tokens 128] [--max-tokens 8] [--ngram 2,4] [--runs 2]
+//!         [--backend cpu|cuda] [--tokens 128] [--max-tokens 8] [--ngram 2,4] [--runs 2] [--draft DRAFTER]
+//!         [--f32-of FILE]
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -80,12 +83,22 @@ fn main() {
     let mut backend = engine_backend::Cpu;
     let (mut tokens, mut max_tokens, mut runs) = (128usize, 8u32, 2usize);
     let (mut ngram_min, mut ngram_max) = (2u32, 4u32);
+    let mut drafter: Option<std::ffi::CString> = None;
+    let mut dequantized = false;
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
         let value = it.next().unwrap_or_else(|| panic!("{flag} takes a value"));
         let num = || -> usize { value.parse().unwrap_or_else(|_| panic!("{flag} takes a number")) };
         match flag.as_str() {
             "--model" => model = PathBuf::from(&value),
+            "--f32-of" => {
+                let f32_model = std::env::temp_dir().join(format!("bench-speculative-{}.F32.gguf", std::process::id()));
+                hostembed::checkpoint::write::write_gguf_dequantized(std::path::Path::new(&value), &f32_model)
+                    .unwrap_or_else(|err| panic!("{value}: {err}"));
+                model = f32_model;
+                dequantized = true;
+            }
+            "--draft" => drafter = Some(std::ffi::CString::new(value.as_str()).expect("a path without NUL")),
             "--backend" => {
                 backend = match value.as_str() {
                     "cpu" => engine_backend::Cpu,
@@ -103,7 +116,8 @@ fn main() {
             other => panic!("unknown flag {other}"),
         }
     }
-    let opts = engine_options { backend, context: 2048, max_streams: 1, ..engine::default_options() };
+    let draft_model = drafter.as_ref().map_or(std::ptr::null(), |d| d.as_ptr());
+    let opts = engine_options { backend, context: 2048, max_streams: 1, draft_model, ..engine::default_options() };
     let mut e = Engine::init_fit(&model, &opts).unwrap_or_else(|err| panic!("{}: {err}", model.display()));
     let tok = e.shared_tokenizer().expect("the model has a tokenizer");
     let edited = CODE.replace("config.threads = 4;", "config.threads = num_cpus();");
@@ -116,16 +130,21 @@ fn main() {
         ),
         ("chat", chat("What are three good habits for staying healthy? Explain each briefly.")),
     ];
-    let spec = engine_speculation { draft: engine_draft::Ngram, max_tokens, ngram_min, ngram_max };
+    let draft = if drafter.is_some() { engine_draft::Model } else { engine_draft::Ngram };
+    let spec = engine_speculation { draft, max_tokens, ngram_min, ngram_max };
+    let kind = match &drafter {
+        Some(d) => format!("drafter {}", d.to_string_lossy()),
+        None => format!("lookup ngram {ngram_min}..{ngram_max}"),
+    };
     println!(
-        "{} on {:?}, greedy, {tokens} tokens after the prompt, best of {runs}; lookup max_tokens {max_tokens}, \
-         ngram {ngram_min}..{ngram_max}",
+        "{} on {:?}, greedy, {tokens} tokens after the prompt, best of {runs}; {kind}, max_tokens {max_tokens}",
         model.display(),
         backend
     );
+    let label = if drafter.is_some() { "draft tok/s" } else { "lookup tok/s" };
     println!(
         "{:<24} {:>7} {:>11} {:>11} {:>8} {:>10} {:>9}",
-        "prompt", "tokens", "plain tok/s", "lookup tok/s", "speed-up", "accepted", "same"
+        "prompt", "tokens", "plain tok/s", label, "speed-up", "accepted", "same"
     );
     for (name, text) in &prompts {
         let prompt: Vec<i32> =
@@ -151,5 +170,8 @@ fn main() {
             format!("{}/{}", pa.1, pa.0),
             if same { "yes" } else { "NO" }
         );
+    }
+    if dequantized {
+        let _ = std::fs::remove_file(&model);
     }
 }

@@ -4,8 +4,8 @@
  * optional --system message) put in the model's own chat template.
  *
  *   decode MODEL [-p PROMPT] [-n TOKENS] [--context N] [--temp T] [--seed S] [--room BYTES]
- *          [--backend cpu|cuda|auto] [--kv TYPE[,VTYPE]] [--chat [--system TEXT]] [--lookup]
- *          [--json-schema FILE | --regex RE]
+ *          [--backend cpu|cuda|auto] [--kv TYPE[,VTYPE]] [--chat [--system TEXT]]
+ *          [--lookup | --draft DRAFTER] [--json-schema FILE | --regex RE]
  *
  * --kv keeps the KV cache in TYPE (default, bf16, f16, f32, q8_0, fp8_e4m3), K and V alike, or K in
  * TYPE and V in VTYPE: an 8-bit cache halves every stream, so a longer window fits.
@@ -15,6 +15,8 @@
  * --lookup decodes with prompt lookup (ENGINE_DRAFT_NGRAM): each step proposes the tokens that followed
  * the text's last few tokens where they occurred before, the model checks them all in one step, and
  * the output is the same; the end line reports how many proposals were accepted.
+ * --draft DRAFTER decodes with a drafter model (ENGINE_DRAFT_MODEL): DRAFTER, a smaller checkpoint or a
+ * quantized copy sharing MODEL's vocabulary, loaded beside it, proposes its greedy tokens each step.
  */
 #define _POSIX_C_SOURCE 200809L
 #include "hostembed.h"
@@ -27,8 +29,9 @@
 static void usage(const char *program) {
     fprintf(stderr,
             "usage: %s MODEL [-p PROMPT] [-n TOKENS] [--context N] [--temp T] [--seed S] [--room BYTES]\n"
-            "       [--backend cpu|cuda|auto] [--kv TYPE[,VTYPE]] [--chat [--system TEXT]] [--lookup]\n"
-            "       [--json-schema FILE | --regex RE]\n"
+            "       [--backend cpu|cuda|auto] [--kv TYPE[,VTYPE]] [--chat [--system TEXT]]\n"
+            "       [--lookup | --draft DRAFTER] [--json-schema FILE | --regex RE]\n"
+            "--draft: DRAFTER (sharing MODEL's vocabulary) proposes tokens that MODEL checks in one step.\n"
             "TYPE is default, bf16, f16, f32, q8_0 or fp8_e4m3 (the KV cache; VTYPE for V apart).\n"
             "--json-schema / --regex hold the output to the JSON schema in FILE / to the regular expression RE.\n"
             "MODEL is an HF folder (config.json + safetensors) or a .gguf file.\n",
@@ -165,6 +168,7 @@ int main(int argc, char **argv) {
     const char *system_message = NULL;
     const char *schema_path = NULL, *regex = NULL;
     int chat = 0, lookup = 0;
+    const char *drafter = NULL;
     unsigned long long max_tokens = 32, context = 0, seed = 0, room = 0;
     double temperature = 0.0;
     engine_options opts = engine_default_options();
@@ -175,7 +179,7 @@ int main(int argc, char **argv) {
         int takes_value = strcmp(arg, "-p") == 0 || strcmp(arg, "-n") == 0 || strcmp(arg, "--context") == 0 ||
                           strcmp(arg, "--temp") == 0 || strcmp(arg, "--seed") == 0 || strcmp(arg, "--room") == 0 ||
                           strcmp(arg, "--backend") == 0 || strcmp(arg, "--system") == 0 || strcmp(arg, "--kv") == 0 ||
-                          strcmp(arg, "--json-schema") == 0 || strcmp(arg, "--regex") == 0;
+                          strcmp(arg, "--draft") == 0 || strcmp(arg, "--json-schema") == 0 || strcmp(arg, "--regex") == 0;
         if (strcmp(arg, "-h") == 0 || strcmp(arg, "--help") == 0) {
             usage(argv[0]);
             return 0;
@@ -206,6 +210,8 @@ int main(int argc, char **argv) {
             if (!parse_u64(value, arg, &context)) return 2;
         } else if (strcmp(arg, "--seed") == 0) {
             if (!parse_u64(value, arg, &seed)) return 2;
+        } else if (strcmp(arg, "--draft") == 0) {
+            drafter = value;
         } else if (strcmp(arg, "--room") == 0) {
             if (!parse_u64(value, arg, &room)) return 2;
         } else if (strcmp(arg, "--temp") == 0) {
@@ -261,6 +267,10 @@ int main(int argc, char **argv) {
         fprintf(stderr, "decode: --json-schema or --regex, not both\n");
         return 2;
     }
+    if (lookup && drafter != NULL) {
+        fprintf(stderr, "decode: --lookup or --draft, not both\n");
+        return 2;
+    }
 
     if (context > UINT32_MAX) {
         fprintf(stderr, "decode: --context %llu is more than %lu tokens\n", context, (unsigned long)UINT32_MAX);
@@ -271,6 +281,7 @@ int main(int argc, char **argv) {
     opts.temperature = (float)temperature;
     opts.seed = (uint64_t)seed;
     opts.log = log_to_stdout;
+    opts.draft_model = drafter;
     opts.log_user = NULL;
 
     engine *e = NULL;
@@ -381,8 +392,9 @@ int main(int argc, char **argv) {
     }
 
     engine_speculation spec = engine_default_speculation();
-    if (lookup) {
-        spec.draft = ENGINE_DRAFT_NGRAM;
+    int speculating = lookup || drafter != NULL;
+    if (speculating) {
+        spec.draft = lookup ? ENGINE_DRAFT_NGRAM : ENGINE_DRAFT_MODEL;
         s = engine_set_speculation(e, 0, &spec);
         if (s != ENGINE_STATUS_OK) {
             printf("\n");
@@ -392,7 +404,7 @@ int main(int argc, char **argv) {
     }
 
     /* Each step's tokens are printed, and its last fed back, until an end-of-generation token (eos, end
-     * of turn), -n tokens, or the window is full. With --lookup a step may produce several tokens: the
+     * of turn), -n tokens, or the window is full. With --lookup or --draft a step may produce several tokens: the
      * proposals the model accepted, then its own. */
     int32_t out[ENGINE_SPECULATION_MAX_TOKENS + 1];
     int32_t produced[ENGINE_SPECULATION_MAX_TOKENS + 1];
@@ -421,7 +433,7 @@ int main(int argc, char **argv) {
         }
         int32_t token = next;
         engine_batch_item item = {.stream = 0, .tokens = &token, .n = 1};
-        if (lookup) {
+        if (speculating) {
             item.out = out;
             item.out_cap = (size_t)spec.max_tokens + 1;
         }
@@ -436,8 +448,8 @@ int main(int argc, char **argv) {
         decoded += item.n_out;
         position += item.n_out;
         next = item.next;
-        n_produced = lookup ? item.n_out : 1;
-        if (lookup) {
+        n_produced = speculating ? item.n_out : 1;
+        if (speculating) {
             memcpy(produced, out, item.n_out * sizeof *out);
         } else {
             produced[0] = next;
@@ -450,10 +462,11 @@ int main(int argc, char **argv) {
            prompt_seconds > 0 ? (double)n / prompt_seconds : 0.0);
     printf("decode: %llu tokens in %llu steps, %.2f ms, %.1f tok/s\n", decoded, steps, decode_seconds * 1e3,
            decode_seconds > 0 && decoded > 0 ? (double)decoded / decode_seconds : 0.0);
-    if (lookup) {
+    if (speculating) {
         uint64_t proposed = 0, accepted = 0;
         if (engine_speculation_stats(e, 0, &proposed, &accepted) == ENGINE_STATUS_OK) {
-            printf("lookup: %llu of %llu proposed tokens accepted (%.0f%%)\n", (unsigned long long)accepted,
+            printf("%s: %llu of %llu proposed tokens accepted (%.0f%%)\n", lookup ? "lookup" : "drafter",
+                   (unsigned long long)accepted,
                    (unsigned long long)proposed, proposed > 0 ? 100.0 * (double)accepted / (double)proposed : 0.0);
         }
     }

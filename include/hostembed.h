@@ -136,7 +136,8 @@ typedef enum engine_draft {
   // Prompt lookup: the stream's last n tokens matched in its own history, the tokens that followed
   // them proposed.
   ENGINE_DRAFT_NGRAM = 1,
-  // A drafter model (`engine_options.draft_model`).
+  // A drafter model (`engine_options.draft_model`): its greedy tokens after the stream's, one
+  // batched drafter step per proposed token for all of a batch's drafting items.
   ENGINE_DRAFT_MODEL = 2,
 } engine_draft;
 
@@ -260,9 +261,10 @@ typedef struct engine_options {
   uint64_t room_bytes;
   // The load's other buffers, counted in the decision to map rows (default 256 MiB).
   uint64_t reserve_bytes;
-  // A speculative drafter's weights on the card, 0 = none.
+  // A speculative drafter's weights on the card, 0 = none; with `draft_model` set, the drafter's
+  // own bytes (weights, rows and scratch) are counted instead.
   uint64_t drafter_weight_bytes;
-  // One drafter stream: ring, taps, frame scratch.
+  // One drafter stream: ring, taps, frame scratch; with `draft_model` set, its KV at the window.
   uint64_t drafter_stream_bytes;
   // Most streams to start; 0 = as many as fit.
   uint32_t max_streams;
@@ -302,8 +304,11 @@ typedef struct engine_options {
   // or kept from a reset or truncated one) takes those pages instead of computing them; pages no
   // stream holds are kept until a step needs their room. AUTO = on. See `engine_kv_usage`.
   enum engine_tristate prefix_cache;
-  // A drafter checkpoint sharing the target's vocabulary, for `ENGINE_DRAFT_MODEL`; NULL: none. This
-  // version loads no drafter: a path is refused with UNSUPPORTED.
+  // A drafter checkpoint (HF folder or .gguf) sharing the target's vocabulary, for
+  // `ENGINE_DRAFT_MODEL`; NULL: none. It is loaded beside the target on the same backend, with its own
+  // KV pool of one stream per target stream; a drafter whose vocabulary differs is refused with
+  // BAD_MODEL. On CUDA the fit rule counts its real bytes in place of `drafter_weight_bytes` and
+  // `drafter_stream_bytes` below.
   const char *draft_model;
 } engine_options;
 
@@ -483,7 +488,8 @@ struct engine_options engine_default_options(void);
 // when the CUDA backend is asked for and absent; INVALID_ARGUMENT for an option out of its range (an
 // enum value that names none among them); UNSUPPORTED for a KV cache type the model or the device
 // cannot take (Q8_0 / FP8_E4M3 with a head_dim that is not a multiple of 32, FP8_E4M3 on a device
-// older than compute capability 8.9). Whatever failed, nothing is held afterwards.
+// older than compute capability 8.9). With `draft_model` set the drafter is opened too: BAD_MODEL,
+// naming both sizes, when its vocabulary is not the target's. Whatever failed, nothing is held afterwards.
 enum engine_status engine_init_fit(const char *model_path,
                                    const struct engine_options *opts,
                                    struct engine **out);
@@ -560,8 +566,8 @@ struct engine_speculation engine_default_speculation(void);
 // A step proposes only for an item given `out` (see `engine_step_batch`). INVALID_ARGUMENT for NULL,
 // a `draft` that names no `engine_draft`, `max_tokens` outside 1..=ENGINE_SPECULATION_MAX_TOKENS or
 // NGRAM lengths with `ngram_min` 0 or above `ngram_max` (while `draft` is not NONE); UNSUPPORTED for
-// `ENGINE_DRAFT_MODEL` (this version loads no drafter); OUT_OF_RANGE for a stream the engine does not
-// have.
+// `ENGINE_DRAFT_MODEL` on an engine that loaded no drafter (`engine_options.draft_model`); OUT_OF_RANGE
+// for a stream the engine does not have.
 enum engine_status engine_set_speculation(struct engine *e,
                                           uint32_t stream,
                                           const struct engine_speculation *s);

@@ -301,9 +301,10 @@ pub struct engine_options {
     pub room_bytes: u64,
     /// The load's other buffers, counted in the decision to map rows (default 256 MiB).
     pub reserve_bytes: u64,
-    /// A speculative drafter's weights on the card, 0 = none.
+    /// A speculative drafter's weights on the card, 0 = none; with `draft_model` set, the drafter's
+    /// own bytes (weights, rows and scratch) are counted instead.
     pub drafter_weight_bytes: u64,
-    /// One drafter stream: ring, taps, frame scratch.
+    /// One drafter stream: ring, taps, frame scratch; with `draft_model` set, its KV at the window.
     pub drafter_stream_bytes: u64,
     /// Most streams to start; 0 = as many as fit.
     pub max_streams: u32,
@@ -343,8 +344,11 @@ pub struct engine_options {
     /// or kept from a reset or truncated one) takes those pages instead of computing them; pages no
     /// stream holds are kept until a step needs their room. AUTO = on. See `engine_kv_usage`.
     pub prefix_cache: engine_tristate,
-    /// A drafter checkpoint sharing the target's vocabulary, for `ENGINE_DRAFT_MODEL`; NULL: none. This
-    /// version loads no drafter: a path is refused with UNSUPPORTED.
+    /// A drafter checkpoint (HF folder or .gguf) sharing the target's vocabulary, for
+    /// `ENGINE_DRAFT_MODEL`; NULL: none. It is loaded beside the target on the same backend, with its own
+    /// KV pool of one stream per target stream; a drafter whose vocabulary differs is refused with
+    /// BAD_MODEL. On CUDA the fit rule counts its real bytes in place of `drafter_weight_bytes` and
+    /// `drafter_stream_bytes` below.
     pub draft_model: *const c_char,
 }
 
@@ -419,7 +423,8 @@ pub enum engine_draft {
     /// Prompt lookup: the stream's last n tokens matched in its own history, the tokens that followed
     /// them proposed.
     Ngram = 1,
-    /// A drafter model (`engine_options.draft_model`).
+    /// A drafter model (`engine_options.draft_model`): its greedy tokens after the stream's, one
+    /// batched drafter step per proposed token for all of a batch's drafting items.
     Model = 2,
 }
 

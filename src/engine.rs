@@ -121,12 +121,6 @@ pub fn check_options(o: &engine_options) -> Result<()> {
     if o.max_batch as usize > MAX_BATCH_LIMIT {
         crate::bail!(InvalidArgument, "options.max_batch is {}, past {MAX_BATCH_LIMIT}", o.max_batch);
     }
-    if !o.draft_model.is_null() {
-        crate::bail!(
-            Unsupported,
-            "options.draft_model is set; this version loads no drafter (prompt lookup needs none)"
-        );
-    }
     sampling_of(o).check("options.")
 }
 
@@ -298,6 +292,17 @@ pub fn fit_inputs(
     opts: &engine_options,
     device: Option<&engine_device_info>,
 ) -> Result<engine_fit_inputs> {
+    fit_inputs_with_drafter(ckpt, None, opts, device)
+}
+
+/// `fit_inputs` with a drafter model beside the target: its terms are the drafter's real bytes (its
+/// weights, embedding rows and scratch; one stream at the drafter's window) instead of the options'.
+pub fn fit_inputs_with_drafter(
+    ckpt: &Checkpoint,
+    drafter: Option<&Checkpoint>,
+    opts: &engine_options,
+    device: Option<&engine_device_info>,
+) -> Result<engine_fit_inputs> {
     let cfg = &ckpt.config;
     let window = window_of(cfg, opts)?;
     let room = match (opts.room_bytes, device) {
@@ -315,6 +320,20 @@ pub fn fit_inputs(
     kv.check(cfg)?;
     let scratch = GpuModel::scratch_bytes(ckpt, max_batch_of(opts), kv, window as usize);
     let stream = GpuModel::stream_bytes(cfg, kv, window as usize);
+    let (drafter_weight_bytes, drafter_stream_bytes) = match drafter {
+        None => (opts.drafter_weight_bytes, opts.drafter_stream_bytes),
+        Some(d) => {
+            let weights = GpuModel::weight_bytes(d);
+            if weights == 0 {
+                crate::bail!(BadModel, "{}: the GPU backend cannot lay out the drafter's weights", d.path.display());
+            }
+            kv.check(&d.config)?;
+            let window = drafter_window(&d.config, window as usize);
+            let embed = d.bytes_of(d.embed()).len() as u64;
+            let scratch = GpuModel::scratch_bytes(d, max_batch_of(opts), kv, window);
+            (weights + embed + scratch, GpuModel::stream_bytes(&d.config, kv, window))
+        }
+    };
     Ok(engine_fit_inputs {
         room_bytes: room,
         weight_bytes: weights + embed,
@@ -322,8 +341,8 @@ pub fn fit_inputs(
         scratch_bytes: scratch,
         stream_bytes: stream,
         stream_bytes_per_token: kv.bytes_per_token(cfg),
-        drafter_weight_bytes: opts.drafter_weight_bytes,
-        drafter_stream_bytes: opts.drafter_stream_bytes,
+        drafter_weight_bytes,
+        drafter_stream_bytes,
         reserve_bytes: opts.reserve_bytes,
         window,
         max_streams: opts.max_streams,
@@ -348,9 +367,64 @@ pub fn host_rows_reason(plan: &engine_plan, inputs: &engine_fit_inputs, opts: &e
     }
 }
 
+/// The window a drafter's streams have beside a target's of `window`: the target's, or the drafter's
+/// own positions where those are fewer (its streams then stop proposing before the target's end).
+pub fn drafter_window(cfg: &ModelConfig, window: usize) -> usize {
+    window.min(cfg.max_position)
+}
+
+/// A drafter model loaded beside the target: its checkpoint, its rows (on CUDA, on the device), and
+/// the pages of its own KV pool (one stream at its window for each of the target's streams).
+struct DrafterLoad<'a> {
+    ckpt: &'a HeldCheckpoint,
+    rows: &'a Rows,
+    pool: KvPool,
+}
+
+/// Opens `options.draft_model` when set: BAD_MODEL, naming both sizes, when its vocabulary is not the
+/// target's.
+fn open_drafter(opts: &engine_options, target: &Checkpoint) -> Result<Option<HeldCheckpoint>> {
+    if opts.draft_model.is_null() {
+        return Ok(None);
+    }
+    // SAFETY: engine_options' contract: `draft_model` is NULL (handled) or a NUL-terminated path that
+    // lives across engine_init_fit.
+    let bytes = unsafe { std::ffi::CStr::from_ptr(opts.draft_model) }.to_bytes();
+    let path = Path::new(<std::ffi::OsStr as std::os::unix::ffi::OsStrExt>::from_bytes(bytes));
+    let d = Checkpoint::open(path)
+        .map_err(|e| crate::Error::new(e.status, format!("options.draft_model: {}", e.message)))?;
+    if d.config.vocab != target.config.vocab {
+        crate::bail!(
+            BadModel,
+            "options.draft_model: the drafter {} has a vocabulary of {} tokens and the target {} one of {}; a drafter \
+             must share the target's vocabulary",
+            path.display(),
+            d.config.vocab,
+            target.path.display(),
+            target.config.vocab
+        );
+    }
+    Ok(Some(HeldCheckpoint::new(d)))
+}
+
+/// The start-up line's words for a drafter.
+fn describe_drafter(d: &Checkpoint, window: usize, weight_bytes: u64, pool: &KvPool, kv: KvTypes) -> String {
+    format!(
+        "drafter {} ({:?}, {} layers, {} hidden, vocabulary {}): {} GiB of weights, streams of {window} tokens, {}",
+        d.path.display(),
+        d.config.arch,
+        d.config.layers,
+        d.config.hidden,
+        d.config.vocab,
+        fit::gib(weight_bytes),
+        pool.describe_with(kv)
+    )
+}
+
 /// The decode backend beside the placed rows, with its stream slots over one KV page pool: on CUDA the
 /// GPU model reading `rows`; on the CPU a model view over the checkpoint, checked here so a bad model
-/// fails the load rather than the first step.
+/// fails the load rather than the first step. With a drafter, a second model of the same kind over its
+/// own pool proposes for `ENGINE_DRAFT_MODEL`.
 #[allow(clippy::too_many_arguments)]
 fn load_decoder(
     kind: BackendKind,
@@ -361,6 +435,7 @@ fn load_decoder(
     kv: KvTypes,
     opts: &engine_options,
     logger: &Logger,
+    drafter: Option<DrafterLoad<'_>>,
 ) -> Result<Box<dyn Decoder>> {
     let window = window_of(&ckpt.config, opts)? as usize;
     let sampling = sampling_of(opts);
@@ -369,7 +444,17 @@ fn load_decoder(
     Ok(match kind {
         BackendKind::Cpu => {
             let backend = CpuBackend::with_kv(ckpt.shared(), pool.pages, kv)?;
-            Box::new(Streams::new(backend, window, streams, pool.pages, sampling)?.with_prefix_cache(prefix_cache))
+            let target = Streams::new(backend, window, streams, pool.pages, sampling)?.with_prefix_cache(prefix_cache);
+            match drafter {
+                None => Box::new(target),
+                Some(d) => {
+                    let backend = CpuBackend::with_kv(d.ckpt.shared(), d.pool.pages, kv)?;
+                    let dwindow = drafter_window(&d.ckpt.config, window);
+                    let drafts = Streams::new(backend, dwindow, streams, d.pool.pages, Sampling::GREEDY)?
+                        .with_prefix_cache(prefix_cache);
+                    Box::new(target.with_drafter(drafts)?)
+                }
+            }
         }
         BackendKind::Cuda => {
             let r = rows.describe();
@@ -382,7 +467,22 @@ fn load_decoder(
             if tensor_cores {
                 logger.line("batches of 16 or more single tokens share tensor-core products: a stream's logits depend on its batch");
             }
-            Box::new(Streams::new(model, window, streams, pool.pages, sampling)?.with_prefix_cache(prefix_cache))
+            let target = Streams::new(model, window, streams, pool.pages, sampling)?.with_prefix_cache(prefix_cache);
+            match drafter {
+                None => Box::new(target),
+                Some(d) => {
+                    let r = d.rows.describe();
+                    let rows =
+                        RowsOnDevice { ptr: r.data, dtype: r.dtype, vocab: r.rows as usize, cols: r.cols as usize };
+                    let dwindow = drafter_window(&d.ckpt.config, window);
+                    let mut model =
+                        CudaBackend::load(&**d.ckpt, rows, max_batch_of(opts), opts.device, d.pool.pages, kv, dwindow)?;
+                    model.set_batch_tensor_cores(tensor_cores);
+                    let drafts = Streams::new(model, dwindow, streams, d.pool.pages, Sampling::GREEDY)?
+                        .with_prefix_cache(prefix_cache);
+                    Box::new(target.with_drafter(drafts)?)
+                }
+            }
         }
     })
 }
@@ -456,6 +556,9 @@ pub struct Engine {
     backend: Box<dyn Decoder>,
     tokenizer: Option<Arc<Tokenizer>>,
     rows: Rows,
+    /// The drafter's rows and checkpoint (None without `options.draft_model`): its model in `backend`
+    /// reads them, so they drop after it, beside the target's.
+    _drafter_rows: Option<Rows>,
     bad_ids: Option<Mutex<PinnedBuffer>>,
     plan: Option<engine_plan>,
     inputs: Option<engine_fit_inputs>,
@@ -464,6 +567,7 @@ pub struct Engine {
     kind: BackendKind,
     kv: KvTypes,
     ckpt: HeldCheckpoint,
+    drafter_ckpt: Option<HeldCheckpoint>,
 }
 
 // SAFETY: the log callback's user pointer is the caller's, who promises the engine's new thread may use it.
@@ -496,6 +600,7 @@ impl Engine {
             },
         };
         let ckpt = HeldCheckpoint::new(Checkpoint::open(path)?);
+        let drafter_ckpt = open_drafter(opts, &ckpt)?;
         injected(InitStep::Opened)?;
         let src = rows_source(&ckpt);
 
@@ -528,12 +633,34 @@ impl Engine {
             injected(InitStep::Planned)?;
             // SAFETY: the rows point into `ckpt`, which the engine drops after them.
             let rows = unsafe { Rows::in_mapping(&src) }?;
+            // SAFETY: the drafter's rows point into `drafter_ckpt`, which the engine drops after them.
+            let drafter_rows =
+                drafter_ckpt.as_ref().map(|d| unsafe { Rows::in_mapping(&rows_source(d)) }).transpose()?;
             injected(InitStep::RowsPlaced)?;
-            let backend = load_decoder(BackendKind::Cpu, &ckpt, &rows, pool.streams(want), &pool, kv, opts, &logger)?;
+            let streams = pool.streams(want);
+            let drafter = match (&drafter_ckpt, &drafter_rows) {
+                (Some(d), Some(r)) => {
+                    let dwindow = drafter_window(&d.config, window as usize);
+                    let per_token = fit::cpu_kv_bytes(
+                        d.config.layers as u64,
+                        1,
+                        d.config.kv_heads as u64,
+                        d.config.head_dim as u64,
+                        kv,
+                    )
+                    .unwrap_or(u64::MAX);
+                    let dpool = KvPool::sized(CpuBackend::PAGE_TOKENS, dwindow, streams as u64, 0, per_token);
+                    logger.line(&describe_drafter(d, dwindow, d.weight_bytes(), &dpool, kv));
+                    Some(DrafterLoad { ckpt: d, rows: r, pool: dpool })
+                }
+                _ => None,
+            };
+            let backend = load_decoder(BackendKind::Cpu, &ckpt, &rows, streams, &pool, kv, opts, &logger, drafter)?;
             let engine = Engine {
                 backend,
                 tokenizer: load_tokenizer(&ckpt, &logger)?,
                 rows,
+                _drafter_rows: drafter_rows,
                 bad_ids: None,
                 plan: None,
                 inputs: None,
@@ -542,6 +669,7 @@ impl Engine {
                 kind: BackendKind::Cpu,
                 kv,
                 ckpt,
+                drafter_ckpt,
             };
             injected(InitStep::Loaded)?;
             return Ok(engine);
@@ -550,11 +678,27 @@ impl Engine {
         let kv = gpu_kv_types(opts);
         kv.check(&ckpt.config)?;
         kv.check_device(info.compute_major, info.compute_minor, &device_label(opts.device, &info))?;
-        let inputs = fit_inputs(&ckpt, opts, Some(&info))?;
+        let inputs = fit_inputs_with_drafter(&ckpt, drafter_ckpt.as_deref(), opts, Some(&info))?;
         let mut plan = fit::plan(&inputs)?;
-        // The pool takes the room the plan leaves beside the reserve, and at least its full windows;
-        // no more than max_streams full windows, which is all those streams could fill.
-        let room = plan.left_bytes.saturating_sub(inputs.reserve_bytes);
+        // The drafter's pool: a full drafter window for each of the plan's streams, which the fit counted
+        // (`streams = left / (stream + drafter_stream)`); more streams share it as they share the target's
+        // (a drafter stream without room proposes nothing).
+        let drafter_pool = drafter_ckpt.as_ref().map(|d| {
+            let dwindow = drafter_window(&d.config, plan.window as usize);
+            KvPool::sized(
+                CudaBackend::PAGE_TOKENS,
+                dwindow,
+                plan.streams.max(1) as u64,
+                0,
+                kv.bytes_per_token(&d.config),
+            )
+        });
+        // The pool takes the room the plan leaves beside the reserve and the drafter's pool, and at least
+        // its full windows; no more than max_streams full windows, which is all those streams could fill.
+        let room = plan
+            .left_bytes
+            .saturating_sub(inputs.reserve_bytes)
+            .saturating_sub(drafter_pool.as_ref().map_or(0, |p| p.bytes));
         let room = match opts.max_streams {
             0 => room,
             most => room.min((most as u64).saturating_mul(plan.stream_bytes)),
@@ -586,15 +730,25 @@ impl Engine {
         };
         // A fallback from the file mapping to pinned memory keeps every figure of the plan but its placement.
         plan.placement = rows.placement();
+        let drafter_rows = drafter_ckpt.as_ref().map(|d| Rows::on_device(&rows_source(d))).transpose()?;
         let bad_ids = Mutex::new(PinnedBuffer::new_mapped(std::mem::size_of::<i32>())?);
         injected(InitStep::RowsPlaced)?;
         // `max_streams` bounds the streams, which share the pool however many full windows it holds.
         let streams = if opts.max_streams > 0 { pool.streams(opts.max_streams) } else { plan.streams };
-        let backend = load_decoder(BackendKind::Cuda, &ckpt, &rows, streams, &pool, kv, opts, &logger)?;
+        let drafter = match (&drafter_ckpt, &drafter_rows, drafter_pool) {
+            (Some(d), Some(r), Some(dpool)) => {
+                let dwindow = drafter_window(&d.config, plan.window as usize);
+                logger.line(&describe_drafter(d, dwindow, inputs.drafter_weight_bytes, &dpool, kv));
+                Some(DrafterLoad { ckpt: d, rows: r, pool: dpool })
+            }
+            _ => None,
+        };
+        let backend = load_decoder(BackendKind::Cuda, &ckpt, &rows, streams, &pool, kv, opts, &logger, drafter)?;
         let engine = Engine {
             backend,
             tokenizer: load_tokenizer(&ckpt, &logger)?,
             rows,
+            _drafter_rows: drafter_rows,
             bad_ids: Some(bad_ids),
             plan: Some(plan),
             inputs: Some(inputs),
@@ -603,6 +757,7 @@ impl Engine {
             kind: BackendKind::Cuda,
             kv,
             ckpt,
+            drafter_ckpt,
         };
         injected(InitStep::Loaded)?;
         Ok(engine)
@@ -676,16 +831,15 @@ impl Engine {
     }
 
     /// Stream `stream`'s speculation from its next step on (INVALID_ARGUMENT for settings out of range,
-    /// UNSUPPORTED for a drafter model, which this engine has not loaded); its counts start again.
+    /// UNSUPPORTED for a drafter model where `options.draft_model` loaded none); its counts start again.
     pub fn set_speculation(&mut self, stream: u32, s: &engine_speculation) -> Result<()> {
         crate::speculative::check(s)?;
-        if s.draft == engine_draft::Model {
-            crate::bail!(
-                Unsupported,
-                "stream {stream}: ENGINE_DRAFT_MODEL needs a drafter, and this engine loaded none"
-            );
-        }
         self.backend.set_speculation(stream, *s)
+    }
+
+    /// The drafter model's checkpoint, when `options.draft_model` loaded one.
+    pub fn drafter(&self) -> Option<&Checkpoint> {
+        self.drafter_ckpt.as_deref()
     }
 
     pub fn speculation(&self, stream: u32) -> Result<engine_speculation> {

@@ -324,7 +324,8 @@ unsafe fn handle<'a>(e: *const engine) -> Result<&'a engine> {
 /// when the CUDA backend is asked for and absent; INVALID_ARGUMENT for an option out of its range (an
 /// enum value that names none among them); UNSUPPORTED for a KV cache type the model or the device
 /// cannot take (Q8_0 / FP8_E4M3 with a head_dim that is not a multiple of 32, FP8_E4M3 on a device
-/// older than compute capability 8.9). Whatever failed, nothing is held afterwards.
+/// older than compute capability 8.9). With `draft_model` set the drafter is opened too: BAD_MODEL,
+/// naming both sizes, when its vocabulary is not the target's. Whatever failed, nothing is held afterwards.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn engine_init_fit(
     model_path: *const c_char,
@@ -647,8 +648,8 @@ pub extern "C" fn engine_default_speculation() -> engine_speculation {
 /// A step proposes only for an item given `out` (see `engine_step_batch`). INVALID_ARGUMENT for NULL,
 /// a `draft` that names no `engine_draft`, `max_tokens` outside 1..=ENGINE_SPECULATION_MAX_TOKENS or
 /// NGRAM lengths with `ngram_min` 0 or above `ngram_max` (while `draft` is not NONE); UNSUPPORTED for
-/// `ENGINE_DRAFT_MODEL` (this version loads no drafter); OUT_OF_RANGE for a stream the engine does not
-/// have.
+/// `ENGINE_DRAFT_MODEL` on an engine that loaded no drafter (`engine_options.draft_model`); OUT_OF_RANGE
+/// for a stream the engine does not have.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn engine_set_speculation(
     e: *mut engine,

@@ -176,16 +176,13 @@ fn batch_example_decodes_streams_together_and_checks_them() {
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
 }
 
-/// examples/decode.c's --kv: the KV cache type reaches the engine (engine_model_info and the start-up
-/// line name it), K and V apart with a comma, and a name that is no type is refused before anything loads.
-#[test]
-fn decode_example_takes_a_kv_cache_type() {
+/// examples/decode.c built into `dir`, and a tiny HF model there with the repository's tokenizer.
+fn decode_and_tiny_model(dir: &std::path::Path) -> (std::path::PathBuf, String) {
     use hostembed::checkpoint::write::write_synthetic_hf;
     use hostembed::model::{Arch, ModelConfig, RopeScaling};
     use hostembed::tensor::DType;
     use hostembed::tokenizer::Tokenizer;
 
-    let dir = native::scratch("decode-kv");
     let exe = dir.join("decode");
     native::build_c_program(&native::repo().join("examples/decode.c"), &exe);
     let tokenizer_json = native::repo().join("assets/tokenizer.json");
@@ -215,7 +212,15 @@ fn decode_example_takes_a_kv_cache_type() {
     let model = dir.join("tiny");
     write_synthetic_hf(&model, &cfg, 7, DType::Bf16).unwrap();
     std::fs::copy(&tokenizer_json, model.join("tokenizer.json")).unwrap();
-    let model = model.display().to_string();
+    (exe, model.display().to_string())
+}
+
+/// examples/decode.c's --kv: the KV cache type reaches the engine (engine_model_info and the start-up
+/// line name it), K and V apart with a comma, and a name that is no type is refused before anything loads.
+#[test]
+fn decode_example_takes_a_kv_cache_type() {
+    let dir = native::scratch("decode-kv");
+    let (exe, model) = decode_and_tiny_model(&dir);
     for (kv, info, pool) in [
         ("q8_0", "KV cache K Q8_0 V Q8_0", "tokens in Q8_0 ("),
         ("fp8_e4m3,f16", "KV cache K FP8_E4M3 V F16", "tokens in K FP8_E4M3, V F16 ("),
@@ -230,6 +235,30 @@ fn decode_example_takes_a_kv_cache_type() {
     let out = native::run(&exe, &[model.as_str(), "--backend", "cpu", "--kv", "q4_0"]);
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("--kv is default, bf16"), "{:?}", out);
+}
+
+/// examples/decode.c's --draft: the drafter is named at start-up, its proposals (the model drafting for
+/// itself) are all accepted, the text is the text without it, and --lookup with --draft is refused.
+#[test]
+fn decode_example_drafts_with_a_model() {
+    let dir = native::scratch("decode-draft");
+    let (exe, model) = decode_and_tiny_model(&dir);
+    let text = |out: &std::process::Output| {
+        let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+        assert!(out.status.success(), "stdout:\n{stdout}\nstderr:\n{}", String::from_utf8_lossy(&out.stderr));
+        stdout
+    };
+    let args = [model.as_str(), "--backend", "cpu", "-n", "24", "-p", "one two three one two three one two"];
+    let plain = text(&native::run(&exe, &args));
+    let drafted = text(&native::run(&exe, &[&args[..], &["--draft", model.as_str()]].concat()));
+    assert!(drafted.contains("drafter ") && drafted.contains("vocabulary"), "{drafted}");
+    let generated = |s: &str| s.lines().skip_while(|l| !l.starts_with("one two")).next().unwrap_or("").to_string();
+    assert_eq!(generated(&drafted), generated(&plain), "plain:\n{plain}\ndrafted:\n{drafted}");
+    let counts = drafted.lines().find(|l| l.starts_with("drafter: ")).unwrap_or_else(|| panic!("{drafted}"));
+    assert!(counts.contains("(100%)"), "{counts}");
+    let out = native::run(&exe, &[&args[..], &["--lookup", "--draft", model.as_str()]].concat());
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("not both"), "{out:?}");
 }
 
 /// examples/decode.c's --regex and --json-schema: a random tiny model's output is held to the regex, or

@@ -226,3 +226,71 @@ fn gpu_random_batches_mixing_speculative_and_plain_items_match_stepping_alone() 
         shared::check_pool(&e, &lens, total, PAGE, &format!("round {round}"));
     }
 }
+
+/// The drafter model on CUDA: a second GPU model beside the target (itself, or a Q8_0 copy), greedy,
+/// 20 prompts x 128 tokens alone and then four streams drafting in one batch: the plain tokens.
+#[test]
+fn gpu_greedy_drafter_is_token_for_token() {
+    if !gpu_present("gpu_greedy_drafter_is_token_for_token") {
+        return;
+    }
+    let _g = serial();
+    let mut rng = Rng::fresh("gpu_greedy_drafter_is_token_for_token");
+    let dir = Scratch::new("gpu-spec-drafter");
+    let cfg = config(Arch::Llama);
+    let seed = rng.next_u64();
+    let target = dir.gguf("target", &cfg, seed, DType::Bf16);
+    let copy = dir.gguf("copy", &cfg, seed, DType::Q8_0);
+    let plain = init(&target, &cuda(512, 4));
+    for drafter in [&target, &copy] {
+        let d = common::c_path(drafter);
+        let spec = init(&target, &engine_options { draft_model: d.as_ptr(), ..cuda(512, 4) });
+        let draft = |max| engine_speculation { draft: engine_draft::Model, ..lookup(max) };
+        let prompts: Vec<Vec<i32>> = (0..20).map(|_| repeating_prompt(&mut rng, cfg.vocab)).collect();
+        for (p, prompt) in prompts.iter().enumerate() {
+            let max = 1 + rng.below(8) as u32;
+            set_speculation(&spec, 0, &draft(max));
+            let want = generate(&plain, prompt, 128, 0);
+            let got = generate(&spec, prompt, 128, max as usize + 1);
+            assert_eq!(got, want, "drafter {} prompt {p}, max_tokens {max}", drafter.display());
+            reset(&spec, 0);
+            reset(&plain, 0);
+        }
+        let (mut proposed, mut accepted) = (0u64, 0u64);
+        // SAFETY: a live engine and two writable counters.
+        assert_eq!(unsafe { ffi::engine_speculation_stats(spec.0, 0, &mut proposed, &mut accepted) }, Status::Ok);
+        println!("drafter {}: proposed {proposed}, accepted {accepted}", drafter.display());
+        assert!(accepted > 0 && accepted <= proposed);
+
+        // Four streams drafting in one batch, each against its plain tokens alone.
+        let want: Vec<Vec<i32>> = prompts[..4]
+            .iter()
+            .map(|prompt| {
+                let w = generate(&plain, prompt, 64, 0);
+                reset(&plain, 0);
+                w
+            })
+            .collect();
+        for s in 0..4u32 {
+            set_speculation(&spec, s, &draft(6));
+        }
+        let mut got: Vec<Vec<i32>> = vec![Vec::new(); 4];
+        let mut input: Vec<Vec<i32>> = prompts[..4].to_vec();
+        while got.iter().any(|g| g.len() < 64) {
+            let live: Vec<u32> = (0..4u32).filter(|&s| got[s as usize].len() < 64).collect();
+            let items: Vec<(u32, &[i32], usize)> = live.iter().map(|&s| (s, &input[s as usize][..], 7)).collect();
+            let res = batch(&spec, &items);
+            for (&s, (st, out)) in live.iter().zip(res) {
+                assert_eq!(st, Status::Ok, "{}", last_error());
+                input[s as usize] = vec![*out.last().unwrap()];
+                got[s as usize].extend(out);
+            }
+        }
+        for s in 0..4 {
+            got[s].truncate(64);
+            assert_eq!(got[s], want[s], "drafter {} stream {s} in a batch", drafter.display());
+        }
+        let lens: Vec<usize> = (0..4).map(|s| common::stream_len(&spec, s) as usize).collect();
+        shared::check_pool(&spec, &lens, shared::kv_usage(&spec).tokens_total, PAGE, "after the drafted batch");
+    }
+}

@@ -3,7 +3,7 @@
 //! of `backend` says how pages are taken, shared, copied and cached).
 
 use super::{Backend, BatchStep, Decoder, KvStream, PagePool, ROOT, StepItem, log_prob, not_run};
-use crate::abi::{engine_kv_usage, engine_speculation};
+use crate::abi::{engine_draft, engine_kv_usage, engine_speculation};
 use crate::constraint::{Constraint, PendingMask};
 use crate::sampler::Sampling;
 use crate::speculative::{self, SpecState};
@@ -26,6 +26,9 @@ pub struct Streams<B: Backend> {
     /// position of their last kept token.
     last: Vec<(u32, usize, usize)>,
     spec: Vec<SpecState>,
+    /// The drafter model for `ENGINE_DRAFT_MODEL`: a second model of the same backend kind with its own
+    /// pool, greedy, stream `i` shadowing this stream `i` (its tokens a prefix of this one's).
+    drafter: Option<Box<Streams<B>>>,
 }
 
 impl<B: Backend> Streams<B> {
@@ -49,7 +52,33 @@ impl<B: Backend> Streams<B> {
         constraints.resize_with(count, || None);
         let pool = PagePool::new(B::PAGE_TOKENS, pages)?;
         let spec = vec![SpecState::new(speculative::DEFAULT); count];
-        Ok(Streams { backend, window, slots, sampling: settings, constraints, pool, last: Vec::new(), spec })
+        Ok(Streams {
+            backend,
+            window,
+            slots,
+            sampling: settings,
+            constraints,
+            pool,
+            last: Vec::new(),
+            spec,
+            drafter: None,
+        })
+    }
+
+    /// The same streams with `drafter` proposing for `ENGINE_DRAFT_MODEL`: it needs a stream for each of
+    /// these, and drafts greedily whatever its own sampling settings were.
+    pub fn with_drafter(mut self, mut drafter: Streams<B>) -> Result<Self> {
+        if drafter.slots.len() < self.slots.len() {
+            bail!(InvalidArgument, "a drafter of {} streams for {} streams", drafter.slots.len(), self.slots.len());
+        }
+        drafter.sampling.iter_mut().for_each(|s| *s = Sampling::GREEDY);
+        self.drafter = Some(Box::new(drafter));
+        Ok(self)
+    }
+
+    /// The drafter's streams, for tests that look under the seam.
+    pub fn drafter(&self) -> Option<&Streams<B>> {
+        self.drafter.as_deref()
     }
 
     /// The same streams with the prefix cache on or off (off unless told).
@@ -111,25 +140,113 @@ impl<B: Backend> Streams<B> {
         self.last.retain(|&(s, _, _)| s != stream);
     }
 
-    /// The tokens stream `stream` proposes after `tokens` for an item that may produce `most` tokens:
-    /// none unless its speculation is on, and never past its window or the backend's verification.
-    fn propose(&mut self, stream: u32, tokens: &[u32], most: usize) -> Vec<u32> {
-        let Ok(slot) = self.slot(stream, "") else { return Vec::new() };
+    /// How many tokens stream `stream` may propose after `tokens` for an item that may produce `most`
+    /// tokens: none unless its speculation is on, and never past its window or the backend's
+    /// verification (a pause after rejections counts down here).
+    fn proposal_budget(&mut self, stream: u32, tokens: &[u32], most: usize) -> usize {
+        let Ok(slot) = self.slot(stream, "") else { return 0 };
         let len = self.slots[slot].as_ref().map_or(0, |s| s.len);
         let room = self.window.saturating_sub(len + tokens.len());
         let fits = self.backend.verify_tokens().saturating_sub(tokens.len());
         let bound = most.saturating_sub(1).min(room).min(fits);
         if bound == 0 || tokens.is_empty() {
-            return Vec::new();
+            return 0;
         }
-        let k = self.spec[slot].budget().min(bound);
-        if k == 0 {
-            return Vec::new();
-        }
-        let set = self.spec[slot].settings;
-        let mut history = self.slots[slot].as_ref().map_or(Vec::new(), |s| s.tokens.clone());
+        self.spec[slot].budget().min(bound)
+    }
+
+    /// Stream `stream`'s history: its tokens, then `tokens`.
+    fn history(&self, stream: u32, tokens: &[u32]) -> Vec<u32> {
+        let mut history = self.slots[stream as usize].as_ref().map_or(Vec::new(), |s| s.tokens.clone());
         history.extend_from_slice(tokens);
-        speculative::lookup(&history, set.ngram_min as usize, set.ngram_max as usize, k)
+        history
+    }
+
+    /// Each item's proposals (empty for a constrained stream, whose mask is computed for one draw):
+    /// prompt lookup's at once, the drafter's in one batched drafter step per proposed token.
+    fn propose_all(&mut self, items: &[BatchStep<'_>]) -> Vec<Vec<u32>> {
+        let mut proposals = vec![Vec::new(); items.len()];
+        let mut drafts: Vec<(usize, u32, Vec<u32>, usize)> = Vec::new();
+        for (i, item) in items.iter().enumerate() {
+            if self.constraints.get(item.stream as usize).is_some_and(Option::is_some) {
+                continue;
+            }
+            let k = self.proposal_budget(item.stream, item.tokens, item.most);
+            if k == 0 {
+                continue;
+            }
+            let set = self.spec[item.stream as usize].settings;
+            let history = self.history(item.stream, item.tokens);
+            match set.draft {
+                engine_draft::Ngram => {
+                    proposals[i] = speculative::lookup(&history, set.ngram_min as usize, set.ngram_max as usize, k)
+                }
+                engine_draft::Model => drafts.push((i, item.stream, history, k)),
+                engine_draft::None => {}
+            }
+        }
+        if let Some(drafter) = self.drafter.as_mut().filter(|_| !drafts.is_empty()) {
+            let jobs: Vec<(u32, Vec<u32>, usize)> = drafts.iter().map(|(_, s, h, k)| (*s, h.clone(), *k)).collect();
+            for ((i, ..), drafted) in drafts.iter().zip(drafter.draft(&jobs)) {
+                proposals[*i] = drafted;
+            }
+        }
+        proposals
+    }
+
+    /// As a drafter: for each job (stream, the target stream's history, k), up to k greedy tokens after
+    /// the history. The stream first keeps its longest prefix of the history (less one token, whose
+    /// logits the first draft needs) and catches up with the rest in the first batched step; each later
+    /// step appends the previous draft. A job the drafter cannot step (its window or pool full) stops
+    /// with what it has; a device error drafts nothing more.
+    fn draft(&mut self, jobs: &[(u32, Vec<u32>, usize)]) -> Vec<Vec<u32>> {
+        let mut drafted: Vec<Vec<u32>> = vec![Vec::new(); jobs.len()];
+        let mut inputs: Vec<Vec<u32>> = Vec::with_capacity(jobs.len());
+        for (stream, history, _) in jobs {
+            let held = self.slots.get(*stream as usize).and_then(Option::as_ref).map_or(&[][..], |s| &s.tokens[..]);
+            let common = held.iter().zip(history).take_while(|(a, b)| a == b).count().min(history.len() - 1);
+            if common < held.len() && self.truncate(*stream, common).is_err() {
+                let _ = self.reset(*stream);
+            }
+            let kept = self.stream_len(*stream).unwrap_or(0).min(common);
+            inputs.push(history[kept..].to_vec());
+        }
+        let most = jobs.iter().map(|j| j.2).max().unwrap_or(0);
+        for round in 0..most {
+            let live: Vec<usize> = (0..jobs.len())
+                .filter(|&j| jobs[j].2 > round && drafted[j].len() == round && !inputs[j].is_empty())
+                .collect();
+            if live.is_empty() {
+                break;
+            }
+            let mut steps: Vec<BatchStep<'_>> = live.iter().map(|&j| BatchStep::new(jobs[j].0, &inputs[j])).collect();
+            if self.step_batch(&mut steps).is_err() {
+                break;
+            }
+            let next: Vec<Option<u32>> = steps.iter().map(|s| s.next.as_ref().ok().copied()).collect();
+            drop(steps);
+            for (&j, next) in live.iter().zip(next) {
+                match next {
+                    Some(t) => {
+                        drafted[j].push(t);
+                        inputs[j] = vec![t];
+                    }
+                    None => inputs[j].clear(),
+                }
+            }
+        }
+        drafted
+    }
+
+    /// Cuts the drafter's stream `stream` to at most `len` positions (after verification or a truncate of
+    /// the target's stream); a drafter stream that cannot be cut starts again empty.
+    fn cut_drafter(&mut self, stream: u32, len: usize) {
+        if let Some(d) = self.drafter.as_mut()
+            && d.stream_len(stream).is_ok_and(|have| have > len)
+            && d.truncate(stream, len).is_err()
+        {
+            let _ = d.reset(stream);
+        }
     }
 }
 
@@ -154,10 +271,10 @@ impl<B: Backend> Decoder for Streams<B> {
         // Which items run, in the caller's order; the others have their status already. A constrained
         // stream's tokens go through its constraint first: one it refuses fails the item.
         let mut run = Vec::with_capacity(items.len());
+        let mut all_proposals = self.propose_all(items);
         for (i, item) in items.iter_mut().enumerate() {
             item.out.clear();
-            let constrained = self.constraints.get(item.stream as usize).is_some_and(Option::is_some);
-            let proposals = if constrained { Vec::new() } else { self.propose(item.stream, item.tokens, item.most) };
+            let proposals = std::mem::take(&mut all_proposals[i]);
             let mut tokens = item.tokens.to_vec();
             tokens.extend_from_slice(&proposals);
             // The cache may stand for the item's own tokens only: every proposal needs its logits.
@@ -284,6 +401,13 @@ impl<B: Backend> Decoder for Streams<B> {
             }
         }
         self.last = last;
+        // The drafter's streams keep no more than the target's: rejected drafts leave them too.
+        if self.drafter.is_some() {
+            for item in items.iter() {
+                let len = self.slots[item.stream as usize].as_ref().map_or(0, |s| s.len);
+                self.cut_drafter(item.stream, len);
+            }
+        }
         ran
     }
 
@@ -298,6 +422,9 @@ impl<B: Backend> Decoder for Streams<B> {
     fn reset(&mut self, stream: u32) -> Result<()> {
         self.truncate(stream, 0)?;
         self.forget_logits(stream);
+        if let Some(d) = self.drafter.as_mut() {
+            d.reset(stream)?;
+        }
         Ok(())
     }
 
@@ -321,6 +448,7 @@ impl<B: Backend> Decoder for Streams<B> {
             c.rollback(len);
         }
         self.trim_pages(slot);
+        self.cut_drafter(stream, len);
         Ok(())
     }
 
@@ -351,6 +479,14 @@ impl<B: Backend> Decoder for Streams<B> {
         }
         let d = self.slots[to].as_mut().expect("made above");
         (d.pages, d.tokens, d.keys, d.len) = (pages, tokens, keys, len);
+        // The drafter's `dst` shares the drafter's `src` pages as far as those hold the same tokens; a
+        // drafter that cannot fork leaves `dst` empty, to catch up on its first proposal.
+        if let Some(drafter) = self.drafter.as_mut() {
+            let have = drafter.stream_len(src).unwrap_or(0).min(len);
+            if drafter.fork(src, dst, have).is_err() {
+                let _ = drafter.reset(dst);
+            }
+        }
         Ok(())
     }
 
@@ -459,6 +595,13 @@ impl<B: Backend> Decoder for Streams<B> {
 
     fn set_speculation(&mut self, stream: u32, s: engine_speculation) -> Result<()> {
         let slot = self.slot(stream, "")?;
+        if s.draft == engine_draft::Model && self.drafter.is_none() {
+            bail!(Unsupported, "stream {stream}: ENGINE_DRAFT_MODEL needs a drafter, and this engine loaded none");
+        }
+        // A stream that stops drafting gives its drafter stream's pages back to the drafter's pool.
+        if let Some(d) = self.drafter.as_mut().filter(|_| s.draft != engine_draft::Model) {
+            d.reset(stream)?;
+        }
         self.spec[slot] = SpecState::new(s);
         Ok(())
     }
@@ -485,6 +628,21 @@ impl<B: Backend> Decoder for Streams<B> {
                     s.pages.len(),
                     s.keys.len()
                 );
+            }
+        }
+        if let Some(d) = self.drafter.as_ref() {
+            d.audit().map_err(|e| err!(InvalidArgument, "the drafter: {}", e.message))?;
+            for (i, (t, ds)) in self.slots.iter().zip(&d.slots).enumerate() {
+                let target = t.as_ref().map_or(&[][..], |s| &s.tokens[..]);
+                let drafter = ds.as_ref().map_or(&[][..], |s| &s.tokens[..]);
+                if drafter.len() > target.len() || target[..drafter.len()] != *drafter {
+                    bail!(
+                        InvalidArgument,
+                        "stream {i}: the drafter's {} tokens are not a prefix of the target's {}",
+                        drafter.len(),
+                        target.len()
+                    );
+                }
             }
         }
         let holders = self.slots.iter().flatten().map(|s| s.pages.as_slice());

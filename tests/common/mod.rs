@@ -4,6 +4,7 @@
 #![allow(dead_code)]
 
 pub mod shared;
+pub mod spec;
 
 use hostembed::Status;
 use hostembed::checkpoint::write::MemSource;
