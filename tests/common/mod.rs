@@ -174,6 +174,18 @@ impl Drop for Held {
     }
 }
 
+/// Host room for `tokens` positions of KV cache beside the step scratch and `streams` stream slots: the
+/// CPU plan's own figures.
+pub fn room_for_tokens(cfg: &ModelConfig, window: u32, streams: u32, tokens: u64) -> u64 {
+    let slot = std::mem::size_of::<Option<hostembed::cpu::CpuStream>>() as u64;
+    let probe = engine_options { room_bytes: 1 << 40, ..cpu_options(window, streams) };
+    let inputs =
+        hostembed::fit::cpu_inputs(cfg, window, streams, slot, hostembed::engine::cpu_kv_types(&probe), &probe)
+            .unwrap();
+    let per_token = (hostembed::fit::plan_cpu(&inputs).stream_bytes.unwrap() - slot) / window as u64;
+    inputs.scratch_bytes + streams as u64 * slot + tokens * per_token
+}
+
 /// `work(engine, i)` for i in 0..n, each on a thread of its own, all on the one engine `e` (which the
 /// library makes safe to share); the results in order of i.
 pub fn on_threads<T: Send>(e: &Held, n: u32, work: impl Fn(&Held, u32) -> T + Sync) -> Vec<T> {
