@@ -16,13 +16,13 @@ mod native;
 
 use common::shared::{self, fork, kv_usage, no_cache, score};
 use common::{
-    Held, Rng, Scratch, bits, decode_base, gpu_present, init, logits, model_file, quiet, rel_l2, reset, serial, stats,
-    step, truncate,
+    Held, Rng, Scratch, bits, cuda_options, decode_base, gpu_present, init, logits, model_file, rel_l2, reset, serial,
+    stats, step, truncate,
 };
 
 use hostembed::Status;
 use hostembed::checkpoint::write::{write_gguf_dequantized, write_synthetic_gguf, write_synthetic_hf};
-use hostembed::engine::{self, engine_backend, engine_kv_type, engine_options, engine_tristate};
+use hostembed::engine::{engine_backend, engine_kv_type, engine_options};
 use hostembed::model::{Arch, ModelConfig};
 use hostembed::placement::engine_memory;
 use hostembed::status::last_error;
@@ -52,16 +52,7 @@ fn f32_model(dir: &Scratch, rng: &mut Rng) -> PathBuf {
 }
 
 fn cuda(window: u32, streams: u32) -> engine_options {
-    engine_options {
-        backend: engine_backend::Cuda,
-        room_bytes: 1 << 50,
-        mmap_rows: engine_tristate::No,
-        context: window,
-        max_streams: streams,
-        max_batch: 64,
-        log: Some(quiet),
-        ..engine::default_options()
-    }
+    cuda_options(window, streams, 64)
 }
 
 fn f32_cache(opts: engine_options) -> engine_options {

@@ -165,6 +165,21 @@ pub fn cpu_options(window: u32, streams: u32) -> engine_options {
     }
 }
 
+/// `streams` streams of `window` tokens on the CUDA backend in passes of up to `max_batch` tokens, quiet;
+/// room without limit and the embedding rows on the card whatever the environment says.
+pub fn cuda_options(window: u32, streams: u32, max_batch: u32) -> engine_options {
+    engine_options {
+        backend: hostembed::engine::engine_backend::Cuda,
+        room_bytes: 1 << 50,
+        mmap_rows: hostembed::engine::engine_tristate::No,
+        context: window,
+        max_streams: streams,
+        max_batch,
+        log: Some(quiet),
+        ..hostembed::engine::default_options()
+    }
+}
+
 /// An engine freed when dropped, so a failed assertion does not leave it to the next test's counters.
 pub struct Held(pub *mut ffi::engine);
 
