@@ -16,7 +16,7 @@ use hostembed::backend::StepItem;
 use hostembed::checkpoint::write::{MemSource, Recipe};
 use hostembed::cuda::{self, DeviceBuffer, PinnedBuffer};
 use hostembed::gpu::{GpuModel, GpuStream, PAGE_TOKENS, RowsOnDevice, reserve_pages, truncate_stream};
-use hostembed::model::{Arch, ModelConfig, RopeScaling, TensorSource, names};
+use hostembed::model::{ModelConfig, TensorSource, names};
 use hostembed::sampler::Sampling;
 use hostembed::tensor::DType;
 use hostembed::{Error, Status};
@@ -33,26 +33,7 @@ struct Args {
 }
 
 fn parse() -> Args {
-    let mut cfg = ModelConfig {
-        arch: Arch::Llama,
-        vocab: 128256,
-        hidden: 4096,
-        layers: 32,
-        heads: 32,
-        kv_heads: 8,
-        head_dim: 128,
-        intermediate: 14336,
-        rms_eps: 1e-5,
-        rope_theta: 500000.0,
-        rope_scaling: RopeScaling::None,
-        rope_interleaved: false,
-        max_position: 131072,
-        tied: false,
-        qkv_bias: false,
-        qk_norm: false,
-        bos: None,
-        eos: None,
-    };
+    let mut cfg = ModelConfig::llama(4096, 32, 32, 8, 14336, 128256);
     let mut a = Args {
         cfg: cfg.clone(),
         recipe: Recipe::Uniform(DType::Bf16),

@@ -51,6 +51,19 @@ pub(crate) unsafe fn arg_mut<'a, T>(p: *mut T, name: &str) -> Result<&'a mut T> 
     unsafe { p.as_mut() }.ok_or_else(|| Error::new(Status::InvalidArgument, format!("{name} is NULL")))
 }
 
+/// The UTF-8 text C passed as `len` bytes at `text` (none when `len` is 0, whatever `text` is), or
+/// INVALID_ARGUMENT for a NULL `text` with a length or bytes that are not UTF-8.
+pub(crate) unsafe fn text_arg<'a>(text: *const c_char, len: usize) -> Result<&'a str> {
+    let bytes: &[u8] = match (len, text.is_null()) {
+        (0, _) => &[],
+        (_, true) => crate::bail!(InvalidArgument, "text is NULL with len {len}"),
+        // SAFETY: `text` is non-NULL here and the caller guarantees it holds `len` bytes live for `'a`.
+        (_, false) => unsafe { std::slice::from_raw_parts(text as *const u8, len) },
+    };
+    std::str::from_utf8(bytes)
+        .map_err(|err| crate::err!(InvalidArgument, "text is not UTF-8 at byte {}", err.valid_up_to()))
+}
+
 /// Copies `text` into a C buffer with snprintf's rules: returns the length it needed.
 pub(crate) unsafe fn write_c_string(text: &str, buf: *mut c_char, len: usize) -> usize {
     if !buf.is_null() && len > 0 {
@@ -769,14 +782,8 @@ pub unsafe extern "C" fn engine_set_constraint(
         let e = unsafe { handle(e) }?;
         let kind = engine_constraint::from_raw(raw_kind)
             .ok_or_else(|| crate::err!(InvalidArgument, "kind is {raw_kind}, not an engine_constraint"))?;
-        let bytes: &[u8] = match (len, text.is_null()) {
-            (0, _) => &[],
-            (_, true) => crate::bail!(InvalidArgument, "text is NULL with len {len}"),
-            // SAFETY: `text` is non-NULL here and holds `len` bytes (the header's contract).
-            (_, false) => unsafe { std::slice::from_raw_parts(text as *const u8, len) },
-        };
-        let text = std::str::from_utf8(bytes)
-            .map_err(|err| crate::err!(InvalidArgument, "text is not UTF-8 at byte {}", err.valid_up_to()))?;
+        // SAFETY: `text` is NULL or holds `len` bytes (the header's contract).
+        let text = unsafe { text_arg(text, len) }?;
         // The stream is checked before a compile that may take a while; the compile holds no lock.
         e.lock().stream_len(stream)?;
         let compiled = match kind {
@@ -1043,14 +1050,8 @@ pub unsafe extern "C" fn engine_tokenize(
         *n_out = 0;
         // SAFETY: the caller passes an engine from engine_init_fit (or NULL, refused), not yet freed.
         let e = unsafe { handle(e) }?;
-        let bytes: &[u8] = match (len, text.is_null()) {
-            (0, _) => &[],
-            (_, true) => crate::bail!(InvalidArgument, "text is NULL with len {len}"),
-            // SAFETY: `text` is non-NULL here and holds `len` bytes (the header's contract).
-            (_, false) => unsafe { std::slice::from_raw_parts(text as *const u8, len) },
-        };
-        let text = std::str::from_utf8(bytes)
-            .map_err(|err| crate::err!(InvalidArgument, "text is not UTF-8 at byte {}", err.valid_up_to()))?;
+        // SAFETY: `text` is NULL or holds `len` bytes (the header's contract).
+        let text = unsafe { text_arg(text, len) }?;
         let tokenizer = text_tokenizer(e)?;
         let (bos, eos) = match add_bos {
             ENGINE_BOS_NO => (None, None),

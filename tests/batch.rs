@@ -8,14 +8,12 @@
 mod common;
 use common::{Held, Rng, Scratch, bits, info, init, logits, serial, stats, step, try_step};
 use common::{Mix, batches_match_stepping_alone, cpu_options, random_sampling};
-use common::{kv_stats, on_threads, reset, set_sampling, stream_len, truncate, try_batch};
+use common::{kv_stats, on_threads, reset, room_for_tokens, set_sampling, stream_len, truncate, try_batch};
 
 use hostembed::Status;
 use hostembed::abi::{engine_batch_item, engine_sampling};
-use hostembed::cpu::CpuStream;
 use hostembed::engine::{self, engine_options};
 use hostembed::ffi;
-use hostembed::fit;
 use hostembed::model::{Arch, ModelConfig, RopeScaling};
 use hostembed::placement::engine_memory;
 use hostembed::sampler::{self, Sampling};
@@ -136,16 +134,6 @@ fn truncate_then_restep_gives_the_same_logits() {
     assert_eq!(unsafe { ffi::engine_truncate(e.0, 2, 0) }, Status::OutOfRange, "no stream 2");
     assert_eq!(unsafe { ffi::engine_truncate(std::ptr::null_mut(), 0, 0) }, Status::InvalidArgument);
     assert_eq!(stream_len(&e, 0), len);
-}
-
-/// Host room for `tokens` positions of KV cache beside the step scratch and `streams` stream slots: the
-/// CPU plan's own figures.
-fn room_for_tokens(cfg: &ModelConfig, window: u32, streams: u32, tokens: u64) -> u64 {
-    let slot = std::mem::size_of::<Option<CpuStream>>() as u64;
-    let probe = engine_options { room_bytes: 1 << 40, ..cpu_options(window, streams) };
-    let inputs = fit::cpu_inputs(cfg, window, streams, slot, engine::cpu_kv_types(&probe), &probe).unwrap();
-    let per_token = (fit::plan_cpu(&inputs).stream_bytes.unwrap() - slot) / window as u64;
-    inputs.scratch_bytes + streams as u64 * slot + tokens * per_token
 }
 
 /// The pool takes the room the plan leaves, not only the full windows that fit in it: room for two and a

@@ -94,46 +94,39 @@ fn fit_example_rejects_bad_arguments() {
     assert!(stderr.contains("invalid argument") && stderr.contains("overflows 64 bits"), "{stderr}");
 }
 
+/// A random tiny Llama in BF16 with the repo's tokenizer beside it, written under `dir`: the model folder
+/// the C examples take. Its heads are `hidden / heads` wide; bos and eos are the tokenizer's own.
+fn tiny_model(dir: &std::path::Path, heads: usize, kv_heads: usize, max_position: usize, seed: u64) -> String {
+    use hostembed::checkpoint::write::write_synthetic_hf;
+    use hostembed::model::ModelConfig;
+    use hostembed::tensor::DType;
+    use hostembed::tokenizer::Tokenizer;
+
+    let tokenizer_json = native::repo().join("assets/tokenizer.json");
+    let tokenizer = Tokenizer::from_json(&tokenizer_json).unwrap();
+    let special = |t: &str| tokenizer.token_id(t).unwrap_or_else(|| panic!("no token {t}"));
+    let cfg = ModelConfig {
+        rope_theta: 10000.0,
+        max_position,
+        bos: Some(special("<|bos|>")),
+        eos: Some(special("<|eos|>")),
+        ..ModelConfig::llama(64, 2, heads, kv_heads, 128, tokenizer.vocab_size())
+    };
+    let model = dir.join("tiny");
+    write_synthetic_hf(&model, &cfg, seed, DType::Bf16).unwrap();
+    std::fs::copy(&tokenizer_json, model.join("tokenizer.json")).unwrap();
+    model.display().to_string()
+}
+
 /// examples/batch.c decodes five prompts together on the CPU backend from a tiny model with the repo's
 /// tokenizer, each stream with its own seed, min-p and a repetition penalty, and its --check finds every
 /// stream's tokens equal to stepping it alone and the pool whole after the resets.
 #[test]
 fn batch_example_decodes_streams_together_and_checks_them() {
-    use hostembed::checkpoint::write::write_synthetic_hf;
-    use hostembed::model::{Arch, ModelConfig, RopeScaling};
-    use hostembed::tensor::DType;
-    use hostembed::tokenizer::Tokenizer;
-
     let dir = native::scratch("batch-example");
     let exe = dir.join("batch");
     native::build_c_program(&native::repo().join("examples/batch.c"), &exe);
-    let tokenizer_json = native::repo().join("assets/tokenizer.json");
-    let tokenizer = Tokenizer::from_json(&tokenizer_json).unwrap();
-    let special = |t: &str| tokenizer.token_id(t).unwrap_or_else(|| panic!("no token {t}"));
-    let cfg = ModelConfig {
-        arch: Arch::Llama,
-        vocab: tokenizer.vocab_size(),
-        hidden: 64,
-        layers: 2,
-        heads: 4,
-        kv_heads: 2,
-        head_dim: 16,
-        intermediate: 128,
-        rms_eps: 1e-5,
-        rope_theta: 10000.0,
-        rope_scaling: RopeScaling::None,
-        rope_interleaved: false,
-        max_position: 256,
-        tied: false,
-        qkv_bias: false,
-        qk_norm: false,
-        bos: Some(special("<|bos|>")),
-        eos: Some(special("<|eos|>")),
-    };
-    let model = dir.join("tiny");
-    write_synthetic_hf(&model, &cfg, 7, DType::Bf16).unwrap();
-    std::fs::copy(&tokenizer_json, model.join("tokenizer.json")).unwrap();
-    let model = model.display().to_string();
+    let model = tiny_model(&dir, 4, 2, 256, 7);
     let args = [
         model.as_str(),
         "--backend",
@@ -176,51 +169,15 @@ fn batch_example_decodes_streams_together_and_checks_them() {
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
 }
 
-/// examples/decode.c built into `dir`, and a tiny HF model there with the repository's tokenizer.
-fn decode_and_tiny_model(dir: &std::path::Path) -> (std::path::PathBuf, String) {
-    use hostembed::checkpoint::write::write_synthetic_hf;
-    use hostembed::model::{Arch, ModelConfig, RopeScaling};
-    use hostembed::tensor::DType;
-    use hostembed::tokenizer::Tokenizer;
-
-    let exe = dir.join("decode");
-    native::build_c_program(&native::repo().join("examples/decode.c"), &exe);
-    let tokenizer_json = native::repo().join("assets/tokenizer.json");
-    let tokenizer = Tokenizer::from_json(&tokenizer_json).unwrap();
-    let special = |t: &str| tokenizer.token_id(t).unwrap_or_else(|| panic!("no token {t}"));
-    // Heads of 32 values: whole blocks of the 8-bit types.
-    let cfg = ModelConfig {
-        arch: Arch::Llama,
-        vocab: tokenizer.vocab_size(),
-        hidden: 64,
-        layers: 2,
-        heads: 2,
-        kv_heads: 1,
-        head_dim: 32,
-        intermediate: 128,
-        rms_eps: 1e-5,
-        rope_theta: 10000.0,
-        rope_scaling: RopeScaling::None,
-        rope_interleaved: false,
-        max_position: 256,
-        tied: false,
-        qkv_bias: false,
-        qk_norm: false,
-        bos: Some(special("<|bos|>")),
-        eos: Some(special("<|eos|>")),
-    };
-    let model = dir.join("tiny");
-    write_synthetic_hf(&model, &cfg, 7, DType::Bf16).unwrap();
-    std::fs::copy(&tokenizer_json, model.join("tokenizer.json")).unwrap();
-    (exe, model.display().to_string())
-}
-
 /// examples/decode.c's --kv: the KV cache type reaches the engine (engine_model_info and the start-up
 /// line name it), K and V apart with a comma, and a name that is no type is refused before anything loads.
 #[test]
 fn decode_example_takes_a_kv_cache_type() {
     let dir = native::scratch("decode-kv");
-    let (exe, model) = decode_and_tiny_model(&dir);
+    let exe = dir.join("decode");
+    native::build_c_program(&native::repo().join("examples/decode.c"), &exe);
+    // Heads of 32 values: whole blocks of the 8-bit types.
+    let model = tiny_model(&dir, 2, 1, 256, 7);
     for (kv, info, pool) in [
         ("q8_0", "KV cache K Q8_0 V Q8_0", "tokens in Q8_0 ("),
         ("fp8_e4m3,f16", "KV cache K FP8_E4M3 V F16", "tokens in K FP8_E4M3, V F16 ("),
@@ -242,7 +199,9 @@ fn decode_example_takes_a_kv_cache_type() {
 #[test]
 fn decode_example_drafts_with_a_model() {
     let dir = native::scratch("decode-draft");
-    let (exe, model) = decode_and_tiny_model(&dir);
+    let exe = dir.join("decode");
+    native::build_c_program(&native::repo().join("examples/decode.c"), &exe);
+    let model = tiny_model(&dir, 2, 1, 256, 7);
     let text = |out: &std::process::Output| {
         let stdout = String::from_utf8_lossy(&out.stdout).to_string();
         assert!(out.status.success(), "stdout:\n{stdout}\nstderr:\n{}", String::from_utf8_lossy(&out.stderr));
@@ -265,41 +224,10 @@ fn decode_example_drafts_with_a_model() {
 /// is one JSON value the schema accepts, and ends there; a regex llguidance refuses fails with its message.
 #[test]
 fn decode_example_holds_its_output_to_a_regex_or_a_schema() {
-    use hostembed::checkpoint::write::write_synthetic_hf;
-    use hostembed::model::{Arch, ModelConfig, RopeScaling};
-    use hostembed::tensor::DType;
-    use hostembed::tokenizer::Tokenizer;
-
     let dir = native::scratch("decode-constraint");
     let exe = dir.join("decode");
     native::build_c_program(&native::repo().join("examples/decode.c"), &exe);
-    let tokenizer_json = native::repo().join("assets/tokenizer.json");
-    let tokenizer = Tokenizer::from_json(&tokenizer_json).unwrap();
-    let special = |t: &str| tokenizer.token_id(t).unwrap_or_else(|| panic!("no token {t}"));
-    let cfg = ModelConfig {
-        arch: Arch::Llama,
-        vocab: tokenizer.vocab_size(),
-        hidden: 64,
-        layers: 2,
-        heads: 2,
-        kv_heads: 1,
-        head_dim: 32,
-        intermediate: 128,
-        rms_eps: 1e-5,
-        rope_theta: 10000.0,
-        rope_scaling: RopeScaling::None,
-        rope_interleaved: false,
-        max_position: 512,
-        tied: false,
-        qkv_bias: false,
-        qk_norm: false,
-        bos: Some(special("<|bos|>")),
-        eos: Some(special("<|eos|>")),
-    };
-    let model = dir.join("tiny");
-    write_synthetic_hf(&model, &cfg, 11, DType::Bf16).unwrap();
-    std::fs::copy(&tokenizer_json, model.join("tokenizer.json")).unwrap();
-    let model = model.display().to_string();
+    let model = tiny_model(&dir, 2, 1, 512, 11);
     // The text decode prints after the prompt, up to its closing "[end of text ...]" line.
     let output = |args: &[&str]| -> String {
         let mut all = vec![model.as_str(), "--backend", "cpu", "-p", "Answer:", "-n", "200", "--temp", "0.9"];
@@ -386,40 +314,10 @@ fn gen_tiny_writes_a_q4_k_m_mix_that_decodes() {
 /// finite perplexity.
 #[test]
 fn perplexity_example_scores_chunks_of_a_text() {
-    use hostembed::checkpoint::write::write_synthetic_hf;
-    use hostembed::model::{Arch, ModelConfig, RopeScaling};
-    use hostembed::tensor::DType;
-    use hostembed::tokenizer::Tokenizer;
-
     let dir = native::scratch("perplexity-example");
     let exe = dir.join("perplexity");
     native::build_c_program(&native::repo().join("examples/perplexity.c"), &exe);
-    let tokenizer_json = native::repo().join("assets/tokenizer.json");
-    let tokenizer = Tokenizer::from_json(&tokenizer_json).unwrap();
-    let cfg = ModelConfig {
-        arch: Arch::Llama,
-        vocab: tokenizer.vocab_size(),
-        hidden: 64,
-        layers: 2,
-        heads: 4,
-        kv_heads: 2,
-        head_dim: 16,
-        intermediate: 128,
-        rms_eps: 1e-5,
-        rope_theta: 10000.0,
-        rope_scaling: RopeScaling::None,
-        rope_interleaved: false,
-        max_position: 256,
-        tied: false,
-        qkv_bias: false,
-        qk_norm: false,
-        bos: tokenizer.token_id("<|bos|>"),
-        eos: tokenizer.token_id("<|eos|>"),
-    };
-    let model = dir.join("tiny");
-    write_synthetic_hf(&model, &cfg, 7, DType::Bf16).unwrap();
-    std::fs::copy(&tokenizer_json, model.join("tokenizer.json")).unwrap();
-    let model = model.display().to_string();
+    let model = tiny_model(&dir, 4, 2, 256, 7);
     let text = native::repo().join("README.md").display().to_string();
 
     let out = native::run(&exe, &[model.as_str()]);

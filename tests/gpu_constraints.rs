@@ -8,16 +8,18 @@
 
 mod common;
 use common::shared::no_cache;
-use common::{Held, Rng, Scratch, bits, gpu_present, init, logits, piece, quiet, random_sampling, serial, try_batch};
+use common::{
+    Held, Rng, Scratch, bits, cuda_options, gpu_present, init, logits, piece, random_sampling, serial, try_batch,
+};
 
 use hostembed::Status;
 use hostembed::abi::engine_constraint;
 use hostembed::checkpoint::Checkpoint;
 use hostembed::checkpoint::write::{synthetic_weights, write_gguf};
 use hostembed::constraint::{Constraint, Grammars};
-use hostembed::engine::{self, engine_backend, engine_options, engine_tristate};
+use hostembed::engine::engine_options;
 use hostembed::ffi;
-use hostembed::model::{Arch, ModelConfig, RopeScaling};
+use hostembed::model::ModelConfig;
 use hostembed::sampler::{self, Sampling};
 use hostembed::status::last_error;
 use hostembed::tensor::DType;
@@ -47,24 +49,11 @@ fn tiny_model(dir: &Scratch, seed: u64) -> PathBuf {
     let t = Tokenizer::from_json(&asset("tokenizer.json")).unwrap();
     let id = |name: &str| t.token_id(name).unwrap_or_else(|| panic!("the committed tokenizer has no {name}"));
     let cfg = ModelConfig {
-        arch: Arch::Llama,
-        vocab: t.vocab_size(),
-        hidden: 128,
-        layers: 2,
-        heads: 4,
-        kv_heads: 2,
-        head_dim: 32,
-        intermediate: 256,
-        rms_eps: 1e-5,
         rope_theta: 10000.0,
-        rope_scaling: RopeScaling::None,
-        rope_interleaved: false,
         max_position: 2048,
-        tied: false,
-        qkv_bias: false,
-        qk_norm: false,
         bos: Some(id("<|bos|>")),
         eos: Some(id("<|eos|>")),
+        ..ModelConfig::llama(128, 2, 4, 2, 256, t.vocab_size())
     };
     let path = dir.join("tiny.gguf");
     let kv = tokenizer::gguf_bpe_vocab(&asset("tokenizer.json")).unwrap().gguf_kv("gpt-2");
@@ -73,16 +62,7 @@ fn tiny_model(dir: &Scratch, seed: u64) -> PathBuf {
 }
 
 fn cuda(streams: u32) -> engine_options {
-    engine_options {
-        backend: engine_backend::Cuda,
-        room_bytes: 1 << 50,
-        mmap_rows: engine_tristate::No,
-        context: 1024,
-        max_streams: streams,
-        max_batch: 64,
-        log: Some(quiet),
-        ..engine::default_options()
-    }
+    cuda_options(1024, streams, 64)
 }
 
 /// The host's view of the model's constraints: the engine's own vocabulary for llguidance, built the

@@ -14,7 +14,7 @@ use common::{Held, Scratch, device_info, info, init, logits, serial, stats, step
 use common::{Rng, kv_stats, on_threads, reset, set_env, set_sampling, stream_len, truncate, try_batch};
 use hostembed::sampler::{self, Sampling};
 
-use common::{Mix, every_recipe_batches_like_alone, gpu_present, model_file, quiet, twins_batch_like_alone};
+use common::{Mix, cuda_options, every_recipe_batches_like_alone, gpu_present, model_file, twins_batch_like_alone};
 use hostembed::Status;
 use hostembed::checkpoint::Checkpoint;
 use hostembed::checkpoint::write::{write_synthetic_gguf, write_synthetic_hf};
@@ -107,16 +107,7 @@ fn prompt_of(n: usize) -> Vec<i32> {
 const LONG_PROMPT: usize = 3 * 32 + 17;
 
 fn greedy_cuda() -> engine_options {
-    engine_options {
-        backend: engine_backend::Cuda,
-        room_bytes: 1 << 50,
-        mmap_rows: engine_tristate::No,
-        context: WINDOW,
-        max_streams: 1,
-        max_batch: 32,
-        log: Some(quiet),
-        ..engine::default_options()
-    }
+    cuda_options(WINDOW, 1, 32)
 }
 
 fn sampled(o: engine_options) -> engine_options {

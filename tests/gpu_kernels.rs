@@ -13,7 +13,7 @@ use hostembed::cuda::{self, DeviceBuffer};
 use hostembed::gpu::PAGE_TOKENS;
 use hostembed::kernels as kn;
 use hostembed::kv::KvType;
-use hostembed::model::{Arch, ModelConfig, RopeScaling, TensorRef};
+use hostembed::model::{ModelConfig, RopeScaling, TensorRef};
 use hostembed::sampler::{self, Sampling};
 use hostembed::tensor::{DType, FORMATS, encode_row};
 
@@ -663,26 +663,8 @@ fn matvec_refuses_bad_arguments() {
 }
 
 fn config(heads: usize, kv_heads: usize, head_dim: usize, scaling: RopeScaling, interleaved: bool) -> ModelConfig {
-    ModelConfig {
-        arch: Arch::Llama,
-        vocab: 256,
-        hidden: heads * head_dim,
-        layers: 1,
-        heads,
-        kv_heads,
-        head_dim,
-        intermediate: 64,
-        rms_eps: 1e-6,
-        rope_theta: 500000.0,
-        rope_scaling: scaling,
-        rope_interleaved: interleaved,
-        max_position: 131072,
-        tied: false,
-        qkv_bias: false,
-        qk_norm: false,
-        bos: None,
-        eos: None,
-    }
+    let llama = ModelConfig::llama(heads * head_dim, 1, heads, kv_heads, 64, 256);
+    ModelConfig { rms_eps: 1e-6, rope_scaling: scaling, rope_interleaved: interleaved, ..llama }
 }
 
 #[test]

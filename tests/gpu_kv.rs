@@ -24,7 +24,7 @@ use hostembed::engine::{self, engine_backend, engine_options, engine_tristate};
 use hostembed::gpu::{GpuModel, PAGE_TOKENS, PageLayout};
 use hostembed::kernels as kn;
 use hostembed::kv::{KvType, KvTypes};
-use hostembed::model::{Arch, ModelConfig, RopeScaling};
+use hostembed::model::ModelConfig;
 use hostembed::sampler::Sampling;
 use hostembed::status::last_error;
 use hostembed::tensor::DType;
@@ -126,26 +126,8 @@ impl DeviceTables {
 }
 
 fn rope_config(heads: usize, kv_heads: usize, head_dim: usize, interleaved: bool) -> ModelConfig {
-    ModelConfig {
-        arch: Arch::Llama,
-        vocab: 256,
-        hidden: heads * head_dim,
-        layers: 1,
-        heads,
-        kv_heads,
-        head_dim,
-        intermediate: 64,
-        rms_eps: 1e-6,
-        rope_theta: 500000.0,
-        rope_scaling: RopeScaling::None,
-        rope_interleaved: interleaved,
-        max_position: 131072,
-        tied: false,
-        qkv_bias: false,
-        qk_norm: false,
-        bos: None,
-        eos: None,
-    }
+    let llama = ModelConfig::llama(heads * head_dim, 1, heads, kv_heads, 64, 256);
+    ModelConfig { rms_eps: 1e-6, rope_interleaved: interleaved, ..llama }
 }
 
 #[test]

@@ -16,14 +16,14 @@ mod native;
 
 use common::shared::{self, fork, kv_usage, no_cache, score};
 use common::{
-    Held, Rng, Scratch, bits, gpu_present, init, logits, model_file, quiet, rel_l2, reset, serial, stats, step,
-    truncate,
+    Held, Rng, Scratch, bits, cuda_options, decode_base, gpu_present, init, logits, model_file, rel_l2, reset, serial,
+    stats, step, truncate,
 };
 
 use hostembed::Status;
 use hostembed::checkpoint::write::{write_gguf_dequantized, write_synthetic_gguf, write_synthetic_hf};
-use hostembed::engine::{self, engine_backend, engine_kv_type, engine_options, engine_tristate};
-use hostembed::model::{Arch, ModelConfig, RopeScaling};
+use hostembed::engine::{engine_backend, engine_kv_type, engine_options};
+use hostembed::model::{Arch, ModelConfig};
 use hostembed::placement::engine_memory;
 use hostembed::status::last_error;
 use hostembed::tensor::DType;
@@ -34,26 +34,7 @@ const PAGE: usize = hostembed::gpu::PAGE_TOKENS;
 
 /// A Llama with GQA 4:1 whose head size flash attention takes and whose widths tensor cores take.
 fn config() -> ModelConfig {
-    ModelConfig {
-        arch: Arch::Llama,
-        vocab: 1024,
-        hidden: 256,
-        layers: 2,
-        heads: 8,
-        kv_heads: 2,
-        head_dim: 32,
-        intermediate: 512,
-        rms_eps: 1e-5,
-        rope_theta: 10000.0,
-        rope_scaling: RopeScaling::None,
-        rope_interleaved: false,
-        max_position: 4096,
-        tied: false,
-        qkv_bias: false,
-        qk_norm: false,
-        bos: Some(1),
-        eos: Some(2),
-    }
+    ModelConfig { vocab: 1024, ..decode_base(Arch::Llama) }
 }
 
 /// The model in BF16 (an HF folder: prompt chunks on tensor cores, a BF16 cache).
@@ -71,16 +52,7 @@ fn f32_model(dir: &Scratch, rng: &mut Rng) -> PathBuf {
 }
 
 fn cuda(window: u32, streams: u32) -> engine_options {
-    engine_options {
-        backend: engine_backend::Cuda,
-        room_bytes: 1 << 50,
-        mmap_rows: engine_tristate::No,
-        context: window,
-        max_streams: streams,
-        max_batch: 64,
-        log: Some(quiet),
-        ..engine::default_options()
-    }
+    cuda_options(window, streams, 64)
 }
 
 fn f32_cache(opts: engine_options) -> engine_options {

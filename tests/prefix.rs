@@ -8,15 +8,13 @@
 mod common;
 use common::shared::{self, alone, fork, kv_usage, no_cache, pages, score};
 use common::{Held, Rng, Scratch, bits, cpu_options, init, logits, serial, stats, step, try_step};
-use common::{reset, stream_len, truncate, try_batch};
+use common::{reset, room_for_tokens, stream_len, truncate, try_batch};
 
 use hostembed::Status;
 use hostembed::abi::engine_kv_usage;
-use hostembed::cpu::CpuStream;
-use hostembed::engine::{self, engine_options};
+use hostembed::engine::engine_options;
 use hostembed::ffi;
-use hostembed::fit;
-use hostembed::model::{Arch, ModelConfig, RopeScaling};
+use hostembed::model::ModelConfig;
 use hostembed::placement::engine_memory;
 use hostembed::status::last_error;
 use hostembed::tensor::DType;
@@ -28,24 +26,11 @@ const PAGE: usize = hostembed::cpu::PAGE_TOKENS;
 /// A small Llama with GQA 2:1 and an untied head.
 fn llama() -> ModelConfig {
     ModelConfig {
-        arch: Arch::Llama,
-        vocab: 256,
-        hidden: 64,
-        layers: 2,
-        heads: 4,
-        kv_heads: 2,
-        head_dim: 16,
-        intermediate: 128,
-        rms_eps: 1e-5,
         rope_theta: 10000.0,
-        rope_scaling: RopeScaling::None,
-        rope_interleaved: false,
         max_position: 512,
-        tied: false,
-        qkv_bias: false,
-        qk_norm: false,
         bos: Some(1),
         eos: Some(2),
+        ..ModelConfig::llama(64, 2, 4, 2, 128, 256)
     }
 }
 
@@ -260,15 +245,6 @@ fn prompts_take_whole_cached_pages_with_the_logits_of_computing_them() {
     assert_eq!(kv_usage(&off).tokens_cached, 0, "nothing kept");
     drop((e, reference, off));
     assert_eq!(stats(), engine_memory::default());
-}
-
-/// Host room for `tokens` positions of KV cache beside the step scratch and `streams` stream slots.
-fn room_for_tokens(cfg: &ModelConfig, window: u32, streams: u32, tokens: u64) -> u64 {
-    let slot = std::mem::size_of::<Option<CpuStream>>() as u64;
-    let probe = engine_options { room_bytes: 1 << 40, ..cpu_options(window, streams) };
-    let inputs = fit::cpu_inputs(cfg, window, streams, slot, engine::cpu_kv_types(&probe), &probe).unwrap();
-    let per_token = (fit::plan_cpu(&inputs).stream_bytes.unwrap() - slot) / window as u64;
-    inputs.scratch_bytes + streams as u64 * slot + tokens * per_token
 }
 
 /// A pool of 8 pages: pages no stream holds are taken when a step needs room, least recently released

@@ -10,7 +10,7 @@ use hostembed::checkpoint::write::{synthetic_weights, write_gguf};
 use hostembed::engine::{self, engine_backend, engine_options};
 use hostembed::ffi;
 use hostembed::fit;
-use hostembed::model::{Arch, ModelConfig, RopeScaling};
+use hostembed::model::ModelConfig;
 use hostembed::status::last_error;
 use hostembed::tensor::DType;
 use hostembed::tokenizer;
@@ -23,24 +23,11 @@ use std::time::Duration;
 /// A small Llama whose vocabulary is the committed tokenizer's.
 fn config() -> ModelConfig {
     ModelConfig {
-        arch: Arch::Llama,
-        vocab: 512,
-        hidden: 64,
-        layers: 2,
-        heads: 4,
-        kv_heads: 2,
-        head_dim: 16,
-        intermediate: 128,
-        rms_eps: 1e-5,
         rope_theta: 10000.0,
-        rope_scaling: RopeScaling::None,
-        rope_interleaved: false,
         max_position: 256,
-        tied: false,
-        qkv_bias: false,
-        qk_norm: false,
         bos: Some(0),
         eos: Some(1),
+        ..ModelConfig::llama(64, 2, 4, 2, 128, 512)
     }
 }
 

@@ -121,58 +121,60 @@ pub fn appendJsonFloat(gpa: Allocator, out: *std.ArrayList(u8), x: f64) !void {
     try out.print(gpa, "{d}", .{v});
 }
 
+/// A holder the tests below feed, and all it has let out so far.
+const Fed = struct {
+    h: Holder = .{},
+    out: std.ArrayList(u8) = .empty,
+
+    fn deinit(f: *Fed) void {
+        f.h.deinit(std.testing.allocator);
+        f.out.deinit(std.testing.allocator);
+    }
+
+    fn push(f: *Fed, piece: []const u8, stops: []const []const u8) !bool {
+        return f.h.push(std.testing.allocator, piece, stops, &f.out);
+    }
+
+    /// Pushes `piece` and expects no stop string found and `so_far` let out in all.
+    fn expectHeld(f: *Fed, piece: []const u8, stops: []const []const u8, so_far: []const u8) !void {
+        try std.testing.expect(!try f.push(piece, stops));
+        try std.testing.expectEqualStrings(so_far, f.out.items);
+    }
+};
+
 test "a stop string split across tokens is never let out" {
-    const gpa = std.testing.allocator;
-    var h: Holder = .{};
-    defer h.deinit(gpa);
-    var out: std.ArrayList(u8) = .empty;
-    defer out.deinit(gpa);
+    var f: Fed = .{};
+    defer f.deinit();
     const stops = [_][]const u8{"END"};
-    try std.testing.expect(!try h.push(gpa, "abc E", &stops, &out));
-    try std.testing.expectEqualStrings("abc ", out.items);
-    try std.testing.expect(!try h.push(gpa, "N", &stops, &out));
-    try std.testing.expectEqualStrings("abc ", out.items);
-    try std.testing.expect(try h.push(gpa, "Dxyz", &stops, &out));
-    try std.testing.expectEqualStrings("abc ", out.items);
+    try f.expectHeld("abc E", &stops, "abc ");
+    try f.expectHeld("N", &stops, "abc ");
+    try std.testing.expect(try f.push("Dxyz", &stops));
+    try std.testing.expectEqualStrings("abc ", f.out.items);
 }
 
 test "a false start of a stop string is let out once it cannot match" {
-    const gpa = std.testing.allocator;
-    var h: Holder = .{};
-    defer h.deinit(gpa);
-    var out: std.ArrayList(u8) = .empty;
-    defer out.deinit(gpa);
+    var f: Fed = .{};
+    defer f.deinit();
     const stops = [_][]const u8{"END"};
-    try std.testing.expect(!try h.push(gpa, "EN", &stops, &out));
-    try std.testing.expect(!try h.push(gpa, "X", &stops, &out));
-    try std.testing.expectEqualStrings("ENX", out.items);
+    try std.testing.expect(!try f.push("EN", &stops));
+    try f.expectHeld("X", &stops, "ENX");
 }
 
 test "a character split across tokens is held until whole" {
-    const gpa = std.testing.allocator;
-    var h: Holder = .{};
-    defer h.deinit(gpa);
-    var out: std.ArrayList(u8) = .empty;
-    defer out.deinit(gpa);
+    var f: Fed = .{};
+    defer f.deinit();
     const euro = "\u{20AC}"; // three bytes
-    try std.testing.expect(!try h.push(gpa, "a" ++ euro[0..1], &.{}, &out));
-    try std.testing.expectEqualStrings("a", out.items);
-    try std.testing.expect(!try h.push(gpa, euro[1..2], &.{}, &out));
-    try std.testing.expectEqualStrings("a", out.items);
-    try std.testing.expect(!try h.push(gpa, euro[2..3], &.{}, &out));
-    try std.testing.expectEqualStrings("a" ++ euro, out.items);
+    try f.expectHeld("a" ++ euro[0..1], &.{}, "a");
+    try f.expectHeld(euro[1..2], &.{}, "a");
+    try f.expectHeld(euro[2..3], &.{}, "a" ++ euro);
 }
 
 test "invalid bytes become U+FFFD and an unfinished character too at the end" {
-    const gpa = std.testing.allocator;
-    var h: Holder = .{};
-    defer h.deinit(gpa);
-    var out: std.ArrayList(u8) = .empty;
-    defer out.deinit(gpa);
-    try std.testing.expect(!try h.push(gpa, "x\xffy\xe2\x82", &.{}, &out));
-    try std.testing.expectEqualStrings("x\u{FFFD}y", out.items);
-    try h.flush(gpa, &out);
-    try std.testing.expectEqualStrings("x\u{FFFD}y\u{FFFD}\u{FFFD}", out.items);
+    var f: Fed = .{};
+    defer f.deinit();
+    try f.expectHeld("x\xffy\xe2\x82", &.{}, "x\u{FFFD}y");
+    try f.h.flush(std.testing.allocator, &f.out);
+    try std.testing.expectEqualStrings("x\u{FFFD}y\u{FFFD}\u{FFFD}", f.out.items);
 }
 
 test "JSON strings escape quotes and control characters" {

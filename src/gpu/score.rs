@@ -14,6 +14,27 @@ use crate::cuda::DeviceBuffer;
 use crate::status::Result;
 
 impl GpuModel {
+    /// Enqueues the forward pass of `tokens[from..from + len]`, one item of `stream` at the positions
+    /// after its `len`, with every row's final-normed activations kept (`Head::All`) for a head to read;
+    /// returns the path the pass laid the chunk out on.
+    fn enqueue_chunk(&self, stream: &GpuStream, tokens: &[u32], from: usize, len: usize) -> Result<Path> {
+        let piece = Piece {
+            item: 0,
+            from,
+            len,
+            pos: stream.len + from,
+            table: stream.cache.table_ptr(),
+            last: false,
+            row: 0,
+            path: Path::Matvec,
+        };
+        let mut pass = vec![piece];
+        let shape = self.lay_out(&mut pass);
+        self.upload_pass(&pass, &[tokens])?;
+        self.enqueue_forward(&pass, shape, Head::All)?;
+        Ok(pass[0].path)
+    }
+
     /// Appends `tokens` to one stream (pages from `pool`) and returns the logits after each of them
     /// (teacher forcing), for parity tests.
     pub fn all_logits(&mut self, pool: &mut PagePool, stream: &mut GpuStream, tokens: &[u32]) -> Result<Vec<Vec<f32>>> {
@@ -22,23 +43,9 @@ impl GpuModel {
         self.sync_table(stream)?;
         let mut out = Vec::with_capacity(tokens.len());
         let (hidden, vocab) = (self.cfg.hidden, self.cfg.vocab);
-        let token_lists = [tokens];
         for (c, chunk) in tokens.chunks(self.max_batch).enumerate() {
             let from = c * self.max_batch;
-            let piece = Piece {
-                item: 0,
-                from,
-                len: chunk.len(),
-                pos: stream.len + from,
-                table: stream.cache.table_ptr(),
-                last: false,
-                row: 0,
-                path: Path::Matvec,
-            };
-            let mut pass = vec![piece];
-            let shape = self.lay_out(&mut pass);
-            self.upload_pass(&pass, &token_lists)?;
-            self.enqueue_forward(&pass, shape, Head::All)?;
+            self.enqueue_chunk(stream, tokens, from, chunk.len())?;
             for t in 0..chunk.len() {
                 let x = (self.buf(self.s.xn) as *const f32).wrapping_add(t * hidden);
                 let logits = self.buf(self.s.logits) as *mut f32;
@@ -80,7 +87,6 @@ impl GpuModel {
         self.sync_table(stream)?;
         let (hidden, vocab, s) = (self.cfg.hidden, self.cfg.vocab, self.stream.raw());
         let rows_cap = self.s.logit_rows;
-        let token_lists = [tokens];
         let f = |off: usize| self.buf(off) as *mut f32;
         let (xn, logits) = (f(self.s.xn), f(self.s.logits));
         let act = self.buf(self.s.act);
@@ -94,23 +100,10 @@ impl GpuModel {
         for (c, chunk) in tokens.chunks(self.max_batch).enumerate() {
             let from = c * self.max_batch;
             let n = chunk.len();
-            let piece = Piece {
-                item: 0,
-                from,
-                len: n,
-                pos: stream.len + from,
-                table: stream.cache.table_ptr(),
-                last: false,
-                row: 0,
-                path: Path::Matvec,
-            };
-            let mut pass = vec![piece];
-            let shape = self.lay_out(&mut pass);
-            self.upload_pass(&pass, &token_lists)?;
-            self.enqueue_forward(&pass, shape, Head::All)?;
+            let path = self.enqueue_chunk(stream, tokens, from, n)?;
             let next: Vec<c_int> = (0..n).map(|r| tokens.get(from + r + 1).map_or(-1, |&t| t as c_int)).collect();
             self.upload(self.s.up, &next)?;
-            let on_tc = pass[0].path == Path::Tensor && self.head.dtype == self.half;
+            let on_tc = path == Path::Tensor && self.head.dtype == self.half;
             if on_tc {
                 launch::convert(xn, act, self.half, n * hidden, s)?;
             }

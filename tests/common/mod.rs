@@ -166,6 +166,21 @@ pub fn cpu_options(window: u32, streams: u32) -> engine_options {
     }
 }
 
+/// `streams` streams of `window` tokens on the CUDA backend in passes of up to `max_batch` tokens, quiet;
+/// room without limit and the embedding rows on the card whatever the environment says.
+pub fn cuda_options(window: u32, streams: u32, max_batch: u32) -> engine_options {
+    engine_options {
+        backend: hostembed::engine::engine_backend::Cuda,
+        room_bytes: 1 << 50,
+        mmap_rows: hostembed::engine::engine_tristate::No,
+        context: window,
+        max_streams: streams,
+        max_batch,
+        log: Some(quiet),
+        ..hostembed::engine::default_options()
+    }
+}
+
 /// An engine freed when dropped, so a failed assertion does not leave it to the next test's counters.
 pub struct Held(pub *mut ffi::engine);
 
@@ -173,6 +188,18 @@ impl Drop for Held {
     fn drop(&mut self) {
         unsafe { ffi::engine_free(self.0) };
     }
+}
+
+/// Host room for `tokens` positions of KV cache beside the step scratch and `streams` stream slots: the
+/// CPU plan's own figures.
+pub fn room_for_tokens(cfg: &ModelConfig, window: u32, streams: u32, tokens: u64) -> u64 {
+    let slot = std::mem::size_of::<Option<hostembed::cpu::CpuStream>>() as u64;
+    let probe = engine_options { room_bytes: 1 << 40, ..cpu_options(window, streams) };
+    let inputs =
+        hostembed::fit::cpu_inputs(cfg, window, streams, slot, hostembed::engine::cpu_kv_types(&probe), &probe)
+            .unwrap();
+    let per_token = (hostembed::fit::plan_cpu(&inputs).stream_bytes.unwrap() - slot) / window as u64;
+    inputs.scratch_bytes + streams as u64 * slot + tokens * per_token
 }
 
 /// `work(engine, i)` for i in 0..n, each on a thread of its own, all on the one engine `e` (which the
