@@ -540,12 +540,14 @@ def test_limits_key_and_drain(binary, model, reference):
         check(status == 503 and b"Retry-After: 1" in reply, f"a request that cannot fit gets 503 with Retry-After ({status})")
         long_stream.close()
 
-        # SIGTERM while a stream runs: it finishes, new requests are refused, the server exits 0.
+        # SIGTERM while a stream runs: it finishes, new requests are refused, the server exits 0. The
+        # stream is long enough (a story of 96 tokens, seconds on two cores) that the drain is still on
+        # when the request comes: a server that had already exited would refuse the connection instead.
         got = []
         done = threading.Event()
 
         def consume():
-            for chunk in chat(srv.client("sekrit"), "Count to twenty.", max_tokens=24, stream=True):
+            for chunk in chat(srv.client("sekrit"), "Tell a long story.", max_tokens=96, stream=True):
                 got.extend(c.delta.content or "" for c in chunk.choices)
             done.set()
 
@@ -554,6 +556,7 @@ def test_limits_key_and_drain(binary, model, reference):
         time.sleep(0.5)
         srv.proc.send_signal(signal.SIGTERM)
         time.sleep(0.2)
+        check(not done.is_set(), "the stream was still running when the drain began")
         status, _ = srv.post("/v1/completions", {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 2},
                              b"Authorization: Bearer sekrit\r\n")
         check(status in (503, None), f"a request during the drain is refused ({status})")
