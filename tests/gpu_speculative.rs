@@ -7,13 +7,14 @@
 
 mod common;
 use common::shared::{self, no_cache};
-use common::{Held, Rng, Scratch, cpu_options, gpu_present, init, model_file, quiet, reset, serial};
+use common::spec::lookup;
+use common::{Held, Rng, Scratch, cpu_options, gpu_present, init, model_file, reset, serial};
 
 use hostembed::Status;
 use hostembed::abi::{engine_batch_item, engine_draft, engine_speculation};
-use hostembed::engine::{self, engine_backend, engine_kv_type, engine_options, engine_tristate};
+use hostembed::engine::{engine_kv_type, engine_options};
 use hostembed::ffi;
-use hostembed::model::{Arch, ModelConfig, RopeScaling};
+use hostembed::model::{Arch, ModelConfig};
 use hostembed::status::last_error;
 use hostembed::tensor::DType;
 
@@ -22,41 +23,18 @@ const PAGE: usize = hostembed::gpu::PAGE_TOKENS;
 fn config(arch: Arch) -> ModelConfig {
     ModelConfig {
         arch,
-        vocab: 512,
-        hidden: 128,
-        layers: 2,
-        heads: 4,
-        kv_heads: 2,
-        head_dim: 32,
-        intermediate: 256,
-        rms_eps: 1e-5,
         rope_theta: 10000.0,
-        rope_scaling: RopeScaling::None,
-        rope_interleaved: false,
         max_position: 512,
         tied: arch == Arch::Qwen2,
         qkv_bias: arch == Arch::Qwen2,
-        qk_norm: false,
         bos: Some(1),
         eos: Some(2),
+        ..ModelConfig::llama(128, 2, 4, 2, 256, 512)
     }
 }
 
 fn cuda(window: u32, streams: u32) -> engine_options {
-    engine_options {
-        backend: engine_backend::Cuda,
-        room_bytes: 1 << 50,
-        mmap_rows: engine_tristate::No,
-        context: window,
-        max_streams: streams,
-        max_batch: 64,
-        log: Some(quiet),
-        ..engine::default_options()
-    }
-}
-
-fn lookup(max_tokens: u32) -> engine_speculation {
-    engine_speculation { draft: engine_draft::Ngram, max_tokens, ngram_min: 1, ngram_max: 3 }
+    common::cuda_options(window, streams, 64)
 }
 
 fn set_speculation(e: &Held, stream: u32, s: &engine_speculation) {

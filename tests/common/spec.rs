@@ -5,29 +5,19 @@ use super::{Held, Rng};
 use hostembed::Status;
 use hostembed::abi::{engine_batch_item, engine_draft, engine_speculation};
 use hostembed::ffi;
-use hostembed::model::{Arch, ModelConfig, RopeScaling};
+use hostembed::model::{Arch, ModelConfig};
 use hostembed::status::last_error;
 
 pub fn tiny(arch: Arch) -> ModelConfig {
     ModelConfig {
         arch,
-        vocab: 64,
-        hidden: 64,
-        layers: 2,
-        heads: 4,
-        kv_heads: 2,
-        head_dim: 16,
-        intermediate: 96,
-        rms_eps: 1e-5,
         rope_theta: 10000.0,
-        rope_scaling: RopeScaling::None,
-        rope_interleaved: false,
         max_position: 512,
         tied: arch == Arch::Qwen2,
         qkv_bias: arch == Arch::Qwen2,
-        qk_norm: false,
         bos: Some(1),
         eos: Some(2),
+        ..ModelConfig::llama(64, 2, 4, 2, 96, 64)
     }
 }
 
