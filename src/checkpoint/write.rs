@@ -697,6 +697,18 @@ pub fn write_gguf(
 /// `write_gguf` for `synthetic_weights(cfg, seed, recipe)`, one tensor generated at a time as the file
 /// is written, so a model far larger than memory can be written.
 pub fn write_synthetic_gguf(path: &Path, cfg: &ModelConfig, seed: u64, recipe: impl Into<Recipe>) -> Result<()> {
+    write_synthetic_gguf_kv(path, cfg, seed, recipe, &[])
+}
+
+/// `write_synthetic_gguf` with `extra_kv` after the generated metadata (a tokenizer's keys), as
+/// `write_gguf` takes them.
+pub fn write_synthetic_gguf_kv(
+    path: &Path,
+    cfg: &ModelConfig,
+    seed: u64,
+    recipe: impl Into<Recipe>,
+    extra_kv: &[(String, GgufValue)],
+) -> Result<()> {
     let recipe = recipe.into();
     let mut entries: Vec<GgufEntry> = expected_tensors(cfg)
         .into_iter()
@@ -709,7 +721,7 @@ pub fn write_synthetic_gguf(path: &Path, cfg: &ModelConfig, seed: u64, recipe: i
         })
         .collect();
     entries.extend(rope_freqs_entry(cfg));
-    write_gguf_entries(path, cfg, &entries, &[])
+    write_gguf_entries(path, cfg, &entries, extra_kv)
 }
 
 fn write_gguf_entries(
