@@ -21,7 +21,7 @@
 
 use crate::backend::KvStream;
 use crate::kv::{KvType, KvTypes};
-use crate::model::{Arch, LayerWeights, ModelConfig, ModelWeights, TensorRef, TensorSource};
+use crate::model::{Arch, Layers, ModelConfig, ModelWeights, TensorRef, TensorSource};
 use crate::status::Result;
 use crate::{bail, err};
 
@@ -222,7 +222,7 @@ pub struct CpuModel<'a> {
     final_norm: Vec<f32>,
     /// The embedding table when the head is tied.
     lm_head: TensorRef<'a>,
-    layers: Vec<LayerWeights<CpuWeight<'a>>>,
+    layers: Layers<CpuWeight<'a>>,
     inv_freq: Vec<f32>,
     /// What the streams `new_stream` makes keep K and V in.
     kv: KvTypes,
@@ -239,7 +239,7 @@ impl<'a> CpuModel<'a> {
     pub fn new(src: &'a dyn TensorSource) -> Result<Self> {
         let cfg = src.config().clone();
         let w = ModelWeights::read(src)?;
-        let layers = w.layers.into_iter().map(|l| l.try_map(|t| Ok(CpuWeight::new(t)))).collect::<Result<_>>()?;
+        let layers = w.layers.try_map(|_, _, t| Ok(CpuWeight::new(t)))?;
         let lm_head = w.lm_head.unwrap_or(w.embed);
         let inv_freq = rope_inv_freq(&cfg);
         let final_norm = w.final_norm.to_f32();
@@ -529,7 +529,7 @@ impl<'a> CpuModel<'a> {
             tiles,
             attention,
         };
-        crate::arch::forward(cfg.arch, &mut pass, &self.layers).expect("the CPU's operations do not fail");
+        crate::arch::forward(&mut pass, &self.layers).expect("the CPU's operations do not fail");
     }
 
     /// The logits of the pass's rows `rows` (hidden states in `s.x`), one row of `out` each.

@@ -452,13 +452,24 @@ macro_rules! weight_value {
 }
 
 macro_rules! weight_map {
-    (Always, $v:expr, $f:expr) => {
-        $f($v)?
+    (Always, $spec:expr, $v:expr, $f:expr) => {
+        $f($spec, $v)?
     };
-    ($need:ident, $v:expr, $f:expr) => {
+    ($need:ident, $spec:expr, $v:expr, $f:expr) => {
         match $v {
-            Some(v) => Some($f(v)?),
+            Some(v) => Some($f($spec, v)?),
             None => None,
+        }
+    };
+}
+
+macro_rules! weight_each {
+    (Always, $spec:expr, $v:expr, $f:expr) => {
+        $f($spec, $v)
+    };
+    ($need:ident, $spec:expr, $v:expr, $f:expr) => {
+        if let Some(v) = $v {
+            $f($spec, v)
         }
     };
 }
@@ -493,21 +504,34 @@ macro_rules! weight_table {
                 Ok(LayerWeights { $( $field: { let w = next(); $crate::model::weight_value!($need, w, cfg, &mut f) }, )+ })
             }
 
-            /// Each weight through `f`, in file order.
+            /// Each weight through `f` with its table row, in file order.
             pub fn try_map<U>(
                 self,
-                mut f: impl FnMut(T) -> $crate::status::Result<U>,
+                mut f: impl FnMut(&'static $crate::model::WeightSpec, T) -> $crate::status::Result<U>,
             ) -> $crate::status::Result<LayerWeights<U>> {
-                Ok(LayerWeights { $( $field: $crate::model::weight_map!($need, self.$field, &mut f), )+ })
+                let mut specs = LAYER_WEIGHTS.iter();
+                Ok(LayerWeights { $( $field: {
+                    let spec = specs.next().expect("one table row per field");
+                    $crate::model::weight_map!($need, spec, self.$field, &mut f)
+                }, )+ })
+            }
+
+            /// `f` on each weight the layer has with its table row, in file order.
+            pub fn each(&self, mut f: impl FnMut(&'static $crate::model::WeightSpec, &T)) {
+                let mut specs = LAYER_WEIGHTS.iter();
+                $( {
+                    let spec = specs.next().expect("one table row per field");
+                    $crate::model::weight_each!($need, spec, &self.$field, &mut f);
+                } )+
             }
         }
     };
 }
 
-pub(crate) use {weight_field, weight_map, weight_table, weight_value};
+pub(crate) use {weight_each, weight_field, weight_map, weight_table, weight_value};
 
-/// The layer weights of the architectures the backends run: the llama family's tensor list.
-pub use crate::arch::llama::{LAYER_WEIGHTS, LayerWeights};
+/// Every layer's weights, in the table of the model's architecture.
+pub use crate::arch::Layers;
 
 /// The weights around the layers, in file order: the embedding first, the final norm and head last.
 pub const EMBED_WEIGHT: WeightSpec =
@@ -520,7 +544,7 @@ pub const LM_HEAD_WEIGHT: WeightSpec =
 /// Every weight of a model by role.
 pub struct ModelWeights<T> {
     pub embed: T,
-    pub layers: Vec<LayerWeights<T>>,
+    pub layers: Layers<T>,
     pub final_norm: T,
     /// None when the head is the embedding table.
     pub lm_head: Option<T>,
@@ -530,7 +554,7 @@ impl<T> ModelWeights<T> {
     /// The model `cfg` describes, asking `f` for each weight it has in file order.
     pub fn build(cfg: &ModelConfig, mut f: impl FnMut(&Weight) -> Result<T>) -> Result<Self> {
         let embed = f(&Weight::new(&EMBED_WEIGHT, None, cfg))?;
-        let layers = (0..cfg.layers).map(|i| LayerWeights::build(cfg, i, &mut f)).collect::<Result<_>>()?;
+        let layers = Layers::build(cfg, &mut f)?;
         let final_norm = f(&Weight::new(&FINAL_NORM_WEIGHT, None, cfg))?;
         let lm_head =
             if LM_HEAD_WEIGHT.need.holds(cfg) { Some(f(&Weight::new(&LM_HEAD_WEIGHT, None, cfg))?) } else { None };

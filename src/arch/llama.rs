@@ -56,6 +56,7 @@ pub fn forward<O: Ops>(ops: &mut O, layers: &[LayerWeights<O::Weight>]) -> Resul
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::arch::Layers;
     use crate::model::{Arch, ModelConfig, RopeScaling};
 
     /// Operations that write down what they were asked, each weight by its name.
@@ -124,10 +125,9 @@ mod tests {
     fn each_architecture_passes_its_own_tensors_in_order() {
         for arch in Arch::ALL {
             let cfg = config(arch);
-            let layers: Vec<LayerWeights<String>> =
-                (0..cfg.layers).map(|l| LayerWeights::build(&cfg, l, |w| Ok(w.name.clone())).unwrap()).collect();
+            let layers = Layers::build(&cfg, |w| Ok(w.name.clone())).unwrap();
             let mut ops = Recorder(Vec::new());
-            crate::arch::forward(arch, &mut ops, &layers).unwrap();
+            crate::arch::forward(&mut ops, &layers).unwrap();
             let mut want = vec!["embed".to_string()];
             for l in 0..cfg.layers {
                 let n = |part: &str| crate::model::names::layer(l, part);

@@ -11,12 +11,12 @@
 //! SwiGLU feed-forward with its residual add), so each backend keeps its fusions; the CPU runs them
 //! unfused.
 //!
-//! Adding an architecture adds a file here with its forward (and, where it needs an operation the
-//! trait lacks, that operation in both backends), and a line in `forward`.
+//! Adding an architecture adds a file here with its table and forward (and, where it needs an
+//! operation the trait lacks, that operation in both backends), a variant of `Layers` and its arms.
 
 pub mod llama;
 
-use crate::model::{Arch, LayerWeights};
+use crate::model::{Arch, ModelConfig, Weight, WeightSpec};
 use crate::status::Result;
 
 /// What reads a norm's output, which decides how exactly a backend keeps it.
@@ -66,10 +66,58 @@ pub trait Ops {
     fn add_swiglu_ffn(&mut self, gate: &Self::Weight, up: &Self::Weight, down: &Self::Weight) -> Result<()>;
 }
 
+/// Every layer's weights, in the table of the model's architecture.
+pub enum Layers<T> {
+    /// Llama, Qwen2, Qwen3.
+    Llama(Vec<llama::LayerWeights<T>>),
+}
+
+/// `$body` with `$l` bound to the layers' vector, whichever table it is.
+macro_rules! each_table {
+    ($layers:expr, $l:ident => $body:expr) => {
+        match $layers {
+            Layers::Llama($l) => $body,
+        }
+    };
+}
+
+impl<T> Layers<T> {
+    /// The layers of the model `cfg` describes, asking `f` for each weight in file order.
+    pub fn build(cfg: &ModelConfig, mut f: impl FnMut(&Weight) -> Result<T>) -> Result<Self> {
+        Ok(match cfg.arch {
+            Arch::Llama | Arch::Qwen2 | Arch::Qwen3 => Layers::Llama(
+                (0..cfg.layers).map(|i| llama::LayerWeights::build(cfg, i, &mut f)).collect::<Result<_>>()?,
+            ),
+        })
+    }
+
+    /// Each weight through `f` with its layer and table row, layer after layer in file order.
+    pub fn try_map<U>(self, mut f: impl FnMut(usize, &'static WeightSpec, T) -> Result<U>) -> Result<Layers<U>> {
+        Ok(match self {
+            Layers::Llama(l) => Layers::Llama(
+                l.into_iter().enumerate().map(|(i, w)| w.try_map(|spec, t| f(i, spec, t))).collect::<Result<_>>()?,
+            ),
+        })
+    }
+
+    /// `f` on each weight of each layer (its index, its table row, the weight), in file order.
+    pub fn each(&self, mut f: impl FnMut(usize, &'static WeightSpec, &T)) {
+        each_table!(self, l => l.iter().enumerate().for_each(|(i, w)| w.each(|spec, t| f(i, spec, t))))
+    }
+
+    pub fn len(&self) -> usize {
+        each_table!(self, l => l.len())
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
 /// One pass of the model's layers over the rows `ops` holds: their final hidden states (before the
-/// final norm) end in x. The registry: each architecture's forward, by its name in `Arch`.
-pub fn forward<O: Ops>(arch: Arch, ops: &mut O, layers: &[LayerWeights<O::Weight>]) -> Result<()> {
-    match arch {
-        Arch::Llama | Arch::Qwen2 | Arch::Qwen3 => llama::forward(ops, layers),
+/// final norm) end in x. The registry: each table's forward.
+pub fn forward<O: Ops>(ops: &mut O, layers: &Layers<O::Weight>) -> Result<()> {
+    match layers {
+        Layers::Llama(l) => llama::forward(ops, l),
     }
 }
