@@ -158,6 +158,8 @@ pub(super) struct AttentionShape {
     pub head_dim: usize,
     /// Floats between one token's q/k/v row and the next's.
     pub qkv_stride: usize,
+    /// A sliding-window layer's window (each query's last positions, its own counted); 0 for none.
+    pub window: usize,
 }
 
 /// One layer's part of the paged KV pool: where its first page starts, how many pages it has, and the
@@ -244,6 +246,7 @@ pub(super) fn attention(
             a.kv_heads as c_uint,
             a.head_dim as c_uint,
             scale,
+            a.window as c_uint,
             splits as c_uint,
             grid_parts as c_uint,
             partial,
@@ -565,6 +568,7 @@ pub(super) fn flash_attention(
             a.kv_heads as c_uint,
             a.head_dim as c_uint,
             scale,
+            a.window as c_uint,
             out,
             dtype as c_int,
             out_stride as c_uint,

@@ -114,6 +114,7 @@ impl<'a> PassOps<'a> {
             kv_heads: cfg.kv_heads,
             head_dim: cfg.head_dim,
             qkv_stride: cfg.q_dim() + 2 * cfg.kv_dim(),
+            window: 0,
         }
     }
 
