@@ -135,6 +135,18 @@ cudaError_t hostembed_swiglu(const float *gate, const float *up, float *out, siz
 // out[i] = a[i] + b[i] (out may be a or b).
 cudaError_t hostembed_add(const float *a, const float *b, float *out, size_t len, cudaStream_t stream);
 
+// x[i] *= factor.
+cudaError_t hostembed_scale(float *x, float factor, size_t len, cudaStream_t stream);
+
+// out[i] = gelu_tanh(gate[i]) * up[i] written in out_dtype (HE_DTYPE_F32 or a half format), gelu_tanh(g) =
+// 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))); out may not overlap gate or up unless it is F32.
+cudaError_t hostembed_geglu_to(const float *gate, const float *up, void *out, int out_dtype, size_t len,
+                               cudaStream_t stream);
+
+// x[r] += RMSNorm(y[r]) * w for each of n rows of cols values (y's own norm; x and y do not overlap).
+cudaError_t hostembed_rmsnorm_add(const float *y, const float *w, float eps, float *x, unsigned int n,
+                                  unsigned int cols, cudaStream_t stream);
+
 // Picks the next token from logits[vocab] exactly as src/sampler.rs does (the repetition penalty on the
 // n_penalty distinct ids in penalty[0..n_penalty); then temperature <= 0: argmax, lowest index on ties;
 // else integer weights, top-k, min-p, top-p, one draw from (seed, stream_index, position)) and writes it

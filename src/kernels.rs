@@ -49,6 +49,9 @@ cuda_fns! {
     pub fn hostembed_attention(q: *const f32, q_stride: c_uint, kv_pool: *const c_void, tables: *const *const c_uint, pool_pages: c_uint, k_type: c_int, v_type: c_int, pos: *const c_int, n: c_uint, heads: c_uint, kv_heads: c_uint, head_dim: c_uint, scale: f32, window: c_uint, splits: c_uint, grid_parts: c_uint, partial: *mut f32, out: *mut f32, stream: cudaStream_t) -> cudaError_t;
     pub fn hostembed_swiglu(gate: *const f32, up: *const f32, out: *mut f32, len: usize, stream: cudaStream_t) -> cudaError_t;
     pub fn hostembed_add(a: *const f32, b: *const f32, out: *mut f32, len: usize, stream: cudaStream_t) -> cudaError_t;
+    pub fn hostembed_scale(x: *mut f32, factor: f32, len: usize, stream: cudaStream_t) -> cudaError_t;
+    pub fn hostembed_geglu_to(gate: *const f32, up: *const f32, out: *mut c_void, out_dtype: c_int, len: usize, stream: cudaStream_t) -> cudaError_t;
+    pub fn hostembed_rmsnorm_add(y: *const f32, w: *const f32, eps: f32, x: *mut f32, n: c_uint, cols: c_uint, stream: cudaStream_t) -> cudaError_t;
     pub fn hostembed_sample_rows(logits: *mut f32, vocab: c_uint, rows: c_uint, settings: *const hostembed_sample_row, ids: *const c_int, n_ids: c_uint, masks: *const c_uint, scratch: *mut c_void, scratch_size: usize, tokens: *mut c_int, stream: cudaStream_t) -> cudaError_t;
     pub fn hostembed_sample(logits: *mut f32, vocab: c_uint, temperature: f32, top_k: c_uint, top_p: f32, min_p: f32, repeat_penalty: f32, penalty: *mut c_int, n_penalty: c_uint, seed: u64, stream_index: c_uint, position: u64, scratch: *mut c_void, token: *mut c_int, stream: cudaStream_t) -> cudaError_t;
     // logprob.cu

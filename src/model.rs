@@ -8,13 +8,35 @@ pub enum Arch {
     Llama,
     Qwen2,
     Qwen3,
+    Gemma3,
+}
+
+/// The gated feed-forward's activation of the gate.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Activation {
+    /// silu(g) = g / (1 + e^-g): SwiGLU.
+    Silu,
+    /// GELU's tanh approximation, 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))): GeGLU.
+    GeluTanh,
+}
+
+impl Activation {
+    /// The names config.json gives it (`hidden_act` / `hidden_activation`).
+    pub fn hf_names(self) -> &'static [&'static str] {
+        match self {
+            Activation::Silu => &["silu"],
+            Activation::GeluTanh => &["gelu_pytorch_tanh"],
+        }
+    }
 }
 
 /// What sets one architecture apart from the others: the readers fill a `ModelConfig` from this.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ArchTraits {
-    /// The name in config.json `model_type` and GGUF `general.architecture`.
+    /// The name in GGUF `general.architecture` (and config.json `model_type` unless `hf_model_type` differs).
     pub name: &'static str,
+    /// config.json's `model_type` (Gemma 3's text model is "gemma3_text").
+    pub hf_model_type: &'static str,
     /// q/k/v projections carry a bias.
     pub qkv_bias: bool,
     /// RMSNorm over each head of q and k before the rotation.
@@ -22,17 +44,57 @@ pub struct ArchTraits {
     /// llama.cpp's converter permutes this architecture's Q/K rows, so its GGUF files rotate adjacent
     /// pairs; HF files (and every other GGUF) rotate halves.
     pub gguf_rope_interleaved: bool,
+    /// The feed-forward's activation.
+    pub activation: Activation,
+    /// HF stores its RMSNorm weights w of a norm that multiplies by (1 + w) (Gemma); the readers hold
+    /// the multiplier (1 + w), as llama.cpp's converter writes it into GGUF.
+    pub hf_norms_plus_one: bool,
+    /// GGUF layer tensor names this architecture spells apart from the llama family's (GGUF part,
+    /// HF part), looked up before those.
+    pub gguf_layer_parts: &'static [(&'static str, &'static str)],
 }
 
 impl Arch {
     /// Every architecture the readers accept.
-    pub const ALL: [Arch; 3] = [Arch::Llama, Arch::Qwen2, Arch::Qwen3];
+    pub const ALL: [Arch; 4] = [Arch::Llama, Arch::Qwen2, Arch::Qwen3, Arch::Gemma3];
 
     pub const fn traits(self) -> ArchTraits {
+        const LLAMA: ArchTraits = ArchTraits {
+            name: "llama",
+            hf_model_type: "llama",
+            qkv_bias: false,
+            qk_norm: false,
+            gguf_rope_interleaved: true,
+            activation: Activation::Silu,
+            hf_norms_plus_one: false,
+            gguf_layer_parts: &[],
+        };
         match self {
-            Arch::Llama => ArchTraits { name: "llama", qkv_bias: false, qk_norm: false, gguf_rope_interleaved: true },
-            Arch::Qwen2 => ArchTraits { name: "qwen2", qkv_bias: true, qk_norm: false, gguf_rope_interleaved: false },
-            Arch::Qwen3 => ArchTraits { name: "qwen3", qkv_bias: false, qk_norm: true, gguf_rope_interleaved: false },
+            Arch::Llama => LLAMA,
+            Arch::Qwen2 => ArchTraits {
+                name: "qwen2",
+                hf_model_type: "qwen2",
+                qkv_bias: true,
+                gguf_rope_interleaved: false,
+                ..LLAMA
+            },
+            Arch::Qwen3 => ArchTraits {
+                name: "qwen3",
+                hf_model_type: "qwen3",
+                qk_norm: true,
+                gguf_rope_interleaved: false,
+                ..LLAMA
+            },
+            Arch::Gemma3 => ArchTraits {
+                name: "gemma3",
+                hf_model_type: "gemma3_text",
+                qk_norm: true,
+                gguf_rope_interleaved: false,
+                activation: Activation::GeluTanh,
+                hf_norms_plus_one: true,
+                gguf_layer_parts: crate::arch::gemma3::GGUF_PARTS,
+                ..LLAMA
+            },
         }
     }
 
@@ -44,9 +106,19 @@ impl Arch {
         Arch::ALL.into_iter().find(|a| a.name() == name)
     }
 
-    /// The names, for messages about an architecture the readers do not accept: "llama, qwen2, qwen3".
+    /// The architecture of a config.json `model_type`.
+    pub fn from_hf_model_type(model_type: &str) -> Option<Arch> {
+        Arch::ALL.into_iter().find(|a| a.traits().hf_model_type == model_type)
+    }
+
+    /// The names, for messages about an architecture the readers do not accept: "llama, qwen2, qwen3, gemma3".
     pub fn supported_names() -> String {
         Arch::ALL.map(Arch::name).join(", ")
+    }
+
+    /// config.json's names of them: "llama, qwen2, qwen3, gemma3_text".
+    pub fn supported_hf_model_types() -> String {
+        Arch::ALL.map(|a| a.traits().hf_model_type).join(", ")
     }
 }
 
@@ -91,8 +163,36 @@ pub struct ModelConfig {
     pub qkv_bias: bool,
     /// Qwen3: RMSNorm over each head of q and k before the rotation.
     pub qk_norm: bool,
+    /// How attention departs from every layer seeing every position, scaled by 1/sqrt(head_dim).
+    pub attention: AttentionConfig,
     pub bos: Option<u32>,
     pub eos: Option<u32>,
+}
+
+/// Attention's departures from the plain form (every layer over every earlier position, with the one
+/// rotary base, scores scaled by 1/sqrt(head_dim)); `Default` is the plain form.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct AttentionConfig {
+    /// Scores are q.k / sqrt(this) (Gemma 3's query_pre_attn_scalar); None: head_dim.
+    pub query_scale_base: Option<f32>,
+    /// Sliding-window (local) layers among global ones.
+    pub sliding: Option<SlidingWindow>,
+}
+
+/// Local layers attend over the last `window` positions, their own included, with a rotary base of
+/// their own and no rope scaling; layer l is global when (l + 1) is a multiple of `global_every`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SlidingWindow {
+    pub window: usize,
+    pub global_every: usize,
+    pub rope_theta: f32,
+}
+
+impl AttentionConfig {
+    /// The window layer `layer` attends over: None for a global layer.
+    pub fn window(&self, layer: usize) -> Option<usize> {
+        self.sliding.filter(|s| !(layer + 1).is_multiple_of(s.global_every)).map(|s| s.window)
+    }
 }
 
 impl ModelConfig {
@@ -123,6 +223,7 @@ impl ModelConfig {
             tied: false,
             qkv_bias: false,
             qk_norm: false,
+            attention: AttentionConfig::default(),
             bos: None,
             eos: None,
         }
@@ -195,7 +296,35 @@ impl ModelConfig {
                     && original_max_position > 0 => {}
             other => crate::bail!(BadModel, "{source}: rope scaling {other:?} has a factor out of range"),
         }
+        if let Some(base) = self.attention.query_scale_base
+            && !positive(base)
+        {
+            crate::bail!(BadModel, "{source}: query_pre_attn_scalar {base} is not a positive number");
+        }
+        if let Some(s) = self.attention.sliding {
+            if s.window == 0 || s.window > MAX_DIM || s.global_every == 0 || s.global_every > MAX_LAYERS {
+                crate::bail!(
+                    BadModel,
+                    "{source}: sliding window {} (a global layer every {}) is out of range",
+                    s.window,
+                    s.global_every
+                );
+            }
+            if !positive(s.rope_theta) {
+                crate::bail!(BadModel, "{source}: local rope theta {} is not a positive number", s.rope_theta);
+            }
+        }
         Ok(())
+    }
+
+    /// The factor scores are scaled by, 1/sqrt(head_dim) or 1/sqrt(query_pre_attn_scalar), in f64 (the
+    /// CPU's) and as the CUDA kernels take it, in f32.
+    pub fn score_scale(&self) -> f64 {
+        1.0 / self.attention.query_scale_base.map_or(self.head_dim as f64, |b| b as f64).sqrt()
+    }
+
+    pub fn score_scale_f32(&self) -> f32 {
+        1.0 / self.attention.query_scale_base.unwrap_or(self.head_dim as f32).sqrt()
     }
 
     pub fn q_dim(&self) -> usize {
@@ -270,6 +399,11 @@ pub mod names {
     pub const GATE: &str = "mlp.gate_proj.weight";
     pub const UP: &str = "mlp.up_proj.weight";
     pub const DOWN: &str = "mlp.down_proj.weight";
+    /// Gemma's norms of the attention output and around the feed-forward (HF names the first as llama
+    /// names its feed-forward's input norm; GGUF tells them apart).
+    pub const POST_ATTN_NORM: &str = "post_attention_layernorm.weight";
+    pub const PRE_FFN_NORM: &str = "pre_feedforward_layernorm.weight";
+    pub const POST_FFN_NORM: &str = "post_feedforward_layernorm.weight";
 }
 
 /// A tensor's format, shape (outermost first: a [out, in] matrix has `out` rows of `in` values)
@@ -433,6 +567,13 @@ impl Weight {
     pub fn is_vector(&self) -> bool {
         self.shape.len() == 1
     }
+}
+
+/// The head_dim/2 rotary inverse frequencies of a model's local (sliding-window) layers: their own
+/// base and no scaling; None when it has none.
+pub fn rope_inv_freq_local(cfg: &ModelConfig) -> Option<Vec<f32>> {
+    let s = cfg.attention.sliding?;
+    Some(rope_inv_freq(&ModelConfig { rope_theta: s.rope_theta, rope_scaling: RopeScaling::None, ..cfg.clone() }))
 }
 
 /// `T` for a weight every model has, `Option<T>` for one some lack.

@@ -136,6 +136,7 @@ impl<'a> Model<'a> {
             embed: w.embed,
             layers: match w.layers {
                 Layers::Llama(layers) => layers,
+                Layers::Gemma3(_) => panic!("the rounding study runs the llama family"),
             },
             cfg,
         }

@@ -53,7 +53,7 @@ use crate::backend::{Backend, PagePool, StepItem};
 use crate::cuda::{self, DeviceBuffer, StagedUploader, Stream};
 use crate::cudart as rt;
 use crate::kv::{KvType, KvTypes};
-use crate::model::{Layers, ModelConfig, TensorSource, rope_inv_freq};
+use crate::model::{Layers, ModelConfig, TensorSource, rope_inv_freq, rope_inv_freq_local};
 use crate::status::Result;
 use crate::tensor::DType;
 use crate::{bail, err};
@@ -318,6 +318,9 @@ impl GpuModel {
         let s = ScratchLayout::new(&cfg, max_batch, slab, scratch::stage_tokens(kv, flash, window));
         let scratch = DeviceBuffer::new(s.total)?;
         scratch.upload(&rope_inv_freq(&cfg), s.inv_freq)?;
+        if let (Some(at), Some(local)) = (s.inv_freq_local, rope_inv_freq_local(&cfg)) {
+            scratch.upload(&local, at)?;
+        }
         scratch.upload(&vec![0u8; s.mmv_counter_bytes], s.mmv_counters)?;
         let stream = Stream::new()?;
         let graphs = graph::graphs_enabled();
