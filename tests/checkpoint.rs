@@ -47,6 +47,7 @@ fn llama_cfg() -> ModelConfig {
         tied: false,
         qkv_bias: false,
         qk_norm: false,
+        attention: Default::default(),
         bos: Some(1),
         eos: Some(2),
     }
@@ -70,6 +71,7 @@ fn qwen2_cfg() -> ModelConfig {
         tied: true,
         qkv_bias: true,
         qk_norm: false,
+        attention: Default::default(),
         bos: None,
         eos: Some(7),
     }
@@ -93,6 +95,7 @@ fn qwen3_cfg() -> ModelConfig {
         tied: false,
         qkv_bias: false,
         qk_norm: true,
+        attention: Default::default(),
         bos: Some(0),
         eos: Some(3),
     }
