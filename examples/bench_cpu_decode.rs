@@ -64,6 +64,7 @@ fn main() {
         qk_norm: false,
         bos: None,
         eos: None,
+        moe: None,
     };
     let mut dtypes: Vec<Recipe> = [DType::F32, DType::F16, DType::Bf16, DType::Q8_0].map(Recipe::from).to_vec();
     let mut thread_counts = vec![1, 2];

@@ -34,6 +34,7 @@ fn main() {
         qk_norm: false,
         bos: None,
         eos: None,
+        moe: None,
     };
     let (mut dtype, mut prompt, mut runs) = (DType::F32, 2048, 1);
     let mut it = std::env::args().skip(1);

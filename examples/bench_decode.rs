@@ -79,6 +79,7 @@ fn parse() -> Args {
         qk_norm: false,
         bos: None,
         eos: None,
+        moe: None,
     };
     let (mut dtype, mut prompts, mut tokens, mut runs, mut kernels_only) = (DType::Bf16, vec![64], 128, 5, false);
     let mut greedy = false;

@@ -106,6 +106,7 @@ fn llama3_8b(layers: usize) -> ModelConfig {
         qk_norm: false,
         bos: Some(128_000),
         eos: Some(128_001),
+        moe: None,
     }
 }
 

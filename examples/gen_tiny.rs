@@ -40,6 +40,7 @@ fn tiny_config(vocab: usize, bos: u32, eos: u32) -> ModelConfig {
         qk_norm: false,
         bos: Some(bos),
         eos: Some(eos),
+        moe: None,
     }
 }
 

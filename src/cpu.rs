@@ -30,6 +30,7 @@ mod backend;
 mod exp;
 mod kv_pages;
 mod matmul;
+mod moe;
 mod parallel;
 mod pass;
 mod scratch;
@@ -215,7 +216,7 @@ impl<'a> CpuWeight<'a> {
     }
 }
 
-/// A dense decoder (Llama, Qwen2, Qwen3) read from a `TensorSource`.
+/// A decoder (Llama, Qwen2, Qwen3, and their Mixture-of-Experts kin) read from a `TensorSource`.
 pub struct CpuModel<'a> {
     cfg: ModelConfig,
     embed: TensorRef<'a>,
@@ -506,7 +507,7 @@ impl<'a> CpuModel<'a> {
     fn advance(&self, kv: &mut KvPages, segments: &[Segment], s: &mut Scratch) {
         let cfg = &self.cfg;
         let n: usize = segments.iter().map(|g| g.tokens.len()).sum();
-        let Scratch { x, h, q, k, v, attn, gate, up, rotation, tiles, attention } = s;
+        let Scratch { x, h, q, k, v, attn, gate, up, rotation, tiles, attention, moe } = s;
         // The position of each row of the pass.
         let positions = segments.iter().flat_map(|g| (0..g.tokens.len()).map(move |t| g.first_pos + t)).collect();
         let mut pass = CpuPass {
@@ -523,11 +524,12 @@ impl<'a> CpuModel<'a> {
             k: &mut k[..n * cfg.kv_dim()],
             v: &mut v[..n * cfg.kv_dim()],
             attn: &mut attn[..n * cfg.q_dim()],
-            gate: &mut gate[..n * cfg.intermediate],
-            up: &mut up[..n * cfg.intermediate],
+            gate: &mut gate[..n * cfg.ffn_width()],
+            up: &mut up[..n * cfg.ffn_width()],
             rotation,
             tiles,
             attention,
+            moe,
         };
         crate::arch::forward(cfg.arch, &mut pass, &self.layers).expect("the CPU's operations do not fail");
     }

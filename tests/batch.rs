@@ -45,6 +45,7 @@ fn qwen2() -> ModelConfig {
         qk_norm: false,
         bos: Some(1),
         eos: Some(2),
+        moe: None,
     }
 }
 

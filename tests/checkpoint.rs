@@ -49,6 +49,7 @@ fn llama_cfg() -> ModelConfig {
         qk_norm: false,
         bos: Some(1),
         eos: Some(2),
+        moe: None,
     }
 }
 
@@ -72,6 +73,7 @@ fn qwen2_cfg() -> ModelConfig {
         qk_norm: false,
         bos: None,
         eos: Some(7),
+        moe: None,
     }
 }
 
@@ -95,6 +97,7 @@ fn qwen3_cfg() -> ModelConfig {
         qk_norm: true,
         bos: Some(0),
         eos: Some(3),
+        moe: None,
     }
 }
 

@@ -104,6 +104,7 @@ fn small_config(arch: Arch) -> ModelConfig {
         qk_norm: false,
         bos: Some(1),
         eos: Some(2),
+        moe: None,
     };
     match arch {
         Arch::Llama => {
@@ -122,6 +123,7 @@ fn small_config(arch: Arch) -> ModelConfig {
             cfg.qk_norm = true;
             cfg.head_dim = 32; // q_dim 128 against hidden 64: head_dim independent of hidden/heads
         }
+        Arch::Qwen3Moe | Arch::Mixtral => panic!("{arch:?}: these tests' reference computes dense models"),
     }
     cfg
 }
@@ -1043,6 +1045,7 @@ fn config_from_hf_json(v: &serde_json::Value) -> ModelConfig {
         qk_norm: arch == Arch::Qwen3,
         bos: v["bos_token_id"].as_u64().map(|t| t as u32),
         eos: v["eos_token_id"].as_u64().map(|t| t as u32),
+        moe: None,
     }
 }
 

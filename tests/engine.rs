@@ -50,6 +50,7 @@ fn llama() -> ModelConfig {
         qk_norm: false,
         bos: Some(1),
         eos: Some(2),
+        moe: None,
     }
 }
 

@@ -511,6 +511,7 @@ fn receipt_kv_shape() -> hostembed::model::ModelConfig {
         qk_norm: true,
         bos: None,
         eos: None,
+        moe: None,
     }
 }
 

@@ -48,6 +48,7 @@ fn config() -> ModelConfig {
         qk_norm: false,
         bos: Some(0),
         eos: Some(1),
+        moe: None,
     }
 }
 

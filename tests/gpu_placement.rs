@@ -46,6 +46,7 @@ fn config(vocab: usize, hidden: usize) -> ModelConfig {
         qk_norm: false,
         bos: Some(1),
         eos: Some(2),
+        moe: None,
     }
 }
 

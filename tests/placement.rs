@@ -42,6 +42,7 @@ fn config(vocab: usize, hidden: usize, tied: bool) -> ModelConfig {
         qk_norm: false,
         bos: Some(1),
         eos: Some(2),
+        moe: None,
     }
 }
 

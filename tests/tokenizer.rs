@@ -333,6 +333,7 @@ fn tiny_config() -> ModelConfig {
         qk_norm: false,
         bos: Some(0),
         eos: Some(1),
+        moe: None,
     }
 }
 

@@ -64,12 +64,25 @@ pub trait Ops {
 
     /// x += the product with `down` of silu(the product of h with `gate`) * (the product of h with `up`).
     fn add_swiglu_ffn(&mut self, gate: &Self::Weight, up: &Self::Weight, down: &Self::Weight) -> Result<()>;
+
+    /// x += the Mixture-of-Experts feed-forward of h: the product of h with `router` gives each
+    /// expert's logit, their softmax its probability; the row's `ModelConfig::moe.used` most probable
+    /// experts (ties to the lower index) each give down_e(silu(gate_e h) * up_e h), and the row adds
+    /// their sum weighted by those probabilities (divided by the chosen ones' sum when `norm_topk`).
+    /// `gate`, `up` and `down` hold one weight an expert. A row's result depends on its own h alone.
+    fn add_moe_ffn(
+        &mut self,
+        router: &Self::Weight,
+        gate: &[Self::Weight],
+        up: &[Self::Weight],
+        down: &[Self::Weight],
+    ) -> Result<()>;
 }
 
 /// One pass of the model's layers over the rows `ops` holds: their final hidden states (before the
 /// final norm) end in x. The registry: each architecture's forward, by its name in `Arch`.
 pub fn forward<O: Ops>(arch: Arch, ops: &mut O, layers: &[LayerWeights<O::Weight>]) -> Result<()> {
     match arch {
-        Arch::Llama | Arch::Qwen2 | Arch::Qwen3 => llama::forward(ops, layers),
+        Arch::Llama | Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe | Arch::Mixtral => llama::forward(ops, layers),
     }
 }

@@ -9,7 +9,7 @@ use safetensors::tensor::{SafeTensorError, SafeTensors};
 use serde_json::{Map, Value};
 
 use super::{Checkpoint, Format, MappedFile, TensorInfo, TokenizerSource};
-use crate::model::{Arch, ModelConfig, RopeScaling, names};
+use crate::model::{Arch, ModelConfig, MoeConfig, RopeScaling, names};
 use crate::status::{Error, Result};
 use crate::tensor::DType;
 use crate::tokenizer::special::SpecialTokens;
@@ -45,15 +45,16 @@ pub fn open_folder(dir: &Path) -> Result<Checkpoint> {
         let (header_len, metadata) =
             SafeTensors::read_metadata(&mapped.map).map_err(|e| describe_error(e, &mapped.map, &file))?;
         let data_start = 8 + header_len;
-        for name in metadata.offset_keys() {
-            let info = metadata.info(&name).expect("offset_keys come from the metadata");
+        for stored in metadata.offset_keys() {
+            let info = metadata.info(&stored).expect("offset_keys come from the metadata");
+            let name = mixtral_name(&stored, false).unwrap_or(stored);
             let Some(dtype) = DType::from_safetensors(info.dtype) else {
                 unsupported.insert(name, info.dtype.to_string());
                 continue;
             };
             if let Some(first) = tensors.get(&name) {
                 let other = shards[first.file].display();
-                bail!(BadModel, "{file}: tensor {name} is also in {other}");
+                bail!(BadModel, "{file}: tensor {name} is also in {other} (or under another spelling)");
             }
             let (start, end) = info.data_offsets;
             let t = TensorInfo {
@@ -69,7 +70,8 @@ pub fn open_folder(dir: &Path) -> Result<Checkpoint> {
         files.push(mapped);
     }
     if let Some(map) = weight_map {
-        for (name, shard) in map {
+        for (stored, shard) in map {
+            let name = mixtral_name(&stored, false).unwrap_or(stored);
             let held = tensors.get(&name).map(|t| &shards[t.file]);
             if held != Some(&dir.join(&shard)) && !unsupported.contains_key(&name) {
                 bail!(BadModel, "{location}: tensor {name} is listed in {shard}, which does not hold it");
@@ -78,7 +80,9 @@ pub fn open_folder(dir: &Path) -> Result<Checkpoint> {
     }
 
     config.tied |= !tensors.contains_key(names::LM_HEAD);
-    super::check_tensors(&config, &tensors, &files, &location, &unsupported)?;
+    let mixtral = config.arch == Arch::Mixtral;
+    let spell = |name: &str| mixtral.then(|| mixtral_name(name, true)).flatten().unwrap_or_else(|| name.to_string());
+    super::check_tensors(&config, &tensors, &files, &location, &unsupported, &spell)?;
 
     let tokenizer_path = dir.join(TOKENIZER);
     let tokenizer =
@@ -86,6 +90,14 @@ pub fn open_folder(dir: &Path) -> Result<Checkpoint> {
         if tokenizer_path.exists() { TokenizerSource::Json(tokenizer_path) } else { TokenizerSource::None };
     let special = special_tokens(dir)?;
     Ok(Checkpoint { path: dir.to_path_buf(), format: Format::Safetensors, config, tensors, files, tokenizer, special })
+}
+
+/// A layer tensor's name in Mixtral's spelling (`to_mixtral`) or the canonical one: the reader keeps
+/// every tensor under its canonical name, whichever a folder uses. None when the two spell it alike.
+pub fn mixtral_name(name: &str, to_mixtral: bool) -> Option<String> {
+    let (layer, part) = name.strip_prefix("model.layers.")?.split_once('.')?;
+    let i = layer.parse::<usize>().ok().filter(|i| i.to_string() == layer)?;
+    names::mixtral_swap(part, to_mixtral).map(|p| names::layer(i, &p))
 }
 
 pub const TOKENIZER_CONFIG: &str = "tokenizer_config.json";
@@ -398,6 +410,7 @@ pub fn parse_config(json: &Value, file: &str) -> Result<ModelConfig> {
         }
     };
 
+    let moe = parse_moe(&j, arch)?;
     let config = ModelConfig {
         arch,
         vocab: j.req_usize("vocab_size")?,
@@ -417,9 +430,57 @@ pub fn parse_config(json: &Value, file: &str) -> Result<ModelConfig> {
         qk_norm: arch.traits().qk_norm,
         bos: j.token_id("bos_token_id")?,
         eos: j.token_id("eos_token_id")?,
+        moe,
     };
     config.check(file)?;
     Ok(config)
+}
+
+/// The Mixture-of-Experts keys: Qwen3-MoE's (`num_experts`, `num_experts_per_tok`,
+/// `moe_intermediate_size`, `norm_topk_prob`; dense layers between expert layers are refused) and
+/// Mixtral's (`num_local_experts`, `num_experts_per_tok`, experts as wide as `intermediate_size`,
+/// always renormalized).
+fn parse_moe(j: &Keys, arch: Arch) -> Result<Option<MoeConfig>> {
+    let file = j.file;
+    match arch {
+        Arch::Qwen3Moe => {
+            if let Some(step) = j.usize("decoder_sparse_step")?
+                && step != 1
+            {
+                bail!(
+                    Unsupported,
+                    "{file}: decoder_sparse_step = {step} (dense layers between expert layers) is not supported"
+                );
+            }
+            match j.get("mlp_only_layers") {
+                None => {}
+                Some(Value::Array(layers)) if layers.is_empty() => {}
+                Some(v) => bail!(
+                    Unsupported,
+                    "{file}: mlp_only_layers = {v} (dense layers among expert layers) is not supported"
+                ),
+            }
+            Ok(Some(MoeConfig {
+                experts: j.req_usize("num_experts")?,
+                used: j.req_usize("num_experts_per_tok")?,
+                intermediate: j.req_usize("moe_intermediate_size")?,
+                // transformers' default for Qwen3-MoE.
+                norm_topk: j.bool("norm_topk_prob")?.unwrap_or(false),
+            }))
+        }
+        Arch::Mixtral => {
+            if let Some(window) = j.get("sliding_window") {
+                bail!(Unsupported, "{file}: sliding_window = {window} is not supported");
+            }
+            Ok(Some(MoeConfig {
+                experts: j.req_usize("num_local_experts")?,
+                used: j.req_usize("num_experts_per_tok")?,
+                intermediate: j.req_usize("intermediate_size")?,
+                norm_topk: true,
+            }))
+        }
+        Arch::Llama | Arch::Qwen2 | Arch::Qwen3 => Ok(None),
+    }
 }
 
 /// rope_scaling (or transformers 5's rope_parameters): default, linear or llama3.

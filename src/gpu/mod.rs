@@ -377,8 +377,16 @@ impl GpuModel {
     }
 
     /// The config's own check, then what the kernels take beyond it.
-    fn check_config(cfg: &ModelConfig) -> Result<()> {
+    pub(crate) fn check_config(cfg: &ModelConfig) -> Result<()> {
         cfg.check("config")?;
+        if let Some(m) = cfg.moe {
+            bail!(
+                Unsupported,
+                "{} with {} experts: the CUDA backend does not run Mixture-of-Experts models yet (the CPU backend does)",
+                cfg.arch.name(),
+                m.experts
+            );
+        }
         if cfg.head_dim == 0 || !cfg.head_dim.is_multiple_of(8) || cfg.head_dim > 256 {
             bail!(Unsupported, "head_dim {}: the CUDA attention takes multiples of 8 up to 256", cfg.head_dim);
         }

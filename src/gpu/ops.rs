@@ -320,6 +320,17 @@ impl Ops for PassOps<'_> {
         }
         Ok(())
     }
+
+    /// Not run: `GpuModel::check_config` refuses a Mixture-of-Experts model before anything is placed.
+    fn add_moe_ffn(
+        &mut self,
+        _router: &DeviceWeight,
+        _gate: &[DeviceWeight],
+        _up: &[DeviceWeight],
+        _down: &[DeviceWeight],
+    ) -> Result<()> {
+        crate::bail!(Unsupported, "the CUDA backend has no Mixture-of-Experts feed-forward yet")
+    }
 }
 
 impl GpuModel {

@@ -103,7 +103,9 @@ impl WeightPlan<'_> {
             } else {
                 out.extend([q, k, v]);
             }
-            out.extend([m(&l.o), m(&l.gate), m(&l.up), m(&l.down)]);
+            out.push(m(&l.o));
+            out.extend([&l.gate, &l.up, &l.down, &l.router].into_iter().flatten().map(m));
+            out.extend(l.expert_gate.iter().chain(&l.expert_up).chain(&l.expert_down).map(m));
         }
         out
     }
@@ -119,7 +121,8 @@ pub(super) fn prompt_format(matrices: &[(DType, usize, usize)]) -> (DType, usize
 }
 
 /// Each weight in its own region, except q, k, v of one format and the three biases, which the fused
-/// projection reads back to back.
+/// projection reads back to back, and each expert matrix right after the previous expert's, so a role's
+/// experts are one stack that an expert's index strides through.
 fn place_layer<'a>(l: LayerWeights<TensorRef<'a>>, layout: &mut Layout) -> LayerWeights<Placed<'a>> {
     let fused = qkv_fused(l.q.dtype, l.k.dtype, l.v.dtype);
     let attn_norm = layout.place(l.attn_norm, false);
@@ -138,10 +141,19 @@ fn place_layer<'a>(l: LayerWeights<TensorRef<'a>>, layout: &mut Layout) -> Layer
         k_norm: l.k_norm.map(|t| layout.place(t, false)),
         o: layout.place(l.o, false),
         ffn_norm: layout.place(l.ffn_norm, false),
-        gate: layout.place(l.gate, false),
-        up: layout.place(l.up, false),
-        down: layout.place(l.down, false),
+        gate: l.gate.map(|t| layout.place(t, false)),
+        up: l.up.map(|t| layout.place(t, false)),
+        down: l.down.map(|t| layout.place(t, false)),
+        router: l.router.map(|t| layout.place(t, false)),
+        expert_gate: place_experts(l.expert_gate, layout),
+        expert_up: place_experts(l.expert_up, layout),
+        expert_down: place_experts(l.expert_down, layout),
     }
+}
+
+/// One role's expert matrices back to back, expert 0 first.
+fn place_experts<'a>(experts: Vec<TensorRef<'a>>, layout: &mut Layout) -> Vec<Placed<'a>> {
+    experts.into_iter().enumerate().map(|(e, t)| layout.place(t, e > 0)).collect()
 }
 
 /// Copies one placed weight into `weights` and says where it is.

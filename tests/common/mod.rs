@@ -639,6 +639,7 @@ pub fn decode_base(arch: Arch) -> ModelConfig {
         qk_norm: false,
         bos: Some(1),
         eos: Some(2),
+        moe: None,
     }
 }
 
@@ -692,6 +693,7 @@ pub fn prompt_base(arch: Arch) -> ModelConfig {
         qk_norm: false,
         bos: None,
         eos: None,
+        moe: None,
     }
 }
 
