@@ -439,9 +439,16 @@ pub fn parse_config(json: &Value, file: &str) -> Result<ModelConfig> {
 /// The Mixture-of-Experts keys: Qwen3-MoE's (`num_experts`, `num_experts_per_tok`,
 /// `moe_intermediate_size`, `norm_topk_prob`; dense layers between expert layers are refused) and
 /// Mixtral's (`num_local_experts`, `num_experts_per_tok`, experts as wide as `intermediate_size`,
-/// always renormalized).
+/// always renormalized). transformers 5 writes either architecture's expert count as
+/// `num_local_experts`, so both names are read for both.
 fn parse_moe(j: &Keys, arch: Arch) -> Result<Option<MoeConfig>> {
     let file = j.file;
+    let experts = |first: &str, second: &str| -> Result<usize> {
+        match j.usize(first)? {
+            Some(n) => Ok(n),
+            None => j.usize(second)?.ok_or_else(|| j.missing(first)),
+        }
+    };
     match arch {
         Arch::Qwen3Moe => {
             if let Some(step) = j.usize("decoder_sparse_step")?
@@ -461,7 +468,7 @@ fn parse_moe(j: &Keys, arch: Arch) -> Result<Option<MoeConfig>> {
                 ),
             }
             Ok(Some(MoeConfig {
-                experts: j.req_usize("num_experts")?,
+                experts: experts("num_experts", "num_local_experts")?,
                 used: j.req_usize("num_experts_per_tok")?,
                 intermediate: j.req_usize("moe_intermediate_size")?,
                 // transformers' default for Qwen3-MoE.
@@ -473,7 +480,7 @@ fn parse_moe(j: &Keys, arch: Arch) -> Result<Option<MoeConfig>> {
                 bail!(Unsupported, "{file}: sliding_window = {window} is not supported");
             }
             Ok(Some(MoeConfig {
-                experts: j.req_usize("num_local_experts")?,
+                experts: experts("num_local_experts", "num_experts")?,
                 used: j.req_usize("num_experts_per_tok")?,
                 intermediate: j.req_usize("intermediate_size")?,
                 norm_topk: true,
