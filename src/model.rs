@@ -206,6 +206,12 @@ impl ModelConfig {
         }
     }
 
+    /// Qwen3-30B-A3B's shape (48 layers, 128 experts of width 768, 8 a token, hidden 2048): the
+    /// benchmarks' Mixture-of-Experts model.
+    pub fn qwen3_30b_a3b() -> Self {
+        ModelConfig::qwen3_moe(2048, 48, 32, 128, 8, 768, 151936)
+    }
+
     /// Parameters every token reads, and those of the whole model: the same for a dense model; a
     /// Mixture of Experts reads its router and `used` of its experts a layer. The embedding counts
     /// once when tied, and a token reads one row of it (the head reads all of it).

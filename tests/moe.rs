@@ -440,3 +440,16 @@ fn matches_hf_reference() {
         println!("{name}: {:?}, max relative L2 against HF {worst:.3e}", cfg.arch);
     }
 }
+
+/// The benchmarks' Qwen3-30B-A3B shape is the published model's: 30.5 B parameters, 3.3 B a token.
+#[test]
+fn the_qwen3_30b_a3b_shape_has_the_published_parameter_counts() {
+    let cfg = ModelConfig::qwen3_30b_a3b();
+    cfg.check("Qwen3-30B-A3B").unwrap();
+    let (active, total) = cfg.parameters();
+    let line = hostembed::fit::describe_parameters(&cfg);
+    println!("{line}");
+    assert!((30.4e9..30.6e9).contains(&(total as f64)), "{line}");
+    assert!((3.3e9..3.4e9).contains(&(active as f64)), "{line}");
+    assert!(line.ends_with("active a token: 8 of 128 experts)"), "{line}");
+}
