@@ -676,8 +676,6 @@ impl Engine {
             return Ok(engine);
         };
 
-        // What the CUDA backend cannot run is refused before the plan, with nothing placed.
-        GpuModel::check_config(&ckpt.config)?;
         let kv = gpu_kv_types(opts);
         kv.check(&ckpt.config)?;
         kv.check_device(info.compute_major, info.compute_minor, &device_label(opts.device, &info))?;

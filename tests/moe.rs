@@ -8,6 +8,7 @@
 
 mod common;
 use common::{Mix, Rng, Scratch, c_path, cpu_options, gguf_of_recipe, rel_l2, serial, stats, twins_batch_like_alone};
+use common::{mixtral, moe_configs as configs, qwen3_moe};
 
 use std::collections::HashMap;
 use std::ffi::{CStr, c_char, c_void};
@@ -21,54 +22,10 @@ use hostembed::checkpoint::{Checkpoint, gguf::GgufValue};
 use hostembed::cpu::CpuModel;
 use hostembed::engine::engine_options;
 use hostembed::ffi;
-use hostembed::model::{Arch, ModelConfig, MoeConfig, RopeScaling, names};
+use hostembed::model::{Arch, ModelConfig, MoeConfig, names};
 use hostembed::placement::engine_memory;
 use hostembed::status::last_error;
 use hostembed::tensor::DType;
-
-/// A Qwen3-MoE whose matrices' rows are whole k-quant super-blocks: 8 experts, 2 a token, the top-k
-/// weights not renormalized (transformers' default for the architecture).
-fn qwen3_moe() -> ModelConfig {
-    ModelConfig {
-        arch: Arch::Qwen3Moe,
-        vocab: 300,
-        hidden: 256,
-        layers: 2,
-        heads: 4,
-        kv_heads: 2,
-        head_dim: 64,
-        intermediate: 768,
-        rms_eps: 1e-6,
-        rope_theta: 1000000.0,
-        rope_scaling: RopeScaling::None,
-        rope_interleaved: false,
-        max_position: 256,
-        tied: false,
-        qkv_bias: false,
-        qk_norm: true,
-        bos: Some(1),
-        eos: Some(2),
-        moe: Some(MoeConfig { experts: 8, used: 2, intermediate: 256, norm_topk: false }),
-    }
-}
-
-/// A Mixtral (GQA 2:1, GGUF's permuted Q/K rows): 4 experts, 2 a token, renormalized; its experts as
-/// wide as its intermediate_size, as Mixtral's config says.
-fn mixtral() -> ModelConfig {
-    ModelConfig {
-        arch: Arch::Mixtral,
-        qk_norm: false,
-        intermediate: 512,
-        rope_theta: 10000.0,
-        tied: true,
-        moe: Some(MoeConfig { experts: 4, used: 2, intermediate: 512, norm_topk: true }),
-        ..qwen3_moe()
-    }
-}
-
-fn configs() -> [(&'static str, ModelConfig); 2] {
-    [("qwen3_moe", qwen3_moe()), ("mixtral", mixtral())]
-}
 
 /// Logits after each of `tokens`, teacher-forced.
 fn logits_of(src: &dyn hostembed::model::TensorSource, tokens: &[u32]) -> Vec<Vec<f32>> {
@@ -227,8 +184,7 @@ unsafe extern "C" fn collect_lines(user: *mut c_void, line: *const c_char) {
     lines.push(unsafe { CStr::from_ptr(line) }.to_string_lossy().into_owned());
 }
 
-/// The start-up line gives the total parameters and those a token reads; the CUDA backend refuses a
-/// Mixture of Experts (UNSUPPORTED) before anything is placed.
+/// The start-up line gives the total parameters and those a token reads.
 #[test]
 fn the_start_up_line_gives_total_and_active_parameters() {
     let _g = serial();
@@ -262,16 +218,6 @@ fn the_start_up_line_gives_total_and_active_parameters() {
     let want = format!("{} parameters ({} active a token: 2 of 8 experts)", count(total), count(active));
     assert!(line.contains(&want), "{line:?} lacks {want:?}");
 
-    let cuda = engine_options { backend: hostembed::engine::engine_backend::Cuda, ..cpu_options(64, 2) };
-    let mut e = std::ptr::null_mut();
-    // SAFETY: as above.
-    let st = unsafe { ffi::engine_init_fit(c_path(&path).as_ptr(), &cuda, &mut e) };
-    // Without a card (or a build without nvcc) the device itself is refused first.
-    assert!(matches!(st, Status::Unsupported | Status::NoCuda | Status::NoDevice), "{st:?}: {}", last_error());
-    if st == Status::Unsupported {
-        assert!(last_error().contains("Mixture-of-Experts"), "{}", last_error());
-    }
-    assert!(e.is_null());
     assert_eq!(stats(), engine_memory::default());
 }
 

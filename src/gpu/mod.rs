@@ -305,6 +305,13 @@ impl GpuModel {
         let mut uploader = StagedUploader::new()?;
         let mut up = |p| upload(&weights, &mut uploader, p);
         let layers = plan.layers.into_iter().map(|l| l.try_map(&mut up)).collect::<Result<Vec<_>>>()?;
+        for (i, l) in layers.iter().enumerate() {
+            for (experts, role) in [(&l.expert_gate, "gate"), (&l.expert_up, "up"), (&l.expert_down, "down")] {
+                if !experts.is_empty() {
+                    launch::ExpertStack::of(experts, &format!("layer {i}'s expert {role} matrices"))?;
+                }
+            }
+        }
         let final_norm = up(plan.final_norm)?.f32_ptr();
         let head = match plan.lm_head {
             Some(p) => up(p)?,
@@ -377,16 +384,8 @@ impl GpuModel {
     }
 
     /// The config's own check, then what the kernels take beyond it.
-    pub(crate) fn check_config(cfg: &ModelConfig) -> Result<()> {
+    fn check_config(cfg: &ModelConfig) -> Result<()> {
         cfg.check("config")?;
-        if let Some(m) = cfg.moe {
-            bail!(
-                Unsupported,
-                "{} with {} experts: the CUDA backend does not run Mixture-of-Experts models yet (the CPU backend does)",
-                cfg.arch.name(),
-                m.experts
-            );
-        }
         if cfg.head_dim == 0 || !cfg.head_dim.is_multiple_of(8) || cfg.head_dim > 256 {
             bail!(Unsupported, "head_dim {}: the CUDA attention takes multiples of 8 up to 256", cfg.head_dim);
         }
