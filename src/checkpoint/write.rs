@@ -655,8 +655,8 @@ fn u32_of(what: &str, v: usize) -> Result<GgufValue> {
 }
 
 /// Consecutive entries of one expert stack (`gguf::expert_stack_of`) made one stacked entry of shape
-/// [experts, rows, cols]: BAD_MODEL-free by construction when they come from the weight table, and
-/// INVALID_ARGUMENT where given experts differ in format or shape or leave one out.
+/// [experts, rows, cols], as the weight table lists them; INVALID_ARGUMENT where given experts differ in
+/// format or shape, or come out of order or with one left out.
 fn stack_experts(entries: Vec<GgufEntry<'_>>) -> Result<Vec<GgufEntry<'_>>> {
     let mut out: Vec<GgufEntry> = Vec::with_capacity(entries.len());
     for e in entries {
