@@ -26,10 +26,14 @@ impl Arch {
         Arch::ALL.into_iter().find(|a| a.gguf_name() == name && *a != Arch::Mixtral)
     }
 
-    /// The GGUF names, for messages: "llama, qwen2, qwen3, qwen3moe".
+    /// The GGUF names, for messages: "llama, qwen2, qwen3, gemma3, qwen3moe" (Mixtral's is llama's).
     pub fn gguf_supported_names() -> String {
-        let mut names: Vec<&str> = Arch::ALL.iter().map(|a| a.gguf_name()).collect();
-        names.dedup();
+        let mut names: Vec<&str> = Vec::new();
+        for name in Arch::ALL.map(Arch::gguf_name) {
+            if !names.contains(&name) {
+                names.push(name);
+            }
+        }
         names.join(", ")
     }
 }
@@ -190,5 +194,20 @@ impl Weight {
     /// Expert `e`'s weight of a `Need::Experts` row.
     pub(crate) fn expert(spec: &'static WeightSpec, layer: usize, e: usize, cfg: &ModelConfig) -> Weight {
         Weight { name: names::layer(layer, &names::expert(spec.name, e)), ..Weight::new(spec, Some(layer), cfg) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Each GGUF name once, Mixtral's `llama` with Llama's, Gemma 3's among them.
+    #[test]
+    fn gguf_names_are_listed_once() {
+        assert_eq!(Arch::gguf_supported_names(), "llama, qwen2, qwen3, gemma3, qwen3moe");
+        for arch in Arch::ALL {
+            let read = Arch::from_gguf_name(arch.gguf_name());
+            assert_eq!(read, Some(if arch == Arch::Mixtral { Arch::Llama } else { arch }), "{arch:?}");
+        }
     }
 }
