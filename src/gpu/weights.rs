@@ -37,7 +37,7 @@ fn qkv_fused(q: DType, k: DType, v: DType) -> bool {
 
 impl Qkv {
     /// q, k and v as the projection reads them: one matrix where they share a format (the loader laid
-    /// them out back to back, `place_layer`), else three.
+    /// them out back to back, `place_layers`), else three.
     pub(super) fn of(q: &DeviceWeight, k: &DeviceWeight, v: &DeviceWeight) -> Qkv {
         if qkv_fused(q.dtype, k.dtype, v.dtype) {
             Qkv::Fused(DeviceWeight { rows: q.rows + k.rows + v.rows, ..*q })

@@ -23,7 +23,7 @@ pub(in crate::gpu) struct ExpertStack {
 }
 
 impl ExpertStack {
-    /// The stack `experts` are (`weights::place_experts` puts each right after the one before);
+    /// The stack `experts` are (`weights::place_layers` puts each right after the one before);
     /// UNSUPPORTED where they differ in format or shape (an HF folder may mix them), which the kernels
     /// cannot stride through.
     pub(in crate::gpu) fn of(experts: &[DeviceWeight], what: &str) -> Result<ExpertStack> {
