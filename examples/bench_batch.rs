@@ -7,6 +7,10 @@
 //!
 //!     cargo run --release --example bench_batch -- [--layers 32] [--dtype bf16|f16|q8_0|...|q4_k_m]
 //!         [--cache 512] [--steps 64] [--streams 1,8,16,64] [--max-batch 512] [--no-long] [--no-host-rows]
+//!         [--qwen3-30b-a3b]
+//!
+//! `--qwen3-30b-a3b` measures Qwen3-30B-A3B's Mixture-of-Experts shape (`ModelConfig::qwen3_30b_a3b`;
+//! `--layers` still sets its depth) in place of Llama 3 8B's.
 //!
 //! HOSTEMBED_CUDA_GRAPHS=0 runs without CUDA graphs.
 
@@ -44,11 +48,13 @@ fn parse() -> Args {
         long: true,
         host_rows: true,
     };
+    let mut layers = None;
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
         let mut value = || it.next().unwrap_or_else(|| panic!("{flag} takes a value"));
         match flag.as_str() {
-            "--layers" => cfg.layers = value().parse().expect("--layers takes a number"),
+            "--layers" => layers = Some(value().parse().expect("--layers takes a number")),
+            "--qwen3-30b-a3b" => cfg = ModelConfig::qwen3_30b_a3b(),
             "--cache" => a.cache = value().parse().expect("--cache takes a number"),
             "--steps" => a.steps = value().parse().expect("--steps takes a number"),
             "--max-batch" => a.max_batch = value().parse().expect("--max-batch takes a number"),
@@ -65,6 +71,7 @@ fn parse() -> Args {
             other => panic!("unknown flag {other} (see the comment at the top of examples/bench_batch.rs)"),
         }
     }
+    cfg.layers = layers.unwrap_or(cfg.layers);
     a.cfg = cfg;
     a
 }

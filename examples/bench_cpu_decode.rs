@@ -65,6 +65,7 @@ fn main() {
         attention: Default::default(),
         bos: None,
         eos: None,
+        moe: None,
     };
     let mut dtypes: Vec<Recipe> = [DType::F32, DType::F16, DType::Bf16, DType::Q8_0].map(Recipe::from).to_vec();
     let mut thread_counts = vec![1, 2];

@@ -35,6 +35,7 @@ fn main() {
         attention: Default::default(),
         bos: None,
         eos: None,
+        moe: None,
     };
     let (mut dtype, mut prompt, mut runs) = (DType::F32, 2048, 1);
     let mut it = std::env::args().skip(1);

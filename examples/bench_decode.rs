@@ -6,8 +6,11 @@
 //!         q4_0|q4_1|q5_0|q5_1|q2_k|q3_k|q4_k|q5_k|q6_k|q4_k_m] [--prompt 64[,N...]] [--tokens 128] [--runs 5]
 //!         [--greedy]
 //!         [--tied] [--kernels-only] [--no-matvec] [--no-mmv] [--mmv-only DTYPE]
-//!         [--kv bf16|f16|f32|q8_0|fp8_e4m3[,V]] [--host-rows]
+//!         [--kv bf16|f16|f32|q8_0|fp8_e4m3[,V]] [--host-rows] [--qwen3-30b-a3b]
 //!
+//! `--qwen3-30b-a3b` is Qwen3-30B-A3B's Mixture-of-Experts shape (48 layers, 128 experts, 8 a token,
+//! hidden 2048, expert width 768; `ModelConfig::qwen3_30b_a3b`) in place of the dense one; shape flags
+//! after it change it.
 //! `--prompt` is the cache the decode reads (the "32k cache" is `--prompt 32768`; several, comma
 //! separated, decode after each on one loaded model); `--greedy` skips the sampled runs; `--kv` picks
 //! the KV cache type (K and V, or K,V apart; BF16 by default), e.g. to compare 8-bit caches with BF16:
@@ -80,6 +83,7 @@ fn parse() -> Args {
         attention: Default::default(),
         bos: None,
         eos: None,
+        moe: None,
     };
     let (mut dtype, mut prompts, mut tokens, mut runs, mut kernels_only) = (DType::Bf16, vec![64], 128, 5, false);
     let mut greedy = false;
@@ -126,6 +130,7 @@ fn parse() -> Args {
             }
             "--kv" => kv = parse_kv(&it.next().unwrap_or_default()),
             "--host-rows" => host_rows = true,
+            "--qwen3-30b-a3b" => cfg = ModelConfig::qwen3_30b_a3b(),
             other => panic!("unknown flag {other} (see the comment at the top of examples/bench_decode.rs)"),
         }
     }

@@ -107,6 +107,7 @@ fn llama3_8b(layers: usize) -> ModelConfig {
         attention: Default::default(),
         bos: Some(128_000),
         eos: Some(128_001),
+        moe: None,
     }
 }
 

@@ -4,8 +4,10 @@
 //!
 //!     cargo run --release --example bench_prefill -- [--lengths 512,4096,16384,65536] [--runs 5]
 //!         [--chunk 2048] [--layers 32] [--quick] [--q4-k-m] [--kv bf16|f16|f32|q8_0|fp8_e4m3[,V]]
-//!         [--dtype bf16|f16|...]
+//!         [--dtype bf16|f16|...] [--qwen3-30b-a3b]
 //!
+//! `--qwen3-30b-a3b` measures Qwen3-30B-A3B's Mixture-of-Experts shape (`ModelConfig::qwen3_30b_a3b`;
+//! `--layers` still sets its depth) in place of Llama 3 8B's.
 //! `--dtype` gives the first tables' weight format (BF16 by default; F16 is what converters write).
 //!
 //! `--kv` keeps the KV cache in another type (K and V, or K,V apart; BF16 by default): every table then
@@ -37,6 +39,8 @@ struct Args {
     q4_k_m: bool,
     kv: KvTypes,
     dtype: DType,
+    /// Qwen3-30B-A3B's shape in place of Llama 3 8B's.
+    moe: bool,
 }
 
 fn parse() -> Args {
@@ -49,7 +53,9 @@ fn parse() -> Args {
         q4_k_m: false,
         kv: KvTypes::GPU_DEFAULT,
         dtype: DType::Bf16,
+        moe: false,
     };
+    let mut layers_given = false;
     let mut lengths_given = false;
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -62,7 +68,11 @@ fn parse() -> Args {
             }
             "--runs" => a.runs = num(value()),
             "--chunk" => a.chunk = num(value()),
-            "--layers" => a.layers = num(value()),
+            "--layers" => {
+                a.layers = num(value());
+                layers_given = true;
+            }
+            "--qwen3-30b-a3b" => a.moe = true,
             "--quick" => a.quick = true,
             "--q4-k-m" => a.q4_k_m = true,
             "--kv" => a.kv = parse_kv(&value()),
@@ -72,6 +82,9 @@ fn parse() -> Args {
             }
             other => panic!("unknown flag {other} (see the comment at the top of examples/bench_prefill.rs)"),
         }
+    }
+    if a.moe && !layers_given {
+        a.layers = ModelConfig::qwen3_30b_a3b().layers;
     }
     if a.quick && !lengths_given {
         a.lengths = vec![512, 4096];
@@ -91,8 +104,10 @@ fn parse_kv(value: &str) -> KvTypes {
     }
 }
 
-fn llama3_8b(layers: usize) -> ModelConfig {
-    ModelConfig::llama(4096, layers, 32, 8, 14336, 128256)
+/// The benchmark's shape at `layers` layers: Llama 3 8B's, or Qwen3-30B-A3B's.
+fn shape(layers: usize, moe: bool) -> ModelConfig {
+    let cfg = if moe { ModelConfig::qwen3_30b_a3b() } else { ModelConfig::llama(4096, 32, 32, 8, 14336, 128256) };
+    ModelConfig { layers, ..cfg }
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -220,7 +235,7 @@ fn main() {
         eprintln!("bench_prefill: {e}");
         std::process::exit(1);
     });
-    let cfg = llama3_8b(args.layers);
+    let cfg = shape(args.layers, args.moe);
     let src = build(&cfg, args.dtype);
     let (_rows, rows) = Rows::new(&src, false);
     // Room for the longest prompt and the decode after it.

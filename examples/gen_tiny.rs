@@ -41,6 +41,7 @@ fn tiny_config(vocab: usize, bos: u32, eos: u32) -> ModelConfig {
         attention: Default::default(),
         bos: Some(bos),
         eos: Some(eos),
+        moe: None,
     }
 }
 

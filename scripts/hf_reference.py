@@ -1,21 +1,27 @@
 #!/usr/bin/env python3
-"""Reference logits from HF transformers for the CPU backend's parity tests (tests/cpu.rs, tests/gemma3.rs).
+"""Reference logits from HF transformers for the CPU backend's parity tests (tests/cpu.rs, tests/gemma3.rs,
+tests/moe.rs).
 
 Builds small random models offline from config objects (Llama with GQA 4:1 and llama3 rope scaling;
 Qwen2 with q/k/v bias and a tied head; Qwen3 with q/k norm and head_dim 128 at hidden 1024; Gemma 3
 text with sliding-window layers every third layer global, linear rope scaling on the global layers, a
-local rotary base, query_pre_attn_scalar apart from head_dim and a tied head), fills them with the
-synthetic weights hostembed generates (checkpoint::write::synthetic_weights, same formula bit for bit;
-Gemma's norm weights are HF's w, which its RMSNorm multiplies by as 1 + w), and writes, per model,
-into OUT/<name>/:
+local rotary base, query_pre_attn_scalar apart from head_dim and a tied head; Qwen3-MoE with 8
+experts, 2 a token, not renormalized; Mixtral with 4 experts, 2 a token), fills them with the
+synthetic weights hostembed generates (checkpoint::write::synthetic_weights, same formula bit for bit,
+each tensor by its canonical name: Gemma's norm weights are HF's w, which its RMSNorm multiplies by as
+1 + w; Mixtral's block_sparse_moe parts and transformers' fused expert stacks are filled expert by
+expert under the per-expert names), and writes, per model, into OUT/<name>/:
   config.json         the model's config, every key (as config.json, without defaults left out)
   tokens.u32          the 64 input ids, little-endian u32
   logits.f32          teacher-forced logits, [64][vocab] little-endian f32, from the float64 run
   inv_freq.f32        HF's rotary inverse frequencies (head_dim/2 values; the global layers' for Gemma)
   inv_freq_local.f32  Gemma 3 only: its sliding-window layers' frequencies
-  reference.json      seed, versions, and the float32-vs-float64 error of HF itself
+  reference.json      seed, versions, the canonical tensors filled, and the float32-vs-float64 error of HF
 
-Usage: hf_reference.py --out OUT [--only NAME ...] [--save-models DIR]   (torch + transformers; no network)
+tests/cpu.rs checks llama, qwen2 and qwen3; tests/gemma3.rs checks gemma3; tests/moe.rs checks
+qwen3_moe and mixtral.
+
+Usage: hf_reference.py --out OUT [--only NAME[,NAME...] ...] [--save-models DIR]   (torch + transformers; no network)
        hf_reference.py --selftest          (numpy only: prints generator values the Rust test pins)
 """
 
@@ -132,7 +138,62 @@ MODELS = {
         dict(rope_theta=1000000.0, rope_type="linear", factor=8.0, local_rope_theta=10000.0, global_every=3),
         44,
     ),
+    "qwen3_moe": (
+        "qwen3_moe",
+        dict(
+            vocab_size=256,
+            hidden_size=256,
+            intermediate_size=512,
+            moe_intermediate_size=96,
+            num_experts=8,
+            num_experts_per_tok=2,
+            norm_topk_prob=False,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=64,
+            rms_norm_eps=1e-6,
+            max_position_embeddings=128,
+            tie_word_embeddings=False,
+            attention_bias=False,
+            use_sliding_window=False,
+            output_router_logits=False,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+        dict(rope_theta=1000000.0, rope_type="default"),
+        44,
+    ),
+    "mixtral": (
+        "mixtral",
+        dict(
+            vocab_size=256,
+            hidden_size=256,
+            intermediate_size=384,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            num_hidden_layers=2,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            head_dim=32,
+            rms_norm_eps=1e-5,
+            max_position_embeddings=128,
+            tie_word_embeddings=False,
+            sliding_window=None,
+            router_jitter_noise=0.0,
+            output_router_logits=False,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+        dict(rope_theta=1000000.0, rope_type="default"),
+        55,
+    ),
 }
+
+# Mixtral's spellings of the expert parts, and the canonical ones hostembed names every tensor by.
+MIXTRAL_PARTS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
 def splitmix64(x):
@@ -202,6 +263,8 @@ def build(arch, kwargs, rope):
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
         "gemma3": (getattr(transformers, "Gemma3TextConfig", None), getattr(transformers, "Gemma3ForCausalLM", None)),
+        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+        "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
     }
     cls, model_cls = classes[arch]
     kwargs = dict(kwargs)
@@ -241,7 +304,11 @@ def build(arch, kwargs, rope):
             want = ["full_attention" if (i + 1) % every == 0 else "sliding_attention" for i in range(layers)]
             assert list(types) == want, types
         assert cfg.sliding_window == kwargs["sliding_window"], cfg.sliding_window
-    return cfg, model_cls(cfg)
+    model = model_cls(cfg)
+    # transformers 5's grouped experts products take no float64; its loop over the experts does.
+    if hasattr(model, "set_experts_implementation"):
+        model.set_experts_implementation("eager")
+    return cfg, model
 
 
 def rotary_frequencies(model, arch):
@@ -261,16 +328,62 @@ def rotary_frequencies(model, arch):
     return found
 
 
-def load_synthetic(model, seed, tied):
+def canonical(name):
+    """A parameter's name as hostembed names the tensor: Mixtral's block_sparse_moe parts as the
+    Qwen3-MoE spelling (mlp.gate, mlp.experts.E.gate_proj / up_proj / down_proj)."""
+    name = name.replace(".block_sparse_moe.", ".mlp.")
+    parts = name.split(".")
+    if len(parts) >= 3 and parts[-3].isdigit() and parts[-2] in MIXTRAL_PARTS and parts[-4] == "experts":
+        parts[-2] = MIXTRAL_PARTS[parts[-2]]
+    return ".".join(parts)
+
+
+def expert_values(name, shape, seed, hidden):
+    """A fused expert stack (transformers 5: mlp.experts.gate_up_proj [E, 2I, H], gate rows then up
+    rows, and mlp.experts.down_proj [E, H, I]; either stored transposed where its last dimension is not
+    the one multiplied) filled expert by expert with the per-expert tensors' values; and the canonical
+    names it stands for."""
+    prefix, stack = name.rsplit(".", 1)
+    if stack == "weight":
+        prefix, stack = prefix.rsplit(".", 1)
+    parts = {"gate_up_proj": ["gate_proj", "up_proj"], "down_proj": ["down_proj"]}.get(stack)
+    if parts is None:
+        raise ValueError(f"no expert rule for {name} {shape}")
+    # gate/up read the hidden state (their columns are hidden); down writes it (its rows are hidden).
+    reads_hidden = stack == "gate_up_proj"
+    as_stored = shape[2] == hidden if reads_hidden else shape[1] == hidden
+    assert as_stored or (shape[1] == hidden if reads_hidden else shape[2] == hidden), f"{name} {shape}"
+    out, names = [], []
+    for e in range(shape[0]):
+        pieces = [f"{prefix}.{e}.{p}.weight" for p in parts]
+        rows = (shape[1] if as_stored else shape[2]) // len(pieces)
+        cols = shape[2] if as_stored else shape[1]
+        block = np.concatenate([synthetic_tensor(n, (rows, cols), seed) for n in pieces], axis=0)
+        out.append(block if as_stored else block.T)
+        names.extend(pieces)
+    return np.ascontiguousarray(np.stack(out)), names
+
+
+def load_synthetic(model, seed, tied, hidden):
+    """Fills every parameter by the synthetic formula under its canonical name; returns those names."""
     import torch
 
     params = dict(model.named_parameters())
+    filled = []
     for name, p in params.items():
-        p.data.copy_(torch.from_numpy(synthetic_tensor(name, tuple(p.shape), seed)))
+        shape = tuple(p.shape)
+        if len(shape) == 3:
+            # Which way a stack is stored is told by its hidden size: the models keep 2I and I apart from it.
+            values, names = expert_values(canonical(name), shape, seed, hidden)
+            filled.extend(names)
+        else:
+            values = synthetic_tensor(canonical(name), shape, seed)
+            filled.append(canonical(name))
+        p.data.copy_(torch.from_numpy(values))
     head, embed = model.lm_head.weight, model.model.embed_tokens.weight
     assert (head.data_ptr() == embed.data_ptr()) == tied, "tied head does not match the config"
     assert tied or "lm_head.weight" in params
-    return sorted(params)
+    return sorted(filled)
 
 
 def logits(model, tokens, dtype):
@@ -291,26 +404,34 @@ def main():
     ap.add_argument("--out", help="output directory (one subdirectory per model)")
     ap.add_argument("--selftest", action="store_true", help="print generator values and exit (numpy only)")
     ap.add_argument("--save-models", metavar="DIR", help="also save each model as an HF folder (float32)")
-    ap.add_argument("--only", action="append", choices=sorted(MODELS), help="this model only (repeatable)")
+    ap.add_argument(
+        "--only",
+        action="append",
+        metavar="NAMES",
+        help=f"these models only: comma-separated, repeatable (of {', '.join(MODELS)})",
+    )
     args = ap.parse_args()
     if args.selftest:
         selftest()
         return
     if not args.out:
         ap.error("--out is required")
+    only = [n for names in args.only for n in names.split(",") if n] if args.only else list(MODELS)
+    unknown = [n for n in only if n not in MODELS]
+    if unknown:
+        ap.error(f"--only: unknown model {', '.join(unknown)} (of {', '.join(MODELS)})")
 
     import torch
     import transformers
 
     torch.manual_seed(0)
     worst = 0.0
-    for name, (arch, kwargs, rope, seed) in MODELS.items():
-        if args.only and name not in args.only:
-            continue
+    for name in only:
+        arch, kwargs, rope, seed = MODELS[name]
         cfg, model = build(arch, kwargs, rope)
         model.eval()
         tied = kwargs["tie_word_embeddings"]
-        loaded = load_synthetic(model, seed, tied)
+        loaded = load_synthetic(model, seed, tied, kwargs["hidden_size"])
         tokens = tokens_for(kwargs["vocab_size"])
 
         freqs = rotary_frequencies(model, arch)

@@ -30,6 +30,7 @@ mod backend;
 mod exp;
 mod kv_pages;
 mod matmul;
+mod moe;
 mod parallel;
 mod pass;
 mod scratch;
@@ -232,7 +233,8 @@ impl<'a> CpuWeight<'a> {
     }
 }
 
-/// A dense decoder (Llama, Qwen2, Qwen3, Gemma 3) read from a `TensorSource`.
+/// A decoder (Llama, Qwen2, Qwen3, Gemma 3, and the Mixture-of-Experts kin of Llama and Qwen3) read from a
+/// `TensorSource`.
 pub struct CpuModel<'a> {
     cfg: ModelConfig,
     embed: TensorRef<'a>,
@@ -526,7 +528,7 @@ impl<'a> CpuModel<'a> {
     fn advance(&self, kv: &mut KvPages, segments: &[Segment], s: &mut Scratch) {
         let cfg = &self.cfg;
         let n: usize = segments.iter().map(|g| g.tokens.len()).sum();
-        let Scratch { x, h, q, k, v, attn, gate, up, rotation, tiles, attention } = s;
+        let Scratch { x, h, q, k, v, attn, gate, up, rotation, tiles, attention, moe } = s;
         // The position of each row of the pass.
         let positions = segments.iter().flat_map(|g| (0..g.tokens.len()).map(move |t| g.first_pos + t)).collect();
         let mut pass = CpuPass {
@@ -544,11 +546,12 @@ impl<'a> CpuModel<'a> {
             k: &mut k[..n * cfg.kv_dim()],
             v: &mut v[..n * cfg.kv_dim()],
             attn: &mut attn[..n * cfg.q_dim()],
-            gate: &mut gate[..n * cfg.intermediate],
-            up: &mut up[..n * cfg.intermediate],
+            gate: &mut gate[..n * cfg.ffn_width()],
+            up: &mut up[..n * cfg.ffn_width()],
             rotation,
             tiles,
             attention,
+            moe,
         };
         crate::arch::forward(cfg, &mut pass, &self.layers).expect("the CPU's operations do not fail");
     }

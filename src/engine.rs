@@ -623,7 +623,8 @@ impl Engine {
             });
             let pool_line = if cpu.streams > 0 { format!(", {}", pool.describe_with(kv)) } else { String::new() };
             logger.line(&format!(
-                "model {} GiB on the CPU backend, rows read from the file mapping, {}{pool_line}",
+                "{}: model {} GiB on the CPU backend, rows read from the file mapping, {}{pool_line}",
+                fit::describe_parameters(&ckpt.config),
                 fit::gib(ckpt.weight_bytes()),
                 fit::describe_cpu(&cpu)
             ));
@@ -712,10 +713,15 @@ impl Engine {
         );
         match fit::refusal(&plan) {
             Some(why) => {
-                logger.line(&fit::describe(&plan));
+                logger.line(&format!("{}: {}", fit::describe_parameters(&ckpt.config), fit::describe(&plan)));
                 crate::bail!(NoRoom, "{why}");
             }
-            None => logger.line(&format!("{}, {}", fit::describe(&plan), pool.describe_with(kv))),
+            None => logger.line(&format!(
+                "{}: {}, {}",
+                fit::describe_parameters(&ckpt.config),
+                fit::describe(&plan),
+                pool.describe_with(kv)
+            )),
         }
         if let Some(reason) = host_rows_reason(&plan, &inputs, opts) {
             logger.line(&reason);

@@ -203,6 +203,26 @@ pub fn refusal(plan: &engine_plan) -> Option<String> {
     Some(format!("{} {stream} GiB stream, {} GiB left", article(&stream), gib(plan.left_bytes)))
 }
 
+/// The start-up line's first words: the architecture and its parameters, those a token reads too when
+/// it has experts: `llama, 8.03 B parameters` or `qwen3_moe, 30.53 B parameters (3.34 B active a token)`.
+pub fn describe_parameters(cfg: &crate::model::ModelConfig) -> String {
+    let count = |n: u64| {
+        if n >= 1_000_000_000 { format!("{:.2} B", n as f64 / 1e9) } else { format!("{:.2} M", n as f64 / 1e6) }
+    };
+    let (active, total) = cfg.parameters();
+    match cfg.moe {
+        None => format!("{}, {} parameters", cfg.arch.name(), count(total)),
+        Some(m) => format!(
+            "{}, {} parameters ({} active a token: {} of {} experts)",
+            cfg.arch.name(),
+            count(total),
+            count(active),
+            m.used,
+            m.experts
+        ),
+    }
+}
+
 /// The start-up line, e.g. `model 13.29 GiB, rows mapped (2.37 GiB in host memory), 1 stream at a
 /// 98304-token window, 8.93 GiB left`.
 pub fn describe(plan: &engine_plan) -> String {

@@ -1,7 +1,9 @@
-//! What a dense decoder is, independent of the file it came from, and the weights' canonical names.
+//! What a decoder is (dense or Mixture-of-Experts), independent of its file; the weights' canonical names.
 
 use crate::status::Result;
 use crate::tensor::DType;
+mod moe;
+pub use self::moe::{MAX_EXPERTS, MoeConfig};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Arch {
@@ -9,6 +11,10 @@ pub enum Arch {
     Qwen2,
     Qwen3,
     Gemma3,
+    /// Qwen3 with a Mixture-of-Experts feed-forward in every layer (GGUF `qwen3moe`).
+    Qwen3Moe,
+    /// Llama with a Mixture-of-Experts feed-forward in every layer (GGUF `llama` with expert keys).
+    Mixtral,
 }
 
 /// The gated feed-forward's activation of the gate.
@@ -56,7 +62,7 @@ pub struct ArchTraits {
 
 impl Arch {
     /// Every architecture the readers accept.
-    pub const ALL: [Arch; 4] = [Arch::Llama, Arch::Qwen2, Arch::Qwen3, Arch::Gemma3];
+    pub const ALL: [Arch; 6] = [Arch::Llama, Arch::Qwen2, Arch::Qwen3, Arch::Gemma3, Arch::Qwen3Moe, Arch::Mixtral];
 
     pub const fn traits(self) -> ArchTraits {
         const LLAMA: ArchTraits = ArchTraits {
@@ -95,6 +101,14 @@ impl Arch {
                 gguf_layer_parts: crate::arch::gemma3::GGUF_PARTS,
                 ..LLAMA
             },
+            Arch::Qwen3Moe => ArchTraits {
+                name: "qwen3_moe",
+                hf_model_type: "qwen3_moe",
+                qk_norm: true,
+                gguf_rope_interleaved: false,
+                ..LLAMA
+            },
+            Arch::Mixtral => ArchTraits { name: "mixtral", hf_model_type: "mixtral", ..LLAMA },
         }
     }
 
@@ -167,6 +181,8 @@ pub struct ModelConfig {
     pub attention: AttentionConfig,
     pub bos: Option<u32>,
     pub eos: Option<u32>,
+    /// The Mixture-of-Experts feed-forward of every layer (`Arch::is_moe`); None for a dense model.
+    pub moe: Option<MoeConfig>,
 }
 
 /// Attention's departures from the plain form (every layer over every earlier position, with the one
@@ -226,6 +242,7 @@ impl ModelConfig {
             attention: AttentionConfig::default(),
             bos: None,
             eos: None,
+            moe: None,
         }
     }
 
@@ -314,6 +331,7 @@ impl ModelConfig {
                 crate::bail!(BadModel, "{source}: local rope theta {} is not a positive number", s.rope_theta);
             }
         }
+        self.check_moe(source)?;
         Ok(())
     }
 
@@ -411,6 +429,7 @@ pub mod names {
     pub const POST_ATTN_NORM: &str = "post_attention_layernorm.weight";
     pub const PRE_FFN_NORM: &str = "pre_feedforward_layernorm.weight";
     pub const POST_FFN_NORM: &str = "post_feedforward_layernorm.weight";
+    pub use super::moe::{EXPERT_DOWN, EXPERT_GATE, EXPERT_UP, MIXTRAL, ROUTER, expert, expert_of, mixtral_swap};
 }
 
 /// A tensor's format, shape (outermost first: a [out, in] matrix has `out` rows of `in` values)

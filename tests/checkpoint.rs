@@ -50,6 +50,7 @@ fn llama_cfg() -> ModelConfig {
         attention: Default::default(),
         bos: Some(1),
         eos: Some(2),
+        moe: None,
     }
 }
 
@@ -74,6 +75,7 @@ fn qwen2_cfg() -> ModelConfig {
         attention: Default::default(),
         bos: None,
         eos: Some(7),
+        moe: None,
     }
 }
 
@@ -98,6 +100,7 @@ fn qwen3_cfg() -> ModelConfig {
         attention: Default::default(),
         bos: Some(0),
         eos: Some(3),
+        moe: None,
     }
 }
 

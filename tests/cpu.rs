@@ -105,6 +105,7 @@ fn small_config(arch: Arch) -> ModelConfig {
         attention: Default::default(),
         bos: Some(1),
         eos: Some(2),
+        moe: None,
     };
     match arch {
         Arch::Llama => {
@@ -124,6 +125,7 @@ fn small_config(arch: Arch) -> ModelConfig {
             cfg.head_dim = 32; // q_dim 128 against hidden 64: head_dim independent of hidden/heads
         }
         Arch::Gemma3 => unreachable!("Gemma 3's small models are tests/gemma3.rs's"),
+        Arch::Qwen3Moe | Arch::Mixtral => panic!("{arch:?}: these tests' reference computes dense models"),
     }
     cfg
 }
@@ -1047,6 +1049,7 @@ fn config_from_hf_json(v: &serde_json::Value) -> ModelConfig {
         attention: Default::default(),
         bos: v["bos_token_id"].as_u64().map(|t| t as u32),
         eos: v["eos_token_id"].as_u64().map(|t| t as u32),
+        moe: None,
     }
 }
 

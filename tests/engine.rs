@@ -51,6 +51,7 @@ fn llama() -> ModelConfig {
         attention: Default::default(),
         bos: Some(1),
         eos: Some(2),
+        moe: None,
     }
 }
 

@@ -512,6 +512,7 @@ fn receipt_kv_shape() -> hostembed::model::ModelConfig {
         attention: Default::default(),
         bos: None,
         eos: None,
+        moe: None,
     }
 }
 

@@ -49,6 +49,7 @@ fn config() -> ModelConfig {
         attention: Default::default(),
         bos: Some(0),
         eos: Some(1),
+        moe: None,
     }
 }
 

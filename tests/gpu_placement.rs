@@ -47,6 +47,7 @@ fn config(vocab: usize, hidden: usize) -> ModelConfig {
         attention: Default::default(),
         bos: Some(1),
         eos: Some(2),
+        moe: None,
     }
 }
 

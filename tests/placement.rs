@@ -43,6 +43,7 @@ fn config(vocab: usize, hidden: usize, tied: bool) -> ModelConfig {
         attention: Default::default(),
         bos: Some(1),
         eos: Some(2),
+        moe: None,
     }
 }
 

@@ -195,12 +195,13 @@ impl<'a> Model<'a> {
             cpu::add(&mut x, &delta);
 
             norm_rows(&x, &layer.ffn_norm.to_f32(), &mut h, r.norm_ffn);
-            cpu::matmul(&layer.gate, &h, &mut gate);
-            cpu::matmul(&layer.up, &h, &mut up);
+            let dense = "a dense model";
+            cpu::matmul(layer.gate.as_ref().expect(dense), &h, &mut gate);
+            cpu::matmul(layer.up.as_ref().expect(dense), &h, &mut up);
             let mut act = vec![0f32; n * inter];
             cpu::swiglu(&gate, &up, &mut act);
             r.swiglu.round_all(&mut act);
-            cpu::matmul(&layer.down, &act, &mut delta);
+            cpu::matmul(layer.down.as_ref().expect(dense), &act, &mut delta);
             cpu::add(&mut x, &delta);
         }
         positions

@@ -39,6 +39,7 @@ fn config() -> ModelConfig {
         attention: Default::default(),
         bos: Some(1),
         eos: Some(2),
+        moe: None,
     }
 }
 

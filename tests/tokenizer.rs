@@ -334,6 +334,7 @@ fn tiny_config() -> ModelConfig {
         attention: Default::default(),
         bos: Some(0),
         eos: Some(1),
+        moe: None,
     }
 }
 

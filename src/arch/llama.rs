@@ -1,6 +1,8 @@
 //! Llama and its two descendants that differ only in optional tensors: Qwen2 (biases on the q, k and v
 //! products) and Qwen3 (an RMSNorm over each head of q and k before the rotation). One graph, as
-//! llama.cpp's llama builder serves all three: a tensor the file lacks is an operand left out.
+//! llama.cpp's llama builder serves all three: a tensor the file lacks is an operand left out. Mixtral
+//! and Qwen3-MoE are Llama and Qwen3 whose feed-forward is a Mixture of Experts: the router and the
+//! experts' matrices take the dense feed-forward's place.
 
 use super::{Feeds, Ops, Rotary};
 use crate::model::{Activation, names, weight_table};
@@ -23,9 +25,14 @@ weight_table! {
     o: names::O, [Hidden, QDim], Always;
     /// RMSNorm weight before the feed-forward block.
     ffn_norm: names::FFN_NORM, [Hidden], Always;
-    gate: names::GATE, [Intermediate, Hidden], Always;
-    up: names::UP, [Intermediate, Hidden], Always;
-    down: names::DOWN, [Hidden, Intermediate], Always;
+    gate: names::GATE, [Intermediate, Hidden], Dense;
+    up: names::UP, [Intermediate, Hidden], Dense;
+    down: names::DOWN, [Hidden, Intermediate], Dense;
+    /// The Mixture-of-Experts router: one row of logits a expert.
+    router: names::ROUTER, [Experts, Hidden], Moe;
+    expert_gate: names::EXPERT_GATE, [ExpertIntermediate, Hidden], Experts;
+    expert_up: names::EXPERT_UP, [ExpertIntermediate, Hidden], Experts;
+    expert_down: names::EXPERT_DOWN, [Hidden, ExpertIntermediate], Experts;
 }
 
 /// Pre-norm attention with grouped KV heads and rotary positions, then a pre-norm SwiGLU feed-forward,
@@ -48,7 +55,11 @@ pub fn forward<O: Ops>(ops: &mut O, layers: &[LayerWeights<O::Weight>]) -> Resul
         ops.add_attention_out(&w.o, None)?;
 
         ops.norm(&w.ffn_norm, Feeds::Product)?;
-        ops.add_gated_ffn(Activation::Silu, &w.gate, &w.up, &w.down, None)?;
+        match (&w.gate, &w.up, &w.down, &w.router) {
+            (Some(gate), Some(up), Some(down), _) => ops.add_gated_ffn(Activation::Silu, gate, up, down, None)?,
+            (_, _, _, Some(router)) => ops.add_moe_ffn(router, &w.expert_gate, &w.expert_up, &w.expert_down)?,
+            _ => unreachable!("the table gives a layer a dense or an expert feed-forward"),
+        }
     }
     Ok(())
 }
@@ -57,7 +68,7 @@ pub fn forward<O: Ops>(ops: &mut O, layers: &[LayerWeights<O::Weight>]) -> Resul
 mod tests {
     use super::*;
     use crate::arch::{Layers, recorder::Recorder};
-    use crate::model::{Arch, ModelConfig, RopeScaling};
+    use crate::model::{Arch, ModelConfig, MoeConfig, RopeScaling};
 
     fn config(arch: Arch) -> ModelConfig {
         let t = arch.traits();
@@ -81,6 +92,7 @@ mod tests {
             attention: Default::default(),
             bos: None,
             eos: None,
+            moe: arch.is_moe().then_some(MoeConfig { experts: 3, used: 2, intermediate: 8, norm_topk: true }),
         }
     }
 
@@ -88,7 +100,7 @@ mod tests {
     /// optional operands its tensor list gives it and no others.
     #[test]
     fn each_architecture_passes_its_own_tensors_in_order() {
-        for arch in [Arch::Llama, Arch::Qwen2, Arch::Qwen3] {
+        for arch in [Arch::Llama, Arch::Qwen2, Arch::Qwen3, Arch::Qwen3Moe, Arch::Mixtral] {
             let cfg = config(arch);
             let layers = Layers::build(&cfg, |w| Ok(w.name.clone())).unwrap();
             assert!(matches!(layers, Layers::Llama(_)), "{arch:?}");
@@ -98,7 +110,7 @@ mod tests {
             for l in 0..cfg.layers {
                 let n = |part: &str| crate::model::names::layer(l, part);
                 let bias = arch == Arch::Qwen2;
-                let head_norms = arch == Arch::Qwen3;
+                let head_norms = matches!(arch, Arch::Qwen3 | Arch::Qwen3Moe);
                 let q = |part: &str| format!("{:?}", n(part));
                 want.push(format!("norm {} Cache", n(names::ATTN_NORM)));
                 let bias = if bias {
@@ -116,7 +128,19 @@ mod tests {
                 want.push(format!("attention {l} None"));
                 want.push(format!("add_attention_out {} None", n(names::O)));
                 want.push(format!("norm {} Product", n(names::FFN_NORM)));
-                want.push(format!("add_gated_ffn Silu {} {} {} None", n(names::GATE), n(names::UP), n(names::DOWN)));
+                if arch.is_moe() {
+                    let experts = |part: &str| (0..3).map(|e| n(&names::expert(part, e))).collect::<Vec<_>>();
+                    let (g, u, d) =
+                        (experts(names::EXPERT_GATE), experts(names::EXPERT_UP), experts(names::EXPERT_DOWN));
+                    want.push(format!("add_moe_ffn {} {g:?} {u:?} {d:?}", n(names::ROUTER)));
+                } else {
+                    want.push(format!(
+                        "add_gated_ffn Silu {} {} {} None",
+                        n(names::GATE),
+                        n(names::UP),
+                        n(names::DOWN)
+                    ));
+                }
             }
             assert_eq!(ops.0, want, "{arch:?}");
         }

@@ -87,11 +87,24 @@ pub trait Ops {
         down: &Self::Weight,
         post_norm: Option<&Self::Weight>,
     ) -> Result<()>;
+
+    /// x += the Mixture-of-Experts feed-forward of h: the product of h with `router` gives each
+    /// expert's logit, their softmax its probability; the row's `ModelConfig::moe.used` most probable
+    /// experts (ties to the lower index) each give down_e(silu(gate_e h) * up_e h), and the row adds
+    /// their sum weighted by those probabilities (divided by the chosen ones' sum when `norm_topk`).
+    /// `gate`, `up` and `down` hold one weight an expert. A row's result depends on its own h alone.
+    fn add_moe_ffn(
+        &mut self,
+        router: &Self::Weight,
+        gate: &[Self::Weight],
+        up: &[Self::Weight],
+        down: &[Self::Weight],
+    ) -> Result<()>;
 }
 
 /// Every layer's weights, in the table of the model's architecture.
 pub enum Layers<T> {
-    /// Llama, Qwen2, Qwen3.
+    /// Llama, Qwen2, Qwen3, Qwen3-MoE, Mixtral.
     Llama(Vec<llama::LayerWeights<T>>),
     Gemma3(Vec<gemma3::LayerWeights<T>>),
 }
@@ -110,7 +123,7 @@ impl<T> Layers<T> {
     /// The layers of the model `cfg` describes, asking `f` for each weight in file order.
     pub fn build(cfg: &ModelConfig, mut f: impl FnMut(&Weight) -> Result<T>) -> Result<Self> {
         Ok(match cfg.arch {
-            Arch::Llama | Arch::Qwen2 | Arch::Qwen3 => Layers::Llama(
+            Arch::Llama | Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe | Arch::Mixtral => Layers::Llama(
                 (0..cfg.layers).map(|i| llama::LayerWeights::build(cfg, i, &mut f)).collect::<Result<_>>()?,
             ),
             Arch::Gemma3 => Layers::Gemma3(
@@ -202,6 +215,10 @@ pub(crate) mod recorder {
             post_norm: Option<&String>,
         ) -> Result<()> {
             self.0.push(format!("add_gated_ffn {act:?} {gate} {up} {down} {post_norm:?}"));
+            Ok(())
+        }
+        fn add_moe_ffn(&mut self, router: &String, gate: &[String], up: &[String], down: &[String]) -> Result<()> {
+            self.0.push(format!("add_moe_ffn {router} {gate:?} {up:?} {down:?}"));
             Ok(())
         }
     }

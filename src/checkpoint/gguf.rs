@@ -8,7 +8,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::Path;
 
 use super::{Checkpoint, Format, MappedFile, ROPE_FREQS, TensorInfo, TokenizerSource};
-use crate::model::{Arch, AttentionConfig, ModelConfig, RopeScaling, SlidingWindow, names};
+use crate::model::{Arch, AttentionConfig, Dim, ModelConfig, MoeConfig, RopeScaling, SlidingWindow, names};
 use crate::status::Result;
 use crate::tensor::{DType, supported_names};
 use crate::tokenizer::special::SpecialTokens;
@@ -531,7 +531,7 @@ fn tensor_extent(
 }
 
 /// llama.cpp's per-layer tensor names and their HF counterparts.
-const LAYER_PARTS: [(&str, &str); 14] = [
+const LAYER_PARTS: [(&str, &str); 15] = [
     ("attn_norm.weight", names::ATTN_NORM),
     ("attn_q.weight", names::Q),
     ("attn_k.weight", names::K),
@@ -546,7 +546,37 @@ const LAYER_PARTS: [(&str, &str); 14] = [
     ("ffn_gate.weight", names::GATE),
     ("ffn_up.weight", names::UP),
     ("ffn_down.weight", names::DOWN),
+    ("ffn_gate_inp.weight", names::ROUTER),
 ];
+
+/// llama.cpp's stacked expert matrices, [experts, rows, cols] (ggml order reversed): each layer's
+/// experts of one role in one tensor, expert 0 first; the reader splits them into the canonical
+/// per-expert tensors (views of the stack, whose rows are whole blocks), the writer stacks them.
+pub const EXPERT_STACKS: [(&str, &str, [Dim; 2]); 3] = [
+    ("ffn_gate_exps.weight", names::EXPERT_GATE, [Dim::ExpertIntermediate, Dim::Hidden]),
+    ("ffn_up_exps.weight", names::EXPERT_UP, [Dim::ExpertIntermediate, Dim::Hidden]),
+    ("ffn_down_exps.weight", names::EXPERT_DOWN, [Dim::Hidden, Dim::ExpertIntermediate]),
+];
+
+/// The layer and the `EXPERT_STACKS` entry of a GGUF stack's name (`blk.N.ffn_up_exps.weight`).
+fn expert_stack(gguf: &str) -> Option<(usize, usize)> {
+    let (layer, part) = gguf.strip_prefix("blk.")?.split_once('.')?;
+    let i = layer.parse::<usize>().ok().filter(|i| i.to_string() == layer)?;
+    Some((i, EXPERT_STACKS.iter().position(|(g, _, _)| *g == part)?))
+}
+
+/// The GGUF name of layer `layer`'s stack of `EXPERT_STACKS` entry `role`.
+pub fn expert_stack_name(layer: usize, role: usize) -> String {
+    format!("blk.{layer}.{}", EXPERT_STACKS[role].0)
+}
+
+/// The GGUF stack a canonical per-expert name belongs to: (its name, the expert's index).
+pub fn expert_stack_of(canonical: &str) -> Option<(String, usize)> {
+    let (layer, e) = names::expert_of(canonical)?;
+    let part = canonical.strip_prefix(&names::layer(layer, ""))?;
+    let role = EXPERT_STACKS.iter().position(|(_, hf, _)| names::expert(hf, e) == part)?;
+    Some((expert_stack_name(layer, role), e))
+}
 
 const GLOBAL_NAMES: [(&str, &str); 4] = [
     ("token_embd.weight", names::EMBED),
@@ -682,14 +712,25 @@ pub fn open_file(path: &Path) -> Result<Checkpoint> {
         .str("general.architecture")?
         .ok_or_else(|| err!(BadModel, "{file}: key general.architecture is missing"))?
         .to_string();
-    let arch = Arch::from_name(&arch_name).ok_or_else(|| {
-        let supported = Arch::supported_names();
+    let arch = Arch::from_gguf_name(&arch_name).ok_or_else(|| {
+        let supported = Arch::gguf_supported_names();
         err!(Unsupported, "{file}: general.architecture \"{arch_name}\" is not supported ({supported})")
     })?;
     let key = |k: &str| format!("{arch_name}.{k}");
+    // llama.cpp writes Mixtral as a llama with experts.
+    let arch = match meta.usize(&key("expert_count"))? {
+        Some(n) if n > 0 && arch == Arch::Llama => Arch::Mixtral,
+        _ => arch,
+    };
 
     let mut tensors = BTreeMap::new();
+    // The expert stacks, split once the config says how many experts a layer has.
+    let mut stacks = Vec::new();
     for t in &parsed.tensors {
+        if let Some((layer, role)) = expert_stack(&t.name) {
+            stacks.push((layer, role, t));
+            continue;
+        }
         let name = canonical_name_in(arch, &t.name);
         let shape = t.dims.iter().rev().map(|&d| d as usize).collect();
         let info = TensorInfo { name: name.clone(), dtype: t.dtype, shape, file: 0, offset: t.start, bytes: t.bytes };
@@ -774,13 +815,15 @@ pub fn open_file(path: &Path) -> Result<Checkpoint> {
         attention,
         bos: token_id("tokenizer.ggml.bos_token_id")?,
         eos: token_id("tokenizer.ggml.eos_token_id")?,
+        moe: moe_config(&meta, arch, &key)?,
     };
     config.check(file)?;
     if let Some(t) = tensors.get(ROPE_FREQS) {
         config.rope_scaling = rope_scaling_from_freqs(&config, t, &mapped, &meta, &key)?;
     }
+    split_expert_stacks(&config, &stacks, &mut tensors, file, &key)?;
     let files = vec![mapped];
-    super::check_tensors(&config, &tensors, &files, file, &BTreeMap::new())?;
+    super::check_tensors(&config, &tensors, &files, file, &BTreeMap::new(), &|n| n.to_string())?;
 
     let special = SpecialTokens {
         add_bos: meta.flag("tokenizer.ggml.add_bos_token")?,
@@ -868,6 +911,94 @@ fn gemma3_attention(
         _ => None,
     };
     Ok(AttentionConfig { query_scale_base: Some(base as f32), sliding })
+}
+
+/// The `{arch}.expert_*` keys of a Mixture-of-Experts architecture: the counts, and the experts' width
+/// (`expert_feed_forward_length`; llama.cpp's defaults without it: Mixtral's `feed_forward_length`,
+/// Qwen3-MoE's divided by the experts a token uses). llama.cpp renormalizes both architectures' top-k
+/// weights unless `expert_weights_norm` says otherwise.
+fn moe_config(meta: &Meta, arch: Arch, key: &dyn Fn(&str) -> String) -> Result<Option<MoeConfig>> {
+    if !arch.is_moe() {
+        return Ok(None);
+    }
+    let experts = meta.req_usize(&key("expert_count"))?;
+    let used = meta.req_usize(&key("expert_used_count"))?;
+    let intermediate = match meta.usize(&key("expert_feed_forward_length"))? {
+        Some(n) => n,
+        None => {
+            let ff = meta.req_usize(&key("feed_forward_length"))?;
+            if arch == Arch::Qwen3Moe { ff / used.max(1) } else { ff }
+        }
+    };
+    let norm_topk = meta.flag(&key("expert_weights_norm"))?.unwrap_or(true);
+    Ok(Some(MoeConfig { experts, used, intermediate, norm_topk }))
+}
+
+/// Each expert stack as the canonical per-expert tensors, views of its bytes: BAD_MODEL naming the
+/// stack when its experts, rows or columns are not the config's, when a Mixture-of-Experts layer lacks
+/// one, or when a dense model has one.
+fn split_expert_stacks(
+    cfg: &ModelConfig,
+    stacks: &[(usize, usize, &GgufTensor)],
+    tensors: &mut BTreeMap<String, TensorInfo>,
+    file: &str,
+    key: &dyn Fn(&str) -> String,
+) -> Result<()> {
+    let Some(moe) = cfg.moe else {
+        if let Some((_, _, t)) = stacks.first() {
+            bail!(BadModel, "{file}: tensor {} holds experts, but key {} gives none", t.name, key("expert_count"));
+        }
+        return Ok(());
+    };
+    for &(layer, role, t) in stacks {
+        let [rows, cols] = EXPERT_STACKS[role].2.map(|d| d.of(cfg) as u64);
+        if layer >= cfg.layers {
+            bail!(
+                BadModel,
+                "{file}: tensor {} is past the {} layers of key {}",
+                t.name,
+                cfg.layers,
+                key("block_count")
+            );
+        }
+        if t.dims.len() != 3 || t.dims[2] != moe.experts as u64 {
+            let held = if t.dims.len() == 3 { t.dims[2].to_string() } else { format!("{}-D", t.dims.len()) };
+            bail!(
+                BadModel,
+                "{file}: tensor {} holds {held} experts, key {} says {}",
+                t.name,
+                key("expert_count"),
+                moe.experts
+            );
+        }
+        if t.dims[..2] != [cols, rows] {
+            bail!(
+                BadModel,
+                "{file}: tensor {} has experts of [{}, {}], the config asks for [{rows}, {cols}]",
+                t.name,
+                t.dims[1],
+                t.dims[0]
+            );
+        }
+        let bytes = t.bytes / moe.experts;
+        for e in 0..moe.experts {
+            let name = names::layer(layer, &names::expert(EXPERT_STACKS[role].1, e));
+            let shape = vec![rows as usize, cols as usize];
+            let info =
+                TensorInfo { name: name.clone(), dtype: t.dtype, shape, file: 0, offset: t.start + e * bytes, bytes };
+            if tensors.insert(name.clone(), info).is_some() {
+                bail!(BadModel, "{file}: tensor {} maps to {name}, which another tensor already holds", t.name);
+            }
+        }
+    }
+    for layer in 0..cfg.layers {
+        for role in 0..EXPERT_STACKS.len() {
+            if !stacks.iter().any(|&(l, r, _)| (l, r) == (layer, role)) {
+                bail!(BadModel, "{file}: tensor {} is missing", expert_stack_name(layer, role));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Rope scaling for a file carrying llama.cpp's `rope_freqs.weight` divisors: the scaling the keys give

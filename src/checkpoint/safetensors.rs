@@ -9,7 +9,7 @@ use safetensors::tensor::{SafeTensorError, SafeTensors};
 use serde_json::{Map, Value};
 
 use super::{Checkpoint, Format, MappedFile, TensorInfo, TokenizerSource};
-use crate::model::{Arch, AttentionConfig, ModelConfig, RopeScaling, SlidingWindow, names};
+use crate::model::{Arch, AttentionConfig, ModelConfig, MoeConfig, RopeScaling, SlidingWindow, names};
 use crate::status::{Error, Result};
 use crate::tensor::DType;
 use crate::tokenizer::special::SpecialTokens;
@@ -45,15 +45,16 @@ pub fn open_folder(dir: &Path) -> Result<Checkpoint> {
         let (header_len, metadata) =
             SafeTensors::read_metadata(&mapped.map).map_err(|e| describe_error(e, &mapped.map, &file))?;
         let data_start = 8 + header_len;
-        for name in metadata.offset_keys() {
-            let info = metadata.info(&name).expect("offset_keys come from the metadata");
+        for stored in metadata.offset_keys() {
+            let info = metadata.info(&stored).expect("offset_keys come from the metadata");
+            let name = mixtral_name(&stored, false).unwrap_or(stored);
             let Some(dtype) = DType::from_safetensors(info.dtype) else {
                 unsupported.insert(name, info.dtype.to_string());
                 continue;
             };
             if let Some(first) = tensors.get(&name) {
                 let other = shards[first.file].display();
-                bail!(BadModel, "{file}: tensor {name} is also in {other}");
+                bail!(BadModel, "{file}: tensor {name} is also in {other} (or under another spelling)");
             }
             let (start, end) = info.data_offsets;
             let t = TensorInfo {
@@ -69,7 +70,8 @@ pub fn open_folder(dir: &Path) -> Result<Checkpoint> {
         files.push(mapped);
     }
     if let Some(map) = weight_map {
-        for (name, shard) in map {
+        for (stored, shard) in map {
+            let name = mixtral_name(&stored, false).unwrap_or(stored);
             let held = tensors.get(&name).map(|t| &shards[t.file]);
             if held != Some(&dir.join(&shard)) && !unsupported.contains_key(&name) {
                 bail!(BadModel, "{location}: tensor {name} is listed in {shard}, which does not hold it");
@@ -78,7 +80,9 @@ pub fn open_folder(dir: &Path) -> Result<Checkpoint> {
     }
 
     config.tied |= !tensors.contains_key(names::LM_HEAD);
-    super::check_tensors(&config, &tensors, &files, &location, &unsupported)?;
+    let mixtral = config.arch == Arch::Mixtral;
+    let spell = |name: &str| mixtral.then(|| mixtral_name(name, true)).flatten().unwrap_or_else(|| name.to_string());
+    super::check_tensors(&config, &tensors, &files, &location, &unsupported, &spell)?;
     if config.arch.traits().hf_norms_plus_one {
         norms_plus_one(&config, &mut tensors, &mut files, &location)?;
     }
@@ -122,6 +126,14 @@ fn norms_plus_one(
     let map = map.make_read_only().map_err(|e| err!(IoError, "{location}: {e}"))?;
     files.push(MappedFile { path: PathBuf::from(format!("{location} (norm weights + 1)")), map });
     Ok(())
+}
+
+/// A layer tensor's name in Mixtral's spelling (`to_mixtral`) or the canonical one: the reader keeps
+/// every tensor under its canonical name, whichever a folder uses. None when the two spell it alike.
+pub fn mixtral_name(name: &str, to_mixtral: bool) -> Option<String> {
+    let (layer, part) = name.strip_prefix("model.layers.")?.split_once('.')?;
+    let i = layer.parse::<usize>().ok().filter(|i| i.to_string() == layer)?;
+    names::mixtral_swap(part, to_mixtral).map(|p| names::layer(i, &p))
 }
 
 pub const TOKENIZER_CONFIG: &str = "tokenizer_config.json";
@@ -467,6 +479,7 @@ pub fn parse_config(json: &Value, file: &str) -> Result<ModelConfig> {
         _ => AttentionConfig::default(),
     };
 
+    let moe = parse_moe(&j, arch)?;
     let config = ModelConfig {
         arch,
         vocab: j.req_usize("vocab_size")?,
@@ -487,6 +500,7 @@ pub fn parse_config(json: &Value, file: &str) -> Result<ModelConfig> {
         attention,
         bos: j.token_id("bos_token_id")?,
         eos: j.token_id("eos_token_id")?,
+        moe,
     };
     config.check(file)?;
     Ok(config)
@@ -534,6 +548,60 @@ fn gemma3_attention(j: &Keys, layers: usize, local_theta: f32) -> Result<Attenti
         query_scale_base,
         sliding: Some(SlidingWindow { window, global_every, rope_theta: local_theta }),
     })
+}
+
+/// The Mixture-of-Experts keys: Qwen3-MoE's (`num_experts`, `num_experts_per_tok`,
+/// `moe_intermediate_size`, `norm_topk_prob`; dense layers between expert layers are refused) and
+/// Mixtral's (`num_local_experts`, `num_experts_per_tok`, experts as wide as `intermediate_size`,
+/// always renormalized). transformers 5 writes either architecture's expert count as
+/// `num_local_experts`, so both names are read for both.
+fn parse_moe(j: &Keys, arch: Arch) -> Result<Option<MoeConfig>> {
+    let file = j.file;
+    let experts = |first: &str, second: &str| -> Result<usize> {
+        match j.usize(first)? {
+            Some(n) => Ok(n),
+            None => j.usize(second)?.ok_or_else(|| j.missing(first)),
+        }
+    };
+    match arch {
+        Arch::Qwen3Moe => {
+            if let Some(step) = j.usize("decoder_sparse_step")?
+                && step != 1
+            {
+                bail!(
+                    Unsupported,
+                    "{file}: decoder_sparse_step = {step} (dense layers between expert layers) is not supported"
+                );
+            }
+            match j.get("mlp_only_layers") {
+                None => {}
+                Some(Value::Array(layers)) if layers.is_empty() => {}
+                Some(v) => bail!(
+                    Unsupported,
+                    "{file}: mlp_only_layers = {v} (dense layers among expert layers) is not supported"
+                ),
+            }
+            Ok(Some(MoeConfig {
+                experts: experts("num_experts", "num_local_experts")?,
+                used: j.req_usize("num_experts_per_tok")?,
+                intermediate: j.req_usize("moe_intermediate_size")?,
+                // transformers' default for Qwen3-MoE.
+                norm_topk: j.bool("norm_topk_prob")?.unwrap_or(false),
+            }))
+        }
+        Arch::Mixtral => {
+            if let Some(window) = j.get("sliding_window") {
+                bail!(Unsupported, "{file}: sliding_window = {window} is not supported");
+            }
+            Ok(Some(MoeConfig {
+                experts: experts("num_local_experts", "num_experts")?,
+                used: j.req_usize("num_experts_per_tok")?,
+                intermediate: j.req_usize("intermediate_size")?,
+                norm_topk: true,
+            }))
+        }
+        Arch::Llama | Arch::Qwen2 | Arch::Qwen3 | Arch::Gemma3 => Ok(None),
+    }
 }
 
 /// rope_scaling (or transformers 5's rope_parameters): default, linear or llama3.

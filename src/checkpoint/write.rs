@@ -17,7 +17,7 @@ use serde_json::{Value, json};
 pub use super::gguf::GgufValue;
 use super::gguf::{self, DEFAULT_ALIGNMENT};
 use super::{ROPE_FREQS, expected_tensors, llama3_rope_factors};
-use crate::model::{Arch, ModelConfig, RopeScaling, names, shape_cols, shape_rows};
+use crate::model::{Arch, ModelConfig, MoeConfig, RopeScaling, names, shape_cols, shape_rows};
 use crate::sampler::splitmix64;
 use crate::status::Result;
 use crate::tensor::{DType, encode_row};
@@ -211,7 +211,9 @@ fn q4_k_m_dtype(cfg: &ModelConfig, name: &str) -> DType {
     };
     let n = cfg.layers as i64;
     let more_bits = layer < n / 8 || layer >= 7 * n / 8 || (layer - n / 8) % 3 == 2;
-    if (part == names::V || part == names::DOWN) && more_bits { DType::Q6_K } else { DType::Q4_K }
+    let down = part == names::DOWN
+        || names::expert_of(name).is_some_and(|(_, e)| part == names::expert(names::EXPERT_DOWN, e));
+    if (part == names::V || down) && more_bits { DType::Q6_K } else { DType::Q4_K }
 }
 
 /// Generates one synthetic tensor's bytes in `dtype` (which `synthetic_dtype` chose), across cores.
@@ -356,6 +358,8 @@ pub fn hf_config_json(cfg: &ModelConfig) -> Value {
         Arch::Qwen2 => "Qwen2ForCausalLM",
         Arch::Qwen3 => "Qwen3ForCausalLM",
         Arch::Gemma3 => "Gemma3ForCausalLM",
+        Arch::Qwen3Moe => "Qwen3MoeForCausalLM",
+        Arch::Mixtral => "MixtralForCausalLM",
     };
     let rope_scaling = match cfg.rope_scaling {
         RopeScaling::None => Value::Null,
@@ -373,7 +377,8 @@ pub fn hf_config_json(cfg: &ModelConfig) -> Value {
         "model_type": cfg.arch.traits().hf_model_type,
         "vocab_size": cfg.vocab,
         "hidden_size": cfg.hidden,
-        "intermediate_size": cfg.intermediate,
+        // Mixtral's experts are as wide as its intermediate_size.
+        "intermediate_size": if cfg.arch == Arch::Mixtral { cfg.ffn_width() } else { cfg.intermediate },
         "num_hidden_layers": cfg.layers,
         "num_attention_heads": cfg.heads,
         "num_key_value_heads": cfg.kv_heads,
@@ -393,6 +398,27 @@ pub fn hf_config_json(cfg: &ModelConfig) -> Value {
         Arch::Qwen2 => json!({ "use_sliding_window": false }),
         Arch::Qwen3 => json!({ "attention_bias": false, "use_sliding_window": false }),
         Arch::Gemma3 => gemma3_config_json(cfg),
+        Arch::Qwen3Moe => {
+            let m = cfg.moe.unwrap_or(MoeConfig { experts: 0, used: 0, intermediate: 0, norm_topk: false });
+            json!({
+                "attention_bias": false,
+                "use_sliding_window": false,
+                "num_experts": m.experts,
+                "num_experts_per_tok": m.used,
+                "moe_intermediate_size": m.intermediate,
+                "norm_topk_prob": m.norm_topk,
+                "decoder_sparse_step": 1,
+                "mlp_only_layers": [],
+            })
+        }
+        Arch::Mixtral => {
+            let m = cfg.moe.unwrap_or(MoeConfig { experts: 0, used: 0, intermediate: 0, norm_topk: true });
+            json!({
+                "num_local_experts": m.experts,
+                "num_experts_per_tok": m.used,
+                "sliding_window": null,
+            })
+        }
     };
     if let (Some(c), Value::Object(e)) = (config.as_object_mut(), extra) {
         c.extend(e);
@@ -480,11 +506,23 @@ fn write_config(dir: &Path, cfg: &ModelConfig) -> Result<()> {
     write_file(&dir.join(super::safetensors::CONFIG), text.as_bytes())
 }
 
-/// Writes an HF folder: config.json from `cfg`, and the tensors in model.safetensors (`shards` <= 1)
-/// or in `shards` files with model.safetensors.index.json. Quantized tensors are refused.
+/// A canonical name as an HF folder of `cfg`'s architecture spells it (Mixtral's experts apart).
+fn hf_name<'n>(cfg: &ModelConfig, canonical: &'n str) -> Cow<'n, str> {
+    match cfg.arch {
+        Arch::Mixtral => super::safetensors::mixtral_name(canonical, true).map_or(Cow::Borrowed(canonical), Cow::Owned),
+        _ => Cow::Borrowed(canonical),
+    }
+}
+
+/// Writes an HF folder: config.json from `cfg`, and the tensors (canonical names, spelled as the
+/// architecture's folders spell them) in model.safetensors (`shards` <= 1) or in `shards` files with
+/// model.safetensors.index.json. Quantized tensors are refused.
 pub fn write_hf_folder(dir: &Path, cfg: &ModelConfig, tensors: &[OwnedTensor], shards: usize) -> Result<()> {
     tensors.iter().try_for_each(OwnedTensor::check)?;
     write_config(dir, cfg)?;
+    let renamed: Vec<OwnedTensor> =
+        tensors.iter().map(|t| OwnedTensor { name: hf_name(cfg, &t.name).into_owned(), ..t.clone() }).collect();
+    let tensors = &renamed[..];
     fn view(t: &OwnedTensor) -> StTensor<'_> {
         StTensor { dtype: t.dtype, shape: &t.shape, data: StData::Bytes(&t.data) }
     }
@@ -529,11 +567,13 @@ pub fn write_synthetic_hf(dir: &Path, cfg: &ModelConfig, seed: u64, dtype: DType
     }
     write_config(dir, cfg)?;
     let shapes = expected_tensors(cfg);
+    let spelled: Vec<String> = shapes.iter().map(|(name, _)| hf_name(cfg, name).into_owned()).collect();
     let views = shapes
         .iter()
-        .map(|(name, shape)| {
+        .zip(&spelled)
+        .map(|((name, shape), stored)| {
             let dtype = synthetic_dtype(name, shape, dtype);
-            (name.as_str(), StTensor { dtype, shape, data: StData::Synthetic { name, seed } })
+            (stored.as_str(), StTensor { dtype, shape, data: StData::Synthetic { name, seed } })
         })
         .collect();
     write_safetensors(&dir.join(super::safetensors::SINGLE), views)
@@ -602,7 +642,11 @@ struct GgufEntry<'a> {
 enum GgufData<'a> {
     Bytes(&'a [u8]),
     Owned(Vec<u8>),
-    Synthetic { seed: u64 },
+    Synthetic {
+        seed: u64,
+    },
+    /// A layer's experts of one role stacked, expert 0 first, as llama.cpp stores them.
+    Experts(Vec<GgufEntry<'a>>),
 }
 
 impl GgufEntry<'_> {
@@ -614,6 +658,7 @@ impl GgufEntry<'_> {
             GgufData::Synthetic { seed } => {
                 Cow::Owned(synthetic_bytes(&self.canonical, &self.shape, self.dtype, *seed))
             }
+            GgufData::Experts(experts) => Cow::Owned(experts.iter().flat_map(|e| e.bytes(cfg).into_owned()).collect()),
         };
         if cfg.arch.traits().hf_norms_plus_one && self.canonical.ends_with("norm.weight") {
             return Cow::Owned(plus_one(&hf, self.dtype));
@@ -641,9 +686,52 @@ fn u32_of(what: &str, v: usize) -> Result<GgufValue> {
     u32::try_from(v).map(GgufValue::U32).map_err(|_| err!(InvalidArgument, "{what} = {v} does not fit a GGUF u32"))
 }
 
-/// The metadata llama.cpp's converter writes for `cfg` (general.*, `{arch}.*`, bos/eos ids).
+/// Consecutive entries of one expert stack (`gguf::expert_stack_of`) made one stacked entry of shape
+/// [experts, rows, cols], as the weight table lists them; INVALID_ARGUMENT where given experts differ in
+/// format or shape, or come out of order or with one left out.
+fn stack_experts(entries: Vec<GgufEntry<'_>>) -> Result<Vec<GgufEntry<'_>>> {
+    let mut out: Vec<GgufEntry> = Vec::with_capacity(entries.len());
+    for e in entries {
+        let Some((stack, index)) = gguf::expert_stack_of(&e.canonical) else {
+            out.push(e);
+            continue;
+        };
+        match out.last_mut() {
+            Some(last) if last.gguf_name == stack => {
+                let GgufData::Experts(experts) = &mut last.data else { unreachable!("a stack holds experts") };
+                if index != experts.len() || e.dtype != last.dtype || e.shape[..] != last.shape[1..] {
+                    bail!(
+                        InvalidArgument,
+                        "tensor {}: not the next expert of {stack} in its format and shape",
+                        e.canonical
+                    );
+                }
+                experts.push(e);
+                last.shape[0] += 1;
+            }
+            _ if index != 0 => {
+                bail!(InvalidArgument, "tensor {}: the experts of {stack} before it are not given", e.canonical)
+            }
+            _ => {
+                let mut shape = vec![1];
+                shape.extend_from_slice(&e.shape);
+                out.push(GgufEntry {
+                    gguf_name: stack.clone(),
+                    canonical: stack,
+                    dtype: e.dtype,
+                    shape,
+                    data: GgufData::Experts(vec![e]),
+                });
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// The metadata llama.cpp's converter writes for `cfg` (general.*, `{arch}.*`, bos/eos ids; a
+/// Mixture of Experts' `expert_*` keys).
 pub fn gguf_metadata(cfg: &ModelConfig) -> Result<Vec<(String, GgufValue)>> {
-    let arch = cfg.arch.name();
+    let arch = cfg.arch.gguf_name();
     let key = |k: &str| format!("{arch}.{k}");
     let mut kv = vec![
         ("general.architecture".to_string(), GgufValue::String(arch.to_string())),
@@ -652,7 +740,11 @@ pub fn gguf_metadata(cfg: &ModelConfig) -> Result<Vec<(String, GgufValue)>> {
         (key("context_length"), u32_of("max_position", cfg.max_position)?),
         (key("embedding_length"), u32_of("hidden", cfg.hidden)?),
         (key("block_count"), u32_of("layers", cfg.layers)?),
-        (key("feed_forward_length"), u32_of("intermediate", cfg.intermediate)?),
+        // llama.cpp reads a Mixtral's experts as feed_forward_length wide.
+        (
+            key("feed_forward_length"),
+            u32_of("intermediate", if cfg.arch == Arch::Mixtral { cfg.ffn_width() } else { cfg.intermediate })?,
+        ),
         (key("attention.head_count"), u32_of("heads", cfg.heads)?),
         (key("attention.head_count_kv"), u32_of("kv_heads", cfg.kv_heads)?),
         (key("attention.key_length"), u32_of("head_dim", cfg.head_dim)?),
@@ -681,6 +773,16 @@ pub fn gguf_metadata(cfg: &ModelConfig) -> Result<Vec<(String, GgufValue)>> {
         // by the layer count (see `gguf::gemma3_attention`).
         kv.push((key("attention.sliding_window"), u32_of("sliding window", s.window)?));
     }
+    if let Some(m) = cfg.moe {
+        kv.push((key("expert_count"), u32_of("experts", m.experts)?));
+        kv.push((key("expert_used_count"), u32_of("experts used", m.used)?));
+        if cfg.arch != Arch::Mixtral {
+            kv.push((key("expert_feed_forward_length"), u32_of("expert width", m.intermediate)?));
+        }
+        if !m.norm_topk {
+            kv.push((key("expert_weights_norm"), GgufValue::Bool(false)));
+        }
+    }
     if let Some(bos) = cfg.bos {
         kv.push(("tokenizer.ggml.bos_token_id".to_string(), GgufValue::U32(bos)));
     }
@@ -692,7 +794,7 @@ pub fn gguf_metadata(cfg: &ModelConfig) -> Result<Vec<(String, GgufValue)>> {
 
 /// The llama3 `rope_freqs.weight` entry llama.cpp's converter adds for llama models.
 fn rope_freqs_entry(cfg: &ModelConfig) -> Option<GgufEntry<'static>> {
-    if cfg.arch != Arch::Llama {
+    if cfg.arch.gguf_name() != "llama" {
         return None;
     }
     let factors = llama3_rope_factors(cfg)?;
@@ -718,6 +820,7 @@ pub fn write_gguf(
     for t in tensors {
         t.check()?;
         let gguf_name = gguf::gguf_name_in(cfg.arch, &t.name)
+            .or_else(|| gguf::expert_stack_of(&t.name).map(|s| s.0))
             .ok_or_else(|| err!(InvalidArgument, "tensor {} has no GGUF name", t.name))?;
         entries.push(GgufEntry {
             gguf_name,
@@ -730,7 +833,7 @@ pub fn write_gguf(
     if !tensors.iter().any(|t| t.name == ROPE_FREQS) {
         entries.extend(rope_freqs_entry(cfg));
     }
-    write_gguf_entries(path, cfg, &entries, extra_kv)
+    write_gguf_entries(path, cfg, &stack_experts(entries)?, extra_kv)
 }
 
 /// `write_gguf` for `synthetic_weights(cfg, seed, recipe)`, one tensor generated at a time as the file
@@ -752,7 +855,9 @@ pub fn write_synthetic_gguf_kv(
     let mut entries: Vec<GgufEntry> = expected_tensors(cfg)
         .into_iter()
         .map(|(canonical, shape)| GgufEntry {
-            gguf_name: gguf::gguf_name_in(cfg.arch, &canonical).expect("every expected tensor has a GGUF name"),
+            gguf_name: gguf::gguf_name_in(cfg.arch, &canonical)
+                .or_else(|| gguf::expert_stack_of(&canonical).map(|s| s.0))
+                .expect("every expected tensor has a GGUF name"),
             dtype: recipe.dtype(cfg, &canonical, &shape),
             canonical,
             shape,
@@ -760,7 +865,7 @@ pub fn write_synthetic_gguf_kv(
         })
         .collect();
     entries.extend(rope_freqs_entry(cfg));
-    write_gguf_entries(path, cfg, &entries, extra_kv)
+    write_gguf_entries(path, cfg, &stack_experts(entries)?, extra_kv)
 }
 
 fn write_gguf_entries(

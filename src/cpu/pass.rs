@@ -3,6 +3,7 @@
 
 use super::attention::{AttentionScratch, Batch};
 use super::matmul::{self, RowTile, Write};
+use super::moe::{MoeFfn, MoeScratch};
 use super::{CpuWeight, KvPages, add, gelu_tanh_times, inverse_rms, norm_rows, rotate, rotation_at, silu_times};
 use crate::arch::{Feeds, Ops, Rotary};
 use crate::model::{Activation, ModelConfig, TensorRef};
@@ -40,6 +41,8 @@ pub(super) struct CpuPass<'p, 'a> {
     pub rotation: &'p mut [(f32, f32)],
     pub tiles: &'p mut [RowTile],
     pub attention: &'p mut [AttentionScratch],
+    /// The Mixture-of-Experts feed-forward's buffers (empty for a dense model).
+    pub moe: &'p mut MoeScratch,
 }
 
 impl CpuPass<'_, '_> {
@@ -183,6 +186,32 @@ impl<'a> Ops for CpuPass<'_, 'a> {
                 add_normed(self.x, self.h, w.values(), self.cfg.rms_eps);
             }
         }
+        Ok(())
+    }
+
+    fn add_moe_ffn(
+        &mut self,
+        router: &CpuWeight<'a>,
+        gate: &[CpuWeight<'a>],
+        up: &[CpuWeight<'a>],
+        down: &[CpuWeight<'a>],
+    ) -> Result<()> {
+        let moe = self.cfg.moe.expect("a model with a router has a Mixture-of-Experts config");
+        let (n, hidden) = (self.n, self.cfg.hidden);
+        MoeFfn {
+            moe,
+            hidden,
+            n,
+            h: self.h,
+            x: self.x,
+            gate: self.gate,
+            up: self.up,
+            tiles: self.tiles,
+            s: self.moe,
+            router,
+            experts: [gate, up, down],
+        }
+        .run();
         Ok(())
     }
 }

@@ -2,6 +2,7 @@
 
 use super::attention::AttentionScratch;
 use super::matmul::RowTile;
+use super::moe::MoeScratch;
 use super::{CHUNK_TOKENS, MAX_THREADS, parallel};
 use crate::err;
 use crate::model::ModelConfig;
@@ -11,7 +12,7 @@ use crate::status::Result;
 /// values (u128: the plan sizes any window without overflow). Nothing here grows with the context.
 struct ScratchLens {
     /// f32s of x and h each (tokens x hidden), of q and attn each (tokens x q_dim), of gate and up
-    /// each (tokens x intermediate).
+    /// each (tokens x the feed-forward's width: an expert's in a Mixture of Experts).
     hidden: u128,
     q: u128,
     /// f32s of the chunk's new k and v rows each (tokens x kv_dim), copied into the pages.
@@ -26,28 +27,33 @@ struct ScratchLens {
     tile: u128,
     /// Per thread: its attention buffers, as `AttentionScratch::lens` counts them.
     attention: [u128; 7],
+    /// The experts' buffers, as `MoeScratch::lens` counts them (f32s, (index, f32) pairs, f32s x 3).
+    moe: [u128; 3],
 }
 
 impl ScratchLens {
     fn new(cfg: &ModelConfig, tokens: u128, threads: u128) -> ScratchLens {
-        let widest = cfg.hidden.max(cfg.q_dim()).max(cfg.intermediate);
+        let widest = cfg.hidden.max(cfg.q_dim()).max(cfg.ffn_width());
         ScratchLens {
             hidden: tokens * cfg.hidden as u128,
             q: tokens * cfg.q_dim() as u128,
             kv: tokens * cfg.kv_dim() as u128,
-            intermediate: tokens * cfg.intermediate as u128,
+            intermediate: tokens * cfg.ffn_width() as u128,
             rotation: cfg.head_dim as u128 / 2,
             logits: cfg.vocab as u128,
             threads,
             tile: RowTile::len(widest) as u128,
             attention: AttentionScratch::lens(cfg.heads / cfg.kv_heads, cfg.head_dim).map(|n| n as u128),
+            moe: MoeScratch::lens(cfg.moe, tokens, cfg.hidden as u128),
         }
     }
 
     fn bytes(&self) -> u128 {
         let shared = (2 * (self.hidden + self.q + self.kv + self.intermediate) + self.logits) * 4 + self.rotation * 8;
+        let [logits, chosen, rows] = self.moe;
+        let moe = logits * 4 + chosen * size_of::<(usize, f32)>() as u128 + 3 * rows * 4;
         let attention = self.attention.iter().sum::<u128>() * 8;
-        shared + self.threads * (self.tile * 4 + attention)
+        shared + moe + self.threads * (self.tile * 4 + attention)
     }
 }
 
@@ -65,9 +71,13 @@ pub fn scratch_bytes(cfg: &ModelConfig, window: usize, threads: usize) -> u64 {
 /// multiply-adds (every weight, and attention over the whole window) keep busy, so that a small
 /// model does not hold a scratch for every core.
 pub fn step_threads(cfg: &ModelConfig, window: usize, threads: usize) -> usize {
-    let (hidden, q, kv, inter) =
-        (cfg.hidden as u128, cfg.q_dim() as u128, cfg.kv_dim() as u128, cfg.intermediate as u128);
-    let weights = hidden * (q + 2 * kv) + q * hidden + 3 * hidden * inter;
+    let (hidden, q, kv) = (cfg.hidden as u128, cfg.q_dim() as u128, cfg.kv_dim() as u128);
+    // A token's feed-forward: the dense one, or the router and the experts it reads.
+    let ffn = match cfg.moe {
+        None => 3 * hidden * cfg.intermediate as u128,
+        Some(m) => hidden * m.experts as u128 + 3 * hidden * (m.used * m.intermediate) as u128,
+    };
+    let weights = hidden * (q + 2 * kv) + q * hidden + ffn;
     let attention = 2 * q * window as u128;
     let work = window.min(CHUNK_TOKENS) as u128 * cfg.layers as u128 * (weights + attention);
     let worth = work / (4 * parallel::MIN_THREAD_WORK as u128);
@@ -87,6 +97,7 @@ pub(super) struct Scratch {
     pub(super) rotation: Vec<(f32, f32)>,
     pub(super) tiles: Vec<RowTile>,
     pub(super) attention: Vec<AttentionScratch>,
+    pub(super) moe: MoeScratch,
 }
 
 impl Scratch {
@@ -117,6 +128,7 @@ impl Scratch {
             rotation: try_filled(l.rotation, (0.0, 0.0))?,
             tiles,
             attention,
+            moe: MoeScratch::new(cfg.moe, tokens, cfg.hidden)?,
         })
     }
 }

@@ -306,6 +306,15 @@ impl GpuModel {
         let mut uploader = StagedUploader::new()?;
         let mut up = |p| upload(&weights, &mut uploader, p);
         let layers = plan.layers.try_map(|_, _, p| up(p))?;
+        if let Layers::Llama(llama) = &layers {
+            for (i, l) in llama.iter().enumerate() {
+                for (experts, role) in [(&l.expert_gate, "gate"), (&l.expert_up, "up"), (&l.expert_down, "down")] {
+                    if !experts.is_empty() {
+                        launch::ExpertStack::of(experts, &format!("layer {i}'s expert {role} matrices"))?;
+                    }
+                }
+            }
+        }
         let final_norm = up(plan.final_norm)?.f32_ptr();
         let head = match plan.lm_head {
             Some(p) => up(p)?,

@@ -185,6 +185,12 @@ pub(super) struct ScratchLayout {
     pub(super) mmv_counters: usize,
     pub(super) mmv_counter_bytes: usize,
     pub(super) workspace: usize,
+    /// A Mixture-of-Experts layer's router logits, each row's chosen experts (i32) and their weights,
+    /// and the chosen experts' SwiGLU outputs (f32; each empty for a dense model).
+    pub(super) moe_logits: usize,
+    pub(super) moe_ids: usize,
+    pub(super) moe_weights: usize,
+    pub(super) moe_act: usize,
     /// An 8-bit cache's stage for flash attention (`stage_tokens` positions; none when 0).
     pub(super) stage: usize,
     pub(super) stage_tokens: usize,
@@ -227,6 +233,11 @@ impl ScratchLayout {
         let mmv_counters = l.push(mmv_counter_bytes);
         let workspace = l.push(super::blas::WORKSPACE_BYTES);
         let stage = l.push(stage_bytes(cfg, stage_tokens));
+        let (experts, k, width) = cfg.moe.map_or((0, 0, 0), |m| (m.experts, m.used, m.intermediate));
+        let moe_logits = l.push(b * experts * f);
+        let moe_ids = l.push(b * k * 4);
+        let moe_weights = l.push(b * k * f);
+        let moe_act = l.push(b * k * width * f);
         ScratchLayout {
             x,
             xn,
@@ -257,6 +268,10 @@ impl ScratchLayout {
             workspace,
             stage,
             stage_tokens,
+            moe_logits,
+            moe_ids,
+            moe_weights,
+            moe_act,
             total: l.total,
         }
     }

@@ -5,7 +5,7 @@ use std::os::raw::c_void;
 
 use super::Layout;
 use crate::cuda::{DeviceBuffer, StagedUploader};
-use crate::model::{Layers, ModelWeights, TensorRef, TensorSource, names};
+use crate::model::{Layers, ModelWeights, Need, TensorRef, TensorSource, names};
 use crate::status::Result;
 use crate::tensor::DType;
 
@@ -37,7 +37,7 @@ fn qkv_fused(q: DType, k: DType, v: DType) -> bool {
 
 impl Qkv {
     /// q, k and v as the projection reads them: one matrix where they share a format (the loader laid
-    /// them out back to back, `place_layer`), else three.
+    /// them out back to back, `place_layers`), else three.
     pub(super) fn of(q: &DeviceWeight, k: &DeviceWeight, v: &DeviceWeight) -> Qkv {
         if qkv_fused(q.dtype, k.dtype, v.dtype) {
             Qkv::Fused(DeviceWeight { rows: q.rows + k.rows + v.rows, ..*q })
@@ -133,15 +133,20 @@ fn fused_layers<T>(layers: &Layers<T>, dtype: impl Fn(&T) -> DType) -> Vec<bool>
 }
 
 /// Each weight in its own region, in table order, except q, k, v of one format and the three biases,
-/// which the fused projection reads back to back (each table lists them in that order).
+/// which the fused projection reads back to back (each table lists them in that order), and each expert
+/// matrix right after the previous expert's, so a role's experts are one stack that an expert's index
+/// strides through.
 fn place_layers<'a>(layers: Layers<TensorRef<'a>>, layout: &mut Layout) -> Result<Layers<Placed<'a>>> {
     let fused = fused_layers(&layers, |t| t.dtype);
+    // The layer and row of the weight placed last: an expert row's weights come one expert after another.
+    let mut last: Option<(usize, &'static str)> = None;
     layers.try_map(|l, spec, t| {
         let after_previous = match spec.name {
             names::K | names::V => fused[l],
             names::K_BIAS | names::V_BIAS => true,
-            _ => false,
+            _ => spec.need == Need::Experts && last == Some((l, spec.name)),
         };
+        last = Some((l, spec.name));
         Ok(layout.place(t, after_previous))
     })
 }

@@ -15,6 +15,9 @@ pub enum Dim {
     KvDim,
     HeadDim,
     Intermediate,
+    /// The Mixture-of-Experts dimensions: the expert count and an expert's width.
+    Experts,
+    ExpertIntermediate,
 }
 
 impl Dim {
@@ -26,6 +29,8 @@ impl Dim {
             Dim::KvDim => cfg.kv_dim(),
             Dim::HeadDim => cfg.head_dim,
             Dim::Intermediate => cfg.intermediate,
+            Dim::Experts => cfg.moe.map_or(0, |m| m.experts),
+            Dim::ExpertIntermediate => cfg.moe.map_or(0, |m| m.intermediate),
         }
     }
 }
@@ -40,6 +45,11 @@ pub enum Need {
     QkNorm,
     /// Unless the head is tied to the embedding.
     Untied,
+    /// A dense model's feed-forward; a Mixture-of-Experts model's router (`ModelConfig::moe`).
+    Dense,
+    Moe,
+    /// One weight an expert of a Mixture-of-Experts model (a `Vec`, expert 0 first; `*` in its name).
+    Experts,
 }
 
 impl Need {
@@ -49,6 +59,8 @@ impl Need {
             Need::QkvBias => cfg.qkv_bias,
             Need::QkNorm => cfg.qk_norm,
             Need::Untied => !cfg.tied,
+            Need::Dense => cfg.moe.is_none(),
+            Need::Moe | Need::Experts => cfg.moe.is_some(),
         }
     }
 }
@@ -88,15 +100,24 @@ impl Weight {
 /// `T` for a weight every model has, `Option<T>` for one some lack.
 macro_rules! weight_field {
     (Always, $t:ty) => { $t };
+    (Experts, $t:ty) => { Vec<$t> };
     ($need:ident, $t:ty) => { Option<$t> };
 }
 
 /// Builds a field: `f` is asked for each weight the config calls for.
 macro_rules! weight_value {
-    (Always, $w:expr, $cfg:expr, $f:expr) => {
+    (Always, $w:expr, $cfg:expr, $layer:expr, $f:expr) => {
         $f(&$w)?
     };
-    ($need:ident, $w:expr, $cfg:expr, $f:expr) => {
+    (Experts, $w:expr, $cfg:expr, $layer:expr, $f:expr) => {
+        match $cfg.moe {
+            Some(m) if $w.spec.need.holds($cfg) => (0..m.experts)
+                .map(|e| $f(&$crate::model::Weight::expert($w.spec, $layer, e, $cfg)))
+                .collect::<$crate::status::Result<Vec<_>>>()?,
+            _ => Vec::new(),
+        }
+    };
+    ($need:ident, $w:expr, $cfg:expr, $layer:expr, $f:expr) => {
         if $w.spec.need.holds($cfg) { Some($f(&$w)?) } else { None }
     };
 }
@@ -104,6 +125,9 @@ macro_rules! weight_value {
 macro_rules! weight_map {
     (Always, $spec:expr, $v:expr, $f:expr) => {
         $f($spec, $v)?
+    };
+    (Experts, $spec:expr, $v:expr, $f:expr) => {
+        $v.into_iter().map(|v| $f($spec, v)).collect::<$crate::status::Result<Vec<_>>>()?
     };
     ($need:ident, $spec:expr, $v:expr, $f:expr) => {
         match $v {
@@ -116,6 +140,11 @@ macro_rules! weight_map {
 macro_rules! weight_each {
     (Always, $spec:expr, $v:expr, $f:expr) => {
         $f($spec, $v)
+    };
+    (Experts, $spec:expr, $v:expr, $f:expr) => {
+        for v in $v {
+            $f($spec, v)
+        }
     };
     ($need:ident, $spec:expr, $v:expr, $f:expr) => {
         if let Some(v) = $v {
@@ -151,7 +180,7 @@ macro_rules! weight_table {
             ) -> $crate::status::Result<Self> {
                 let mut specs = LAYER_WEIGHTS.iter();
                 let mut next = || $crate::model::Weight::new(specs.next().expect("one table row per field"), Some(layer), cfg);
-                Ok(LayerWeights { $( $field: { let w = next(); $crate::model::weight_value!($need, w, cfg, &mut f) }, )+ })
+                Ok(LayerWeights { $( $field: { let w = next(); $crate::model::weight_value!($need, w, cfg, layer, &mut f) }, )+ })
             }
 
             /// Each weight through `f` with its table row, in file order.

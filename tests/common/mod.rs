@@ -13,7 +13,7 @@ use hostembed::cuda::DeviceBuffer;
 use hostembed::engine::engine_options;
 use hostembed::ffi;
 use hostembed::gpu::RowsOnDevice;
-use hostembed::model::{Arch, ModelConfig, RopeScaling, TensorSource, names};
+use hostembed::model::{Arch, ModelConfig, MoeConfig, RopeScaling, TensorSource, names};
 use hostembed::placement::engine_memory;
 use hostembed::sampler::splitmix64;
 use hostembed::status::last_error;
@@ -640,6 +640,7 @@ pub fn decode_base(arch: Arch) -> ModelConfig {
         attention: Default::default(),
         bos: Some(1),
         eos: Some(2),
+        moe: None,
     }
 }
 
@@ -694,6 +695,7 @@ pub fn prompt_base(arch: Arch) -> ModelConfig {
         attention: Default::default(),
         bos: None,
         eos: None,
+        moe: None,
     }
 }
 
@@ -749,4 +751,49 @@ pub fn set_env(name: &str, value: Option<&std::ffi::OsStr>) {
             None => std::env::remove_var(name),
         }
     }
+}
+
+/// A small Qwen3-MoE (tests/moe.rs, tests/gpu_moe.rs) whose matrices' rows are whole k-quant super-blocks: 8 experts, 2 a token, the top-k
+/// weights not renormalized (transformers' default for the architecture).
+pub fn qwen3_moe() -> ModelConfig {
+    ModelConfig {
+        arch: Arch::Qwen3Moe,
+        vocab: 300,
+        hidden: 256,
+        layers: 2,
+        heads: 4,
+        kv_heads: 2,
+        head_dim: 64,
+        intermediate: 768,
+        rms_eps: 1e-6,
+        rope_theta: 1000000.0,
+        rope_scaling: RopeScaling::None,
+        rope_interleaved: false,
+        max_position: 256,
+        tied: false,
+        qkv_bias: false,
+        qk_norm: true,
+        bos: Some(1),
+        eos: Some(2),
+        moe: Some(MoeConfig { experts: 8, used: 2, intermediate: 256, norm_topk: false }),
+        attention: Default::default(),
+    }
+}
+
+/// A Mixtral (GQA 2:1, GGUF's permuted Q/K rows): 4 experts, 2 a token, renormalized; its experts as
+/// wide as its intermediate_size, as Mixtral's config says.
+pub fn mixtral() -> ModelConfig {
+    ModelConfig {
+        arch: Arch::Mixtral,
+        qk_norm: false,
+        intermediate: 512,
+        rope_theta: 10000.0,
+        tied: true,
+        moe: Some(MoeConfig { experts: 4, used: 2, intermediate: 512, norm_topk: true }),
+        ..qwen3_moe()
+    }
+}
+
+pub fn moe_configs() -> [(&'static str, ModelConfig); 2] {
+    [("qwen3_moe", qwen3_moe()), ("mixtral", mixtral())]
 }

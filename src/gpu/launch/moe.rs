@@ -1,0 +1,159 @@
+//! The Mixture-of-Experts launchers (kernels/moe.cu): the router's logits, each row's top-k and weights,
+//! the chosen experts' SwiGLU, and their weighted sum onto the residual; and the half activations widened
+//! to f32 for them. Pointers as `launch`'s module note says.
+
+use std::os::raw::{c_int, c_uint, c_void};
+
+use super::super::weights::DeviceWeight;
+use crate::cuda;
+use crate::cudart::cudaStream_t;
+use crate::kernels as kn;
+use crate::status::Result;
+use crate::tensor::DType;
+
+/// One role's experts of a layer as the loader lays them out: `count` matrices of one format and shape,
+/// expert e's at `ptr + e * stride`.
+#[derive(Clone, Copy, Debug)]
+pub(in crate::gpu) struct ExpertStack {
+    pub ptr: *const c_void,
+    pub dtype: DType,
+    pub rows: usize,
+    pub cols: usize,
+    pub stride: usize,
+}
+
+impl ExpertStack {
+    /// The stack `experts` are (`weights::place_layers` puts each right after the one before);
+    /// UNSUPPORTED where they differ in format or shape (an HF folder may mix them), which the kernels
+    /// cannot stride through.
+    pub(in crate::gpu) fn of(experts: &[DeviceWeight], what: &str) -> Result<ExpertStack> {
+        let Some(first) = experts.first() else { crate::bail!(BadModel, "{what}: no experts") };
+        let bytes = first.dtype.row_bytes(first.cols).unwrap_or(0) * first.rows;
+        for (e, w) in experts.iter().enumerate() {
+            let at = (first.ptr as *const u8).wrapping_add(e * bytes) as *const c_void;
+            if (w.dtype, w.rows, w.cols, w.ptr) != (first.dtype, first.rows, first.cols, at) {
+                crate::bail!(
+                    Unsupported,
+                    "{what}: expert {e} is {} {}x{}, expert 0 {} {}x{}: the CUDA backend takes experts of one format and shape",
+                    w.dtype.name(),
+                    w.rows,
+                    w.cols,
+                    first.dtype.name(),
+                    first.rows,
+                    first.cols
+                );
+            }
+        }
+        Ok(ExpertStack { ptr: first.ptr, dtype: first.dtype, rows: first.rows, cols: first.cols, stride: bytes })
+    }
+}
+
+/// logits[r][e] = router[e] . x[r] for `n` rows of `router.cols`.
+pub(in crate::gpu) fn moe_router(
+    router: &DeviceWeight,
+    x: *const f32,
+    n: usize,
+    logits: *mut f32,
+    s: cudaStream_t,
+) -> Result<()> {
+    let (experts, cols) = (router.rows as c_uint, router.cols as c_uint);
+    // SAFETY: device pointers into live allocations sized for these shapes (see `launch`'s note).
+    let code = unsafe {
+        kn::hostembed_moe_router(router.ptr, router.dtype as c_int, experts, cols, x, n as c_uint, logits, s)
+    };
+    cuda::check(code, "hostembed_moe_router")
+}
+
+/// Each of `n` rows' `k` experts (ascending ids) and weights from its `experts` logits.
+#[allow(clippy::too_many_arguments)]
+pub(in crate::gpu) fn moe_route(
+    logits: *const f32,
+    experts: usize,
+    n: usize,
+    k: usize,
+    norm_topk: bool,
+    ids: *mut c_int,
+    weights: *mut f32,
+    s: cudaStream_t,
+) -> Result<()> {
+    let (experts, n, k) = (experts as c_uint, n as c_uint, k as c_uint);
+    // SAFETY: device pointers to n x experts logits and n x k ids and weights (see `launch`'s note).
+    let code = unsafe { kn::hostembed_moe_route(logits, experts, n, k, norm_topk as c_int, ids, weights, s) };
+    cuda::check(code, "hostembed_moe_route")
+}
+
+/// act[r * k + slot] = silu(gate_e x[r]) * (up_e x[r]) for each row's `k` chosen experts e.
+#[allow(clippy::too_many_arguments)]
+pub(in crate::gpu) fn moe_gate_up(
+    gate: &ExpertStack,
+    up: &ExpertStack,
+    x: *const f32,
+    ids: *const c_int,
+    n: usize,
+    k: usize,
+    act: *mut f32,
+    s: cudaStream_t,
+) -> Result<()> {
+    if (gate.dtype, gate.rows, gate.cols, gate.stride) != (up.dtype, up.rows, up.cols, up.stride) {
+        crate::bail!(Unsupported, "expert gate and up matrices of different formats or shapes");
+    }
+    let (width, cols) = (gate.rows as c_uint, gate.cols as c_uint);
+    // SAFETY: device pointers into live allocations sized for these shapes; every id is below the stack's
+    // expert count (the route kernel writes them) (see `launch`'s note).
+    let code = unsafe {
+        kn::hostembed_moe_gate_up(
+            gate.ptr,
+            up.ptr,
+            gate.dtype as c_int,
+            gate.stride,
+            width,
+            cols,
+            x,
+            ids,
+            n as c_uint,
+            k as c_uint,
+            act,
+            s,
+        )
+    };
+    cuda::check(code, "hostembed_moe_gate_up")
+}
+
+/// x[r] += the sum of weights[r * k + slot] * down_e act[r * k + slot] over each row's chosen experts, in order.
+#[allow(clippy::too_many_arguments)]
+pub(in crate::gpu) fn moe_down(
+    down: &ExpertStack,
+    act: *const f32,
+    ids: *const c_int,
+    weights: *const f32,
+    n: usize,
+    k: usize,
+    x: *mut f32,
+    s: cudaStream_t,
+) -> Result<()> {
+    let (rows, cols) = (down.rows as c_uint, down.cols as c_uint);
+    // SAFETY: as `moe_gate_up`.
+    let code = unsafe {
+        kn::hostembed_moe_down(
+            down.ptr,
+            down.dtype as c_int,
+            down.stride,
+            rows,
+            cols,
+            act,
+            ids,
+            weights,
+            n as c_uint,
+            k as c_uint,
+            x,
+            s,
+        )
+    };
+    cuda::check(code, "hostembed_moe_down")
+}
+
+/// `len` values of the half format `dtype` widened to f32.
+pub(in crate::gpu) fn widen(x: *const c_void, dtype: DType, out: *mut f32, len: usize, s: cudaStream_t) -> Result<()> {
+    // SAFETY: device pointers to `len` values each (see `launch`'s note).
+    cuda::check(unsafe { kn::hostembed_widen(x, dtype as c_int, out, len, s) }, "hostembed_widen")
+}

@@ -1,0 +1,86 @@
+//! Mixture-of-Experts models (tests/common's small Qwen3-MoE and Mixtral) on the CUDA backend against
+//! the CPU backend, the oracle: a prompt (its chunk on the tensor-core rows) then 64 greedy tokens in F32,
+//! BF16, Q8_0 and llama.cpp's Q4_K_M mix, the logits within the formats' bound at every step and the
+//! tokens the same but at near ties; and random batches giving each stream the bits it gets alone,
+//! graphs and all. A SKIP line without a card.
+
+mod common;
+use common::{Held, Mix, Rng, Scratch, cpu_options, cuda_options, gguf_of_recipe, gpu_present, init, logits};
+use common::{max_abs_diff, moe_configs, rel_l2, serial, stats, step, top_two_gap, twins_batch_like_alone};
+
+use hostembed::checkpoint::write::Recipe;
+use hostembed::placement::engine_memory;
+use hostembed::tensor::DType;
+
+const RECIPES: [Recipe; 4] =
+    [Recipe::Uniform(DType::F32), Recipe::Uniform(DType::Bf16), Recipe::Uniform(DType::Q8_0), Recipe::Q4KM];
+
+/// Both engines step the reference's greedy choice after a 40-token prompt; a differing choice is allowed
+/// only where the reference's own gap is within twice the measured error. The worst relative L2 and the
+/// differing steps.
+fn greedy_against(what: &str, test: &Held, reference: &Held, vocab: usize) -> (f64, usize) {
+    let prompt: Vec<i32> = (0..40).map(|i| ((i * 97 + 13) % vocab) as i32).collect();
+    let (mut got, mut want) = (step(test, 0, &prompt), step(reference, 0, &prompt));
+    let (mut worst, mut differ) = (0f64, 0);
+    for i in 0..=64 {
+        let (lt, lr) = (logits(test, 0), logits(reference, 0));
+        let rel = rel_l2(&lt, &lr);
+        worst = worst.max(rel);
+        assert!(rel < 2e-2, "{what} step {i}: relative L2 {rel:.3e} of the logits");
+        if got != want {
+            let err = max_abs_diff(&lt, &lr);
+            let gap = lr[want as usize] - lr[got as usize];
+            assert!(gap <= 2.0 * err, "{what} step {i}: chose {got} over {want}, gap {gap} > 2 x error {err}");
+            println!("{what} step {i}: near tie, gap {gap}, top two {}, error {err}", top_two_gap(&lr));
+            differ += 1;
+        }
+        if i < 64 {
+            let input = [want];
+            (got, want) = (step(test, 0, &input), step(reference, 0, &input));
+        }
+    }
+    (worst, differ)
+}
+
+#[test]
+fn cuda_follows_the_cpu_in_every_format() {
+    if !gpu_present("cuda_follows_the_cpu_in_every_format") {
+        return;
+    }
+    let _g = serial();
+    let mut rng = Rng::fresh("cuda_follows_the_cpu_in_every_format");
+    let dir = Scratch::new("gpu-moe");
+    for (name, cfg) in moe_configs() {
+        for recipe in RECIPES {
+            let what = format!("{name} {}", recipe.name());
+            let path = gguf_of_recipe(&dir, &cfg, rng.next_u64(), recipe);
+            let cpu = init(&path, &cpu_options(128, 1));
+            let gpu = init(&path, &cuda_options(128, 1, 64));
+            let (worst, differ) = greedy_against(&what, &gpu, &cpu, cfg.vocab);
+            println!("{what}: 65 greedy tokens, worst relative L2 {worst:.2e}, {differ} near-tie differences");
+            assert!(differ <= 2, "{what}: {differ} tokens differ");
+        }
+    }
+    assert_eq!(stats(), engine_memory::default());
+}
+
+/// 40 calls of up to 16 items: single tokens (graphs replayed) and prompt chunks of several streams.
+const MIX: Mix = Mix { rounds: 40, widest: 16, chunk: 6, long_chunk: 24 };
+
+#[test]
+fn a_cuda_batch_gives_each_stream_the_bits_it_gets_alone() {
+    if !gpu_present("a_cuda_batch_gives_each_stream_the_bits_it_gets_alone") {
+        return;
+    }
+    let _g = serial();
+    let mut rng = Rng::fresh("a_cuda_batch_gives_each_stream_the_bits_it_gets_alone");
+    let dir = Scratch::new("gpu-moe-batch");
+    let page = hostembed::gpu::PAGE_TOKENS as u64;
+    for (name, cfg) in moe_configs() {
+        for recipe in [Recipe::Uniform(DType::Bf16), Recipe::Q4KM] {
+            let path = gguf_of_recipe(&dir, &cfg, rng.next_u64(), recipe);
+            let what = format!("{name} {}", recipe.name());
+            twins_batch_like_alone(&what, &path, &cuda_options(64, MIX.widest, 64), &MIX, page, &mut rng);
+        }
+    }
+}
