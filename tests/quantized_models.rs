@@ -64,6 +64,8 @@ fn embed(e: &Held, ids: &[i32], cols: usize) -> (Status, Vec<f32>) {
 
 #[test]
 fn q4_k_m_decodes_to_the_logits_of_its_decoded_values() {
+    // The other test compares the process's memory counters: engines here must not overlap its.
+    let _g = common::serial();
     let mut rng = Rng::fresh("q4_k_m_decodes_to_the_logits_of_its_decoded_values");
     let dir = Scratch::new("q4_k_m");
     let cfg = config();
@@ -117,6 +119,7 @@ fn set_f16(bytes: &mut [u8], name: &str, at: usize, value: u16) {
 /// backend, with nothing held; f16's finite extremes in the same places load and step.
 #[test]
 fn non_finite_scales_are_refused_at_load() {
+    let _g = common::serial();
     let dir = Scratch::new("non-finite");
     let cfg = config();
     let path = dir.join("m.gguf");
