@@ -37,6 +37,7 @@ use hostembed::model::{ModelConfig, TensorSource, names};
 use hostembed::sampler::{self, Sampling, splitmix64};
 use hostembed::tensor::DType;
 use hostembed::tokenizer::{Tokenizer, special};
+use hostembed::tuning::Tuning;
 
 /// (name, kind, constraint text, a valid output).
 const CASES: &[(&str, engine_constraint, &str, &str)] = &[
@@ -246,7 +247,7 @@ fn engine(a: &StepArgs, src: &Arc<MemSource>, window: usize) -> Engine {
     let sampling = Sampling::GREEDY;
     if !a.cuda {
         let pages = a.streams * window.div_ceil(hostembed::cpu::PAGE_TOKENS);
-        let backend = CpuBackend::with_kv(src.clone(), pages, KvTypes::CPU_DEFAULT).unwrap();
+        let backend = CpuBackend::with_kv(src.clone(), pages, KvTypes::CPU_DEFAULT, &Tuning::from_env()).unwrap();
         let d = Streams::new(backend, window, a.streams, pages, sampling).unwrap();
         return Engine { d: Box::new(d), _rows: None };
     }
@@ -254,7 +255,7 @@ fn engine(a: &StepArgs, src: &Arc<MemSource>, window: usize) -> Engine {
     let embed = src.tensor(names::EMBED).unwrap();
     let buf = DeviceBuffer::from_slice(embed.bytes).unwrap();
     let rows = RowsOnDevice { ptr: buf.ptr(), dtype: embed.dtype, vocab: embed.rows(), cols: embed.cols() };
-    let backend = CudaBackend::load(&**src, rows, 64, 0, pages, KvTypes::GPU_DEFAULT, window)
+    let backend = CudaBackend::load(&**src, rows, 64, 0, pages, KvTypes::GPU_DEFAULT, window, &Tuning::from_env())
         .unwrap_or_else(|e| panic!("load: {e}"));
     let d = Streams::new(backend, window, a.streams, pages, sampling).unwrap();
     Engine { d: Box::new(d), _rows: Some(buf) }

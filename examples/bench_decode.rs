@@ -38,6 +38,12 @@ use hostembed::kv::{KvType, KvTypes};
 use hostembed::model::{Arch, ModelConfig, RopeScaling, TensorSource, names};
 use hostembed::sampler::Sampling;
 use hostembed::tensor::{DType, FORMATS};
+use hostembed::tuning::Tuning;
+
+/// The launchers' settings as the environment gives them (what an engine would run with).
+fn launch_tuning() -> kn::hostembed_tuning {
+    kn::hostembed_tuning::of(&Tuning::from_env())
+}
 
 struct Args {
     cfg: ModelConfig,
@@ -380,6 +386,7 @@ fn bench_mmv(stream: &Stream, peak: f64, only: Option<DType>) {
                         yp,
                         pp,
                         cp,
+                        launch_tuning(),
                         stream.raw(),
                     )
                 } else {
@@ -397,6 +404,7 @@ fn bench_mmv(stream: &Stream, peak: f64, only: Option<DType>) {
                         rows as c_uint,
                         pp,
                         cp,
+                        launch_tuning(),
                         stream.raw(),
                     )
                 }
@@ -442,8 +450,9 @@ fn bench_decode(args: &Args, peak: f64) {
             device_rows.ptr()
         };
         let rows = RowsOnDevice { ptr, dtype: embed.dtype, vocab: embed.rows(), cols: embed.cols() };
-        let mut gpu = GpuModel::load_with_kv(&src, rows, chunk, window.div_ceil(PAGE_TOKENS), args.kv)
-            .unwrap_or_else(|e| panic!("load: {e}"));
+        let mut gpu =
+            GpuModel::load_with_kv(&src, rows, chunk, window.div_ceil(PAGE_TOKENS), args.kv, &Tuning::from_env())
+                .unwrap_or_else(|e| panic!("load: {e}"));
         let mut pool = gpu.page_pool().unwrap();
         let placement = if host_rows { "rows in mapped host memory" } else { "rows on the card" };
         println!(

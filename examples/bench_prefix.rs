@@ -24,6 +24,7 @@ use hostembed::kv::KvTypes;
 use hostembed::model::{ModelConfig, TensorSource, names};
 use hostembed::sampler::Sampling;
 use hostembed::tensor::DType;
+use hostembed::tuning::Tuning;
 
 #[derive(Clone, Copy, PartialEq)]
 enum Kind {
@@ -113,7 +114,7 @@ fn engine(args: &Args, src: &Arc<MemSource>, streams: usize, window: usize, cach
         Kind::Cpu => {
             let page = hostembed::cpu::PAGE_TOKENS;
             let pages = streams * window.div_ceil(page);
-            let backend = CpuBackend::with_kv(src.clone(), pages, KvTypes::CPU_DEFAULT).unwrap();
+            let backend = CpuBackend::with_kv(src.clone(), pages, KvTypes::CPU_DEFAULT, &Tuning::from_env()).unwrap();
             let d = Streams::new(backend, window, streams, pages, sampling).unwrap().with_prefix_cache(cache);
             Engine { d: Box::new(d), page, _rows: None }
         }
@@ -124,7 +125,7 @@ fn engine(args: &Args, src: &Arc<MemSource>, streams: usize, window: usize, cach
             let buf = DeviceBuffer::from_slice(embed.bytes).unwrap();
             let rows = RowsOnDevice { ptr: buf.ptr(), dtype: embed.dtype, vocab: embed.rows(), cols: embed.cols() };
             let kv = KvTypes::GPU_DEFAULT;
-            let backend = CudaBackend::load(&**src, rows, args.max_batch, 0, pages, kv, window)
+            let backend = CudaBackend::load(&**src, rows, args.max_batch, 0, pages, kv, window, &Tuning::from_env())
                 .unwrap_or_else(|e| panic!("load: {e}"));
             let d = Streams::new(backend, window, streams, pages, sampling).unwrap().with_prefix_cache(cache);
             Engine { d: Box::new(d), page, _rows: Some(buf) }

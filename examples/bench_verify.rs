@@ -25,6 +25,7 @@ use hostembed::kv::KvTypes;
 use hostembed::model::{ModelConfig, TensorSource, names};
 use hostembed::sampler::Sampling;
 use hostembed::tensor::DType;
+use hostembed::tuning::Tuning;
 
 /// The stream table and, on CUDA, the embedding rows it reads (declared after it: dropped later).
 struct Table {
@@ -36,7 +37,7 @@ fn table(cuda: bool, src: &Arc<MemSource>, streams: usize, window: usize) -> Tab
     let sampling = Sampling::GREEDY;
     if !cuda {
         let pages = streams * window.div_ceil(hostembed::cpu::PAGE_TOKENS);
-        let backend = CpuBackend::with_kv(src.clone(), pages, KvTypes::CPU_DEFAULT).unwrap();
+        let backend = CpuBackend::with_kv(src.clone(), pages, KvTypes::CPU_DEFAULT, &Tuning::from_env()).unwrap();
         let d = Streams::new(backend, window, streams, pages, sampling).unwrap().with_prefix_cache(false);
         return Table { d: Box::new(d), _rows: None };
     }
@@ -44,7 +45,7 @@ fn table(cuda: bool, src: &Arc<MemSource>, streams: usize, window: usize) -> Tab
     let embed = src.tensor(names::EMBED).unwrap();
     let buf = DeviceBuffer::from_slice(embed.bytes).unwrap();
     let rows = RowsOnDevice { ptr: buf.ptr(), dtype: embed.dtype, vocab: embed.rows(), cols: embed.cols() };
-    let backend = CudaBackend::load(&**src, rows, 512, 0, pages, KvTypes::GPU_DEFAULT, window)
+    let backend = CudaBackend::load(&**src, rows, 512, 0, pages, KvTypes::GPU_DEFAULT, window, &Tuning::from_env())
         .unwrap_or_else(|e| panic!("load: {e}"));
     let d = Streams::new(backend, window, streams, pages, sampling).unwrap().with_prefix_cache(false);
     Table { d: Box::new(d), _rows: Some(buf) }

@@ -22,6 +22,7 @@ use crate::sampler::Sampling;
 use crate::status::{Result, Status};
 use crate::tensor::DType;
 use crate::tokenizer::Tokenizer;
+use crate::tuning::{self, Tuning};
 use std::ffi::CString;
 use std::os::raw::c_void;
 use std::path::Path;
@@ -80,7 +81,7 @@ fn tristate_or_env(option: engine_tristate, var: &str) -> bool {
     match option {
         engine_tristate::Yes => true,
         engine_tristate::No => false,
-        engine_tristate::Auto => std::env::var_os(var).is_some_and(|v| v == "1"),
+        engine_tristate::Auto => tuning::env_var(var).is_some_and(|v| v == "1"),
     }
 }
 
@@ -96,6 +97,13 @@ pub const BATCH_TENSOR_CORES_ENV: &str = "HOSTEMBED_BATCH_TENSOR_CORES";
 /// invariant): Auto reads HOSTEMBED_BATCH_TENSOR_CORES.
 pub fn resolve_batch_tensor_cores(option: engine_tristate) -> bool {
     tristate_or_env(option, BATCH_TENSOR_CORES_ENV)
+}
+
+/// How an engine with these options runs: the environment's settings (`Tuning::from_env`, read here
+/// once an engine) and the options' own (`batch_tensor_cores`). The engine passes it to the backend
+/// it loads; nothing below reads the environment.
+pub fn tuning_for(opts: &engine_options) -> Tuning {
+    Tuning { batch_tensor_cores: resolve_batch_tensor_cores(opts.batch_tensor_cores), ..Tuning::from_env() }
 }
 
 /// Whether the engine's KV pool keeps a prefix cache: Auto is on.
@@ -285,23 +293,26 @@ pub fn cpu_kv_types(opts: &engine_options) -> KvTypes {
 }
 
 /// The figures the fit rule decides on, from a checkpoint and the options (the KV cache in
-/// `gpu_kv_types`; UNSUPPORTED when a type cannot hold the model's heads). `device` is the device the
-/// engine would run on (None: no device; then `room_bytes` must be given and unified Auto is false).
+/// `gpu_kv_types`; UNSUPPORTED when a type cannot hold the model's heads), for the tuning an engine
+/// would run with (`tuning_for`). `device` is the device the engine would run on (None: no device;
+/// then `room_bytes` must be given and unified Auto is false).
 pub fn fit_inputs(
     ckpt: &Checkpoint,
     opts: &engine_options,
     device: Option<&engine_device_info>,
 ) -> Result<engine_fit_inputs> {
-    fit_inputs_with_drafter(ckpt, None, opts, device)
+    fit_inputs_with_drafter(ckpt, None, opts, device, &tuning_for(opts))
 }
 
-/// `fit_inputs` with a drafter model beside the target: its terms are the drafter's real bytes (its
-/// weights, embedding rows and scratch; one stream at the drafter's window) instead of the options'.
+/// `fit_inputs` for `tuning`, with a drafter model beside the target: its terms are the drafter's real
+/// bytes (its weights, embedding rows and scratch; one stream at the drafter's window) instead of the
+/// options'.
 pub fn fit_inputs_with_drafter(
     ckpt: &Checkpoint,
     drafter: Option<&Checkpoint>,
     opts: &engine_options,
     device: Option<&engine_device_info>,
+    tuning: &Tuning,
 ) -> Result<engine_fit_inputs> {
     let cfg = &ckpt.config;
     let window = window_of(cfg, opts)?;
@@ -318,7 +329,7 @@ pub fn fit_inputs_with_drafter(
     }
     let kv = gpu_kv_types(opts);
     kv.check(cfg)?;
-    let scratch = GpuModel::scratch_bytes(ckpt, max_batch_of(opts), kv, window as usize);
+    let scratch = GpuModel::scratch_bytes(ckpt, max_batch_of(opts), kv, window as usize, tuning);
     let stream = GpuModel::stream_bytes(cfg, kv, window as usize);
     let (drafter_weight_bytes, drafter_stream_bytes) = match drafter {
         None => (opts.drafter_weight_bytes, opts.drafter_stream_bytes),
@@ -330,7 +341,7 @@ pub fn fit_inputs_with_drafter(
             kv.check(&d.config)?;
             let window = drafter_window(&d.config, window as usize);
             let embed = d.bytes_of(d.embed()).len() as u64;
-            let scratch = GpuModel::scratch_bytes(d, max_batch_of(opts), kv, window);
+            let scratch = GpuModel::scratch_bytes(d, max_batch_of(opts), kv, window, tuning);
             (weights + embed + scratch, GpuModel::stream_bytes(&d.config, kv, window))
         }
     };
@@ -434,6 +445,7 @@ fn load_decoder(
     pool: &KvPool,
     kv: KvTypes,
     opts: &engine_options,
+    tuning: &Tuning,
     logger: &Logger,
     drafter: Option<DrafterLoad<'_>>,
 ) -> Result<Box<dyn Decoder>> {
@@ -443,12 +455,12 @@ fn load_decoder(
     let prefix_cache = resolve_prefix_cache(opts.prefix_cache);
     Ok(match kind {
         BackendKind::Cpu => {
-            let backend = CpuBackend::with_kv(ckpt.shared(), pool.pages, kv)?;
+            let backend = CpuBackend::with_kv(ckpt.shared(), pool.pages, kv, tuning)?;
             let target = Streams::new(backend, window, streams, pool.pages, sampling)?.with_prefix_cache(prefix_cache);
             match drafter {
                 None => Box::new(target),
                 Some(d) => {
-                    let backend = CpuBackend::with_kv(d.ckpt.shared(), d.pool.pages, kv)?;
+                    let backend = CpuBackend::with_kv(d.ckpt.shared(), d.pool.pages, kv, tuning)?;
                     let dwindow = drafter_window(&d.ckpt.config, window);
                     let drafts = Streams::new(backend, dwindow, streams, d.pool.pages, Sampling::GREEDY)?
                         .with_prefix_cache(prefix_cache);
@@ -459,12 +471,10 @@ fn load_decoder(
         BackendKind::Cuda => {
             let r = rows.describe();
             let rows = RowsOnDevice { ptr: r.data, dtype: r.dtype, vocab: r.rows as usize, cols: r.cols as usize };
-            let mut model = CudaBackend::load(&**ckpt, rows, max_batch_of(opts), opts.device, pool.pages, kv, window)?;
+            let model =
+                CudaBackend::load(&**ckpt, rows, max_batch_of(opts), opts.device, pool.pages, kv, window, tuning)?;
             logger.line(model.prompt_route());
-            // Set either way: the model itself never reads the environment (NO with the variable set stays off).
-            let tensor_cores = resolve_batch_tensor_cores(opts.batch_tensor_cores);
-            model.set_batch_tensor_cores(tensor_cores);
-            if tensor_cores {
+            if tuning.batch_tensor_cores {
                 logger.line("batches of 16 or more single tokens share tensor-core products: a stream's logits depend on its batch");
             }
             let target = Streams::new(model, window, streams, pool.pages, sampling)?.with_prefix_cache(prefix_cache);
@@ -475,9 +485,9 @@ fn load_decoder(
                     let rows =
                         RowsOnDevice { ptr: r.data, dtype: r.dtype, vocab: r.rows as usize, cols: r.cols as usize };
                     let dwindow = drafter_window(&d.ckpt.config, window);
-                    let mut model =
-                        CudaBackend::load(&**d.ckpt, rows, max_batch_of(opts), opts.device, d.pool.pages, kv, dwindow)?;
-                    model.set_batch_tensor_cores(tensor_cores);
+                    let (device, pages) = (opts.device, d.pool.pages);
+                    let model =
+                        CudaBackend::load(&**d.ckpt, rows, max_batch_of(opts), device, pages, kv, dwindow, tuning)?;
                     let drafts = Streams::new(model, dwindow, streams, d.pool.pages, Sampling::GREEDY)?
                         .with_prefix_cache(prefix_cache);
                     Box::new(target.with_drafter(drafts)?)
@@ -563,6 +573,8 @@ pub struct Engine {
     plan: Option<engine_plan>,
     inputs: Option<engine_fit_inputs>,
     options: engine_options,
+    /// How the backend was told to run.
+    tuning: Tuning,
     logger: Logger,
     kind: BackendKind,
     kv: KvTypes,
@@ -590,6 +602,8 @@ impl Engine {
         };
         check_options(opts)?;
         let logger = Logger::new(opts);
+        // The one read of the environment an engine makes; everything below is given this.
+        let tuning = tuning_for(opts);
         let device = match opts.backend {
             engine_backend::Cpu => None,
             engine_backend::Cuda => Some(cuda::device_info(opts.device)?),
@@ -610,7 +624,7 @@ impl Engine {
             kv.check(&ckpt.config)?;
             let want = if opts.max_streams > 0 { opts.max_streams } else { CPU_STREAMS };
             let slot = std::mem::size_of::<Option<CpuStream>>() as u64;
-            let cpu = fit::plan_cpu(&fit::cpu_inputs(&ckpt.config, window, want, slot, kv, opts)?);
+            let cpu = fit::plan_cpu(&fit::cpu_inputs(&ckpt.config, window, want, slot, kv, opts, tuning.cpu_threads)?);
             // As on CUDA, the pool takes the room the plan leaves beside the step scratch and the stream
             // slots, at least its full windows and at most `want` of them (all those streams could fill);
             // `want` streams share it. Its pages cost memory only as streams fill them.
@@ -655,7 +669,8 @@ impl Engine {
                 }
                 _ => None,
             };
-            let backend = load_decoder(BackendKind::Cpu, &ckpt, &rows, streams, &pool, kv, opts, &logger, drafter)?;
+            let backend =
+                load_decoder(BackendKind::Cpu, &ckpt, &rows, streams, &pool, kv, opts, &tuning, &logger, drafter)?;
             let engine = Engine {
                 backend,
                 tokenizer: load_tokenizer(&ckpt, &logger)?,
@@ -665,6 +680,7 @@ impl Engine {
                 plan: None,
                 inputs: None,
                 options: *opts,
+                tuning,
                 logger,
                 kind: BackendKind::Cpu,
                 kv,
@@ -678,7 +694,7 @@ impl Engine {
         let kv = gpu_kv_types(opts);
         kv.check(&ckpt.config)?;
         kv.check_device(info.compute_major, info.compute_minor, &device_label(opts.device, &info))?;
-        let inputs = fit_inputs_with_drafter(&ckpt, drafter_ckpt.as_deref(), opts, Some(&info))?;
+        let inputs = fit_inputs_with_drafter(&ckpt, drafter_ckpt.as_deref(), opts, Some(&info), &tuning)?;
         let mut plan = fit::plan(&inputs)?;
         // The drafter's pool: a full drafter window for each of the plan's streams, which the fit counted
         // (`streams = left / (stream + drafter_stream)`); more streams share it as they share the target's
@@ -743,7 +759,8 @@ impl Engine {
             }
             _ => None,
         };
-        let backend = load_decoder(BackendKind::Cuda, &ckpt, &rows, streams, &pool, kv, opts, &logger, drafter)?;
+        let backend =
+            load_decoder(BackendKind::Cuda, &ckpt, &rows, streams, &pool, kv, opts, &tuning, &logger, drafter)?;
         let engine = Engine {
             backend,
             tokenizer: load_tokenizer(&ckpt, &logger)?,
@@ -753,6 +770,7 @@ impl Engine {
             plan: Some(plan),
             inputs: Some(inputs),
             options: *opts,
+            tuning,
             logger,
             kind: BackendKind::Cuda,
             kv,
@@ -949,6 +967,11 @@ impl Engine {
 
     pub fn options(&self) -> &engine_options {
         &self.options
+    }
+
+    /// The settings the engine resolved once at its creation and its backend runs with.
+    pub fn tuning(&self) -> &Tuning {
+        &self.tuning
     }
 
     pub fn backend(&self) -> BackendKind {

@@ -16,6 +16,12 @@ use hostembed::kv::KvType;
 use hostembed::model::{ModelConfig, RopeScaling, TensorRef};
 use hostembed::sampler::{self, Sampling};
 use hostembed::tensor::{DType, FORMATS, encode_row};
+use hostembed::tuning::Tuning;
+
+/// The launchers' settings as the environment gives them (what an engine would run with).
+fn launch_tuning() -> kn::hostembed_tuning {
+    kn::hostembed_tuning::of(&Tuning::from_env())
+}
 
 const NULL_STREAM: *mut c_void = ptr::null_mut();
 
@@ -121,6 +127,7 @@ fn rmsnorm_matches_cpu() {
                     out_ptr,
                     n as c_uint,
                     cols as c_uint,
+                    launch_tuning(),
                     NULL_STREAM,
                 )
             },
@@ -380,6 +387,7 @@ fn run_mmv(
                 ldy as c_uint,
                 partial.ptr() as *mut f32,
                 counters.ptr() as *mut c_uint,
+                launch_tuning(),
                 NULL_STREAM,
             )
         },
@@ -518,6 +526,7 @@ fn mmv_swiglu_matches_cpu() {
                         y.ptr() as *mut f32,
                         partial.ptr() as *mut f32,
                         counters.ptr() as *mut c_uint,
+                        launch_tuning(),
                         NULL_STREAM,
                     )
                 },
@@ -614,6 +623,7 @@ fn mmv_refuses_bad_arguments() {
             rows as c_uint,
             partial,
             counters.ptr() as *mut c_uint,
+            launch_tuning(),
             NULL_STREAM,
         )
     };
@@ -746,6 +756,7 @@ fn rope_and_kv_append_match_cpu() {
                     kv.pages as c_uint,
                     KvType::Bf16 as c_int,
                     KvType::Bf16 as c_int,
+                    launch_tuning(),
                     NULL_STREAM,
                 )
             },
@@ -867,6 +878,7 @@ fn launch_attention(
                 grid_parts as c_uint,
                 partial.ptr() as *mut f32,
                 out.ptr() as *mut f32,
+                launch_tuning(),
                 NULL_STREAM,
             )
         },

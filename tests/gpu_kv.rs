@@ -28,6 +28,12 @@ use hostembed::model::ModelConfig;
 use hostembed::sampler::Sampling;
 use hostembed::status::last_error;
 use hostembed::tensor::DType;
+use hostembed::tuning::Tuning;
+
+/// The launchers' settings as the environment gives them (what an engine would run with).
+fn launch_tuning() -> kn::hostembed_tuning {
+    kn::hostembed_tuning::of(&Tuning::from_env())
+}
 
 const NULL_STREAM: *mut c_void = ptr::null_mut();
 
@@ -182,6 +188,7 @@ fn the_kv_append_rounds_as_the_cpu_in_every_type() {
                         host.pages as c_uint,
                         kv.k as c_int,
                         kv.v as c_int,
+                        launch_tuning(),
                         NULL_STREAM,
                     )
                 },
@@ -235,6 +242,7 @@ fn the_kv_append_rounds_as_the_cpu_in_every_type() {
             1,
             k,
             KvType::Bf16 as c_int,
+            launch_tuning(),
             NULL_STREAM,
         )
     };
@@ -333,6 +341,7 @@ fn launch_attention(c: &AttentionCase, pool: &DeviceBuffer, tokens: &[usize], he
                 ) as c_uint,
                 partial.ptr() as *mut f32,
                 out.ptr() as *mut f32,
+                launch_tuning(),
                 NULL_STREAM,
             )
         },
@@ -607,7 +616,7 @@ fn prompt_and_decode_logits_in_every_type_against_the_cpu() {
             if (kv.k == KvType::Fp8E4m3 || kv.v == KvType::Fp8E4m3) && !fp8_here() {
                 continue;
             }
-            let mut gpu = GpuModel::load_with_kv(&src, rows, 64, 16, kv).unwrap();
+            let mut gpu = GpuModel::load_with_kv(&src, rows, 64, 16, kv, &Tuning::from_env()).unwrap();
             assert_eq!(gpu.allocated_pool_bytes(), GpuModel::pool_bytes(&cfg, kv, 16), "{name}: pool bytes");
             let got = gpu_run(&mut gpu, &prompt, &next);
             let same = cpu_run(&CpuModel::new(&src).unwrap().with_kv_types(kv).unwrap(), &prompt, &next);
@@ -637,7 +646,7 @@ fn an_all_f32_model_with_an_f32_cache_stays_within_1e_4_of_the_cpu() {
     for (name, cfg) in configs() {
         let src = MemSource::synthetic(&cfg, rng.next_u64(), DType::F32);
         let (_rows_buf, rows) = rows_on_card(&src);
-        let mut gpu = GpuModel::load_with_kv(&src, rows, 64, 32, f32_kv).unwrap();
+        let mut gpu = GpuModel::load_with_kv(&src, rows, 64, 32, f32_kv, &Tuning::from_env()).unwrap();
         let route = gpu.prompt_route().to_string();
         println!("{name}: {route}");
         assert!(route.contains("f32 matrix-vector"), "{name}: an all-F32 model's prompt route: {route}");
@@ -665,11 +674,11 @@ fn an_all_f32_model_with_an_f32_cache_stays_within_1e_4_of_the_cpu() {
         // BF16 weights with an F32 cache keep the tensor-core products, with split attention.
         let bf16 = MemSource::synthetic(&cfg, rng.next_u64(), DType::Bf16);
         let (_b, rows) = rows_on_card(&bf16);
-        let gpu = GpuModel::load_with_kv(&bf16, rows, 64, 32, f32_kv).unwrap();
+        let gpu = GpuModel::load_with_kv(&bf16, rows, 64, 32, f32_kv, &Tuning::from_env()).unwrap();
         assert!(gpu.prompt_route().contains("split attention (an F32 KV cache"), "{}", gpu.prompt_route());
         // And an all-F32 model with a BF16 cache keeps the tensor-core path.
         let (_c, rows) = rows_on_card(&src);
-        let gpu = GpuModel::load_with_kv(&src, rows, 64, 32, KvTypes::GPU_DEFAULT).unwrap();
+        let gpu = GpuModel::load_with_kv(&src, rows, 64, 32, KvTypes::GPU_DEFAULT, &Tuning::from_env()).unwrap();
         assert!(!gpu.prompt_route().contains("f32 matrix-vector"), "{}", gpu.prompt_route());
     }
 }
@@ -688,7 +697,7 @@ fn the_pool_allocates_the_predicted_bytes_in_every_type() {
                 continue;
             }
             for pages in [1, 7, 130] {
-                let gpu = GpuModel::load_with_kv(&src, rows, 16, pages, kv).unwrap();
+                let gpu = GpuModel::load_with_kv(&src, rows, 16, pages, kv, &Tuning::from_env()).unwrap();
                 let what = format!("{name} {} with {pages} pages", kv.describe());
                 assert_eq!(gpu.kv_types(), kv, "{what}");
                 assert_eq!(gpu.allocated_pool_bytes(), GpuModel::pool_bytes(&cfg, kv, pages), "{what}");
@@ -700,7 +709,10 @@ fn the_pool_allocates_the_predicted_bytes_in_every_type() {
                 );
                 assert_eq!(
                     gpu.allocated_bytes(),
-                    (GpuModel::weight_bytes(&src), GpuModel::scratch_bytes(&src, 16, kv, pages * PAGE_TOKENS))
+                    (
+                        GpuModel::weight_bytes(&src),
+                        GpuModel::scratch_bytes(&src, 16, kv, pages * PAGE_TOKENS, &Tuning::from_env())
+                    )
                 );
             }
         }
@@ -708,7 +720,9 @@ fn the_pool_allocates_the_predicted_bytes_in_every_type() {
         let narrow = ModelConfig { head_dim: 16, heads: 16, ..cfg.clone() };
         let narrow_src = MemSource::synthetic(&narrow, 1, DType::Bf16);
         let (_n, rows) = rows_on_card(&narrow_src);
-        let e = GpuModel::load_with_kv(&narrow_src, rows, 16, 4, KvTypes::same(KvType::Q8_0)).err().unwrap();
+        let e = GpuModel::load_with_kv(&narrow_src, rows, 16, 4, KvTypes::same(KvType::Q8_0), &Tuning::from_env())
+            .err()
+            .unwrap();
         assert_eq!(e.status, Status::Unsupported, "{e}");
     }
 }
@@ -722,7 +736,8 @@ fn fp8_follows_the_compute_capability() {
     let (_, cfg) = configs().remove(0);
     let src = MemSource::synthetic(&cfg, 5, DType::Bf16);
     let (_rows_buf, rows) = rows_on_card(&src);
-    let got = GpuModel::load_with_kv(&src, rows, 16, 4, KvTypes { k: KvType::Fp8E4m3, v: KvType::Q8_0 });
+    let got =
+        GpuModel::load_with_kv(&src, rows, 16, 4, KvTypes { k: KvType::Fp8E4m3, v: KvType::Q8_0 }, &Tuning::from_env());
     println!(
         "compute capability {}.{}: FP8 E4M3 {}",
         d.compute_major,

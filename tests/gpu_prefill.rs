@@ -21,6 +21,12 @@ use hostembed::kv::KvType;
 use hostembed::model::{Arch, ModelConfig};
 use hostembed::sampler::Sampling;
 use hostembed::tensor::{DType, FORMATS, decode_row, encode_row};
+use hostembed::tuning::Tuning;
+
+/// The launchers' settings as the environment gives them (what an engine would run with).
+fn launch_tuning() -> kn::hostembed_tuning {
+    kn::hostembed_tuning::of(&Tuning::from_env())
+}
 
 const NULL_STREAM: *mut c_void = ptr::null_mut();
 
@@ -300,6 +306,7 @@ fn half_writers_round_once() {
                         out as c_int,
                         n as c_uint,
                         cols as c_uint,
+                        launch_tuning(),
                         NULL_STREAM,
                     )
                 },
@@ -331,6 +338,7 @@ fn half_writers_round_once() {
                 DType::F32 as c_int,
                 n as c_uint,
                 cols as c_uint,
+                launch_tuning(),
                 NULL_STREAM,
             )
         };
@@ -486,7 +494,7 @@ fn prompt_logits_match_cpu_on_every_architecture() {
     for (name, cfg) in configs() {
         let src = model(cfg.clone(), DType::Bf16, rng.next_u64());
         let (_rows_buf, rows) = rows_on_card(&src);
-        let mut gpu = GpuModel::load(&src, rows, 512, 3 * (n + 64) / PAGE_TOKENS).unwrap();
+        let mut gpu = GpuModel::load(&src, rows, 512, 3 * (n + 64) / PAGE_TOKENS, &Tuning::from_env()).unwrap();
         let mut pool = gpu.page_pool().unwrap();
         println!("{name}: {}", gpu.prompt_route());
         // HOSTEMBED_CUBLASLT=0 (the suite's second run) is the library's own kernel, and the route says so.
@@ -544,7 +552,7 @@ fn a_32k_prompt_matches_cpu_at_the_last_position() {
     let n = 32768;
     let src = model(cfg.clone(), DType::Bf16, rng.next_u64());
     let (_rows_buf, rows) = rows_on_card(&src);
-    let mut gpu = GpuModel::load(&src, rows, 2048, n / PAGE_TOKENS).unwrap();
+    let mut gpu = GpuModel::load(&src, rows, 2048, n / PAGE_TOKENS, &Tuning::from_env()).unwrap();
     let mut pool = gpu.page_pool().unwrap();
     let tokens = random_tokens(&mut rng, cfg.vocab, n);
     let mut gs = gpu.new_stream(n).unwrap();
@@ -572,7 +580,7 @@ fn chunk_boundaries_and_refusals() {
     let src = model(cfg.clone(), DType::Bf16, rng.next_u64());
     let (_rows_buf, rows) = rows_on_card(&src);
     let chunk = 64;
-    let mut gpu = GpuModel::load(&src, rows, chunk, 512).unwrap();
+    let mut gpu = GpuModel::load(&src, rows, chunk, 512, &Tuning::from_env()).unwrap();
     let mut pool = gpu.page_pool().unwrap();
     let cpu = CpuModel::new(&src).unwrap();
     for len in [1, chunk - 1, chunk, chunk + 1, 3 * chunk + 17] {

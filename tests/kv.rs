@@ -23,6 +23,7 @@ use hostembed::kv::{self, KvType, KvTypes};
 use hostembed::model::{Arch, ModelConfig, RopeScaling, TensorSource, names};
 use hostembed::status::last_error;
 use hostembed::tensor::{DType, decode_row, encode_row};
+use hostembed::tuning::Tuning;
 
 // ---------------------------------------------------------------------------------------------
 // FP8 E4M3.
@@ -486,7 +487,7 @@ fn the_cpu_pool_and_plan_count_bytes_in_the_cache_types() {
         let want = (cfg.layers * cfg.kv_heads * (kv.k.row_bytes(32) + kv.v.row_bytes(32))) as u64;
         assert_eq!(per_token, want, "{}", kv.describe());
         let pages = 9;
-        let backend = CpuBackend::with_kv(Arc::clone(&src), pages, kv).unwrap();
+        let backend = CpuBackend::with_kv(Arc::clone(&src), pages, kv, &Tuning::from_env()).unwrap();
         assert_eq!(backend.pool_bytes(), per_token * (pages * cpu::PAGE_TOKENS) as u64, "{}", kv.describe());
         let c = &cfg;
         let stream = fit::cpu_kv_bytes(c.layers as u64, 256, c.kv_heads as u64, c.head_dim as u64, kv).unwrap();

@@ -18,6 +18,7 @@ use hostembed::model::{Arch, ModelConfig, RopeScaling};
 use hostembed::placement::{engine_memory, engine_rows};
 use hostembed::status::last_error;
 use hostembed::tensor::{DType, FORMATS, decode_row};
+use hostembed::tuning::{self, Tuning};
 use hostembed::{Status, cuda};
 use std::ffi::{CStr, c_char, c_void};
 use std::path::{Path, PathBuf};
@@ -87,6 +88,33 @@ fn batch_tensor_cores_follow_their_variable_only_when_auto() {
     set_env(engine::BATCH_TENSOR_CORES_ENV, saved.as_deref());
 }
 
+/// The engine resolves its tuning once, the option over its variable, and the backend is given that:
+/// NO with HOSTEMBED_BATCH_TENSOR_CORES=1 stays off (the GPU model once read the variable itself and
+/// stayed on), and the tuning carries the environment's other settings beside it.
+#[test]
+fn the_engine_tuning_takes_the_option_over_its_variable() {
+    let _g = serial();
+    let saved = std::env::var_os(engine::BATCH_TENSOR_CORES_ENV);
+    let saved_graphs = std::env::var_os(tuning::CUDA_GRAPHS_ENV);
+    set_env(engine::BATCH_TENSOR_CORES_ENV, Some(std::ffi::OsStr::new("1")));
+    set_env(tuning::CUDA_GRAPHS_ENV, Some(std::ffi::OsStr::new("0")));
+    let with = |option| engine_options { batch_tensor_cores: option, ..common::cpu_options(64, 1) };
+    assert!(!engine::tuning_for(&with(engine_tristate::No)).batch_tensor_cores, "NO with the variable set");
+    assert!(engine::tuning_for(&with(engine_tristate::Auto)).batch_tensor_cores, "AUTO reads the variable");
+    assert!(engine::tuning_for(&with(engine_tristate::Yes)).batch_tensor_cores);
+    assert!(!engine::tuning_for(&with(engine_tristate::Yes)).cuda_graphs, "the other variables are read beside it");
+
+    // A whole engine keeps what it resolved at its creation, whatever the variables say after.
+    let mut rng = Rng::fresh("the_engine_tuning_takes_the_option_over_its_variable");
+    let dir = Scratch::new("tuning");
+    write_synthetic_hf(&dir.0, &config(64, 64, false), rng.next_u64(), DType::Bf16).unwrap();
+    let e = Engine::init_fit(&dir.0, &with(engine_tristate::No)).unwrap();
+    set_env(engine::BATCH_TENSOR_CORES_ENV, saved.as_deref());
+    set_env(tuning::CUDA_GRAPHS_ENV, saved_graphs.as_deref());
+    assert!(!e.tuning().batch_tensor_cores && !e.tuning().cuda_graphs, "{:?}", e.tuning());
+    assert_eq!(e.tuning().cpu_threads, Tuning::from_env().cpu_threads);
+}
+
 #[test]
 fn mmap_rows_follows_ds4_embd_mmap_only_when_auto() {
     let _g = serial();
@@ -142,7 +170,10 @@ fn the_plan_the_engine_derives_from_a_checkpoint() {
     assert_eq!(inputs.stream_bytes_per_token, per_token);
     assert_eq!(inputs.stream_bytes, GpuModel::stream_bytes(&cfg, KvTypes::GPU_DEFAULT, window as usize));
     assert!(inputs.stream_bytes >= window as u64 * per_token);
-    assert_eq!(inputs.scratch_bytes, GpuModel::scratch_bytes(&ckpt, 64, KvTypes::GPU_DEFAULT, window as usize));
+    assert_eq!(
+        inputs.scratch_bytes,
+        GpuModel::scratch_bytes(&ckpt, 64, KvTypes::GPU_DEFAULT, window as usize, &Tuning::from_env())
+    );
     assert!(inputs.scratch_bytes > 0);
     assert_eq!((inputs.window, inputs.room_bytes, inputs.reserve_bytes), (window, 1 << 40, 256 << 20));
     assert!(!inputs.unified && !inputs.embed_tied && !inputs.mmap_rows);

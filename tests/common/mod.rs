@@ -195,9 +195,17 @@ impl Drop for Held {
 pub fn room_for_tokens(cfg: &ModelConfig, window: u32, streams: u32, tokens: u64) -> u64 {
     let slot = std::mem::size_of::<Option<hostembed::cpu::CpuStream>>() as u64;
     let probe = engine_options { room_bytes: 1 << 40, ..cpu_options(window, streams) };
-    let inputs =
-        hostembed::fit::cpu_inputs(cfg, window, streams, slot, hostembed::engine::cpu_kv_types(&probe), &probe)
-            .unwrap();
+    let threads = hostembed::engine::tuning_for(&probe).cpu_threads;
+    let inputs = hostembed::fit::cpu_inputs(
+        cfg,
+        window,
+        streams,
+        slot,
+        hostembed::engine::cpu_kv_types(&probe),
+        &probe,
+        threads,
+    )
+    .unwrap();
     let per_token = (hostembed::fit::plan_cpu(&inputs).stream_bytes.unwrap() - slot) / window as u64;
     inputs.scratch_bytes + streams as u64 * slot + tokens * per_token
 }
