@@ -25,7 +25,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use hostembed::abi::engine_constraint;
-use hostembed::backend::{BatchStep, Decoder, Streams};
+use hostembed::backend::{Batch, BatchItem, Decoder, Streams};
 use hostembed::checkpoint::Checkpoint;
 use hostembed::checkpoint::write::{MemSource, Recipe};
 use hostembed::constraint::Grammars;
@@ -277,14 +277,17 @@ fn mean_step(e: &mut Engine, a: &StepArgs, grammars: &Grammars, eog: &[u32], n: 
     const WARM: usize = 8;
     let mut timed = 0.0;
     for step in 0..WARM + a.steps {
-        let mut batch: Vec<BatchStep> = feed.iter().enumerate().map(|(s, t)| BatchStep::new(s as u32, t)).collect();
+        let items = feed.iter().enumerate().map(|(s, t)| BatchItem::new(s as u32, t)).collect();
+        let mut batch = Batch::new(items).unwrap_or_else(|err| panic!("{err}"));
         let t = Instant::now();
         e.d.step_batch(&mut batch).unwrap_or_else(|err| panic!("step_batch: {err}"));
         if step >= WARM {
             timed += t.elapsed().as_secs_f64();
         }
-        let next: Vec<u32> =
-            batch.iter().map(|b| *b.next.as_ref().unwrap_or_else(|err| panic!("stream {}: {err}", b.stream))).collect();
+        let next: Vec<u32> = batch
+            .iter()
+            .map(|b| *b.next.as_ref().unwrap_or_else(|err| panic!("stream {}: {err}", b.stream())))
+            .collect();
         for (s, t) in next.into_iter().enumerate() {
             if constrained && eog.contains(&t) {
                 e.d.set_constraint(s as u32, fresh()).unwrap();

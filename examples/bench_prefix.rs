@@ -15,7 +15,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use hostembed::backend::{BatchStep, Decoder, Streams};
+use hostembed::backend::{Batch, BatchItem, Decoder, Streams};
 use hostembed::checkpoint::write::{MemSource, Recipe};
 use hostembed::cpu::CpuBackend;
 use hostembed::cuda::{self, DeviceBuffer};
@@ -135,12 +135,13 @@ fn engine(args: &Args, src: &Arc<MemSource>, streams: usize, window: usize, cach
 
 /// Steps each (stream, tokens) in one call; returns its seconds. Panics on any failure.
 fn step(e: &mut Engine, items: &[(u32, &[u32])]) -> f64 {
-    let mut batch: Vec<BatchStep> = items.iter().map(|&(s, t)| BatchStep::new(s, t)).collect();
+    let items = items.iter().map(|&(s, t)| BatchItem::new(s, t)).collect();
+    let mut batch = Batch::new(items).unwrap_or_else(|err| panic!("{err}"));
     let t = Instant::now();
     e.d.step_batch(&mut batch).unwrap_or_else(|err| panic!("step_batch: {err}"));
     let secs = t.elapsed().as_secs_f64();
-    for b in &batch {
-        b.next.as_ref().unwrap_or_else(|err| panic!("stream {}: {err}", b.stream));
+    for b in batch.iter() {
+        b.next.as_ref().unwrap_or_else(|err| panic!("stream {}: {err}", b.stream()));
     }
     secs
 }

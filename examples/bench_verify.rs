@@ -16,7 +16,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use hostembed::abi::{engine_draft, engine_speculation};
-use hostembed::backend::{BatchStep, Decoder, Streams};
+use hostembed::backend::{Batch, BatchItem, Decoder, Streams};
 use hostembed::checkpoint::write::{MemSource, Recipe};
 use hostembed::cpu::CpuBackend;
 use hostembed::cuda::{self, DeviceBuffer};
@@ -64,21 +64,17 @@ fn run_token(seed: u32, i: usize, vocab: usize) -> u32 {
 
 /// Steps every (stream, input, most) at once; the seconds and each item's output tokens.
 fn step(t: &mut Table, items: &[(u32, Vec<u32>, usize)]) -> (f64, Vec<Vec<u32>>) {
-    let mut batch: Vec<BatchStep> = items
-        .iter()
-        .map(|(s, input, most)| {
-            let mut b = BatchStep::new(*s, input);
-            b.most = *most;
-            b
-        })
-        .collect();
+    let items = items.iter().map(|(s, input, most)| BatchItem::new(*s, input).with_most(*most)).collect();
+    let mut batch = Batch::new(items).unwrap_or_else(|err| panic!("{err}"));
     let start = Instant::now();
     t.d.step_batch(&mut batch).unwrap_or_else(|err| panic!("step_batch: {err}"));
     let secs = start.elapsed().as_secs_f64();
     let outs = batch
+        .into_items()
         .into_iter()
         .map(|b| {
-            let next = b.next.unwrap_or_else(|err| panic!("stream {}: {err}", b.stream));
+            let stream = b.stream();
+            let next = b.next.unwrap_or_else(|err| panic!("stream {stream}: {err}"));
             if b.out.is_empty() { vec![next] } else { b.out }
         })
         .collect();
