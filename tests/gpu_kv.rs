@@ -169,6 +169,8 @@ fn the_kv_append_rounds_as_the_cpu_in_every_type() {
             let (qn_d, kn_d) = (DeviceBuffer::from_slice(&qn).unwrap(), DeviceBuffer::from_slice(&kn_w).unwrap());
             let pool = poisoned(host.bytes.len());
             ok(
+                // SAFETY: device buffers sized for `n` rows of `stride` floats and a pool of `host.pages` pages with
+                // their tables, alive until the synchronous check after the launch.
                 unsafe {
                     kn::hostembed_rope_kv(
                         qkv_d.ptr() as *mut f32,
@@ -223,6 +225,8 @@ fn the_kv_append_rounds_as_the_cpu_in_every_type() {
     // pointer real and aligned, so only the type can be at fault.
     let buf = poisoned(1 << 16);
     let p = buf.ptr();
+    // SAFETY: every pointer is one live, 16-byte aligned device buffer of 64 KiB, more than a single row reads; the
+    // launcher refuses before launching.
     let call = |k: c_int, hd: usize| unsafe {
         kn::hostembed_rope_kv(
             p as *mut f32,
@@ -319,6 +323,8 @@ fn launch_attention(c: &AttentionCase, pool: &DeviceBuffer, tokens: &[usize], he
     let out = poisoned(n * heads * hd * 4);
     let kv = c.pool.layout.kv;
     ok(
+        // SAFETY: device buffers sized for `n` queries, the pool's pages and tables, and `splits` parts of partial
+        // results, alive until the synchronous check after the launch.
         unsafe {
             kn::hostembed_attention(
                 qd.ptr() as *const f32,
@@ -465,6 +471,8 @@ fn flash(
     // Poisoned, so that a tile the stage kernel should write and does not shows in the output.
     let stage = poisoned((2 * stage_tokens * kv_heads * d * 2).max(16));
     if stage_tokens > 0 {
+        // SAFETY: the pool, its table and the stage are live device buffers sized for the case and `stage_tokens`,
+        // alive until the synchronize below (a launch that fails queues nothing).
         let code = unsafe {
             kn::hostembed_flash_stage(
                 pool.ptr(),
@@ -484,6 +492,8 @@ fn flash(
             return code;
         }
     }
+    // SAFETY: device buffers sized for the case's `n` queries, its pool and table, and `n` rows of `heads * d` out,
+    // alive until the synchronize below.
     let code = unsafe {
         kn::hostembed_flash_attention(
             qb.ptr() as *const f32,
@@ -758,6 +768,7 @@ fn fp8_follows_the_compute_capability() {
 static LINES: Mutex<Vec<String>> = Mutex::new(Vec::new());
 
 unsafe extern "C" fn collect(_user: *mut c_void, line: *const c_char) {
+    // SAFETY: the engine passes a NUL-terminated line alive for the call.
     let line = unsafe { std::ffi::CStr::from_ptr(line) }.to_string_lossy().into_owned();
     LINES.lock().unwrap().push(line);
 }
@@ -791,6 +802,7 @@ fn the_cuda_engine_reports_and_plans_its_kv_types() {
         let needs_fp8 = kv.k == KvType::Fp8E4m3 || kv.v == KvType::Fp8E4m3;
         if needs_fp8 && !fp8_here() {
             let mut e = ptr::null_mut();
+            // SAFETY: a NUL-terminated path, options and a handle slot, all alive across the call.
             let st = unsafe { hostembed::ffi::engine_init_fit(common::c_path(&path).as_ptr(), &cuda_opts, &mut e) };
             assert_eq!(st, Status::Unsupported, "FP8 on a device older than 8.9: {}", last_error());
             assert!(last_error().contains("compute capability 8.9"), "{}", last_error());

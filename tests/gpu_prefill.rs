@@ -112,6 +112,8 @@ fn tensor_core_product_matches_cpu() {
             let y = if in_place { DeviceBuffer::from_slice(&res).unwrap() } else { poisoned(n * ldy * 4) };
             let yp = y.ptr() as *mut f32;
             ok(
+                // SAFETY: device buffers sized for these shapes (`ab` n x cols, `wb` rows x cols in `dtype`, `bb` rows,
+                // `y` n rows of ldy), alive until the synchronous check after the launch.
                 unsafe {
                     kn::hostembed_gemm(
                         ab.ptr(),
@@ -351,6 +353,8 @@ fn half_writers_round_once() {
         let (gb, ub, ob) =
             (DeviceBuffer::from_slice(&gate).unwrap(), DeviceBuffer::from_slice(&up).unwrap(), poisoned(len * 2));
         ok(
+            // SAFETY: device buffers of `len` values each (`ob` in the half format), alive until the check after the
+            // launch.
             unsafe {
                 kn::hostembed_swiglu_to(
                     gb.ptr() as *const f32,
@@ -371,6 +375,7 @@ fn half_writers_round_once() {
 
         let ob = poisoned(len * 2);
         ok(
+            // SAFETY: `gb` holds `len` floats and `ob` room for `len` halves, alive until the check after the launch.
             unsafe { kn::hostembed_convert(gb.ptr() as *const f32, ob.ptr(), out as c_int, len, NULL_STREAM) },
             "hostembed_convert",
         );
@@ -386,6 +391,7 @@ fn flash_attention_matches_cpu() {
     }
     let mut rng = Rng::fresh("flash_attention_matches_cpu");
     for d in [16usize, 32, 64, 128] {
+        // SAFETY: a host-side check on a head size; nothing is read.
         assert_eq!(unsafe { kn::hostembed_flash_head_dim(d as c_uint) }, 0, "head_dim {d} has a kernel");
         for &(heads, kv_heads) in &[(8usize, 2usize), (4, 4), (7, 1)] {
             for &(p0, n) in &[(0usize, 1usize), (0, 64), (0, 65), (37, 63), (130, 200), (5, 300)] {
@@ -396,6 +402,7 @@ fn flash_attention_matches_cpu() {
         }
     }
     for d in [8u32, 24, 96, 256] {
+        // SAFETY: a host-side check on a head size; nothing is read.
         assert_ne!(unsafe { kn::hostembed_flash_head_dim(d) }, 0, "head_dim {d} claims a kernel");
     }
 }
@@ -440,6 +447,8 @@ fn run_flash(rng: &mut Rng, d: usize, heads: usize, kv_heads: usize, p0: usize, 
     let ob = poisoned(n * heads * d * 2);
     let what = format!("flash d {d} heads {heads}/{kv_heads} from {p0}, {n} queries, {}", out.name());
     ok(
+        // SAFETY: device buffers sized for these shapes (q, the pool's pages and its table, positions, and `n` rows of
+        // `heads * d` halves out), alive until the check after the launch.
         unsafe {
             kn::hostembed_flash_attention(
                 qb.ptr() as *const f32,

@@ -137,6 +137,7 @@ fn mmap_rows_follows_ds4_embd_mmap_only_when_auto() {
 
 #[test]
 fn unified_auto_asks_the_device() {
+    // SAFETY: engine_device_info is numbers, bools and a byte array: all zeros is a value of it.
     let mut info: engine_device_info = unsafe { std::mem::zeroed() };
     assert!(!engine::resolve_unified(engine_tristate::Auto, None));
     assert!(!engine::resolve_unified(engine_tristate::Auto, Some(&info)));
@@ -285,7 +286,10 @@ fn expect_row(ckpt: &Checkpoint, id: usize) -> Vec<f32> {
 }
 
 unsafe extern "C" fn collect_lines(user: *mut c_void, line: *const c_char) {
+    // SAFETY: the user pointer is the `Vec<String>` this test's options gave the engine, alive and not otherwise
+    // borrowed while it logs.
     let lines = unsafe { &mut *(user as *mut Vec<String>) };
+    // SAFETY: the engine passes a NUL-terminated line alive for the call.
     lines.push(unsafe { CStr::from_ptr(line) }.to_string_lossy().into_owned());
 }
 
@@ -320,6 +324,7 @@ fn cpu_backend_reads_rows_from_the_mapping() {
         let before = stats();
         let mut e = std::ptr::null_mut();
         assert_eq!(
+            // SAFETY: a NUL-terminated path, options and a handle slot, all alive across the call.
             unsafe { ffi::engine_init_fit(c_path(&path).as_ptr(), &opts, &mut e) },
             Status::Ok,
             "{}",
@@ -333,23 +338,32 @@ fn cpu_backend_reads_rows_from_the_mapping() {
             "{lines:?}"
         );
 
+        // SAFETY: engine_rows is pointers, numbers, a bool and enums with a variant at 0: all zeros is a value of it.
         let mut rows: engine_rows = unsafe { std::mem::zeroed() };
+        // SAFETY: a live engine and a writable engine_rows.
         assert_eq!(unsafe { ffi::engine_embed_rows(e, &mut rows) }, Status::Ok);
         assert_eq!((rows.dtype, rows.placement, rows.device_usable), (dtype, engine_placement::FileMapped, false));
         assert_eq!((rows.rows, rows.cols), (cfg.vocab as u64, cfg.hidden as u64));
         assert_eq!(rows.row_bytes, dtype.row_bytes(cfg.hidden).unwrap() as u64);
         // No copy: the engine's own mapping, whose bytes are the file's.
         assert_eq!(rows.data, rows.host_data);
+        // SAFETY: on the CPU backend the rows are the file mapping's `rows * row_bytes` bytes, alive while the engine
+        // is.
         let mapped =
             unsafe { std::slice::from_raw_parts(rows.data as *const u8, (rows.rows * rows.row_bytes) as usize) };
         assert!(mapped == ckpt.bytes_of(ckpt.embed()), "the rows are the file's bytes");
+        // SAFETY: a live engine.
         assert!(unsafe { ffi::engine_host_embed_ptr(e) }.is_null(), "no device reads these rows");
+        // SAFETY: engine_plan is numbers and an enum with a variant at 0: all zeros is a value of it.
         let mut plan: engine_plan = unsafe { std::mem::zeroed() };
+        // SAFETY: a live engine and a writable engine_plan.
         assert_eq!(unsafe { ffi::engine_plan_of(e, &mut plan) }, Status::Unsupported);
 
         let mut ids: Vec<i32> = (0..16).map(|_| rng.below(cfg.vocab as u64) as i32).collect();
         ids.extend([0, cfg.vocab as i32 - 1]);
         let mut out = vec![0f32; ids.len() * cfg.hidden];
+        // SAFETY: a live engine, `ids.len()` ids and room for as many F32 rows of `hidden` values in `out`; host
+        // memory, as the CPU backend reads and writes.
         let st = unsafe {
             ffi::engine_embed(
                 e,
@@ -367,6 +381,8 @@ fn cpu_backend_reads_rows_from_the_mapping() {
             assert!(want.iter().zip(got).all(|(a, b)| a.to_bits() == b.to_bits()), "{} row {id}", dtype.name());
         }
         let mut bf = vec![0u16; ids.len() * cfg.hidden];
+        // SAFETY: a live engine, `ids.len()` ids and room for as many BF16 rows of `hidden` values in `bf`; host
+        // memory, as the CPU backend reads and writes.
         let st = unsafe {
             ffi::engine_embed(
                 e,
@@ -388,6 +404,7 @@ fn cpu_backend_reads_rows_from_the_mapping() {
         for bad in [-1, cfg.vocab as i32, i32::MAX] {
             let ids = [3, bad];
             let mut out = vec![7f32; 2 * cfg.hidden];
+            // SAFETY: a live engine, two ids and room for two F32 rows of `hidden` values in `out`, in host memory.
             let st = unsafe {
                 ffi::engine_embed(e, ids.as_ptr(), 2, out.as_mut_ptr() as *mut c_void, DType::F32, std::ptr::null_mut())
             };
@@ -395,6 +412,7 @@ fn cpu_backend_reads_rows_from_the_mapping() {
             assert!(last_error().contains(&bad.to_string()), "{}", last_error());
             assert!(out.iter().all(|&v| v == 7.0), "nothing written for a call with a bad id");
         }
+        // SAFETY: the engine came from engine_init_fit and is freed here, once.
         unsafe { ffi::engine_free(e) };
         assert_eq!(stats(), before, "the engine's mapping is released");
     }
@@ -416,6 +434,7 @@ fn failed_loads_without_a_device_hold_nothing() {
     let opts = engine_options { backend: engine_backend::Cuda, room_bytes: 1 << 30, ..engine::default_options() };
     for _ in 0..3 {
         let mut e = std::ptr::dangling_mut::<ffi::engine>();
+        // SAFETY: a NUL-terminated path, options and a handle slot, all alive across the call.
         let st = unsafe { ffi::engine_init_fit(c_path(&dir.0).as_ptr(), &opts, &mut e) };
         assert_eq!(st, expected, "{}", last_error());
         if expected == Status::NoCuda {
@@ -488,6 +507,7 @@ fn bad_checkpoints_are_bad_model_and_hold_nothing() {
         for backend in [engine_backend::Cpu, engine_backend::Auto] {
             let opts = engine_options { backend, room_bytes: 1 << 40, ..engine::default_options() };
             let mut e = std::ptr::null_mut();
+            // SAFETY: a NUL-terminated path, options and a handle slot, all alive across the call.
             let st = unsafe { ffi::engine_init_fit(c_path(path).as_ptr(), &opts, &mut e) };
             assert_eq!(st, *want, "{}: {}", path.display(), last_error());
             let name = path.file_name().unwrap().to_string_lossy().into_owned();
@@ -506,6 +526,9 @@ fn nulls_and_bad_enums_are_invalid_arguments() {
     let path = c_path(&dir.0);
     let opts = cpu_options();
     let mut e = std::ptr::null_mut();
+    // SAFETY: each pointer below is NULL (which the call refuses before use) or a live local of the type
+    // the function takes, `e` is NULL or the engine engine_init_fit gave, and the out-of-range enum values
+    // are written as u32 inside the options' own fields, which ffi reads raw before it treats them as enums.
     unsafe {
         assert_eq!(ffi::engine_init_fit(std::ptr::null(), &opts, &mut e), Status::InvalidArgument);
         assert!(last_error().contains("model_path"), "{}", last_error());
