@@ -343,8 +343,8 @@ struct SplitArgs {
 
 template <int D, int HB, int KT, int VT>
 cudaError_t launch_split(dim3 grid, const SplitArgs &a, cudaStream_t stream) {
-    return he::launch_overlapped(a.tuning, attention_split_kernel<D, HB, KT, VT>, grid, dim3(AT_THREADS), 0, stream, a.q,
-                                 a.q_stride, a.pool, a.tables, a.pool_pages, a.k_type, a.v_type, a.pos, a.heads,
+    return he::launch_overlapped(a.tuning, attention_split_kernel<D, HB, KT, VT>, grid, dim3(AT_THREADS), 0, stream,
+                                 a.q, a.q_stride, a.pool, a.tables, a.pool_pages, a.k_type, a.v_type, a.pos, a.heads,
                                  a.kv_heads, a.d, a.scale_log2, a.splits, a.partial);
 }
 

@@ -1374,16 +1374,17 @@ cudaError_t launch_mmv(const unsigned char *w, const unsigned char *w2, unsigned
                 float *staged = partial + mmv_prep_offset(shape, GLU, nt, rows);
                 const unsigned int warps = nt * ((cols + MMV_KC - 1) / MMV_KC);
                 const cudaError_t e = he::launch_overlapped(
-                    tuning, mmv_prep_kernel<R>, dim3((warps + MMV_WARPS - 1) / MMV_WARPS), dim3(MMV_THREADS), 0, stream, xt, nt,
-                    cols, reinterpret_cast<uint4 *>(staged), reinterpret_cast<int *>(staged + (size_t)nt * cols));
+                    tuning, mmv_prep_kernel<R>, dim3((warps + MMV_WARPS - 1) / MMV_WARPS), dim3(MMV_THREADS), 0, stream,
+                    xt, nt, cols, reinterpret_cast<uint4 *>(staged),
+                    reinterpret_cast<int *>(staged + (size_t)nt * cols));
                 if (e != cudaSuccess) return e;
             }
         }
         auto go = [&](auto kernel) {
             cudaError_t e = he::allow_smem(kernel, smem);
             if (e != cudaSuccess) return e;
-            return he::launch_overlapped(tuning, kernel, grid, dim3(MMV_THREADS), (size_t)smem, stream, w, w2, rows, cols,
-                                         row_bytes, xt, nt, bias, rt, yt, ldy, partial, counters);
+            return he::launch_overlapped(tuning, kernel, grid, dim3(MMV_THREADS), (size_t)smem, stream, w, w2, rows,
+                                         cols, row_bytes, xt, nt, bias, rt, yt, ldy, partial, counters);
         };
         cudaError_t e;
         if constexpr (R::INT) {
@@ -1466,11 +1467,10 @@ static cudaError_t mmv_entry(const void *w, const void *w2, int dtype, unsigned 
         he::with_format(dtype, [&](auto format) {
             using F = decltype(format);
             const size_t rb = he::row_bytes<F>(cols);
-            err = mmv_staged<R>(tuning, n)
-                      ? launch_mmv<R, GLU, true>(wb, wb2, rows, cols, rb, x, n, bias, residual, y, ldy, partial, counters,
-                                                 tuning, stream)
-                      : launch_mmv<R, GLU, false>(wb, wb2, rows, cols, rb, x, n, bias, residual, y, ldy, partial, counters,
-                                                  tuning, stream);
+            err = mmv_staged<R>(tuning, n) ? launch_mmv<R, GLU, true>(wb, wb2, rows, cols, rb, x, n, bias, residual, y,
+                                                                      ldy, partial, counters, tuning, stream)
+                                           : launch_mmv<R, GLU, false>(wb, wb2, rows, cols, rb, x, n, bias, residual, y,
+                                                                       ldy, partial, counters, tuning, stream);
         });
     });
     return err;

@@ -196,9 +196,10 @@ extern "C" cudaError_t hostembed_rope_kv(float *qkv, unsigned int qkv_stride, un
     const size_t items = (size_t)n * (heads + 2 * kv_heads);
     const size_t blocks = (items + ROPE_WARPS - 1) / ROPE_WARPS;
     if (blocks > 0x7fffffffu) return cudaErrorInvalidValue;
-    return he::launch_overlapped(tuning, rope_kv_kernel, dim3((unsigned int)blocks), dim3(ROPE_WARPS * 32), 0, stream, qkv,
-                                 qkv_stride, n, pos, heads, kv_heads, head_dim, inv_freq, interleaved, q_norm, k_norm,
-                                 eps, static_cast<unsigned char *>(kv_pool), tables, pool_pages, k_type, v_type);
+    return he::launch_overlapped(tuning, rope_kv_kernel, dim3((unsigned int)blocks), dim3(ROPE_WARPS * 32), 0, stream,
+                                 qkv, qkv_stride, n, pos, heads, kv_heads, head_dim, inv_freq, interleaved, q_norm,
+                                 k_norm, eps, static_cast<unsigned char *>(kv_pool), tables, pool_pages, k_type,
+                                 v_type);
 }
 
 extern "C" cudaError_t hostembed_kv_page_tokens(unsigned int *page_tokens) {

@@ -1,6 +1,7 @@
 //! CUDA graphs: a pass of single tokens (of one stream or many), captured once per token count and
 //! attention grid (the blocks a token's parts take: a power of two that grows with the longest context
-//! up to 4,096 positions, so at most six a count) and replayed (`Tuning::cuda_graphs` off, HOSTEMBED_CUDA_GRAPHS=0, turns them off).
+//! up to 4,096 positions, so at most six a count) and replayed (`Tuning::cuda_graphs` off,
+//! HOSTEMBED_CUDA_GRAPHS=0, turns them off).
 //! Such a pass reads everything that changes between steps from the scratch (ids, positions, page table
 //! addresses; the tables themselves are device memory updated as pages come), so one graph serves every
 //! stream and every step of that size. A size is captured the second time it runs, after a plain run
