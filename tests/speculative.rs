@@ -284,7 +284,9 @@ fn bad_input_is_refused() {
     assert_eq!(set_speculation(&e, 2, &lookup(4)), Status::OutOfRange);
     assert!(last_error().contains("stream 2"), "{}", last_error());
     let (mut p, mut a) = (0, 0);
+    // SAFETY: a live engine and two writable counts.
     assert_eq!(unsafe { ffi::engine_speculation_stats(e.0, 9, &mut p, &mut a) }, Status::OutOfRange);
+    // SAFETY: a live engine; the NULL settings are refused before use.
     assert_eq!(unsafe { ffi::engine_set_speculation(e.0, 0, std::ptr::null()) }, Status::InvalidArgument);
     for bad in [lookup(0), lookup(ENGINE_SPECULATION_MAX_TOKENS + 1), engine_speculation { ngram_min: 4, ..lookup(2) }]
     {
@@ -295,6 +297,8 @@ fn bad_input_is_refused() {
         Status::Unsupported
     );
     let mut raw = [7u32, 4, 1, 3];
+    // SAFETY: `raw` is four u32 laid out as engine_speculation (draft, max_tokens, ngram_min, ngram_max), 4-byte
+    // aligned; ffi reads the draft value raw before it treats it as an enum.
     let st = unsafe { ffi::engine_set_speculation(e.0, 0, raw.as_mut_ptr() as *const engine_speculation) };
     assert_eq!(st, Status::InvalidArgument, "draft 7");
     assert!(last_error().contains("engine_draft"), "{}", last_error());
