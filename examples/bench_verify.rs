@@ -5,12 +5,13 @@
 //! table is the case where speculation buys nothing and the adaptive length has to keep it cheap.
 //!
 //!     cargo run --release --example bench_verify -- [--backend cpu|cuda] [--dtype f16|bf16|q4_k_m|...]
-//!         [--layers N] [--proposals 8] [--streams 16] [--steps 32] [--prompt 512]
+//!         [--layers N] [--proposals 8] [--streams 16] [--steps 32] [--prompt 512] [--trace 1]
 //!
 //! Each prompt is a random run of 64 tokens repeated, and every step feeds the run's next token rather
 //! than the one drawn, so the stream's history always holds a match for lookup to propose from. The
 //! one-stream figure sets the stream's speculation again before each timed step, which restores the
 //! full proposal length the adaptive rule would otherwise cut after a rejection.
+//! `--trace 1` prints each many-stream step's time and the proposals it verified.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -89,6 +90,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 fn main() {
     let (mut cuda_backend, mut dtype, mut layers) = (false, None::<Recipe>, None::<usize>);
     let (mut proposals, mut streams, mut steps, mut prompt) = (8usize, 16usize, 32usize, 512usize);
+    let mut trace = false;
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
         let value = it.next().unwrap_or_else(|| panic!("{flag} takes a value"));
@@ -109,6 +111,7 @@ fn main() {
             "--streams" => streams = num().max(1),
             "--steps" => steps = num().max(2),
             "--prompt" => prompt = num().max(64),
+            "--trace" => trace = value == "1",
             other => panic!("unknown flag {other} (see the comment at the top of examples/bench_verify.rs)"),
         }
     }
@@ -193,7 +196,12 @@ fn main() {
             let items: Vec<(u32, Vec<u32>, usize)> = (0..streams as u32)
                 .map(|s| (s, vec![run_token(10 + s, t.d.stream_len(s).unwrap(), cfg.vocab)], most))
                 .collect();
+            let before: u64 = (0..streams as u32).map(|s| t.d.speculation_stats(s).unwrap().0).sum();
             let (dt, outs) = step(&mut t, &items);
+            if trace {
+                let after: u64 = (0..streams as u32).map(|s| t.d.speculation_stats(s).unwrap().0).sum();
+                println!("step {:.3} ms, {} proposals", dt * 1e3, after - before);
+            }
             secs += dt;
             tokens += outs.iter().map(Vec::len).sum::<usize>();
         }

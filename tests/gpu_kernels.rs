@@ -1448,7 +1448,10 @@ fn batched_sampling_matches_the_single_row_sampler() {
             let full = rows_scratch_bytes(vocab, rows);
             let total_ids: usize = ids.iter().map(Vec::len).sum();
             // Only the settings, barrier words and ids fit: one block a row.
-            let tight = (rows * 48).next_multiple_of(16) + (8 * rows).next_multiple_of(16) + 8 * total_ids + 256;
+            let tight = (rows * std::mem::size_of::<kn::hostembed_sample_row>()).next_multiple_of(16)
+                + (8 * rows).next_multiple_of(16)
+                + 8 * total_ids
+                + 256;
             for scratch in [full, tight] {
                 let (code, got) = device_sample_rows(&d, vocab, &settings, &ids, scratch);
                 ok(code, &format!("hostembed_sample_rows, vocab {vocab}, {rows} rows, {scratch} bytes of scratch"));

@@ -7,7 +7,7 @@
 
 mod common;
 use common::shared::{self, fork, no_cache};
-use common::spec::{Item, batch, generate, lookup, repeating_prompt, set_speculation, spec_stats, tiny};
+use common::spec::{Item, RandomStreams, batch, generate, lookup, repeating_prompt, set_speculation, spec_stats, tiny};
 use common::{Rng, Scratch, cpu_options, init, logits, model_file, reset, serial, set_sampling, stream_len};
 
 use hostembed::Status;
@@ -137,62 +137,20 @@ fn random_batches_mixing_speculative_and_plain_items_match_stepping_alone() {
         let e = init(&path, &if cached { opts } else { no_cache(opts) });
         let reference = init(&path, &no_cache(cpu_options(WINDOW, 1)));
         let total = shared::kv_usage(&e).tokens_total;
-        // Each stream's tokens (prompt and produced) and what its next input is.
-        let mut history: Vec<Vec<i32>> = vec![Vec::new(); STREAMS];
-        let mut input: Vec<Vec<i32>> = vec![Vec::new(); STREAMS];
-        let mut caps = [0usize; STREAMS];
-        let mut prompts: Vec<Vec<i32>> = Vec::new();
+        let (mut caps, mut prompts): (Vec<usize>, Vec<Vec<i32>>) = (Vec::new(), Vec::new());
         for s in 0..STREAMS {
             let max = 1 + rng.below(8) as u32;
             assert_eq!(set_speculation(&e, s as u32, &lookup(max)), Status::Ok);
-            caps[s] = max as usize + 1;
+            caps.push(max as usize + 1);
             // Some streams start from the same prompt, so the cache shares their pages.
             let p = if s > 0 && rng.below(3) == 0 { prompts[0].clone() } else { repeating_prompt(&mut rng, cfg.vocab) };
-            prompts.push(p.clone());
-            input[s] = p;
+            prompts.push(p);
         }
+        let mut streams = RandomStreams::new(prompts, caps);
         for round in 0..60 {
-            let mut chosen: Vec<usize> = (0..STREAMS).filter(|_| rng.below(3) > 0).collect();
-            rng.shuffle(&mut chosen);
-            let items: Vec<Item<'_>> = chosen
-                .iter()
-                .map(|&s| Item {
-                    stream: s as u32,
-                    tokens: &input[s],
-                    cap: if rng.below(2) == 0 { 0 } else { caps[s] },
-                })
-                .collect();
-            let (st, res) = batch(&e, &items);
-            assert_eq!(st, Status::Ok, "{}", last_error());
-            let mut next_inputs = Vec::new();
-            for (&s, (ist, next, out)) in chosen.iter().zip(res) {
-                if ist == Status::NoRoom {
-                    // The window is full: start the stream again.
-                    assert!(
-                        history[s].len() + input[s].len() + out.len() > WINDOW as usize - 2 || ist != Status::NoRoom
-                    );
-                    reset(&e, s as u32);
-                    history[s].clear();
-                    next_inputs.push((s, prompts[s].clone()));
-                    continue;
-                }
-                assert_eq!(ist, Status::Ok, "round {round} stream {s}: {}", last_error());
-                // The reference: stepped one token at a time, alone, without speculation.
-                history[s].extend_from_slice(&input[s]);
-                reset(&reference, 0);
-                let mut want = vec![common::step(&reference, 0, &history[s])];
-                while want.len() < out.len() {
-                    want.push(common::step(&reference, 0, &want[want.len() - 1..]));
-                }
-                assert_eq!(out, want, "round {round} stream {s}");
-                history[s].extend_from_slice(&out[..out.len() - 1]);
-                next_inputs.push((s, vec![next]));
-            }
-            for (s, i) in next_inputs {
-                input[s] = i;
-            }
-            let lens: Vec<usize> = history.iter().map(Vec::len).collect();
-            shared::check_pool(&e, &lens, total, PAGE, &format!("round {round}"));
+            let what = format!("cache {cached}, round {round}");
+            streams.step(&e, &reference, &mut rng, 2, WINDOW as usize, &what);
+            shared::check_pool(&e, &streams.lens(), total, PAGE, &what);
         }
         let stats: Vec<(u64, u64)> = (0..STREAMS as u32).map(|s| spec_stats(&e, s)).collect();
         println!("cache {cached}: proposed, accepted per stream {stats:?}");

@@ -10,7 +10,9 @@
 
 mod common;
 use common::shared::{self, fork, no_cache};
-use common::spec::{Item, batch, drafted, generate, lookup, repeating_prompt, set_speculation, spec_stats, tiny};
+use common::spec::{
+    Item, RandomStreams, batch, drafted, generate, lookup, repeating_prompt, set_speculation, spec_stats, tiny,
+};
 use common::{
     Held, Rng, Scratch, c_path, cpu_options, init, model_file, reset, serial, set_sampling, stream_len, truncate,
 };
@@ -86,8 +88,9 @@ fn greedy_output_with_a_drafter_is_the_plain_output() {
     let spec = init(&target, &with_drafter(cpu_options(256, 1), &another));
     let (p, a) = identical_with_drafter(&spec, &plain, &prompts, 128, &mut rng, "drafted by another model");
     println!("drafted by another random model: proposed {p}, accepted {a}");
-    // Random models fall into loops, where they sometimes agree; far from the full acceptance above.
-    assert!(p > 0 && a * 4 < p * 3, "another random model's drafts are often rejected: {a} of {p}");
+    // Random models fall into loops where they agree for long stretches (acceptance ranged from 0 to 91%
+    // over 200 seeds), so the bound is on the rejections the rollback must get right: at least 149 in each.
+    assert!(p > a + 100, "another random model's drafts are rejected over a hundred times: {a} of {p} accepted");
 }
 
 /// The draw is seeded by (seed, stream, position) and verification draws the target's token at every
@@ -142,11 +145,7 @@ fn random_batches_with_a_drafter_match_stepping_alone() {
         let e = init(&target, &if cached { opts } else { no_cache(opts) });
         let reference = init(&target, &no_cache(cpu_options(WINDOW, 1)));
         let total = shared::kv_usage(&e).tokens_total;
-        // Each stream's tokens in the engine, and what its next input is.
-        let mut held: Vec<Vec<i32>> = vec![Vec::new(); STREAMS];
-        let mut input: Vec<Vec<i32>> = vec![Vec::new(); STREAMS];
-        let mut caps = [0usize; STREAMS];
-        let mut prompts: Vec<Vec<i32>> = Vec::new();
+        let (mut caps, mut prompts): (Vec<usize>, Vec<Vec<i32>>) = (Vec::new(), Vec::new());
         for s in 0..STREAMS {
             let max = 1 + rng.below(8) as u32;
             // Streams 0..4 draft with the model, 4 looks up, 5 steps plainly.
@@ -156,74 +155,39 @@ fn random_batches_with_a_drafter_match_stepping_alone() {
                 _ => hostembed::ffi::engine_default_speculation(),
             };
             assert_eq!(set_speculation(&e, s as u32, &set), Status::Ok, "{}", last_error());
-            caps[s] = max as usize + 1;
+            caps.push(max as usize + 1);
             let p = if s > 0 && rng.below(3) == 0 { prompts[0].clone() } else { repeating_prompt(&mut rng, cfg.vocab) };
-            prompts.push(p.clone());
-            input[s] = p;
+            prompts.push(p);
         }
+        let mut streams = RandomStreams::new(prompts, caps);
         for round in 0..60 {
             // Between steps, now and then: a truncate, a fork or a reset, mirrored in the drafter.
             let s = rng.below(STREAMS as u64) as usize;
             match rng.below(8) {
-                0 if held[s].len() > 1 => {
-                    let len = 1 + rng.below(held[s].len() as u64 - 1) as usize;
+                0 if streams.held[s].len() > 1 => {
+                    let len = 1 + rng.below(streams.held[s].len() as u64 - 1) as usize;
                     truncate(&e, s as u32, len as u32);
-                    let cut: Vec<i32> = held[s].drain(len..).collect();
-                    input[s] = cut.into_iter().chain(input[s].drain(..)).collect();
+                    let cut: Vec<i32> = streams.held[s].drain(len..).collect();
+                    streams.input[s] = cut.into_iter().chain(streams.input[s].drain(..)).collect();
                 }
                 1 => {
                     let dst = (s + 1 + rng.below(STREAMS as u64 - 1) as usize) % STREAMS;
-                    let len = rng.below(held[s].len() as u64 + 1) as usize;
+                    let len = rng.below(streams.held[s].len() as u64 + 1) as usize;
                     assert_eq!(fork(&e, s as u32, dst as u32, len), Status::Ok, "{}", last_error());
-                    held[dst] = held[s][..len].to_vec();
-                    input[dst] = held[s][len..].iter().chain(&input[s]).copied().collect();
+                    streams.held[dst] = streams.held[s][..len].to_vec();
+                    streams.input[dst] = streams.held[s][len..].iter().chain(&streams.input[s]).copied().collect();
                 }
                 2 => {
                     reset(&e, s as u32);
-                    held[s].clear();
-                    input[s] = prompts[s].clone();
+                    streams.held[s].clear();
+                    streams.input[s] = streams.prompts[s].clone();
                 }
                 _ => {}
             }
-            let mut chosen: Vec<usize> = (0..STREAMS).filter(|_| rng.below(3) > 0).collect();
-            rng.shuffle(&mut chosen);
-            let items: Vec<Item<'_>> = chosen
-                .iter()
-                .map(|&s| Item {
-                    stream: s as u32,
-                    tokens: &input[s],
-                    cap: if rng.below(4) == 0 { 0 } else { caps[s] },
-                })
-                .collect();
-            let (st, res) = batch(&e, &items);
-            assert_eq!(st, Status::Ok, "{}", last_error());
-            let mut next_inputs = Vec::new();
-            for (&s, (ist, next, out)) in chosen.iter().zip(res) {
-                if ist == Status::NoRoom {
-                    assert!(held[s].len() + input[s].len() + caps[s] > WINDOW as usize, "round {round} stream {s}");
-                    reset(&e, s as u32);
-                    held[s].clear();
-                    next_inputs.push((s, prompts[s].clone()));
-                    continue;
-                }
-                assert_eq!(ist, Status::Ok, "round {round} stream {s}: {}", last_error());
-                held[s].extend_from_slice(&input[s]);
-                // The reference: stepped one token at a time, alone, without speculation.
-                reset(&reference, 0);
-                let mut want = vec![common::step(&reference, 0, &held[s])];
-                while want.len() < out.len() {
-                    want.push(common::step(&reference, 0, &want[want.len() - 1..]));
-                }
-                assert_eq!(out, want, "round {round} stream {s}");
-                held[s].extend_from_slice(&out[..out.len() - 1]);
-                next_inputs.push((s, vec![next]));
-            }
-            for (s, i) in next_inputs {
-                input[s] = i;
-            }
-            let lens: Vec<usize> = held.iter().map(Vec::len).collect();
+            let what = format!("cache {cached}, round {round}");
+            streams.step(&e, &reference, &mut rng, 4, WINDOW as usize, &what);
             // The audit behind it checks the drafter's pool and streams too.
-            shared::check_pool(&e, &lens, total, PAGE, &format!("cache {cached}, round {round}"));
+            shared::check_pool(&e, &streams.lens(), total, PAGE, &what);
         }
         let stats: Vec<(u64, u64)> = (0..STREAMS as u32).map(|s| spec_stats(&e, s)).collect();
         println!("cache {cached}: proposed, accepted per stream {stats:?}");

@@ -286,9 +286,12 @@ impl GpuModel {
             }
             let base = pending.len();
             let head_rows: Vec<usize> = heads.iter().map(|h| h.0).collect();
-            // The captured graphs hold passes of single tokens only.
-            let single_tokens = pass.iter().all(|p| p.len == 1) && heads.len() == shape.n && base == 0;
-            if !(single_tokens && self.replay_decode(&pass, shape)?) {
+            // The captured graphs hold passes whose every row is a head: single tokens, or (every row on the
+            // matrix-vector kernels) a verification's token and proposals, the same launches a row.
+            let every_row_a_head = heads.len() == shape.n && base == 0;
+            let graphable =
+                every_row_a_head && (pass.iter().all(|p| p.len == 1) || pass.iter().all(|p| p.path == Path::Matvec));
+            if !(graphable && self.replay_decode(&pass, shape)?) {
                 let head = if heads.is_empty() { Head::Skip } else { Head::Rows { rows: &head_rows, base } };
                 self.enqueue_forward(&pass, shape, head)?;
             }

@@ -1,11 +1,12 @@
-//! CUDA graphs: a pass of single tokens (of one stream or many), captured once per token count and
-//! attention grid (the blocks a token's parts take: a power of two that grows with the longest context
-//! up to 4,096 positions, so at most six a count) and replayed (`Tuning::cuda_graphs` off,
-//! HOSTEMBED_CUDA_GRAPHS=0, turns them off).
-//! Such a pass reads everything that changes between steps from the scratch (ids, positions, page table
-//! addresses; the tables themselves are device memory updated as pages come), so one graph serves every
-//! stream and every step of that size. A size is captured the second time it runs, after a plain run
-//! has settled whatever a product library chooses on first use.
+//! CUDA graphs: a pass whose every row is a head, captured once per row count, matrix-vector row count
+//! and attention grid (the blocks a token's parts take: a power of two that grows with the longest
+//! context up to 4,096 positions, so at most six a count) and replayed (`Tuning::cuda_graphs` off,
+//! HOSTEMBED_CUDA_GRAPHS=0, turns them off). Such a pass is single tokens of one stream or many, or, on
+//! the matrix-vector kernels, verifications (a token and its proposals, each row its own position):
+//! every row takes the same launches, and everything that changes between steps is read from the
+//! scratch (ids, positions, page table addresses; the tables themselves are device memory updated as
+//! pages come), so one graph serves every stream and every step of that shape. A shape is captured the
+//! second time it runs, after a plain run has settled whatever a product library chooses on first use.
 
 use std::ptr;
 
@@ -15,7 +16,7 @@ use crate::cuda;
 use crate::cudart as rt;
 use crate::status::Result;
 
-/// A captured forward pass of single tokens, with their logits.
+/// A captured forward pass whose every row is a head, with their logits.
 pub(super) struct StepGraph {
     graph: rt::cudaGraph_t,
     exec: rt::cudaGraphExec_t,
@@ -36,14 +37,14 @@ impl Drop for StepGraph {
 }
 
 impl GpuModel {
-    /// Replays the graph of a pass of `shape.n` single tokens (each its item's last, logits into rows
-    /// 0..n), capturing it first when this size ran before; false when the caller must queue the pass
-    /// itself (graphs off, or turned off by a failed capture, or the size's first run).
+    /// Replays the graph of a pass of `shape.n` rows, every one a head (logits into rows 0..n), capturing
+    /// it first when this shape ran before; false when the caller must queue the pass itself (graphs off,
+    /// or turned off by a failed capture, or the shape's first run).
     pub(super) fn replay_decode(&mut self, pieces: &[Piece], shape: PassShape) -> Result<bool> {
         if !self.graphs || shape.n > self.max_batch {
             return Ok(false);
         }
-        let key = (shape.n, shape.grid_parts);
+        let key = (shape.n, shape.m, shape.grid_parts);
         if !self.decode_graphs.contains_key(&key) {
             if self.decode_seen.insert(key) {
                 return Ok(false);
@@ -65,7 +66,7 @@ impl GpuModel {
         Ok(true)
     }
 
-    /// Captures the pass of `pieces` (single tokens) into a graph.
+    /// Captures the pass of `pieces` (every row a head) into a graph.
     fn capture(&self, pieces: &[Piece], shape: PassShape) -> Result<StepGraph> {
         let s = self.stream.raw();
         let rows: Vec<usize> = (0..shape.n).collect();

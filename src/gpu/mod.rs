@@ -124,10 +124,11 @@ pub struct GpuModel {
     rows: RowsOnDevice,
     s: ScratchLayout,
     graphs: bool,
-    /// Captured passes of single tokens, by token count and attention grid (`PassShape::grid_parts`).
-    decode_graphs: HashMap<(usize, usize), StepGraph>,
-    /// Those keys of single-token passes run once already (the next one is captured).
-    decode_seen: HashSet<(usize, usize)>,
+    /// Captured passes whose every row is a head, by rows, matrix-vector rows and attention grid
+    /// (`PassShape::{n, m, grid_parts}`).
+    decode_graphs: HashMap<(usize, usize, usize), StepGraph>,
+    /// Those keys run once already (the next one is captured).
+    decode_seen: HashSet<(usize, usize, usize)>,
     /// Where each item of the last step left its logits.
     /// Per item of the last step, where the logits after each of its head positions are.
     logits_at: Vec<Vec<forward::LogitsAt>>,

@@ -10,7 +10,8 @@ use super::pages::PAGE_TOKENS;
 use super::{GpuModel, GpuStream};
 use crate::backend::PagePool;
 use crate::bail;
-use crate::cuda::DeviceBuffer;
+use crate::cuda::{self, DeviceBuffer};
+use crate::cudart as rt;
 use crate::status::Result;
 
 impl GpuModel {
@@ -86,9 +87,23 @@ impl GpuModel {
         }
         self.sync_table(stream)?;
         let (hidden, vocab, s) = (self.cfg.hidden, self.cfg.vocab, self.stream.raw());
-        let rows_cap = self.s.logit_rows;
+        // Each group re-reads the whole head (1 GB for Llama 3's in F16), so a chunk's rows go through it
+        // in one group where a buffer of their logits can be had; else in the scratch's logits rows.
+        let chunk_rows = self.max_batch.min(tokens.len());
+        let group_logits = if chunk_rows > self.s.logit_rows {
+            DeviceBuffer::new(chunk_rows * vocab * 4)
+                .inspect_err(|_| {
+                    // SAFETY: takes no arguments; clears the failed allocation's error before the next launch check.
+                    unsafe { rt::cudaGetLastError() };
+                })
+                .ok()
+        } else {
+            None
+        };
+        let rows_cap = if group_logits.is_some() { chunk_rows } else { self.s.logit_rows };
         let f = |off: usize| self.buf(off) as *mut f32;
-        let (xn, logits) = (f(self.s.xn), f(self.s.logits));
+        let xn = f(self.s.xn);
+        let logits = group_logits.as_ref().map_or(f(self.s.logits), |b| b.ptr() as *mut f32);
         let act = self.buf(self.s.act);
         // The rows' targets sit where a finished pass no longer reads; the log-probabilities of every chunk
         // stay on the device until the end, so no chunk waits for the host.
@@ -133,6 +148,24 @@ impl GpuModel {
                 // The next group's product overwrites these rows after this kernel, in stream order.
                 launch::row_logprobs(logits, vocab, g, targets.wrapping_add(g0), scored.wrapping_add(from + g0), s)?;
             }
+        }
+        if group_logits.is_some() {
+            // logits(0) reads the scratch's rows: the step head's logits move there from the group's buffer.
+            let (src, dst) = (logits.wrapping_add(last_row * vocab), f(self.s.logits));
+            cuda::check(
+                // SAFETY: both rows are `vocab` floats inside live device allocations, copied in stream order.
+                unsafe {
+                    rt::cudaMemcpyAsync(
+                        dst as *mut c_void,
+                        src as *const c_void,
+                        vocab * 4,
+                        rt::cudaMemcpyDeviceToDevice,
+                        s,
+                    )
+                },
+                "cudaMemcpyAsync(step head logits)",
+            )?;
+            last_row = 0;
         }
         self.stream.synchronize()?;
         let mut all = vec![0f32; tokens.len()];

@@ -121,3 +121,63 @@ pub fn repeating_prompt(rng: &mut Rng, vocab: usize) -> Vec<i32> {
     }
     p
 }
+
+/// The streams of a random-batch test: each one's prompt, the tokens its cache holds, its next input,
+/// and the out room its speculation needs.
+pub struct RandomStreams {
+    pub prompts: Vec<Vec<i32>>,
+    pub held: Vec<Vec<i32>>,
+    pub input: Vec<Vec<i32>>,
+    pub caps: Vec<usize>,
+}
+
+impl RandomStreams {
+    /// Streams that start from `prompts`, with out rooms `caps`.
+    pub fn new(prompts: Vec<Vec<i32>>, caps: Vec<usize>) -> RandomStreams {
+        let n = prompts.len();
+        RandomStreams { input: prompts.clone(), prompts, held: vec![Vec::new(); n], caps }
+    }
+
+    /// Steps a random subset of the streams in one batch of `e` (one in `no_out` of them without an out),
+    /// and checks each one's tokens against `reference` stepping it alone, one token at a time, without
+    /// speculation; a stream out of room (which it must be) starts its prompt again.
+    pub fn step(&mut self, e: &Held, reference: &Held, rng: &mut Rng, no_out: u64, window: usize, what: &str) {
+        let mut chosen: Vec<usize> = (0..self.prompts.len()).filter(|_| rng.below(3) > 0).collect();
+        rng.shuffle(&mut chosen);
+        let items: Vec<Item<'_>> = chosen
+            .iter()
+            .map(|&s| Item {
+                stream: s as u32,
+                tokens: &self.input[s],
+                cap: if rng.below(no_out) == 0 { 0 } else { self.caps[s] },
+            })
+            .collect();
+        let (st, res) = batch(e, &items);
+        assert_eq!(st, Status::Ok, "{what}: {}", last_error());
+        for (&s, (ist, next, out)) in chosen.iter().zip(res) {
+            if ist == Status::NoRoom {
+                let need = self.held[s].len() + self.input[s].len() + self.caps[s];
+                assert!(need > window, "{what}, stream {s}: out of room with {need} of {window}");
+                super::reset(e, s as u32);
+                self.held[s].clear();
+                self.input[s] = self.prompts[s].clone();
+                continue;
+            }
+            assert_eq!(ist, Status::Ok, "{what}, stream {s}: {}", last_error());
+            self.held[s].extend_from_slice(&self.input[s]);
+            super::reset(reference, 0);
+            let mut want = vec![super::step(reference, 0, &self.held[s])];
+            while want.len() < out.len() {
+                want.push(super::step(reference, 0, &want[want.len() - 1..]));
+            }
+            assert_eq!(out, want, "{what}, stream {s}");
+            self.held[s].extend_from_slice(&out[..out.len() - 1]);
+            self.input[s] = vec![next];
+        }
+    }
+
+    /// How many tokens each stream's cache holds.
+    pub fn lens(&self) -> Vec<usize> {
+        self.held.iter().map(Vec::len).collect()
+    }
+}
