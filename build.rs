@@ -160,6 +160,9 @@ fn build_kernels(manifest: &Path, nvcc: &Path, include: &Path, archs: &str) {
     for f in &flags {
         build.flag(f);
     }
+    // Each nvcc run compiles its architectures on as many threads as there are cores: the largest file
+    // (mmv.cu) finishes last, alone, and would otherwise hold one core for the whole tail of the build.
+    build.flag("--threads").flag("0");
 
     // Objects are kept by a hash of what makes them (the file, every kernel header, nvcc, the flags and
     // this script), beside the build's per-feature output folders: a build that changes one kernel
@@ -182,7 +185,7 @@ fn build_kernels(manifest: &Path, nvcc: &Path, include: &Path, archs: &str) {
         })
         .collect();
     let missing: Vec<&(PathBuf, PathBuf)> = objects.iter().filter(|(_, o)| !o.exists()).collect();
-    // The files compile side by side: each nvcc run is one thread.
+    // The files compile side by side, a worker a core.
     let workers = std::thread::available_parallelism().map_or(1, |n| n.get()).min(missing.len().max(1));
     let next = std::sync::atomic::AtomicUsize::new(0);
     std::thread::scope(|scope| {

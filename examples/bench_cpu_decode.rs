@@ -62,6 +62,7 @@ fn main() {
         tied: true,
         qkv_bias: false,
         qk_norm: false,
+        attention: Default::default(),
         bos: None,
         eos: None,
     };

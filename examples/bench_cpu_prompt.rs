@@ -32,6 +32,7 @@ fn main() {
         tied: false,
         qkv_bias: false,
         qk_norm: false,
+        attention: Default::default(),
         bos: None,
         eos: None,
     };

@@ -83,6 +83,7 @@ fn parse() -> Args {
         tied: false,
         qkv_bias: false,
         qk_norm: false,
+        attention: Default::default(),
         bos: None,
         eos: None,
     };

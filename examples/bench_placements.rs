@@ -104,6 +104,7 @@ fn llama3_8b(layers: usize) -> ModelConfig {
         tied: false,
         qkv_bias: false,
         qk_norm: false,
+        attention: Default::default(),
         bos: Some(128_000),
         eos: Some(128_001),
     }

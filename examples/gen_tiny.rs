@@ -38,6 +38,7 @@ fn tiny_config(vocab: usize, bos: u32, eos: u32) -> ModelConfig {
         tied: false,
         qkv_bias: false,
         qk_norm: false,
+        attention: Default::default(),
         bos: Some(bos),
         eos: Some(eos),
     }

@@ -49,6 +49,17 @@ __device__ __forceinline__ unsigned int part_positions(unsigned int ctx, unsigne
 // How the split kernel cuts a context and the combine reads it: positions a part, and the parts the
 // context fills (never more than `splits`: a part is at least ceil(units / splits) units), the only
 // parts written.
+// The first position a query at context ctx sees (its window's), and that position rounded down to a
+// warp's unit, where its parts' cut starts: tiles and warps stay unit-aligned (a warp's V positions span
+// two pages). window 0: every position.
+struct Seen {
+    unsigned int first, from;
+};
+__device__ __forceinline__ Seen seen_of(unsigned int ctx, unsigned int window) {
+    const unsigned int first = window != 0 && ctx > window ? ctx - window : 0u;
+    return Seen{first, first / AT_UNIT * AT_UNIT};
+}
+
 struct ContextCut {
     unsigned int chunk, used;
 };
@@ -62,7 +73,7 @@ __global__ __launch_bounds__(AT_THREADS, AT_MIN_BLOCKS) void attention_split_ker
     const float *__restrict__ q, unsigned int q_stride, const unsigned char *__restrict__ kv_pool,
     const unsigned int *const *__restrict__ tables, unsigned int pool_pages, int k_type, int v_type,
     const int *__restrict__ pos, unsigned int heads, unsigned int kv_heads, unsigned int d, float scale_log2,
-    unsigned int splits, float *__restrict__ partial) {
+    unsigned int window, unsigned int splits, float *__restrict__ partial) {
     using KR = he::kv::Reader<KT>;
     using VR = he::kv::Reader<VT>;
     const KR kr(k_type);
@@ -92,7 +103,10 @@ __global__ __launch_bounds__(AT_THREADS, AT_MIN_BLOCKS) void attention_split_ker
 
     // Positions are the step's upload, complete before the pass's first kernel: read before the wait.
     const unsigned int ctx = context_of(pos[t]);
-    const auto [chunk, used] = context_cut(ctx, splits);
+    // A windowed query's parts cut the positions from its window's unit on; those before the window
+    // score as past the context.
+    const auto [first, from] = seen_of(ctx, window);
+    const auto [chunk, used] = context_cut(ctx - from, splits);
     // Block x takes parts x, x + gridDim.x, ...: the launch's grid (as few blocks as its longest context
     // needs, so a short context costs no empty blocks) changes which block computes a part, never its bits.
     // A block with no part writes nothing (the combine reads only the parts a context fills) and leaves at
@@ -112,7 +126,7 @@ __global__ __launch_bounds__(AT_THREADS, AT_MIN_BLOCKS) void attention_split_ker
     __syncthreads();
 
     for (unsigned int split = blockIdx.x; split < used; split += gridDim.x) {
-        const unsigned int start = split * chunk, end = min(ctx, start + chunk);
+        const unsigned int start = from + split * chunk, end = min(ctx, start + chunk);
         float *part_of = partial + (((size_t)t * heads + h0) * splits + split) * pstride;  // head h0; next head +splits*pstride
         float m_run[HB], l_run[HB], acc[HB][8];
 #pragma unroll
@@ -136,7 +150,7 @@ __global__ __launch_bounds__(AT_THREADS, AT_MIN_BLOCKS) void attention_split_ker
         for (unsigned int tile = start; tile < end; tile += AT_TILE) {
             // Scores: one position per thread, all heads of the group.
             const unsigned int p = tile + tid;
-            const bool valid = p < end;
+            const bool valid = p < end && p >= first;
             float sc[HB];
 #pragma unroll
             for (int h = 0; h < HB; h++) sc[h] = 0.f;
@@ -289,7 +303,8 @@ __global__ __launch_bounds__(AT_THREADS, AT_MIN_BLOCKS) void attention_split_ker
 // for this context are read (it writes no others), so a short context costs one part.
 constexpr unsigned int AT_MAX_SPLITS = 1024;
 __global__ void attention_combine_kernel(const float *__restrict__ partial, unsigned int heads, unsigned int d,
-                                         unsigned int splits, const int *__restrict__ pos, float *__restrict__ out) {
+                                         unsigned int window, unsigned int splits, const int *__restrict__ pos,
+                                         float *__restrict__ out) {
     __shared__ float w_s[AT_MAX_SPLITS];
     __shared__ float inv_s;
     he::pdl_wait();  // the parts come from the split kernel (launched overlapped)
@@ -298,7 +313,8 @@ __global__ void attention_combine_kernel(const float *__restrict__ partial, unsi
     const size_t pstride = (size_t)d + 2;
     const float *base = partial + ((size_t)t * heads + h) * splits * pstride;
     // The split kernel's cut: the parts past the context are empty (min: w_s's bound, whatever the cut).
-    const unsigned int used = min(splits, context_cut(context_of(pos[t]), splits).used);
+    const unsigned int ctx = context_of(pos[t]);
+    const unsigned int used = min(splits, context_cut(ctx - seen_of(ctx, window).from, splits).used);
     for (unsigned int s = threadIdx.x; s < used; s += blockDim.x) w_s[s] = base[s * pstride];
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -336,6 +352,7 @@ struct SplitArgs {
     const int *pos;
     unsigned int heads, kv_heads, d;
     float scale_log2;
+    unsigned int window;
     unsigned int splits;
     float *partial;
     hostembed_tuning tuning;
@@ -345,7 +362,7 @@ template <int D, int HB, int KT, int VT>
 cudaError_t launch_split(dim3 grid, const SplitArgs &a, cudaStream_t stream) {
     return he::launch_overlapped(a.tuning, attention_split_kernel<D, HB, KT, VT>, grid, dim3(AT_THREADS), 0, stream,
                                  a.q, a.q_stride, a.pool, a.tables, a.pool_pages, a.k_type, a.v_type, a.pos, a.heads,
-                                 a.kv_heads, a.d, a.scale_log2, a.splits, a.partial);
+                                 a.kv_heads, a.d, a.scale_log2, a.window, a.splits, a.partial);
 }
 
 // The kernel for K and V of one type, or the run-time reader's (Reader<0>) for any other pair.
@@ -380,8 +397,8 @@ extern "C" cudaError_t hostembed_attention(const float *q, unsigned int q_stride
                                            const unsigned int *const *tables, unsigned int pool_pages, int k_type,
                                            int v_type, const int *pos, unsigned int n, unsigned int heads,
                                            unsigned int kv_heads, unsigned int head_dim, float scale,
-                                           unsigned int splits, unsigned int grid_parts, float *partial, float *out,
-                                           hostembed_tuning tuning, cudaStream_t stream) {
+                                           unsigned int window, unsigned int splits, unsigned int grid_parts,
+                                           float *partial, float *out, hostembed_tuning tuning, cudaStream_t stream) {
     if (q == nullptr || kv_pool == nullptr || tables == nullptr || pos == nullptr || partial == nullptr ||
         out == nullptr)
         return cudaErrorInvalidValue;
@@ -399,12 +416,12 @@ extern "C" cudaError_t hostembed_attention(const float *q, unsigned int q_stride
     while (hb < group && hb < cap) hb *= 2;
     if ((size_t)kv_heads * ((group + hb - 1) / hb) > 65535) return cudaErrorInvalidValue;
     const SplitArgs a{q,        q_stride, static_cast<const unsigned char *>(kv_pool), tables, pool_pages, k_type,
-                      v_type,   pos,      heads,    kv_heads,        head_dim,    scale * LOG2E, splits,
-                      partial,  tuning};
+                      v_type,   pos,      heads,    kv_heads,        head_dim,    scale * LOG2E, window,
+                      splits,   partial,  tuning};
     const cudaError_t err = head_dim <= 64    ? launch_d<64>(hb, n, grid_parts, a, stream)
                             : head_dim <= 128 ? launch_d<128>(hb, n, grid_parts, a, stream)
                                               : launch_d<256>(hb, n, grid_parts, a, stream);
     if (err != cudaSuccess) return err;
-    return he::launch_overlapped(tuning, attention_combine_kernel, dim3(heads, n), dim3(128), 0, stream, partial, heads,
-                                 head_dim, splits, pos, out);
+    return he::launch_overlapped(tuning, attention_combine_kernel, dim3(heads, n), dim3(128), 0, stream, partial,
+                                 heads, head_dim, window, splits, pos, out);
 }

@@ -117,7 +117,8 @@ __global__ __launch_bounds__(FA_THREADS, READ8 == STAGED ? 3 : 0) void flash_ker
                                                            unsigned int pool_pages, int k_type, int v_type,
                                                            const int *__restrict__ pos, unsigned int n,
                                                            unsigned int heads, unsigned int kv_heads,
-                                                           float scale_log2, typename Out::T *__restrict__ out,
+                                                           float scale_log2, unsigned int window,
+                                                           typename Out::T *__restrict__ out,
                                                            unsigned int out_stride,
                                                            const unsigned short *__restrict__ stage,
                                                            unsigned int stage_tokens, unsigned int staged) {
@@ -232,14 +233,17 @@ __global__ __launch_bounds__(FA_THREADS, READ8 == STAGED ? 3 : 0) void flash_ker
         }
     };
 
-    // Two buffers: tile t + 1's loads are in flight while tile t computes.
+    // Two buffers: tile t + 1's loads are in flight while tile t computes. With a window, from the tile
+    // of the first position the block's first query sees.
     const unsigned int tiles = (ctx + FA_BN - 1) / FA_BN;
-    if (tiles > 0) {
-        fetch_tile(0, 0);
-        store_tile8(0, 0);
+    const unsigned int first_tile =
+        window != 0 && p_min >= 0 && (unsigned int)p_min + 1 > window ? ((unsigned int)p_min + 1 - window) / FA_BN : 0u;
+    if (tiles > first_tile) {
+        fetch_tile(first_tile % 2, first_tile);
+        store_tile8(first_tile % 2, first_tile);
     }
     he::cp_async_commit();
-    for (unsigned int tile = 0; tile < tiles; tile++) {
+    for (unsigned int tile = first_tile; tile < tiles; tile++) {
         if (tile + 1 < tiles) fetch_tile((tile + 1) % 2, tile + 1);
         he::cp_async_commit();
         he::cp_async_wait<1>();  // every group but the newest: this tile's copies have landed
@@ -272,6 +276,19 @@ __global__ __launch_bounds__(FA_THREADS, READ8 == STAGED ? 3 : 0) void flash_ker
                 if (key + 1 > p_lo) s[j][1] = -INFINITY;
                 if (key > p_hi) s[j][2] = -INFINITY;
                 if (key + 1 > p_hi) s[j][3] = -INFINITY;
+            }
+        }
+        // Positions before a query's window are masked; only tiles that start before the block's last
+        // query's window need it.
+        if (window != 0 && p_max >= 0 && (int)base + (int)window <= p_max) {
+            const int w = (int)window;
+#pragma unroll
+            for (int j = 0; j < FA_BN / 8; j++) {
+                const int key = (int)(base + j * 8 + 2 * t4);
+                if (key + w <= p_lo) s[j][0] = -INFINITY;
+                if (key + 1 + w <= p_lo) s[j][1] = -INFINITY;
+                if (key + w <= p_hi) s[j][2] = -INFINITY;
+                if (key + 1 + w <= p_hi) s[j][3] = -INFINITY;
             }
         }
         float mx_lo = m_lo, mx_hi = m_hi;
@@ -359,8 +376,9 @@ extern "C" cudaError_t hostembed_flash_head_dim(unsigned int head_dim) {
 extern "C" cudaError_t hostembed_flash_attention(const float *q, unsigned int q_stride, const void *kv_pool,
                                                  const unsigned int *table, unsigned int pool_pages, int k_type,
                                                  int v_type, const int *pos, unsigned int n, unsigned int heads,
-                                                 unsigned int kv_heads, unsigned int head_dim, float scale, void *out,
-                                                 int out_dtype, unsigned int out_stride, const void *stage,
+                                                 unsigned int kv_heads, unsigned int head_dim, float scale,
+                                                 unsigned int window, void *out, int out_dtype,
+                                                 unsigned int out_stride, const void *stage,
                                                  unsigned int stage_tokens, unsigned int staged, cudaStream_t stream) {
     if (q == nullptr || kv_pool == nullptr || table == nullptr || pos == nullptr || out == nullptr || heads == 0 ||
         kv_heads == 0 || heads % kv_heads != 0 || pool_pages == 0 || q_stride < heads * head_dim ||
@@ -399,7 +417,7 @@ extern "C" cudaError_t hostembed_flash_attention(const float *q, unsigned int q_
                     const dim3 grid((n + FA_BM - 1) / FA_BM, heads);
                     kernel<<<grid, FA_THREADS, fa_smem<D>(), stream>>>(
                         q, q_stride, static_cast<const unsigned char *>(kv_pool), table, pool_pages, k_type, v_type,
-                        pos, n, heads, kv_heads, scale * FA_LOG2E, static_cast<typename Out::T *>(out), out_stride,
+                        pos, n, heads, kv_heads, scale * FA_LOG2E, window, static_cast<typename Out::T *>(out), out_stride,
                         static_cast<const unsigned short *>(stage), stage_tokens, staged);
                     err = cudaGetLastError();
                 });

@@ -136,18 +136,33 @@ cudaError_t hostembed_kv_page_tokens(unsigned int *page_tokens);
 // cut depends only on pos[t] and splits), computed by separate blocks and combined in order; partial
 // holds n*heads*splits*(head_dim+2) floats. head_dim a multiple of 8 (of HE_KV_BLOCK for a block type),
 // <= 256; splits <= 1024. grid_parts (1..splits) blocks a token and head group take its parts in turn:
-// any value gives the same bits; as many as the longest context fills is the fastest.
+// any value gives the same bits; as many as the longest context fills is the fastest. window > 0: token t
+// sees only its last `window` positions (its own counted), and the cut is of those, from their first
+// 32-position unit.
 cudaError_t hostembed_attention(const float *q, unsigned int q_stride, const void *kv_pool,
                                 const unsigned int *const *tables, unsigned int pool_pages, int k_type, int v_type,
                                 const int *pos, unsigned int n, unsigned int heads, unsigned int kv_heads,
-                                unsigned int head_dim, float scale, unsigned int splits, unsigned int grid_parts,
-                                float *partial, float *out, hostembed_tuning tuning, cudaStream_t stream);
+                                unsigned int head_dim, float scale, unsigned int window, unsigned int splits,
+                                unsigned int grid_parts, float *partial, float *out, hostembed_tuning tuning,
+                                cudaStream_t stream);
 
 // out[i] = silu(gate[i]) * up[i].
 cudaError_t hostembed_swiglu(const float *gate, const float *up, float *out, size_t len, cudaStream_t stream);
 
 // out[i] = a[i] + b[i] (out may be a or b).
 cudaError_t hostembed_add(const float *a, const float *b, float *out, size_t len, cudaStream_t stream);
+
+// x[i] *= factor.
+cudaError_t hostembed_scale(float *x, float factor, size_t len, cudaStream_t stream);
+
+// out[i] = gelu_tanh(gate[i]) * up[i] written in out_dtype (HE_DTYPE_F32 or a half format), gelu_tanh(g) =
+// 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))); out may not overlap gate or up unless it is F32.
+cudaError_t hostembed_geglu_to(const float *gate, const float *up, void *out, int out_dtype, size_t len,
+                               cudaStream_t stream);
+
+// x[r] += RMSNorm(y[r]) * w for each of n rows of cols values (y's own norm; x and y do not overlap).
+cudaError_t hostembed_rmsnorm_add(const float *y, const float *w, float eps, float *x, unsigned int n,
+                                  unsigned int cols, cudaStream_t stream);
 
 // Picks the next token from logits[vocab] exactly as src/sampler.rs does (the repetition penalty on the
 // n_penalty distinct ids in penalty[0..n_penalty); then temperature <= 0: argmax, lowest index on ties;
@@ -250,11 +265,12 @@ cudaError_t hostembed_flash_head_dim(unsigned int head_dim);
 // page table is `table` (its own chunk's K and V already written there, K in k_type and V in v_type: any
 // HE_KV_* but HE_KV_F32) with GQA, softmax(q.k * scale) v written to out[t*out_stride + h*head_dim] in
 // out_dtype (a half format). Q and K enter the tensor cores as bf16 for a bf16 K cache, else as f16 (an
-// 8-bit block decoded to f16 in shared memory); the probabilities and V likewise by V's type.
+// 8-bit block decoded to f16 in shared memory); the probabilities and V likewise by V's type. window > 0:
+// query t attends to positions (pos[t] - window, pos[t]] only.
 cudaError_t hostembed_flash_attention(const float *q, unsigned int q_stride, const void *kv_pool,
                                       const unsigned int *table, unsigned int pool_pages, int k_type, int v_type,
                                       const int *pos, unsigned int n, unsigned int heads, unsigned int kv_heads,
-                                      unsigned int head_dim, float scale, void *out, int out_dtype,
+                                      unsigned int head_dim, float scale, unsigned int window, void *out, int out_dtype,
                                       unsigned int out_stride, const void *stage, unsigned int stage_tokens,
                                       unsigned int staged, cudaStream_t stream);
 

@@ -85,7 +85,29 @@ __global__ __launch_bounds__(NORM_THREADS) void rmsnorm_kernel(const float *x, c
     }
 }
 
+// x += RMSNorm(y) * w, one block a row: Gemma's norm of a block's output before the residual add.
+__global__ __launch_bounds__(NORM_THREADS) void rmsnorm_add_kernel(const float *__restrict__ y,
+                                                                   const float *__restrict__ w, float eps, float *x,
+                                                                   unsigned int cols) {
+    __shared__ float scratch[32];
+    const float *yr = y + (size_t)blockIdx.x * cols;
+    float *xr = x + (size_t)blockIdx.x * cols;
+    float ss = 0.f;
+    for (unsigned int c = threadIdx.x; c < cols; c += NORM_THREADS) ss += yr[c] * yr[c];
+    ss = he::block_sum<NORM_THREADS>(ss, scratch);
+    const float inv = rsqrtf(ss / (float)cols + eps);
+    for (unsigned int c = threadIdx.x; c < cols; c += NORM_THREADS) xr[c] += yr[c] * inv * w[c];
+}
+
 }  // namespace
+
+extern "C" cudaError_t hostembed_rmsnorm_add(const float *y, const float *w, float eps, float *x, unsigned int n,
+                                             unsigned int cols, cudaStream_t stream) {
+    if (y == nullptr || w == nullptr || x == nullptr || cols == 0) return cudaErrorInvalidValue;
+    if (n == 0) return cudaSuccess;
+    rmsnorm_add_kernel<<<n, NORM_THREADS, 0, stream>>>(y, w, eps, x, cols);
+    return cudaGetLastError();
+}
 
 extern "C" cudaError_t hostembed_rmsnorm_to(const float *x, const float *w, float eps, void *out, void *residue,
                                             int out_dtype, unsigned int n, unsigned int cols, hostembed_tuning tuning,

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Builds everything the GPU machine runs (it has nvcc but no Rust toolchain) and packs it into
 # .gpu/bundle.tar.xz: the GPU test binaries (tests/gpu_*; the others run in CI), example binaries, the C
-# examples, the library and models/gguf-f16.gguf (the `gguf` package's file; that machine has no
-# package index). Each binary carries the kernels, so the bundle keeps under the 64 MiB a
-# call may carry only without the CPU-only test binaries.
+# examples, the library, hostembed-server with server/tests/load.py, and models/gguf-f16.gguf (the
+# `gguf` package's file; that machine has no package index). Each binary carries the kernels, so the
+# bundle keeps under the 64 MiB a call may carry only without the CPU-only test binaries.
 # HOSTEMBED_CUDA_ARCHS defaults to 90 here (the lent card) to keep the build short.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -32,11 +32,22 @@ for c in examples/*.c; do
   cc -std=c99 -O2 -Wall -Wextra -Werror -pedantic -Iinclude "$c" -L.gpu/bundle -lhostembed \
     -Wl,-rpath,'$ORIGIN/..' -o "$out" -lm
 done
+# hostembed-server (Zig, when scripts/install-zig.sh can provide it) finding the library one folder up,
+# and the load script: scripts/server-load.sh runs both.
+mkdir -p .gpu/bundle/server && cp server/tests/load.py .gpu/bundle/server/
+if zig_bin=$(scripts/install-zig.sh 2>/dev/null); then
+  # A baseline CPU: the binary runs on another machine.
+  (cd server && "$zig_bin" build -Doptimize=ReleaseSafe -Dcpu=baseline -Dlib-dir="$PWD/../target/release" \
+    -Drpath='$ORIGIN/..' --prefix "$PWD/../target/zig/gpu-server" --cache-dir "$PWD/../target/zig/gpu-server-cache")
+  cp target/zig/gpu-server/bin/hostembed-server .gpu/bundle/server/
+else
+  echo "gpu-build: no zig $(sed -n 's/^ZIG_VERSION=//p' scripts/install-zig.sh); the bundle has no hostembed-server" >&2
+fi
 cp -r scripts .gpu/bundle/
 scripts/write-gguf-f16.sh >/dev/null
 mkdir -p .gpu/bundle/models && cp models/gguf-f16.gguf .gpu/bundle/models/
 [ -d assets ] && cp -r assets .gpu/bundle/
-strip .gpu/bundle/tests/* .gpu/bundle/examples/* .gpu/bundle/libhostembed.so 2>/dev/null || true
+strip .gpu/bundle/tests/* .gpu/bundle/examples/* .gpu/bundle/server/hostembed-server .gpu/bundle/libhostembed.so 2>/dev/null || true
 XZ_OPT=-9 tar -C .gpu -cJf .gpu/bundle.tar.xz bundle
 rm -rf .gpu/bundle
 ls -la .gpu/bundle.tar.xz

@@ -2,7 +2,9 @@
 # Runs on the GPU machine from the repo root: unpacks .gpu/bundle.tar.xz and runs the GPU suite,
 # then whatever steps are named (default: tests). Logs go to $OUT (or ./gpu-out).
 # Steps: info tests tests-parallel targets formats prep targets-f16 targets-kv sanitize profile-decode hfref bench-embed bench-decode bench-mmv bench-model bench-prefill bench-prefill-quant
-# bench-convert bench-kv torch-prefill, or any example's name. bench-mmv times the decode products alone
+# bench-convert bench-kv torch-prefill server-load, or any example's name. server-load measures the
+# server's targets (scripts/server-load.sh: a 16 GB Llama-3-8B-shaped file written under /tmp, batch.c,
+# decode.c and hostembed-server with load.py on it; about 4 minutes, meant for a call of its own). bench-mmv times the decode products alone
 # and bench-model the whole 8B model's decode (BF16 and the Q4_K_M mix): as shipped, with the weights
 # always streamed through registers (HOSTEMBED_MMV_STAGE=0), and without overlapped launches (HOSTEMBED_PDL=0). bench-kv measures the KV cache types on the Llama-3-8B shape:
 # decode at a 64-token, a 16,384-token and a 32,768-token cache in BF16, Q8_0 and FP8_E4M3, and prompts
@@ -99,6 +101,12 @@ for step in $steps; do
       "$B/examples/bench_convert" > "$OUT/bench-convert.log" 2>&1; rc=$?
       "$B/examples/bench_convert" --all --out f16 >> "$OUT/bench-convert.log" 2>&1; r=$?
       [ $r -ne 0 ] && rc=$r ;;
+    server-load)
+      "$B/scripts/server-load.sh" "$B" "$OUT/server-load" > "$OUT/server-load-run.log" 2>&1; rc=$?
+      cat "$OUT/server-load/server-load.txt" >> "$summary" 2>/dev/null
+      # Its logs go into the one archive below.
+      for f in "$OUT"/server-load/*; do mv "$f" "$OUT/server-load-$(basename "${f%.*}").log"; done
+      rmdir "$OUT/server-load" ;;
     torch-prefill)
       PYTHONUNBUFFERED=1 python3 "$B/scripts/torch_prefill.py" > "$OUT/torch-prefill.log" 2>&1; rc=$? ;;
     hfref)

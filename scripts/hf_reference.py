@@ -1,18 +1,22 @@
 #!/usr/bin/env python3
-"""Reference logits from HF transformers for the CPU backend's parity test (tests/cpu.rs).
+"""Reference logits from HF transformers for the CPU backend's parity tests (tests/cpu.rs, tests/gemma3.rs).
 
-Builds three small random models offline from config objects (Llama with GQA 4:1 and llama3 rope
-scaling; Qwen2 with q/k/v bias and a tied head; Qwen3 with q/k norm and head_dim 128 at hidden 1024),
-fills them with the synthetic weights hostembed generates (checkpoint::write::synthetic_weights, same
-formula bit for bit), and writes, per model, into OUT/<name>/:
-  config.json     the model's config, every key (as config.json, without defaults left out)
-  tokens.u32      the 64 input ids, little-endian u32
-  logits.f32      teacher-forced logits, [64][vocab] little-endian f32, from the float64 run
-  inv_freq.f32    HF's rotary inverse frequencies (head_dim/2 values)
-  reference.json  seed, versions, and the float32-vs-float64 error of HF itself
+Builds small random models offline from config objects (Llama with GQA 4:1 and llama3 rope scaling;
+Qwen2 with q/k/v bias and a tied head; Qwen3 with q/k norm and head_dim 128 at hidden 1024; Gemma 3
+text with sliding-window layers every third layer global, linear rope scaling on the global layers, a
+local rotary base, query_pre_attn_scalar apart from head_dim and a tied head), fills them with the
+synthetic weights hostembed generates (checkpoint::write::synthetic_weights, same formula bit for bit;
+Gemma's norm weights are HF's w, which its RMSNorm multiplies by as 1 + w), and writes, per model,
+into OUT/<name>/:
+  config.json         the model's config, every key (as config.json, without defaults left out)
+  tokens.u32          the 64 input ids, little-endian u32
+  logits.f32          teacher-forced logits, [64][vocab] little-endian f32, from the float64 run
+  inv_freq.f32        HF's rotary inverse frequencies (head_dim/2 values; the global layers' for Gemma)
+  inv_freq_local.f32  Gemma 3 only: its sliding-window layers' frequencies
+  reference.json      seed, versions, and the float32-vs-float64 error of HF itself
 
-Usage: hf_reference.py --out OUT [--save-models DIR]   (needs torch + transformers; no network)
-       hf_reference.py --selftest                      (numpy only: prints generator values the Rust test pins)
+Usage: hf_reference.py --out OUT [--only NAME ...] [--save-models DIR]   (torch + transformers; no network)
+       hf_reference.py --selftest          (numpy only: prints generator values the Rust test pins)
 """
 
 import argparse
@@ -101,6 +105,33 @@ MODELS = {
         dict(rope_theta=1000000.0, rope_type="default"),
         33,
     ),
+    # Layers 2 and 5 global, the others sliding over 16 positions (64 are run).
+    "gemma3": (
+        "gemma3",
+        dict(
+            vocab_size=256,
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=6,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=48,
+            query_pre_attn_scalar=64,
+            sliding_window=16,
+            rms_norm_eps=1e-6,
+            max_position_embeddings=128,
+            tie_word_embeddings=True,
+            attention_bias=False,
+            hidden_activation="gelu_pytorch_tanh",
+            final_logit_softcapping=None,
+            attn_logit_softcapping=None,
+            pad_token_id=0,
+            bos_token_id=2,
+            eos_token_id=1,
+        ),
+        dict(rope_theta=1000000.0, rope_type="linear", factor=8.0, local_rope_theta=10000.0, global_every=3),
+        44,
+    ),
 }
 
 
@@ -166,14 +197,35 @@ def build(arch, kwargs, rope):
 
     import transformers
 
-    cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}[arch]
-    model_cls = {
-        "llama": transformers.LlamaForCausalLM,
-        "qwen2": transformers.Qwen2ForCausalLM,
-        "qwen3": transformers.Qwen3ForCausalLM,
-    }[arch]
+    classes = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "gemma3": (getattr(transformers, "Gemma3TextConfig", None), getattr(transformers, "Gemma3ForCausalLM", None)),
+    }
+    cls, model_cls = classes[arch]
     kwargs = dict(kwargs)
-    if "rope_parameters" in inspect.signature(cls.__init__).parameters:
+    params = inspect.signature(cls.__init__).parameters
+    rope = dict(rope)
+    if arch == "gemma3":
+        local_theta, every = rope.pop("local_rope_theta"), rope.pop("global_every")
+        layers = kwargs["num_hidden_layers"]
+        if "layer_types" in params:
+            kwargs["layer_types"] = [
+                "full_attention" if (i + 1) % every == 0 else "sliding_attention" for i in range(layers)
+            ]
+        else:
+            kwargs["sliding_window_pattern"] = every
+        if "rope_parameters" in params:
+            kwargs["rope_parameters"] = {
+                "full_attention": dict(rope),
+                "sliding_attention": {"rope_type": "default", "rope_theta": local_theta},
+            }
+        else:
+            kwargs["rope_theta"] = rope["rope_theta"]
+            kwargs["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
+            kwargs["rope_local_base_freq"] = local_theta
+    elif "rope_parameters" in params:
         kwargs["rope_parameters"] = dict(rope)
     else:
         kwargs["rope_theta"] = rope["rope_theta"]
@@ -182,7 +234,31 @@ def build(arch, kwargs, rope):
             kwargs["rope_scaling"] = scaling
     cfg = cls(attn_implementation="eager", **kwargs)
     cfg.architectures = [model_cls.__name__]
+    if arch == "gemma3":
+        # The config as built, not as asked: the layer pattern and the window the model will run.
+        types = getattr(cfg, "layer_types", None)
+        if types is not None:
+            want = ["full_attention" if (i + 1) % every == 0 else "sliding_attention" for i in range(layers)]
+            assert list(types) == want, types
+        assert cfg.sliding_window == kwargs["sliding_window"], cfg.sliding_window
     return cfg, model_cls(cfg)
+
+
+def rotary_frequencies(model, arch):
+    """HF's rotary inverse frequencies: {"global": ..., "local": ...} (local for Gemma 3 only), as float32,
+    from the buffers whichever transformers version named them."""
+    import torch
+
+    found = {}
+    for name, buf in model.model.named_buffers():
+        # original_inv_freq (kept for dynamic scaling) repeats inv_freq at these settings.
+        if not name.endswith("inv_freq") or "original" in name:
+            continue
+        local = "local" in name or "sliding" in name
+        found["local" if local else "global"] = buf.detach().to(torch.float32).numpy()
+    want = {"global", "local"} if arch == "gemma3" else {"global"}
+    assert set(found) == want, f"rotary buffers {sorted(found)}, expected {sorted(want)}"
+    return found
 
 
 def load_synthetic(model, seed, tied):
@@ -215,6 +291,7 @@ def main():
     ap.add_argument("--out", help="output directory (one subdirectory per model)")
     ap.add_argument("--selftest", action="store_true", help="print generator values and exit (numpy only)")
     ap.add_argument("--save-models", metavar="DIR", help="also save each model as an HF folder (float32)")
+    ap.add_argument("--only", action="append", choices=sorted(MODELS), help="this model only (repeatable)")
     args = ap.parse_args()
     if args.selftest:
         selftest()
@@ -228,15 +305,18 @@ def main():
     torch.manual_seed(0)
     worst = 0.0
     for name, (arch, kwargs, rope, seed) in MODELS.items():
+        if args.only and name not in args.only:
+            continue
         cfg, model = build(arch, kwargs, rope)
         model.eval()
         tied = kwargs["tie_word_embeddings"]
         loaded = load_synthetic(model, seed, tied)
         tokens = tokens_for(kwargs["vocab_size"])
 
-        inv_freq = model.model.rotary_emb.inv_freq.detach().to(torch.float32).numpy()
+        freqs = rotary_frequencies(model, arch)
         head_dim = kwargs.get("head_dim", kwargs["hidden_size"] // kwargs["num_attention_heads"])
-        assert inv_freq.shape == (head_dim // 2,), inv_freq.shape
+        for f in freqs.values():
+            assert f.shape == (head_dim // 2,), f.shape
 
         if args.save_models:
             model.save_pretrained(os.path.join(args.save_models, name), safe_serialization=True)
@@ -251,7 +331,9 @@ def main():
             f.write(cfg.to_json_string(use_diff=False))
         np.asarray(tokens, dtype="<u4").tofile(os.path.join(d, "tokens.u32"))
         l64.astype("<f4").tofile(os.path.join(d, "logits.f32"))
-        inv_freq.astype("<f4").tofile(os.path.join(d, "inv_freq.f32"))
+        freqs["global"].astype("<f4").tofile(os.path.join(d, "inv_freq.f32"))
+        if "local" in freqs:
+            freqs["local"].astype("<f4").tofile(os.path.join(d, "inv_freq_local.f32"))
         meta = {
             "seed": seed,
             "positions": POSITIONS,

@@ -21,7 +21,7 @@
 
 use crate::backend::KvStream;
 use crate::kv::{KvType, KvTypes};
-use crate::model::{Arch, LayerWeights, ModelConfig, ModelWeights, TensorRef, TensorSource};
+use crate::model::{Arch, Layers, ModelConfig, ModelWeights, TensorRef, TensorSource};
 use crate::status::Result;
 use crate::{bail, err};
 
@@ -164,7 +164,8 @@ pub fn attention_typed(
         KvRows { pages: vec![bytes], page_tokens: bytes.len() / row, ty, kv_heads, head_dim }
     }
     let (k, v) = (one_page(k, kv.k, n_ctx, kv_heads, head_dim), one_page(v, kv.v, n_ctx, kv_heads, head_dim));
-    let batch = Batch { q, k, v, first_pos: n_ctx - 1, heads, kv_heads, head_dim };
+    let scale = 1.0 / (head_dim as f64).sqrt();
+    let batch = Batch { q, k, v, first_pos: n_ctx - 1, window: None, scale, heads, kv_heads, head_dim };
     let mut scratch = [AttentionScratch::new(heads / kv_heads, head_dim).unwrap_or_else(|e| panic!("{e}"))];
     batch.run(out, &mut scratch);
 }
@@ -179,6 +180,22 @@ pub fn swiglu(gate: &[f32], up: &[f32], out: &mut [f32]) {
 
 fn silu_times(g: f32, u: f32) -> f32 {
     (g / (1.0 + (-g).exp())) * u
+}
+
+/// GeGLU: out = gelu_tanh(gate) * up, gelu_tanh(g) = 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))),
+/// HF's `gelu_pytorch_tanh`.
+pub fn geglu(gate: &[f32], up: &[f32], out: &mut [f32]) {
+    assert!(gate.len() == up.len() && up.len() == out.len(), "geglu: lengths differ");
+    for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
+        *o = gelu_tanh_times(g, u);
+    }
+}
+
+/// In f32, each step as torch's tanh-approximated GELU forms it.
+fn gelu_tanh_times(g: f32, u: f32) -> f32 {
+    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+    let inner = SQRT_2_OVER_PI * (g + 0.044715 * (g * g * g));
+    (0.5 * g * (1.0 + inner.tanh())) * u
 }
 
 /// a += b (the residual connection).
@@ -215,15 +232,17 @@ impl<'a> CpuWeight<'a> {
     }
 }
 
-/// A dense decoder (Llama, Qwen2, Qwen3) read from a `TensorSource`.
+/// A dense decoder (Llama, Qwen2, Qwen3, Gemma 3) read from a `TensorSource`.
 pub struct CpuModel<'a> {
     cfg: ModelConfig,
     embed: TensorRef<'a>,
     final_norm: Vec<f32>,
     /// The embedding table when the head is tied.
     lm_head: TensorRef<'a>,
-    layers: Vec<LayerWeights<CpuWeight<'a>>>,
+    layers: Layers<CpuWeight<'a>>,
     inv_freq: Vec<f32>,
+    /// The local layers' frequencies; empty for a model without them.
+    inv_freq_local: Vec<f32>,
     /// What the streams `new_stream` makes keep K and V in.
     kv: KvTypes,
     /// The threads a step runs on: this one and the pool's workers.
@@ -239,13 +258,14 @@ impl<'a> CpuModel<'a> {
     pub fn new(src: &'a dyn TensorSource) -> Result<Self> {
         let cfg = src.config().clone();
         let w = ModelWeights::read(src)?;
-        let layers = w.layers.into_iter().map(|l| l.try_map(|t| Ok(CpuWeight::new(t)))).collect::<Result<_>>()?;
+        let layers = w.layers.try_map(|_, _, t| Ok(CpuWeight::new(t)))?;
         let lm_head = w.lm_head.unwrap_or(w.embed);
         let inv_freq = rope_inv_freq(&cfg);
+        let inv_freq_local = crate::model::rope_inv_freq_local(&cfg).unwrap_or_default();
         let final_norm = w.final_norm.to_f32();
         let pool = Pool::new(crate::tuning::Tuning::default().cpu_threads);
         let kv = KvTypes::CPU_DEFAULT;
-        Ok(CpuModel { cfg, embed: w.embed, final_norm, lm_head, layers, inv_freq, kv, pool })
+        Ok(CpuModel { cfg, embed: w.embed, final_norm, lm_head, layers, inv_freq, inv_freq_local, kv, pool })
     }
 
     /// The same model on `threads` threads (1..=MAX_THREADS); the logits do not change.
@@ -513,6 +533,7 @@ impl<'a> CpuModel<'a> {
             cfg,
             embed: &self.embed,
             inv_freq: &self.inv_freq,
+            inv_freq_local: &self.inv_freq_local,
             kv,
             segments,
             positions,
@@ -529,7 +550,7 @@ impl<'a> CpuModel<'a> {
             tiles,
             attention,
         };
-        crate::arch::forward(cfg.arch, &mut pass, &self.layers).expect("the CPU's operations do not fail");
+        crate::arch::forward(cfg, &mut pass, &self.layers).expect("the CPU's operations do not fail");
     }
 
     /// The logits of the pass's rows `rows` (hidden states in `s.x`), one row of `out` each.

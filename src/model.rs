@@ -8,13 +8,35 @@ pub enum Arch {
     Llama,
     Qwen2,
     Qwen3,
+    Gemma3,
+}
+
+/// The gated feed-forward's activation of the gate.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Activation {
+    /// silu(g) = g / (1 + e^-g): SwiGLU.
+    Silu,
+    /// GELU's tanh approximation, 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))): GeGLU.
+    GeluTanh,
+}
+
+impl Activation {
+    /// The names config.json gives it (`hidden_act` / `hidden_activation`).
+    pub fn hf_names(self) -> &'static [&'static str] {
+        match self {
+            Activation::Silu => &["silu"],
+            Activation::GeluTanh => &["gelu_pytorch_tanh"],
+        }
+    }
 }
 
 /// What sets one architecture apart from the others: the readers fill a `ModelConfig` from this.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ArchTraits {
-    /// The name in config.json `model_type` and GGUF `general.architecture`.
+    /// The name in GGUF `general.architecture` (and config.json `model_type` unless `hf_model_type` differs).
     pub name: &'static str,
+    /// config.json's `model_type` (Gemma 3's text model is "gemma3_text").
+    pub hf_model_type: &'static str,
     /// q/k/v projections carry a bias.
     pub qkv_bias: bool,
     /// RMSNorm over each head of q and k before the rotation.
@@ -22,17 +44,57 @@ pub struct ArchTraits {
     /// llama.cpp's converter permutes this architecture's Q/K rows, so its GGUF files rotate adjacent
     /// pairs; HF files (and every other GGUF) rotate halves.
     pub gguf_rope_interleaved: bool,
+    /// The feed-forward's activation.
+    pub activation: Activation,
+    /// HF stores its RMSNorm weights w of a norm that multiplies by (1 + w) (Gemma); the readers hold
+    /// the multiplier (1 + w), as llama.cpp's converter writes it into GGUF.
+    pub hf_norms_plus_one: bool,
+    /// GGUF layer tensor names this architecture spells apart from the llama family's (GGUF part,
+    /// HF part), looked up before those.
+    pub gguf_layer_parts: &'static [(&'static str, &'static str)],
 }
 
 impl Arch {
     /// Every architecture the readers accept.
-    pub const ALL: [Arch; 3] = [Arch::Llama, Arch::Qwen2, Arch::Qwen3];
+    pub const ALL: [Arch; 4] = [Arch::Llama, Arch::Qwen2, Arch::Qwen3, Arch::Gemma3];
 
     pub const fn traits(self) -> ArchTraits {
+        const LLAMA: ArchTraits = ArchTraits {
+            name: "llama",
+            hf_model_type: "llama",
+            qkv_bias: false,
+            qk_norm: false,
+            gguf_rope_interleaved: true,
+            activation: Activation::Silu,
+            hf_norms_plus_one: false,
+            gguf_layer_parts: &[],
+        };
         match self {
-            Arch::Llama => ArchTraits { name: "llama", qkv_bias: false, qk_norm: false, gguf_rope_interleaved: true },
-            Arch::Qwen2 => ArchTraits { name: "qwen2", qkv_bias: true, qk_norm: false, gguf_rope_interleaved: false },
-            Arch::Qwen3 => ArchTraits { name: "qwen3", qkv_bias: false, qk_norm: true, gguf_rope_interleaved: false },
+            Arch::Llama => LLAMA,
+            Arch::Qwen2 => ArchTraits {
+                name: "qwen2",
+                hf_model_type: "qwen2",
+                qkv_bias: true,
+                gguf_rope_interleaved: false,
+                ..LLAMA
+            },
+            Arch::Qwen3 => ArchTraits {
+                name: "qwen3",
+                hf_model_type: "qwen3",
+                qk_norm: true,
+                gguf_rope_interleaved: false,
+                ..LLAMA
+            },
+            Arch::Gemma3 => ArchTraits {
+                name: "gemma3",
+                hf_model_type: "gemma3_text",
+                qk_norm: true,
+                gguf_rope_interleaved: false,
+                activation: Activation::GeluTanh,
+                hf_norms_plus_one: true,
+                gguf_layer_parts: crate::arch::gemma3::GGUF_PARTS,
+                ..LLAMA
+            },
         }
     }
 
@@ -44,9 +106,19 @@ impl Arch {
         Arch::ALL.into_iter().find(|a| a.name() == name)
     }
 
-    /// The names, for messages about an architecture the readers do not accept: "llama, qwen2, qwen3".
+    /// The architecture of a config.json `model_type`.
+    pub fn from_hf_model_type(model_type: &str) -> Option<Arch> {
+        Arch::ALL.into_iter().find(|a| a.traits().hf_model_type == model_type)
+    }
+
+    /// The names, for messages about an architecture the readers do not accept: "llama, qwen2, qwen3, gemma3".
     pub fn supported_names() -> String {
         Arch::ALL.map(Arch::name).join(", ")
+    }
+
+    /// config.json's names of them: "llama, qwen2, qwen3, gemma3_text".
+    pub fn supported_hf_model_types() -> String {
+        Arch::ALL.map(|a| a.traits().hf_model_type).join(", ")
     }
 }
 
@@ -91,8 +163,36 @@ pub struct ModelConfig {
     pub qkv_bias: bool,
     /// Qwen3: RMSNorm over each head of q and k before the rotation.
     pub qk_norm: bool,
+    /// How attention departs from every layer seeing every position, scaled by 1/sqrt(head_dim).
+    pub attention: AttentionConfig,
     pub bos: Option<u32>,
     pub eos: Option<u32>,
+}
+
+/// Attention's departures from the plain form (every layer over every earlier position, with the one
+/// rotary base, scores scaled by 1/sqrt(head_dim)); `Default` is the plain form.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct AttentionConfig {
+    /// Scores are q.k / sqrt(this) (Gemma 3's query_pre_attn_scalar); None: head_dim.
+    pub query_scale_base: Option<f32>,
+    /// Sliding-window (local) layers among global ones.
+    pub sliding: Option<SlidingWindow>,
+}
+
+/// Local layers attend over the last `window` positions, their own included, with a rotary base of
+/// their own and no rope scaling; layer l is global when (l + 1) is a multiple of `global_every`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SlidingWindow {
+    pub window: usize,
+    pub global_every: usize,
+    pub rope_theta: f32,
+}
+
+impl AttentionConfig {
+    /// The window layer `layer` attends over: None for a global layer.
+    pub fn window(&self, layer: usize) -> Option<usize> {
+        self.sliding.filter(|s| !(layer + 1).is_multiple_of(s.global_every)).map(|s| s.window)
+    }
 }
 
 impl ModelConfig {
@@ -123,6 +223,7 @@ impl ModelConfig {
             tied: false,
             qkv_bias: false,
             qk_norm: false,
+            attention: AttentionConfig::default(),
             bos: None,
             eos: None,
         }
@@ -195,7 +296,35 @@ impl ModelConfig {
                     && original_max_position > 0 => {}
             other => crate::bail!(BadModel, "{source}: rope scaling {other:?} has a factor out of range"),
         }
+        if let Some(base) = self.attention.query_scale_base
+            && !positive(base)
+        {
+            crate::bail!(BadModel, "{source}: query_pre_attn_scalar {base} is not a positive number");
+        }
+        if let Some(s) = self.attention.sliding {
+            if s.window == 0 || s.window > MAX_DIM || s.global_every == 0 || s.global_every > MAX_LAYERS {
+                crate::bail!(
+                    BadModel,
+                    "{source}: sliding window {} (a global layer every {}) is out of range",
+                    s.window,
+                    s.global_every
+                );
+            }
+            if !positive(s.rope_theta) {
+                crate::bail!(BadModel, "{source}: local rope theta {} is not a positive number", s.rope_theta);
+            }
+        }
         Ok(())
+    }
+
+    /// The factor scores are scaled by, 1/sqrt(head_dim) or 1/sqrt(query_pre_attn_scalar), in f64 (the
+    /// CPU's) and as the CUDA kernels take it, in f32.
+    pub fn score_scale(&self) -> f64 {
+        1.0 / self.attention.query_scale_base.map_or(self.head_dim as f64, |b| b as f64).sqrt()
+    }
+
+    pub fn score_scale_f32(&self) -> f32 {
+        1.0 / self.attention.query_scale_base.unwrap_or(self.head_dim as f32).sqrt()
     }
 
     pub fn q_dim(&self) -> usize {
@@ -245,6 +374,13 @@ pub fn rope_inv_freq(cfg: &ModelConfig) -> Vec<f32> {
     }
 }
 
+/// The head_dim/2 rotary inverse frequencies of a model's local (sliding-window) layers: their own
+/// base and no scaling; None when it has none.
+pub fn rope_inv_freq_local(cfg: &ModelConfig) -> Option<Vec<f32>> {
+    let s = cfg.attention.sliding?;
+    Some(rope_inv_freq(&ModelConfig { rope_theta: s.rope_theta, rope_scaling: RopeScaling::None, ..cfg.clone() }))
+}
+
 /// Canonical (HF) tensor names; the GGUF reader maps its own names onto these.
 pub mod names {
     pub const EMBED: &str = "model.embed_tokens.weight";
@@ -270,6 +406,11 @@ pub mod names {
     pub const GATE: &str = "mlp.gate_proj.weight";
     pub const UP: &str = "mlp.up_proj.weight";
     pub const DOWN: &str = "mlp.down_proj.weight";
+    /// Gemma's norms of the attention output and around the feed-forward (HF names the first as llama
+    /// names its feed-forward's input norm; GGUF tells them apart).
+    pub const POST_ATTN_NORM: &str = "post_attention_layernorm.weight";
+    pub const PRE_FFN_NORM: &str = "pre_feedforward_layernorm.weight";
+    pub const POST_FFN_NORM: &str = "post_feedforward_layernorm.weight";
 }
 
 /// A tensor's format, shape (outermost first: a [out, in] matrix has `out` rows of `in` values)
@@ -351,209 +492,8 @@ impl<'a> TensorRef<'a> {
     }
 }
 
-// ---------------------------------------------------------------------------------------------------
-// The weight table's machinery: an architecture file declares its layers' tensors with `weight_table!`
-// (`arch/llama.rs`); checkpoint validation, the CPU backend and the GPU loader all walk that table, and a
-// new role is a new line there, after which the compiler points at each backend that must place it.
-
-/// One dimension of a weight's shape, as the config gives it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Dim {
-    Vocab,
-    Hidden,
-    QDim,
-    KvDim,
-    HeadDim,
-    Intermediate,
-}
-
-impl Dim {
-    pub fn of(self, cfg: &ModelConfig) -> usize {
-        match self {
-            Dim::Vocab => cfg.vocab,
-            Dim::Hidden => cfg.hidden,
-            Dim::QDim => cfg.q_dim(),
-            Dim::KvDim => cfg.kv_dim(),
-            Dim::HeadDim => cfg.head_dim,
-            Dim::Intermediate => cfg.intermediate,
-        }
-    }
-}
-
-/// When a model carries a weight.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Need {
-    Always,
-    /// With `ModelConfig::qkv_bias`.
-    QkvBias,
-    /// With `ModelConfig::qk_norm`.
-    QkNorm,
-    /// Unless the head is tied to the embedding.
-    Untied,
-}
-
-impl Need {
-    pub fn holds(self, cfg: &ModelConfig) -> bool {
-        match self {
-            Need::Always => true,
-            Need::QkvBias => cfg.qkv_bias,
-            Need::QkNorm => cfg.qk_norm,
-            Need::Untied => !cfg.tied,
-        }
-    }
-}
-
-/// One row of the weight table.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct WeightSpec {
-    /// The role, as the field of `LayerWeights` / `ModelWeights` that holds it.
-    pub role: &'static str,
-    /// The canonical name: a full name, or for a layer weight the part after `model.layers.{i}.`.
-    pub name: &'static str,
-    /// Outermost first; one dimension for a vector (norm, bias), two for a matrix.
-    pub shape: &'static [Dim],
-    pub need: Need,
-}
-
-/// One weight of one model: its table row with the name and shape the config gives it.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Weight {
-    pub spec: &'static WeightSpec,
-    pub name: String,
-    pub shape: Vec<usize>,
-}
-
-impl Weight {
-    pub(crate) fn new(spec: &'static WeightSpec, layer: Option<usize>, cfg: &ModelConfig) -> Weight {
-        let name = layer.map_or_else(|| spec.name.to_string(), |i| names::layer(i, spec.name));
-        Weight { spec, name, shape: spec.shape.iter().map(|d| d.of(cfg)).collect() }
-    }
-
-    /// A norm or a bias, which backends keep as f32.
-    pub fn is_vector(&self) -> bool {
-        self.shape.len() == 1
-    }
-}
-
-/// `T` for a weight every model has, `Option<T>` for one some lack.
-macro_rules! weight_field {
-    (Always, $t:ty) => { $t };
-    ($need:ident, $t:ty) => { Option<$t> };
-}
-
-/// Builds a field: `f` is asked for each weight the config calls for.
-macro_rules! weight_value {
-    (Always, $w:expr, $cfg:expr, $f:expr) => {
-        $f(&$w)?
-    };
-    ($need:ident, $w:expr, $cfg:expr, $f:expr) => {
-        if $w.spec.need.holds($cfg) { Some($f(&$w)?) } else { None }
-    };
-}
-
-macro_rules! weight_map {
-    (Always, $v:expr, $f:expr) => {
-        $f($v)?
-    };
-    ($need:ident, $v:expr, $f:expr) => {
-        match $v {
-            Some(v) => Some($f(v)?),
-            None => None,
-        }
-    };
-}
-
-macro_rules! weight_table {
-    ($( $(#[$doc:meta])* $field:ident: $name:expr, [$($dim:ident),+], $need:ident; )+) => {
-        /// One decoder layer's weights by role; `T` is what a reader keeps of each (a tensor view, a
-        /// device pointer, a region of an allocation).
-        pub struct LayerWeights<T> {
-            $( $(#[$doc])* pub $field: $crate::model::weight_field!($need, T), )+
-        }
-
-        /// The layer's rows of the weight table, in file order.
-        pub const LAYER_WEIGHTS: &[$crate::model::WeightSpec] = &[
-            $( $crate::model::WeightSpec {
-                role: stringify!($field),
-                name: $name,
-                shape: &[$($crate::model::Dim::$dim),+],
-                need: $crate::model::Need::$need,
-            }, )+
-        ];
-
-        impl<T> LayerWeights<T> {
-            /// Layer `layer` of the model `cfg` describes, asking `f` for each weight it has in file order.
-            pub fn build(
-                cfg: &$crate::model::ModelConfig,
-                layer: usize,
-                mut f: impl FnMut(&$crate::model::Weight) -> $crate::status::Result<T>,
-            ) -> $crate::status::Result<Self> {
-                let mut specs = LAYER_WEIGHTS.iter();
-                let mut next = || $crate::model::Weight::new(specs.next().expect("one table row per field"), Some(layer), cfg);
-                Ok(LayerWeights { $( $field: { let w = next(); $crate::model::weight_value!($need, w, cfg, &mut f) }, )+ })
-            }
-
-            /// Each weight through `f`, in file order.
-            pub fn try_map<U>(
-                self,
-                mut f: impl FnMut(T) -> $crate::status::Result<U>,
-            ) -> $crate::status::Result<LayerWeights<U>> {
-                Ok(LayerWeights { $( $field: $crate::model::weight_map!($need, self.$field, &mut f), )+ })
-            }
-        }
-    };
-}
-
-pub(crate) use {weight_field, weight_map, weight_table, weight_value};
-
-/// The layer weights of the architectures the backends run: the llama family's tensor list.
-pub use crate::arch::llama::{LAYER_WEIGHTS, LayerWeights};
-
-/// The weights around the layers, in file order: the embedding first, the final norm and head last.
-pub const EMBED_WEIGHT: WeightSpec =
-    WeightSpec { role: "embed", name: names::EMBED, shape: &[Dim::Vocab, Dim::Hidden], need: Need::Always };
-pub const FINAL_NORM_WEIGHT: WeightSpec =
-    WeightSpec { role: "final_norm", name: names::FINAL_NORM, shape: &[Dim::Hidden], need: Need::Always };
-pub const LM_HEAD_WEIGHT: WeightSpec =
-    WeightSpec { role: "lm_head", name: names::LM_HEAD, shape: &[Dim::Vocab, Dim::Hidden], need: Need::Untied };
-
-/// Every weight of a model by role.
-pub struct ModelWeights<T> {
-    pub embed: T,
-    pub layers: Vec<LayerWeights<T>>,
-    pub final_norm: T,
-    /// None when the head is the embedding table.
-    pub lm_head: Option<T>,
-}
-
-impl<T> ModelWeights<T> {
-    /// The model `cfg` describes, asking `f` for each weight it has in file order.
-    pub fn build(cfg: &ModelConfig, mut f: impl FnMut(&Weight) -> Result<T>) -> Result<Self> {
-        let embed = f(&Weight::new(&EMBED_WEIGHT, None, cfg))?;
-        let layers = (0..cfg.layers).map(|i| LayerWeights::build(cfg, i, &mut f)).collect::<Result<_>>()?;
-        let final_norm = f(&Weight::new(&FINAL_NORM_WEIGHT, None, cfg))?;
-        let lm_head =
-            if LM_HEAD_WEIGHT.need.holds(cfg) { Some(f(&Weight::new(&LM_HEAD_WEIGHT, None, cfg))?) } else { None };
-        Ok(ModelWeights { embed, layers, final_norm, lm_head })
-    }
-}
-
-impl<'a> ModelWeights<TensorRef<'a>> {
-    /// Checks the config and reads every weight it calls for from `src`, each checked against its
-    /// shape; `BadModel` names the first at fault.
-    pub fn read(src: &'a dyn TensorSource) -> Result<Self> {
-        src.config().check("config")?;
-        ModelWeights::build(src.config(), |w| src.tensor(&w.name)?.check(&w.name, &w.shape))
-    }
-}
-
-/// Every tensor the model `cfg` describes reads, with its canonical shape, in file order.
-pub fn weight_list(cfg: &ModelConfig) -> Vec<Weight> {
-    let mut out = Vec::new();
-    ModelWeights::build(cfg, |w| {
-        out.push(w.clone());
-        Ok(())
-    })
-    .expect("listing fails nowhere");
-    out
-}
+mod table;
+pub use table::{
+    Dim, EMBED_WEIGHT, FINAL_NORM_WEIGHT, LM_HEAD_WEIGHT, Layers, ModelWeights, Need, Weight, WeightSpec, weight_list,
+};
+pub(crate) use table::{weight_each, weight_field, weight_map, weight_table, weight_value};

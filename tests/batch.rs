@@ -43,6 +43,7 @@ fn qwen2() -> ModelConfig {
         tied: true,
         qkv_bias: true,
         qk_norm: false,
+        attention: Default::default(),
         bos: Some(1),
         eos: Some(2),
     }

@@ -47,6 +47,7 @@ fn llama_cfg() -> ModelConfig {
         tied: false,
         qkv_bias: false,
         qk_norm: false,
+        attention: Default::default(),
         bos: Some(1),
         eos: Some(2),
     }
@@ -70,6 +71,7 @@ fn qwen2_cfg() -> ModelConfig {
         tied: true,
         qkv_bias: true,
         qk_norm: false,
+        attention: Default::default(),
         bos: None,
         eos: Some(7),
     }
@@ -93,6 +95,7 @@ fn qwen3_cfg() -> ModelConfig {
         tied: false,
         qkv_bias: false,
         qk_norm: true,
+        attention: Default::default(),
         bos: Some(0),
         eos: Some(3),
     }
@@ -754,6 +757,34 @@ fn streaming_writers_match_in_memory_writers() {
         Status::InvalidArgument,
         &["Q8_0"],
     );
+}
+
+/// `write_synthetic_gguf_kv` writes what `write_gguf` writes with the same keys; a byte-level BPE smaller
+/// than the vocabulary, padded with named tokens as examples/write_model pads it, loads with text for
+/// every id.
+#[test]
+fn streaming_gguf_with_tokenizer_keys() {
+    let mut rng = Rng::fresh("streaming_gguf_with_tokenizer_keys");
+    let seed = rng.next_u64();
+    let dir = Scratch::new("streaming-kv");
+    let json = Path::new(env!("CARGO_MANIFEST_DIR")).join("assets/tokenizer.json");
+    let mut vocab = hostembed::tokenizer::gguf_bpe_vocab(&json).unwrap();
+    let cfg = ModelConfig { vocab: vocab.tokens.len() + 88, rope_scaling: RopeScaling::None, ..llama_cfg() };
+    vocab.tokens.extend((vocab.tokens.len()..cfg.vocab).map(|id| format!("\u{120}w{id}")));
+    vocab.token_types.resize(cfg.vocab, hostembed::tokenizer::token_type::NORMAL);
+    let kv = vocab.gguf_kv("gpt-2");
+    let (a, b) = (dir.join("a.gguf"), dir.join("b.gguf"));
+    write_gguf(&a, &cfg, &synthetic_weights(&cfg, seed, DType::Bf16), &kv).unwrap();
+    write::write_synthetic_gguf_kv(&b, &cfg, seed, DType::Bf16, &kv).unwrap();
+    assert!(std::fs::read(&a).unwrap() == std::fs::read(&b).unwrap(), "the streamed file differs");
+
+    let ckpt = Checkpoint::open(&b).unwrap();
+    let tok = hostembed::tokenizer::Tokenizer::from_source(&ckpt.tokenizer, cfg.vocab).unwrap().unwrap();
+    assert_eq!(tok.vocab_size(), cfg.vocab);
+    let last = cfg.vocab as u32 - 1;
+    assert_eq!(tok.piece(last).unwrap(), format!(" w{last}").into_bytes());
+    let ids = tok.encode("the quick brown fox", None).unwrap();
+    assert!(ids.iter().all(|&id| (id as usize) < cfg.vocab - 88), "a prompt took a padding id: {ids:?}");
 }
 
 // ---------------------------------------------------------------------------------------------

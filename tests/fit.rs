@@ -509,6 +509,7 @@ fn receipt_kv_shape() -> hostembed::model::ModelConfig {
         tied: false,
         qkv_bias: false,
         qk_norm: true,
+        attention: Default::default(),
         bos: None,
         eos: None,
     }

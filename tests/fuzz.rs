@@ -46,6 +46,7 @@ fn config() -> ModelConfig {
         tied: false,
         qkv_bias: false,
         qk_norm: false,
+        attention: Default::default(),
         bos: Some(0),
         eos: Some(1),
     }

@@ -61,6 +61,7 @@ fn config() -> ModelConfig {
         tied: false,
         qkv_bias: false,
         qk_norm: false,
+        attention: Default::default(),
         bos: Some(1),
         eos: Some(2),
     }

@@ -897,6 +897,7 @@ fn launch_attention(
                 kv_heads as c_uint,
                 hd as c_uint,
                 1.0 / (hd as f32).sqrt(),
+                0,
                 splits as c_uint,
                 grid_parts as c_uint,
                 partial.ptr() as *mut f32,

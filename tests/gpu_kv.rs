@@ -3,8 +3,8 @@
 //! type and pairs of types against the CPU's attention on the values those caches hold, the whole
 //! model's last-prompt and decoded logits in every type against the CPU backend in that type and against
 //! an f32 cache (a table is printed), an all-F32 model with an F32 cache within 1e-4 of the CPU, the KV
-//! pool's bytes as the planner predicts them, FP8 against the device's compute capability, and the
-//! engine's report of its types. Every output buffer starts poisoned; every CUDA call is checked. Skips
+//! pool's bytes as the planner predicts them, FP8 against the device's compute capability, sliding
+//! windows in decode and flash attention, and the engine's report of its types. Every output buffer starts poisoned; every CUDA call is checked. Skips
 //! where no CUDA device is present.
 
 mod common;
@@ -258,8 +258,10 @@ fn the_kv_append_rounds_as_the_cpu_in_every_type() {
 }
 
 /// The K and V of streams of (context, queries) in a typed pool, the queries at the last positions of
-/// their context; the CPU's attention over the values the pool holds.
+/// their context; the CPU's attention over the values the pool holds (each query's last `window`
+/// positions when it is not 0).
 struct AttentionCase {
+    window: usize,
     q: Vec<f32>,
     q_stride: usize,
     pos: Vec<i32>,
@@ -276,6 +278,19 @@ fn attention_case(
     kv_heads: usize,
     hd: usize,
     streams: &[(usize, usize)],
+) -> AttentionCase {
+    windowed_case(rng, kv, heads, kv_heads, hd, streams, 0)
+}
+
+/// `attention_case` with each query seeing its last `window` positions (0: all of them).
+fn windowed_case(
+    rng: &mut Rng,
+    kv: KvTypes,
+    heads: usize,
+    kv_heads: usize,
+    hd: usize,
+    streams: &[(usize, usize)],
+    window: usize,
 ) -> AttentionCase {
     let kv_dim = kv_heads * hd;
     let q_stride = heads * hd + 16;
@@ -300,14 +315,26 @@ fn attention_case(
         for t in 0..n {
             let p = n_ctx - n + t;
             let mut o = vec![0f32; heads * hd];
-            cpu::attention(&qs[t * q_stride..t * q_stride + heads * hd], &k, &v, p + 1, heads, kv_heads, hd, &mut o);
+            // A window is attention over the positions it keeps (the keys are rotated already).
+            let first = if window == 0 { 0 } else { (p + 1).saturating_sub(window) };
+            let (k, v) = (&k[first * kv_dim..], &v[first * kv_dim..]);
+            cpu::attention(
+                &qs[t * q_stride..t * q_stride + heads * hd],
+                k,
+                v,
+                p + 1 - first,
+                heads,
+                kv_heads,
+                hd,
+                &mut o,
+            );
             want.extend(o);
             pos.push(p as i32);
             token_stream.push(si);
         }
         q.extend(qs);
     }
-    AttentionCase { q, q_stride, pos, token_stream, tables, pool, want }
+    AttentionCase { window, q, q_stride, pos, token_stream, tables, pool, want }
 }
 
 /// The decode attention of the case's tokens `tokens` (indices into its queries).
@@ -340,6 +367,7 @@ fn launch_attention(c: &AttentionCase, pool: &DeviceBuffer, tokens: &[usize], he
                 kv_heads as c_uint,
                 hd as c_uint,
                 1.0 / (hd as f32).sqrt(),
+                c.window as c_uint,
                 splits as c_uint,
                 hostembed::gpu::attention_grid_parts(
                     pos.iter().map(|&p| (p + 1).max(0) as usize).max().unwrap_or(0),
@@ -396,6 +424,56 @@ fn decode_attention_reads_every_type_exactly() {
                     assert!(a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()), "{what}: stream {si} alone");
                 }
             }
+        }
+    }
+}
+
+/// Sliding windows (of fewer, as many and more positions than the kernels' 32-position units and
+/// 128-position tiles, and wider than the context) in the decode kernel and in flash attention, against
+/// the CPU's attention over the window's positions; a stream alone gives the bits it gives in a batch.
+#[test]
+fn windowed_attention_sees_only_the_window() {
+    if !gpu_present("windowed_attention_sees_only_the_window") {
+        return;
+    }
+    let mut rng = Rng::fresh("windowed_attention_sees_only_the_window");
+    let streams: &[(usize, usize)] = &[(300, 3), (17, 1), (513, 2), (129, 1)];
+    for kv in [KvTypes::GPU_DEFAULT, KvTypes::same(KvType::F32), KvTypes::same(KvType::Q8_0)] {
+        for window in [1, 7, 31, 32, 33, 100, 128, 129, 1000] {
+            let (heads, kv_heads, hd) = (8, 2, 64);
+            let c = windowed_case(&mut rng, kv, heads, kv_heads, hd, streams, window);
+            let pool = DeviceBuffer::from_slice(&c.pool.bytes).unwrap();
+            let all: Vec<usize> = (0..c.pos.len()).collect();
+            let what = format!("{} window {window}", kv.describe());
+            for splits in [1, 7, 32] {
+                let got = launch_attention(&c, &pool, &all, heads, splits);
+                let err = rel_l2(&got, &c.want);
+                assert!(err < 1e-4, "{what}, {splits} parts: relative L2 {err:.3e} against the CPU");
+                let width = heads * hd;
+                for si in 0..streams.len() {
+                    let mine: Vec<usize> = all.iter().copied().filter(|&t| c.token_stream[t] == si).collect();
+                    let alone = launch_attention(&c, &pool, &mine, heads, splits);
+                    for (k, &t) in mine.iter().enumerate() {
+                        let (a, b) = (&alone[k * width..(k + 1) * width], &got[t * width..(t + 1) * width]);
+                        assert!(a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()), "{what}: stream {si} alone");
+                    }
+                }
+            }
+            if kv.k == KvType::F32 {
+                continue; // flash takes no F32 cache
+            }
+            // A prompt chunk of 150 queries from position 90 (flash attention over one stream).
+            let c = windowed_case(&mut rng, kv, heads, kv_heads, hd, &[(240, 150)], window);
+            let pool = DeviceBuffer::from_slice(&c.pool.bytes).unwrap();
+            let out = poisoned(150 * heads * hd * 2);
+            ok(flash(&c, &pool, kv, hd, heads, kv_heads, 150, &out, DType::F16, 0), &what);
+            let bits: Vec<u16> = download(&out, 150 * heads * hd);
+            let bytes: Vec<u8> = bits.iter().flat_map(|b| b.to_le_bytes()).collect();
+            let mut got = vec![0f32; 150 * heads * hd];
+            hostembed::tensor::decode_row(DType::F16, &bytes, &mut got);
+            let err = rel_l2(&got, &c.want);
+            println!("{what}: flash relative L2 {err:.2e}");
+            assert!(err < 1e-2, "{what}: flash relative L2 {err:.3e}");
         }
     }
 }
@@ -509,6 +587,7 @@ fn flash(
             kv_heads as c_uint,
             d as c_uint,
             1.0 / (d as f32).sqrt(),
+            c.window as c_uint,
             out.ptr(),
             dtype as c_int,
             (heads * d) as c_uint,

@@ -44,6 +44,7 @@ fn config(vocab: usize, hidden: usize) -> ModelConfig {
         tied: false,
         qkv_bias: false,
         qk_norm: false,
+        attention: Default::default(),
         bos: Some(1),
         eos: Some(2),
     }

@@ -339,6 +339,7 @@ fn small(arch: Arch, window: usize) -> ModelConfig {
         tied: false,
         qkv_bias: false,
         qk_norm: false,
+        attention: Default::default(),
         bos: Some(1),
         eos: Some(2),
     };
@@ -360,6 +361,7 @@ fn small(arch: Arch, window: usize) -> ModelConfig {
             cfg.qk_norm = true;
             cfg.head_dim = 64;
         }
+        Arch::Gemma3 => unreachable!("these tests run the llama family"),
     }
     cfg
 }

@@ -41,6 +41,7 @@ fn config(vocab: usize, hidden: usize, tied: bool) -> ModelConfig {
         tied,
         qkv_bias: false,
         qk_norm: false,
+        attention: Default::default(),
         bos: Some(1),
         eos: Some(2),
     }

@@ -25,9 +25,10 @@ use common::prompt_configs as configs;
 
 use common::rel_l2;
 use half::{bf16, f16};
+use hostembed::arch::llama::LayerWeights;
 use hostembed::checkpoint::write::MemSource;
 use hostembed::cpu::{self, CpuModel};
-use hostembed::model::{LayerWeights, ModelConfig, ModelWeights, TensorRef, rope_inv_freq};
+use hostembed::model::{Layers, ModelConfig, ModelWeights, TensorRef, rope_inv_freq};
 use hostembed::tensor::DType;
 
 /// The positions `prompt_logits_match_cpu_on_every_architecture` compares.
@@ -133,7 +134,10 @@ impl<'a> Model<'a> {
             final_norm: w.final_norm.to_f32(),
             head: w.lm_head.unwrap_or(w.embed),
             embed: w.embed,
-            layers: w.layers,
+            layers: match w.layers {
+                Layers::Llama(layers) => layers,
+                Layers::Gemma3(_) => panic!("the rounding study runs the llama family"),
+            },
             cfg,
         }
     }

@@ -331,6 +331,7 @@ fn tiny_config() -> ModelConfig {
         tied: false,
         qkv_bias: false,
         qk_norm: false,
+        attention: Default::default(),
         bos: Some(0),
         eos: Some(1),
     }

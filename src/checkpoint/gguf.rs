@@ -8,7 +8,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::Path;
 
 use super::{Checkpoint, Format, MappedFile, ROPE_FREQS, TensorInfo, TokenizerSource};
-use crate::model::{Arch, ModelConfig, RopeScaling, names};
+use crate::model::{Arch, AttentionConfig, ModelConfig, RopeScaling, SlidingWindow, names};
 use crate::status::Result;
 use crate::tensor::{DType, supported_names};
 use crate::tokenizer::special::SpecialTokens;
@@ -555,29 +555,44 @@ const GLOBAL_NAMES: [(&str, &str); 4] = [
     ("rope_freqs.weight", ROPE_FREQS),
 ];
 
-/// The canonical name of a GGUF tensor; names it does not know are kept as they are.
+/// The canonical name of a GGUF tensor of the llama family; names it does not know are kept as they are.
 pub fn canonical_name(gguf: &str) -> String {
+    canonical_name_in(Arch::Llama, gguf)
+}
+
+/// The GGUF name of a canonical tensor of the llama family, or None for a name GGUF has no spelling for.
+pub fn gguf_name(canonical: &str) -> Option<String> {
+    gguf_name_in(Arch::Llama, canonical)
+}
+
+/// The (GGUF, HF) layer parts of `arch`: its own spellings (`ArchTraits::gguf_layer_parts`) first.
+fn layer_parts(arch: Arch) -> impl Iterator<Item = &'static (&'static str, &'static str)> {
+    arch.traits().gguf_layer_parts.iter().chain(LAYER_PARTS.iter())
+}
+
+/// The canonical name of a GGUF tensor of an `arch` model; names it does not know are kept as they are.
+pub fn canonical_name_in(arch: Arch, gguf: &str) -> String {
     if let Some((_, hf)) = GLOBAL_NAMES.iter().find(|(g, _)| *g == gguf) {
         return hf.to_string();
     }
     if let Some((layer, part)) = gguf.strip_prefix("blk.").and_then(|rest| rest.split_once('.'))
         && let Ok(i) = layer.parse::<usize>()
         && i.to_string() == layer
-        && let Some((_, hf)) = LAYER_PARTS.iter().find(|(g, _)| *g == part)
+        && let Some((_, hf)) = layer_parts(arch).find(|(g, _)| *g == part)
     {
         return names::layer(i, hf);
     }
     gguf.to_string()
 }
 
-/// The GGUF name of a canonical tensor, or None for a name GGUF has no spelling for.
-pub fn gguf_name(canonical: &str) -> Option<String> {
+/// The GGUF name of a canonical tensor of an `arch` model, or None for a name GGUF has no spelling for.
+pub fn gguf_name_in(arch: Arch, canonical: &str) -> Option<String> {
     if let Some((g, _)) = GLOBAL_NAMES.iter().find(|(_, hf)| *hf == canonical) {
         return Some(g.to_string());
     }
     let (layer, part) = canonical.strip_prefix("model.layers.")?.split_once('.')?;
     let i = layer.parse::<usize>().ok().filter(|i| i.to_string() == layer)?;
-    let (g, _) = LAYER_PARTS.iter().find(|(_, hf)| *hf == part)?;
+    let (g, _) = layer_parts(arch).find(|(_, hf)| *hf == part)?;
     Some(format!("blk.{i}.{g}"))
 }
 
@@ -662,25 +677,26 @@ pub fn open_file(path: &Path) -> Result<Checkpoint> {
     let file = label.as_str();
     let parsed = parse(&mapped.map, file)?;
 
+    let mut meta = Meta { kv: parsed.metadata.into_iter().collect(), file };
+    let arch_name = meta
+        .str("general.architecture")?
+        .ok_or_else(|| err!(BadModel, "{file}: key general.architecture is missing"))?
+        .to_string();
+    let arch = Arch::from_name(&arch_name).ok_or_else(|| {
+        let supported = Arch::supported_names();
+        err!(Unsupported, "{file}: general.architecture \"{arch_name}\" is not supported ({supported})")
+    })?;
+    let key = |k: &str| format!("{arch_name}.{k}");
+
     let mut tensors = BTreeMap::new();
     for t in &parsed.tensors {
-        let name = canonical_name(&t.name);
+        let name = canonical_name_in(arch, &t.name);
         let shape = t.dims.iter().rev().map(|&d| d as usize).collect();
         let info = TensorInfo { name: name.clone(), dtype: t.dtype, shape, file: 0, offset: t.start, bytes: t.bytes };
         if tensors.insert(name.clone(), info).is_some() {
             bail!(BadModel, "{file}: tensor {} maps to {name}, which another tensor already holds", t.name);
         }
     }
-    let mut meta = Meta { kv: parsed.metadata.into_iter().collect(), file };
-
-    let arch_name = meta
-        .str("general.architecture")?
-        .ok_or_else(|| err!(BadModel, "{file}: key general.architecture is missing"))?;
-    let arch = Arch::from_name(arch_name).ok_or_else(|| {
-        let supported = Arch::supported_names();
-        err!(Unsupported, "{file}: general.architecture \"{arch_name}\" is not supported ({supported})")
-    })?;
-    let key = |k: &str| format!("{arch_name}.{k}");
 
     let embed =
         tensors.get(names::EMBED).ok_or_else(|| err!(BadModel, "{file}: tensor token_embd.weight is missing"))?;
@@ -732,12 +748,17 @@ pub fn open_file(path: &Path) -> Result<Checkpoint> {
         };
     }
 
+    let layers = meta.req_usize(&key("block_count"))?;
+    let attention = match arch {
+        Arch::Gemma3 => gemma3_attention(&meta, &key, layers, hidden, heads, head_dim)?,
+        _ => AttentionConfig::default(),
+    };
     let token_id = |k: &str| -> Result<Option<u32>> { Ok(meta.usize(k)?.map(|v| v as u32)) };
     let mut config = ModelConfig {
         arch,
         vocab,
         hidden,
-        layers: meta.req_usize(&key("block_count"))?,
+        layers,
         heads,
         kv_heads: meta.usize(&key("attention.head_count_kv"))?.unwrap_or(heads),
         head_dim,
@@ -750,6 +771,7 @@ pub fn open_file(path: &Path) -> Result<Checkpoint> {
         tied: !tensors.contains_key(names::LM_HEAD),
         qkv_bias: arch.traits().qkv_bias,
         qk_norm: arch.traits().qk_norm,
+        attention,
         bos: token_id("tokenizer.ggml.bos_token_id")?,
         eos: token_id("tokenizer.ggml.eos_token_id")?,
     };
@@ -819,6 +841,33 @@ pub fn open_file(path: &Path) -> Result<Checkpoint> {
         }
     };
     Ok(Checkpoint { path: path.to_path_buf(), format: Format::Gguf, config, tensors, files, tokenizer, special })
+}
+
+/// Gemma 3's attention as llama.cpp reads a `gemma3` file: a sliding window when
+/// `gemma3.attention.sliding_window` is there, on every layer but each sixth, with a local rotary base
+/// of 10000; no key for the query scaling, which is 1/sqrt(hidden / heads) for the 62-layer (27B)
+/// model and 1/sqrt(head_dim) for the others; soft-capping keys refused.
+fn gemma3_attention(
+    meta: &Meta,
+    key: &dyn Fn(&str) -> String,
+    layers: usize,
+    hidden: usize,
+    heads: usize,
+    head_dim: usize,
+) -> Result<AttentionConfig> {
+    for k in ["final_logit_softcapping", "attn_logit_softcapping"] {
+        if let Some(v) = meta.float(&key(k))?
+            && v != 0.0
+        {
+            bail!(Unsupported, "{}: key {} = {v} (soft-capping) is not supported", meta.file, key(k));
+        }
+    }
+    let base = if layers == 62 { hidden / heads } else { head_dim };
+    let sliding = match meta.usize(&key("attention.sliding_window"))? {
+        Some(window) if window > 0 => Some(SlidingWindow { window, global_every: 6, rope_theta: 10000.0 }),
+        _ => None,
+    };
+    Ok(AttentionConfig { query_scale_base: Some(base as f32), sliding })
 }
 
 /// Rope scaling for a file carrying llama.cpp's `rope_freqs.weight` divisors: the scaling the keys give

@@ -9,7 +9,7 @@ use safetensors::tensor::{SafeTensorError, SafeTensors};
 use serde_json::{Map, Value};
 
 use super::{Checkpoint, Format, MappedFile, TensorInfo, TokenizerSource};
-use crate::model::{Arch, ModelConfig, RopeScaling, names};
+use crate::model::{Arch, AttentionConfig, ModelConfig, RopeScaling, SlidingWindow, names};
 use crate::status::{Error, Result};
 use crate::tensor::DType;
 use crate::tokenizer::special::SpecialTokens;
@@ -79,6 +79,9 @@ pub fn open_folder(dir: &Path) -> Result<Checkpoint> {
 
     config.tied |= !tensors.contains_key(names::LM_HEAD);
     super::check_tensors(&config, &tensors, &files, &location, &unsupported)?;
+    if config.arch.traits().hf_norms_plus_one {
+        norms_plus_one(&config, &mut tensors, &mut files, &location)?;
+    }
 
     let tokenizer_path = dir.join(TOKENIZER);
     let tokenizer =
@@ -86,6 +89,39 @@ pub fn open_folder(dir: &Path) -> Result<Checkpoint> {
         if tokenizer_path.exists() { TokenizerSource::Json(tokenizer_path) } else { TokenizerSource::None };
     let special = special_tokens(dir)?;
     Ok(Checkpoint { path: dir.to_path_buf(), format: Format::Safetensors, config, tensors, files, tokenizer, special })
+}
+
+/// Gemma's RMSNorm multiplies by (1 + w): each norm weight w becomes the multiplier 1 + w (in f32, as
+/// HF forms it), in an anonymous read-only mapping the checkpoint holds beside its files, so the
+/// backends read the multiplier as they read a GGUF file's (whose converter stored w + 1).
+fn norms_plus_one(
+    config: &ModelConfig,
+    tensors: &mut BTreeMap<String, TensorInfo>,
+    files: &mut Vec<MappedFile>,
+    location: &str,
+) -> Result<()> {
+    let norms: Vec<String> = super::expected_tensors(config)
+        .into_iter()
+        .map(|(name, _)| name)
+        .filter(|name| name.ends_with("norm.weight"))
+        .collect();
+    let bytes: usize = norms.iter().map(|n| tensors[n].cols() * 4).sum();
+    let mut map = memmap2::MmapMut::map_anon(bytes.max(1)).map_err(|e| err!(NoRoom, "{location}: {e}"))?;
+    let mut offset = 0;
+    for name in &norms {
+        let t = &tensors[name];
+        let mut values = vec![0f32; t.cols()];
+        crate::tensor::decode_row(t.dtype, &files[t.file].map[t.offset..t.offset + t.bytes], &mut values);
+        for (out, v) in map[offset..offset + values.len() * 4].chunks_exact_mut(4).zip(&values) {
+            out.copy_from_slice(&(1.0 + v).to_le_bytes());
+        }
+        let t = tensors.get_mut(name).expect("listed above");
+        (t.dtype, t.file, t.offset, t.bytes) = (DType::F32, files.len(), offset, values.len() * 4);
+        offset += values.len() * 4;
+    }
+    let map = map.make_read_only().map_err(|e| err!(IoError, "{location}: {e}"))?;
+    files.push(MappedFile { path: PathBuf::from(format!("{location} (norm weights + 1)")), map });
+    Ok(())
 }
 
 pub const TOKENIZER_CONFIG: &str = "tokenizer_config.json";
@@ -342,6 +378,8 @@ impl<'a> Keys<'a> {
 fn key_prefix(key: &str) -> &'static str {
     match key {
         "rope_parameters" => "rope_parameters.",
+        "full_attention" => "rope_parameters.full_attention.",
+        "sliding_attention" => "rope_parameters.sliding_attention.",
         _ => "rope_scaling.",
     }
 }
@@ -353,14 +391,21 @@ pub fn parse_config(json: &Value, file: &str) -> Result<ModelConfig> {
     };
     let j = Keys { obj, file, prefix: "" };
     let model_type = j.str("model_type")?.ok_or_else(|| j.missing("model_type"))?;
-    let arch = Arch::from_name(model_type).ok_or_else(|| {
-        err!(Unsupported, "{file}: model_type \"{model_type}\" is not supported ({})", Arch::supported_names())
+    let arch = Arch::from_hf_model_type(model_type).ok_or_else(|| {
+        err!(Unsupported, "{file}: model_type \"{model_type}\" is not supported ({})", Arch::supported_hf_model_types())
     })?;
 
-    if let Some(act) = j.str("hidden_act")?
-        && act != "silu"
-    {
-        bail!(Unsupported, "{file}: hidden_act \"{act}\" is not supported (silu)");
+    let activation = arch.traits().activation;
+    for key in ["hidden_act", "hidden_activation"] {
+        if let Some(act) = j.str(key)?
+            && !activation.hf_names().contains(&act)
+        {
+            bail!(
+                Unsupported,
+                "{file}: {key} \"{act}\" is not supported for {model_type} ({})",
+                activation.hf_names().join(", ")
+            );
+        }
     }
     let attention_bias = j.bool("attention_bias")?.unwrap_or(false);
     if attention_bias && !arch.traits().qkv_bias {
@@ -387,9 +432,17 @@ pub fn parse_config(json: &Value, file: &str) -> Result<ModelConfig> {
         None => bail!(BadModel, "{file}: key head_dim is missing and {hidden} is not a multiple of {heads} heads"),
     };
 
-    let (rope_theta, rope_scaling) = match j.object("rope_parameters")? {
-        Some(params) => (params.f32("rope_theta")?.unwrap_or(10000.0), parse_rope_scaling(&params)?),
-        None => {
+    // transformers 5 gives Gemma 3 one rope_parameters object a layer type.
+    let by_layer_type = match j.object("rope_parameters")? {
+        Some(p) => Some((p.object("full_attention")?, p.object("sliding_attention")?))
+            .filter(|(f, s)| f.is_some() || s.is_some()),
+        None => None,
+    };
+    let (rope_theta, rope_scaling) = match (&by_layer_type, j.object("rope_parameters")?) {
+        (Some((Some(full), _)), _) => (full.f32("rope_theta")?.unwrap_or(10000.0), parse_rope_scaling(full)?),
+        (Some((None, _)), _) => (j.f32("rope_theta")?.unwrap_or(10000.0), RopeScaling::None),
+        (None, Some(params)) => (params.f32("rope_theta")?.unwrap_or(10000.0), parse_rope_scaling(&params)?),
+        (None, None) => {
             let scaling = match j.object("rope_scaling")? {
                 Some(s) => parse_rope_scaling(&s)?,
                 None => RopeScaling::None,
@@ -397,12 +450,28 @@ pub fn parse_config(json: &Value, file: &str) -> Result<ModelConfig> {
             (j.f32("rope_theta")?.unwrap_or(10000.0), scaling)
         }
     };
+    let layers = j.req_usize("num_hidden_layers")?;
+    let attention = match arch {
+        Arch::Gemma3 => {
+            let local_theta = match &by_layer_type {
+                Some((_, Some(local))) => {
+                    if parse_rope_scaling(local)? != RopeScaling::None {
+                        bail!(Unsupported, "{file}: rope scaling on the sliding-window layers is not supported");
+                    }
+                    local.f32("rope_theta")?.unwrap_or(10000.0)
+                }
+                _ => j.f32("rope_local_base_freq")?.unwrap_or(10000.0),
+            };
+            gemma3_attention(&j, layers, local_theta)?
+        }
+        _ => AttentionConfig::default(),
+    };
 
     let config = ModelConfig {
         arch,
         vocab: j.req_usize("vocab_size")?,
         hidden,
-        layers: j.req_usize("num_hidden_layers")?,
+        layers,
         heads,
         kv_heads: j.usize("num_key_value_heads")?.unwrap_or(heads),
         head_dim,
@@ -415,11 +484,56 @@ pub fn parse_config(json: &Value, file: &str) -> Result<ModelConfig> {
         tied: j.bool("tie_word_embeddings")?.unwrap_or(false),
         qkv_bias: arch.traits().qkv_bias,
         qk_norm: arch.traits().qk_norm,
+        attention,
         bos: j.token_id("bos_token_id")?,
         eos: j.token_id("eos_token_id")?,
     };
     config.check(file)?;
     Ok(config)
+}
+
+/// Gemma 3's query scaling and sliding window: query_pre_attn_scalar, sliding_window, and which layers
+/// slide (`layer_types`, or every layer but each `sliding_window_pattern`th); refuses soft-capping and
+/// bidirectional attention, which this engine does not compute.
+fn gemma3_attention(j: &Keys, layers: usize, local_theta: f32) -> Result<AttentionConfig> {
+    let file = j.file;
+    for key in ["final_logit_softcapping", "attn_logit_softcapping"] {
+        if let Some(v) = j.f32(key)? {
+            bail!(Unsupported, "{file}: {key} = {v} is not supported");
+        }
+    }
+    if j.bool("use_bidirectional_attention")?.unwrap_or(false) {
+        bail!(Unsupported, "{file}: use_bidirectional_attention = true is not supported");
+    }
+    let query_scale_base = Some(j.f32("query_pre_attn_scalar")?.unwrap_or(256.0));
+    let Some(window) = j.usize("sliding_window")? else {
+        return Ok(AttentionConfig { query_scale_base, sliding: None });
+    };
+    let pattern = j.usize("sliding_window_pattern")?.unwrap_or(6);
+    let global: Vec<bool> = match j.get("layer_types") {
+        None => (0..layers).map(|l| pattern > 0 && (l + 1) % pattern == 0).collect(),
+        Some(Value::Array(types)) if types.len() == layers => types
+            .iter()
+            .map(|t| match t.as_str() {
+                Some("full_attention") => Ok(true),
+                Some("sliding_attention") => Ok(false),
+                _ => Err(j.bad("layer_types", t, "\"full_attention\" or \"sliding_attention\"")),
+            })
+            .collect::<Result<_>>()?,
+        Some(v) => return Err(j.bad("layer_types", v, &format!("a list of {layers} layer types"))),
+    };
+    if global.iter().all(|&g| g) {
+        return Ok(AttentionConfig { query_scale_base, sliding: None });
+    }
+    // Global layers at every `global_every`th layer, as Gemma 3 places them; with none, past the last.
+    let global_every = global.iter().position(|&g| g).map_or(layers + 1, |first| first + 1);
+    if global.iter().enumerate().any(|(l, &g)| g != (l + 1).is_multiple_of(global_every)) {
+        bail!(Unsupported, "{file}: layer_types are not a global layer every {global_every} layers");
+    }
+    Ok(AttentionConfig {
+        query_scale_base,
+        sliding: Some(SlidingWindow { window, global_every, rope_theta: local_theta }),
+    })
 }
 
 /// rope_scaling (or transformers 5's rope_parameters): default, linear or llama3.

@@ -355,6 +355,7 @@ pub fn hf_config_json(cfg: &ModelConfig) -> Value {
         Arch::Llama => "LlamaForCausalLM",
         Arch::Qwen2 => "Qwen2ForCausalLM",
         Arch::Qwen3 => "Qwen3ForCausalLM",
+        Arch::Gemma3 => "Gemma3ForCausalLM",
     };
     let rope_scaling = match cfg.rope_scaling {
         RopeScaling::None => Value::Null,
@@ -369,7 +370,7 @@ pub fn hf_config_json(cfg: &ModelConfig) -> Value {
     };
     let mut config = json!({
         "architectures": [architecture],
-        "model_type": cfg.arch.name(),
+        "model_type": cfg.arch.traits().hf_model_type,
         "vocab_size": cfg.vocab,
         "hidden_size": cfg.hidden,
         "intermediate_size": cfg.intermediate,
@@ -377,7 +378,7 @@ pub fn hf_config_json(cfg: &ModelConfig) -> Value {
         "num_attention_heads": cfg.heads,
         "num_key_value_heads": cfg.kv_heads,
         "head_dim": cfg.head_dim,
-        "hidden_act": "silu",
+        "hidden_act": cfg.arch.traits().activation.hf_names()[0],
         "max_position_embeddings": cfg.max_position,
         "rms_norm_eps": json_f32(cfg.rms_eps),
         "rope_theta": json_f32(cfg.rope_theta),
@@ -391,11 +392,31 @@ pub fn hf_config_json(cfg: &ModelConfig) -> Value {
         Arch::Llama => json!({ "attention_bias": false, "mlp_bias": false }),
         Arch::Qwen2 => json!({ "use_sliding_window": false }),
         Arch::Qwen3 => json!({ "attention_bias": false, "use_sliding_window": false }),
+        Arch::Gemma3 => gemma3_config_json(cfg),
     };
     if let (Some(c), Value::Object(e)) = (config.as_object_mut(), extra) {
         c.extend(e);
     }
     config
+}
+
+/// Gemma 3's keys: query_pre_attn_scalar, and the sliding window with its layer types and local base
+/// (a model without one has every layer global).
+fn gemma3_config_json(cfg: &ModelConfig) -> Value {
+    let a = cfg.attention;
+    let global = |l: usize| cfg.attention.window(l).is_none();
+    let layer_types: Vec<&str> =
+        (0..cfg.layers).map(|l| if global(l) { "full_attention" } else { "sliding_attention" }).collect();
+    json!({
+        "hidden_activation": "gelu_pytorch_tanh",
+        "attention_bias": false,
+        "query_pre_attn_scalar": json_f32(a.query_scale_base.unwrap_or(cfg.head_dim as f32)),
+        "sliding_window": a.sliding.map_or(cfg.max_position, |s| s.window),
+        "layer_types": layer_types,
+        "rope_local_base_freq": json_f32(a.sliding.map_or(10000.0, |s| s.rope_theta)),
+        "final_logit_softcapping": null,
+        "attn_logit_softcapping": null,
+    })
 }
 
 /// One tensor as the safetensors crate serializes it: borrowed bytes, or generated when written.
@@ -594,6 +615,9 @@ impl GgufEntry<'_> {
                 Cow::Owned(synthetic_bytes(&self.canonical, &self.shape, self.dtype, *seed))
             }
         };
+        if cfg.arch.traits().hf_norms_plus_one && self.canonical.ends_with("norm.weight") {
+            return Cow::Owned(plus_one(&hf, self.dtype));
+        }
         match permuted_heads(cfg, &self.canonical) {
             None => hf,
             Some(heads) => {
@@ -603,6 +627,14 @@ impl GgufEntry<'_> {
             }
         }
     }
+}
+
+/// An F32 norm weight w stored as w + 1, as llama.cpp's converter stores Gemma's norms.
+fn plus_one(data: &[u8], dtype: DType) -> Vec<u8> {
+    assert_eq!(dtype, DType::F32, "norm weights are written F32");
+    data.chunks_exact(4)
+        .flat_map(|b| (f32::from_le_bytes(b.try_into().expect("4 bytes")) + 1.0).to_le_bytes())
+        .collect()
 }
 
 fn u32_of(what: &str, v: usize) -> Result<GgufValue> {
@@ -642,6 +674,13 @@ pub fn gguf_metadata(cfg: &ModelConfig) -> Result<Vec<(String, GgufValue)>> {
             kv.push((gguf::KEY_LLAMA3_ORIGINAL.to_string(), GgufValue::U32(original_max_position)));
         }
     }
+    if cfg.arch == Arch::Gemma3
+        && let Some(s) = cfg.attention.sliding
+    {
+        // llama.cpp reads no more: every sixth layer global, a local base of 10000, the query scaling
+        // by the layer count (see `gguf::gemma3_attention`).
+        kv.push((key("attention.sliding_window"), u32_of("sliding window", s.window)?));
+    }
     if let Some(bos) = cfg.bos {
         kv.push(("tokenizer.ggml.bos_token_id".to_string(), GgufValue::U32(bos)));
     }
@@ -678,8 +717,8 @@ pub fn write_gguf(
     let mut entries = Vec::with_capacity(tensors.len() + 1);
     for t in tensors {
         t.check()?;
-        let gguf_name =
-            gguf::gguf_name(&t.name).ok_or_else(|| err!(InvalidArgument, "tensor {} has no GGUF name", t.name))?;
+        let gguf_name = gguf::gguf_name_in(cfg.arch, &t.name)
+            .ok_or_else(|| err!(InvalidArgument, "tensor {} has no GGUF name", t.name))?;
         entries.push(GgufEntry {
             gguf_name,
             canonical: t.name.clone(),
@@ -697,11 +736,23 @@ pub fn write_gguf(
 /// `write_gguf` for `synthetic_weights(cfg, seed, recipe)`, one tensor generated at a time as the file
 /// is written, so a model far larger than memory can be written.
 pub fn write_synthetic_gguf(path: &Path, cfg: &ModelConfig, seed: u64, recipe: impl Into<Recipe>) -> Result<()> {
+    write_synthetic_gguf_kv(path, cfg, seed, recipe, &[])
+}
+
+/// `write_synthetic_gguf` with `extra_kv` after the generated metadata (a tokenizer's keys), as
+/// `write_gguf` takes them.
+pub fn write_synthetic_gguf_kv(
+    path: &Path,
+    cfg: &ModelConfig,
+    seed: u64,
+    recipe: impl Into<Recipe>,
+    extra_kv: &[(String, GgufValue)],
+) -> Result<()> {
     let recipe = recipe.into();
     let mut entries: Vec<GgufEntry> = expected_tensors(cfg)
         .into_iter()
         .map(|(canonical, shape)| GgufEntry {
-            gguf_name: gguf::gguf_name(&canonical).expect("every expected tensor has a GGUF name"),
+            gguf_name: gguf::gguf_name_in(cfg.arch, &canonical).expect("every expected tensor has a GGUF name"),
             dtype: recipe.dtype(cfg, &canonical, &shape),
             canonical,
             shape,
@@ -709,7 +760,7 @@ pub fn write_synthetic_gguf(path: &Path, cfg: &ModelConfig, seed: u64, recipe: i
         })
         .collect();
     entries.extend(rope_freqs_entry(cfg));
-    write_gguf_entries(path, cfg, &entries, &[])
+    write_gguf_entries(path, cfg, &entries, extra_kv)
 }
 
 fn write_gguf_entries(

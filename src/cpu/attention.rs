@@ -126,7 +126,8 @@ impl KvRows<'_> {
 }
 
 /// The queries and cache of one attention call: `tokens` consecutive tokens, the first at position
-/// `first_pos`, each seeing the cache up to and including its own position.
+/// `first_pos`, each seeing the cache up to and including its own position (and, with a `window`, no
+/// further back than that many positions, its own counted).
 pub(super) struct Batch<'a> {
     /// [tokens][heads * head_dim]
     pub(super) q: &'a [f32],
@@ -134,6 +135,9 @@ pub(super) struct Batch<'a> {
     pub(super) k: KvRows<'a>,
     pub(super) v: KvRows<'a>,
     pub(super) first_pos: usize,
+    pub(super) window: Option<usize>,
+    /// The factor of every score (1/sqrt(head_dim) unless the model says otherwise).
+    pub(super) scale: f64,
     pub(super) heads: usize,
     pub(super) kv_heads: usize,
     pub(super) head_dim: usize,
@@ -256,8 +260,8 @@ impl Part<'_> {
     }
 
     /// For each query, over the aligned blocks of KEY_BLOCK positions it sees (the last one cut at
-    /// its own position), in order: the block's scores q.k / sqrt(head_dim) (each dot from zero in
-    /// dimension order); the running max raised to the block's, rescaling what is summed so far by
+    /// its own position, the first one's positions before its window given a score of -inf), in
+    /// order: the block's scores q.k * scale (each dot from zero in dimension order); the running max raised to the block's, rescaling what is summed so far by
     /// e^(old - new); weights p_t = e^(score_t - max), added to SUM_LANES lanes by position; and each
     /// output column's sum of p_t v_t (from -0.0, in position order). The output is the sums over
     /// the lanes' total (combined pairwise). A query's blocks do not depend on the part it is in.
@@ -265,9 +269,11 @@ impl Part<'_> {
     fn run_here(self, b: &Batch, s: &mut AttentionScratch) {
         let (hd, group) = (b.head_dim, b.heads / b.kv_heads);
         let q_dim = b.heads * hd;
-        let scale = 1.0 / (hd as f64).sqrt();
+        let scale = b.scale;
         let queries = self.outs.len() * group;
         let n_ctx = |i: usize| b.first_pos + self.first + i / group + 1;
+        // The first position query i sees.
+        let from = |i: usize| b.window.map_or(0, |w| n_ctx(i).saturating_sub(w));
         let AttentionScratch { queries: widened, scores, keys, values, sums, lanes, maxes } = s;
         // Query i is head kv_head * group + i % group of token first + i / group, widened once.
         let widened = &mut widened[..queries * hd];
@@ -287,32 +293,40 @@ impl Part<'_> {
         maxes.fill(f64::NEG_INFINITY);
 
         let last = n_ctx(queries - 1);
-        for start in (0..last).step_by(KEY_BLOCK) {
+        // Blocks before the first query's window hold no position any query sees.
+        for start in (from(0) / KEY_BLOCK * KEY_BLOCK..last).step_by(KEY_BLOCK) {
             // The block's rows that any query sees, widened once for all of them.
             let rows = start..last.min(start + KEY_BLOCK);
             b.k.widen(rows.clone(), self.kv_head, keys, true);
             b.v.widen(rows, self.kv_head, values, false);
             let seen = |i: usize| n_ctx(i).saturating_sub(start).min(KEY_BLOCK);
+            // The block's rows before query i's window, which it scores -inf.
+            let unseen = |i: usize| from(i).saturating_sub(start).min(KEY_BLOCK);
             let mut i = 0;
             while i < queries {
-                let len = seen(i);
+                let (len, skip) = (seen(i), unseen(i));
                 let (scores, sums) = (&mut scores[i * KEY_BLOCK..], &mut sums[i * hd..]);
                 let (lanes, maxes) = (&mut lanes[i * SUM_LANES..], &mut maxes[i..]);
-                // Two queries that see as many rows (heads of one token) share each load of them.
-                if i + 1 < queries && seen(i + 1) == len {
-                    let (a, c) = scores.split_at_mut(KEY_BLOCK);
-                    let (a, c) = (&mut a[..len], &mut c[..len]);
-                    let (sa, sc) = sums.split_at_mut(hd);
-                    let (la, lc) = lanes.split_at_mut(SUM_LANES);
-                    key_dots([query(i), query(i + 1)], keys, scale, [&mut *a, &mut *c]);
-                    to_weights(a, &mut maxes[0], la, sa);
-                    to_weights(c, &mut maxes[1], &mut lc[..SUM_LANES], &mut sc[..hd]);
-                    add_weighted([&*a, &*c], values, [sa, &mut sc[..hd]]);
+                // Two queries that see the same rows (heads of one token) share each load of them.
+                if i + 1 < queries && seen(i + 1) == len && unseen(i + 1) == skip {
+                    if skip < len {
+                        let (a, c) = scores.split_at_mut(KEY_BLOCK);
+                        let (a, c) = (&mut a[..len], &mut c[..len]);
+                        let (sa, sc) = sums.split_at_mut(hd);
+                        let (la, lc) = lanes.split_at_mut(SUM_LANES);
+                        key_dots([query(i), query(i + 1)], keys, scale, [&mut *a, &mut *c]);
+                        a[..skip].fill(f64::NEG_INFINITY);
+                        c[..skip].fill(f64::NEG_INFINITY);
+                        to_weights(a, &mut maxes[0], la, sa);
+                        to_weights(c, &mut maxes[1], &mut lc[..SUM_LANES], &mut sc[..hd]);
+                        add_weighted([&*a, &*c], values, [sa, &mut sc[..hd]]);
+                    }
                     i += 2;
                 } else {
-                    if len > 0 {
+                    if skip < len {
                         let (w, sums) = (&mut scores[..len], &mut sums[..hd]);
                         key_dots([query(i)], keys, scale, [&mut *w]);
+                        w[..skip].fill(f64::NEG_INFINITY);
                         to_weights(w, &mut maxes[0], &mut lanes[..SUM_LANES], sums);
                         add_weighted([&*w], values, [sums]);
                     }

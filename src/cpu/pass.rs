@@ -3,9 +3,9 @@
 
 use super::attention::{AttentionScratch, Batch};
 use super::matmul::{self, RowTile, Write};
-use super::{CpuWeight, KvPages, add, inverse_rms, norm_rows, rotate, rotation_at, silu_times};
-use crate::arch::{Feeds, Ops};
-use crate::model::{ModelConfig, TensorRef};
+use super::{CpuWeight, KvPages, add, gelu_tanh_times, inverse_rms, norm_rows, rotate, rotation_at, silu_times};
+use crate::arch::{Feeds, Ops, Rotary};
+use crate::model::{Activation, ModelConfig, TensorRef};
 use crate::status::Result;
 
 /// One stream's share of a pass through the layers: `tokens` at positions `first_pos..`, rows
@@ -22,6 +22,8 @@ pub(super) struct CpuPass<'p, 'a> {
     pub cfg: &'p ModelConfig,
     pub embed: &'p TensorRef<'a>,
     pub inv_freq: &'p [f32],
+    /// The local layers' frequencies (empty for a model without them).
+    pub inv_freq_local: &'p [f32],
     pub kv: &'p mut KvPages,
     pub segments: &'p [Segment<'p>],
     /// The position of each row.
@@ -65,6 +67,11 @@ impl<'a> Ops for CpuPass<'_, 'a> {
         Ok(())
     }
 
+    fn scale(&mut self, factor: f32) -> Result<()> {
+        self.x.iter_mut().for_each(|v| *v *= factor);
+        Ok(())
+    }
+
     fn norm(&mut self, w: &CpuWeight<'a>, _feeds: Feeds) -> Result<()> {
         norm_rows(self.x, w.values(), self.cfg.rms_eps, self.h);
         Ok(())
@@ -90,8 +97,13 @@ impl<'a> Ops for CpuPass<'_, 'a> {
         Ok(())
     }
 
-    fn rope_append(&mut self, layer: usize, head_norms: Option<[&CpuWeight<'a>; 2]>) -> Result<()> {
+    fn rope_append(&mut self, layer: usize, head_norms: Option<[&CpuWeight<'a>; 2]>, rotary: Rotary) -> Result<()> {
         let cfg = self.cfg;
+        let inv_freq = match rotary {
+            Rotary::Global => self.inv_freq,
+            Rotary::Local => self.inv_freq_local,
+        };
+        assert_eq!(inv_freq.len(), cfg.head_dim / 2, "{rotary:?} rotary frequencies of a model without them");
         let (q_dim, kv_dim, head_dim) = (cfg.q_dim(), cfg.kv_dim(), cfg.head_dim);
         if let Some([qn, kn]) = head_norms {
             norm_heads(self.q, qn.values(), cfg.rms_eps);
@@ -99,7 +111,7 @@ impl<'a> Ops for CpuPass<'_, 'a> {
         }
         let rows = self.q.chunks_exact_mut(q_dim).zip(self.k.chunks_exact_mut(kv_dim));
         for ((q_row, k_row), &pos) in rows.zip(&self.positions) {
-            rotation_at(pos, self.inv_freq, self.rotation);
+            rotation_at(pos, inv_freq, self.rotation);
             rotate(q_row, head_dim, self.rotation, cfg.rope_interleaved);
             rotate(k_row, head_dim, self.rotation, cfg.rope_interleaved);
         }
@@ -113,7 +125,7 @@ impl<'a> Ops for CpuPass<'_, 'a> {
         Ok(())
     }
 
-    fn attention(&mut self, layer: usize) -> Result<()> {
+    fn attention(&mut self, layer: usize, window: Option<usize>) -> Result<()> {
         let cfg = self.cfg;
         let q_dim = cfg.q_dim();
         for g in self.segments {
@@ -123,6 +135,8 @@ impl<'a> Ops for CpuPass<'_, 'a> {
                 k: self.kv.stream_rows(g.pages, ctx, layer, 0),
                 v: self.kv.stream_rows(g.pages, ctx, layer, 1),
                 first_pos: g.first_pos,
+                window,
+                scale: cfg.score_scale(),
                 heads: cfg.heads,
                 kv_heads: cfg.kv_heads,
                 head_dim: cfg.head_dim,
@@ -132,20 +146,54 @@ impl<'a> Ops for CpuPass<'_, 'a> {
         Ok(())
     }
 
-    fn add_attention_out(&mut self, o: &CpuWeight<'a>) -> Result<()> {
-        Self::project(self.tiles, self.n, o, self.attn, self.x, Write::Add);
+    fn add_attention_out(&mut self, o: &CpuWeight<'a>, post_norm: Option<&CpuWeight<'a>>) -> Result<()> {
+        match post_norm {
+            None => Self::project(self.tiles, self.n, o, self.attn, self.x, Write::Add),
+            Some(w) => {
+                // h (the normed input, read by now) holds the product before its norm.
+                Self::project(self.tiles, self.n, o, self.attn, self.h, Write::Set);
+                add_normed(self.x, self.h, w.values(), self.cfg.rms_eps);
+            }
+        }
         Ok(())
     }
 
-    fn add_swiglu_ffn(&mut self, gate: &CpuWeight<'a>, up: &CpuWeight<'a>, down: &CpuWeight<'a>) -> Result<()> {
+    fn add_gated_ffn(
+        &mut self,
+        act: Activation,
+        gate: &CpuWeight<'a>,
+        up: &CpuWeight<'a>,
+        down: &CpuWeight<'a>,
+        post_norm: Option<&CpuWeight<'a>>,
+    ) -> Result<()> {
         let (n, tiles) = (self.n, &mut *self.tiles);
         Self::project(tiles, n, gate, self.h, self.gate, Write::Set);
         Self::project(tiles, n, up, self.h, self.up, Write::Set);
+        let f = match act {
+            Activation::Silu => silu_times,
+            Activation::GeluTanh => gelu_tanh_times,
+        };
         for (g, &u) in self.gate.iter_mut().zip(self.up.iter()) {
-            *g = silu_times(*g, u);
+            *g = f(*g, u);
         }
-        Self::project(tiles, n, down, self.gate, self.x, Write::Add);
+        match post_norm {
+            None => Self::project(tiles, n, down, self.gate, self.x, Write::Add),
+            Some(w) => {
+                Self::project(tiles, n, down, self.gate, self.h, Write::Set);
+                add_normed(self.x, self.h, w.values(), self.cfg.rms_eps);
+            }
+        }
         Ok(())
+    }
+}
+
+/// x += RMSNorm(y) with weight `w`, row by row (Gemma's norm of a block's output before the residual).
+fn add_normed(x: &mut [f32], y: &mut [f32], w: &[f32], eps: f32) {
+    for (x, y) in x.chunks_exact_mut(w.len()).zip(y.chunks_exact_mut(w.len())) {
+        let inv_rms = inverse_rms(y, eps);
+        for ((x, y), &g) in x.iter_mut().zip(y.iter()).zip(w) {
+            *x += g * (*y * inv_rms);
+        }
     }
 }
 

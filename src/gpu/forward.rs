@@ -473,7 +473,7 @@ impl GpuModel {
     pub(super) fn enqueue_forward(&self, pieces: &[Piece], shape: PassShape, head: Head<'_>) -> Result<()> {
         let cfg = &self.cfg;
         let s = self.stream.raw();
-        crate::arch::forward(cfg.arch, &mut PassOps::new(self, pieces, shape), &self.layers)?;
+        crate::arch::forward(cfg, &mut PassOps::new(self, pieces, shape), &self.layers)?;
         let (n, hidden, half, tensor, tuning) = (shape.n, cfg.hidden, self.half, self.mmv_work(), self.kernel_tuning);
         let f = |off: usize| self.buf(off) as *mut f32;
         let (x, xn, act) = (f(self.s.x), f(self.s.xn), self.buf(self.s.act));

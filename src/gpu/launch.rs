@@ -1,5 +1,6 @@
 //! The one place that calls the kernel launchers of `kernels.rs`: typed wrappers that take device
 //! pointers and shapes, queue the kernel on a stream and turn its status into a `Result`. None waits.
+//! (Past 600 lines: one short wrapper a launcher, which a reader finds by the launcher's name.)
 //!
 //! Every pointer passed here is a device address (NULL only where a kernel takes none) inside an
 //! allocation the caller keeps alive until the stream has run the launch, and sized for the shapes
@@ -162,6 +163,8 @@ pub(super) struct AttentionShape {
     pub head_dim: usize,
     /// Floats between one token's q/k/v row and the next's.
     pub qkv_stride: usize,
+    /// A sliding-window layer's window (each query's last positions, its own counted); 0 for none.
+    pub window: usize,
 }
 
 /// One layer's part of the paged KV pool: where its first page starts, how many pages it has, and the
@@ -251,6 +254,7 @@ pub(super) fn attention(
             a.kv_heads as c_uint,
             a.head_dim as c_uint,
             scale,
+            a.window as c_uint,
             splits as c_uint,
             grid_parts as c_uint,
             partial,
@@ -472,6 +476,40 @@ pub(super) fn swiglu_to(
     cuda::check(unsafe { kn::hostembed_swiglu_to(gate, up, out, dtype as c_int, len, s) }, "hostembed_swiglu_to")
 }
 
+/// out = gelu_tanh(gate) * up over `len` values, written in `dtype` (F32 or a half format).
+pub(super) fn geglu_to(
+    gate: *const f32,
+    up: *const f32,
+    out: *mut c_void,
+    dtype: DType,
+    len: usize,
+    s: cudaStream_t,
+) -> Result<()> {
+    // SAFETY: device pointers to `len` values each (see the module's note).
+    cuda::check(unsafe { kn::hostembed_geglu_to(gate, up, out, dtype as c_int, len, s) }, "hostembed_geglu_to")
+}
+
+/// x *= factor over `len` floats.
+pub(super) fn scale(x: *mut f32, factor: f32, len: usize, s: cudaStream_t) -> Result<()> {
+    // SAFETY: a device pointer to `len` floats (see the module's note).
+    cuda::check(unsafe { kn::hostembed_scale(x, factor, len, s) }, "hostembed_scale")
+}
+
+/// x[r] += RMSNorm(y[r]) with weight `w`, for `rows` rows of `cols` values.
+pub(super) fn rmsnorm_add(
+    y: *const f32,
+    w: *const f32,
+    eps: f32,
+    x: *mut f32,
+    rows: usize,
+    cols: usize,
+    s: cudaStream_t,
+) -> Result<()> {
+    // SAFETY: device pointers to `rows` x `cols` floats (`cols` for `w`; see the module's note).
+    let code = unsafe { kn::hostembed_rmsnorm_add(y, w, eps, x, rows as c_uint, cols as c_uint, s) };
+    cuda::check(code, "hostembed_rmsnorm_add")
+}
+
 /// `len` f32 values written in the half format `dtype`.
 pub(super) fn convert(x: *const f32, out: *mut c_void, dtype: DType, len: usize, s: cudaStream_t) -> Result<()> {
     // SAFETY: device pointers to `len` values each (see the module's note).
@@ -574,6 +612,7 @@ pub(super) fn flash_attention(
             a.kv_heads as c_uint,
             a.head_dim as c_uint,
             scale,
+            a.window as c_uint,
             out,
             dtype as c_int,
             out_stride as c_uint,

@@ -56,7 +56,7 @@ use crate::cuda::{self, DeviceBuffer, StagedUploader, Stream};
 use crate::cudart as rt;
 use crate::kernels::hostembed_tuning;
 use crate::kv::{KvType, KvTypes};
-use crate::model::{LayerWeights, ModelConfig, TensorSource, rope_inv_freq};
+use crate::model::{Layers, ModelConfig, TensorSource, rope_inv_freq, rope_inv_freq_local};
 use crate::status::Result;
 use crate::tensor::DType;
 use crate::tuning::Tuning;
@@ -118,7 +118,7 @@ pub struct GpuModel {
     cfg: ModelConfig,
     max_batch: usize,
     id: u64,
-    layers: Vec<LayerWeights<DeviceWeight>>,
+    layers: Layers<DeviceWeight>,
     final_norm: *const f32,
     head: DeviceWeight,
     rows: RowsOnDevice,
@@ -323,7 +323,7 @@ impl GpuModel {
         let weights = DeviceBuffer::new(plan.total)?;
         let mut uploader = StagedUploader::new()?;
         let mut up = |p| upload(&weights, &mut uploader, p);
-        let layers = plan.layers.into_iter().map(|l| l.try_map(&mut up)).collect::<Result<Vec<_>>>()?;
+        let layers = plan.layers.try_map(|_, _, p| up(p))?;
         let final_norm = up(plan.final_norm)?.f32_ptr();
         let head = match plan.lm_head {
             Some(p) => up(p)?,
@@ -338,6 +338,9 @@ impl GpuModel {
         let s = ScratchLayout::new(&cfg, max_batch, slab, stage, tuning.attention_parts);
         let scratch = DeviceBuffer::new(s.total)?;
         scratch.upload(&rope_inv_freq(&cfg), s.inv_freq)?;
+        if let (Some(at), Some(local)) = (s.inv_freq_local, rope_inv_freq_local(&cfg)) {
+            scratch.upload(&local, at)?;
+        }
         scratch.upload(&vec![0u8; s.mmv_counter_bytes], s.mmv_counters)?;
         let stream = Stream::new()?;
         let f32_cache = kv.k == KvType::F32 || kv.v == KvType::F32;

@@ -12,8 +12,9 @@ use super::forward::{PassShape, Path, Piece};
 use super::launch::{self, AttentionShape, HalfMatrix, KvPages};
 use super::scratch::ATTENTION_TOKENS;
 use super::weights::{DeviceWeight, Qkv};
-use crate::arch::{Feeds, Ops};
+use crate::arch::{Feeds, Ops, Rotary};
 use crate::cudart::cudaStream_t;
+use crate::model::Activation;
 use crate::status::Result;
 use crate::tensor::DType;
 
@@ -51,6 +52,8 @@ pub(super) struct PassOps<'a> {
     pos: *const c_int,
     tables: *const *const c_uint,
     inv_freq: *const f32,
+    /// The local layers' frequencies (null for a model without them).
+    inv_freq_local: *const f32,
     tensor: Option<launch::MmvWork>,
     half: DType,
     s: cudaStream_t,
@@ -95,6 +98,7 @@ impl<'a> PassOps<'a> {
             pos: model.buf(model.s.pos) as *const c_int,
             tables: model.buf(model.s.tables) as *const *const c_uint,
             inv_freq: model.buf(model.s.inv_freq) as *const f32,
+            inv_freq_local: model.s.inv_freq_local.map_or(ptr::null(), |at| model.buf(at) as *const f32),
             tensor: model.mmv_work(),
             half: model.half,
             s: model.stream.raw(),
@@ -114,6 +118,7 @@ impl<'a> PassOps<'a> {
             kv_heads: cfg.kv_heads,
             head_dim: cfg.head_dim,
             qkv_stride: cfg.q_dim() + 2 * cfg.kv_dim(),
+            window: 0,
         }
     }
 
@@ -166,6 +171,10 @@ impl Ops for PassOps<'_> {
         launch::embed_gather(&self.model.rows, ids, self.n, self.x, self.s)
     }
 
+    fn scale(&mut self, factor: f32) -> Result<()> {
+        launch::scale(self.x, factor, self.n * self.model.cfg.hidden, self.s)
+    }
+
     /// The normed input: f32 rows [0, m) into xn, half rows [m, n) into act, and for the q/k/v product
     /// their rounding residue into act_residue: K and V from the normed input to f32 accuracy, because
     /// the cache keeps them, and a bf16 input's rounding, rounded again into the cache, was most of the
@@ -213,14 +222,21 @@ impl Ops for PassOps<'_> {
     }
 
     /// One launch: the per-head norms, the rotation and the KV append of every row of the pass.
-    fn rope_append(&mut self, layer: usize, head_norms: Option<[&DeviceWeight; 2]>) -> Result<()> {
+    fn rope_append(&mut self, layer: usize, head_norms: Option<[&DeviceWeight; 2]>, rotary: Rotary) -> Result<()> {
         let cfg = &self.model.cfg;
+        let inv_freq = match rotary {
+            Rotary::Global => self.inv_freq,
+            Rotary::Local => self.inv_freq_local,
+        };
+        if inv_freq.is_null() {
+            crate::bail!(InvalidArgument, "{rotary:?} rotary frequencies of a model without them");
+        }
         let (q_norm, k_norm) = match head_norms {
             Some([q, k]) => (Some(q), Some(k)),
             None => (None, None),
         };
         let (shape, kv) = (self.shape_of(self.n), self.kv(layer));
-        let (qkv, pos, inv_freq, interleaved) = (self.qkv, self.pos, self.inv_freq, cfg.rope_interleaved);
+        let (qkv, pos, interleaved) = (self.qkv, self.pos, cfg.rope_interleaved);
         let (tables, tuning) = (self.tables, self.model.kernel_tuning);
         launch::rope_kv(qkv, shape, pos, inv_freq, interleaved, q_norm, k_norm, cfg.rms_eps, kv, tables, tuning, self.s)
     }
@@ -228,18 +244,19 @@ impl Ops for PassOps<'_> {
     /// Rows [0, split_end) on the split kernel into attn (f32), in launches of ATTENTION_TOKENS; the
     /// tensor-core rows among them are converted into act; the other tensor rows' pieces on flash
     /// attention, each over its own stream, straight into act.
-    fn attention(&mut self, layer: usize) -> Result<()> {
+    fn attention(&mut self, layer: usize, window: Option<usize>) -> Result<()> {
         let (model, cfg, s) = (self.model, &self.model.cfg, self.s);
-        let (q_dim, hd) = (cfg.q_dim(), cfg.head_dim);
+        let q_dim = cfg.q_dim();
         let qkv_dim = q_dim + 2 * cfg.kv_dim();
         let kv = self.kv(layer);
-        let scale = 1.0 / (hd as f32).sqrt();
+        let scale = cfg.score_scale_f32();
+        let shape_of = |rows: usize| AttentionShape { window: window.unwrap_or(0), ..self.shape_of(rows) };
         let (split_end, m) = (self.split_end, self.m);
         for g0 in (0..split_end).step_by(ATTENTION_TOKENS) {
             let g = (split_end - g0).min(ATTENTION_TOKENS);
             launch::attention(
                 row(self.qkv, g0, qkv_dim),
-                self.shape_of(g),
+                shape_of(g),
                 kv,
                 self.tables.wrapping_add(g0),
                 self.pos.wrapping_add(g0),
@@ -268,46 +285,55 @@ impl Ops for PassOps<'_> {
                 if let Some(st) = stage {
                     launch::flash_stage(kv, p.table, cfg.kv_heads, cfg.head_dim, st, s)?;
                 }
-                launch::flash_attention(
-                    q,
-                    self.shape_of(p.len),
-                    kv,
-                    p.table,
-                    at,
-                    scale,
-                    out,
-                    self.half,
-                    q_dim,
-                    stage,
-                    s,
-                )?;
+                launch::flash_attention(q, shape_of(p.len), kv, p.table, at, scale, out, self.half, q_dim, stage, s)?;
             }
         }
         Ok(())
     }
 
-    fn add_attention_out(&mut self, o: &DeviceWeight) -> Result<()> {
+    /// With a post-norm: the product into xn (the normed input, read by now), then x += its norm.
+    fn add_attention_out(&mut self, o: &DeviceWeight, post_norm: Option<&DeviceWeight>) -> Result<()> {
         let hidden = self.model.cfg.hidden;
-        self.project(o, self.attn, ptr::null(), self.x, self.x, hidden, None)
+        match post_norm {
+            None => self.project(o, self.attn, ptr::null(), self.x, self.x, hidden, None),
+            Some(w) => {
+                self.project(o, self.attn, ptr::null(), ptr::null(), self.xn, hidden, None)?;
+                self.add_normed(w)
+            }
+        }
     }
 
-    /// The matrix-vector rows with gate and up in one launch where they share a format; then the
-    /// tensor-core groups' gate and up products, one SwiGLU into act over all their rows, and their down
-    /// products.
-    fn add_swiglu_ffn(&mut self, gate: &DeviceWeight, up: &DeviceWeight, down: &DeviceWeight) -> Result<()> {
+    /// The matrix-vector rows with gate and up in one launch where SwiGLU's share a format; then the
+    /// tensor-core groups' gate and up products, one activation into act over all their rows, and their
+    /// down products. With a post-norm the down products go to xn, and x += their norm.
+    fn add_gated_ffn(
+        &mut self,
+        act: Activation,
+        gate: &DeviceWeight,
+        up: &DeviceWeight,
+        down: &DeviceWeight,
+        post_norm: Option<&DeviceWeight>,
+    ) -> Result<()> {
         let (cfg, s, tensor) = (&self.model.cfg, self.s, self.tensor);
         let (hidden, inter) = (cfg.hidden, cfg.intermediate);
         let (m, tc, x, xn) = (self.m, self.n - self.m, self.x, self.xn);
         let none = ptr::null::<f32>();
+        // Where the down products go: onto the residual, or into xn for the post-norm.
+        let (residual, y) = if post_norm.is_some() { (none, xn) } else { (x as *const f32, x) };
         if m > 0 {
-            if gate.dtype == up.dtype {
+            if act == Activation::Silu && gate.dtype == up.dtype {
                 launch::decode_swiglu(gate, up, xn, m, self.gate, tensor, s)?;
             } else {
                 launch::decode_product(gate, xn, m, none, none, self.gate, inter, tensor, s)?;
                 launch::decode_product(up, xn, m, none, none, self.up, inter, tensor, s)?;
-                launch::swiglu(self.gate, self.up, self.gate, m * inter, s)?;
+                match act {
+                    Activation::Silu => launch::swiglu(self.gate, self.up, self.gate, m * inter, s)?,
+                    Activation::GeluTanh => {
+                        launch::geglu_to(self.gate, self.up, self.gate.cast(), DType::F32, m * inter, s)?
+                    }
+                }
             }
-            launch::decode_product(down, self.gate, m, none, x, x, hidden, tensor, s)?;
+            launch::decode_product(down, self.gate, m, none, residual, y, hidden, tensor, s)?;
         }
         if tc > 0 {
             for &(r0, rows) in &self.groups {
@@ -315,14 +341,30 @@ impl Ops for PassOps<'_> {
                 self.model.product(gate, a, rows, none, none, row(self.gate, r0, inter), inter, None)?;
                 self.model.product(up, a, rows, none, none, row(self.up, r0, inter), inter, None)?;
             }
-            // The normed input is read by now: the SwiGLU output takes its place.
-            launch::swiglu_to(row(self.gate, m, inter), row(self.up, m, inter), self.act, self.half, tc * inter, s)?;
+            // The normed input is read by now: the activation's output takes its place.
+            let (g, u) = (row(self.gate, m, inter), row(self.up, m, inter));
+            match act {
+                Activation::Silu => launch::swiglu_to(g, u, self.act, self.half, tc * inter, s)?,
+                Activation::GeluTanh => launch::geglu_to(g, u, self.act, self.half, tc * inter, s)?,
+            }
             for &(r0, rows) in &self.groups {
-                let xr = row(x, r0, hidden);
-                self.model.product(down, self.act_row(r0, inter), rows, none, xr, xr, hidden, None)?;
+                let res = if residual.is_null() { none } else { row(x, r0, hidden) };
+                let yr = row(y, r0, hidden);
+                self.model.product(down, self.act_row(r0, inter), rows, none, res, yr, hidden, None)?;
             }
         }
-        Ok(())
+        match post_norm {
+            Some(w) => self.add_normed(w),
+            None => Ok(()),
+        }
+    }
+}
+
+impl PassOps<'_> {
+    /// x += RMSNorm(xn) with `w` over every row of the pass.
+    fn add_normed(&self, w: &DeviceWeight) -> Result<()> {
+        let cfg = &self.model.cfg;
+        launch::rmsnorm_add(self.xn, w.f32_ptr(), cfg.rms_eps, self.x, self.n, cfg.hidden, self.s)
     }
 }
 

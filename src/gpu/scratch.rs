@@ -138,6 +138,8 @@ pub(super) struct ScratchLayout {
     pub(super) logits: usize,
     pub(super) partial: usize,
     pub(super) inv_freq: usize,
+    /// The local layers' rotary frequencies, right after the model's (a model with sliding-window layers).
+    pub(super) inv_freq_local: Option<usize>,
     /// Per token: ids (i32), then positions (i32), then page table addresses (u64), `max_batch` each.
     pub(super) meta: usize,
     pub(super) ids: usize,
@@ -193,7 +195,9 @@ impl ScratchLayout {
         let up = l.push(b * cfg.intermediate * f);
         let logits = l.push(logit_rows * cfg.vocab * f);
         let partial = l.push(partial_floats * f);
-        let inv_freq = l.push(cfg.head_dim / 2 * f);
+        let tables = if cfg.attention.sliding.is_some() { 2 } else { 1 };
+        let inv_freq = l.push(tables * cfg.head_dim / 2 * f);
+        let inv_freq_local = (tables == 2).then_some(inv_freq + cfg.head_dim / 2 * f);
         let meta = l.push(b * 16);
         let (ids, pos, tables) = (meta, meta + b * 4, meta + b * 8);
         let token = l.push(logit_rows * 4);
@@ -220,6 +224,7 @@ impl ScratchLayout {
             logits,
             partial,
             inv_freq,
+            inv_freq_local,
             meta,
             ids,
             pos,

@@ -5,7 +5,7 @@ use std::os::raw::c_void;
 
 use super::Layout;
 use crate::cuda::{DeviceBuffer, StagedUploader};
-use crate::model::{LayerWeights, ModelWeights, TensorRef, TensorSource};
+use crate::model::{Layers, ModelWeights, TensorRef, TensorSource, names};
 use crate::status::Result;
 use crate::tensor::DType;
 
@@ -75,7 +75,7 @@ impl Layout {
 
 /// Where every weight the device holds goes (all but the embedding rows, which are placed apart).
 pub(super) struct WeightPlan<'a> {
-    pub layers: Vec<LayerWeights<Placed<'a>>>,
+    pub layers: Layers<Placed<'a>>,
     pub final_norm: Placed<'a>,
     pub lm_head: Option<Placed<'a>>,
     pub total: usize,
@@ -85,7 +85,7 @@ pub(super) struct WeightPlan<'a> {
 pub(super) fn plan(src: &dyn TensorSource) -> Result<WeightPlan<'_>> {
     let w = ModelWeights::read(src)?;
     let mut layout = Layout::default();
-    let layers = w.layers.into_iter().map(|l| place_layer(l, &mut layout)).collect();
+    let layers = place_layers(w.layers, &mut layout)?;
     let final_norm = layout.place(w.final_norm, false);
     let lm_head = w.lm_head.map(|t| layout.place(t, false));
     Ok(WeightPlan { layers, final_norm, lm_head, total: layout.total })
@@ -94,17 +94,20 @@ pub(super) fn plan(src: &dyn TensorSource) -> Result<WeightPlan<'_>> {
 impl WeightPlan<'_> {
     /// (format, rows, cols) of every matrix a layer multiplies with, q/k/v fused as the loader fuses them.
     pub(super) fn product_matrices(&self) -> Vec<(DType, usize, usize)> {
-        let mut out = Vec::new();
-        for l in &self.layers {
-            let m = |p: &Placed| (p.tensor.dtype, p.tensor.rows(), p.tensor.cols());
-            let (q, k, v) = (m(&l.q), m(&l.k), m(&l.v));
-            if qkv_fused(q.0, k.0, v.0) {
-                out.push((q.0, q.1 + k.1 + v.1, q.2));
-            } else {
-                out.extend([q, k, v]);
+        let mut out: Vec<(DType, usize, usize)> = Vec::new();
+        let fused = fused_layers(&self.layers, |p| p.tensor.dtype);
+        self.layers.each(|l, spec, p| {
+            let t = &p.tensor;
+            if t.shape.len() != 2 {
+                return;
             }
-            out.extend([m(&l.o), m(&l.gate), m(&l.up), m(&l.down)]);
-        }
+            let m = (t.dtype, t.rows(), t.cols());
+            match spec.name {
+                // k and v join q's matrix where they share its format.
+                names::K | names::V if fused[l] => out.last_mut().expect("q comes first").1 += m.1,
+                _ => out.push(m),
+            }
+        });
         out
     }
 }
@@ -118,30 +121,29 @@ pub(super) fn prompt_format(matrices: &[(DType, usize, usize)]) -> (DType, usize
     (half, slab)
 }
 
-/// Each weight in its own region, except q, k, v of one format and the three biases, which the fused
-/// projection reads back to back.
-fn place_layer<'a>(l: LayerWeights<TensorRef<'a>>, layout: &mut Layout) -> LayerWeights<Placed<'a>> {
-    let fused = qkv_fused(l.q.dtype, l.k.dtype, l.v.dtype);
-    let attn_norm = layout.place(l.attn_norm, false);
-    let q = layout.place(l.q, false);
-    let k = layout.place(l.k, fused);
-    let v = layout.place(l.v, fused);
-    LayerWeights {
-        attn_norm,
-        q,
-        k,
-        v,
-        q_bias: l.q_bias.map(|t| layout.place(t, false)),
-        k_bias: l.k_bias.map(|t| layout.place(t, true)),
-        v_bias: l.v_bias.map(|t| layout.place(t, true)),
-        q_norm: l.q_norm.map(|t| layout.place(t, false)),
-        k_norm: l.k_norm.map(|t| layout.place(t, false)),
-        o: layout.place(l.o, false),
-        ffn_norm: layout.place(l.ffn_norm, false),
-        gate: layout.place(l.gate, false),
-        up: layout.place(l.up, false),
-        down: layout.place(l.down, false),
-    }
+/// Whether each layer's q, k and v share a format (and are read as one matrix).
+fn fused_layers<T>(layers: &Layers<T>, dtype: impl Fn(&T) -> DType) -> Vec<bool> {
+    let mut qkv = vec![[None; 3]; layers.len()];
+    layers.each(|l, spec, t| {
+        if let Some(i) = [names::Q, names::K, names::V].iter().position(|&n| n == spec.name) {
+            qkv[l][i] = Some(dtype(t));
+        }
+    });
+    qkv.iter().map(|&[q, k, v]| matches!((q, k, v), (Some(q), Some(k), Some(v)) if qkv_fused(q, k, v))).collect()
+}
+
+/// Each weight in its own region, in table order, except q, k, v of one format and the three biases,
+/// which the fused projection reads back to back (each table lists them in that order).
+fn place_layers<'a>(layers: Layers<TensorRef<'a>>, layout: &mut Layout) -> Result<Layers<Placed<'a>>> {
+    let fused = fused_layers(&layers, |t| t.dtype);
+    layers.try_map(|l, spec, t| {
+        let after_previous = match spec.name {
+            names::K | names::V => fused[l],
+            names::K_BIAS | names::V_BIAS => true,
+            _ => false,
+        };
+        Ok(layout.place(t, after_previous))
+    })
 }
 
 /// Copies one placed weight into `weights` and says where it is.

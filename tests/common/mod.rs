@@ -661,6 +661,7 @@ pub fn decode_base(arch: Arch) -> ModelConfig {
         tied: false,
         qkv_bias: false,
         qk_norm: false,
+        attention: Default::default(),
         bos: Some(1),
         eos: Some(2),
     }
@@ -714,6 +715,7 @@ pub fn prompt_base(arch: Arch) -> ModelConfig {
         tied: false,
         qkv_bias: false,
         qk_norm: false,
+        attention: Default::default(),
         bos: None,
         eos: None,
     }
@@ -747,6 +749,7 @@ pub fn prompt_configs() -> Vec<(&'static str, ModelConfig)> {
         kv_heads: 2,
         head_dim: 128,
         qk_norm: true,
+        attention: Default::default(),
         rope_theta: 1000000.0,
         ..prompt_base(Arch::Qwen3)
     };

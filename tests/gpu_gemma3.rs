@@ -1,0 +1,141 @@
+//! Gemma 3 on the CUDA backend against the CPU reference: logits at every position of prompts that run
+//! past the sliding window (matrix-vector rows, tensor-core chunks with flash attention, and the split
+//! kernel for an F32 cache), 64 greedy tokens equal to the CPU's, and batches through the engine equal
+//! to stepping each stream alone, bit for bit. Skips where no CUDA device is present.
+
+mod common;
+use common::{Rng, Scratch, gpu_present, rel_l2, rows_on_card};
+
+use hostembed::checkpoint::write::MemSource;
+use hostembed::cpu::CpuModel;
+use hostembed::gpu::GpuModel;
+use hostembed::kv::{KvType, KvTypes};
+use hostembed::model::{Arch, AttentionConfig, ModelConfig, RopeScaling, SlidingWindow};
+use hostembed::sampler::{self, Sampling};
+use hostembed::tensor::DType;
+use hostembed::tuning::Tuning;
+
+/// KV pages the tests' models get: 2,048 positions.
+const POOL_PAGES: usize = 128;
+
+/// Head size 64 (flash attention has a kernel for it), q_dim 256 beside hidden 128, local layers 0 and
+/// 2 over 20 positions, scores scaled by 1/sqrt(80), linear rope scaling on the global layers.
+fn config() -> ModelConfig {
+    let mut cfg = ModelConfig::llama(128, 4, 4, 2, 256, 320);
+    cfg.arch = Arch::Gemma3;
+    cfg.head_dim = 64;
+    cfg.tied = true;
+    cfg.qk_norm = true;
+    cfg.rms_eps = 1e-6;
+    cfg.rope_theta = 1_000_000.0;
+    cfg.rope_scaling = RopeScaling::Linear { factor: 8.0 };
+    cfg.max_position = 512;
+    cfg.attention = AttentionConfig {
+        query_scale_base: Some(80.0),
+        sliding: Some(SlidingWindow { window: 20, global_every: 2, rope_theta: 10_000.0 }),
+    };
+    cfg
+}
+
+fn random_tokens(rng: &mut Rng, vocab: usize, n: usize) -> Vec<u32> {
+    (0..n).map(|_| rng.below(vocab as u64) as u32).collect()
+}
+
+#[test]
+fn gpu_logits_match_cpu_at_every_position() {
+    if !gpu_present("gpu_logits_match_cpu_at_every_position") {
+        return;
+    }
+    let mut rng = Rng::fresh("gpu_logits_match_cpu_at_every_position");
+    // F32 weights and cache: no tensor-core path, held to the CPU's 1e-4. The others: the half formats'
+    // bound the llama family's suite holds them to.
+    let cases = [
+        ("F32, F32 cache", DType::F32, KvTypes::same(KvType::F32), 1e-4),
+        ("BF16", DType::Bf16, KvTypes::GPU_DEFAULT, 2e-2),
+        ("Q8_0", DType::Q8_0, KvTypes::GPU_DEFAULT, 2e-2),
+        ("Q8_0, Q8_0 cache", DType::Q8_0, KvTypes::same(KvType::Q8_0), 3e-2),
+    ];
+    for (name, dtype, kv, bound) in cases {
+        let cfg = config();
+        let src = MemSource::synthetic(&cfg, rng.next_u64(), dtype);
+        let cpu = CpuModel::new(&src).unwrap().with_kv_types(kv).unwrap();
+        let (_rows_buf, rows) = rows_on_card(&src);
+        let mut gpu = GpuModel::load_with_kv(&src, rows, 32, POOL_PAGES, kv, &Tuning::from_env()).unwrap();
+        // 100 tokens in chunks of 32: windows crossing chunks and the attention's blocks.
+        let tokens = random_tokens(&mut rng, cfg.vocab, 100);
+        let window = 128;
+        let mut pool = gpu.page_pool().unwrap();
+        let mut gs = gpu.new_stream(window).unwrap();
+        let mut cs = cpu.new_stream(window);
+        let got = gpu.all_logits(&mut pool, &mut gs, &tokens).unwrap();
+        let want = cpu.forward_all(&mut cs, &tokens).unwrap();
+        let worst = got.iter().zip(&want).map(|(g, w)| rel_l2(g, w)).fold(0f64, f64::max);
+        println!("gemma3 {name}: worst relative L2 of the logits over {} positions {worst:.2e}", tokens.len());
+        assert!(worst < bound, "gemma3 {name}: logits differ from the CPU's by {worst:.3e}");
+
+        // Then single tokens (matrix-vector rows, split attention) past the window.
+        for step in 0..24 {
+            let t = random_tokens(&mut rng, cfg.vocab, 1);
+            gpu.step(&mut pool, &mut gs, &t, &Sampling::GREEDY, 0).unwrap();
+            let want = cpu.forward(&mut cs, &t).unwrap();
+            let err = rel_l2(&gpu.last_logits().unwrap(), &want);
+            assert!(err < bound, "gemma3 {name} decode step {step}: {err:.3e}");
+        }
+    }
+}
+
+/// 64 greedy tokens, each backend on its own choices: the same tokens (F32 weights and cache, where
+/// the CUDA logits are within 1e-4 of the CPU's).
+#[test]
+fn greedy_64_tokens_equal_the_cpus() {
+    if !gpu_present("greedy_64_tokens_equal_the_cpus") {
+        return;
+    }
+    let mut rng = Rng::fresh("greedy_64_tokens_equal_the_cpus");
+    let cfg = config();
+    let kv = KvTypes::same(KvType::F32);
+    let src = MemSource::synthetic(&cfg, rng.next_u64(), DType::F32);
+    let cpu = CpuModel::new(&src).unwrap().with_kv_types(kv).unwrap();
+    let (_rows_buf, rows) = rows_on_card(&src);
+    let mut gpu = GpuModel::load_with_kv(&src, rows, 16, POOL_PAGES, kv, &Tuning::from_env()).unwrap();
+    let mut pool = gpu.page_pool().unwrap();
+    let window = 128;
+    let (mut gs, mut cs) = (gpu.new_stream(window).unwrap(), cpu.new_stream(window));
+    let prompt = random_tokens(&mut rng, cfg.vocab, 30);
+    let (mut g_in, mut c_in) = (prompt.clone(), prompt);
+    let (mut g_out, mut c_out) = (Vec::new(), Vec::new());
+    for _ in 0..64 {
+        let g = gpu.step(&mut pool, &mut gs, &g_in, &Sampling::GREEDY, 0).unwrap();
+        let c = sampler::argmax(&cpu.forward(&mut cs, &c_in).unwrap());
+        g_out.push(g);
+        c_out.push(c);
+        (g_in, c_in) = (vec![g], vec![c]);
+    }
+    assert_eq!(g_out, c_out, "greedy tokens, CUDA against the CPU");
+}
+
+/// Random batches of prompt chunks and single tokens through the CUDA engine, with truncation, resets
+/// and the prefix cache: each stream's bits are those of stepping it alone.
+#[test]
+fn engine_batches_match_stepping_alone() {
+    if !gpu_present("engine_batches_match_stepping_alone") {
+        return;
+    }
+    let _serial = common::serial();
+    let mut rng = Rng::fresh("engine_batches_match_stepping_alone");
+    let dir = Scratch::new("gpu-gemma3-batches");
+    // llama.cpp's pattern, which GGUF files carry: every sixth layer global.
+    let mut cfg = config();
+    cfg.layers = 7;
+    cfg.attention = AttentionConfig {
+        query_scale_base: Some(cfg.head_dim as f32),
+        sliding: Some(SlidingWindow { window: 20, global_every: 6, rope_theta: 10_000.0 }),
+    };
+    let mix = common::Mix { rounds: 150, widest: 6, chunk: 8, long_chunk: 48 };
+    for dtype in [DType::Bf16, DType::Q8_0] {
+        let path = dir.gguf(dtype.name(), &cfg, rng.next_u64(), dtype);
+        let opts = common::cuda_options(256, 6, 32);
+        let page = hostembed::gpu::PAGE_TOKENS as u64;
+        common::twins_batch_like_alone(&format!("gemma3 {}", dtype.name()), &path, &opts, &mix, page, &mut rng);
+    }
+}
