@@ -23,6 +23,7 @@ use hostembed::gpu::{GpuModel, GpuStream, PAGE_TOKENS, RowsOnDevice, reserve_pag
 use hostembed::model::{ModelConfig, TensorSource, names};
 use hostembed::sampler::Sampling;
 use hostembed::tensor::DType;
+use hostembed::tuning::Tuning;
 use hostembed::{Error, Status};
 
 struct Args {
@@ -150,7 +151,8 @@ fn main() {
     // The pool holds two 64k windows: enough for every row below and the 64 x 2,048 run.
     let most = args.streams.iter().copied().max().unwrap_or(1) * (args.cache + args.steps + 8 + PAGE_TOKENS);
     let pages = (2 * 65536usize).max(most).div_ceil(PAGE_TOKENS);
-    let mut gpu = GpuModel::load(&src, rows, args.max_batch, pages).unwrap_or_else(|e| panic!("load: {e}"));
+    let mut gpu =
+        GpuModel::load(&src, rows, args.max_batch, pages, &Tuning::from_env()).unwrap_or_else(|e| panic!("load: {e}"));
     println!(
         "{} layers {}: weights {:.2} GB, KV pool {:.2} GiB ({} pages of {PAGE_TOKENS}), loaded in {:.1} s",
         cfg.layers,
@@ -201,7 +203,8 @@ fn main() {
         pinned.as_mut_slice().copy_from_slice(embed.bytes);
         let mapped = RowsOnDevice { ptr: pinned.device_ptr(), ..rows };
         drop(gpu);
-        let mut host = GpuModel::load(&src, mapped, args.max_batch, pages).unwrap_or_else(|e| panic!("load: {e}"));
+        let mut host = GpuModel::load(&src, mapped, args.max_batch, pages, &Tuning::from_env())
+            .unwrap_or_else(|e| panic!("load: {e}"));
         println!("\n{count} streams at a {}-token cache, rows in mapped host memory", args.cache);
         println!("| mode | tok/s | ms/step |");
         println!("| --- | --- | --- |");

@@ -25,7 +25,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use hostembed::abi::engine_constraint;
-use hostembed::backend::{BatchStep, Decoder, Streams};
+use hostembed::backend::{Batch, BatchItem, Decoder, Streams};
 use hostembed::checkpoint::Checkpoint;
 use hostembed::checkpoint::write::{MemSource, Recipe};
 use hostembed::constraint::Grammars;
@@ -37,6 +37,7 @@ use hostembed::model::{ModelConfig, TensorSource, names};
 use hostembed::sampler::{self, Sampling, splitmix64};
 use hostembed::tensor::DType;
 use hostembed::tokenizer::{Tokenizer, special};
+use hostembed::tuning::Tuning;
 
 /// (name, kind, constraint text, a valid output).
 const CASES: &[(&str, engine_constraint, &str, &str)] = &[
@@ -246,7 +247,7 @@ fn engine(a: &StepArgs, src: &Arc<MemSource>, window: usize) -> Engine {
     let sampling = Sampling::GREEDY;
     if !a.cuda {
         let pages = a.streams * window.div_ceil(hostembed::cpu::PAGE_TOKENS);
-        let backend = CpuBackend::with_kv(src.clone(), pages, KvTypes::CPU_DEFAULT).unwrap();
+        let backend = CpuBackend::with_kv(src.clone(), pages, KvTypes::CPU_DEFAULT, &Tuning::from_env()).unwrap();
         let d = Streams::new(backend, window, a.streams, pages, sampling).unwrap();
         return Engine { d: Box::new(d), _rows: None };
     }
@@ -254,7 +255,7 @@ fn engine(a: &StepArgs, src: &Arc<MemSource>, window: usize) -> Engine {
     let embed = src.tensor(names::EMBED).unwrap();
     let buf = DeviceBuffer::from_slice(embed.bytes).unwrap();
     let rows = RowsOnDevice { ptr: buf.ptr(), dtype: embed.dtype, vocab: embed.rows(), cols: embed.cols() };
-    let backend = CudaBackend::load(&**src, rows, 64, 0, pages, KvTypes::GPU_DEFAULT, window)
+    let backend = CudaBackend::load(&**src, rows, 64, 0, pages, KvTypes::GPU_DEFAULT, window, &Tuning::from_env())
         .unwrap_or_else(|e| panic!("load: {e}"));
     let d = Streams::new(backend, window, a.streams, pages, sampling).unwrap();
     Engine { d: Box::new(d), _rows: Some(buf) }
@@ -276,14 +277,17 @@ fn mean_step(e: &mut Engine, a: &StepArgs, grammars: &Grammars, eog: &[u32], n: 
     const WARM: usize = 8;
     let mut timed = 0.0;
     for step in 0..WARM + a.steps {
-        let mut batch: Vec<BatchStep> = feed.iter().enumerate().map(|(s, t)| BatchStep::new(s as u32, t)).collect();
+        let items = feed.iter().enumerate().map(|(s, t)| BatchItem::new(s as u32, t)).collect();
+        let mut batch = Batch::new(items).unwrap_or_else(|err| panic!("{err}"));
         let t = Instant::now();
         e.d.step_batch(&mut batch).unwrap_or_else(|err| panic!("step_batch: {err}"));
         if step >= WARM {
             timed += t.elapsed().as_secs_f64();
         }
-        let next: Vec<u32> =
-            batch.iter().map(|b| *b.next.as_ref().unwrap_or_else(|err| panic!("stream {}: {err}", b.stream))).collect();
+        let next: Vec<u32> = batch
+            .iter()
+            .map(|b| *b.next.as_ref().unwrap_or_else(|err| panic!("stream {}: {err}", b.stream())))
+            .collect();
         for (s, t) in next.into_iter().enumerate() {
             if constrained && eog.contains(&t) {
                 e.d.set_constraint(s as u32, fresh()).unwrap();

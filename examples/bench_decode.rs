@@ -41,6 +41,12 @@ use hostembed::kv::{KvType, KvTypes};
 use hostembed::model::{Arch, ModelConfig, RopeScaling, TensorSource, names};
 use hostembed::sampler::Sampling;
 use hostembed::tensor::{DType, FORMATS};
+use hostembed::tuning::Tuning;
+
+/// The launchers' settings as the environment gives them (what an engine would run with).
+fn launch_tuning() -> kn::hostembed_tuning {
+    kn::hostembed_tuning::of(&Tuning::from_env())
+}
 
 struct Args {
     cfg: ModelConfig,
@@ -189,6 +195,8 @@ fn copy_bandwidth(stream: &Stream) -> f64 {
     a.fill_bytes(1).unwrap();
     let copy = || {
         check(
+            // SAFETY: two live device buffers of `bytes` each; the last copy is waited for (`elapsed_ms_since`)
+            // before they drop.
             unsafe { rt::cudaMemcpyAsync(b.ptr(), a.ptr(), bytes, MEMCPY_DEVICE_TO_DEVICE, stream.raw()) },
             "cudaMemcpyAsync",
         )
@@ -245,6 +253,8 @@ fn bench_kernels(stream: &Stream, peak: f64) {
         let y = DeviceBuffer::new(rows * 4).unwrap();
         let us = time_kernel(stream, copies, |i| {
             check(
+                // SAFETY: device buffers sized for one token's product of `rows` x `cols` in `dtype`, alive until
+                // `time_kernel` has waited for its last launch.
                 unsafe {
                     kn::hostembed_matvec(
                         weights[i].ptr(),
@@ -284,6 +294,8 @@ fn bench_kernels(stream: &Stream, peak: f64) {
         let y = DeviceBuffer::new(rows * 4).unwrap();
         let us = time_kernel(stream, copies, |i| {
             check(
+                // SAFETY: device buffers sized for one token's gate and up products of `rows` x `cols` in `dtype`,
+                // alive until `time_kernel` has waited for its last launch.
                 unsafe {
                     kn::hostembed_matvec_swiglu(
                         weights[2 * i].ptr(),
@@ -317,6 +329,7 @@ fn bench_mmv(stream: &Stream, peak: f64, only: Option<DType>) {
     println!("\nmmv: the batch-invariant tensor-core decode product (weights rotated over copies beyond the L2)");
     println!("| kernel | dtype | rows x cols | tokens | MB | us | GB/s | of copy bandwidth | bf16 TFLOP/s |");
     println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- |");
+    // SAFETY: a host-side check on a format id, an address and a width; nothing is read.
     let supported = |d: DType| unsafe { kn::hostembed_mmv_supports(d as c_int, 256 as *const _, 4096) } == 0;
     let formats: Vec<DType> = FORMATS.iter().map(|f| f.dtype).filter(|&d| supported(d)).collect();
     let mut cases: Vec<(DType, usize, usize, usize, bool)> = Vec::new();
@@ -355,6 +368,7 @@ fn bench_mmv(stream: &Stream, peak: f64, only: Option<DType>) {
         let y = DeviceBuffer::new(n * rows * 4).unwrap();
         let (mut floats, mut counters) = (0usize, 0 as c_uint);
         check(
+            // SAFETY: host arithmetic into two writable locals; nothing on the device.
             unsafe {
                 kn::hostembed_mmv_workspace(
                     rows as c_uint,
@@ -372,6 +386,8 @@ fn bench_mmv(stream: &Stream, peak: f64, only: Option<DType>) {
         let (xp, yp, pp, cp) =
             (x.ptr() as *const f32, y.ptr() as *mut f32, partial.ptr() as *mut f32, count.ptr() as *mut c_uint);
         let us = time_kernel(stream, copies, |i| {
+            // SAFETY: device buffers sized for `n` tokens' products of `rows` x `cols` and the workspace
+            // hostembed_mmv_workspace asked for, alive until `time_kernel` has waited for its last launch.
             let code = unsafe {
                 if glu {
                     let (g, u) = (weights[2 * i].ptr(), weights[2 * i + 1].ptr());
@@ -386,6 +402,7 @@ fn bench_mmv(stream: &Stream, peak: f64, only: Option<DType>) {
                         yp,
                         pp,
                         cp,
+                        launch_tuning(),
                         stream.raw(),
                     )
                 } else {
@@ -403,6 +420,7 @@ fn bench_mmv(stream: &Stream, peak: f64, only: Option<DType>) {
                         rows as c_uint,
                         pp,
                         cp,
+                        launch_tuning(),
                         stream.raw(),
                     )
                 }
@@ -448,8 +466,9 @@ fn bench_decode(args: &Args, peak: f64) {
             device_rows.ptr()
         };
         let rows = RowsOnDevice { ptr, dtype: embed.dtype, vocab: embed.rows(), cols: embed.cols() };
-        let mut gpu = GpuModel::load_with_kv(&src, rows, chunk, window.div_ceil(PAGE_TOKENS), args.kv)
-            .unwrap_or_else(|e| panic!("load: {e}"));
+        let mut gpu =
+            GpuModel::load_with_kv(&src, rows, chunk, window.div_ceil(PAGE_TOKENS), args.kv, &Tuning::from_env())
+                .unwrap_or_else(|e| panic!("load: {e}"));
         let mut pool = gpu.page_pool().unwrap();
         let placement = if host_rows { "rows in mapped host memory" } else { "rows on the card" };
         println!(
@@ -522,7 +541,9 @@ fn main() {
         std::process::exit(1);
     });
     let mut name = vec![0 as std::os::raw::c_char; 256];
+    // SAFETY: room for 256 characters at `name`, as the call is told.
     check(unsafe { kn::hostembed_device_name(0, name.as_mut_ptr(), name.len()) }, "hostembed_device_name");
+    // SAFETY: hostembed_device_name wrote a NUL-terminated name into the 256 characters at `name`.
     let name = unsafe { std::ffi::CStr::from_ptr(name.as_ptr()) }.to_string_lossy().into_owned();
     let stream = Stream::new().unwrap();
     let peak = copy_bandwidth(&stream);

@@ -29,6 +29,7 @@ use hostembed::kv::{KvType, KvTypes};
 use hostembed::model::{ModelConfig, TensorSource, names};
 use hostembed::sampler::Sampling;
 use hostembed::tensor::{DType, encode_row};
+use hostembed::tuning::Tuning;
 
 struct Args {
     lengths: Vec<usize>,
@@ -225,7 +226,7 @@ fn q4_k_m_table(cfg: &ModelConfig, args: &Args, bf16_at: &HashMap<usize, f64>) {
 
 /// The model with a KV pool in `kv`'s types for one stream of `positions`.
 fn load(src: &MemSource, rows: RowsOnDevice, chunk: usize, positions: usize, kv: KvTypes) -> GpuModel {
-    GpuModel::load_for_window(src, rows, chunk, positions.div_ceil(PAGE_TOKENS), kv, positions)
+    GpuModel::load_for_window(src, rows, chunk, positions.div_ceil(PAGE_TOKENS), kv, positions, &Tuning::from_env())
         .unwrap_or_else(|e| panic!("load: {e}"))
 }
 
@@ -243,7 +244,7 @@ fn main() {
     let mut gpu = load(&src, rows, args.chunk, positions, args.kv);
     println!("{}", gpu.prompt_route());
     println!("KV cache {} ({} bytes a position)", args.kv.describe(), args.kv.bytes_per_token(&cfg));
-    let scratch = GpuModel::scratch_bytes(&src, args.chunk, args.kv, positions);
+    let scratch = GpuModel::scratch_bytes(&src, args.chunk, args.kv, positions, &Tuning::from_env());
     println!(
         "chunk {} tokens: scratch {:.2} GiB (weights {:.2} GiB)",
         args.chunk,
@@ -280,7 +281,8 @@ fn main() {
         drop(gpu);
         gpu = load(&src, rows, chunk, positions, args.kv);
         let (rate, _) = prompt_rate(&mut gpu, 4096, args.runs, 0);
-        let gib = GpuModel::scratch_bytes(&src, chunk, args.kv, positions) as f64 / (1u64 << 30) as f64;
+        let gib =
+            GpuModel::scratch_bytes(&src, chunk, args.kv, positions, &Tuning::from_env()) as f64 / (1u64 << 30) as f64;
         println!("| {chunk} | {rate:.0} | {gib:.2} |");
     }
     drop(gpu);

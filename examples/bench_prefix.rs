@@ -15,7 +15,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use hostembed::backend::{BatchStep, Decoder, Streams};
+use hostembed::backend::{Batch, BatchItem, Decoder, Streams};
 use hostembed::checkpoint::write::{MemSource, Recipe};
 use hostembed::cpu::CpuBackend;
 use hostembed::cuda::{self, DeviceBuffer};
@@ -24,6 +24,7 @@ use hostembed::kv::KvTypes;
 use hostembed::model::{ModelConfig, TensorSource, names};
 use hostembed::sampler::Sampling;
 use hostembed::tensor::DType;
+use hostembed::tuning::Tuning;
 
 #[derive(Clone, Copy, PartialEq)]
 enum Kind {
@@ -113,7 +114,7 @@ fn engine(args: &Args, src: &Arc<MemSource>, streams: usize, window: usize, cach
         Kind::Cpu => {
             let page = hostembed::cpu::PAGE_TOKENS;
             let pages = streams * window.div_ceil(page);
-            let backend = CpuBackend::with_kv(src.clone(), pages, KvTypes::CPU_DEFAULT).unwrap();
+            let backend = CpuBackend::with_kv(src.clone(), pages, KvTypes::CPU_DEFAULT, &Tuning::from_env()).unwrap();
             let d = Streams::new(backend, window, streams, pages, sampling).unwrap().with_prefix_cache(cache);
             Engine { d: Box::new(d), page, _rows: None }
         }
@@ -124,7 +125,7 @@ fn engine(args: &Args, src: &Arc<MemSource>, streams: usize, window: usize, cach
             let buf = DeviceBuffer::from_slice(embed.bytes).unwrap();
             let rows = RowsOnDevice { ptr: buf.ptr(), dtype: embed.dtype, vocab: embed.rows(), cols: embed.cols() };
             let kv = KvTypes::GPU_DEFAULT;
-            let backend = CudaBackend::load(&**src, rows, args.max_batch, 0, pages, kv, window)
+            let backend = CudaBackend::load(&**src, rows, args.max_batch, 0, pages, kv, window, &Tuning::from_env())
                 .unwrap_or_else(|e| panic!("load: {e}"));
             let d = Streams::new(backend, window, streams, pages, sampling).unwrap().with_prefix_cache(cache);
             Engine { d: Box::new(d), page, _rows: Some(buf) }
@@ -134,12 +135,13 @@ fn engine(args: &Args, src: &Arc<MemSource>, streams: usize, window: usize, cach
 
 /// Steps each (stream, tokens) in one call; returns its seconds. Panics on any failure.
 fn step(e: &mut Engine, items: &[(u32, &[u32])]) -> f64 {
-    let mut batch: Vec<BatchStep> = items.iter().map(|&(s, t)| BatchStep::new(s, t)).collect();
+    let items = items.iter().map(|&(s, t)| BatchItem::new(s, t)).collect();
+    let mut batch = Batch::new(items).unwrap_or_else(|err| panic!("{err}"));
     let t = Instant::now();
     e.d.step_batch(&mut batch).unwrap_or_else(|err| panic!("step_batch: {err}"));
     let secs = t.elapsed().as_secs_f64();
-    for b in &batch {
-        b.next.as_ref().unwrap_or_else(|err| panic!("stream {}: {err}", b.stream));
+    for b in batch.iter() {
+        b.next.as_ref().unwrap_or_else(|err| panic!("stream {}: {err}", b.stream()));
     }
     secs
 }

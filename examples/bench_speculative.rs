@@ -14,7 +14,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use hostembed::abi::{engine_draft, engine_speculation};
-use hostembed::engine::{self, BatchItem, Engine, engine_backend, engine_options};
+use hostembed::engine::{self, Engine, engine_backend, engine_options};
 
 /// The code the first prompt asks to repeat (about 300 tokens), and the change asked for.
 const CODE: &str = r#"fn parse_config(text: &str) -> Result<Config, Error> {
@@ -62,11 +62,9 @@ fn decode(
     let start = Instant::now();
     let mut started = None;
     while out.len() < tokens {
-        let mut items = [BatchItem::new(0, &input).with_most(most)];
-        e.step_batch(&mut items).expect("the device works");
-        let [item] = items;
-        let next = item.next.expect("the window holds every token");
-        out.extend(item.out.iter().map(|&t| t as i32));
+        let produced = e.step_tokens(0, &input, most).expect("the window holds every token");
+        let next = *produced.last().expect("a step produces its next token");
+        out.extend(produced.iter().map(|&t| t as i32));
         input = vec![next as i32];
         // The prompt's step is the same with and without lookup: time the decoding after it.
         started.get_or_insert_with(Instant::now);

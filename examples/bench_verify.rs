@@ -17,7 +17,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use hostembed::abi::{engine_draft, engine_speculation};
-use hostembed::backend::{BatchStep, Decoder, Streams};
+use hostembed::backend::{Batch, BatchItem, Decoder, Streams};
 use hostembed::checkpoint::write::{MemSource, Recipe};
 use hostembed::cpu::CpuBackend;
 use hostembed::cuda::{self, DeviceBuffer};
@@ -26,6 +26,7 @@ use hostembed::kv::KvTypes;
 use hostembed::model::{ModelConfig, TensorSource, names};
 use hostembed::sampler::Sampling;
 use hostembed::tensor::DType;
+use hostembed::tuning::Tuning;
 
 /// The stream table and, on CUDA, the embedding rows it reads (declared after it: dropped later).
 struct Table {
@@ -37,7 +38,7 @@ fn table(cuda: bool, src: &Arc<MemSource>, streams: usize, window: usize) -> Tab
     let sampling = Sampling::GREEDY;
     if !cuda {
         let pages = streams * window.div_ceil(hostembed::cpu::PAGE_TOKENS);
-        let backend = CpuBackend::with_kv(src.clone(), pages, KvTypes::CPU_DEFAULT).unwrap();
+        let backend = CpuBackend::with_kv(src.clone(), pages, KvTypes::CPU_DEFAULT, &Tuning::from_env()).unwrap();
         let d = Streams::new(backend, window, streams, pages, sampling).unwrap().with_prefix_cache(false);
         return Table { d: Box::new(d), _rows: None };
     }
@@ -45,7 +46,7 @@ fn table(cuda: bool, src: &Arc<MemSource>, streams: usize, window: usize) -> Tab
     let embed = src.tensor(names::EMBED).unwrap();
     let buf = DeviceBuffer::from_slice(embed.bytes).unwrap();
     let rows = RowsOnDevice { ptr: buf.ptr(), dtype: embed.dtype, vocab: embed.rows(), cols: embed.cols() };
-    let backend = CudaBackend::load(&**src, rows, 512, 0, pages, KvTypes::GPU_DEFAULT, window)
+    let backend = CudaBackend::load(&**src, rows, 512, 0, pages, KvTypes::GPU_DEFAULT, window, &Tuning::from_env())
         .unwrap_or_else(|e| panic!("load: {e}"));
     let d = Streams::new(backend, window, streams, pages, sampling).unwrap().with_prefix_cache(false);
     Table { d: Box::new(d), _rows: Some(buf) }
@@ -64,21 +65,17 @@ fn run_token(seed: u32, i: usize, vocab: usize) -> u32 {
 
 /// Steps every (stream, input, most) at once; the seconds and each item's output tokens.
 fn step(t: &mut Table, items: &[(u32, Vec<u32>, usize)]) -> (f64, Vec<Vec<u32>>) {
-    let mut batch: Vec<BatchStep> = items
-        .iter()
-        .map(|(s, input, most)| {
-            let mut b = BatchStep::new(*s, input);
-            b.most = *most;
-            b
-        })
-        .collect();
+    let items = items.iter().map(|(s, input, most)| BatchItem::new(*s, input).with_most(*most)).collect();
+    let mut batch = Batch::new(items).unwrap_or_else(|err| panic!("{err}"));
     let start = Instant::now();
     t.d.step_batch(&mut batch).unwrap_or_else(|err| panic!("step_batch: {err}"));
     let secs = start.elapsed().as_secs_f64();
     let outs = batch
+        .into_items()
         .into_iter()
         .map(|b| {
-            let next = b.next.unwrap_or_else(|err| panic!("stream {}: {err}", b.stream));
+            let stream = b.stream();
+            let next = b.next.unwrap_or_else(|err| panic!("stream {stream}: {err}"));
             if b.out.is_empty() { vec![next] } else { b.out }
         })
         .collect();

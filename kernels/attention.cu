@@ -355,12 +355,13 @@ struct SplitArgs {
     unsigned int window;
     unsigned int splits;
     float *partial;
+    hostembed_tuning tuning;
 };
 
 template <int D, int HB, int KT, int VT>
 cudaError_t launch_split(dim3 grid, const SplitArgs &a, cudaStream_t stream) {
-    return he::launch_overlapped(attention_split_kernel<D, HB, KT, VT>, grid, dim3(AT_THREADS), 0, stream, a.q,
-                                 a.q_stride, a.pool, a.tables, a.pool_pages, a.k_type, a.v_type, a.pos, a.heads,
+    return he::launch_overlapped(a.tuning, attention_split_kernel<D, HB, KT, VT>, grid, dim3(AT_THREADS), 0, stream,
+                                 a.q, a.q_stride, a.pool, a.tables, a.pool_pages, a.k_type, a.v_type, a.pos, a.heads,
                                  a.kv_heads, a.d, a.scale_log2, a.window, a.splits, a.partial);
 }
 
@@ -397,7 +398,7 @@ extern "C" cudaError_t hostembed_attention(const float *q, unsigned int q_stride
                                            int v_type, const int *pos, unsigned int n, unsigned int heads,
                                            unsigned int kv_heads, unsigned int head_dim, float scale,
                                            unsigned int window, unsigned int splits, unsigned int grid_parts,
-                                           float *partial, float *out, cudaStream_t stream) {
+                                           float *partial, float *out, hostembed_tuning tuning, cudaStream_t stream) {
     if (q == nullptr || kv_pool == nullptr || tables == nullptr || pos == nullptr || partial == nullptr ||
         out == nullptr)
         return cudaErrorInvalidValue;
@@ -416,11 +417,11 @@ extern "C" cudaError_t hostembed_attention(const float *q, unsigned int q_stride
     if ((size_t)kv_heads * ((group + hb - 1) / hb) > 65535) return cudaErrorInvalidValue;
     const SplitArgs a{q,        q_stride, static_cast<const unsigned char *>(kv_pool), tables, pool_pages, k_type,
                       v_type,   pos,      heads,    kv_heads,        head_dim,    scale * LOG2E, window,
-                      splits,   partial};
+                      splits,   partial,  tuning};
     const cudaError_t err = head_dim <= 64    ? launch_d<64>(hb, n, grid_parts, a, stream)
                             : head_dim <= 128 ? launch_d<128>(hb, n, grid_parts, a, stream)
                                               : launch_d<256>(hb, n, grid_parts, a, stream);
     if (err != cudaSuccess) return err;
-    return he::launch_overlapped(attention_combine_kernel, dim3(heads, n), dim3(128), 0, stream, partial, heads,
-                                 head_dim, window, splits, pos, out);
+    return he::launch_overlapped(tuning, attention_combine_kernel, dim3(heads, n), dim3(128), 0, stream, partial,
+                                 heads, head_dim, window, splits, pos, out);
 }

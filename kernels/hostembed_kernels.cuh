@@ -41,6 +41,22 @@
 // p % HE_PAGE_TOKENS of page table[p / HE_PAGE_TOKENS].
 #define HE_PAGE_TOKENS 16
 
+// How the launchers that take it launch (src/tuning.rs's Tuning, which the engine resolves once; any
+// setting gives the same bits): `overlap` lets a launch start while the kernel before it finishes (on
+// sm_90 and newer); hostembed_mmv's `mmv_stage` (HE_MMV_STAGE_*) says when its weights are staged,
+// `mmvq_tokens` the tokens an integer launch takes (0, or past MMVQ_MAX_TOKENS: its own choice), and
+// `mmv_prep` whether half launches of many tokens convert their activations once.
+#define HE_MMV_STAGE_NEVER 0
+#define HE_MMV_STAGE_MEASURED 1
+#define HE_MMV_STAGE_ALWAYS 2
+typedef struct hostembed_tuning {
+    int overlap;
+    int mmv_stage;
+    unsigned int mmvq_tokens;
+    int mmv_prep;
+} hostembed_tuning;
+static_assert(sizeof(hostembed_tuning) == 16, "src/kernels.rs repeats hostembed_tuning");
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -60,7 +76,7 @@ cudaError_t hostembed_embed_gather(const void *rows, int dtype, unsigned int voc
 
 // out[t] = x[t] * rsqrt(mean(x[t]^2) + eps) * w, for n rows of cols values (out may be x).
 cudaError_t hostembed_rmsnorm(const float *x, const float *w, float eps, float *out, unsigned int n, unsigned int cols,
-                              cudaStream_t stream);
+                              hostembed_tuning tuning, cudaStream_t stream);
 
 // y[t*ldy + r] = sum_c W[r][c] * x[t*cols + c] (+ bias[r]) (+ residual[t*ldy + r]) for r < rows, t < n.
 // W is rows x cols in `dtype` (HE_DTYPE_*), each weight read once per 8 tokens; bias and residual may be
@@ -82,12 +98,12 @@ cudaError_t hostembed_matvec_swiglu(const void *w_gate, const void *w_up, int dt
 // by every launch); launches sharing them must run in stream order.
 cudaError_t hostembed_mmv(const void *w, int dtype, unsigned int rows, unsigned int cols, const float *x,
                           unsigned int n, const float *bias, const float *residual, float *y, unsigned int ldy,
-                          float *partial, unsigned int *counters, cudaStream_t stream);
+                          float *partial, unsigned int *counters, hostembed_tuning tuning, cudaStream_t stream);
 
 // y[t*rows + r] = silu(G[r].x[t]) * (U[r].x[t]) on tensor cores, as hostembed_mmv.
 cudaError_t hostembed_mmv_swiglu(const void *w_gate, const void *w_up, int dtype, unsigned int rows,
                                  unsigned int cols, const float *x, unsigned int n, float *y, float *partial,
-                                 unsigned int *counters, cudaStream_t stream);
+                                 unsigned int *counters, hostembed_tuning tuning, cudaStream_t stream);
 
 // cudaSuccess when hostembed_mmv takes weights of `dtype` at `w` with rows of `cols` values.
 cudaError_t hostembed_mmv_supports(int dtype, const void *w, unsigned int cols);
@@ -108,7 +124,7 @@ cudaError_t hostembed_rope_kv(float *qkv, unsigned int qkv_stride, unsigned int 
                               unsigned int heads, unsigned int kv_heads, unsigned int head_dim,
                               const float *inv_freq, int interleaved, const float *q_norm, const float *k_norm,
                               float eps, void *kv_pool, const unsigned int *const *tables, unsigned int pool_pages,
-                              int k_type, int v_type, cudaStream_t stream);
+                              int k_type, int v_type, hostembed_tuning tuning, cudaStream_t stream);
 
 // Writes HE_PAGE_TOKENS, for the host to check its own copy against.
 cudaError_t hostembed_kv_page_tokens(unsigned int *page_tokens);
@@ -127,7 +143,8 @@ cudaError_t hostembed_attention(const float *q, unsigned int q_stride, const voi
                                 const unsigned int *const *tables, unsigned int pool_pages, int k_type, int v_type,
                                 const int *pos, unsigned int n, unsigned int heads, unsigned int kv_heads,
                                 unsigned int head_dim, float scale, unsigned int window, unsigned int splits,
-                                unsigned int grid_parts, float *partial, float *out, cudaStream_t stream);
+                                unsigned int grid_parts, float *partial, float *out, hostembed_tuning tuning,
+                                cudaStream_t stream);
 
 // out[i] = silu(gate[i]) * up[i].
 cudaError_t hostembed_swiglu(const float *gate, const float *up, float *out, size_t len, cudaStream_t stream);
@@ -230,7 +247,7 @@ cudaError_t hostembed_add_bias(float *y, unsigned int ldy, const float *bias, un
 // RMSNorm as hostembed_rmsnorm, written in out_dtype (HE_DTYPE_F32 or a half format); where residue is
 // not NULL (a half format only), y - half(y) of each value y in the same format there too.
 cudaError_t hostembed_rmsnorm_to(const float *x, const float *w, float eps, void *out, void *residue, int out_dtype,
-                                 unsigned int n, unsigned int cols, cudaStream_t stream);
+                                 unsigned int n, unsigned int cols, hostembed_tuning tuning, cudaStream_t stream);
 
 // out[i] = silu(gate[i]) * up[i] written in out_dtype (HE_DTYPE_F32 or a half format); out may not
 // overlap gate or up unless out_dtype is HE_DTYPE_F32.
@@ -536,23 +553,20 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 #endif
 }
 
-// Whether launches may overlap the kernel before them: sm_90 and newer, unless HOSTEMBED_PDL=0.
-inline bool pdl_enabled() {
-    static const bool allowed = [] {
-        const char *v = getenv("HOSTEMBED_PDL");
-        return v == nullptr || v[0] != '0';
-    }();
+// Whether launches may overlap the kernel before them: where `allowed` (hostembed_tuning's overlap), on
+// sm_90 and newer.
+inline bool pdl_enabled(bool allowed) {
     int dev = 0, major = 0;
     return allowed && cudaGetDevice(&dev) == cudaSuccess &&
            cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess && major >= 9;
 }
 
-// Launches `kernel` as a programmatic dependent of the kernel before it in the stream where pdl_enabled():
-// its blocks may start while that kernel's last blocks run, so the kernel must call pdl_wait() before it
-// touches memory that kernel reads or writes. Returns the launch's status.
+// Launches `kernel` as a programmatic dependent of the kernel before it in the stream where
+// pdl_enabled(tuning.overlap): its blocks may start while that kernel's last blocks run, so the kernel
+// must call pdl_wait() before it touches memory that kernel reads or writes. Returns the launch's status.
 template <typename... Params, typename... Args>
-cudaError_t launch_overlapped(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
-                              Args &&...args) {
+cudaError_t launch_overlapped(const hostembed_tuning &tuning, void (*kernel)(Params...), dim3 grid, dim3 block,
+                              size_t smem, cudaStream_t stream, Args &&...args) {
     cudaLaunchAttribute overlap;
     overlap.id = cudaLaunchAttributeProgrammaticStreamSerialization;
     overlap.val.programmaticStreamSerializationAllowed = 1;
@@ -562,7 +576,7 @@ cudaError_t launch_overlapped(void (*kernel)(Params...), dim3 grid, dim3 block, 
     config.dynamicSmemBytes = smem;
     config.stream = stream;
     config.attrs = &overlap;
-    config.numAttrs = pdl_enabled() ? 1 : 0;
+    config.numAttrs = pdl_enabled(tuning.overlap != 0) ? 1 : 0;
     return cudaLaunchKernelEx(&config, kernel, static_cast<Args &&>(args)...);
 }
 

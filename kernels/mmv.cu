@@ -32,7 +32,7 @@ constexpr int MMV_THREADS = MMV_WARPS * 32;
 constexpr unsigned MMV_BLOCK_ROWS = MMV_WARPS * 16;
 constexpr unsigned MMV_KC = 256;  // the unit of column ranges and staged chunks
 constexpr unsigned MMV_MAX_TOKENS = 64;
-constexpr unsigned MMVQ_MAX_TOKENS = 32;  // the integer kernel's widest tile set (HOSTEMBED_MMVQ_TOKENS)
+constexpr unsigned MMVQ_MAX_TOKENS = 32;  // the integer kernel's widest tile set (hostembed_tuning's mmvq_tokens)
 // The integer kernel's tokens a launch: 16 tokens at two blocks a multiprocessor beat 32 at one (Q4_K 64
 // tokens on 4096 x 14336: 236 -> 165 us; BENCHMARKS.md).
 constexpr unsigned MMVQ_LAUNCH_TOKENS = 16;
@@ -802,16 +802,11 @@ __host__ __device__ constexpr unsigned mmv_group() {
 }
 
 // Whether a launch of `n` tokens stages its weights: where the reader measured faster so (its
-// STAGE_TOKENS), or as HOSTEMBED_MMV_STAGE says, to measure: 0 never, "all" always. Both ways give the
-// same bits: only where the weights wait differs.
+// STAGE_TOKENS), or as hostembed_tuning's mmv_stage says, to measure. Both ways give the same bits: only
+// where the weights wait differs.
 template <typename R>
-bool mmv_staged(unsigned int n) {
-    static const int mode = [] {
-        const char *v = getenv("HOSTEMBED_MMV_STAGE");
-        if (v == nullptr) return 1;
-        return v[0] == '0' ? 0 : v[0] == 'a' ? 2 : 1;
-    }();
-    return mode == 2 || (mode == 1 && n <= R::STAGE_TOKENS);
+bool mmv_staged(const hostembed_tuning &tuning, unsigned int n) {
+    return tuning.mmv_stage == HE_MMV_STAGE_ALWAYS || (tuning.mmv_stage != HE_MMV_STAGE_NEVER && n <= R::STAGE_TOKENS);
 }
 
 // ---- the BF16 kernel ----
@@ -1348,34 +1343,21 @@ __global__ __launch_bounds__(MMV_THREADS, NT4 <= 2 ? MMV_SMALL_MIN_BLOCKS : NT4 
     });
 }
 
-// Tokens an integer launch takes: MMVQ_LAUNCH_TOKENS, or HOSTEMBED_MMVQ_TOKENS (1 to MMVQ_MAX_TOKENS), to
-// measure. Any split gives a token the same bits.
-inline unsigned int mmvq_launch_tokens() {
-    static const unsigned int tokens = [] {
-        const char *v = getenv("HOSTEMBED_MMVQ_TOKENS");
-        const int t = v != nullptr ? atoi(v) : 0;
-        return t >= 1 && t <= (int)MMVQ_MAX_TOKENS ? (unsigned int)t : MMVQ_LAUNCH_TOKENS;
-    }();
-    return tokens;
-}
-
-// Whether launches of more than MMV_PREP_AFTER tokens convert their activations once (mmv_prep_kernel):
-// on unless HOSTEMBED_MMV_PREP=0, to measure. Both ways give the same bits.
-inline bool mmv_prep_on() {
-    static const bool on = [] {
-        const char *v = getenv("HOSTEMBED_MMV_PREP");
-        return v == nullptr || v[0] != '0';
-    }();
-    return on;
+// Tokens an integer launch takes: MMVQ_LAUNCH_TOKENS, or hostembed_tuning's mmvq_tokens (1 to
+// MMVQ_MAX_TOKENS), to measure. Any split gives a token the same bits.
+inline unsigned int mmvq_launch_tokens(const hostembed_tuning &tuning) {
+    const unsigned int t = tuning.mmvq_tokens;
+    return t >= 1 && t <= MMVQ_MAX_TOKENS ? t : MMVQ_LAUNCH_TOKENS;
 }
 
 template <typename R, bool GLU, bool STAGED>
 cudaError_t launch_mmv(const unsigned char *w, const unsigned char *w2, unsigned int rows, unsigned int cols,
                        size_t row_bytes, const float *x, unsigned int n, const float *bias, const float *residual,
-                       float *y, unsigned int ldy, float *partial, unsigned int *counters, cudaStream_t stream) {
+                       float *y, unsigned int ldy, float *partial, unsigned int *counters,
+                       const hostembed_tuning &tuning, cudaStream_t stream) {
     const MmvShape shape = mmv_shape(rows, cols, GLU, R::INT);
     const dim3 grid(shape.row_blocks, shape.splits);
-    const unsigned int MAX = R::INT ? mmvq_launch_tokens() : MMV_MAX_TOKENS;
+    const unsigned int MAX = R::INT ? mmvq_launch_tokens(tuning) : MMV_MAX_TOKENS;
     constexpr unsigned GROUP = mmv_group<R, STAGED>();
     constexpr unsigned WEIGHTS = STAGED ? WeightSlots<R, GROUP>::BLOCK_BYTES : 0;
     for (unsigned int t0 = 0; t0 < n; t0 += MAX) {
@@ -1383,7 +1365,7 @@ cudaError_t launch_mmv(const unsigned char *w, const unsigned char *w2, unsigned
         const float *xt = x + (size_t)t0 * cols;
         const float *rt = residual != nullptr ? residual + (size_t)t0 * ldy : nullptr;
         float *yt = y + (size_t)t0 * ldy;
-        const bool prep = !R::INT && !STAGED && nt > MMV_PREP_AFTER && mmv_prep_on();
+        const bool prep = !R::INT && !STAGED && nt > MMV_PREP_AFTER && tuning.mmv_prep != 0;
         int smem;
         if constexpr (R::INT) smem = (int)(mmvq_act_bytes(nt, mmv_chunk(nt, shape.kr, 2, mmvq_unit(GROUP)), mmvq_min_cols<R>()) + WEIGHTS);
         else smem = (int)(mmv_half_smem(nt, shape.kr, GROUP, R::SCALED, prep) + WEIGHTS);
@@ -1392,16 +1374,17 @@ cudaError_t launch_mmv(const unsigned char *w, const unsigned char *w2, unsigned
                 float *staged = partial + mmv_prep_offset(shape, GLU, nt, rows);
                 const unsigned int warps = nt * ((cols + MMV_KC - 1) / MMV_KC);
                 const cudaError_t e = he::launch_overlapped(
-                    mmv_prep_kernel<R>, dim3((warps + MMV_WARPS - 1) / MMV_WARPS), dim3(MMV_THREADS), 0, stream, xt, nt,
-                    cols, reinterpret_cast<uint4 *>(staged), reinterpret_cast<int *>(staged + (size_t)nt * cols));
+                    tuning, mmv_prep_kernel<R>, dim3((warps + MMV_WARPS - 1) / MMV_WARPS), dim3(MMV_THREADS), 0, stream,
+                    xt, nt, cols, reinterpret_cast<uint4 *>(staged),
+                    reinterpret_cast<int *>(staged + (size_t)nt * cols));
                 if (e != cudaSuccess) return e;
             }
         }
         auto go = [&](auto kernel) {
             cudaError_t e = he::allow_smem(kernel, smem);
             if (e != cudaSuccess) return e;
-            return he::launch_overlapped(kernel, grid, dim3(MMV_THREADS), (size_t)smem, stream, w, w2, rows, cols,
-                                         row_bytes, xt, nt, bias, rt, yt, ldy, partial, counters);
+            return he::launch_overlapped(tuning, kernel, grid, dim3(MMV_THREADS), (size_t)smem, stream, w, w2, rows,
+                                         cols, row_bytes, xt, nt, bias, rt, yt, ldy, partial, counters);
         };
         cudaError_t e;
         if constexpr (R::INT) {
@@ -1465,7 +1448,8 @@ extern "C" cudaError_t hostembed_mmv_workspace(unsigned int rows, unsigned int c
 template <bool GLU>
 static cudaError_t mmv_entry(const void *w, const void *w2, int dtype, unsigned int rows, unsigned int cols,
                              const float *x, unsigned int n, const float *bias, const float *residual, float *y,
-                             unsigned int ldy, float *partial, unsigned int *counters, cudaStream_t stream) {
+                             unsigned int ldy, float *partial, unsigned int *counters, const hostembed_tuning &tuning,
+                             cudaStream_t stream) {
     if (w == nullptr || (GLU && w2 == nullptr) || x == nullptr || y == nullptr) return cudaErrorInvalidValue;
     if (rows == 0 || cols == 0 || ldy < rows || reinterpret_cast<uintptr_t>(x) % 16 != 0) return cudaErrorInvalidValue;
     if (hostembed_mmv_supports(dtype, w, cols) != cudaSuccess) return cudaErrorNotSupported;
@@ -1483,10 +1467,10 @@ static cudaError_t mmv_entry(const void *w, const void *w2, int dtype, unsigned 
         he::with_format(dtype, [&](auto format) {
             using F = decltype(format);
             const size_t rb = he::row_bytes<F>(cols);
-            err = mmv_staged<R>(n) ? launch_mmv<R, GLU, true>(wb, wb2, rows, cols, rb, x, n, bias, residual, y, ldy, partial,
-                                                         counters, stream)
-                               : launch_mmv<R, GLU, false>(wb, wb2, rows, cols, rb, x, n, bias, residual, y, ldy,
-                                                          partial, counters, stream);
+            err = mmv_staged<R>(tuning, n) ? launch_mmv<R, GLU, true>(wb, wb2, rows, cols, rb, x, n, bias, residual, y,
+                                                                      ldy, partial, counters, tuning, stream)
+                                           : launch_mmv<R, GLU, false>(wb, wb2, rows, cols, rb, x, n, bias, residual, y,
+                                                                       ldy, partial, counters, tuning, stream);
         });
     });
     return err;
@@ -1494,13 +1478,16 @@ static cudaError_t mmv_entry(const void *w, const void *w2, int dtype, unsigned 
 
 extern "C" cudaError_t hostembed_mmv(const void *w, int dtype, unsigned int rows, unsigned int cols, const float *x,
                                      unsigned int n, const float *bias, const float *residual, float *y,
-                                     unsigned int ldy, float *partial, unsigned int *counters, cudaStream_t stream) {
-    return mmv_entry<false>(w, nullptr, dtype, rows, cols, x, n, bias, residual, y, ldy, partial, counters, stream);
+                                     unsigned int ldy, float *partial, unsigned int *counters, hostembed_tuning tuning,
+                                     cudaStream_t stream) {
+    return mmv_entry<false>(w, nullptr, dtype, rows, cols, x, n, bias, residual, y, ldy, partial, counters, tuning,
+                            stream);
 }
 
 extern "C" cudaError_t hostembed_mmv_swiglu(const void *w_gate, const void *w_up, int dtype, unsigned int rows,
                                             unsigned int cols, const float *x, unsigned int n, float *y,
-                                            float *partial, unsigned int *counters, cudaStream_t stream) {
-    return mmv_entry<true>(w_gate, w_up, dtype, rows, cols, x, n, nullptr, nullptr, y, rows, partial, counters,
+                                            float *partial, unsigned int *counters, hostembed_tuning tuning,
+                                            cudaStream_t stream) {
+    return mmv_entry<true>(w_gate, w_up, dtype, rows, cols, x, n, nullptr, nullptr, y, rows, partial, counters, tuning,
                            stream);
 }

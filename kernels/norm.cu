@@ -110,14 +110,15 @@ extern "C" cudaError_t hostembed_rmsnorm_add(const float *y, const float *w, flo
 }
 
 extern "C" cudaError_t hostembed_rmsnorm_to(const float *x, const float *w, float eps, void *out, void *residue,
-                                            int out_dtype, unsigned int n, unsigned int cols, cudaStream_t stream) {
+                                            int out_dtype, unsigned int n, unsigned int cols, hostembed_tuning tuning,
+                                            cudaStream_t stream) {
     if (x == nullptr || w == nullptr || out == nullptr || cols == 0) return cudaErrorInvalidValue;
     if (residue != nullptr && out_dtype == HE_DTYPE_F32) return cudaErrorInvalidValue;  // f32 has none
     if (n == 0) return cudaSuccess;
     cudaError_t err = cudaErrorInvalidValue;
     he::with_out(out_dtype, [&](auto o) {
         using Out = decltype(o);
-        err = he::launch_overlapped(rmsnorm_kernel<Out>, dim3(n), dim3(NORM_THREADS), 0, stream, x, w, eps,
+        err = he::launch_overlapped(tuning, rmsnorm_kernel<Out>, dim3(n), dim3(NORM_THREADS), 0, stream, x, w, eps,
                                     static_cast<typename Out::T *>(out), static_cast<typename Out::T *>(residue),
                                     cols);
     });
@@ -125,6 +126,6 @@ extern "C" cudaError_t hostembed_rmsnorm_to(const float *x, const float *w, floa
 }
 
 extern "C" cudaError_t hostembed_rmsnorm(const float *x, const float *w, float eps, float *out, unsigned int n,
-                                         unsigned int cols, cudaStream_t stream) {
-    return hostembed_rmsnorm_to(x, w, eps, out, nullptr, HE_DTYPE_F32, n, cols, stream);
+                                         unsigned int cols, hostembed_tuning tuning, cudaStream_t stream) {
+    return hostembed_rmsnorm_to(x, w, eps, out, nullptr, HE_DTYPE_F32, n, cols, tuning, stream);
 }

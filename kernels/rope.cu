@@ -182,7 +182,7 @@ extern "C" cudaError_t hostembed_rope_kv(float *qkv, unsigned int qkv_stride, un
                                          const float *inv_freq, int interleaved, const float *q_norm,
                                          const float *k_norm, float eps, void *kv_pool,
                                          const unsigned int *const *tables, unsigned int pool_pages, int k_type,
-                                         int v_type, cudaStream_t stream) {
+                                         int v_type, hostembed_tuning tuning, cudaStream_t stream) {
     if (qkv == nullptr || pos == nullptr || inv_freq == nullptr) return cudaErrorInvalidValue;
     if (head_dim == 0 || head_dim % 2 != 0 || head_dim > ROPE_MAX_DIM || heads == 0 || kv_heads == 0)
         return cudaErrorInvalidValue;
@@ -196,9 +196,10 @@ extern "C" cudaError_t hostembed_rope_kv(float *qkv, unsigned int qkv_stride, un
     const size_t items = (size_t)n * (heads + 2 * kv_heads);
     const size_t blocks = (items + ROPE_WARPS - 1) / ROPE_WARPS;
     if (blocks > 0x7fffffffu) return cudaErrorInvalidValue;
-    return he::launch_overlapped(rope_kv_kernel, dim3((unsigned int)blocks), dim3(ROPE_WARPS * 32), 0, stream, qkv,
-                                 qkv_stride, n, pos, heads, kv_heads, head_dim, inv_freq, interleaved, q_norm, k_norm,
-                                 eps, static_cast<unsigned char *>(kv_pool), tables, pool_pages, k_type, v_type);
+    return he::launch_overlapped(tuning, rope_kv_kernel, dim3((unsigned int)blocks), dim3(ROPE_WARPS * 32), 0, stream,
+                                 qkv, qkv_stride, n, pos, heads, kv_heads, head_dim, inv_freq, interleaved, q_norm,
+                                 k_norm, eps, static_cast<unsigned char *>(kv_pool), tables, pool_pages, k_type,
+                                 v_type);
 }
 
 extern "C" cudaError_t hostembed_kv_page_tokens(unsigned int *page_tokens) {

@@ -29,9 +29,11 @@ use crate::constraint::{Constraint, PendingMask};
 use crate::sampler::{self, Sampling};
 use crate::status::{Error, Result, Status};
 
+mod batch;
 mod pool;
 mod streams;
 
+pub use self::batch::{Batch, BatchItem};
 use self::pool::ROOT;
 pub use self::pool::{PagePool, PoolUsage};
 pub use self::streams::Streams;
@@ -191,33 +193,15 @@ pub trait Backend: Send {
     fn score(&mut self, stream: &mut KvStream<Self::Cache>, tokens: &[u32], out: &mut [f32]) -> Result<()>;
 }
 
-/// One item of `Decoder::step_batch`: a stream, the ids to append, and (out) the token sampled next.
-pub struct BatchStep<'a> {
-    pub stream: u32,
-    pub tokens: &'a [u32],
-    pub next: Result<u32>,
-    /// Tokens the step may produce for this stream: 1 steps one token; more lets the stream's
-    /// speculation propose up to this many less one.
-    pub most: usize,
-    /// Out: every token the step produced (accepted proposals, then `next`).
-    pub out: Vec<u32>,
-}
-
-impl<'a> BatchStep<'a> {
-    pub fn new(stream: u32, tokens: &'a [u32]) -> BatchStep<'a> {
-        BatchStep { stream, tokens, next: Err(not_run()), most: 1, out: Vec::new() }
-    }
-}
-
 /// What the engine calls: its streams by index, on whichever backend runs them.
 pub trait Decoder: Send {
     /// Streams that exist (the bound on how many are open at once, not on how many full windows fit).
     fn stream_count(&self) -> usize;
     /// The window every stream has, in tokens.
     fn window(&self) -> usize;
-    /// Steps every item at once, each with its own status in `next`. INVALID_ARGUMENT (nothing done)
-    /// for a stream named twice; another Err only when the device failed.
-    fn step_batch(&mut self, items: &mut [BatchStep<'_>]) -> Result<()>;
+    /// Steps every item of `batch` but the refused ones at once, each with its own status in `next`. Err
+    /// only when the device failed.
+    fn step_batch(&mut self, batch: &mut Batch<'_>) -> Result<()>;
     /// The logits after the last position of stream `stream`, kept for the streams stepped by the last
     /// batch that stepped anything (or the stream the last `score` scored).
     fn logits(&self, stream: u32) -> Result<Vec<f32>>;

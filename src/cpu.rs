@@ -15,7 +15,7 @@
 //! and dots it with every token (cpu/matmul.rs); attention runs each token over the stream's cache up
 //! to its own position, its softmax over position-aligned blocks with a running max and this
 //! backend's own exp (cpu/attention.rs, cpu/exp.rs). Both split their work across threads
-//! (cpu/parallel.rs: HOSTEMBED_CPU_THREADS, else every core). Every output value is the same sequence
+//! (cpu/parallel.rs, on `Tuning::cpu_threads` threads). Every output value is the same sequence
 //! of f64 operations however the tokens are batched and whatever the thread count or the host's libm,
 //! so a prompt stepped at once gives the logits it gives token by token, bit for bit.
 
@@ -39,8 +39,8 @@ use self::attention::{AttentionScratch, Batch, KEY_BLOCK, KvRows};
 pub use self::backend::CpuBackend;
 pub use self::kv_pages::{CpuCache, CpuStream, KvPages};
 use self::matmul::{RowTile, Write};
+pub use self::parallel::MAX_THREADS;
 use self::parallel::Pool;
-pub use self::parallel::{MAX_THREADS, THREADS_ENV, thread_count};
 use self::pass::{CpuPass, Segment};
 use self::scratch::{Scratch, try_filled};
 pub use self::scratch::{scratch_bytes, step_threads};
@@ -256,7 +256,7 @@ const _: () = assert!(PAGE_TOKENS.is_multiple_of(KEY_BLOCK));
 
 impl<'a> CpuModel<'a> {
     /// Reads the config and checks every tensor the architecture needs; `BadModel` names the first at
-    /// fault. The model runs on `thread_count()` threads.
+    /// fault. The model runs on every core (`with_threads` sets another count).
     pub fn new(src: &'a dyn TensorSource) -> Result<Self> {
         let cfg = src.config().clone();
         let w = ModelWeights::read(src)?;
@@ -265,7 +265,7 @@ impl<'a> CpuModel<'a> {
         let inv_freq = rope_inv_freq(&cfg);
         let inv_freq_local = crate::model::rope_inv_freq_local(&cfg).unwrap_or_default();
         let final_norm = w.final_norm.to_f32();
-        let pool = Pool::new(thread_count());
+        let pool = Pool::new(crate::tuning::Tuning::default().cpu_threads);
         let kv = KvTypes::CPU_DEFAULT;
         Ok(CpuModel { cfg, embed: w.embed, final_norm, lm_head, layers, inv_freq, inv_freq_local, kv, pool })
     }

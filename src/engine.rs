@@ -7,7 +7,7 @@
 #![allow(non_camel_case_types)]
 
 use crate::abi::engine_device_info;
-use crate::backend::{Backend, BatchStep, Decoder, Streams};
+use crate::backend::{Backend, Batch, BatchItem, Decoder, Streams};
 use crate::checkpoint::Checkpoint;
 use crate::constraint::Constraint;
 use crate::cpu::{CpuBackend, CpuStream};
@@ -22,6 +22,7 @@ use crate::sampler::Sampling;
 use crate::status::{Result, Status};
 use crate::tensor::DType;
 use crate::tokenizer::Tokenizer;
+use crate::tuning::{self, Tuning};
 use std::ffi::CString;
 use std::os::raw::c_void;
 use std::path::Path;
@@ -32,7 +33,8 @@ use std::sync::{Arc, Mutex};
 pub const MMAP_ROWS_ENV: &str = "DS4_EMBD_MMAP";
 
 pub use crate::abi::{
-    engine_backend, engine_draft, engine_kv_type, engine_log_fn, engine_options, engine_speculation, engine_tristate,
+    engine_backend, engine_batch_item, engine_draft, engine_kv_type, engine_log_fn, engine_options, engine_speculation,
+    engine_tristate,
 };
 
 pub const DEFAULT_MAX_BATCH: u32 = 512;
@@ -80,7 +82,7 @@ fn tristate_or_env(option: engine_tristate, var: &str) -> bool {
     match option {
         engine_tristate::Yes => true,
         engine_tristate::No => false,
-        engine_tristate::Auto => std::env::var_os(var).is_some_and(|v| v == "1"),
+        engine_tristate::Auto => tuning::env_var(var).is_some_and(|v| v == "1"),
     }
 }
 
@@ -96,6 +98,13 @@ pub const BATCH_TENSOR_CORES_ENV: &str = "HOSTEMBED_BATCH_TENSOR_CORES";
 /// invariant): Auto reads HOSTEMBED_BATCH_TENSOR_CORES.
 pub fn resolve_batch_tensor_cores(option: engine_tristate) -> bool {
     tristate_or_env(option, BATCH_TENSOR_CORES_ENV)
+}
+
+/// How an engine with these options runs: the environment's settings (`Tuning::from_env`, read here
+/// once an engine) and the options' own (`batch_tensor_cores`). The engine passes it to the backend
+/// it loads; nothing below reads the environment.
+pub fn tuning_for(opts: &engine_options) -> Tuning {
+    Tuning { batch_tensor_cores: resolve_batch_tensor_cores(opts.batch_tensor_cores), ..Tuning::from_env() }
 }
 
 /// Whether the engine's KV pool keeps a prefix cache: Auto is on.
@@ -285,23 +294,26 @@ pub fn cpu_kv_types(opts: &engine_options) -> KvTypes {
 }
 
 /// The figures the fit rule decides on, from a checkpoint and the options (the KV cache in
-/// `gpu_kv_types`; UNSUPPORTED when a type cannot hold the model's heads). `device` is the device the
-/// engine would run on (None: no device; then `room_bytes` must be given and unified Auto is false).
+/// `gpu_kv_types`; UNSUPPORTED when a type cannot hold the model's heads), for the tuning an engine
+/// would run with (`tuning_for`). `device` is the device the engine would run on (None: no device;
+/// then `room_bytes` must be given and unified Auto is false).
 pub fn fit_inputs(
     ckpt: &Checkpoint,
     opts: &engine_options,
     device: Option<&engine_device_info>,
 ) -> Result<engine_fit_inputs> {
-    fit_inputs_with_drafter(ckpt, None, opts, device)
+    fit_inputs_with_drafter(ckpt, None, opts, device, &tuning_for(opts))
 }
 
-/// `fit_inputs` with a drafter model beside the target: its terms are the drafter's real bytes (its
-/// weights, embedding rows and scratch; one stream at the drafter's window) instead of the options'.
+/// `fit_inputs` for `tuning`, with a drafter model beside the target: its terms are the drafter's real
+/// bytes (its weights, embedding rows and scratch; one stream at the drafter's window) instead of the
+/// options'.
 pub fn fit_inputs_with_drafter(
     ckpt: &Checkpoint,
     drafter: Option<&Checkpoint>,
     opts: &engine_options,
     device: Option<&engine_device_info>,
+    tuning: &Tuning,
 ) -> Result<engine_fit_inputs> {
     let cfg = &ckpt.config;
     let window = window_of(cfg, opts)?;
@@ -318,7 +330,7 @@ pub fn fit_inputs_with_drafter(
     }
     let kv = gpu_kv_types(opts);
     kv.check(cfg)?;
-    let scratch = GpuModel::scratch_bytes(ckpt, max_batch_of(opts), kv, window as usize);
+    let scratch = GpuModel::scratch_bytes(ckpt, max_batch_of(opts), kv, window as usize, tuning);
     let stream = GpuModel::stream_bytes(cfg, kv, window as usize);
     let (drafter_weight_bytes, drafter_stream_bytes) = match drafter {
         None => (opts.drafter_weight_bytes, opts.drafter_stream_bytes),
@@ -330,7 +342,7 @@ pub fn fit_inputs_with_drafter(
             kv.check(&d.config)?;
             let window = drafter_window(&d.config, window as usize);
             let embed = d.bytes_of(d.embed()).len() as u64;
-            let scratch = GpuModel::scratch_bytes(d, max_batch_of(opts), kv, window);
+            let scratch = GpuModel::scratch_bytes(d, max_batch_of(opts), kv, window, tuning);
             (weights + embed + scratch, GpuModel::stream_bytes(&d.config, kv, window))
         }
     };
@@ -434,6 +446,7 @@ fn load_decoder(
     pool: &KvPool,
     kv: KvTypes,
     opts: &engine_options,
+    tuning: &Tuning,
     logger: &Logger,
     drafter: Option<DrafterLoad<'_>>,
 ) -> Result<Box<dyn Decoder>> {
@@ -443,12 +456,12 @@ fn load_decoder(
     let prefix_cache = resolve_prefix_cache(opts.prefix_cache);
     Ok(match kind {
         BackendKind::Cpu => {
-            let backend = CpuBackend::with_kv(ckpt.shared(), pool.pages, kv)?;
+            let backend = CpuBackend::with_kv(ckpt.shared(), pool.pages, kv, tuning)?;
             let target = Streams::new(backend, window, streams, pool.pages, sampling)?.with_prefix_cache(prefix_cache);
             match drafter {
                 None => Box::new(target),
                 Some(d) => {
-                    let backend = CpuBackend::with_kv(d.ckpt.shared(), d.pool.pages, kv)?;
+                    let backend = CpuBackend::with_kv(d.ckpt.shared(), d.pool.pages, kv, tuning)?;
                     let dwindow = drafter_window(&d.ckpt.config, window);
                     let drafts = Streams::new(backend, dwindow, streams, d.pool.pages, Sampling::GREEDY)?
                         .with_prefix_cache(prefix_cache);
@@ -459,12 +472,10 @@ fn load_decoder(
         BackendKind::Cuda => {
             let r = rows.describe();
             let rows = RowsOnDevice { ptr: r.data, dtype: r.dtype, vocab: r.rows as usize, cols: r.cols as usize };
-            let mut model = CudaBackend::load(&**ckpt, rows, max_batch_of(opts), opts.device, pool.pages, kv, window)?;
+            let model =
+                CudaBackend::load(&**ckpt, rows, max_batch_of(opts), opts.device, pool.pages, kv, window, tuning)?;
             logger.line(model.prompt_route());
-            // Set either way: the model itself never reads the environment (NO with the variable set stays off).
-            let tensor_cores = resolve_batch_tensor_cores(opts.batch_tensor_cores);
-            model.set_batch_tensor_cores(tensor_cores);
-            if tensor_cores {
+            if tuning.batch_tensor_cores {
                 logger.line("batches of 16 or more single tokens share tensor-core products: a stream's logits depend on its batch");
             }
             let target = Streams::new(model, window, streams, pool.pages, sampling)?.with_prefix_cache(prefix_cache);
@@ -475,9 +486,9 @@ fn load_decoder(
                     let rows =
                         RowsOnDevice { ptr: r.data, dtype: r.dtype, vocab: r.rows as usize, cols: r.cols as usize };
                     let dwindow = drafter_window(&d.ckpt.config, window);
-                    let mut model =
-                        CudaBackend::load(&**d.ckpt, rows, max_batch_of(opts), opts.device, d.pool.pages, kv, dwindow)?;
-                    model.set_batch_tensor_cores(tensor_cores);
+                    let (device, pages) = (opts.device, d.pool.pages);
+                    let model =
+                        CudaBackend::load(&**d.ckpt, rows, max_batch_of(opts), device, pages, kv, dwindow, tuning)?;
                     let drafts = Streams::new(model, dwindow, streams, d.pool.pages, Sampling::GREEDY)?
                         .with_prefix_cache(prefix_cache);
                     Box::new(target.with_drafter(drafts)?)
@@ -515,30 +526,6 @@ pub enum InitStep {
     Loaded,
 }
 
-/// One item of `Engine::step_batch`: the ids as C passed them, and (out) the token sampled next.
-pub struct BatchItem<'a> {
-    pub stream: u32,
-    pub tokens: &'a [i32],
-    pub next: Result<u32>,
-    /// Tokens the step may produce: 1 steps one; more lets the stream's speculation propose.
-    pub most: usize,
-    /// Out: every token the step produced, the last equal to `next`.
-    pub out: Vec<u32>,
-}
-
-impl<'a> BatchItem<'a> {
-    /// A plain step of `tokens` on `stream`.
-    pub fn new(stream: u32, tokens: &'a [i32]) -> BatchItem<'a> {
-        BatchItem { stream, tokens, next: Err(crate::err!(Panic, "not stepped")), most: 1, out: Vec::new() }
-    }
-
-    /// A step that may produce up to `most` tokens (speculation, where the stream has it on).
-    pub fn with_most(mut self, most: usize) -> BatchItem<'a> {
-        self.most = most.max(1);
-        self
-    }
-}
-
 /// Streams the CPU backend admits when `max_streams` is 0 (it has no device memory to plan).
 pub const CPU_STREAMS: u32 = 16;
 
@@ -563,6 +550,8 @@ pub struct Engine {
     plan: Option<engine_plan>,
     inputs: Option<engine_fit_inputs>,
     options: engine_options,
+    /// How the backend was told to run.
+    tuning: Tuning,
     logger: Logger,
     kind: BackendKind,
     kv: KvTypes,
@@ -590,6 +579,8 @@ impl Engine {
         };
         check_options(opts)?;
         let logger = Logger::new(opts);
+        // The one read of the environment an engine makes; everything below is given this.
+        let tuning = tuning_for(opts);
         let device = match opts.backend {
             engine_backend::Cpu => None,
             engine_backend::Cuda => Some(cuda::device_info(opts.device)?),
@@ -610,7 +601,7 @@ impl Engine {
             kv.check(&ckpt.config)?;
             let want = if opts.max_streams > 0 { opts.max_streams } else { CPU_STREAMS };
             let slot = std::mem::size_of::<Option<CpuStream>>() as u64;
-            let cpu = fit::plan_cpu(&fit::cpu_inputs(&ckpt.config, window, want, slot, kv, opts)?);
+            let cpu = fit::plan_cpu(&fit::cpu_inputs(&ckpt.config, window, want, slot, kv, opts, tuning.cpu_threads)?);
             // As on CUDA, the pool takes the room the plan leaves beside the step scratch and the stream
             // slots, at least its full windows and at most `want` of them (all those streams could fill);
             // `want` streams share it. Its pages cost memory only as streams fill them.
@@ -656,7 +647,8 @@ impl Engine {
                 }
                 _ => None,
             };
-            let backend = load_decoder(BackendKind::Cpu, &ckpt, &rows, streams, &pool, kv, opts, &logger, drafter)?;
+            let backend =
+                load_decoder(BackendKind::Cpu, &ckpt, &rows, streams, &pool, kv, opts, &tuning, &logger, drafter)?;
             let engine = Engine {
                 backend,
                 tokenizer: load_tokenizer(&ckpt, &logger)?,
@@ -666,6 +658,7 @@ impl Engine {
                 plan: None,
                 inputs: None,
                 options: *opts,
+                tuning,
                 logger,
                 kind: BackendKind::Cpu,
                 kv,
@@ -679,7 +672,7 @@ impl Engine {
         let kv = gpu_kv_types(opts);
         kv.check(&ckpt.config)?;
         kv.check_device(info.compute_major, info.compute_minor, &device_label(opts.device, &info))?;
-        let inputs = fit_inputs_with_drafter(&ckpt, drafter_ckpt.as_deref(), opts, Some(&info))?;
+        let inputs = fit_inputs_with_drafter(&ckpt, drafter_ckpt.as_deref(), opts, Some(&info), &tuning)?;
         let mut plan = fit::plan(&inputs)?;
         // The drafter's pool: a full drafter window for each of the plan's streams, which the fit counted
         // (`streams = left / (stream + drafter_stream)`); more streams share it as they share the target's
@@ -749,7 +742,8 @@ impl Engine {
             }
             _ => None,
         };
-        let backend = load_decoder(BackendKind::Cuda, &ckpt, &rows, streams, &pool, kv, opts, &logger, drafter)?;
+        let backend =
+            load_decoder(BackendKind::Cuda, &ckpt, &rows, streams, &pool, kv, opts, &tuning, &logger, drafter)?;
         let engine = Engine {
             backend,
             tokenizer: load_tokenizer(&ckpt, &logger)?,
@@ -759,6 +753,7 @@ impl Engine {
             plan: Some(plan),
             inputs: Some(inputs),
             options: *opts,
+            tuning,
             logger,
             kind: BackendKind::Cuda,
             kv,
@@ -790,50 +785,145 @@ impl Engine {
 
     /// Appends `tokens` to stream `stream` and returns the token its sampler picks next: a batch of one.
     pub fn step(&mut self, stream: u32, tokens: &[i32]) -> Result<u32> {
-        let mut items = [BatchItem::new(stream, tokens)];
-        self.step_batch(&mut items)?;
-        let [item] = items;
-        item.next.map_err(|e| crate::Error::new(e.status, format!("engine_step: {}", e.message)))
+        let out = self.step_tokens(stream, tokens, 1)?;
+        Ok(*out.last().expect("a stepped item produced its next token"))
     }
 
-    /// Steps every item at once, each with its own outcome in `next` (a failed item appends nothing).
-    /// INVALID_ARGUMENT, with nothing done, for a stream named twice; another Err only when the device
-    /// failed (the items say which were stepped before).
-    pub fn step_batch(&mut self, items: &mut [BatchItem<'_>]) -> Result<()> {
-        let mut named = std::collections::HashSet::with_capacity(items.len());
-        if let Some(twice) = items.iter().find(|i| !named.insert(i.stream)) {
-            crate::bail!(InvalidArgument, "stream {} is named twice in one batch", twice.stream);
+    /// Appends `tokens` to stream `stream`, letting its speculation produce up to `most` tokens, and
+    /// returns every token the step produced (the last is the one sampled next): a batch of one.
+    pub fn step_tokens(&mut self, stream: u32, tokens: &[i32], most: usize) -> Result<Vec<u32>> {
+        let mut out = vec![0i32; most];
+        let mut item = engine_batch_item {
+            stream,
+            tokens: tokens.as_ptr(),
+            n: tokens.len(),
+            next: -1,
+            status: Status::InvalidArgument,
+            out: if most > 1 { out.as_mut_ptr() } else { std::ptr::null_mut() },
+            out_cap: if most > 1 { most } else { 0 },
+            n_out: 0,
+        };
+        // SAFETY: the item's `tokens` are `tokens`, every id readable, and its `out`, when given, is `out`
+        // of `out_cap` ints; both outlive the call.
+        if let Some((_, e)) = unsafe { self.step_batch(std::slice::from_mut(&mut item)) }? {
+            return Err(e);
         }
-        let vocab = self.ckpt.config.vocab;
-        let ids: Vec<Result<Vec<u32>>> = items
-            .iter()
-            .map(|item| {
-                if let Some((i, t)) = item.tokens.iter().enumerate().find(|(_, t)| **t < 0 || **t as usize >= vocab) {
-                    crate::bail!(OutOfRange, "token {i} is id {t}, outside the vocabulary (0..{vocab})");
-                }
-                Ok(item.tokens.iter().map(|&t| t as u32).collect())
-            })
-            .collect();
-        let mut steps: Vec<BatchStep> = Vec::with_capacity(items.len());
-        let mut run = Vec::with_capacity(items.len());
-        for (i, (item, ids)) in items.iter_mut().zip(&ids).enumerate() {
-            item.out.clear();
-            match ids {
-                Ok(ids) => {
-                    let mut step = BatchStep::new(item.stream, ids);
-                    step.most = item.most.max(1);
-                    steps.push(step);
-                    run.push(i);
-                }
-                Err(e) => item.next = Err(e.clone()),
+        if item.out.is_null() {
+            return Ok(vec![item.next as u32]);
+        }
+        Ok(out[..item.n_out].iter().map(|&t| t as u32).collect())
+    }
+
+    /// Steps the caller's items at once, each with its outcome written into it: `status`, `next` (-1
+    /// when it failed; a failed item appends nothing), and the tokens its step produced in `out` and
+    /// `n_out`. This is where a batch is checked, once, for every layer below: the call is refused
+    /// (INVALID_ARGUMENT, nothing stepped, every item INVALID_ARGUMENT) for an item's `tokens` NULL with
+    /// `n` > 0, a stream named twice, or an `out` with `out_cap` below its stream's `max_tokens` + 1
+    /// while the stream speculates; an item fails alone (OUT_OF_RANGE) for a stream the engine does not
+    /// have or an id outside the vocabulary, or (NO_ROOM) for `n` past its stream's room, which is
+    /// checked before its tokens are read. Ok holds the first failed item (its index and why) for the
+    /// caller's last error; another Err only when the device failed (the items say which were stepped).
+    ///
+    /// # Safety
+    /// Each item's `tokens` is NULL or holds `n` ids (where `n` fits its stream's room: a larger `n` is
+    /// refused before they are read), and its `out` is NULL or holds `out_cap` writable ints.
+    pub unsafe fn step_batch(&mut self, items: &mut [engine_batch_item]) -> Result<Option<(usize, crate::Error)>> {
+        for item in items.iter_mut() {
+            item.next = -1;
+            item.status = Status::InvalidArgument;
+            item.n_out = 0;
+        }
+        if let Some(k) = items.iter().position(|i| i.tokens.is_null() && i.n > 0) {
+            crate::bail!(InvalidArgument, "items[{k}].tokens is NULL with n {}", items[k].n);
+        }
+        // Room for a speculating stream's every token, checked before anything is stepped.
+        for (k, item) in items.iter().enumerate() {
+            if item.out.is_null() || item.out_cap == 0 {
+                continue;
+            }
+            let Ok(spec) = self.backend.speculation(item.stream) else { continue };
+            if spec.draft != engine_draft::None && item.out_cap < spec.max_tokens as usize + 1 {
+                crate::bail!(
+                    InvalidArgument,
+                    "items[{k}].out_cap is {}; stream {} may produce max_tokens + 1 = {}",
+                    item.out_cap,
+                    item.stream,
+                    spec.max_tokens as usize + 1
+                );
             }
         }
-        let ran = self.backend.step_batch(&mut steps);
-        for (step, &i) in steps.into_iter().zip(&run) {
-            items[i].next = step.next;
-            items[i].out = step.out;
+        let checked = items
+            .iter()
+            .map(|item| {
+                // SAFETY: this function's contract, passed on.
+                match unsafe { self.checked_tokens(item) } {
+                    Ok(tokens) => {
+                        let most = if item.out.is_null() { 1 } else { item.out_cap };
+                        BatchItem::new(item.stream, tokens).with_most(most)
+                    }
+                    Err(e) => BatchItem::refused(item.stream, e),
+                }
+            })
+            .collect();
+        let mut batch = Batch::new(checked)?;
+        let ran = self.backend.step_batch(&mut batch);
+        let mut first_error = None;
+        for (k, (item, stepped)) in items.iter_mut().zip(batch.into_items()).enumerate() {
+            match stepped.next {
+                Ok(t) => {
+                    item.next = t as i32;
+                    item.status = Status::Ok;
+                    item.n_out = stepped.out.len();
+                    if !item.out.is_null() && item.out_cap > 0 {
+                        // `most` was out_cap, so the step produced at most that many.
+                        debug_assert!(stepped.out.len() <= item.out_cap);
+                        let n = stepped.out.len().min(item.out_cap);
+                        // SAFETY: the contract: `out` holds `out_cap` ints, and `n` is at most `out_cap`.
+                        let out = unsafe { std::slice::from_raw_parts_mut(item.out, n) };
+                        for (o, &t) in out.iter_mut().zip(&stepped.out) {
+                            *o = t as i32;
+                        }
+                    }
+                }
+                Err(e) => {
+                    item.status = e.status;
+                    first_error.get_or_insert((k, e));
+                }
+            }
         }
-        ran
+        ran?;
+        Ok(first_error)
+    }
+
+    /// An item's ids as the backends take them: its stream exists, its `n` fits the stream's room
+    /// (checked before its tokens are read), and every id is in the vocabulary.
+    ///
+    /// # Safety
+    /// As `step_batch`'s: `item.tokens` holds `item.n` ids when `n` fits the stream's room, alive and
+    /// unchanged for `'t` (the call that steps them).
+    unsafe fn checked_tokens<'t>(&self, item: &engine_batch_item) -> Result<&'t [u32]> {
+        let len = self.backend.stream_len(item.stream)?;
+        let window = self.backend.window();
+        if item.n > window.saturating_sub(len) {
+            crate::bail!(
+                NoRoom,
+                "stream {}: {} tokens after {len} do not fit the stream's window of {window}",
+                item.stream,
+                item.n
+            );
+        }
+        if item.n == 0 {
+            return Ok(&[]);
+        }
+        // SAFETY: the contract: `tokens` holds `n` ids, and `n` fits the stream's room.
+        let ids = unsafe { std::slice::from_raw_parts(item.tokens, item.n) };
+        let vocab = self.ckpt.config.vocab;
+        if let Some((i, t)) = ids.iter().enumerate().find(|(_, t)| **t < 0 || **t as usize >= vocab) {
+            crate::bail!(OutOfRange, "token {i} is id {t}, outside the vocabulary (0..{vocab})");
+        }
+        // SAFETY: i32 and u32 have one size and alignment, and every id was just found non-negative, so
+        // each reads as the same number.
+        Ok(unsafe { std::slice::from_raw_parts(ids.as_ptr().cast::<u32>(), ids.len()) })
     }
 
     /// Stream `stream`'s speculation from its next step on (INVALID_ARGUMENT for settings out of range,
@@ -955,6 +1045,11 @@ impl Engine {
 
     pub fn options(&self) -> &engine_options {
         &self.options
+    }
+
+    /// The settings the engine resolved once at its creation and its backend runs with.
+    pub fn tuning(&self) -> &Tuning {
+        &self.tuning
     }
 
     pub fn backend(&self) -> BackendKind {

@@ -495,15 +495,24 @@ pub unsafe extern "C" fn engine_step(
         if tokens.is_null() {
             crate::bail!(InvalidArgument, "tokens is NULL");
         }
-        let mut state = e.lock();
-        // A wrong `n` must be refused before it is used to read the caller's buffer.
-        let (len, window) = (state.stream_len(stream)?, state.window());
-        if n > window.saturating_sub(len) {
-            crate::bail!(NoRoom, "engine_step: {n} tokens after {len} do not fit the stream's window of {window}");
+        let mut item = engine_batch_item {
+            stream,
+            tokens,
+            n,
+            next: -1,
+            status: Status::InvalidArgument,
+            out: std::ptr::null_mut(),
+            out_cap: 0,
+            n_out: 0,
+        };
+        // SAFETY: the caller promises `tokens` holds `n` ids; the engine reads them only once `n` fits the
+        // stream's room.
+        let failed = unsafe { e.lock().step_batch(std::slice::from_mut(&mut item)) };
+        let with_name = |e: Error| Error::new(e.status, format!("engine_step: {}", e.message));
+        if let Some((_, e)) = failed.map_err(with_name)? {
+            return Err(with_name(e));
         }
-        // SAFETY: the caller promises `tokens` holds `n` ids, and `n` is at most the window.
-        let tokens = unsafe { std::slice::from_raw_parts(tokens, n) };
-        *next = state.step(stream, tokens)? as i32;
+        *next = item.next;
         Ok(())
     })
 }
@@ -544,106 +553,10 @@ pub unsafe extern "C" fn engine_step_batch(
         }
         // SAFETY: the caller promises `items` holds `n_items` items, which this call may write.
         let items = unsafe { std::slice::from_raw_parts_mut(items, n_items) };
-        let malformed = items
-            .iter()
-            .position(|i| i.tokens.is_null() && i.n > 0)
-            .map(|k| format!("items[{k}].tokens is NULL with n {}", items[k].n))
-            .or_else(|| {
-                let mut named = std::collections::HashSet::with_capacity(n_items);
-                items
-                    .iter()
-                    .position(|i| !named.insert(i.stream))
-                    .map(|k| format!("items[{k}] names stream {}, which an earlier item names too", items[k].stream))
-            });
-        for item in items.iter_mut() {
-            item.next = -1;
-            item.status = Status::InvalidArgument;
-            item.n_out = 0;
-        }
-        if let Some(why) = malformed {
-            crate::bail!(InvalidArgument, "engine_step_batch: {why}");
-        }
-        let mut state = e.lock();
-        // Room for a speculating stream's every token, checked before anything is stepped.
-        for (k, item) in items.iter().enumerate() {
-            if item.out.is_null() || item.out_cap == 0 {
-                continue;
-            }
-            let Ok(spec) = state.speculation(item.stream) else { continue };
-            if spec.draft != eng::engine_draft::None && item.out_cap < spec.max_tokens as usize + 1 {
-                crate::bail!(
-                    InvalidArgument,
-                    "engine_step_batch: items[{k}].out_cap is {}; stream {} may produce max_tokens + 1 = {}",
-                    item.out_cap,
-                    item.stream,
-                    spec.max_tokens as usize + 1
-                );
-            }
-        }
-        let window = state.window();
-        let mut batch = Vec::with_capacity(n_items);
-        let mut at = Vec::with_capacity(n_items);
-        let mut first_error: Option<(usize, Error)> = None;
-        for (k, item) in items.iter_mut().enumerate() {
-            // A wrong `n` must be refused before it is used to read the caller's buffer.
-            let checked = state.stream_len(item.stream).and_then(|len| {
-                if item.n > window.saturating_sub(len) {
-                    crate::bail!(
-                        NoRoom,
-                        "stream {}: {} tokens after {len} do not fit the stream's window of {window}",
-                        item.stream,
-                        item.n
-                    );
-                }
-                Ok(())
-            });
-            match checked {
-                Ok(()) => {
-                    let tokens: &[i32] = if item.n == 0 {
-                        &[]
-                    } else {
-                        // SAFETY: the caller promises `tokens` holds `n` ids, and `n` is at most the window.
-                        unsafe { std::slice::from_raw_parts(item.tokens, item.n) }
-                    };
-                    let most = if item.out.is_null() { 1 } else { item.out_cap };
-                    batch.push(eng::BatchItem::new(item.stream, tokens).with_most(most));
-                    at.push(k);
-                }
-                Err(err) => {
-                    item.status = err.status;
-                    first_error.get_or_insert((k, err));
-                }
-            }
-        }
-        let ran = state.step_batch(&mut batch);
-        drop(state);
-        for (b, &k) in batch.into_iter().zip(&at) {
-            match b.next {
-                Ok(t) => {
-                    let item = &mut items[k];
-                    item.next = t as i32;
-                    item.status = Status::Ok;
-                    item.n_out = b.out.len();
-                    if !item.out.is_null() && item.out_cap > 0 {
-                        // `most` was out_cap, so the step produced at most that many.
-                        debug_assert!(b.out.len() <= item.out_cap);
-                        // SAFETY: the caller promises `out` holds `out_cap` ints, and the step produced at most `out_cap` tokens.
-                        let out = unsafe { std::slice::from_raw_parts_mut(item.out, b.out.len().min(item.out_cap)) };
-                        for (o, &t) in out.iter_mut().zip(&b.out) {
-                            *o = t as i32;
-                        }
-                    }
-                }
-                Err(err) => {
-                    items[k].status = err.status;
-                    if first_error.as_ref().is_none_or(|(f, _)| *f > k) {
-                        first_error = Some((k, err));
-                    }
-                }
-            }
-        }
-        ran?;
-        if let Some((k, err)) = first_error {
+        // SAFETY: the header's contract for each item's `tokens` and `out`, which `Engine::step_batch` takes.
+        let failed = unsafe { e.lock().step_batch(items) }
+            .map_err(|err| Error::new(err.status, format!("engine_step_batch: {}", err.message)))?;
+        if let Some((k, err)) = failed {
             status::set_last_error(&format!("engine_step_batch: items[{k}]: {}", err.message));
         }
         Ok(())

@@ -378,7 +378,7 @@ pub fn mem_available(meminfo: &str) -> Option<u64> {
 
 /// The CPU plan's inputs for a model at `window` with `want` streams and caches in `kv`: the room is
 /// `options.room_bytes` when given, else MemAvailable less `options.reserve_bytes`; the step scratch is
-/// the CPU backend's at `cpu::thread_count()` threads. IO_ERROR when /proc/meminfo cannot tell.
+/// the CPU backend's at `threads` threads. IO_ERROR when /proc/meminfo cannot tell.
 pub fn cpu_inputs(
     cfg: &crate::model::ModelConfig,
     window: u32,
@@ -386,6 +386,7 @@ pub fn cpu_inputs(
     slot_bytes: u64,
     kv: KvTypes,
     opts: &crate::engine::engine_options,
+    threads: usize,
 ) -> Result<CpuFitInputs> {
     let (room_bytes, probed) = if opts.room_bytes > 0 {
         (opts.room_bytes, None)
@@ -405,7 +406,7 @@ pub fn cpu_inputs(
         kv,
         want_streams: want,
         slot_bytes,
-        scratch_bytes: crate::cpu::scratch_bytes(cfg, window as usize, crate::cpu::thread_count()),
+        scratch_bytes: crate::cpu::scratch_bytes(cfg, window as usize, threads),
         room_bytes,
         probed,
     })

@@ -5,6 +5,7 @@
 
 use crate::cuda_fns;
 use crate::cudart::{cudaError_t, cudaStream_t};
+use crate::tuning::{MmvStage, Tuning};
 use std::os::raw::{c_char, c_int, c_uint, c_void};
 
 /// One row's settings for `hostembed_sample_rows`, as kernels/hostembed_kernels.cuh declares it: what
@@ -29,6 +30,51 @@ pub struct hostembed_sample_row {
 }
 const _: () = assert!(std::mem::size_of::<hostembed_sample_row>() == 56);
 
+/// How the launchers that take it launch, as kernels/hostembed_kernels.cuh declares it: the kernel side
+/// of the engine's `Tuning` (`hostembed_tuning::of`). Every setting gives the same bits.
+#[repr(C)]
+#[allow(non_camel_case_types)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct hostembed_tuning {
+    /// Non-zero: a launch may start while the kernel before it finishes (sm_90 and newer).
+    pub overlap: c_int,
+    /// When hostembed_mmv stages its weights: `MMV_STAGE_*`.
+    pub mmv_stage: c_int,
+    /// Tokens an integer hostembed_mmv launch takes; 0 is the kernel's own choice.
+    pub mmvq_tokens: c_uint,
+    /// Non-zero: half hostembed_mmv launches of many tokens convert their activations once.
+    pub mmv_prep: c_int,
+}
+const _: () = assert!(std::mem::size_of::<hostembed_tuning>() == 16);
+
+/// `hostembed_tuning::mmv_stage` values (HE_MMV_STAGE_*).
+pub const MMV_STAGE_NEVER: c_int = 0;
+pub const MMV_STAGE_MEASURED: c_int = 1;
+pub const MMV_STAGE_ALWAYS: c_int = 2;
+
+impl hostembed_tuning {
+    /// The kernels' part of `tuning`.
+    pub fn of(tuning: &Tuning) -> hostembed_tuning {
+        hostembed_tuning {
+            overlap: tuning.overlap as c_int,
+            mmv_stage: match tuning.mmv_stage {
+                MmvStage::Never => MMV_STAGE_NEVER,
+                MmvStage::Measured => MMV_STAGE_MEASURED,
+                MmvStage::Always => MMV_STAGE_ALWAYS,
+            },
+            mmvq_tokens: tuning.mmvq_tokens,
+            mmv_prep: tuning.mmv_prep as c_int,
+        }
+    }
+}
+
+impl Default for hostembed_tuning {
+    /// Every setting as shipped.
+    fn default() -> hostembed_tuning {
+        hostembed_tuning::of(&Tuning::default())
+    }
+}
+
 /// `hostembed_sample_row::mask_row` of a row drawn among every id (HOSTEMBED_NO_MASK).
 pub const NO_MASK: c_uint = c_uint::MAX;
 
@@ -36,17 +82,17 @@ cuda_fns! {
     // embed.cu
     pub fn hostembed_embed_gather(rows: *const c_void, dtype: c_int, vocab: c_uint, cols: c_uint, ids: *const c_int, n: c_uint, out: *mut c_void, out_dtype: c_int, bad: *mut c_int, stream: cudaStream_t) -> cudaError_t;
     // decode kernels
-    pub fn hostembed_rmsnorm(x: *const f32, w: *const f32, eps: f32, out: *mut f32, n: c_uint, cols: c_uint, stream: cudaStream_t) -> cudaError_t;
+    pub fn hostembed_rmsnorm(x: *const f32, w: *const f32, eps: f32, out: *mut f32, n: c_uint, cols: c_uint, tuning: hostembed_tuning, stream: cudaStream_t) -> cudaError_t;
     pub fn hostembed_matvec(w: *const c_void, dtype: c_int, rows: c_uint, cols: c_uint, x: *const f32, n: c_uint, bias: *const f32, residual: *const f32, y: *mut f32, ldy: c_uint, stream: cudaStream_t) -> cudaError_t;
     pub fn hostembed_matvec_swiglu(w_gate: *const c_void, w_up: *const c_void, dtype: c_int, rows: c_uint, cols: c_uint, x: *const f32, n: c_uint, y: *mut f32, stream: cudaStream_t) -> cudaError_t;
     // mmv.cu
-    pub fn hostembed_mmv(w: *const c_void, dtype: c_int, rows: c_uint, cols: c_uint, x: *const f32, n: c_uint, bias: *const f32, residual: *const f32, y: *mut f32, ldy: c_uint, partial: *mut f32, counters: *mut c_uint, stream: cudaStream_t) -> cudaError_t;
-    pub fn hostembed_mmv_swiglu(w_gate: *const c_void, w_up: *const c_void, dtype: c_int, rows: c_uint, cols: c_uint, x: *const f32, n: c_uint, y: *mut f32, partial: *mut f32, counters: *mut c_uint, stream: cudaStream_t) -> cudaError_t;
+    pub fn hostembed_mmv(w: *const c_void, dtype: c_int, rows: c_uint, cols: c_uint, x: *const f32, n: c_uint, bias: *const f32, residual: *const f32, y: *mut f32, ldy: c_uint, partial: *mut f32, counters: *mut c_uint, tuning: hostembed_tuning, stream: cudaStream_t) -> cudaError_t;
+    pub fn hostembed_mmv_swiglu(w_gate: *const c_void, w_up: *const c_void, dtype: c_int, rows: c_uint, cols: c_uint, x: *const f32, n: c_uint, y: *mut f32, partial: *mut f32, counters: *mut c_uint, tuning: hostembed_tuning, stream: cudaStream_t) -> cudaError_t;
     pub fn hostembed_mmv_supports(dtype: c_int, w: *const c_void, cols: c_uint) -> cudaError_t;
     pub fn hostembed_mmv_workspace(rows: c_uint, cols: c_uint, glu: c_int, n: c_uint, partial_floats: *mut usize, counters: *mut c_uint) -> cudaError_t;
-    pub fn hostembed_rope_kv(qkv: *mut f32, qkv_stride: c_uint, n: c_uint, pos: *const c_int, heads: c_uint, kv_heads: c_uint, head_dim: c_uint, inv_freq: *const f32, interleaved: c_int, q_norm: *const f32, k_norm: *const f32, eps: f32, kv_pool: *mut c_void, tables: *const *const c_uint, pool_pages: c_uint, k_type: c_int, v_type: c_int, stream: cudaStream_t) -> cudaError_t;
+    pub fn hostembed_rope_kv(qkv: *mut f32, qkv_stride: c_uint, n: c_uint, pos: *const c_int, heads: c_uint, kv_heads: c_uint, head_dim: c_uint, inv_freq: *const f32, interleaved: c_int, q_norm: *const f32, k_norm: *const f32, eps: f32, kv_pool: *mut c_void, tables: *const *const c_uint, pool_pages: c_uint, k_type: c_int, v_type: c_int, tuning: hostembed_tuning, stream: cudaStream_t) -> cudaError_t;
     pub fn hostembed_kv_page_tokens(page_tokens: *mut c_uint) -> cudaError_t;
-    pub fn hostembed_attention(q: *const f32, q_stride: c_uint, kv_pool: *const c_void, tables: *const *const c_uint, pool_pages: c_uint, k_type: c_int, v_type: c_int, pos: *const c_int, n: c_uint, heads: c_uint, kv_heads: c_uint, head_dim: c_uint, scale: f32, window: c_uint, splits: c_uint, grid_parts: c_uint, partial: *mut f32, out: *mut f32, stream: cudaStream_t) -> cudaError_t;
+    pub fn hostembed_attention(q: *const f32, q_stride: c_uint, kv_pool: *const c_void, tables: *const *const c_uint, pool_pages: c_uint, k_type: c_int, v_type: c_int, pos: *const c_int, n: c_uint, heads: c_uint, kv_heads: c_uint, head_dim: c_uint, scale: f32, window: c_uint, splits: c_uint, grid_parts: c_uint, partial: *mut f32, out: *mut f32, tuning: hostembed_tuning, stream: cudaStream_t) -> cudaError_t;
     pub fn hostembed_swiglu(gate: *const f32, up: *const f32, out: *mut f32, len: usize, stream: cudaStream_t) -> cudaError_t;
     pub fn hostembed_add(a: *const f32, b: *const f32, out: *mut f32, len: usize, stream: cudaStream_t) -> cudaError_t;
     pub fn hostembed_scale(x: *mut f32, factor: f32, len: usize, stream: cudaStream_t) -> cudaError_t;
@@ -60,7 +106,7 @@ cuda_fns! {
     pub fn hostembed_gemm(a: *const c_void, lda: c_uint, w: *const c_void, dtype: c_int, rows: c_uint, cols: c_uint, n: c_uint, bias: *const f32, residual: *const f32, y: *mut f32, ldy: c_uint, stream: cudaStream_t) -> cudaError_t;
     pub fn hostembed_convert_matrix(w: *const c_void, w_dtype: c_int, rows: c_uint, cols: c_uint, out: *mut c_void, out_dtype: c_int, stream: cudaStream_t) -> cudaError_t;
     pub fn hostembed_add_bias(y: *mut f32, ldy: c_uint, bias: *const f32, rows: c_uint, n: c_uint, stream: cudaStream_t) -> cudaError_t;
-    pub fn hostembed_rmsnorm_to(x: *const f32, w: *const f32, eps: f32, out: *mut c_void, residue: *mut c_void, out_dtype: c_int, n: c_uint, cols: c_uint, stream: cudaStream_t) -> cudaError_t;
+    pub fn hostembed_rmsnorm_to(x: *const f32, w: *const f32, eps: f32, out: *mut c_void, residue: *mut c_void, out_dtype: c_int, n: c_uint, cols: c_uint, tuning: hostembed_tuning, stream: cudaStream_t) -> cudaError_t;
     pub fn hostembed_swiglu_to(gate: *const f32, up: *const f32, out: *mut c_void, out_dtype: c_int, len: usize, stream: cudaStream_t) -> cudaError_t;
     pub fn hostembed_convert(x: *const f32, out: *mut c_void, out_dtype: c_int, len: usize, stream: cudaStream_t) -> cudaError_t;
     pub fn hostembed_flash_head_dim(head_dim: c_uint) -> cudaError_t;

@@ -26,5 +26,6 @@ pub mod speculative;
 pub mod status;
 pub mod tensor;
 pub mod tokenizer;
+pub mod tuning;
 
 pub use status::{Error, Result, Status};

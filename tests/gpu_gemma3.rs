@@ -13,6 +13,7 @@ use hostembed::kv::{KvType, KvTypes};
 use hostembed::model::{Arch, AttentionConfig, ModelConfig, RopeScaling, SlidingWindow};
 use hostembed::sampler::{self, Sampling};
 use hostembed::tensor::DType;
+use hostembed::tuning::Tuning;
 
 /// KV pages the tests' models get: 2,048 positions.
 const POOL_PAGES: usize = 128;
@@ -59,7 +60,7 @@ fn gpu_logits_match_cpu_at_every_position() {
         let src = MemSource::synthetic(&cfg, rng.next_u64(), dtype);
         let cpu = CpuModel::new(&src).unwrap().with_kv_types(kv).unwrap();
         let (_rows_buf, rows) = rows_on_card(&src);
-        let mut gpu = GpuModel::load_with_kv(&src, rows, 32, POOL_PAGES, kv).unwrap();
+        let mut gpu = GpuModel::load_with_kv(&src, rows, 32, POOL_PAGES, kv, &Tuning::from_env()).unwrap();
         // 100 tokens in chunks of 32: windows crossing chunks and the attention's blocks.
         let tokens = random_tokens(&mut rng, cfg.vocab, 100);
         let window = 128;
@@ -96,7 +97,7 @@ fn greedy_64_tokens_equal_the_cpus() {
     let src = MemSource::synthetic(&cfg, rng.next_u64(), DType::F32);
     let cpu = CpuModel::new(&src).unwrap().with_kv_types(kv).unwrap();
     let (_rows_buf, rows) = rows_on_card(&src);
-    let mut gpu = GpuModel::load_with_kv(&src, rows, 16, POOL_PAGES, kv).unwrap();
+    let mut gpu = GpuModel::load_with_kv(&src, rows, 16, POOL_PAGES, kv, &Tuning::from_env()).unwrap();
     let mut pool = gpu.page_pool().unwrap();
     let window = 128;
     let (mut gs, mut cs) = (gpu.new_stream(window).unwrap(), cpu.new_stream(window));

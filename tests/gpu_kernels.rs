@@ -16,6 +16,12 @@ use hostembed::kv::KvType;
 use hostembed::model::{ModelConfig, RopeScaling, TensorRef};
 use hostembed::sampler::{self, Sampling};
 use hostembed::tensor::{DType, FORMATS, encode_row};
+use hostembed::tuning::Tuning;
+
+/// The launchers' settings as the environment gives them (what an engine would run with).
+fn launch_tuning() -> kn::hostembed_tuning {
+    kn::hostembed_tuning::of(&Tuning::from_env())
+}
 
 const NULL_STREAM: *mut c_void = ptr::null_mut();
 
@@ -36,6 +42,7 @@ fn poisoned(bytes: usize) -> DeviceBuffer {
 fn upload_at<T: Copy>(data: &[T], offset: usize) -> (DeviceBuffer, *mut c_void) {
     let b = poisoned(std::mem::size_of_val(data) + offset);
     b.upload(data, offset).unwrap();
+    // SAFETY: `offset` is within `b`, which has room for `data` after it; only the address is formed.
     let p = unsafe { (b.ptr() as *mut u8).add(offset) } as *mut c_void;
     (b, p)
 }
@@ -113,6 +120,8 @@ fn rmsnorm_matches_cpu() {
         let out = if in_place { None } else { Some(poisoned(n * cols * 4)) };
         let out_ptr = out.as_ref().map_or(xb.ptr(), |o| o.ptr()) as *mut f32;
         ok(
+            // SAFETY: device buffers of `n` rows of `cols` floats (and `cols` of weights), alive until the synchronous
+            // check after the launch.
             unsafe {
                 kn::hostembed_rmsnorm(
                     xb.ptr() as *const f32,
@@ -121,6 +130,7 @@ fn rmsnorm_matches_cpu() {
                     out_ptr,
                     n as c_uint,
                     cols as c_uint,
+                    launch_tuning(),
                     NULL_STREAM,
                 )
             },
@@ -171,6 +181,8 @@ fn run_matvec(rng: &mut Rng, dtype: DType, c: &MatvecCase) {
     // With a residual, y starts as the residual and is updated in place; otherwise it starts poisoned.
     let yb = if c.residual { DeviceBuffer::from_slice(&res).unwrap() } else { poisoned(n * ldy * 4) };
     ok(
+        // SAFETY: device buffers sized for the case (weights rows x cols in their format, `n` inputs, `n` rows of `ldy`
+        // out), alive until the synchronous check after the launch.
         unsafe {
             kn::hostembed_matvec(
                 wp,
@@ -296,6 +308,8 @@ fn matvec_swiglu_matches_cpu() {
             let SwigluCase { cols, gd, ud, xd, want } = swiglu_case(&mut rng, dtype, rows, cols, n);
             let y = poisoned(n * rows * 4);
             ok(
+                // SAFETY: device buffers sized for the case (gate and up rows x cols, `n` inputs, `n` rows out), alive
+                // until the synchronous check after the launch.
                 unsafe {
                     kn::hostembed_matvec_swiglu(
                         gd.ptr(),
@@ -324,6 +338,7 @@ fn matvec_swiglu_matches_cpu() {
 
 /// The formats the tensor-core decode product reads (the others stay on the matrix-vector kernel).
 fn mmv_dtypes() -> Vec<DType> {
+    // SAFETY: a host-side check on a format id, an address and a width; nothing is read.
     dtypes().filter(|&d| unsafe { kn::hostembed_mmv_supports(d as c_int, 256 as *const c_void, 256) } == 0).collect()
 }
 
@@ -333,6 +348,7 @@ fn mmv_work(shapes: &[(usize, usize, bool)], n: usize) -> (DeviceBuffer, DeviceB
     for &(rows, cols, glu) in shapes {
         let (mut f, mut c) = (0usize, 0 as c_uint);
         ok(
+            // SAFETY: host arithmetic into two writable locals; nothing on the device.
             unsafe {
                 kn::hostembed_mmv_workspace(rows as c_uint, cols as c_uint, glu as c_int, n as c_uint, &mut f, &mut c)
             },
@@ -366,6 +382,8 @@ fn run_mmv(
     };
     let (partial, counters) = mmv_work(&[(rows, cols, false)], n);
     ok(
+        // SAFETY: device buffers sized for the case and a workspace from hostembed_mmv_workspace for it, alive until
+        // the synchronous check after the launch.
         unsafe {
             kn::hostembed_mmv(
                 w,
@@ -380,6 +398,7 @@ fn run_mmv(
                 ldy as c_uint,
                 partial.ptr() as *mut f32,
                 counters.ptr() as *mut c_uint,
+                launch_tuning(),
                 NULL_STREAM,
             )
         },
@@ -506,6 +525,8 @@ fn mmv_swiglu_matches_cpu() {
             let y = poisoned(n * rows * 4);
             let (partial, counters) = mmv_work(&[(rows, cols, true)], n);
             ok(
+                // SAFETY: device buffers sized for the case and a workspace from hostembed_mmv_workspace for it, alive
+                // until the synchronous check after the launch.
                 unsafe {
                     kn::hostembed_mmv_swiglu(
                         gd.ptr(),
@@ -518,6 +539,7 @@ fn mmv_swiglu_matches_cpu() {
                         y.ptr() as *mut f32,
                         partial.ptr() as *mut f32,
                         counters.ptr() as *mut c_uint,
+                        launch_tuning(),
                         NULL_STREAM,
                     )
                 },
@@ -569,6 +591,7 @@ fn mmv_is_batch_invariant() {
 fn mmv_workspace_matches_the_kernels() {
     let mut f = 0usize;
     let mut c: c_uint = 0;
+    // SAFETY: host arithmetic into two writable locals; nothing on the device.
     if unsafe { kn::hostembed_mmv_workspace(1, 1, 0, 1, &mut f, &mut c) } != 0 {
         println!("SKIP mmv_workspace_matches_the_kernels: built without the kernels");
         return;
@@ -578,6 +601,7 @@ fn mmv_workspace_matches_the_kernels() {
         for cols in [32, 256, 257, 1000, 2048, 4096, 5120, 14336] {
             for glu in [false, true] {
                 for n in [1, 16, 64, 100] {
+                    // SAFETY: host arithmetic into two writable locals; nothing on the device.
                     let code = unsafe { kn::hostembed_mmv_workspace(rows, cols, glu as c_int, n, &mut f, &mut c) };
                     assert_eq!(code, 0, "hostembed_mmv_workspace({rows}, {cols}, {glu}, {n})");
                     let want = hostembed::gpu::mmv_workspace(rows as usize, cols as usize, glu, n as usize);
@@ -600,6 +624,8 @@ fn mmv_refuses_bad_arguments() {
     let x = DeviceBuffer::new(cols * 4 + 16).unwrap();
     let y = DeviceBuffer::new(rows * 4).unwrap();
     let (partial, counters) = mmv_work(&[(rows, cols, false)], 1);
+    // SAFETY: live device buffers sized for a product of `rows` x `cols` over one token; each case breaks one argument,
+    // which the launcher refuses before launching (the device is synchronized below).
     let call = |w: *const c_void, dtype: DType, cols: usize, x: *const f32, partial: *mut f32| unsafe {
         kn::hostembed_mmv(
             w,
@@ -614,6 +640,7 @@ fn mmv_refuses_bad_arguments() {
             rows as c_uint,
             partial,
             counters.ptr() as *mut c_uint,
+            launch_tuning(),
             NULL_STREAM,
         )
     };
@@ -637,6 +664,8 @@ fn matvec_refuses_bad_arguments() {
     }
     let b = poisoned(4096);
     let p = b.ptr();
+    // SAFETY: every pointer is one live 4 KiB device buffer; each case breaks one argument, which the launcher refuses
+    // before launching.
     let call = |w: *const c_void, dtype: c_int, rows: c_uint, cols: c_uint, ldy: c_uint| unsafe {
         kn::hostembed_matvec(
             w,
@@ -727,6 +756,8 @@ fn rope_and_kv_append_match_cpu() {
         let dt = DeviceTables::new(&tables, &token_stream);
         let pool = poisoned(kv.bits.len() * 2);
         ok(
+            // SAFETY: device buffers sized for the case (its rows, positions, tables and pool pages), alive until the
+            // synchronous check after the launch.
             unsafe {
                 kn::hostembed_rope_kv(
                     qkv_d.ptr() as *mut f32,
@@ -746,6 +777,7 @@ fn rope_and_kv_append_match_cpu() {
                     kv.pages as c_uint,
                     KvType::Bf16 as c_int,
                     KvType::Bf16 as c_int,
+                    launch_tuning(),
                     NULL_STREAM,
                 )
             },
@@ -848,6 +880,8 @@ fn launch_attention(
     let partial = poisoned(n * heads * splits * (hd + 2) * 4);
     let out = poisoned(n * heads * hd * 4);
     ok(
+        // SAFETY: device buffers sized for `n` queries, the pool's pages and tables, and their partial results, alive
+        // until the synchronous check after the launch.
         unsafe {
             kn::hostembed_attention(
                 qd.ptr() as *const f32,
@@ -868,6 +902,7 @@ fn launch_attention(
                 grid_parts as c_uint,
                 partial.ptr() as *mut f32,
                 out.ptr() as *mut f32,
+                launch_tuning(),
                 NULL_STREAM,
             )
         },
@@ -1003,6 +1038,7 @@ fn swiglu_and_add_match_cpu() {
     let (gd, ud) = (DeviceBuffer::from_slice(&g).unwrap(), DeviceBuffer::from_slice(&u).unwrap());
     let out = poisoned(len * 4);
     ok(
+        // SAFETY: device buffers of `len` floats each, alive until the synchronous check after the launch.
         unsafe {
             kn::hostembed_swiglu(
                 gd.ptr() as *const f32,
@@ -1020,6 +1056,7 @@ fn swiglu_and_add_match_cpu() {
     cpu::add(&mut sum, &u);
     // In place: out = a.
     ok(
+        // SAFETY: device buffers of `len` floats each (out is a), alive until the synchronous check after the launch.
         unsafe {
             kn::hostembed_add(gd.ptr() as *const f32, ud.ptr() as *const f32, gd.ptr() as *mut f32, len, NULL_STREAM)
         },
@@ -1050,6 +1087,8 @@ fn device_sample_penalized(
     ids.upload(&ids_host, 0).unwrap();
     let before = download_f32(logits, vocab);
     ok(
+        // SAFETY: `logits` holds `vocab` floats, `scratch` 8 bytes an id, `ids` room for the penalty ids and their
+        // saved logits, `token` one int; all alive until the synchronous check after the launch.
         unsafe {
             kn::hostembed_sample(
                 logits.ptr() as *mut f32,
@@ -1508,6 +1547,8 @@ fn sampler_refuses_bad_arguments() {
     }
     let b = poisoned(1 << 16);
     let p = b.ptr();
+    // SAFETY: every pointer is into one live 64 KiB device buffer (or NULL, which the launcher refuses before
+    // launching).
     let call = |logits: *mut f32, vocab: c_uint, scratch: *mut c_void, token: *mut c_int| unsafe {
         kn::hostembed_sample(
             logits,
@@ -1527,9 +1568,12 @@ fn sampler_refuses_bad_arguments() {
             NULL_STREAM,
         )
     };
+    // SAFETY: 4096 is within the 64 KiB buffer at `p`; only the address is formed.
     let (logits, token, scratch) = (p as *mut f32, p as *mut c_int, unsafe { (p as *mut u8).add(4096) } as *mut c_void);
     let invalid = 1; // cudaErrorInvalidValue
     assert_eq!(call(ptr::null_mut(), 16, scratch, token), invalid, "NULL logits");
+    // SAFETY: the pointers of `call` above, the penalty ids NULL with a count, which the launcher refuses before
+    // launching.
     let penalty_null = unsafe {
         kn::hostembed_sample(
             logits,
@@ -1552,6 +1596,7 @@ fn sampler_refuses_bad_arguments() {
     assert_eq!(penalty_null, invalid, "NULL penalty ids with 2 of them");
     assert_eq!(call(logits, 16, scratch, ptr::null_mut()), invalid, "NULL token");
     assert_eq!(call(logits, 16, ptr::null_mut(), token), invalid, "NULL scratch");
+    // SAFETY: 4 is within the 64 KiB buffer; only the address is formed.
     assert_eq!(call(logits, 16, unsafe { (scratch as *mut u8).add(4) } as *mut c_void, token), invalid, "misaligned");
     assert_eq!(call(logits, 0, scratch, token), invalid, "no vocabulary");
     assert_eq!(call(logits, 1 << 28, scratch, token), invalid, "a vocabulary past 2^28 - 1");
@@ -1640,6 +1685,8 @@ fn masked_rows_draw_the_host_masked_samplers_token() {
             let scratch_size = rows * (64 + (33 << 10)) + ids.len().max(vocab) * 8 + 1024;
             let (scratch, tokens) = (poisoned(scratch_size), poisoned(rows * 4));
             ok(
+                // SAFETY: device buffers holding `rows` logits rows, their masks, settings and ids, a workspace sized
+                // as GpuModel sizes it and `rows` tokens, alive until the synchronous check after the launch.
                 unsafe {
                     kn::hostembed_sample_rows(
                         d.ptr() as *mut f32,

@@ -28,6 +28,12 @@ use hostembed::model::ModelConfig;
 use hostembed::sampler::Sampling;
 use hostembed::status::last_error;
 use hostembed::tensor::DType;
+use hostembed::tuning::Tuning;
+
+/// The launchers' settings as the environment gives them (what an engine would run with).
+fn launch_tuning() -> kn::hostembed_tuning {
+    kn::hostembed_tuning::of(&Tuning::from_env())
+}
 
 const NULL_STREAM: *mut c_void = ptr::null_mut();
 
@@ -163,6 +169,8 @@ fn the_kv_append_rounds_as_the_cpu_in_every_type() {
             let (qn_d, kn_d) = (DeviceBuffer::from_slice(&qn).unwrap(), DeviceBuffer::from_slice(&kn_w).unwrap());
             let pool = poisoned(host.bytes.len());
             ok(
+                // SAFETY: device buffers sized for `n` rows of `stride` floats and a pool of `host.pages` pages with
+                // their tables, alive until the synchronous check after the launch.
                 unsafe {
                     kn::hostembed_rope_kv(
                         qkv_d.ptr() as *mut f32,
@@ -182,6 +190,7 @@ fn the_kv_append_rounds_as_the_cpu_in_every_type() {
                         host.pages as c_uint,
                         kv.k as c_int,
                         kv.v as c_int,
+                        launch_tuning(),
                         NULL_STREAM,
                     )
                 },
@@ -216,6 +225,8 @@ fn the_kv_append_rounds_as_the_cpu_in_every_type() {
     // pointer real and aligned, so only the type can be at fault.
     let buf = poisoned(1 << 16);
     let p = buf.ptr();
+    // SAFETY: every pointer is one live, 16-byte aligned device buffer of 64 KiB, more than a single row reads; the
+    // launcher refuses before launching.
     let call = |k: c_int, hd: usize| unsafe {
         kn::hostembed_rope_kv(
             p as *mut f32,
@@ -235,6 +246,7 @@ fn the_kv_append_rounds_as_the_cpu_in_every_type() {
             1,
             k,
             KvType::Bf16 as c_int,
+            launch_tuning(),
             NULL_STREAM,
         )
     };
@@ -338,6 +350,8 @@ fn launch_attention(c: &AttentionCase, pool: &DeviceBuffer, tokens: &[usize], he
     let out = poisoned(n * heads * hd * 4);
     let kv = c.pool.layout.kv;
     ok(
+        // SAFETY: device buffers sized for `n` queries, the pool's pages and tables, and `splits` parts of partial
+        // results, alive until the synchronous check after the launch.
         unsafe {
             kn::hostembed_attention(
                 qd.ptr() as *const f32,
@@ -361,6 +375,7 @@ fn launch_attention(c: &AttentionCase, pool: &DeviceBuffer, tokens: &[usize], he
                 ) as c_uint,
                 partial.ptr() as *mut f32,
                 out.ptr() as *mut f32,
+                launch_tuning(),
                 NULL_STREAM,
             )
         },
@@ -534,6 +549,8 @@ fn flash(
     // Poisoned, so that a tile the stage kernel should write and does not shows in the output.
     let stage = poisoned((2 * stage_tokens * kv_heads * d * 2).max(16));
     if stage_tokens > 0 {
+        // SAFETY: the pool, its table and the stage are live device buffers sized for the case and `stage_tokens`,
+        // alive until the synchronize below (a launch that fails queues nothing).
         let code = unsafe {
             kn::hostembed_flash_stage(
                 pool.ptr(),
@@ -553,6 +570,8 @@ fn flash(
             return code;
         }
     }
+    // SAFETY: device buffers sized for the case's `n` queries, its pool and table, and `n` rows of `heads * d` out,
+    // alive until the synchronize below.
     let code = unsafe {
         kn::hostembed_flash_attention(
             qb.ptr() as *const f32,
@@ -686,7 +705,7 @@ fn prompt_and_decode_logits_in_every_type_against_the_cpu() {
             if (kv.k == KvType::Fp8E4m3 || kv.v == KvType::Fp8E4m3) && !fp8_here() {
                 continue;
             }
-            let mut gpu = GpuModel::load_with_kv(&src, rows, 64, 16, kv).unwrap();
+            let mut gpu = GpuModel::load_with_kv(&src, rows, 64, 16, kv, &Tuning::from_env()).unwrap();
             assert_eq!(gpu.allocated_pool_bytes(), GpuModel::pool_bytes(&cfg, kv, 16), "{name}: pool bytes");
             let got = gpu_run(&mut gpu, &prompt, &next);
             let same = cpu_run(&CpuModel::new(&src).unwrap().with_kv_types(kv).unwrap(), &prompt, &next);
@@ -716,7 +735,7 @@ fn an_all_f32_model_with_an_f32_cache_stays_within_1e_4_of_the_cpu() {
     for (name, cfg) in configs() {
         let src = MemSource::synthetic(&cfg, rng.next_u64(), DType::F32);
         let (_rows_buf, rows) = rows_on_card(&src);
-        let mut gpu = GpuModel::load_with_kv(&src, rows, 64, 32, f32_kv).unwrap();
+        let mut gpu = GpuModel::load_with_kv(&src, rows, 64, 32, f32_kv, &Tuning::from_env()).unwrap();
         let route = gpu.prompt_route().to_string();
         println!("{name}: {route}");
         assert!(route.contains("f32 matrix-vector"), "{name}: an all-F32 model's prompt route: {route}");
@@ -744,11 +763,11 @@ fn an_all_f32_model_with_an_f32_cache_stays_within_1e_4_of_the_cpu() {
         // BF16 weights with an F32 cache keep the tensor-core products, with split attention.
         let bf16 = MemSource::synthetic(&cfg, rng.next_u64(), DType::Bf16);
         let (_b, rows) = rows_on_card(&bf16);
-        let gpu = GpuModel::load_with_kv(&bf16, rows, 64, 32, f32_kv).unwrap();
+        let gpu = GpuModel::load_with_kv(&bf16, rows, 64, 32, f32_kv, &Tuning::from_env()).unwrap();
         assert!(gpu.prompt_route().contains("split attention (an F32 KV cache"), "{}", gpu.prompt_route());
         // And an all-F32 model with a BF16 cache keeps the tensor-core path.
         let (_c, rows) = rows_on_card(&src);
-        let gpu = GpuModel::load_with_kv(&src, rows, 64, 32, KvTypes::GPU_DEFAULT).unwrap();
+        let gpu = GpuModel::load_with_kv(&src, rows, 64, 32, KvTypes::GPU_DEFAULT, &Tuning::from_env()).unwrap();
         assert!(!gpu.prompt_route().contains("f32 matrix-vector"), "{}", gpu.prompt_route());
     }
 }
@@ -767,7 +786,7 @@ fn the_pool_allocates_the_predicted_bytes_in_every_type() {
                 continue;
             }
             for pages in [1, 7, 130] {
-                let gpu = GpuModel::load_with_kv(&src, rows, 16, pages, kv).unwrap();
+                let gpu = GpuModel::load_with_kv(&src, rows, 16, pages, kv, &Tuning::from_env()).unwrap();
                 let what = format!("{name} {} with {pages} pages", kv.describe());
                 assert_eq!(gpu.kv_types(), kv, "{what}");
                 assert_eq!(gpu.allocated_pool_bytes(), GpuModel::pool_bytes(&cfg, kv, pages), "{what}");
@@ -779,7 +798,10 @@ fn the_pool_allocates_the_predicted_bytes_in_every_type() {
                 );
                 assert_eq!(
                     gpu.allocated_bytes(),
-                    (GpuModel::weight_bytes(&src), GpuModel::scratch_bytes(&src, 16, kv, pages * PAGE_TOKENS))
+                    (
+                        GpuModel::weight_bytes(&src),
+                        GpuModel::scratch_bytes(&src, 16, kv, pages * PAGE_TOKENS, &Tuning::from_env())
+                    )
                 );
             }
         }
@@ -787,7 +809,9 @@ fn the_pool_allocates_the_predicted_bytes_in_every_type() {
         let narrow = ModelConfig { head_dim: 16, heads: 16, ..cfg.clone() };
         let narrow_src = MemSource::synthetic(&narrow, 1, DType::Bf16);
         let (_n, rows) = rows_on_card(&narrow_src);
-        let e = GpuModel::load_with_kv(&narrow_src, rows, 16, 4, KvTypes::same(KvType::Q8_0)).err().unwrap();
+        let e = GpuModel::load_with_kv(&narrow_src, rows, 16, 4, KvTypes::same(KvType::Q8_0), &Tuning::from_env())
+            .err()
+            .unwrap();
         assert_eq!(e.status, Status::Unsupported, "{e}");
     }
 }
@@ -801,7 +825,8 @@ fn fp8_follows_the_compute_capability() {
     let (_, cfg) = configs().remove(0);
     let src = MemSource::synthetic(&cfg, 5, DType::Bf16);
     let (_rows_buf, rows) = rows_on_card(&src);
-    let got = GpuModel::load_with_kv(&src, rows, 16, 4, KvTypes { k: KvType::Fp8E4m3, v: KvType::Q8_0 });
+    let got =
+        GpuModel::load_with_kv(&src, rows, 16, 4, KvTypes { k: KvType::Fp8E4m3, v: KvType::Q8_0 }, &Tuning::from_env());
     println!(
         "compute capability {}.{}: FP8 E4M3 {}",
         d.compute_major,
@@ -822,6 +847,7 @@ fn fp8_follows_the_compute_capability() {
 static LINES: Mutex<Vec<String>> = Mutex::new(Vec::new());
 
 unsafe extern "C" fn collect(_user: *mut c_void, line: *const c_char) {
+    // SAFETY: the engine passes a NUL-terminated line alive for the call.
     let line = unsafe { std::ffi::CStr::from_ptr(line) }.to_string_lossy().into_owned();
     LINES.lock().unwrap().push(line);
 }
@@ -855,6 +881,7 @@ fn the_cuda_engine_reports_and_plans_its_kv_types() {
         let needs_fp8 = kv.k == KvType::Fp8E4m3 || kv.v == KvType::Fp8E4m3;
         if needs_fp8 && !fp8_here() {
             let mut e = ptr::null_mut();
+            // SAFETY: a NUL-terminated path, options and a handle slot, all alive across the call.
             let st = unsafe { hostembed::ffi::engine_init_fit(common::c_path(&path).as_ptr(), &cuda_opts, &mut e) };
             assert_eq!(st, Status::Unsupported, "FP8 on a device older than 8.9: {}", last_error());
             assert!(last_error().contains("compute capability 8.9"), "{}", last_error());

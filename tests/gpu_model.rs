@@ -20,6 +20,7 @@ use hostembed::kv::KvTypes;
 use hostembed::model::{ModelConfig, TensorSource, names};
 use hostembed::sampler::{self, Sampling};
 use hostembed::tensor::DType;
+use hostembed::tuning::Tuning;
 use hostembed::{Error, Status};
 
 fn model(cfg: ModelConfig, dtype: DType, seed: u64) -> MemSource {
@@ -74,12 +75,18 @@ fn gpu_logits_match_cpu_at_every_position() {
         let cpu = CpuModel::new(&src).unwrap();
         let (_rows_buf, rows) = rows_on_card(&src);
         let max_batch = 16;
-        let mut gpu = GpuModel::load(&src, rows, max_batch, POOL_PAGES).unwrap();
+        let mut gpu = GpuModel::load(&src, rows, max_batch, POOL_PAGES, &Tuning::from_env()).unwrap();
         assert_eq!(
             gpu.allocated_bytes(),
             (
                 GpuModel::weight_bytes(&src),
-                GpuModel::scratch_bytes(&src, max_batch, KvTypes::GPU_DEFAULT, POOL_PAGES * PAGE_TOKENS)
+                GpuModel::scratch_bytes(
+                    &src,
+                    max_batch,
+                    KvTypes::GPU_DEFAULT,
+                    POOL_PAGES * PAGE_TOKENS,
+                    &Tuning::from_env()
+                )
             ),
             "{name}: allocations differ from the predicted bytes"
         );
@@ -113,7 +120,7 @@ fn greedy_decoding_matches_cpu_except_near_ties() {
         let src = model(cfg.clone(), DType::Bf16, rng.next_u64());
         let cpu = CpuModel::new(&src).unwrap();
         let (_rows_buf, rows) = rows_on_card(&src);
-        let mut gpu = GpuModel::load(&src, rows, 8, POOL_PAGES).unwrap();
+        let mut gpu = GpuModel::load(&src, rows, 8, POOL_PAGES, &Tuning::from_env()).unwrap();
         let window = 128;
         let mut pool = gpu.page_pool().unwrap();
         let mut gs = gpu.new_stream(window).unwrap();
@@ -152,7 +159,7 @@ fn sampled_steps_follow_the_sampler_on_the_gpu_logits() {
     let (name, cfg) = configs().remove(2);
     let src = model(cfg.clone(), DType::Bf16, rng.next_u64());
     let (_rows_buf, rows) = rows_on_card(&src);
-    let mut gpu = GpuModel::load(&src, rows, 8, POOL_PAGES).unwrap();
+    let mut gpu = GpuModel::load(&src, rows, 8, POOL_PAGES, &Tuning::from_env()).unwrap();
     let stream_index = 3;
     let s = Sampling { temperature: 0.9, top_k: 40, top_p: 0.95, seed: rng.next_u64(), ..Sampling::GREEDY };
     let prompt = random_tokens(&mut rng, cfg.vocab, 5);
@@ -192,7 +199,7 @@ fn rows_in_mapped_host_memory_give_the_same_logits() {
         let (_rows_buf, on_card) = rows_on_card(&src);
         let tokens = random_tokens(&mut rng, cfg.vocab, 12);
         let logits = |rows: RowsOnDevice| {
-            let mut gpu = GpuModel::load(&src, rows, 4, POOL_PAGES).unwrap();
+            let mut gpu = GpuModel::load(&src, rows, 4, POOL_PAGES, &Tuning::from_env()).unwrap();
             let mut pool = gpu.page_pool().unwrap();
             let mut gs = gpu.new_stream(16).unwrap();
             let all = gpu.all_logits(&mut pool, &mut gs, &tokens).unwrap();
@@ -213,7 +220,7 @@ fn bad_calls_are_refused_before_anything_is_written() {
     let src = model(cfg.clone(), DType::Bf16, rng.next_u64());
     let cpu = CpuModel::new(&src).unwrap();
     let (_rows_buf, rows) = rows_on_card(&src);
-    let mut gpu = GpuModel::load(&src, rows, 4, POOL_PAGES).unwrap();
+    let mut gpu = GpuModel::load(&src, rows, 4, POOL_PAGES, &Tuning::from_env()).unwrap();
     let window = 8;
     let mut pool = gpu.page_pool().unwrap();
     let mut gs = gpu.new_stream(window).unwrap();
@@ -246,20 +253,22 @@ fn bad_calls_are_refused_before_anything_is_written() {
 
     // A stream of another model, rows of the wrong shape, a window of nothing.
     let (_rows2, rows2) = rows_on_card(&src);
-    let other = GpuModel::load(&src, rows2, 4, POOL_PAGES).unwrap();
+    let other = GpuModel::load(&src, rows2, 4, POOL_PAGES, &Tuning::from_env()).unwrap();
     let mut foreign = other.new_stream(window).unwrap();
     let e = gpu.step(&mut pool, &mut foreign, &[1], &g, 0).unwrap_err();
     assert_eq!(e.status, Status::InvalidArgument, "{e}");
-    let e = GpuModel::load(&src, RowsOnDevice { vocab: cfg.vocab - 1, ..rows }, 4, POOL_PAGES).err().unwrap();
+    let e = GpuModel::load(&src, RowsOnDevice { vocab: cfg.vocab - 1, ..rows }, 4, POOL_PAGES, &Tuning::from_env())
+        .err()
+        .unwrap();
     assert_eq!(e.status, Status::BadModel, "{e}");
-    let e = GpuModel::load(&src, rows, 0, POOL_PAGES).err().unwrap();
+    let e = GpuModel::load(&src, rows, 0, POOL_PAGES, &Tuning::from_env()).err().unwrap();
     assert_eq!(e.status, Status::InvalidArgument, "{e}");
     assert_eq!(gpu.new_stream(0).err().unwrap().status, Status::InvalidArgument);
 
     // A missing tensor is named.
     let mut broken = model(cfg.clone(), DType::Bf16, 1);
     broken.tensors.remove(&names::layer(1, names::UP));
-    let e = GpuModel::load(&broken, rows, 4, POOL_PAGES).err().unwrap();
+    let e = GpuModel::load(&broken, rows, 4, POOL_PAGES, &Tuning::from_env()).err().unwrap();
     assert_eq!(e.status, Status::BadModel, "{e}");
     assert!(e.message.contains("model.layers.1.mlp.up_proj.weight"), "{e}");
 }
@@ -275,12 +284,18 @@ fn byte_predictions_hold_for_every_shape() {
             let src = model(cfg.clone(), dtype, rng.next_u64());
             let (_rows_buf, rows) = rows_on_card(&src);
             for max_batch in [1, 7, 64] {
-                let gpu = GpuModel::load(&src, rows, max_batch, POOL_PAGES).unwrap();
+                let gpu = GpuModel::load(&src, rows, max_batch, POOL_PAGES, &Tuning::from_env()).unwrap();
                 assert_eq!(
                     gpu.allocated_bytes(),
                     (
                         GpuModel::weight_bytes(&src),
-                        GpuModel::scratch_bytes(&src, max_batch, KvTypes::GPU_DEFAULT, POOL_PAGES * PAGE_TOKENS)
+                        GpuModel::scratch_bytes(
+                            &src,
+                            max_batch,
+                            KvTypes::GPU_DEFAULT,
+                            POOL_PAGES * PAGE_TOKENS,
+                            &Tuning::from_env()
+                        )
                     ),
                     "{name} {} max_batch {max_batch}",
                     dtype.name()
@@ -369,7 +384,7 @@ fn batched_streams_match_each_stream_stepped_alone_bit_for_bit() {
         let cpu = CpuModel::new(&src).unwrap();
         let (_rows_buf, rows) = rows_on_card(&src);
         // max_batch 48: chunks of 16 or more take tensor cores, and busy rounds need several passes.
-        let mut gpu = GpuModel::load(&src, rows, 48, 256).unwrap();
+        let mut gpu = GpuModel::load(&src, rows, 48, 256, &Tuning::from_env()).unwrap();
         let mut pool = gpu.page_pool().unwrap();
         let (count, window) = (6, 160);
         let mut solo: Vec<GpuStream> = (0..count).map(|_| gpu.new_stream(window).unwrap()).collect();
@@ -447,7 +462,7 @@ fn truncating_and_stepping_the_same_tokens_again_gives_the_same_bits() {
     for (name, cfg) in configs() {
         let src = model(cfg.clone(), DType::Bf16, rng.next_u64());
         let (_rows_buf, rows) = rows_on_card(&src);
-        let mut gpu = GpuModel::load(&src, rows, 32, POOL_PAGES).unwrap();
+        let mut gpu = GpuModel::load(&src, rows, 32, POOL_PAGES, &Tuning::from_env()).unwrap();
         let mut pool = gpu.page_pool().unwrap();
         let mut streams = vec![gpu.new_stream(256).unwrap(), gpu.new_stream(256).unwrap()];
         // A 37-token prompt (tensor cores), then 30 single tokens: the logits after each item.
@@ -491,7 +506,7 @@ fn an_item_without_pages_fails_alone_and_the_others_proceed() {
     let src = model(cfg.clone(), DType::Bf16, rng.next_u64());
     let (_rows_buf, rows) = rows_on_card(&src);
     // Four pages of 16 positions: 64 in all.
-    let mut gpu = GpuModel::load(&src, rows, 64, 4).unwrap();
+    let mut gpu = GpuModel::load(&src, rows, 64, 4, &Tuning::from_env()).unwrap();
     let mut pool = gpu.page_pool().unwrap();
     let mut streams: Vec<GpuStream> = (0..3).map(|_| gpu.new_stream(64).unwrap()).collect();
     let a = random_tokens(&mut rng, cfg.vocab, 20); // 2 pages
@@ -545,7 +560,7 @@ fn the_batch_tensor_core_option_stays_close_to_stepping_alone() {
     for (name, cfg) in configs() {
         let src = model(cfg.clone(), DType::Bf16, rng.next_u64());
         let (_rows_buf, rows) = rows_on_card(&src);
-        let mut gpu = GpuModel::load(&src, rows, 64, 512).unwrap();
+        let mut gpu = GpuModel::load(&src, rows, 64, 512, &Tuning::from_env()).unwrap();
         let mut pool = gpu.page_pool().unwrap();
         let count = 24;
         let mut streams: Vec<GpuStream> = (0..count).map(|_| gpu.new_stream(128).unwrap()).collect();

@@ -21,6 +21,12 @@ use hostembed::kv::KvType;
 use hostembed::model::{Arch, ModelConfig};
 use hostembed::sampler::Sampling;
 use hostembed::tensor::{DType, FORMATS, decode_row, encode_row};
+use hostembed::tuning::Tuning;
+
+/// The launchers' settings as the environment gives them (what an engine would run with).
+fn launch_tuning() -> kn::hostembed_tuning {
+    kn::hostembed_tuning::of(&Tuning::from_env())
+}
 
 const NULL_STREAM: *mut c_void = ptr::null_mut();
 
@@ -106,6 +112,8 @@ fn tensor_core_product_matches_cpu() {
             let y = if in_place { DeviceBuffer::from_slice(&res).unwrap() } else { poisoned(n * ldy * 4) };
             let yp = y.ptr() as *mut f32;
             ok(
+                // SAFETY: device buffers sized for these shapes (`ab` n x cols, `wb` rows x cols in `dtype`, `bb` rows,
+                // `y` n rows of ldy), alive until the synchronous check after the launch.
                 unsafe {
                     kn::hostembed_gemm(
                         ab.ptr(),
@@ -300,6 +308,7 @@ fn half_writers_round_once() {
                         out as c_int,
                         n as c_uint,
                         cols as c_uint,
+                        launch_tuning(),
                         NULL_STREAM,
                     )
                 },
@@ -331,6 +340,7 @@ fn half_writers_round_once() {
                 DType::F32 as c_int,
                 n as c_uint,
                 cols as c_uint,
+                launch_tuning(),
                 NULL_STREAM,
             )
         };
@@ -343,6 +353,8 @@ fn half_writers_round_once() {
         let (gb, ub, ob) =
             (DeviceBuffer::from_slice(&gate).unwrap(), DeviceBuffer::from_slice(&up).unwrap(), poisoned(len * 2));
         ok(
+            // SAFETY: device buffers of `len` values each (`ob` in the half format), alive until the check after the
+            // launch.
             unsafe {
                 kn::hostembed_swiglu_to(
                     gb.ptr() as *const f32,
@@ -363,6 +375,7 @@ fn half_writers_round_once() {
 
         let ob = poisoned(len * 2);
         ok(
+            // SAFETY: `gb` holds `len` floats and `ob` room for `len` halves, alive until the check after the launch.
             unsafe { kn::hostembed_convert(gb.ptr() as *const f32, ob.ptr(), out as c_int, len, NULL_STREAM) },
             "hostembed_convert",
         );
@@ -378,6 +391,7 @@ fn flash_attention_matches_cpu() {
     }
     let mut rng = Rng::fresh("flash_attention_matches_cpu");
     for d in [16usize, 32, 64, 128] {
+        // SAFETY: a host-side check on a head size; nothing is read.
         assert_eq!(unsafe { kn::hostembed_flash_head_dim(d as c_uint) }, 0, "head_dim {d} has a kernel");
         for &(heads, kv_heads) in &[(8usize, 2usize), (4, 4), (7, 1)] {
             for &(p0, n) in &[(0usize, 1usize), (0, 64), (0, 65), (37, 63), (130, 200), (5, 300)] {
@@ -388,6 +402,7 @@ fn flash_attention_matches_cpu() {
         }
     }
     for d in [8u32, 24, 96, 256] {
+        // SAFETY: a host-side check on a head size; nothing is read.
         assert_ne!(unsafe { kn::hostembed_flash_head_dim(d) }, 0, "head_dim {d} claims a kernel");
     }
 }
@@ -432,6 +447,8 @@ fn run_flash(rng: &mut Rng, d: usize, heads: usize, kv_heads: usize, p0: usize, 
     let ob = poisoned(n * heads * d * 2);
     let what = format!("flash d {d} heads {heads}/{kv_heads} from {p0}, {n} queries, {}", out.name());
     ok(
+        // SAFETY: device buffers sized for these shapes (q, the pool's pages and its table, positions, and `n` rows of
+        // `heads * d` halves out), alive until the check after the launch.
         unsafe {
             kn::hostembed_flash_attention(
                 qb.ptr() as *const f32,
@@ -487,7 +504,7 @@ fn prompt_logits_match_cpu_on_every_architecture() {
     for (name, cfg) in configs() {
         let src = model(cfg.clone(), DType::Bf16, rng.next_u64());
         let (_rows_buf, rows) = rows_on_card(&src);
-        let mut gpu = GpuModel::load(&src, rows, 512, 3 * (n + 64) / PAGE_TOKENS).unwrap();
+        let mut gpu = GpuModel::load(&src, rows, 512, 3 * (n + 64) / PAGE_TOKENS, &Tuning::from_env()).unwrap();
         let mut pool = gpu.page_pool().unwrap();
         println!("{name}: {}", gpu.prompt_route());
         // HOSTEMBED_CUBLASLT=0 (the suite's second run) is the library's own kernel, and the route says so.
@@ -545,7 +562,7 @@ fn a_32k_prompt_matches_cpu_at_the_last_position() {
     let n = 32768;
     let src = model(cfg.clone(), DType::Bf16, rng.next_u64());
     let (_rows_buf, rows) = rows_on_card(&src);
-    let mut gpu = GpuModel::load(&src, rows, 2048, n / PAGE_TOKENS).unwrap();
+    let mut gpu = GpuModel::load(&src, rows, 2048, n / PAGE_TOKENS, &Tuning::from_env()).unwrap();
     let mut pool = gpu.page_pool().unwrap();
     let tokens = random_tokens(&mut rng, cfg.vocab, n);
     let mut gs = gpu.new_stream(n).unwrap();
@@ -573,7 +590,7 @@ fn chunk_boundaries_and_refusals() {
     let src = model(cfg.clone(), DType::Bf16, rng.next_u64());
     let (_rows_buf, rows) = rows_on_card(&src);
     let chunk = 64;
-    let mut gpu = GpuModel::load(&src, rows, chunk, 512).unwrap();
+    let mut gpu = GpuModel::load(&src, rows, chunk, 512, &Tuning::from_env()).unwrap();
     let mut pool = gpu.page_pool().unwrap();
     let cpu = CpuModel::new(&src).unwrap();
     for len in [1, chunk - 1, chunk, chunk + 1, 3 * chunk + 17] {

@@ -23,6 +23,7 @@ use hostembed::kv::{self, KvType, KvTypes};
 use hostembed::model::{Arch, ModelConfig, RopeScaling, TensorSource, names};
 use hostembed::status::last_error;
 use hostembed::tensor::{DType, decode_row, encode_row};
+use hostembed::tuning::Tuning;
 
 // ---------------------------------------------------------------------------------------------
 // FP8 E4M3.
@@ -490,7 +491,7 @@ fn the_cpu_pool_and_plan_count_bytes_in_the_cache_types() {
         let want = (cfg.layers * cfg.kv_heads * (kv.k.row_bytes(32) + kv.v.row_bytes(32))) as u64;
         assert_eq!(per_token, want, "{}", kv.describe());
         let pages = 9;
-        let backend = CpuBackend::with_kv(Arc::clone(&src), pages, kv).unwrap();
+        let backend = CpuBackend::with_kv(Arc::clone(&src), pages, kv, &Tuning::from_env()).unwrap();
         assert_eq!(backend.pool_bytes(), per_token * (pages * cpu::PAGE_TOKENS) as u64, "{}", kv.describe());
         let c = &cfg;
         let stream = fit::cpu_kv_bytes(c.layers as u64, 256, c.kv_heads as u64, c.head_dim as u64, kv).unwrap();
@@ -511,6 +512,7 @@ fn the_cpu_pool_and_plan_count_bytes_in_the_cache_types() {
 static LINES: Mutex<Vec<String>> = Mutex::new(Vec::new());
 
 unsafe extern "C" fn collect(_user: *mut c_void, line: *const c_char) {
+    // SAFETY: the engine passes a NUL-terminated line alive for the call.
     let line = unsafe { std::ffi::CStr::from_ptr(line) }.to_string_lossy().into_owned();
     LINES.lock().unwrap().push(line);
 }
@@ -534,6 +536,8 @@ fn init_with_raw(path: &std::path::Path, field: usize, raw: u32) -> (Status, Str
     let mut bytes = vec![0u8; std::mem::size_of::<engine_options>() + 8];
     let aligned = bytes.as_mut_ptr().wrapping_add(bytes.as_ptr().align_offset(8));
     let mut e = std::ptr::null_mut();
+    // SAFETY: `aligned` is 8-byte aligned with room for engine_options in `bytes`; the raw value goes into the field at
+    // `field`, a u32 inside it, which ffi reads raw before it treats it as an enum.
     let status = unsafe {
         std::ptr::copy_nonoverlapping(
             &opts as *const engine_options as *const u8,
@@ -545,6 +549,7 @@ fn init_with_raw(path: &std::path::Path, field: usize, raw: u32) -> (Status, Str
     };
     let message = last_error();
     if status == Status::Ok {
+        // SAFETY: the engine came from engine_init_fit and is freed here, once.
         unsafe { ffi::engine_free(e) };
     } else {
         assert!(e.is_null(), "a refused init left an engine");
@@ -607,6 +612,7 @@ fn kv_options_through_the_c_abi() {
     ] {
         let mut e = std::ptr::null_mut();
         let opts = cpu_options((k, v));
+        // SAFETY: a NUL-terminated path, options and a handle slot, all alive across the call.
         let status = unsafe { ffi::engine_init_fit(common::c_path(&narrow_path).as_ptr(), &opts, &mut e) };
         assert_eq!(status, Status::Unsupported, "{}", last_error());
         assert!(last_error().contains(field) && last_error().contains("head_dim 16"), "{}", last_error());

@@ -18,6 +18,7 @@ use hostembed::model::{Arch, ModelConfig, RopeScaling};
 use hostembed::placement::{engine_memory, engine_rows};
 use hostembed::status::last_error;
 use hostembed::tensor::{DType, FORMATS, decode_row};
+use hostembed::tuning::{self, Tuning};
 use hostembed::{Status, cuda};
 use std::ffi::{CStr, c_char, c_void};
 use std::path::{Path, PathBuf};
@@ -89,6 +90,33 @@ fn batch_tensor_cores_follow_their_variable_only_when_auto() {
     set_env(engine::BATCH_TENSOR_CORES_ENV, saved.as_deref());
 }
 
+/// The engine resolves its tuning once, the option over its variable, and the backend is given that:
+/// NO with HOSTEMBED_BATCH_TENSOR_CORES=1 stays off (the GPU model once read the variable itself and
+/// stayed on), and the tuning carries the environment's other settings beside it.
+#[test]
+fn the_engine_tuning_takes_the_option_over_its_variable() {
+    let _g = serial();
+    let saved = std::env::var_os(engine::BATCH_TENSOR_CORES_ENV);
+    let saved_graphs = std::env::var_os(tuning::CUDA_GRAPHS_ENV);
+    set_env(engine::BATCH_TENSOR_CORES_ENV, Some(std::ffi::OsStr::new("1")));
+    set_env(tuning::CUDA_GRAPHS_ENV, Some(std::ffi::OsStr::new("0")));
+    let with = |option| engine_options { batch_tensor_cores: option, ..common::cpu_options(64, 1) };
+    assert!(!engine::tuning_for(&with(engine_tristate::No)).batch_tensor_cores, "NO with the variable set");
+    assert!(engine::tuning_for(&with(engine_tristate::Auto)).batch_tensor_cores, "AUTO reads the variable");
+    assert!(engine::tuning_for(&with(engine_tristate::Yes)).batch_tensor_cores);
+    assert!(!engine::tuning_for(&with(engine_tristate::Yes)).cuda_graphs, "the other variables are read beside it");
+
+    // A whole engine keeps what it resolved at its creation, whatever the variables say after.
+    let mut rng = Rng::fresh("the_engine_tuning_takes_the_option_over_its_variable");
+    let dir = Scratch::new("tuning");
+    write_synthetic_hf(&dir.0, &config(64, 64, false), rng.next_u64(), DType::Bf16).unwrap();
+    let e = Engine::init_fit(&dir.0, &with(engine_tristate::No)).unwrap();
+    set_env(engine::BATCH_TENSOR_CORES_ENV, saved.as_deref());
+    set_env(tuning::CUDA_GRAPHS_ENV, saved_graphs.as_deref());
+    assert!(!e.tuning().batch_tensor_cores && !e.tuning().cuda_graphs, "{:?}", e.tuning());
+    assert_eq!(e.tuning().cpu_threads, Tuning::from_env().cpu_threads);
+}
+
 #[test]
 fn mmap_rows_follows_ds4_embd_mmap_only_when_auto() {
     let _g = serial();
@@ -111,6 +139,7 @@ fn mmap_rows_follows_ds4_embd_mmap_only_when_auto() {
 
 #[test]
 fn unified_auto_asks_the_device() {
+    // SAFETY: engine_device_info is numbers, bools and a byte array: all zeros is a value of it.
     let mut info: engine_device_info = unsafe { std::mem::zeroed() };
     assert!(!engine::resolve_unified(engine_tristate::Auto, None));
     assert!(!engine::resolve_unified(engine_tristate::Auto, Some(&info)));
@@ -144,7 +173,10 @@ fn the_plan_the_engine_derives_from_a_checkpoint() {
     assert_eq!(inputs.stream_bytes_per_token, per_token);
     assert_eq!(inputs.stream_bytes, GpuModel::stream_bytes(&cfg, KvTypes::GPU_DEFAULT, window as usize));
     assert!(inputs.stream_bytes >= window as u64 * per_token);
-    assert_eq!(inputs.scratch_bytes, GpuModel::scratch_bytes(&ckpt, 64, KvTypes::GPU_DEFAULT, window as usize));
+    assert_eq!(
+        inputs.scratch_bytes,
+        GpuModel::scratch_bytes(&ckpt, 64, KvTypes::GPU_DEFAULT, window as usize, &Tuning::from_env())
+    );
     assert!(inputs.scratch_bytes > 0);
     assert_eq!((inputs.window, inputs.room_bytes, inputs.reserve_bytes), (window, 1 << 40, 256 << 20));
     assert!(!inputs.unified && !inputs.embed_tied && !inputs.mmap_rows);
@@ -256,7 +288,10 @@ fn expect_row(ckpt: &Checkpoint, id: usize) -> Vec<f32> {
 }
 
 unsafe extern "C" fn collect_lines(user: *mut c_void, line: *const c_char) {
+    // SAFETY: the user pointer is the `Vec<String>` this test's options gave the engine, alive and not otherwise
+    // borrowed while it logs.
     let lines = unsafe { &mut *(user as *mut Vec<String>) };
+    // SAFETY: the engine passes a NUL-terminated line alive for the call.
     lines.push(unsafe { CStr::from_ptr(line) }.to_string_lossy().into_owned());
 }
 
@@ -291,6 +326,7 @@ fn cpu_backend_reads_rows_from_the_mapping() {
         let before = stats();
         let mut e = std::ptr::null_mut();
         assert_eq!(
+            // SAFETY: a NUL-terminated path, options and a handle slot, all alive across the call.
             unsafe { ffi::engine_init_fit(c_path(&path).as_ptr(), &opts, &mut e) },
             Status::Ok,
             "{}",
@@ -304,23 +340,32 @@ fn cpu_backend_reads_rows_from_the_mapping() {
             "{lines:?}"
         );
 
+        // SAFETY: engine_rows is pointers, numbers, a bool and enums with a variant at 0: all zeros is a value of it.
         let mut rows: engine_rows = unsafe { std::mem::zeroed() };
+        // SAFETY: a live engine and a writable engine_rows.
         assert_eq!(unsafe { ffi::engine_embed_rows(e, &mut rows) }, Status::Ok);
         assert_eq!((rows.dtype, rows.placement, rows.device_usable), (dtype, engine_placement::FileMapped, false));
         assert_eq!((rows.rows, rows.cols), (cfg.vocab as u64, cfg.hidden as u64));
         assert_eq!(rows.row_bytes, dtype.row_bytes(cfg.hidden).unwrap() as u64);
         // No copy: the engine's own mapping, whose bytes are the file's.
         assert_eq!(rows.data, rows.host_data);
+        // SAFETY: on the CPU backend the rows are the file mapping's `rows * row_bytes` bytes, alive while the engine
+        // is.
         let mapped =
             unsafe { std::slice::from_raw_parts(rows.data as *const u8, (rows.rows * rows.row_bytes) as usize) };
         assert!(mapped == ckpt.bytes_of(ckpt.embed()), "the rows are the file's bytes");
+        // SAFETY: a live engine.
         assert!(unsafe { ffi::engine_host_embed_ptr(e) }.is_null(), "no device reads these rows");
+        // SAFETY: engine_plan is numbers and an enum with a variant at 0: all zeros is a value of it.
         let mut plan: engine_plan = unsafe { std::mem::zeroed() };
+        // SAFETY: a live engine and a writable engine_plan.
         assert_eq!(unsafe { ffi::engine_plan_of(e, &mut plan) }, Status::Unsupported);
 
         let mut ids: Vec<i32> = (0..16).map(|_| rng.below(cfg.vocab as u64) as i32).collect();
         ids.extend([0, cfg.vocab as i32 - 1]);
         let mut out = vec![0f32; ids.len() * cfg.hidden];
+        // SAFETY: a live engine, `ids.len()` ids and room for as many F32 rows of `hidden` values in `out`; host
+        // memory, as the CPU backend reads and writes.
         let st = unsafe {
             ffi::engine_embed(
                 e,
@@ -338,6 +383,8 @@ fn cpu_backend_reads_rows_from_the_mapping() {
             assert!(want.iter().zip(got).all(|(a, b)| a.to_bits() == b.to_bits()), "{} row {id}", dtype.name());
         }
         let mut bf = vec![0u16; ids.len() * cfg.hidden];
+        // SAFETY: a live engine, `ids.len()` ids and room for as many BF16 rows of `hidden` values in `bf`; host
+        // memory, as the CPU backend reads and writes.
         let st = unsafe {
             ffi::engine_embed(
                 e,
@@ -359,6 +406,7 @@ fn cpu_backend_reads_rows_from_the_mapping() {
         for bad in [-1, cfg.vocab as i32, i32::MAX] {
             let ids = [3, bad];
             let mut out = vec![7f32; 2 * cfg.hidden];
+            // SAFETY: a live engine, two ids and room for two F32 rows of `hidden` values in `out`, in host memory.
             let st = unsafe {
                 ffi::engine_embed(e, ids.as_ptr(), 2, out.as_mut_ptr() as *mut c_void, DType::F32, std::ptr::null_mut())
             };
@@ -366,6 +414,7 @@ fn cpu_backend_reads_rows_from_the_mapping() {
             assert!(last_error().contains(&bad.to_string()), "{}", last_error());
             assert!(out.iter().all(|&v| v == 7.0), "nothing written for a call with a bad id");
         }
+        // SAFETY: the engine came from engine_init_fit and is freed here, once.
         unsafe { ffi::engine_free(e) };
         assert_eq!(stats(), before, "the engine's mapping is released");
     }
@@ -387,6 +436,7 @@ fn failed_loads_without_a_device_hold_nothing() {
     let opts = engine_options { backend: engine_backend::Cuda, room_bytes: 1 << 30, ..engine::default_options() };
     for _ in 0..3 {
         let mut e = std::ptr::dangling_mut::<ffi::engine>();
+        // SAFETY: a NUL-terminated path, options and a handle slot, all alive across the call.
         let st = unsafe { ffi::engine_init_fit(c_path(&dir.0).as_ptr(), &opts, &mut e) };
         assert_eq!(st, expected, "{}", last_error());
         if expected == Status::NoCuda {
@@ -459,6 +509,7 @@ fn bad_checkpoints_are_bad_model_and_hold_nothing() {
         for backend in [engine_backend::Cpu, engine_backend::Auto] {
             let opts = engine_options { backend, room_bytes: 1 << 40, ..engine::default_options() };
             let mut e = std::ptr::null_mut();
+            // SAFETY: a NUL-terminated path, options and a handle slot, all alive across the call.
             let st = unsafe { ffi::engine_init_fit(c_path(path).as_ptr(), &opts, &mut e) };
             assert_eq!(st, *want, "{}: {}", path.display(), last_error());
             let name = path.file_name().unwrap().to_string_lossy().into_owned();
@@ -477,6 +528,9 @@ fn nulls_and_bad_enums_are_invalid_arguments() {
     let path = c_path(&dir.0);
     let opts = cpu_options();
     let mut e = std::ptr::null_mut();
+    // SAFETY: each pointer below is NULL (which the call refuses before use) or a live local of the type
+    // the function takes, `e` is NULL or the engine engine_init_fit gave, and the out-of-range enum values
+    // are written as u32 inside the options' own fields, which ffi reads raw before it treats them as enums.
     unsafe {
         assert_eq!(ffi::engine_init_fit(std::ptr::null(), &opts, &mut e), Status::InvalidArgument);
         assert!(last_error().contains("model_path"), "{}", last_error());

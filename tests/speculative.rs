@@ -62,6 +62,39 @@ fn greedy_lookup_gives_the_tokens_and_logits_of_plain_steps() {
     assert!(accepted > 0 && accepted < proposed, "proposed {proposed}, accepted {accepted}");
 }
 
+/// The Rust API's `Engine::step_tokens` is `engine_step_batch`'s item with `out`: the same tokens a step
+/// at a time; `out` too small for the stream's proposals refuses the call; `Engine::step` steps one token.
+#[test]
+fn engine_step_tokens_speculates_as_the_c_batch_item_does() {
+    let _g = serial();
+    let mut rng = Rng::fresh("engine_step_tokens_speculates_as_the_c_batch_item_does");
+    let dir = Scratch::new("spec-rust-api");
+    let cfg = tiny(Arch::Llama);
+    let path = model(&dir, &cfg, &mut rng, DType::Q8_0);
+    let through_c = init(&path, &cpu_options(512, 1));
+    let mut e = engine::Engine::init_fit(&path, &cpu_options(512, 1)).unwrap();
+    let max = 6;
+    assert_eq!(set_speculation(&through_c, 0, &lookup(max)), Status::Ok, "{}", last_error());
+    e.set_speculation(0, &lookup(max)).unwrap();
+    let prompt = repeating_prompt(&mut rng, cfg.vocab);
+    let want = generate(&through_c, 0, &prompt, 96, max as usize + 1);
+    let (mut got, mut input, mut steps) = (Vec::new(), prompt.clone(), 0);
+    while got.len() < want.len() {
+        let out = e.step_tokens(0, &input, max as usize + 1).unwrap();
+        assert!(!out.is_empty() && out.len() <= max as usize + 1, "{out:?}");
+        got.extend(out.iter().map(|&t| t as i32));
+        input = vec![*got.last().unwrap()];
+        steps += 1;
+    }
+    assert_eq!(got, want, "the same tokens through the Rust API and the C batch item");
+    assert!(steps < got.len(), "some step produced more than one token ({steps} steps for {})", got.len());
+    let refused = e.step_tokens(0, &input, max as usize).unwrap_err();
+    assert_eq!(refused.status, Status::InvalidArgument, "{}", refused.message);
+    let len = e.stream_len(0).unwrap();
+    e.step(0, &input).unwrap();
+    assert_eq!(e.stream_len(0).unwrap(), len + 1, "engine_step's path proposes nothing");
+}
+
 #[test]
 fn smollm2_greedy_lookup_is_token_for_token() {
     let Some(path) = model_file("SmolLM2-135M-Instruct.Q4_1.gguf", "scripts/fetch-smollm.sh fetches it") else {
@@ -209,7 +242,9 @@ fn bad_input_is_refused() {
     assert_eq!(set_speculation(&e, 2, &lookup(4)), Status::OutOfRange);
     assert!(last_error().contains("stream 2"), "{}", last_error());
     let (mut p, mut a) = (0, 0);
+    // SAFETY: a live engine and two writable counts.
     assert_eq!(unsafe { ffi::engine_speculation_stats(e.0, 9, &mut p, &mut a) }, Status::OutOfRange);
+    // SAFETY: a live engine; the NULL settings are refused before use.
     assert_eq!(unsafe { ffi::engine_set_speculation(e.0, 0, std::ptr::null()) }, Status::InvalidArgument);
     for bad in [lookup(0), lookup(ENGINE_SPECULATION_MAX_TOKENS + 1), engine_speculation { ngram_min: 4, ..lookup(2) }]
     {
@@ -220,6 +255,8 @@ fn bad_input_is_refused() {
         Status::Unsupported
     );
     let mut raw = [7u32, 4, 1, 3];
+    // SAFETY: `raw` is four u32 laid out as engine_speculation (draft, max_tokens, ngram_min, ngram_max), 4-byte
+    // aligned; ffi reads the draft value raw before it treats it as an enum.
     let st = unsafe { ffi::engine_set_speculation(e.0, 0, raw.as_mut_ptr() as *const engine_speculation) };
     assert_eq!(st, Status::InvalidArgument, "draft 7");
     assert!(last_error().contains("engine_draft"), "{}", last_error());

@@ -2,7 +2,7 @@
 //! settings, constraint and speculation, and the pool's accounting around every batch (the module doc
 //! of `backend` says how pages are taken, shared, copied and cached).
 
-use super::{Backend, BatchStep, Decoder, KvStream, PagePool, ROOT, StepItem, log_prob, not_run};
+use super::{Backend, Batch, BatchItem, Decoder, KvStream, PagePool, ROOT, StepItem, log_prob, not_run};
 use crate::abi::{engine_draft, engine_kv_usage, engine_speculation};
 use crate::constraint::{Constraint, PendingMask};
 use crate::sampler::Sampling;
@@ -164,24 +164,25 @@ impl<B: Backend> Streams<B> {
 
     /// Each item's proposals (empty for a constrained stream, whose mask is computed for one draw):
     /// prompt lookup's at once, the drafter's in one batched drafter step per proposed token.
-    fn propose_all(&mut self, items: &[BatchStep<'_>]) -> Vec<Vec<u32>> {
+    fn propose_all(&mut self, items: &[BatchItem<'_>]) -> Vec<Vec<u32>> {
         let mut proposals = vec![Vec::new(); items.len()];
         let mut drafts: Vec<(usize, u32, Vec<u32>, usize)> = Vec::new();
         for (i, item) in items.iter().enumerate() {
-            if self.constraints.get(item.stream as usize).is_some_and(Option::is_some) {
+            let stream = item.stream();
+            if item.is_refused() || self.constraints.get(stream as usize).is_some_and(Option::is_some) {
                 continue;
             }
-            let k = self.proposal_budget(item.stream, item.tokens, item.most);
+            let k = self.proposal_budget(stream, item.tokens, item.most);
             if k == 0 {
                 continue;
             }
-            let set = self.spec[item.stream as usize].settings;
-            let history = self.history(item.stream, item.tokens);
+            let set = self.spec[stream as usize].settings;
+            let history = self.history(stream, item.tokens);
             match set.draft {
                 engine_draft::Ngram => {
                     proposals[i] = speculative::lookup(&history, set.ngram_min as usize, set.ngram_max as usize, k)
                 }
-                engine_draft::Model => drafts.push((i, item.stream, history, k)),
+                engine_draft::Model => drafts.push((i, stream, history, k)),
                 engine_draft::None => {}
             }
         }
@@ -219,7 +220,9 @@ impl<B: Backend> Streams<B> {
             if live.is_empty() {
                 break;
             }
-            let mut steps: Vec<BatchStep<'_>> = live.iter().map(|&j| BatchStep::new(jobs[j].0, &inputs[j])).collect();
+            // The jobs' streams are the target batch's, each named once.
+            let items = live.iter().map(|&j| BatchItem::new(jobs[j].0, &inputs[j])).collect();
+            let Ok(mut steps) = Batch::new(items) else { break };
             if self.step_batch(&mut steps).is_err() {
                 break;
             }
@@ -259,11 +262,9 @@ impl<B: Backend> Decoder for Streams<B> {
         self.window
     }
 
-    fn step_batch(&mut self, items: &mut [BatchStep<'_>]) -> Result<()> {
-        let mut named = std::collections::HashSet::with_capacity(items.len());
-        if let Some(twice) = items.iter().find(|i| !named.insert(i.stream)) {
-            bail!(InvalidArgument, "stream {} is named twice in one batch", twice.stream);
-        }
+    fn step_batch(&mut self, batch: &mut Batch<'_>) -> Result<()> {
+        // The batch names each stream once (`Batch::new`), so each admitted item has its stream's slot alone.
+        let items = batch.items_mut();
         // Each item's run: its tokens, then what its stream proposes after them (a constrained stream
         // proposes nothing: its mask is computed for one draw).
         let mut runs: Vec<Vec<u32>> = Vec::with_capacity(items.len());
@@ -273,16 +274,20 @@ impl<B: Backend> Decoder for Streams<B> {
         let mut run = Vec::with_capacity(items.len());
         let mut all_proposals = self.propose_all(items);
         for (i, item) in items.iter_mut().enumerate() {
+            if item.is_refused() {
+                runs.push(Vec::new());
+                continue;
+            }
             item.out.clear();
             let proposals = std::mem::take(&mut all_proposals[i]);
             let mut tokens = item.tokens.to_vec();
             tokens.extend_from_slice(&proposals);
             // The cache may stand for the item's own tokens only: every proposal needs its logits.
-            let mut admitted = self.admit(item.stream, None, &tokens, item.tokens.len());
+            let mut admitted = self.admit(item.stream(), None, &tokens, item.tokens.len());
             if admitted.as_ref().is_err_and(|e| e.status == Status::NoRoom) && !proposals.is_empty() {
                 // No room for the proposals: the item steps as without them.
                 tokens.truncate(item.tokens.len());
-                admitted = self.admit(item.stream, None, &tokens, item.tokens.len());
+                admitted = self.admit(item.stream(), None, &tokens, item.tokens.len());
             }
             proposed[i] = tokens.len() - item.tokens.len();
             runs.push(tokens);
@@ -307,7 +312,7 @@ impl<B: Backend> Decoder for Streams<B> {
         let Streams { backend, slots, sampling, constraints, .. } = self;
         let masks: Vec<Option<PendingMask>> = run
             .iter()
-            .map(|(i, _)| constraints[items[*i].stream as usize].as_ref().map(|_| PendingMask::new()))
+            .map(|(i, _)| constraints[items[*i].stream() as usize].as_ref().map(|_| PendingMask::new()))
             .collect();
         let mut by_slot: Vec<Option<&mut KvStream<B::Cache>>> = slots.iter_mut().map(Option::as_mut).collect();
         let mut constrained: Vec<Option<&mut Constraint>> = constraints.iter_mut().map(Option::as_mut).collect();
@@ -316,7 +321,7 @@ impl<B: Backend> Decoder for Streams<B> {
         let work: Vec<(&mut Constraint, &PendingMask)> = run
             .iter()
             .zip(&masks)
-            .filter_map(|((i, _), m)| Some((constrained[items[*i].stream as usize].take()?, m.as_ref()?)))
+            .filter_map(|((i, _), m)| Some((constrained[items[*i].stream() as usize].take()?, m.as_ref()?)))
             .collect();
         let mut last = Vec::new();
         let mut verified = Vec::new();
@@ -332,7 +337,7 @@ impl<B: Backend> Decoder for Streams<B> {
                 .iter()
                 .zip(&masks)
                 .map(|((i, a), mask)| {
-                    let stream = items[*i].stream;
+                    let stream = items[*i].stream();
                     let mut item = StepItem::new(
                         by_slot[stream as usize].take().expect("admitted, and named once"),
                         stream,
@@ -403,9 +408,10 @@ impl<B: Backend> Decoder for Streams<B> {
         self.last = last;
         // The drafter's streams keep no more than the target's: rejected drafts leave them too.
         if self.drafter.is_some() {
-            for item in items.iter() {
-                let len = self.slots[item.stream as usize].as_ref().map_or(0, |s| s.len);
-                self.cut_drafter(item.stream, len);
+            for item in items.iter().filter(|i| !i.is_refused()) {
+                let Some(slot) = self.slots.get(item.stream() as usize) else { continue };
+                let len = slot.as_ref().map_or(0, |s| s.len);
+                self.cut_drafter(item.stream(), len);
             }
         }
         ran

@@ -9,6 +9,7 @@ use crate::kv::KvTypes;
 use crate::model::TensorSource;
 use crate::sampler;
 use crate::status::Result;
+use crate::tuning::Tuning;
 
 /// The CPU backend: a `CpuModel` built once at load over a source it keeps alive, the KV pool's
 /// memory, and the logits of each item of the last batch.
@@ -23,16 +24,22 @@ pub struct CpuBackend {
 
 impl CpuBackend {
     /// Checks the model in `source` (so a bad model fails the load, not the first step), builds its view
-    /// and a KV pool of `pages` pages of f32 K and V.
+    /// and a KV pool of `pages` pages of f32 K and V, on every core.
     pub fn new(source: Arc<dyn TensorSource + Send + Sync>, pages: usize) -> Result<CpuBackend> {
-        Self::with_kv(source, pages, KvTypes::CPU_DEFAULT)
+        Self::with_kv(source, pages, KvTypes::CPU_DEFAULT, &Tuning::default())
     }
 
-    /// `new` with the pool's K and V in `kv`'s types, rounded as the GPU rounds them.
-    pub fn with_kv(source: Arc<dyn TensorSource + Send + Sync>, pages: usize, kv: KvTypes) -> Result<CpuBackend> {
+    /// `new` with the pool's K and V in `kv`'s types, rounded as the GPU rounds them, on
+    /// `tuning.cpu_threads` threads.
+    pub fn with_kv(
+        source: Arc<dyn TensorSource + Send + Sync>,
+        pages: usize,
+        kv: KvTypes,
+        tuning: &Tuning,
+    ) -> Result<CpuBackend> {
         // SAFETY: an Arc's pointee never moves, and this struct drops the view before its Arc.
         let src: &'static dyn TensorSource = unsafe { &*Arc::as_ptr(&source) };
-        let model = CpuModel::new(src)?.with_kv_types(kv)?;
+        let model = CpuModel::new(src)?.with_threads(tuning.cpu_threads).with_kv_types(kv)?;
         let kv = KvPages::with_types(model.config(), pages, kv)?;
         Ok(CpuBackend { model, kv, logits: Vec::new(), _source: source })
     }

@@ -1,8 +1,7 @@
-//! How the CPU backend spreads work over threads: the thread count (HOSTEMBED_CPU_THREADS or every
-//! core), `Pool`, the threads a model keeps between its steps, and `run_parts`, which hands independent
-//! parts to the pool installed on this thread (or to scoped threads where none is). A part always
-//! computes the same outputs in the same order, whichever thread takes it, so results never depend on
-//! the count.
+//! How the CPU backend spreads work over threads (as many as the engine's `Tuning::cpu_threads`):
+//! `Pool`, the threads a model keeps between its steps, and `run_parts`, which hands independent parts
+//! to the pool installed on this thread (or to scoped threads where none is). A part always computes
+//! the same outputs in the same order, whichever thread takes it, so results never depend on the count.
 //!
 //! A decode step is a few hundred short products, each split across the threads: starting threads for
 //! each would cost more than the product, so a pool's workers wait for the next one, spinning for a
@@ -15,29 +14,12 @@ use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-/// The environment variable that sets the CPU backend's thread count (a positive number).
-pub const THREADS_ENV: &str = "HOSTEMBED_CPU_THREADS";
-
 /// The most threads the CPU backend starts; each holds scratch the plan counts.
-pub const MAX_THREADS: usize = 256;
+pub const MAX_THREADS: usize = crate::tuning::MAX_CPU_THREADS;
 
 /// Multiply-adds below which a second thread costs more than it saves: a pool's worker wakes in
 /// microseconds, about what one core takes for this many.
 pub(super) const MIN_THREAD_WORK: u64 = 1 << 15;
-
-/// Threads the CPU backend splits its work over: HOSTEMBED_CPU_THREADS when it is a positive number,
-/// else the cores this process may use; at most `MAX_THREADS`.
-pub fn thread_count() -> usize {
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    threads_from(std::env::var(THREADS_ENV).ok().as_deref(), cores)
-}
-
-/// The thread count for a setting of HOSTEMBED_CPU_THREADS (anything but a positive number is no
-/// setting) on a host with `cores` cores.
-fn threads_from(setting: Option<&str>, cores: usize) -> usize {
-    let set = setting.and_then(|v| v.trim().parse::<usize>().ok()).filter(|&n| n > 0);
-    set.unwrap_or(cores).clamp(1, MAX_THREADS)
-}
 
 /// Threads worth starting for `work` multiply-adds split into `parts` parts, with `threads` allowed.
 pub(super) fn threads_for(work: u64, parts: usize, threads: usize) -> usize {
@@ -378,18 +360,6 @@ mod tests {
             let _ = done.send(());
         });
         assert!(finished.recv_timeout(Duration::from_secs(120)).is_ok(), "a pool's drop never returned");
-    }
-
-    #[test]
-    fn the_setting_overrides_the_cores_when_it_is_a_positive_number() {
-        assert_eq!(threads_from(Some("3"), 8), 3);
-        assert_eq!(threads_from(Some(" 12 "), 2), 12);
-        assert_eq!(threads_from(None, 8), 8);
-        for ignored in ["0", "-2", "two", ""] {
-            assert_eq!(threads_from(Some(ignored), 6), 6, "{ignored:?}");
-        }
-        assert_eq!(threads_from(Some("100000"), 2), MAX_THREADS);
-        assert_eq!(threads_from(None, 0), 1);
     }
 
     #[test]

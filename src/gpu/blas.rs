@@ -1,7 +1,8 @@
 //! cuBLASLt for the matrix products of prompt chunks, loaded at run time with dlopen and never linked,
 //! so the library links, loads and runs where no CUDA library is installed. Without it (or with
-//! `HOSTEMBED_CUBLASLT=0`) the products run on this library's own tensor-core kernel; the engine logs
-//! which one it uses. `HOSTEMBED_CUBLASLT=/path/libcublasLt.so.13` names the file to load.
+//! `Tuning::cublaslt` off: `HOSTEMBED_CUBLASLT=0`) the products run on this library's own tensor-core
+//! kernel; the engine logs which one it uses. `HOSTEMBED_CUBLASLT=/path/libcublasLt.so.13` names the
+//! file to load.
 //!
 //! The declarations are written by hand, like the runtime's in `cudart.rs`; the values below are the
 //! ones `cublasLt.h` gives (CUDA 11 to 13 share them). The GPU suite runs the prompt tests once on
@@ -12,17 +13,16 @@ use std::collections::HashMap;
 use std::ffi::{CStr, CString};
 use std::os::raw::{c_int, c_void};
 use std::ptr;
-use std::sync::OnceLock;
+use std::sync::{Mutex, PoisonError};
 
 use super::launch::HalfMatrix;
 use crate::cudart::cudaStream_t;
 use crate::status::Result;
 use crate::tensor::DType;
+use crate::tuning::{CUBLASLT_ENV, Cublaslt};
 use crate::{bail, err};
 
-/// The environment variable that turns cuBLASLt off ("0") or names the file to load.
-pub const CUBLASLT_ENV: &str = "HOSTEMBED_CUBLASLT";
-/// Tried in order when the environment names no file.
+/// Tried in order when the tuning names no file.
 const LIBRARY_NAMES: [&str; 3] = ["libcublasLt.so.13", "libcublasLt.so.12", "libcublasLt.so"];
 /// Device bytes the products may use as workspace (part of the scratch allocation).
 pub const WORKSPACE_BYTES: usize = 32 << 20;
@@ -145,11 +145,11 @@ unsafe fn symbol<F: Copy>(lib: *mut c_void, name: &CStr) -> std::result::Result<
     Ok(unsafe { std::mem::transmute_copy::<*mut c_void, F>(&p) })
 }
 
-fn load_library() -> std::result::Result<Library, String> {
-    let names: Vec<String> = match std::env::var(CUBLASLT_ENV) {
-        Ok(v) if v == "0" => return Err(format!("{CUBLASLT_ENV}=0")),
-        Ok(v) if !v.is_empty() => vec![v],
-        _ => LIBRARY_NAMES.iter().map(|s| s.to_string()).collect(),
+fn load_library(choice: &Cublaslt) -> std::result::Result<Library, String> {
+    let names: Vec<String> = match choice {
+        Cublaslt::Off => return Err(format!("{CUBLASLT_ENV}=0")),
+        Cublaslt::File(name) => vec![name.clone()],
+        Cublaslt::Default => LIBRARY_NAMES.iter().map(|s| s.to_string()).collect(),
     };
     let mut tried = Vec::new();
     for name in &names {
@@ -187,10 +187,21 @@ fn load_library() -> std::result::Result<Library, String> {
     Err(tried.join("; "))
 }
 
-/// The process's cuBLASLt, or why there is none.
-fn library() -> std::result::Result<&'static Library, &'static str> {
-    static LIB: OnceLock<std::result::Result<Library, String>> = OnceLock::new();
-    LIB.get_or_init(load_library).as_ref().map_err(String::as_str)
+/// The cuBLASLt `choice` asks for, or why there is none: loaded once a process for each choice, and
+/// kept (a library is never unloaded while a handle of it may live).
+fn library(choice: &Cublaslt) -> std::result::Result<&'static Library, String> {
+    type Loaded = &'static std::result::Result<Library, String>;
+    static LOADED: Mutex<Vec<(Cublaslt, Loaded)>> = Mutex::new(Vec::new());
+    let mut loaded = LOADED.lock().unwrap_or_else(PoisonError::into_inner);
+    let lib = match loaded.iter().find(|(c, _)| c == choice) {
+        Some(&(_, lib)) => lib,
+        None => {
+            let lib: Loaded = Box::leak(Box::new(load_library(choice)));
+            loaded.push((choice.clone(), lib));
+            lib
+        }
+    };
+    lib.as_ref().map_err(String::clone)
 }
 
 fn check(status: Status, what: &str) -> Result<()> {
@@ -223,9 +234,10 @@ pub(super) struct Blas {
 unsafe impl Send for Blas {}
 
 impl Blas {
-    /// cuBLASLt on the current device, or the reason it is not used (for the engine's log line).
-    pub(super) fn new() -> std::result::Result<Blas, String> {
-        let lib = library().map_err(str::to_string)?;
+    /// The cuBLASLt `choice` names on the current device, or the reason it is not used (for the engine's
+    /// log line).
+    pub(super) fn new(choice: &Cublaslt) -> std::result::Result<Blas, String> {
+        let lib = library(choice)?;
         let a = &lib.api;
         let mut b = Blas {
             lib,
@@ -385,33 +397,19 @@ mod tests {
     /// Where cuBLASLt is not loaded, the reason names what was asked for; nothing here needs a device.
     #[test]
     fn a_library_that_cannot_load_says_why() {
-        let saved = std::env::var_os(CUBLASLT_ENV);
-        let with = |value: Option<&str>| {
-            // SAFETY: no other test of this crate reads or writes this variable.
-            unsafe {
-                match value {
-                    Some(v) => std::env::set_var(CUBLASLT_ENV, v),
-                    None => std::env::remove_var(CUBLASLT_ENV),
-                }
-            }
-            load_library().map(|lib| lib.name)
-        };
-        assert_eq!(with(Some("0")).unwrap_err(), "HOSTEMBED_CUBLASLT=0");
+        let with = |choice: Cublaslt| load_library(&choice).map(|lib| lib.name);
+        assert_eq!(with(Cublaslt::Off).unwrap_err(), "HOSTEMBED_CUBLASLT=0");
         let absent = "/nonexistent/libcublasLt.so.13";
-        assert!(with(Some(absent)).unwrap_err().contains(absent));
+        assert!(with(Cublaslt::File(absent.into())).unwrap_err().contains(absent));
         // A library that loads but is not cuBLASLt.
-        let not_blas = with(Some("libc.so.6")).unwrap_err();
+        let not_blas = with(Cublaslt::File("libc.so.6".into())).unwrap_err();
         assert!(not_blas.starts_with("libc.so.6: no cublasLtCreate in it"), "{not_blas}");
         // The default names, tried in order: where none loads, each says why.
-        if let Err(why) = with(None) {
+        if let Err(why) = with(Cublaslt::Default) {
             assert!(why.contains("libcublasLt.so.13") && why.contains("libcublasLt.so.12"), "{why}");
         }
-        // SAFETY: as above.
-        unsafe {
-            match saved {
-                Some(v) => std::env::set_var(CUBLASLT_ENV, v),
-                None => std::env::remove_var(CUBLASLT_ENV),
-            }
-        }
+        // Each choice is loaded once and kept: asking again gives the same answer.
+        assert_eq!(library(&Cublaslt::Off).map(|l| l.name.clone()), Err("HOSTEMBED_CUBLASLT=0".to_string()));
+        assert_eq!(library(&Cublaslt::Off).map(|l| l.name.clone()), Err("HOSTEMBED_CUBLASLT=0".to_string()));
     }
 }

@@ -11,7 +11,7 @@
 //!
 //! A token's row takes the same kernels, with the same reduction order, in any pass: the matrix-vector
 //! kernels accumulate each token on its own, the norms are per row, the attention cuts a context by its
-//! length and the fixed `ATTENTION_PARTS` alone, and a long chunk's products and flash attention run
+//! length and the model's fixed attention parts alone, and a long chunk's products and flash attention run
 //! per chunk, its rows starting on a 16-row boundary (so a library product sees the same shape and
 //! alignment as when the chunk runs alone; pad rows between carry position -1 and are never read). So
 //! a stream's logits are the same bits alone and in any batch, unless the batch tensor-core option
@@ -427,7 +427,12 @@ impl GpuModel {
         let singles_end = pieces.iter().filter(|p| p.path == Path::TensorSingle).map(|p| p.row + 1).max().unwrap_or(m);
         let split_end = if self.flash { singles_end } else { n };
         let longest = pieces.iter().filter(|p| p.row < split_end).map(|p| p.pos + p.len).max().unwrap_or(0);
-        PassShape { n, m, split_end, grid_parts: attention_grid(longest) }
+        PassShape {
+            n,
+            m,
+            split_end,
+            grid_parts: attention_grid(longest, self.attention_parts, self.attention_grid_full),
+        }
     }
 
     /// Uploads each row's id, position and page table address, in one copy.
@@ -454,6 +459,7 @@ impl GpuModel {
         self.mmv.then(|| launch::MmvWork {
             partial: self.buf(self.s.mmv_partial) as *mut f32,
             counters: self.buf(self.s.mmv_counters) as *mut c_uint,
+            tuning: self.kernel_tuning,
         })
     }
 
@@ -468,7 +474,7 @@ impl GpuModel {
         let cfg = &self.cfg;
         let s = self.stream.raw();
         crate::arch::forward(cfg, &mut PassOps::new(self, pieces, shape), &self.layers)?;
-        let (n, hidden, half, tensor) = (shape.n, cfg.hidden, self.half, self.mmv_work());
+        let (n, hidden, half, tensor, tuning) = (shape.n, cfg.hidden, self.half, self.mmv_work(), self.kernel_tuning);
         let f = |off: usize| self.buf(off) as *mut f32;
         let (x, xn, act) = (f(self.s.x), f(self.s.xn), self.buf(self.s.act));
         let row = |p: *mut f32, r: usize, width: usize| p.wrapping_add(r * width);
@@ -476,10 +482,10 @@ impl GpuModel {
         let vocab = self.head.rows;
         match head {
             Head::Skip => Ok(()),
-            Head::All => launch::rmsnorm(x, self.final_norm, cfg.rms_eps, xn, n, hidden, s),
+            Head::All => launch::rmsnorm(x, self.final_norm, cfg.rms_eps, xn, n, hidden, tuning, s),
             Head::Rows { rows, base } => {
                 if rows.iter().enumerate().all(|(k, &r)| k == r) {
-                    launch::rmsnorm(x, self.final_norm, cfg.rms_eps, xn, rows.len(), hidden, s)?;
+                    launch::rmsnorm(x, self.final_norm, cfg.rms_eps, xn, rows.len(), hidden, tuning, s)?;
                 } else {
                     for (k, &r) in rows.iter().enumerate() {
                         launch::rmsnorm(
@@ -489,6 +495,7 @@ impl GpuModel {
                             row(xn, k, hidden),
                             1,
                             hidden,
+                            tuning,
                             s,
                         )?;
                     }

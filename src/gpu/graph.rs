@@ -1,12 +1,12 @@
 //! CUDA graphs: a pass whose every row is a head, captured once per row count, matrix-vector row count
 //! and attention grid (the blocks a token's parts take: a power of two that grows with the longest
-//! context up to 4,096 positions, so at most six a count) and replayed (HOSTEMBED_CUDA_GRAPHS=0 turns
-//! them off). Such a pass is single tokens of one stream or many, or, on the matrix-vector kernels,
-//! verifications (a token and its proposals, each row its own position): every row takes the same
-//! launches, and everything that changes between steps is read from the scratch (ids, positions, page
-//! table addresses; the tables themselves are device memory updated as pages come), so one graph serves
-//! every stream and every step of that shape. A shape is captured the second time it runs, after a
-//! plain run has settled whatever a product library chooses on first use.
+//! context up to 4,096 positions, so at most six a count) and replayed (`Tuning::cuda_graphs` off,
+//! HOSTEMBED_CUDA_GRAPHS=0, turns them off). Such a pass is single tokens of one stream or many, or, on
+//! the matrix-vector kernels, verifications (a token and its proposals, each row its own position):
+//! every row takes the same launches, and everything that changes between steps is read from the
+//! scratch (ids, positions, page table addresses; the tables themselves are device memory updated as
+//! pages come), so one graph serves every stream and every step of that shape. A shape is captured the
+//! second time it runs, after a plain run has settled whatever a product library chooses on first use.
 
 use std::ptr;
 
@@ -34,11 +34,6 @@ impl Drop for StepGraph {
             }
         }
     }
-}
-
-/// Whether graphs are on: HOSTEMBED_CUDA_GRAPHS unset or anything but "0".
-pub(super) fn graphs_enabled() -> bool {
-    std::env::var("HOSTEMBED_CUDA_GRAPHS").map(|v| v != "0").unwrap_or(true)
 }
 
 impl GpuModel {

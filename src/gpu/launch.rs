@@ -18,7 +18,7 @@ use super::RowsOnDevice;
 use super::weights::DeviceWeight;
 use crate::cuda;
 use crate::cudart::cudaStream_t;
-use crate::kernels as kn;
+use crate::kernels::{self as kn, hostembed_tuning};
 use crate::kv::KvTypes;
 use crate::sampler::Sampling;
 use crate::status::Result;
@@ -59,11 +59,12 @@ pub(super) fn matvec_swiglu(
 }
 
 /// The scratch the tensor-core decode products share: partial sums of split products and their arrival
-/// counters (zeroed at load, left zero by every launch).
+/// counters (zeroed at load, left zero by every launch), and the model's launch settings for them.
 #[derive(Clone, Copy)]
 pub(super) struct MmvWork {
     pub partial: *mut f32,
     pub counters: *mut c_uint,
+    pub tuning: hostembed_tuning,
 }
 
 /// Whether `w` takes the tensor-core decode product (a format with a lane reader, whole tiles of columns).
@@ -105,6 +106,7 @@ pub(super) fn decode_product(
             ldy as c_uint,
             work.partial,
             work.counters,
+            work.tuning,
             s,
         )
     };
@@ -127,7 +129,8 @@ pub(super) fn decode_swiglu(
     let (dtype, rows, cols, n) = (gate.dtype as c_int, gate.rows as c_uint, gate.cols as c_uint, n as c_uint);
     // SAFETY: as for decode_product.
     let code = unsafe {
-        kn::hostembed_mmv_swiglu(gate.ptr, up.ptr, dtype, rows, cols, x, n, y, work.partial, work.counters, s)
+        let (partial, counters, tuning) = (work.partial, work.counters, work.tuning);
+        kn::hostembed_mmv_swiglu(gate.ptr, up.ptr, dtype, rows, cols, x, n, y, partial, counters, tuning, s)
     };
     cuda::check(code, "hostembed_mmv_swiglu")
 }
@@ -146,10 +149,11 @@ pub(super) fn rmsnorm(
     out: *mut f32,
     rows: usize,
     cols: usize,
+    tuning: hostembed_tuning,
     s: cudaStream_t,
 ) -> Result<()> {
     // SAFETY: device pointers to `rows` x `cols` floats (`cols` for `w`; see the module's note).
-    let code = unsafe { kn::hostembed_rmsnorm(x, w, eps, out, rows as c_uint, cols as c_uint, s) };
+    let code = unsafe { kn::hostembed_rmsnorm(x, w, eps, out, rows as c_uint, cols as c_uint, tuning, s) };
     cuda::check(code, "hostembed_rmsnorm")
 }
 
@@ -188,6 +192,7 @@ pub(super) fn rope_kv(
     eps: f32,
     kv: KvPages,
     tables: *const *const c_uint,
+    tuning: hostembed_tuning,
     s: cudaStream_t,
 ) -> Result<()> {
     let norm = |w: Option<&DeviceWeight>| w.map_or(ptr::null(), |w| w.f32_ptr());
@@ -212,6 +217,7 @@ pub(super) fn rope_kv(
             kv.pages as c_uint,
             kv.kv.k as c_int,
             kv.kv.v as c_int,
+            tuning,
             s,
         )
     };
@@ -231,6 +237,7 @@ pub(super) fn attention(
     grid_parts: usize,
     partial: *mut f32,
     out: *mut f32,
+    tuning: hostembed_tuning,
     s: cudaStream_t,
 ) -> Result<()> {
     let a = shape;
@@ -255,6 +262,7 @@ pub(super) fn attention(
             grid_parts as c_uint,
             partial,
             out,
+            tuning,
             s,
         )
     };
@@ -449,11 +457,12 @@ pub(super) fn rmsnorm_to(
     dtype: DType,
     rows: usize,
     cols: usize,
+    tuning: hostembed_tuning,
     s: cudaStream_t,
 ) -> Result<()> {
     let (rows, cols) = (rows as c_uint, cols as c_uint);
     // SAFETY: device pointers to `rows` x `cols` values (`cols` for `w`; see the module's note).
-    let code = unsafe { kn::hostembed_rmsnorm_to(x, w, eps, out, residue, dtype as c_int, rows, cols, s) };
+    let code = unsafe { kn::hostembed_rmsnorm_to(x, w, eps, out, residue, dtype as c_int, rows, cols, tuning, s) };
     cuda::check(code, "hostembed_rmsnorm_to")
 }
 

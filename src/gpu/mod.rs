@@ -14,7 +14,7 @@
 //! every stream share each weight read. All work is queued on one CUDA stream; the only host wait is for
 //! the sampled tokens (and, once a pass is queued, for its constrained items' masks, which the device's
 //! sampler applies: `mask.rs`). Passes of single tokens replay a CUDA graph captured per token count (they read
-//! everything that changes from the scratch; HOSTEMBED_CUDA_GRAPHS=0 turns that off). Prompt chunks of
+//! everything that changes from the scratch; `Tuning::cuda_graphs` turns that off). Prompt chunks of
 //! `TENSOR_CORE_MIN_TOKENS` or more run their matrix products on tensor cores (cuBLASLt when it can
 //! be loaded, else the library's own kernel) and their attention as flash attention, except where
 //! exactness asks otherwise: an F32 K or V cache takes the split attention kernel (f32 arithmetic)
@@ -24,8 +24,11 @@
 //! Batch invariance: a single token's products, norms and attention take the same kernels with the same
 //! reduction order whatever else is in its pass (the matrix-vector kernels accumulate each token on its
 //! own; decode attention cuts a context by its length alone), so its logits are the same bits alone or
-//! beside others. `options.batch_tensor_cores` (or `HOSTEMBED_BATCH_TENSOR_CORES=1` when it is AUTO)
-//! trades that for speed: passes of 16 or more single tokens take the tensor-core products.
+//! beside others. `Tuning::batch_tensor_cores` (the engine's `options.batch_tensor_cores`) trades that
+//! for speed: passes of 16 or more single tokens take the tensor-core products.
+//!
+//! The model reads no environment variable: every setting of how it runs comes from the `Tuning` its
+//! load is given.
 
 mod blas;
 mod forward;
@@ -42,7 +45,6 @@ use std::collections::{HashMap, HashSet};
 use std::os::raw::{c_uint, c_void};
 use std::sync::atomic::{AtomicU64, Ordering};
 
-pub use self::blas::CUBLASLT_ENV;
 pub use self::forward::{TENSOR_CORE_MIN_TOKENS, reserve_pages, truncate_stream};
 use self::graph::StepGraph;
 pub use self::pages::{GpuCache, GpuStream, PAGE_TOKENS, PageLayout};
@@ -52,10 +54,12 @@ use self::weights::{DeviceWeight, plan, prompt_format, upload};
 use crate::backend::{Backend, PagePool, StepItem};
 use crate::cuda::{self, DeviceBuffer, StagedUploader, Stream};
 use crate::cudart as rt;
+use crate::kernels::hostembed_tuning;
 use crate::kv::{KvType, KvTypes};
 use crate::model::{Layers, ModelConfig, TensorSource, rope_inv_freq, rope_inv_freq_local};
 use crate::status::Result;
 use crate::tensor::DType;
+use crate::tuning::Tuning;
 use crate::{bail, err};
 
 /// Where the embedding rows live for the device: on the card or in mapped host memory, read through
@@ -131,8 +135,14 @@ pub struct GpuModel {
     /// Whether passes of many single tokens take the tensor-core products (not batch invariant).
     batch_tensor_cores: bool,
     /// Whether decode rows take the batch-invariant tensor-core products where a weight's format has them
-    /// (HOSTEMBED_MMV=0 keeps every decode product on the matrix-vector kernels).
+    /// (`Tuning::mmv`; off keeps every decode product on the matrix-vector kernels).
     mmv: bool,
+    /// The parts the split attention cuts a context into (the scratch's partial results are sized for them).
+    attention_parts: usize,
+    /// Whether every attention part is a block of its own (`scratch::attention_grid`).
+    attention_grid_full: bool,
+    /// How the launchers that take it launch.
+    kernel_tuning: hostembed_tuning,
     pool_pages: usize,
     /// What the pool keeps K and V in, and how a page lays them out.
     kv: KvTypes,
@@ -170,14 +180,14 @@ impl GpuModel {
     }
 
     /// Device bytes `load_for_window` allocates for activations and scratch with prompt chunks of
-    /// `max_batch`, a KV cache in `kv`'s types and streams of up to `window` positions; 0 when `src`
-    /// does not hold a model `load` accepts.
-    pub fn scratch_bytes(src: &dyn TensorSource, max_batch: usize, kv: KvTypes, window: usize) -> u64 {
+    /// `max_batch`, a KV cache in `kv`'s types, streams of up to `window` positions and `tuning`; 0 when
+    /// `src` does not hold a model `load` accepts.
+    pub fn scratch_bytes(src: &dyn TensorSource, max_batch: usize, kv: KvTypes, window: usize, tuning: &Tuning) -> u64 {
         plan(src).map_or(0, |p| {
             let (_, slab) = prompt_format(&p.product_matrices());
             let cfg = src.config();
             let stage = scratch::stage_tokens(kv, flash_attention_for(cfg, kv), window);
-            ScratchLayout::new(cfg, max_batch, slab, stage).total as u64
+            ScratchLayout::new(cfg, max_batch, slab, stage, tuning.attention_parts).total as u64
         })
     }
 
@@ -241,9 +251,15 @@ impl GpuModel {
     }
 
     /// Uploads the weights and allocates scratch and a KV pool of `pool_pages` pages of BF16 K and V on
-    /// the current device.
-    pub fn load(src: &dyn TensorSource, rows: RowsOnDevice, max_batch: usize, pool_pages: usize) -> Result<GpuModel> {
-        Self::load_with_kv(src, rows, max_batch, pool_pages, KvTypes::GPU_DEFAULT)
+    /// the current device, to run as `tuning` says.
+    pub fn load(
+        src: &dyn TensorSource,
+        rows: RowsOnDevice,
+        max_batch: usize,
+        pool_pages: usize,
+        tuning: &Tuning,
+    ) -> Result<GpuModel> {
+        Self::load_with_kv(src, rows, max_batch, pool_pages, KvTypes::GPU_DEFAULT, tuning)
     }
 
     /// `load` with the pool's K and V in `kv`'s types, for streams as long as the pool. UNSUPPORTED
@@ -255,8 +271,9 @@ impl GpuModel {
         max_batch: usize,
         pool_pages: usize,
         kv: KvTypes,
+        tuning: &Tuning,
     ) -> Result<GpuModel> {
-        Self::load_for_window(src, rows, max_batch, pool_pages, kv, pool_pages.saturating_mul(PAGE_TOKENS))
+        Self::load_for_window(src, rows, max_batch, pool_pages, kv, pool_pages.saturating_mul(PAGE_TOKENS), tuning)
     }
 
     /// `load_with_kv` for streams of at most `window` positions (what an 8-bit cache's prompt stage is
@@ -268,6 +285,7 @@ impl GpuModel {
         pool_pages: usize,
         kv: KvTypes,
         window: usize,
+        tuning: &Tuning,
     ) -> Result<GpuModel> {
         let cfg = src.config().clone();
         Self::check_config(&cfg)?;
@@ -325,7 +343,8 @@ impl GpuModel {
             .map_err(|_| err!(NoRoom, "a KV pool of {pool_pages} pages does not fit in memory"))?;
         let pool = DeviceBuffer::new(pool_bytes)?;
         let flash = flash_attention_for(&cfg, kv);
-        let s = ScratchLayout::new(&cfg, max_batch, slab, scratch::stage_tokens(kv, flash, window));
+        let stage = scratch::stage_tokens(kv, flash, window);
+        let s = ScratchLayout::new(&cfg, max_batch, slab, stage, tuning.attention_parts);
         let scratch = DeviceBuffer::new(s.total)?;
         scratch.upload(&rope_inv_freq(&cfg), s.inv_freq)?;
         if let (Some(at), Some(local)) = (s.inv_freq_local, rope_inv_freq_local(&cfg)) {
@@ -333,13 +352,12 @@ impl GpuModel {
         }
         scratch.upload(&vec![0u8; s.mmv_counter_bytes], s.mmv_counters)?;
         let stream = Stream::new()?;
-        let graphs = graph::graphs_enabled();
         let f32_cache = kv.k == KvType::F32 || kv.v == KvType::F32;
         // An all-F32 model with an F32 cache keeps its prompt chunks in f32: the half-format operands of
         // the tensor-core products alone cost ~1e-3 of relative error.
         let exact = kv == KvTypes::same(KvType::F32) && matrices.iter().all(|m| m.0 == DType::F32);
         let tensor_cores = !exact && [cfg.hidden, cfg.q_dim(), cfg.intermediate].iter().all(|d| d % 8 == 0);
-        let (blas, route) = match blas::Blas::new() {
+        let (blas, route) = match blas::Blas::new(&tuning.cublaslt) {
             Ok(b) => {
                 let route = format!("prompt products on cuBLASLt ({})", b.name());
                 (Some(b), route)
@@ -367,12 +385,15 @@ impl GpuModel {
             head,
             rows,
             s,
-            graphs,
+            graphs: tuning.cuda_graphs,
             decode_graphs: HashMap::new(),
             decode_seen: HashSet::new(),
             logits_at: Vec::new(),
-            batch_tensor_cores: false,
-            mmv: std::env::var("HOSTEMBED_MMV").map(|v| v != "0").unwrap_or(true),
+            batch_tensor_cores: tuning.batch_tensor_cores,
+            mmv: tuning.mmv,
+            attention_parts: tuning.attention_parts,
+            attention_grid_full: tuning.attention_grid_full,
+            kernel_tuning: hostembed_tuning::of(tuning),
             pool_pages,
             kv,
             page,
@@ -423,7 +444,9 @@ pub struct CudaBackend {
 
 impl CudaBackend {
     /// `GpuModel::load_for_window` on `device`, which the caller has made current, with a KV pool of
-    /// `pool_pages` pages of `PAGE_TOKENS` positions in `kv`'s types, for streams of `window` positions.
+    /// `pool_pages` pages of `PAGE_TOKENS` positions in `kv`'s types, for streams of `window` positions,
+    /// to run as `tuning` says.
+    #[allow(clippy::too_many_arguments)]
     pub fn load(
         src: &dyn TensorSource,
         rows: RowsOnDevice,
@@ -432,8 +455,9 @@ impl CudaBackend {
         pool_pages: usize,
         kv: KvTypes,
         window: usize,
+        tuning: &Tuning,
     ) -> Result<CudaBackend> {
-        let model = GpuModel::load_for_window(src, rows, max_batch, pool_pages, kv, window)?;
+        let model = GpuModel::load_for_window(src, rows, max_batch, pool_pages, kv, window, tuning)?;
         Ok(CudaBackend { model, device })
     }
 
@@ -445,11 +469,6 @@ impl CudaBackend {
     /// The model, for tests that look under the seam.
     pub fn model(&self) -> &GpuModel {
         &self.model
-    }
-
-    /// `GpuModel::set_batch_tensor_cores`: the engine option's choice.
-    pub fn set_batch_tensor_cores(&mut self, on: bool) {
-        self.model.set_batch_tensor_cores(on);
     }
 
     /// Makes the model's device current for this thread (the caller may have moved to another).

@@ -10,7 +10,7 @@ use std::ptr;
 use super::GpuModel;
 use super::forward::{PassShape, Path, Piece};
 use super::launch::{self, AttentionShape, HalfMatrix, KvPages};
-use super::scratch::{ATTENTION_TOKENS, attention_parts};
+use super::scratch::ATTENTION_TOKENS;
 use super::weights::{DeviceWeight, Qkv};
 use crate::arch::{Feeds, Ops, Rotary};
 use crate::cudart::cudaStream_t;
@@ -182,12 +182,14 @@ impl Ops for PassOps<'_> {
     fn norm(&mut self, w: &DeviceWeight, feeds: Feeds) -> Result<()> {
         let (cfg, m, tc) = (&self.model.cfg, self.m, self.n - self.m);
         if m > 0 {
-            launch::rmsnorm(self.x, w.f32_ptr(), cfg.rms_eps, self.xn, m, cfg.hidden, self.s)?;
+            let tuning = self.model.kernel_tuning;
+            launch::rmsnorm(self.x, w.f32_ptr(), cfg.rms_eps, self.xn, m, cfg.hidden, tuning, self.s)?;
         }
         if tc > 0 {
             let res = if feeds == Feeds::Cache { self.residue } else { ptr::null_mut() };
             let x = row(self.x, m, cfg.hidden);
-            launch::rmsnorm_to(x, w.f32_ptr(), cfg.rms_eps, self.act, res, self.half, tc, cfg.hidden, self.s)?;
+            let (act, half, tuning) = (self.act, self.half, self.model.kernel_tuning);
+            launch::rmsnorm_to(x, w.f32_ptr(), cfg.rms_eps, act, res, half, tc, cfg.hidden, tuning, self.s)?;
         }
         Ok(())
     }
@@ -235,7 +237,8 @@ impl Ops for PassOps<'_> {
         };
         let (shape, kv) = (self.shape_of(self.n), self.kv(layer));
         let (qkv, pos, interleaved) = (self.qkv, self.pos, cfg.rope_interleaved);
-        launch::rope_kv(qkv, shape, pos, inv_freq, interleaved, q_norm, k_norm, cfg.rms_eps, kv, self.tables, self.s)
+        let (tables, tuning) = (self.tables, self.model.kernel_tuning);
+        launch::rope_kv(qkv, shape, pos, inv_freq, interleaved, q_norm, k_norm, cfg.rms_eps, kv, tables, tuning, self.s)
     }
 
     /// Rows [0, split_end) on the split kernel into attn (f32), in launches of ATTENTION_TOKENS; the
@@ -258,10 +261,11 @@ impl Ops for PassOps<'_> {
                 self.tables.wrapping_add(g0),
                 self.pos.wrapping_add(g0),
                 scale,
-                attention_parts(),
+                model.attention_parts,
                 self.grid_parts,
                 self.partial,
                 row(self.attn, g0, q_dim),
+                model.kernel_tuning,
                 s,
             )?;
         }

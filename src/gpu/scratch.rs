@@ -13,24 +13,6 @@ use crate::kv::KvTypes;
 use crate::model::ModelConfig;
 use crate::status::Result;
 
-/// The most parts the attention kernel cuts one token's context into. Fixed, so that a token's parts
-/// (and so its bits) depend on its own context length only: 32 parts of 512 positions at 16k, 8 blocks
-/// a kv head's part for the Llama-3 shape fill a 132-SM card with one stream.
-pub(super) const ATTENTION_PARTS: usize = 32;
-
-/// `ATTENTION_PARTS`, or `HOSTEMBED_ATTENTION_PARTS` (1 to 1024) for benchmark runs: read once, so
-/// that every launch and the scratch of a process agree.
-pub(super) fn attention_parts() -> usize {
-    static PARTS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *PARTS.get_or_init(|| {
-        std::env::var("HOSTEMBED_ATTENTION_PARTS")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .filter(|p| (1..=1024).contains(p))
-            .unwrap_or(ATTENTION_PARTS)
-    })
-}
-
 /// Positions of one part of a `context`-position context cut in at most `parts` parts: whole 32-position
 /// units, at least 128 (kernels/attention.cu's `part_positions`).
 fn part_positions(context: usize, parts: usize) -> usize {
@@ -46,12 +28,10 @@ pub fn attention_grid_parts(max_context: usize, parts: usize) -> usize {
     filled.next_power_of_two().min(parts)
 }
 
-/// `attention_grid_parts`, or every part its own block (the grid before it) under
-/// `HOSTEMBED_ATTENTION_GRID=full`, to measure the two in one build.
-pub(super) fn attention_grid(max_context: usize) -> usize {
-    static FULL: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    let full = *FULL.get_or_init(|| std::env::var("HOSTEMBED_ATTENTION_GRID").is_ok_and(|v| v == "full"));
-    if full { attention_parts() } else { attention_grid_parts(max_context, attention_parts()) }
+/// `attention_grid_parts` of the model's parts, or every part its own block (the grid before it) with
+/// `Tuning::attention_grid_full` (`HOSTEMBED_ATTENTION_GRID=full`), to measure the two in one build.
+pub(super) fn attention_grid(max_context: usize, parts: usize, full: bool) -> usize {
+    if full { parts } else { attention_grid_parts(max_context, parts) }
 }
 
 /// Query tokens one attention launch takes (its partial results are sized for this many).
@@ -199,12 +179,19 @@ pub(super) struct ScratchLayout {
 
 impl ScratchLayout {
     /// Scratch for chunks of `max_batch` tokens; `slab_values` is the largest matrix the prompt path
-    /// converts (0 for none); `stage_tokens` the positions of an 8-bit cache's flash stage (0 for none).
-    pub(super) fn new(cfg: &ModelConfig, max_batch: usize, slab_values: usize, stage_tokens: usize) -> ScratchLayout {
+    /// converts (0 for none); `stage_tokens` the positions of an 8-bit cache's flash stage (0 for none);
+    /// `attention_parts` the parts the split attention cuts a context into.
+    pub(super) fn new(
+        cfg: &ModelConfig,
+        max_batch: usize,
+        slab_values: usize,
+        stage_tokens: usize,
+        attention_parts: usize,
+    ) -> ScratchLayout {
         let b = max_batch.max(1);
         let f = 4;
         let logit_rows = LOGIT_ROWS.min(b);
-        let partial_floats = b.min(ATTENTION_TOKENS) * attention_parts() * cfg.heads * (cfg.head_dim + 2);
+        let partial_floats = b.min(ATTENTION_TOKENS) * attention_parts * cfg.heads * (cfg.head_dim + 2);
         let mut l = Layout::default();
         let x = l.push(b * cfg.hidden * f);
         let xn = l.push(b * cfg.hidden * f);
@@ -341,8 +328,8 @@ mod tests {
             // The graph keys a token count can take (graph.rs captures one a size).
             assert!(sizes.len() <= parts.ilog2() as usize + 2, "{parts} parts: grids {sizes:?}");
         }
-        assert_eq!(attention_grid_parts(512, ATTENTION_PARTS), 4);
-        assert_eq!(attention_grid_parts(64, ATTENTION_PARTS), 1);
-        assert_eq!(attention_grid_parts(16_384, ATTENTION_PARTS), 32);
+        assert_eq!(attention_grid_parts(512, crate::tuning::ATTENTION_PARTS), 4);
+        assert_eq!(attention_grid_parts(64, crate::tuning::ATTENTION_PARTS), 1);
+        assert_eq!(attention_grid_parts(16_384, crate::tuning::ATTENTION_PARTS), 32);
     }
 }

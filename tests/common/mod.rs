@@ -142,12 +142,15 @@ pub fn c_path(p: &Path) -> std::ffi::CString {
 /// What the library holds now, through the C ABI.
 pub fn stats() -> engine_memory {
     let mut m = engine_memory::default();
+    // SAFETY: a writable engine_memory for the call.
     assert_eq!(unsafe { ffi::engine_memory_stats(&mut m) }, Status::Ok);
     m
 }
 
 pub fn device_info() -> ffi::engine_device_info {
+    // SAFETY: engine_device_info is numbers, bools and a byte array: all zeros is a value of it.
     let mut info: ffi::engine_device_info = unsafe { std::mem::zeroed() };
+    // SAFETY: a writable engine_device_info for the call.
     assert_eq!(unsafe { ffi::engine_device_info(0, &mut info) }, Status::Ok, "{}", last_error());
     info
 }
@@ -186,6 +189,7 @@ pub struct Held(pub *mut ffi::engine);
 
 impl Drop for Held {
     fn drop(&mut self) {
+        // SAFETY: the handle came from engine_init_fit and is freed here once, as its only holder drops.
         unsafe { ffi::engine_free(self.0) };
     }
 }
@@ -195,9 +199,17 @@ impl Drop for Held {
 pub fn room_for_tokens(cfg: &ModelConfig, window: u32, streams: u32, tokens: u64) -> u64 {
     let slot = std::mem::size_of::<Option<hostembed::cpu::CpuStream>>() as u64;
     let probe = engine_options { room_bytes: 1 << 40, ..cpu_options(window, streams) };
-    let inputs =
-        hostembed::fit::cpu_inputs(cfg, window, streams, slot, hostembed::engine::cpu_kv_types(&probe), &probe)
-            .unwrap();
+    let threads = hostembed::engine::tuning_for(&probe).cpu_threads;
+    let inputs = hostembed::fit::cpu_inputs(
+        cfg,
+        window,
+        streams,
+        slot,
+        hostembed::engine::cpu_kv_types(&probe),
+        &probe,
+        threads,
+    )
+    .unwrap();
     let per_token = (hostembed::fit::plan_cpu(&inputs).stream_bytes.unwrap() - slot) / window as u64;
     inputs.scratch_bytes + streams as u64 * slot + tokens * per_token
 }
@@ -223,6 +235,7 @@ pub fn on_threads<T: Send>(e: &Held, n: u32, work: impl Fn(&Held, u32) -> T + Sy
 
 pub fn init(path: &Path, opts: &engine_options) -> Held {
     let mut e = std::ptr::null_mut();
+    // SAFETY: a NUL-terminated path, options and a handle slot, all alive across the call.
     let st = unsafe { ffi::engine_init_fit(c_path(path).as_ptr(), opts, &mut e) };
     assert_eq!(st, Status::Ok, "engine_init_fit({}): {}", path.display(), last_error());
     assert!(!e.is_null());
@@ -232,6 +245,7 @@ pub fn init(path: &Path, opts: &engine_options) -> Held {
 /// engine_step's status, and `next` (left at -7 unless the call succeeded).
 pub fn try_step(e: &Held, stream: u32, tokens: &[i32]) -> (Status, i32) {
     let mut next = -7;
+    // SAFETY: a live engine, `tokens.len()` readable ids and a writable `next`.
     let st = unsafe { ffi::engine_step(e.0, stream, tokens.as_ptr(), tokens.len(), &mut next) };
     (st, next)
 }
@@ -243,13 +257,16 @@ pub fn step(e: &Held, stream: u32, tokens: &[i32]) -> i32 {
 }
 
 pub fn info(e: &Held) -> ffi::engine_model_info {
+    // SAFETY: engine_model_info is numbers, bools and enums with a variant at 0: all zeros is a value of it.
     let mut out: ffi::engine_model_info = unsafe { std::mem::zeroed() };
+    // SAFETY: a live engine and a writable engine_model_info.
     assert_eq!(unsafe { ffi::engine_model_info(e.0, &mut out) }, Status::Ok, "{}", last_error());
     out
 }
 
 pub fn logits(e: &Held, stream: u32) -> Vec<f32> {
     let mut out = vec![f32::NAN; info(e).vocab as usize];
+    // SAFETY: a live engine and `out.len()` writable floats.
     let st = unsafe { ffi::engine_logits(e.0, stream, out.as_mut_ptr(), out.len()) };
     assert_eq!(st, Status::Ok, "engine_logits(stream {stream}): {}", last_error());
     out
@@ -325,6 +342,8 @@ pub fn try_batch(e: &Held, items: &[(u32, &[i32])]) -> (Status, Vec<(Status, i32
             n_out: 0,
         })
         .collect();
+    // SAFETY: a live engine and `c.len()` items whose tokens point into `items`' slices (or are NULL with n 0), all
+    // alive across the call.
     let st = unsafe { ffi::engine_step_batch(e.0, c.as_mut_ptr(), c.len()) };
     (st, c.iter().map(|i| (i.status, i.next)).collect())
 }
@@ -332,26 +351,31 @@ pub fn try_batch(e: &Held, items: &[(u32, &[i32])]) -> (Status, Vec<(Status, i32
 /// (positions in the KV pool, positions free).
 pub fn kv_stats(e: &Held) -> (u64, u64) {
     let (mut total, mut free) = (0, 0);
+    // SAFETY: a live engine and two writable counts.
     assert_eq!(unsafe { ffi::engine_kv_stats(e.0, &mut total, &mut free) }, Status::Ok, "{}", last_error());
     (total, free)
 }
 
 pub fn stream_len(e: &Held, stream: u32) -> u32 {
     let mut len = u32::MAX;
+    // SAFETY: a live engine and a writable length.
     assert_eq!(unsafe { ffi::engine_stream_len(e.0, stream, &mut len) }, Status::Ok, "{}", last_error());
     len
 }
 
 pub fn truncate(e: &Held, stream: u32, len: u32) {
+    // SAFETY: a live engine; the call takes no pointer.
     let st = unsafe { ffi::engine_truncate(e.0, stream, len) };
     assert_eq!(st, Status::Ok, "engine_truncate({stream}, {len}): {}", last_error());
 }
 
 pub fn reset(e: &Held, stream: u32) {
+    // SAFETY: a live engine; the call takes no pointer.
     assert_eq!(unsafe { ffi::engine_reset(e.0, stream) }, Status::Ok, "engine_reset({stream}): {}", last_error());
 }
 
 pub fn set_sampling(e: &Held, stream: u32, s: &hostembed::abi::engine_sampling) {
+    // SAFETY: a live engine and settings alive across the call.
     let st = unsafe { ffi::engine_set_sampling(e.0, stream, s) };
     assert_eq!(st, Status::Ok, "engine_set_sampling({stream}): {}", last_error());
 }

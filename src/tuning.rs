@@ -1,0 +1,248 @@
+//! The settings that change how fast the engine runs, never what it computes, and the one place the
+//! library reads the environment. `Engine::init_fit` resolves a `Tuning` once (`Tuning::from_env`, then
+//! the engine options that override it) and passes it down to the backend it loads: the CPU backend's
+//! thread count, and on CUDA the graphs, the decode products' kernels, the attention grid, the product
+//! library, and the launchers' own settings (`kernels/hostembed_kernels.cuh`'s `hostembed_tuning`).
+//! Nothing below the engine reads a variable; tests and benchmarks that build a backend directly pass
+//! `Tuning::default()` or `Tuning::from_env()`.
+//!
+//! Every variable here is for measuring one way against another: each setting gives the same bits.
+
+/// The environment variable that sets the CPU backend's thread count (a positive number).
+pub const CPU_THREADS_ENV: &str = "HOSTEMBED_CPU_THREADS";
+/// "0" keeps every CUDA decode product on the matrix-vector kernels.
+pub const MMV_ENV: &str = "HOSTEMBED_MMV";
+/// "0" turns off the CUDA graphs of decode passes.
+pub const CUDA_GRAPHS_ENV: &str = "HOSTEMBED_CUDA_GRAPHS";
+/// The parts the split attention cuts a context into (1 to `MAX_ATTENTION_PARTS`).
+pub const ATTENTION_PARTS_ENV: &str = "HOSTEMBED_ATTENTION_PARTS";
+/// "full" gives every attention part a block of its own.
+pub const ATTENTION_GRID_ENV: &str = "HOSTEMBED_ATTENTION_GRID";
+/// "0": no cuBLASLt; a file name: that library instead of the default names.
+pub const CUBLASLT_ENV: &str = "HOSTEMBED_CUBLASLT";
+/// "0": launches never overlap the kernel before them.
+pub const PDL_ENV: &str = "HOSTEMBED_PDL";
+/// "0": the tensor-core decode products never stage their weights; "all": always.
+pub const MMV_STAGE_ENV: &str = "HOSTEMBED_MMV_STAGE";
+/// The tokens one integer decode product launch takes (1 to the kernel's most).
+pub const MMVQ_TOKENS_ENV: &str = "HOSTEMBED_MMVQ_TOKENS";
+/// "0": the half decode products convert their activations in every block instead of once.
+pub const MMV_PREP_ENV: &str = "HOSTEMBED_MMV_PREP";
+
+/// The parts the attention kernel cuts one token's context into by default. Fixed, so that a token's
+/// parts (and so its bits) depend on its own context length only: 32 parts of 512 positions at 16k, 8
+/// blocks a kv head's part for the Llama-3 shape fill a 132-SM card with one stream.
+pub const ATTENTION_PARTS: usize = 32;
+/// The most parts `ATTENTION_PARTS_ENV` may ask for.
+pub const MAX_ATTENTION_PARTS: usize = 1024;
+/// The most threads the CPU backend starts; each holds scratch the plan counts.
+pub const MAX_CPU_THREADS: usize = 256;
+
+/// Which cuBLASLt the CUDA backend's prompt products load.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Cublaslt {
+    /// The library's usual file names, newest first.
+    Default,
+    /// This file.
+    File(String),
+    /// None: the products run on the library's own tensor-core kernel.
+    Off,
+}
+
+/// When the tensor-core decode products stage their weights in shared memory (the same bits either way).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MmvStage {
+    /// Where each format measured faster so.
+    Measured,
+    Never,
+    Always,
+}
+
+/// How the engine runs, resolved once at its creation. `Default` is every setting as shipped.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Tuning {
+    /// The CPU backend's threads (1 to `MAX_CPU_THREADS`).
+    pub cpu_threads: usize,
+    /// Whether passes of single tokens replay CUDA graphs.
+    pub cuda_graphs: bool,
+    /// Whether CUDA decode rows take the batch-invariant tensor-core products where a weight's format has them.
+    pub mmv: bool,
+    /// Whether passes of 16 or more single tokens share tensor-core products (not batch invariant): the
+    /// engine's `options.batch_tensor_cores`.
+    pub batch_tensor_cores: bool,
+    /// The parts the split attention cuts a token's context into.
+    pub attention_parts: usize,
+    /// Whether every attention part is a block of its own (else the parts a context fills).
+    pub attention_grid_full: bool,
+    pub cublaslt: Cublaslt,
+    /// Whether a launch may overlap the kernel before it (programmatic dependent launch, sm_90 and newer).
+    pub overlap: bool,
+    pub mmv_stage: MmvStage,
+    /// Tokens one integer decode product launch takes; 0 is the kernel's own choice.
+    pub mmvq_tokens: u32,
+    /// Whether half decode products of many tokens convert their activations once.
+    pub mmv_prep: bool,
+}
+
+impl Default for Tuning {
+    fn default() -> Tuning {
+        Tuning {
+            cpu_threads: available_cores().min(MAX_CPU_THREADS),
+            cuda_graphs: true,
+            mmv: true,
+            batch_tensor_cores: false,
+            attention_parts: ATTENTION_PARTS,
+            attention_grid_full: false,
+            cublaslt: Cublaslt::Default,
+            overlap: true,
+            mmv_stage: MmvStage::Measured,
+            mmvq_tokens: 0,
+            mmv_prep: true,
+        }
+    }
+}
+
+/// The cores this process may use.
+fn available_cores() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+/// The value of environment variable `name`, where it is set and UTF-8: the library's only read of
+/// the environment.
+pub(crate) fn env_var(name: &str) -> Option<String> {
+    std::env::var(name).ok()
+}
+
+impl Tuning {
+    /// The settings the environment asks for (each variable unset, or not understood, is the default).
+    pub fn from_env() -> Tuning {
+        Tuning::from_vars(env_var)
+    }
+
+    /// The settings the variables `var` gives say (`var(name)`: the value, or None where unset).
+    pub fn from_vars(var: impl Fn(&str) -> Option<String>) -> Tuning {
+        let d = Tuning::default();
+        let off = |name| var(name).is_some_and(|v| v.starts_with('0'));
+        Tuning {
+            cpu_threads: cpu_threads(var(CPU_THREADS_ENV).as_deref(), available_cores()),
+            cuda_graphs: var(CUDA_GRAPHS_ENV).is_none_or(|v| v != "0"),
+            mmv: var(MMV_ENV).is_none_or(|v| v != "0"),
+            batch_tensor_cores: d.batch_tensor_cores,
+            attention_parts: var(ATTENTION_PARTS_ENV)
+                .and_then(|v| v.parse().ok())
+                .filter(|p| (1..=MAX_ATTENTION_PARTS).contains(p))
+                .unwrap_or(d.attention_parts),
+            attention_grid_full: var(ATTENTION_GRID_ENV).is_some_and(|v| v == "full"),
+            cublaslt: match var(CUBLASLT_ENV) {
+                Some(v) if v == "0" => Cublaslt::Off,
+                Some(v) if !v.is_empty() => Cublaslt::File(v),
+                _ => Cublaslt::Default,
+            },
+            overlap: !off(PDL_ENV),
+            mmv_stage: match var(MMV_STAGE_ENV) {
+                Some(v) if v.starts_with('0') => MmvStage::Never,
+                Some(v) if v.starts_with('a') => MmvStage::Always,
+                _ => MmvStage::Measured,
+            },
+            // Out of range is the kernel's own choice, which it checks again against its most.
+            mmvq_tokens: var(MMVQ_TOKENS_ENV).and_then(|v| v.trim().parse().ok()).unwrap_or(0),
+            mmv_prep: !off(MMV_PREP_ENV),
+        }
+    }
+}
+
+/// The thread count for a setting of HOSTEMBED_CPU_THREADS (anything but a positive number is no
+/// setting) on a host with `cores` cores.
+pub fn cpu_threads(setting: Option<&str>, cores: usize) -> usize {
+    let set = setting.and_then(|v| v.trim().parse::<usize>().ok()).filter(|&n| n > 0);
+    set.unwrap_or(cores).clamp(1, MAX_CPU_THREADS)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn with(pairs: &[(&str, &str)]) -> Tuning {
+        let pairs: Vec<(String, String)> = pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        Tuning::from_vars(|name| pairs.iter().find(|(k, _)| k == name).map(|(_, v)| v.clone()))
+    }
+
+    #[test]
+    fn no_variables_is_the_default() {
+        assert_eq!(with(&[]), Tuning { cpu_threads: cpu_threads(None, available_cores()), ..Tuning::default() });
+    }
+
+    /// Each variable as the benchmark scripts set it, read as the kernels and backends read it before.
+    #[test]
+    fn each_variable_sets_its_field() {
+        let d = Tuning::default();
+        assert_eq!(with(&[(CPU_THREADS_ENV, "3")]).cpu_threads, 3);
+        assert!(!with(&[(CUDA_GRAPHS_ENV, "0")]).cuda_graphs && with(&[(CUDA_GRAPHS_ENV, "1")]).cuda_graphs);
+        assert!(!with(&[(MMV_ENV, "0")]).mmv && with(&[(MMV_ENV, "yes")]).mmv);
+        assert_eq!(with(&[(ATTENTION_PARTS_ENV, "64")]).attention_parts, 64);
+        assert_eq!(with(&[(ATTENTION_PARTS_ENV, "0")]).attention_parts, ATTENTION_PARTS);
+        assert_eq!(with(&[(ATTENTION_PARTS_ENV, "1025")]).attention_parts, ATTENTION_PARTS);
+        assert!(with(&[(ATTENTION_GRID_ENV, "full")]).attention_grid_full);
+        assert!(!with(&[(ATTENTION_GRID_ENV, "fitted")]).attention_grid_full);
+        assert_eq!(with(&[(CUBLASLT_ENV, "0")]).cublaslt, Cublaslt::Off);
+        assert_eq!(with(&[(CUBLASLT_ENV, "")]).cublaslt, Cublaslt::Default);
+        assert_eq!(with(&[(CUBLASLT_ENV, "libx.so")]).cublaslt, Cublaslt::File("libx.so".into()));
+        assert!(!with(&[(PDL_ENV, "0")]).overlap && with(&[(PDL_ENV, "1")]).overlap);
+        assert_eq!(with(&[(MMV_STAGE_ENV, "0")]).mmv_stage, MmvStage::Never);
+        assert_eq!(with(&[(MMV_STAGE_ENV, "all")]).mmv_stage, MmvStage::Always);
+        assert_eq!(with(&[(MMV_STAGE_ENV, "1")]).mmv_stage, MmvStage::Measured);
+        assert_eq!(with(&[(MMVQ_TOKENS_ENV, "16")]).mmvq_tokens, 16);
+        assert_eq!(with(&[(MMVQ_TOKENS_ENV, "many")]).mmvq_tokens, 0);
+        assert!(!with(&[(MMV_PREP_ENV, "0")]).mmv_prep && with(&[(MMV_PREP_ENV, "1")]).mmv_prep);
+        // The engine option's variable is the engine's to read with the option, not a tuning variable.
+        assert_eq!(with(&[("HOSTEMBED_BATCH_TENSOR_CORES", "1")]).batch_tensor_cores, d.batch_tensor_cores);
+    }
+
+    #[test]
+    fn a_thread_setting_is_a_positive_number() {
+        assert_eq!(cpu_threads(Some("3"), 8), 3);
+        assert_eq!(cpu_threads(Some(" 5 "), 8), 5);
+        for bad in ["0", "-2", "many", ""] {
+            assert_eq!(cpu_threads(Some(bad), 8), 8, "{bad:?}");
+        }
+        assert_eq!(cpu_threads(None, 8), 8);
+        assert_eq!(cpu_threads(Some("100000"), 8), MAX_CPU_THREADS);
+        assert_eq!(cpu_threads(None, 0), 1);
+    }
+
+    /// The files under `dir` whose names end in one of `exts`, into `out`.
+    fn sources(dir: &std::path::Path, exts: &[&str], out: &mut Vec<std::path::PathBuf>) {
+        for entry in std::fs::read_dir(dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                sources(&path, exts, out);
+            } else if path.extension().is_some_and(|e| exts.iter().any(|x| e == *x)) {
+                out.push(path);
+            }
+        }
+    }
+
+    /// No module below the engine reads the environment (GpuModel once read a variable the engine option
+    /// should have decided): only `env_var` here does, and the kernels call no getenv.
+    #[test]
+    fn only_this_module_reads_the_environment() {
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+        let mut files = Vec::new();
+        sources(&root.join("src"), &["rs"], &mut files);
+        sources(&root.join("kernels"), &["cu", "cuh", "h"], &mut files);
+        assert!(files.len() > 50, "{} files", files.len());
+        let reads = ["env::var(", "env::var_os(", "env::vars(", "getenv("];
+        let mut found = Vec::new();
+        for f in &files {
+            let text = std::fs::read_to_string(f).unwrap();
+            let name = f.strip_prefix(root).unwrap();
+            for (i, line) in text.lines().enumerate() {
+                let code = line.split("//").next().unwrap();
+                if reads.iter().any(|r| code.contains(r)) && name != std::path::Path::new("src/tuning.rs") {
+                    found.push(format!("{}:{}: {}", name.display(), i + 1, line.trim()));
+                }
+            }
+        }
+        assert!(found.is_empty(), "the environment is read below the engine:\n{}", found.join("\n"));
+    }
+}
