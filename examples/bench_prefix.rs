@@ -220,9 +220,10 @@ fn main() {
             None
         };
         let mean = later.iter().sum::<f64>() / later.len().max(1) as f64;
-        let max = later.iter().copied().fold(0f64, f64::max);
+        let (slowest, max) =
+            later.iter().copied().enumerate().fold((0, 0f64), |m, (i, t)| if t > m.1 { (i + 1, t) } else { m });
         println!(
-            "| {} | {:.3} s | {:.3} / {:.3} s | {:.1}% | {} | {computed} | {:.2}x | {:.2}x | {}{} | {} |",
+            "| {} | {:.3} s | {:.3} / {:.3} s (stream {slowest}) | {:.1}% | {} | {computed} | {:.2}x | {:.2}x | {}{} | {} |",
             if cache { "on" } else { "off" },
             first,
             mean,

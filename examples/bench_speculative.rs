@@ -14,7 +14,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use hostembed::abi::{engine_draft, engine_speculation};
-use hostembed::engine::{self, Engine, engine_backend, engine_options};
+use hostembed::engine::{self, Engine, engine_backend, engine_options, engine_tristate};
 
 /// The code the first prompt asks to repeat (about 300 tokens), and the change asked for.
 const CODE: &str = r#"fn parse_config(text: &str) -> Result<Config, Error> {
@@ -115,7 +115,16 @@ fn main() {
         }
     }
     let draft_model = drafter.as_ref().map_or(std::ptr::null(), |d| d.as_ptr());
-    let opts = engine_options { backend, context: 2048, max_streams: 1, draft_model, ..engine::default_options() };
+    // Without the prefix cache: a run after the first would take the prompt's cached pages and compute the
+    // rest as a shorter chunk, on other kernels than the first run's whole prompt (other bits).
+    let opts = engine_options {
+        backend,
+        context: 2048,
+        max_streams: 1,
+        draft_model,
+        prefix_cache: engine_tristate::No,
+        ..engine::default_options()
+    };
     let mut e = Engine::init_fit(&model, &opts).unwrap_or_else(|err| panic!("{}: {err}", model.display()));
     let tok = e.shared_tokenizer().expect("the model has a tokenizer");
     let edited = CODE.replace("config.threads = 4;", "config.threads = num_cpus();");

@@ -9,8 +9,8 @@
 //!
 //! Each prompt is a random run of 64 tokens repeated, and every step feeds the run's next token rather
 //! than the one drawn, so the stream's history always holds a match for lookup to propose from. The
-//! one-stream figure sets the stream's speculation again before each timed step, which restores the
-//! full proposal length the adaptive rule would otherwise cut after a rejection.
+//! one-stream figure sets the stream's proposal limit to `--proposals` before each timed step (the
+//! adaptive rule starts at one and cuts it after a rejection).
 //! `--trace 1` prints each many-stream step's time and the proposals it verified.
 
 use std::sync::Arc;
@@ -155,6 +155,9 @@ fn main() {
     for i in 0..steps * 2 {
         let verifying = i % 2 == 1;
         t.d.set_speculation(0, if verifying { lookup } else { off }).unwrap();
+        if verifying {
+            t.d.set_proposal_limit(0, proposals as u32).unwrap();
+        }
         let input = vec![run_token(1, t.d.stream_len(0).unwrap(), cfg.vocab)];
         let (secs, _) = step(&mut t, &[(0, input, if verifying { proposals + 1 } else { 1 })]);
         if verifying {

@@ -234,6 +234,9 @@ pub trait Decoder: Send {
     fn speculation(&self, stream: u32) -> Result<engine_speculation>;
     /// (tokens proposed, tokens accepted) on a stream since its speculation was last set.
     fn speculation_stats(&self, stream: u32) -> Result<(u64, u64)>;
+    /// Lets a stream's next verification hold `limit` proposals (at most its max_tokens), as if its
+    /// earlier drafts had been accepted: for measuring a verification of a given length.
+    fn set_proposal_limit(&mut self, stream: u32, limit: u32) -> Result<()>;
     /// Checks the pool's counts against every stream's pages (for tests): INVALID_ARGUMENT saying what
     /// disagrees.
     fn audit(&self) -> Result<()>;

@@ -274,3 +274,79 @@ fn gpu_greedy_drafter_is_token_for_token() {
         shared::check_pool(&spec, &lens, shared::kv_usage(&spec).tokens_total, PAGE, "after the drafted batch");
     }
 }
+
+/// 16 streams verifying 8 proposals each in one step: 144 head rows, past the scratch's 64 logits rows,
+/// so the step runs as several passes and copies the earlier passes' heads to the host. Each stream's
+/// tokens and the logits the engine hands back after the step are those of stepping it alone.
+#[test]
+fn gpu_verifications_past_the_logits_rows_give_each_stream_its_own_tokens_and_logits() {
+    use hostembed::backend::{Batch, BatchItem, Decoder, Streams};
+    use hostembed::checkpoint::write::MemSource;
+    use hostembed::cuda::DeviceBuffer;
+    use hostembed::gpu::{CudaBackend, RowsOnDevice};
+    use hostembed::kv::KvTypes;
+    use hostembed::model::{TensorSource, names};
+    use hostembed::sampler::Sampling;
+    use hostembed::tuning::Tuning;
+    use std::sync::Arc;
+
+    let test = "gpu_verifications_past_the_logits_rows_give_each_stream_its_own_tokens_and_logits";
+    if !gpu_present(test) {
+        return;
+    }
+    let _g = serial();
+    let mut rng = Rng::fresh(test);
+    let cfg = config(Arch::Llama);
+    let src = Arc::new(MemSource::synthetic(&cfg, rng.next_u64(), DType::F16));
+    let embed = src.tensor(names::EMBED).unwrap();
+    let buf = DeviceBuffer::from_slice(embed.bytes).unwrap();
+    const STREAMS: usize = 16;
+    const WINDOW: usize = 256;
+    let pages = STREAMS * WINDOW.div_ceil(PAGE);
+    let table = || {
+        let rows = RowsOnDevice { ptr: buf.ptr(), dtype: embed.dtype, vocab: embed.rows(), cols: embed.cols() };
+        let backend =
+            CudaBackend::load(&*src, rows, 512, 0, pages, KvTypes::GPU_DEFAULT, WINDOW, &Tuning::from_env()).unwrap();
+        Streams::new(backend, WINDOW, STREAMS, pages, Sampling::GREEDY).unwrap().with_prefix_cache(false)
+    };
+    let (mut spec, mut alone) = (table(), table());
+    let step = |d: &mut dyn Decoder, items: Vec<BatchItem<'_>>| -> Vec<Vec<u32>> {
+        let mut batch = Batch::new(items).unwrap();
+        d.step_batch(&mut batch).unwrap();
+        batch
+            .into_items()
+            .into_iter()
+            .map(|b| {
+                let next = b.next.unwrap_or_else(|e| panic!("{e}"));
+                if b.out.is_empty() { vec![next] } else { b.out }
+            })
+            .collect()
+    };
+    // Each prompt a line of 20 ids three times, then the line's first id: lookup proposes the rest.
+    let lines: Vec<Vec<u32>> =
+        (0..STREAMS).map(|_| rng.ids(cfg.vocab, 20).into_iter().map(|t| t as u32).collect()).collect();
+    let prompts: Vec<Vec<u32>> = lines.iter().map(|l| l.repeat(3)).collect();
+    for d in [&mut spec, &mut alone] {
+        step(d, (0..STREAMS).map(|s| BatchItem::new(s as u32, &prompts[s])).collect());
+    }
+    for s in 0..STREAMS as u32 {
+        spec.set_speculation(s, lookup(8)).unwrap();
+        spec.set_proposal_limit(s, 8).unwrap();
+    }
+    let inputs: Vec<Vec<u32>> = lines.iter().map(|l| vec![l[0]]).collect();
+    let outs = step(&mut spec, (0..STREAMS).map(|s| BatchItem::new(s as u32, &inputs[s]).with_most(9)).collect());
+    let proposed: u64 = (0..STREAMS as u32).map(|s| spec.speculation_stats(s).unwrap().0).sum();
+    assert!(proposed > 64, "the step verified {proposed} proposals; the test needs more heads than 64 rows");
+    for (s, out) in outs.iter().enumerate() {
+        let s32 = s as u32;
+        let mut want = step(&mut alone, vec![BatchItem::new(s32, &inputs[s])]).remove(0);
+        while want.len() < out.len() {
+            let t = [*want.last().unwrap()];
+            want.extend(step(&mut alone, vec![BatchItem::new(s32, &t)]).remove(0));
+        }
+        assert_eq!(out, &want, "stream {s}");
+        let (got, expect) = (spec.logits(s32).unwrap(), alone.logits(s32).unwrap());
+        let differ = got.iter().zip(&expect).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
+        assert_eq!(differ, 0, "stream {s}: {differ} of {} logits differ from stepping alone", got.len());
+    }
+}

@@ -88,9 +88,10 @@ fn greedy_output_with_a_drafter_is_the_plain_output() {
     let spec = init(&target, &with_drafter(cpu_options(256, 1), &another));
     let (p, a) = identical_with_drafter(&spec, &plain, &prompts, 128, &mut rng, "drafted by another model");
     println!("drafted by another random model: proposed {p}, accepted {a}");
-    // Random models fall into loops where they agree for long stretches (acceptance ranged from 0 to 91%
-    // over 200 seeds), so the bound is on the rejections the rollback must get right: at least 149 in each.
-    assert!(p > a + 100, "another random model's drafts are rejected over a hundred times: {a} of {p} accepted");
+    // Random models fall into loops where they agree for long stretches, so the bound is on the rejected
+    // proposals the rollback must get right: 55 the fewest over 76 seeds (proposals start at one a step and
+    // pause after rejections, so a run that never agrees rejects about 7 a prompt).
+    assert!(p >= a + 40, "another random model's drafts are rejected at least 40 times: {a} of {p} accepted");
 }
 
 /// The draw is seeded by (seed, stream, position) and verification draws the target's token at every

@@ -616,6 +616,12 @@ impl<B: Backend> Decoder for Streams<B> {
         Ok(self.spec[self.slot(stream, "")?].settings)
     }
 
+    fn set_proposal_limit(&mut self, stream: u32, limit: u32) -> Result<()> {
+        let slot = self.slot(stream, "")?;
+        self.spec[slot] = SpecState::with_limit(self.spec[slot].settings, limit);
+        Ok(())
+    }
+
     fn speculation_stats(&self, stream: u32) -> Result<(u64, u64)> {
         let s = &self.spec[self.slot(stream, "")?];
         Ok((s.proposed, s.accepted))

@@ -42,6 +42,8 @@ pub(super) enum LogitsAt {
     Row(usize),
     /// Copied to the host (a step with more items than the scratch has logits rows).
     Host(Vec<f32>),
+    /// Not kept: a verification's head after its first rejected proposal, which nothing reads.
+    Dropped,
 }
 
 /// Which kernels a piece's products take.
@@ -280,7 +282,7 @@ impl GpuModel {
                 })
                 .collect();
             if pending.len() + heads.len() > rows_cap {
-                self.spill(&pending, &mut sampled)?;
+                self.spill(items, &pending, &mut sampled)?;
                 pending.clear();
                 masked = 0;
             }
@@ -354,16 +356,46 @@ impl GpuModel {
             .collect()
     }
 
-    /// Copies the logits and tokens of the heads in the device rows to the host, freeing the rows.
-    fn spill(&mut self, pending: &[(usize, usize)], sampled: &mut [Vec<Option<i32>>]) -> Result<()> {
+    /// Copies the tokens of the heads in the device rows to the host, and the logits of each item's one
+    /// head a caller can read, freeing the rows. An item's heads after the first are a verification's:
+    /// the stream keeps the positions up to the first head whose token is not the item's next token
+    /// (else the last head), and only that head's logits are ever read.
+    fn spill(
+        &mut self,
+        items: &[StepItem<'_, GpuCache>],
+        pending: &[(usize, usize)],
+        sampled: &mut [Vec<Option<i32>>],
+    ) -> Result<()> {
         let vocab = self.cfg.vocab;
-        let mut logits = vec![0f32; pending.len() * vocab];
-        self.download(self.s.logits, &mut logits)?;
         let mut tokens = vec![0i32; pending.len()];
         self.download(self.s.token, &mut tokens)?;
-        for (k, &(i, h)) in pending.iter().enumerate() {
-            sampled[i][h] = Some(tokens[k]);
-            self.logits_at[i].push(LogitsAt::Host(logits[k * vocab..(k + 1) * vocab].to_vec()));
+        // Each item's heads sit in consecutive rows from its first: (item, first row, heads).
+        let mut runs: Vec<(usize, usize, usize)> = Vec::new();
+        for (row, &(i, _)) in pending.iter().enumerate() {
+            match runs.last_mut() {
+                Some(r) if r.0 == i => r.2 += 1,
+                _ => runs.push((i, row, 1)),
+            }
+        }
+        for (i, first, heads) in runs {
+            let item = &items[i];
+            let n = item.tokens.len();
+            let draws = &tokens[first..first + heads];
+            // Head k draws the token after position n - heads + k; the next position's token is a proposal.
+            let kept = (0..heads)
+                .find(|&k| k + 1 < heads && draws[k] != item.tokens[n - heads + k + 1] as i32)
+                .unwrap_or(heads - 1);
+            for (k, &(_, h)) in pending[first..first + heads].iter().enumerate() {
+                sampled[i][h] = Some(draws[k]);
+                let at = if k == kept {
+                    let mut row = vec![0f32; vocab];
+                    self.download(self.s.logits + (first + k) * vocab * 4, &mut row)?;
+                    LogitsAt::Host(row)
+                } else {
+                    LogitsAt::Dropped
+                };
+                self.logits_at[i].push(at);
+            }
         }
         Ok(())
     }
