@@ -8,7 +8,7 @@
 //! package's F16 file). Prints SKIP without a device.
 
 mod common;
-use common::{bits, max_abs_diff, rel_l2, top_two_gap};
+use common::{bits, compare_greedy, rel_l2};
 
 use common::{Held, Scratch, device_info, info, init, logits, serial, stats, step, try_step};
 use common::{Rng, kv_stats, on_threads, reset, set_env, set_sampling, stream_len, truncate, try_batch};
@@ -210,38 +210,6 @@ fn max_batch_zero_is_the_default_on_cuda() {
     assert_eq!(stats(), engine_memory::default());
 }
 
-/// Both engines step the same tokens (the reference's greedy choice); logits compared at every step, and
-/// a differing choice allowed only where the reference's own gap is within twice the measured error.
-/// Returns the worst relative L2 and the differing steps (step, gap between the choices, top-two gap, error).
-fn compare_greedy(what: &str, test: &Held, reference: &Held, steps: usize) -> (f64, Vec<(usize, f32, f32, f32)>) {
-    let prompt = prompt();
-    let (mut got, mut want) = (step(test, 0, &prompt), step(reference, 0, &prompt));
-    let (mut worst, mut differ) = (0f64, Vec::new());
-    for i in 0..=steps {
-        let (lt, lr) = (logits(test, 0), logits(reference, 0));
-        let rel = rel_l2(&lt, &lr);
-        worst = worst.max(rel);
-        assert!(rel < 2e-2, "{what} step {i}: relative L2 {rel:.3e} of the logits");
-        if got != want {
-            let err = max_abs_diff(&lt, &lr);
-            let gap = lr[want as usize] - lr[got as usize];
-            assert!(gap <= 2.0 * err, "{what} step {i}: chose {got} over {want}, gap {gap} > 2 x error {err}");
-            differ.push((i, gap, top_two_gap(&lr), err));
-        }
-        if i < steps {
-            let input = [want];
-            (got, want) = (step(test, 0, &input), step(reference, 0, &input));
-        }
-    }
-    println!(
-        "{what}: {} greedy tokens, worst relative L2 {worst:.2e}, {} near-tie differences (step, gap, top-two gap, \
-         max error): {differ:?}",
-        steps + 1,
-        differ.len()
-    );
-    (worst, differ)
-}
-
 #[test]
 fn cuda_matches_cpu_on_the_same_files() {
     if !gpu_present("cuda_matches_cpu_on_the_same_files") {
@@ -254,7 +222,7 @@ fn cuda_matches_cpu_on_the_same_files() {
         let reference = init(&format.path, &cpu());
         assert!(info(&gpu).cuda && !info(&reference).cuda);
         let what = format!("{}: CUDA against CPU", format.label);
-        let (_, differ) = compare_greedy(&what, &gpu, &reference, STEPS);
+        let (_, differ) = compare_greedy(&what, &gpu, &reference, &prompt(), STEPS);
         assert!(differ.len() <= 3, "{what}: {} near-tie differences in {} tokens", differ.len(), STEPS + 1);
         drop((gpu, reference));
         assert_eq!(stats(), engine_memory::default(), "{what}");
@@ -274,7 +242,7 @@ fn safetensors_and_gguf_of_the_same_weights_agree_on_cuda() {
     let h = init(&hf.path, &greedy_cuda());
     let g = init(&gguf.path, &greedy_cuda());
     let what = format!("CUDA: {} against {}", gguf.label, hf.label);
-    let (_, differ) = compare_greedy(&what, &g, &h, STEPS);
+    let (_, differ) = compare_greedy(&what, &g, &h, &prompt(), STEPS);
     assert!(differ.len() <= 3, "{what}: {} near-tie differences", differ.len());
     drop((h, g));
     assert_eq!(stats(), engine_memory::default());
