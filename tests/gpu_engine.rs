@@ -276,8 +276,11 @@ fn refused_cuda_steps_append_nothing() {
     }
     assert_eq!(try_step(&e, streams, &[first]), (Status::OutOfRange, -7), "stream {streams}");
     let mut next = -7;
+    // SAFETY: a live engine; the NULL tokens are refused before anything is read.
     assert_eq!(unsafe { ffi::engine_step(e.0, 0, std::ptr::null(), 1, &mut next) }, Status::InvalidArgument);
+    // SAFETY: a live engine; n = 0 is refused before anything is read.
     assert_eq!(unsafe { ffi::engine_step(e.0, 0, prompt.as_ptr(), 0, &mut next) }, Status::InvalidArgument);
+    // SAFETY: a live engine; the NULL out is refused before anything runs.
     assert_eq!(unsafe { ffi::engine_step(e.0, 0, prompt.as_ptr(), 1, std::ptr::null_mut()) }, Status::InvalidArgument);
     assert_eq!(next, -7);
 
@@ -427,7 +430,9 @@ fn single_token_items_are_batch_invariant_on_cuda() {
 }
 
 unsafe extern "C" fn collect_lines(user: *mut c_void, line: *const c_char) {
+    // SAFETY: the test passes a live Vec<String> as `user`, and nothing else touches it during the call.
     let lines = unsafe { &mut *(user as *mut Vec<String>) };
+    // SAFETY: the library passes a NUL-terminated line that lives for the call.
     lines.push(unsafe { std::ffi::CStr::from_ptr(line) }.to_string_lossy().into_owned());
 }
 
@@ -700,7 +705,9 @@ fn sixty_four_streams_of_2048_tokens_share_two_64k_windows_on_cuda() {
     let opts = engine_options { room_bytes: room, max_streams: 64, ..base };
     let e = init(path, &opts);
     assert_eq!(info(&e).streams, 64, "max_streams streams over a pool of two windows");
+    // SAFETY: engine_plan is numbers and enums with a variant at 0: all zeros is a value of it.
     let mut plan_of = unsafe { std::mem::zeroed() };
+    // SAFETY: a live engine and a writable engine_plan.
     assert_eq!(unsafe { ffi::engine_plan_of(e.0, &mut plan_of) }, Status::Ok);
     assert_eq!(plan_of.streams, 2, "the fit counts two full windows");
     let (total, free) = kv_stats(&e);

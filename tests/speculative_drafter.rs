@@ -204,6 +204,7 @@ fn a_drafter_of_another_vocabulary_is_refused() {
         let d = c_path(drafter);
         let opts = with_drafter(cpu_options(64, 1), &d);
         let mut h = std::ptr::null_mut();
+        // SAFETY: a NUL-terminated path that lives across the call, live options and a writable handle.
         let st = unsafe { ffi::engine_init_fit(c_path(&target).as_ptr(), &opts, &mut h) };
         assert!(h.is_null());
         (st, last_error())
