@@ -770,7 +770,7 @@ pub fn gguf_metadata(cfg: &ModelConfig) -> Result<Vec<(String, GgufValue)>> {
         && let Some(s) = cfg.attention.sliding
     {
         // llama.cpp reads no more: every sixth layer global, a local base of 10000, the query scaling
-        // by the layer count (see `gguf::gemma3_attention`).
+        // by the layer count (see `gemma3_attention` in gguf/open.rs).
         kv.push((key("attention.sliding_window"), u32_of("sliding window", s.window)?));
     }
     if let Some(m) = cfg.moe {
