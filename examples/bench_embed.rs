@@ -70,7 +70,9 @@ struct Timings {
 /// Single-row latency: events around each of many back-to-back gathers (read once at the end, so the
 /// card stays busy as in a decode loop); then the bandwidth of 4096-id gathers.
 fn time_rows(rows: &Rows, stream: &Stream, ids: &DeviceBuffer, out: &DeviceBuffer) -> hostembed::Result<Timings> {
+    // SAFETY: the callers' ids are below SINGLE_ITERS + BATCH, the ids `ids` holds: the pointer stays inside it.
     let id_ptr = |i: usize| unsafe { (ids.ptr() as *const i32).add(i) };
+    // SAFETY: first + n is at most the SINGLE_ITERS + BATCH ids of `ids`, and `out` holds BATCH rows of f32.
     let gather = |first: usize, n: usize| unsafe {
         rows.gather_device(id_ptr(first), n, out.ptr(), DType::F32, std::ptr::null_mut(), stream.raw())
     };
@@ -106,11 +108,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         println!("SKIP bench_embed: {e}");
         return Ok(());
     }
+    // SAFETY: engine_device_info is numbers, bools and a byte array: all zeros is a value of it.
     let mut info = unsafe { std::mem::zeroed::<engine_device_info>() };
+    // SAFETY: a writable engine_device_info.
     let st = unsafe { hostembed::ffi::engine_device_info(0, &mut info) };
     if st != hostembed::Status::Ok {
         return Err(format!("engine_device_info: {}", hostembed::status::last_error()).into());
     }
+    // SAFETY: engine_device_info filled `name` with a NUL-terminated string.
     let name = unsafe { std::ffi::CStr::from_ptr(info.name.as_ptr()) }.to_string_lossy().into_owned();
     let dir = std::env::args()
         .nth(1)
@@ -120,6 +125,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     std::fs::create_dir_all(&dir)?;
     let path = table_file(&dir)?;
     let file = std::fs::File::open(&path)?;
+    // SAFETY: the benchmark's own table file, which nothing writes or truncates while it is mapped.
     let map = unsafe { memmap2::Mmap::map(&file) }?;
     let src = RowsSource { bytes: &map[..], dtype: DType::Bf16, vocab: VOCAB, cols: COLS };
     let table = src.bytes.len();
@@ -165,6 +171,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let device_s = t.elapsed().as_secs_f64();
     let log = |l: &str| println!("log: {l}");
     let t = Instant::now();
+    // SAFETY: `map` outlives `file_rows`, declared after it in the same function.
     let file_rows = unsafe { Rows::file_mapped(&src, &info, &log) }?;
     let file_s = t.elapsed().as_secs_f64();
     let g = gib(table);

@@ -151,6 +151,7 @@ fn checkpoint(dir: &Path, cfg: &ModelConfig) -> PathBuf {
 static LOG: Mutex<Vec<String>> = Mutex::new(Vec::new());
 
 unsafe extern "C" fn collect_lines(_user: *mut c_void, line: *const c_char) {
+    // SAFETY: the library passes a NUL-terminated line that lives for the call.
     let line = unsafe { CStr::from_ptr(line) }.to_string_lossy().into_owned();
     LOG.lock().unwrap_or_else(|p| p.into_inner()).push(line);
 }
@@ -160,7 +161,9 @@ fn take_log() -> Vec<String> {
 }
 
 fn device_info() -> engine_device_info {
+    // SAFETY: engine_device_info is numbers, bools and a byte array: all zeros is a value of it.
     let mut info: engine_device_info = unsafe { std::mem::zeroed() };
+    // SAFETY: a writable engine_device_info.
     if unsafe { ffi::engine_device_info(0, &mut info) } != Status::Ok {
         fail(&format!("no CUDA device: {}", last_error()));
     }
@@ -173,6 +176,7 @@ fn free_device_bytes() -> u64 {
 
 fn memory_stats() -> engine_memory {
     let mut m = engine_memory::default();
+    // SAFETY: a writable engine_memory.
     unsafe { ffi::engine_memory_stats(&mut m) };
     m
 }
@@ -200,12 +204,14 @@ struct Held(*mut ffi::engine);
 
 impl Drop for Held {
     fn drop(&mut self) {
+        // SAFETY: the engine from engine_init_fit that this Held alone holds; nothing uses it after the drop.
         unsafe { ffi::engine_free(self.0) };
     }
 }
 
 fn step(e: &Held, tokens: &[i32]) -> i32 {
     let mut next = -1;
+    // SAFETY: a live engine, tokens.len() ids and a writable `next`.
     let st = unsafe { ffi::engine_step(e.0, 0, tokens.as_ptr(), tokens.len(), &mut next) };
     if st != Status::Ok {
         fail(&format!("engine_step: {}", last_error()));
@@ -214,6 +220,7 @@ fn step(e: &Held, tokens: &[i32]) -> i32 {
 }
 
 fn reset(e: &Held) {
+    // SAFETY: a live engine.
     if unsafe { ffi::engine_reset(e.0, 0) } != Status::Ok {
         fail(&format!("engine_reset: {}", last_error()));
     }
@@ -279,6 +286,7 @@ fn change(base: f64, x: f64) -> String {
 fn main() {
     let args = parse();
     let info = device_info();
+    // SAFETY: device_info's engine_device_info holds a NUL-terminated `name`.
     let card = unsafe { CStr::from_ptr(info.name.as_ptr()) }.to_string_lossy().into_owned();
     let cfg = llama3_8b(args.layers);
     let path = checkpoint(&args.dir, &cfg);
@@ -320,6 +328,7 @@ fn main() {
             take_log();
             let before = free_device_bytes();
             let mut raw = std::ptr::null_mut();
+            // SAFETY: a NUL-terminated path (a temporary living to the statement's end), options, a writable handle.
             let st = unsafe {
                 ffi::engine_init_fit(CString::new(path.to_str().unwrap()).unwrap().as_ptr(), &opts, &mut raw)
             };
@@ -331,13 +340,17 @@ fn main() {
             for l in take_log() {
                 println!("{} {mode}: {l}", name(placement));
             }
+            // SAFETY: engine_model_info is numbers, bools and enums with a variant at 0: all zeros is a value of it.
             let mut mi: engine_model_info = unsafe { std::mem::zeroed() };
+            // SAFETY: a live engine and a writable engine_model_info.
             unsafe { ffi::engine_model_info(e.0, &mut mi) };
             if mi.placement != placement || !mi.cuda {
                 println!("{} {mode}: the rows went to {} (cuda {})", name(placement), name(mi.placement), mi.cuda);
                 ok = false;
             }
+            // SAFETY: engine_plan is numbers and enums with a variant at 0: all zeros is a value of it.
             let mut plan: fit::engine_plan = unsafe { std::mem::zeroed() };
+            // SAFETY: a live engine and a writable engine_plan.
             if unsafe { ffi::engine_plan_of(e.0, &mut plan) } != Status::Ok {
                 fail(&format!("engine_plan_of: {}", last_error()));
             }

@@ -146,19 +146,21 @@ cudaError_t hostembed_attention(const float *q, unsigned int q_stride, const voi
                                 unsigned int grid_parts, float *partial, float *out, hostembed_tuning tuning,
                                 cudaStream_t stream);
 
-// out[i] = silu(gate[i]) * up[i].
-cudaError_t hostembed_swiglu(const float *gate, const float *up, float *out, size_t len, cudaStream_t stream);
+// The gated feed-forward's activations (src/model.rs's Activation): silu(g) = g / (1 + e^-g), and GELU's
+// tanh approximation gelu_tanh(g) = 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))).
+#define HE_ACT_SILU 0
+#define HE_ACT_GELU_TANH 1
+
+// out[i] = act(gate[i]) * up[i] (act HE_ACT_*) written in out_dtype (HE_DTYPE_F32 or a half format); out
+// may not overlap gate or up unless out_dtype is HE_DTYPE_F32.
+cudaError_t hostembed_glu_to(const float *gate, const float *up, void *out, int out_dtype, int act, size_t len,
+                             cudaStream_t stream);
 
 // out[i] = a[i] + b[i] (out may be a or b).
 cudaError_t hostembed_add(const float *a, const float *b, float *out, size_t len, cudaStream_t stream);
 
 // x[i] *= factor.
 cudaError_t hostembed_scale(float *x, float factor, size_t len, cudaStream_t stream);
-
-// out[i] = gelu_tanh(gate[i]) * up[i] written in out_dtype (HE_DTYPE_F32 or a half format), gelu_tanh(g) =
-// 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))); out may not overlap gate or up unless it is F32.
-cudaError_t hostembed_geglu_to(const float *gate, const float *up, void *out, int out_dtype, size_t len,
-                               cudaStream_t stream);
 
 // x[r] += RMSNorm(y[r]) * w for each of n rows of cols values (y's own norm; x and y do not overlap).
 cudaError_t hostembed_rmsnorm_add(const float *y, const float *w, float eps, float *x, unsigned int n,
@@ -248,11 +250,6 @@ cudaError_t hostembed_add_bias(float *y, unsigned int ldy, const float *bias, un
 // not NULL (a half format only), y - half(y) of each value y in the same format there too.
 cudaError_t hostembed_rmsnorm_to(const float *x, const float *w, float eps, void *out, void *residue, int out_dtype,
                                  unsigned int n, unsigned int cols, hostembed_tuning tuning, cudaStream_t stream);
-
-// out[i] = silu(gate[i]) * up[i] written in out_dtype (HE_DTYPE_F32 or a half format); out may not
-// overlap gate or up unless out_dtype is HE_DTYPE_F32.
-cudaError_t hostembed_swiglu_to(const float *gate, const float *up, void *out, int out_dtype, size_t len,
-                                cudaStream_t stream);
 
 // out[i] = x[i] in out_dtype (a half format).
 cudaError_t hostembed_convert(const float *x, void *out, int out_dtype, size_t len, cudaStream_t stream);

@@ -40,25 +40,41 @@ INDEX_MULT = np.uint64(0xD1B54A32D192ED03)
 FNV_OFFSET = 0xCBF29CE484222325
 FNV_PRIME = 0x100000001B3
 
-# name -> (architecture, config kwargs, weight seed). Small, but each exercises its architecture's quirk.
+# The config keys most of the models share; each model's dict below is these with its own keys over them.
+BASE = dict(
+    vocab_size=256,
+    hidden_size=256,
+    num_hidden_layers=2,
+    num_key_value_heads=2,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=128,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+# The rotary settings of the models that scale nothing.
+ROPE_DEFAULT = dict(rope_theta=1000000.0, rope_type="default")
+
+
+def config(**keys):
+    """BASE with `keys` over it."""
+    return {**BASE, **keys}
+
+
+# name -> (architecture, config kwargs, rotary settings, weight seed). Small, but each exercises its
+# architecture's quirk.
 MODELS = {
     "llama": (
         "llama",
-        dict(
-            vocab_size=256,
-            hidden_size=256,
+        config(
             intermediate_size=512,
             num_hidden_layers=3,
             num_attention_heads=8,
-            num_key_value_heads=2,
             head_dim=32,
             rms_norm_eps=1e-5,
-            max_position_embeddings=128,
-            tie_word_embeddings=False,
             attention_bias=False,
             mlp_bias=False,
-            bos_token_id=1,
-            eos_token_id=2,
         ),
         # Original context 64 puts the rotary wavelengths in all three llama3 bands within 64 positions.
         dict(
@@ -73,59 +89,35 @@ MODELS = {
     ),
     "qwen2": (
         "qwen2",
-        dict(
-            vocab_size=256,
-            hidden_size=256,
-            intermediate_size=640,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            rms_norm_eps=1e-6,
-            max_position_embeddings=128,
-            tie_word_embeddings=True,
-            use_sliding_window=False,
-            bos_token_id=1,
-            eos_token_id=2,
-        ),
-        dict(rope_theta=1000000.0, rope_type="default"),
+        config(intermediate_size=640, num_attention_heads=4, tie_word_embeddings=True, use_sliding_window=False),
+        ROPE_DEFAULT,
         22,
     ),
     "qwen3": (
         "qwen3",
-        dict(
-            vocab_size=256,
+        config(
             hidden_size=1024,
             intermediate_size=1024,
-            num_hidden_layers=2,
             num_attention_heads=16,
             num_key_value_heads=4,
             head_dim=128,
-            rms_norm_eps=1e-6,
-            max_position_embeddings=128,
-            tie_word_embeddings=False,
             attention_bias=False,
             use_sliding_window=False,
-            bos_token_id=1,
-            eos_token_id=2,
         ),
-        dict(rope_theta=1000000.0, rope_type="default"),
+        ROPE_DEFAULT,
         33,
     ),
     # Layers 2 and 5 global, the others sliding over 16 positions (64 are run).
     "gemma3": (
         "gemma3",
-        dict(
-            vocab_size=256,
+        config(
             hidden_size=128,
             intermediate_size=256,
             num_hidden_layers=6,
             num_attention_heads=4,
-            num_key_value_heads=2,
             head_dim=48,
             query_pre_attn_scalar=64,
             sliding_window=16,
-            rms_norm_eps=1e-6,
-            max_position_embeddings=128,
             tie_word_embeddings=True,
             attention_bias=False,
             hidden_activation="gelu_pytorch_tanh",
@@ -140,9 +132,7 @@ MODELS = {
     ),
     "qwen3_moe": (
         "qwen3_moe",
-        dict(
-            vocab_size=256,
-            hidden_size=256,
+        config(
             intermediate_size=512,
             moe_intermediate_size=96,
             num_experts=8,
@@ -150,44 +140,29 @@ MODELS = {
             norm_topk_prob=False,
             decoder_sparse_step=1,
             mlp_only_layers=[],
-            num_hidden_layers=2,
             num_attention_heads=4,
-            num_key_value_heads=2,
             head_dim=64,
-            rms_norm_eps=1e-6,
-            max_position_embeddings=128,
-            tie_word_embeddings=False,
             attention_bias=False,
             use_sliding_window=False,
             output_router_logits=False,
-            bos_token_id=1,
-            eos_token_id=2,
         ),
-        dict(rope_theta=1000000.0, rope_type="default"),
+        ROPE_DEFAULT,
         44,
     ),
     "mixtral": (
         "mixtral",
-        dict(
-            vocab_size=256,
-            hidden_size=256,
+        config(
             intermediate_size=384,
             num_local_experts=4,
             num_experts_per_tok=2,
-            num_hidden_layers=2,
             num_attention_heads=8,
-            num_key_value_heads=2,
             head_dim=32,
             rms_norm_eps=1e-5,
-            max_position_embeddings=128,
-            tie_word_embeddings=False,
             sliding_window=None,
             router_jitter_noise=0.0,
             output_router_logits=False,
-            bos_token_id=1,
-            eos_token_id=2,
         ),
-        dict(rope_theta=1000000.0, rope_type="default"),
+        ROPE_DEFAULT,
         55,
     ),
 }

@@ -75,6 +75,10 @@ impl Default for hostembed_tuning {
     }
 }
 
+/// `hostembed_glu_to`'s activations (HE_ACT_*).
+pub const ACT_SILU: c_int = 0;
+pub const ACT_GELU_TANH: c_int = 1;
+
 /// `hostembed_sample_row::mask_row` of a row drawn among every id (HOSTEMBED_NO_MASK).
 pub const NO_MASK: c_uint = c_uint::MAX;
 
@@ -93,10 +97,9 @@ cuda_fns! {
     pub fn hostembed_rope_kv(qkv: *mut f32, qkv_stride: c_uint, n: c_uint, pos: *const c_int, heads: c_uint, kv_heads: c_uint, head_dim: c_uint, inv_freq: *const f32, interleaved: c_int, q_norm: *const f32, k_norm: *const f32, eps: f32, kv_pool: *mut c_void, tables: *const *const c_uint, pool_pages: c_uint, k_type: c_int, v_type: c_int, tuning: hostembed_tuning, stream: cudaStream_t) -> cudaError_t;
     pub fn hostembed_kv_page_tokens(page_tokens: *mut c_uint) -> cudaError_t;
     pub fn hostembed_attention(q: *const f32, q_stride: c_uint, kv_pool: *const c_void, tables: *const *const c_uint, pool_pages: c_uint, k_type: c_int, v_type: c_int, pos: *const c_int, n: c_uint, heads: c_uint, kv_heads: c_uint, head_dim: c_uint, scale: f32, window: c_uint, splits: c_uint, grid_parts: c_uint, partial: *mut f32, out: *mut f32, tuning: hostembed_tuning, stream: cudaStream_t) -> cudaError_t;
-    pub fn hostembed_swiglu(gate: *const f32, up: *const f32, out: *mut f32, len: usize, stream: cudaStream_t) -> cudaError_t;
+    pub fn hostembed_glu_to(gate: *const f32, up: *const f32, out: *mut c_void, out_dtype: c_int, act: c_int, len: usize, stream: cudaStream_t) -> cudaError_t;
     pub fn hostembed_add(a: *const f32, b: *const f32, out: *mut f32, len: usize, stream: cudaStream_t) -> cudaError_t;
     pub fn hostembed_scale(x: *mut f32, factor: f32, len: usize, stream: cudaStream_t) -> cudaError_t;
-    pub fn hostembed_geglu_to(gate: *const f32, up: *const f32, out: *mut c_void, out_dtype: c_int, len: usize, stream: cudaStream_t) -> cudaError_t;
     pub fn hostembed_rmsnorm_add(y: *const f32, w: *const f32, eps: f32, x: *mut f32, n: c_uint, cols: c_uint, stream: cudaStream_t) -> cudaError_t;
     pub fn hostembed_sample_rows(logits: *mut f32, vocab: c_uint, rows: c_uint, settings: *const hostembed_sample_row, ids: *const c_int, n_ids: c_uint, masks: *const c_uint, scratch: *mut c_void, scratch_size: usize, tokens: *mut c_int, stream: cudaStream_t) -> cudaError_t;
     pub fn hostembed_sample(logits: *mut f32, vocab: c_uint, temperature: f32, top_k: c_uint, top_p: f32, min_p: f32, repeat_penalty: f32, penalty: *mut c_int, n_penalty: c_uint, seed: u64, stream_index: c_uint, position: u64, scratch: *mut c_void, token: *mut c_int, stream: cudaStream_t) -> cudaError_t;
@@ -107,7 +110,6 @@ cuda_fns! {
     pub fn hostembed_convert_matrix(w: *const c_void, w_dtype: c_int, rows: c_uint, cols: c_uint, out: *mut c_void, out_dtype: c_int, stream: cudaStream_t) -> cudaError_t;
     pub fn hostembed_add_bias(y: *mut f32, ldy: c_uint, bias: *const f32, rows: c_uint, n: c_uint, stream: cudaStream_t) -> cudaError_t;
     pub fn hostembed_rmsnorm_to(x: *const f32, w: *const f32, eps: f32, out: *mut c_void, residue: *mut c_void, out_dtype: c_int, n: c_uint, cols: c_uint, tuning: hostembed_tuning, stream: cudaStream_t) -> cudaError_t;
-    pub fn hostembed_swiglu_to(gate: *const f32, up: *const f32, out: *mut c_void, out_dtype: c_int, len: usize, stream: cudaStream_t) -> cudaError_t;
     pub fn hostembed_convert(x: *const f32, out: *mut c_void, out_dtype: c_int, len: usize, stream: cudaStream_t) -> cudaError_t;
     pub fn hostembed_flash_head_dim(head_dim: c_uint) -> cudaError_t;
     pub fn hostembed_flash_attention(q: *const f32, q_stride: c_uint, kv_pool: *const c_void, table: *const c_uint, pool_pages: c_uint, k_type: c_int, v_type: c_int, pos: *const c_int, n: c_uint, heads: c_uint, kv_heads: c_uint, head_dim: c_uint, scale: f32, window: c_uint, out: *mut c_void, out_dtype: c_int, out_stride: c_uint, stage: *const c_void, stage_tokens: c_uint, staged: c_uint, stream: cudaStream_t) -> cudaError_t;

@@ -107,6 +107,7 @@ fn truncate_then_restep_gives_the_same_logits() {
         assert!(before >= keep as u64);
         // The logits are gone with the positions.
         let mut out = vec![0f32; qwen2().vocab];
+        // SAFETY: a live engine and a buffer of out.len() floats to write.
         assert_eq!(unsafe { ffi::engine_logits(e.0, 0, out.as_mut_ptr(), out.len()) }, Status::InvalidArgument);
         // Feed back what was fed after `keep`, one chunk then single tokens, and check each logit met.
         let keep = keep as usize;
@@ -131,9 +132,13 @@ fn truncate_then_restep_gives_the_same_logits() {
     let len = stream_len(&e, 0);
     truncate(&e, 0, len);
     assert_eq!(bits(&logits(&e, 0)), bits(&want.last().unwrap().2), "logits after a truncate that cut nothing");
+    // SAFETY: a live engine; a length past the stream's is refused before anything changes.
     assert_eq!(unsafe { ffi::engine_truncate(e.0, 0, len + 1) }, Status::OutOfRange);
+    // SAFETY: a live engine; truncating an empty stream is refused before anything changes.
     assert_eq!(unsafe { ffi::engine_truncate(e.0, 1, 1) }, Status::OutOfRange, "an empty stream");
+    // SAFETY: a live engine; a stream past its streams is refused before anything changes.
     assert_eq!(unsafe { ffi::engine_truncate(e.0, 2, 0) }, Status::OutOfRange, "no stream 2");
+    // SAFETY: a NULL engine is refused before anything is read.
     assert_eq!(unsafe { ffi::engine_truncate(std::ptr::null_mut(), 0, 0) }, Status::InvalidArgument);
     assert_eq!(stream_len(&e, 0), len);
 }
@@ -267,9 +272,12 @@ fn malformed_batches_and_bad_arguments_are_refused() {
         out_cap: 0,
         n_out: 0,
     };
+    // SAFETY: a live engine and one item whose NULL tokens pointer is refused before it is read.
     assert_eq!(unsafe { ffi::engine_step_batch(e.0, &mut item, 1) }, Status::InvalidArgument);
     assert_eq!((item.status, item.next), (Status::InvalidArgument, -1));
+    // SAFETY: a live engine; NULL items with a count of 2 are refused before anything is read.
     assert_eq!(unsafe { ffi::engine_step_batch(e.0, std::ptr::null_mut(), 2) }, Status::InvalidArgument);
+    // SAFETY: a live engine; NULL items with a count of 0 are never read.
     assert_eq!(unsafe { ffi::engine_step_batch(e.0, std::ptr::null_mut(), 0) }, Status::Ok, "an empty batch");
     let mut fine = engine_batch_item {
         stream: 0,
@@ -281,6 +289,7 @@ fn malformed_batches_and_bad_arguments_are_refused() {
         out_cap: 0,
         n_out: 0,
     };
+    // SAFETY: a NULL engine is refused before the live item is read.
     assert_eq!(unsafe { ffi::engine_step_batch(std::ptr::null_mut(), &mut fine, 1) }, Status::InvalidArgument);
     assert_eq!(stream_len(&e, 0), 0);
 
@@ -311,6 +320,7 @@ fn malformed_batches_and_bad_arguments_are_refused() {
     step(&reference, 1, &b);
     assert_eq!(bits(&logits(&e, 1)), bits(&logits(&reference, 1)));
     let mut out = vec![0f32; vocab as usize];
+    // SAFETY: a live engine and a buffer of out.len() floats to write.
     assert_eq!(unsafe { ffi::engine_logits(e.0, 0, out.as_mut_ptr(), out.len()) }, Status::InvalidArgument);
     // A batch in which every item fails leaves them.
     let (st, _) = try_batch(&e, &[(0, &past_window)]);
@@ -320,15 +330,24 @@ fn malformed_batches_and_bad_arguments_are_refused() {
     // The other calls: NULLs, streams that do not exist, settings out of range.
     let mut len = 0u32;
     let (mut total, mut free) = (0u64, 0u64);
+    // SAFETY: a live engine; the NULL out pointer is refused before anything is written.
     assert_eq!(unsafe { ffi::engine_stream_len(e.0, 0, std::ptr::null_mut()) }, Status::InvalidArgument);
+    // SAFETY: a NULL engine is refused before `len` is written.
     assert_eq!(unsafe { ffi::engine_stream_len(std::ptr::null(), 0, &mut len) }, Status::InvalidArgument);
+    // SAFETY: a live engine and a writable u32; stream 3 is refused.
     assert_eq!(unsafe { ffi::engine_stream_len(e.0, 3, &mut len) }, Status::OutOfRange);
+    // SAFETY: a live engine; the NULL total is refused before `free` is written.
     assert_eq!(unsafe { ffi::engine_kv_stats(e.0, std::ptr::null_mut(), &mut free) }, Status::InvalidArgument);
+    // SAFETY: a live engine; the NULL free is refused before `total` is written.
     assert_eq!(unsafe { ffi::engine_kv_stats(e.0, &mut total, std::ptr::null_mut()) }, Status::InvalidArgument);
+    // SAFETY: a NULL engine is refused before the counters are written.
     assert_eq!(unsafe { ffi::engine_kv_stats(std::ptr::null(), &mut total, &mut free) }, Status::InvalidArgument);
     let good = ffi::engine_default_sampling();
+    // SAFETY: a live engine; the NULL settings are refused before anything is read.
     assert_eq!(unsafe { ffi::engine_set_sampling(e.0, 0, std::ptr::null()) }, Status::InvalidArgument);
+    // SAFETY: a NULL engine is refused before the settings are read.
     assert_eq!(unsafe { ffi::engine_set_sampling(std::ptr::null_mut(), 0, &good) }, Status::InvalidArgument);
+    // SAFETY: a live engine and live settings; stream 3 is refused.
     assert_eq!(unsafe { ffi::engine_set_sampling(e.0, 3, &good) }, Status::OutOfRange);
     let bad = [
         engine_sampling { temperature: -1.0, ..good },
@@ -342,22 +361,28 @@ fn malformed_batches_and_bad_arguments_are_refused() {
         engine_sampling { repeat_penalty: f32::INFINITY, ..good },
     ];
     for s in &bad {
+        // SAFETY: a live engine and live settings, which are refused.
         assert_eq!(unsafe { ffi::engine_set_sampling(e.0, 0, s) }, Status::InvalidArgument, "{s:?}");
     }
     let mut got = engine_sampling { seed: 9, ..good };
+    // SAFETY: a live engine and a writable engine_sampling.
     assert_eq!(unsafe { ffi::engine_get_sampling(e.0, 0, &mut got) }, Status::Ok);
     assert_eq!(got, good, "refused settings leave the stream's as they were");
     let mine = engine_sampling { temperature: 0.7, min_p: 0.1, repeat_penalty: 1.2, seed: 5, ..good };
     set_sampling(&e, 1, &mine);
+    // SAFETY: a live engine and a writable engine_sampling.
     assert_eq!(unsafe { ffi::engine_get_sampling(e.0, 1, &mut got) }, Status::Ok);
     assert_eq!(got, mine);
     reset(&e, 1);
+    // SAFETY: a live engine and a writable engine_sampling.
     assert_eq!(unsafe { ffi::engine_get_sampling(e.0, 1, &mut got) }, Status::Ok);
     assert_eq!(got, mine, "a reset keeps the stream's sampler");
+    // SAFETY: a live engine; the NULL out pointer is refused before anything is written.
     assert_eq!(unsafe { ffi::engine_get_sampling(e.0, 1, std::ptr::null_mut()) }, Status::InvalidArgument);
     let opts = engine_options { min_p: 2.0, ..cpu_options(window, 3) };
     let mut none = std::ptr::null_mut();
     let c = common::c_path(&path);
+    // SAFETY: a NUL-terminated path, live options and a writable handle (left NULL on failure).
     assert_eq!(unsafe { ffi::engine_init_fit(c.as_ptr(), &opts, &mut none) }, Status::InvalidArgument);
     assert!(last_error().contains("options.min_p"), "{}", last_error());
 }
@@ -382,6 +407,7 @@ fn each_stream_samples_with_its_own_settings() {
     };
     let e = init(&path, &defaults);
     let mut got = ffi::engine_default_sampling();
+    // SAFETY: a live engine and a writable engine_sampling.
     assert_eq!(unsafe { ffi::engine_get_sampling(e.0, 3, &mut got) }, Status::Ok);
     assert_eq!(got, engine::sampling_of(&defaults), "a stream starts with the options' sampler");
     let settings: [Sampling; 4] = [
@@ -680,6 +706,7 @@ fn random_calls_keep_every_contract() {
                 let s = any_stream(&mut rng);
                 let have = lens.get(s as usize).copied().unwrap_or(0);
                 let keep = rng.below(have as u64 + 4) as u32;
+                // SAFETY: a live engine; a stream or length out of range is refused.
                 let st = unsafe { ffi::engine_truncate(e.0, s, keep) };
                 let ok = s < streams && keep <= have;
                 assert_eq!(st, if ok { Status::Ok } else { Status::OutOfRange }, "call {call}: truncate({s}, {keep})");
@@ -691,6 +718,7 @@ fn random_calls_keep_every_contract() {
             }
             8 => {
                 let s = any_stream(&mut rng);
+                // SAFETY: a live engine; a stream out of range is refused.
                 let st = unsafe { ffi::engine_reset(e.0, s) };
                 assert_eq!(st, if s < streams { Status::Ok } else { Status::OutOfRange }, "call {call}: reset({s})");
                 if s < streams {
@@ -711,6 +739,7 @@ fn random_calls_keep_every_contract() {
                         _ => sampling.repeat_penalty = f32::NAN,
                     }
                 }
+                // SAFETY: a live engine and live settings; a stream or setting out of range is refused.
                 let st = unsafe { ffi::engine_set_sampling(e.0, s, &sampling) };
                 match (s < streams, valid) {
                     (true, true) => {

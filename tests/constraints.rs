@@ -39,6 +39,7 @@ fn cpu_options(streams: u32, window: u32) -> engine_options {
 }
 
 fn try_constrain(e: &Held, stream: u32, kind: engine_constraint, text: &str) -> Status {
+    // SAFETY: a live engine and text.len() bytes of text at text.as_ptr().
     unsafe { ffi::engine_set_constraint(e.0, stream, kind, text.as_ptr() as *const std::ffi::c_char, text.len()) }
 }
 
@@ -52,6 +53,7 @@ fn chat_prompt(e: &Held, user: &str) -> Vec<i32> {
     let (role, content) = (CString::new("user").unwrap(), CString::new(user).unwrap());
     let m = [engine_chat_message { role: role.as_ptr(), content: content.as_ptr() }];
     let mut buf = vec![0 as std::ffi::c_char; 4096];
+    // SAFETY: a live engine, one message of NUL-terminated strings, and a buffer of buf.len() chars to write.
     let n = unsafe { ffi::engine_chat_template(e.0, m.as_ptr(), 1, true, buf.as_mut_ptr(), buf.len()) };
     assert!(n > 0 && (n as usize) < buf.len(), "engine_chat_template: {n}: {}", last_error());
     let text: Vec<u8> = buf[..n as usize].iter().map(|&c| c as u8).collect();
@@ -59,6 +61,7 @@ fn chat_prompt(e: &Held, user: &str) -> Vec<i32> {
 }
 
 fn is_eog(e: &Held, id: i32) -> bool {
+    // SAFETY: a live engine.
     unsafe { ffi::engine_is_eog(e.0, id) }
 }
 
@@ -403,6 +406,7 @@ fn try_constrain_raw(e: &Held, stream: u32, kind: u32, text: *const u8, len: usi
     type Raw = unsafe extern "C" fn(*mut ffi::engine, u32, u32, *const std::ffi::c_char, usize) -> Status;
     // SAFETY: the same C signature, the enum passed as the 32-bit integer C passes for it.
     let f: Raw = unsafe { std::mem::transmute(ffi::engine_set_constraint as *const ()) };
+    // SAFETY: a live engine, and `len` bytes at `text` (or NULL with 0) as the callers pass them.
     unsafe { f(e.0, stream, kind, text as *const std::ffi::c_char, len) }
 }
 
@@ -442,6 +446,7 @@ fn bad_input_is_refused_and_changes_nothing() {
     assert!(last_error().contains("NULL"), "{}", last_error());
     assert_eq!(try_constrain(&e, 2, engine_constraint::Regex, RE), Status::OutOfRange, "a stream past the engine's");
     let null = std::ptr::null_mut();
+    // SAFETY: a NULL engine is refused before the (NULL, empty) text is read.
     let st = unsafe { ffi::engine_set_constraint(null, 0, engine_constraint::Json, std::ptr::null(), 0) };
     assert_eq!(st, Status::InvalidArgument);
     // Nothing changed: stream 0 still holds to its regex, stream 1 is still free.
@@ -453,6 +458,7 @@ fn bad_input_is_refused_and_changes_nothing() {
     // NONE removes the constraint; NULL text with len 0 is no text.
     reset(&e, 0);
     assert_eq!(try_constrain_raw(&e, 0, 0, std::ptr::null(), 0), Status::Ok, "{}", last_error());
+    // SAFETY: a live engine and live settings.
     let st = unsafe { ffi::engine_set_sampling(e.0, 0, &ffi::engine_default_sampling()) };
     assert_eq!(st, Status::Ok);
     assert_eq!(generate(&e, 0, &prompt, 12), free, "stream 0 free again");

@@ -84,6 +84,7 @@ fn sampling_of(o: &engine_options) -> Sampling {
 }
 
 fn reset(e: &Held, stream: u32) {
+    // SAFETY: a live engine.
     assert_eq!(unsafe { ffi::engine_reset(e.0, stream) }, Status::Ok, "engine_reset({stream}): {}", last_error());
 }
 
@@ -190,10 +191,15 @@ fn refused_steps_append_nothing() {
     let tokens = [first, 5];
     let mut next = -7;
     let calls: [(&str, Status); 5] = [
+        // SAFETY: a NULL engine is refused before the live token and out are read.
         ("engine NULL", unsafe { ffi::engine_step(std::ptr::null_mut(), 0, tokens.as_ptr(), 1, &mut next) }),
+        // SAFETY: a live engine; the NULL tokens are refused before anything is read.
         ("tokens NULL", unsafe { ffi::engine_step(e.0, 0, std::ptr::null(), 1, &mut next) }),
+        // SAFETY: a live engine; the NULL out is refused before anything runs.
         ("next NULL", unsafe { ffi::engine_step(e.0, 0, tokens.as_ptr(), 1, std::ptr::null_mut()) }),
+        // SAFETY: a live engine; n = 0 is refused before anything is read.
         ("n = 0", unsafe { ffi::engine_step(e.0, 0, tokens.as_ptr(), 0, &mut next) }),
+        // SAFETY: a live engine; n = 0 is refused before the NULL tokens are read.
         ("n = 0, tokens NULL", unsafe { ffi::engine_step(e.0, 0, std::ptr::null(), 0, &mut next) }),
     ];
     for (what, st) in calls {
@@ -271,6 +277,7 @@ fn bad_calls_to_logits_reset_and_model_info_are_refused() {
     let path = dir.gguf("llama", &cfg, rng.next_u64(), DType::Q8_0);
     let e = init(&path, &engine_options { max_streams: 3, ..cpu_options(32) });
     let mut out = vec![0f32; cfg.vocab];
+    // SAFETY: the callers pass a live engine (or NULL, which it refuses) and room for `len` floats at `out`.
     let logits_call = |e: *const ffi::engine, stream: u32, out: *mut f32, len: usize| unsafe {
         ffi::engine_logits(e, stream, out, len)
     };
@@ -287,12 +294,18 @@ fn bad_calls_to_logits_reset_and_model_info_are_refused() {
     let not_last = logits_call(e.0, 0, out.as_mut_ptr(), out.len());
     expect("a stream not stepped last", not_last, Status::InvalidArgument);
     expect("stream 3 of 3", logits_call(e.0, 3, out.as_mut_ptr(), out.len()), Status::OutOfRange);
+    // SAFETY: a NULL engine is refused.
     expect("reset NULL", unsafe { ffi::engine_reset(std::ptr::null_mut(), 0) }, Status::InvalidArgument);
+    // SAFETY: a live engine; stream 3 of 3 is refused.
     expect("reset stream 3 of 3", unsafe { ffi::engine_reset(e.0, 3) }, Status::OutOfRange);
+    // SAFETY: a live engine; stream u32::MAX is refused.
     expect("reset u32::MAX", unsafe { ffi::engine_reset(e.0, u32::MAX) }, Status::OutOfRange);
+    // SAFETY: engine_model_info is numbers, bools and enums with a variant at 0: all zeros is a value of it.
     let mut mi: engine_model_info = unsafe { std::mem::zeroed() };
+    // SAFETY: a NULL engine is refused before `mi` is written.
     let null_engine = unsafe { ffi::engine_model_info(std::ptr::null(), &mut mi) };
     expect("model_info engine NULL", null_engine, Status::InvalidArgument);
+    // SAFETY: a live engine; the NULL out is refused.
     let null_out = unsafe { ffi::engine_model_info(e.0, std::ptr::null_mut()) };
     expect("model_info out NULL", null_out, Status::InvalidArgument);
     assert!(out.iter().all(|v| v.is_finite()), "the one good call wrote logits");

@@ -271,8 +271,10 @@ fn overflow_and_contradictions_are_invalid_arguments() {
         assert!(e.message.contains(names), "{what}: {}", e.message);
 
         let mut out = fit::plan(&seed(32_768)).unwrap();
+        // SAFETY: live inputs and a writable plan.
         let status = unsafe { engine_fit_plan(&i, &mut out) };
         assert_eq!(status, Status::InvalidArgument, "{what} through the C ABI");
+        // SAFETY: engine_last_error is this thread's NUL-terminated message, valid until its next failure.
         assert_eq!(unsafe { CStr::from_ptr(engine_last_error()) }.to_str().unwrap(), e.message);
     }
     let zero_stream =
@@ -392,6 +394,7 @@ fn c_abi_default_inputs() {
         engine_fit_inputs { reserve_bytes: 0, ..d },
         engine_fit_inputs { reserve_bytes: 0, ..fit::default_inputs() }
     );
+    // SAFETY: engine_fit_inputs is numbers and bools: all zeros is a value of it.
     let zero: engine_fit_inputs = unsafe { std::mem::zeroed() };
     assert_eq!(engine_fit_inputs { reserve_bytes: 0, ..d }, zero, "every other figure 0, every flag false");
 }
@@ -399,18 +402,27 @@ fn c_abi_default_inputs() {
 #[test]
 fn c_abi_plans_and_refuses_like_rust() {
     for w in [32_768, 65_536, 98_304, 131_072] {
+        // SAFETY: engine_plan is numbers and enums with a variant at 0: all zeros is a value of it.
         let mut out: engine_plan = unsafe { std::mem::zeroed() };
+        // SAFETY: live inputs and a writable plan.
         assert_eq!(unsafe { engine_fit_plan(&seed(w), &mut out) }, Status::Ok, "{w}");
         assert_eq!(out, fit::plan(&seed(w)).unwrap());
     }
+    // SAFETY: engine_plan is numbers and enums with a variant at 0: all zeros is a value of it.
     let mut out: engine_plan = unsafe { std::mem::zeroed() };
+    // SAFETY: live inputs and a writable plan.
     assert_eq!(unsafe { engine_fit_plan(&seed(163_840), &mut out) }, Status::NoRoom);
+    // SAFETY: engine_last_error is this thread's NUL-terminated message, valid until its next failure.
     assert_eq!(unsafe { CStr::from_ptr(engine_last_error()) }.to_str().unwrap(), "a 10.90 GiB stream, 8.93 GiB left");
     assert_eq!(out, fit::plan(&seed(163_840)).unwrap(), "out is filled on NO_ROOM");
 
+    // SAFETY: the NULL inputs are refused before `out` is written.
     assert_eq!(unsafe { engine_fit_plan(std::ptr::null(), &mut out) }, Status::InvalidArgument);
+    // SAFETY: engine_last_error is this thread's NUL-terminated message, valid until its next failure.
     assert!(unsafe { CStr::from_ptr(engine_last_error()) }.to_str().unwrap().contains("inputs is NULL"));
+    // SAFETY: the NULL out is refused after the live inputs are read.
     assert_eq!(unsafe { engine_fit_plan(&seed(0), std::ptr::null_mut()) }, Status::InvalidArgument);
+    // SAFETY: engine_last_error is this thread's NUL-terminated message, valid until its next failure.
     assert!(unsafe { CStr::from_ptr(engine_last_error()) }.to_str().unwrap().contains("out is NULL"));
 }
 
@@ -419,21 +431,29 @@ fn c_abi_describe_has_snprintf_semantics() {
     let plan = fit::plan(&seed(98_304)).unwrap();
     let line =
         "model 13.29 GiB, rows mapped (2.37 GiB in host memory), 1 stream at a 98304-token window, 8.93 GiB left";
+    // SAFETY: a live plan; a NULL buffer of length 0 is never written.
     assert_eq!(unsafe { engine_plan_describe(&plan, std::ptr::null_mut(), 0) }, line.len(), "length with no buffer");
     let mut buf = vec![0x7f as std::os::raw::c_char; 128];
+    // SAFETY: a live plan and a buffer of buf.len() chars to write.
     assert_eq!(unsafe { engine_plan_describe(&plan, buf.as_mut_ptr(), buf.len()) }, line.len());
+    // SAFETY: engine_plan_describe NUL-terminated what it wrote inside `buf`.
     assert_eq!(unsafe { CStr::from_ptr(buf.as_ptr()) }.to_str().unwrap(), line);
     let mut small = vec![0x7f as std::os::raw::c_char; 11];
+    // SAFETY: a live plan and a buffer of small.len() chars to write.
     assert_eq!(unsafe { engine_plan_describe(&plan, small.as_mut_ptr(), small.len()) }, line.len());
+    // SAFETY: engine_plan_describe NUL-terminated what it wrote inside `small`.
     assert_eq!(unsafe { CStr::from_ptr(small.as_ptr()) }.to_str().unwrap(), &line[..10], "truncated, NUL-terminated");
 
+    // SAFETY: the NULL plan is refused; it writes only the empty string into `buf`.
     assert_eq!(unsafe { engine_plan_describe(std::ptr::null(), buf.as_mut_ptr(), buf.len()) }, 0);
     assert_eq!(buf[0], 0, "an empty string on failure");
+    // SAFETY: engine_last_error is this thread's NUL-terminated message, valid until its next failure.
     assert!(unsafe { CStr::from_ptr(engine_last_error()) }.to_str().unwrap().contains("plan is NULL"));
 
     // A placement C wrote that names none: refused before Rust reads it as an enum.
     let mut raw = vec![0u8; std::mem::size_of::<engine_plan>() + 8];
     let aligned = raw.as_mut_ptr().wrapping_add(raw.as_ptr().align_offset(8));
+    // SAFETY: `aligned` is 8-aligned with size_of::<engine_plan>() bytes of `raw` after it; the u32 write is inside.
     unsafe {
         std::ptr::copy_nonoverlapping(
             &plan as *const engine_plan as *const u8,
@@ -442,7 +462,9 @@ fn c_abi_describe_has_snprintf_semantics() {
         );
         (aligned.add(std::mem::offset_of!(engine_plan, placement)) as *mut u32).write(7);
     }
+    // SAFETY: `aligned` holds a whole engine_plan's bytes, 8-aligned, whose placement C-side is 7; a live buffer.
     assert_eq!(unsafe { engine_plan_describe(aligned as *const engine_plan, buf.as_mut_ptr(), buf.len()) }, 0);
+    // SAFETY: engine_last_error is this thread's NUL-terminated message, valid until its next failure.
     let message = unsafe { CStr::from_ptr(engine_last_error()) }.to_str().unwrap().to_string();
     assert!(message.contains("placement is 7"), "{message}");
 }

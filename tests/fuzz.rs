@@ -305,6 +305,7 @@ fn child(path: &Path) -> i32 {
         ..engine::default_options()
     };
     let mut e = std::ptr::null_mut();
+    // SAFETY: a NUL-terminated path that lives across the call, live options and a writable handle.
     let st = unsafe { ffi::engine_init_fit(c_path(path).as_ptr(), &opts, &mut e) };
     if st != Status::Ok {
         return st as i32;
@@ -314,11 +315,16 @@ fn child(path: &Path) -> i32 {
     let mut ids = [0i32; 64];
     let text = "hostembed rows, 12345 and é";
     let statuses = [
+        // SAFETY: a live engine, two token ids and a writable `next`.
         unsafe { ffi::engine_step(e, 0, [1i32, 2].as_ptr(), 2, &mut next) },
+        // SAFETY: a live engine, text.len() bytes of text, room for 64 ids and a writable count.
         unsafe { ffi::engine_tokenize(e, text.as_ptr() as *const _, text.len(), 1, ids.as_mut_ptr(), 64, &mut n) },
+        // SAFETY: a live engine.
         unsafe { ffi::engine_reset(e, 0) },
     ];
+    // SAFETY: a live engine; a NULL buffer of length 0 is never written.
     let piece = unsafe { ffi::engine_token_piece(e, 5, std::ptr::null_mut(), 0) };
+    // SAFETY: the engine from engine_init_fit, no other call on it running or to come.
     unsafe { ffi::engine_free(e) };
     if statuses.contains(&Status::Panic) || piece == -(Status::Panic as i32) {
         return EXIT_PANIC_AFTER_LOAD;

@@ -8,7 +8,7 @@
 //! package's F16 file). Prints SKIP without a device.
 
 mod common;
-use common::{bits, max_abs_diff, rel_l2, top_two_gap};
+use common::{bits, compare_greedy, rel_l2};
 
 use common::{Held, Scratch, device_info, info, init, logits, serial, stats, step, try_step};
 use common::{Rng, kv_stats, on_threads, reset, set_env, set_sampling, stream_len, truncate, try_batch};
@@ -210,38 +210,6 @@ fn max_batch_zero_is_the_default_on_cuda() {
     assert_eq!(stats(), engine_memory::default());
 }
 
-/// Both engines step the same tokens (the reference's greedy choice); logits compared at every step, and
-/// a differing choice allowed only where the reference's own gap is within twice the measured error.
-/// Returns the worst relative L2 and the differing steps (step, gap between the choices, top-two gap, error).
-fn compare_greedy(what: &str, test: &Held, reference: &Held, steps: usize) -> (f64, Vec<(usize, f32, f32, f32)>) {
-    let prompt = prompt();
-    let (mut got, mut want) = (step(test, 0, &prompt), step(reference, 0, &prompt));
-    let (mut worst, mut differ) = (0f64, Vec::new());
-    for i in 0..=steps {
-        let (lt, lr) = (logits(test, 0), logits(reference, 0));
-        let rel = rel_l2(&lt, &lr);
-        worst = worst.max(rel);
-        assert!(rel < 2e-2, "{what} step {i}: relative L2 {rel:.3e} of the logits");
-        if got != want {
-            let err = max_abs_diff(&lt, &lr);
-            let gap = lr[want as usize] - lr[got as usize];
-            assert!(gap <= 2.0 * err, "{what} step {i}: chose {got} over {want}, gap {gap} > 2 x error {err}");
-            differ.push((i, gap, top_two_gap(&lr), err));
-        }
-        if i < steps {
-            let input = [want];
-            (got, want) = (step(test, 0, &input), step(reference, 0, &input));
-        }
-    }
-    println!(
-        "{what}: {} greedy tokens, worst relative L2 {worst:.2e}, {} near-tie differences (step, gap, top-two gap, \
-         max error): {differ:?}",
-        steps + 1,
-        differ.len()
-    );
-    (worst, differ)
-}
-
 #[test]
 fn cuda_matches_cpu_on_the_same_files() {
     if !gpu_present("cuda_matches_cpu_on_the_same_files") {
@@ -254,7 +222,7 @@ fn cuda_matches_cpu_on_the_same_files() {
         let reference = init(&format.path, &cpu());
         assert!(info(&gpu).cuda && !info(&reference).cuda);
         let what = format!("{}: CUDA against CPU", format.label);
-        let (_, differ) = compare_greedy(&what, &gpu, &reference, STEPS);
+        let (_, differ) = compare_greedy(&what, &gpu, &reference, &prompt(), STEPS);
         assert!(differ.len() <= 3, "{what}: {} near-tie differences in {} tokens", differ.len(), STEPS + 1);
         drop((gpu, reference));
         assert_eq!(stats(), engine_memory::default(), "{what}");
@@ -274,7 +242,7 @@ fn safetensors_and_gguf_of_the_same_weights_agree_on_cuda() {
     let h = init(&hf.path, &greedy_cuda());
     let g = init(&gguf.path, &greedy_cuda());
     let what = format!("CUDA: {} against {}", gguf.label, hf.label);
-    let (_, differ) = compare_greedy(&what, &g, &h, STEPS);
+    let (_, differ) = compare_greedy(&what, &g, &h, &prompt(), STEPS);
     assert!(differ.len() <= 3, "{what}: {} near-tie differences", differ.len());
     drop((h, g));
     assert_eq!(stats(), engine_memory::default());
@@ -308,8 +276,11 @@ fn refused_cuda_steps_append_nothing() {
     }
     assert_eq!(try_step(&e, streams, &[first]), (Status::OutOfRange, -7), "stream {streams}");
     let mut next = -7;
+    // SAFETY: a live engine; the NULL tokens are refused before anything is read.
     assert_eq!(unsafe { ffi::engine_step(e.0, 0, std::ptr::null(), 1, &mut next) }, Status::InvalidArgument);
+    // SAFETY: a live engine; n = 0 is refused before anything is read.
     assert_eq!(unsafe { ffi::engine_step(e.0, 0, prompt.as_ptr(), 0, &mut next) }, Status::InvalidArgument);
+    // SAFETY: a live engine; the NULL out is refused before anything runs.
     assert_eq!(unsafe { ffi::engine_step(e.0, 0, prompt.as_ptr(), 1, std::ptr::null_mut()) }, Status::InvalidArgument);
     assert_eq!(next, -7);
 
@@ -459,7 +430,9 @@ fn single_token_items_are_batch_invariant_on_cuda() {
 }
 
 unsafe extern "C" fn collect_lines(user: *mut c_void, line: *const c_char) {
+    // SAFETY: the test passes a live Vec<String> as `user`, and nothing else touches it during the call.
     let lines = unsafe { &mut *(user as *mut Vec<String>) };
+    // SAFETY: the library passes a NUL-terminated line that lives for the call.
     lines.push(unsafe { std::ffi::CStr::from_ptr(line) }.to_string_lossy().into_owned());
 }
 
@@ -732,7 +705,9 @@ fn sixty_four_streams_of_2048_tokens_share_two_64k_windows_on_cuda() {
     let opts = engine_options { room_bytes: room, max_streams: 64, ..base };
     let e = init(path, &opts);
     assert_eq!(info(&e).streams, 64, "max_streams streams over a pool of two windows");
+    // SAFETY: engine_plan is numbers and enums with a variant at 0: all zeros is a value of it.
     let mut plan_of = unsafe { std::mem::zeroed() };
+    // SAFETY: a live engine and a writable engine_plan.
     assert_eq!(unsafe { ffi::engine_plan_of(e.0, &mut plan_of) }, Status::Ok);
     assert_eq!(plan_of.streams, 2, "the fit counts two full windows");
     let (total, free) = kv_stats(&e);

@@ -4,19 +4,14 @@
 //! to stepping each stream alone, bit for bit. Skips where no CUDA device is present.
 
 mod common;
-use common::{Rng, Scratch, gpu_present, rel_l2, rows_on_card};
+use common::card::{OnBoth, random_tokens};
+use common::{Rng, Scratch, gpu_present, rel_l2};
 
 use hostembed::checkpoint::write::MemSource;
-use hostembed::cpu::CpuModel;
-use hostembed::gpu::GpuModel;
 use hostembed::kv::{KvType, KvTypes};
 use hostembed::model::{Arch, AttentionConfig, ModelConfig, RopeScaling, SlidingWindow};
 use hostembed::sampler::{self, Sampling};
 use hostembed::tensor::DType;
-use hostembed::tuning::Tuning;
-
-/// KV pages the tests' models get: 2,048 positions.
-const POOL_PAGES: usize = 128;
 
 /// Head size 64 (flash attention has a kernel for it), q_dim 256 beside hidden 128, local layers 0 and
 /// 2 over 20 positions, scores scaled by 1/sqrt(80), linear rope scaling on the global layers.
@@ -37,10 +32,6 @@ fn config() -> ModelConfig {
     cfg
 }
 
-fn random_tokens(rng: &mut Rng, vocab: usize, n: usize) -> Vec<u32> {
-    (0..n).map(|_| rng.below(vocab as u64) as u32).collect()
-}
-
 #[test]
 fn gpu_logits_match_cpu_at_every_position() {
     if !gpu_present("gpu_logits_match_cpu_at_every_position") {
@@ -58,27 +49,19 @@ fn gpu_logits_match_cpu_at_every_position() {
     for (name, dtype, kv, bound) in cases {
         let cfg = config();
         let src = MemSource::synthetic(&cfg, rng.next_u64(), dtype);
-        let cpu = CpuModel::new(&src).unwrap().with_kv_types(kv).unwrap();
-        let (_rows_buf, rows) = rows_on_card(&src);
-        let mut gpu = GpuModel::load_with_kv(&src, rows, 32, POOL_PAGES, kv, &Tuning::from_env()).unwrap();
+        let mut b = OnBoth::new(&src, 32, Some(kv), 128);
         // 100 tokens in chunks of 32: windows crossing chunks and the attention's blocks.
         let tokens = random_tokens(&mut rng, cfg.vocab, 100);
-        let window = 128;
-        let mut pool = gpu.page_pool().unwrap();
-        let mut gs = gpu.new_stream(window).unwrap();
-        let mut cs = cpu.new_stream(window);
-        let got = gpu.all_logits(&mut pool, &mut gs, &tokens).unwrap();
-        let want = cpu.forward_all(&mut cs, &tokens).unwrap();
-        let worst = got.iter().zip(&want).map(|(g, w)| rel_l2(g, w)).fold(0f64, f64::max);
+        let (_, worst) = b.all_logits(&tokens);
         println!("gemma3 {name}: worst relative L2 of the logits over {} positions {worst:.2e}", tokens.len());
         assert!(worst < bound, "gemma3 {name}: logits differ from the CPU's by {worst:.3e}");
 
         // Then single tokens (matrix-vector rows, split attention) past the window.
         for step in 0..24 {
             let t = random_tokens(&mut rng, cfg.vocab, 1);
-            gpu.step(&mut pool, &mut gs, &t, &Sampling::GREEDY, 0).unwrap();
-            let want = cpu.forward(&mut cs, &t).unwrap();
-            let err = rel_l2(&gpu.last_logits().unwrap(), &want);
+            b.gpu.step(&mut b.pool, &mut b.gs, &t, &Sampling::GREEDY, 0).unwrap();
+            let want = b.cpu.forward(&mut b.cs, &t).unwrap();
+            let err = rel_l2(&b.gpu.last_logits().unwrap(), &want);
             assert!(err < bound, "gemma3 {name} decode step {step}: {err:.3e}");
         }
     }
@@ -95,18 +78,13 @@ fn greedy_64_tokens_equal_the_cpus() {
     let cfg = config();
     let kv = KvTypes::same(KvType::F32);
     let src = MemSource::synthetic(&cfg, rng.next_u64(), DType::F32);
-    let cpu = CpuModel::new(&src).unwrap().with_kv_types(kv).unwrap();
-    let (_rows_buf, rows) = rows_on_card(&src);
-    let mut gpu = GpuModel::load_with_kv(&src, rows, 16, POOL_PAGES, kv, &Tuning::from_env()).unwrap();
-    let mut pool = gpu.page_pool().unwrap();
-    let window = 128;
-    let (mut gs, mut cs) = (gpu.new_stream(window).unwrap(), cpu.new_stream(window));
+    let mut b = OnBoth::new(&src, 16, Some(kv), 128);
     let prompt = random_tokens(&mut rng, cfg.vocab, 30);
     let (mut g_in, mut c_in) = (prompt.clone(), prompt);
     let (mut g_out, mut c_out) = (Vec::new(), Vec::new());
     for _ in 0..64 {
-        let g = gpu.step(&mut pool, &mut gs, &g_in, &Sampling::GREEDY, 0).unwrap();
-        let c = sampler::argmax(&cpu.forward(&mut cs, &c_in).unwrap());
+        let g = b.gpu.step(&mut b.pool, &mut b.gs, &g_in, &Sampling::GREEDY, 0).unwrap();
+        let c = sampler::argmax(&b.cpu.forward(&mut b.cs, &c_in).unwrap());
         g_out.push(g);
         c_out.push(c);
         (g_in, c_in) = (vec![g], vec![c]);

@@ -1026,31 +1026,38 @@ fn attention_stays_right_at_long_context() {
 }
 
 #[test]
-fn swiglu_and_add_match_cpu() {
-    if !gpu_present("swiglu_and_add_match_cpu") {
+fn glu_and_add_match_cpu() {
+    if !gpu_present("glu_and_add_match_cpu") {
         return;
     }
-    let mut rng = Rng::fresh("swiglu_and_add_match_cpu");
+    let mut rng = Rng::fresh("glu_and_add_match_cpu");
     let len = 14336 * 3 + 7;
     let (g, u) = (rng.vec(len, 6.0), rng.vec(len, 2.0));
-    let mut want = vec![0f32; len];
-    cpu::swiglu(&g, &u, &mut want);
     let (gd, ud) = (DeviceBuffer::from_slice(&g).unwrap(), DeviceBuffer::from_slice(&u).unwrap());
-    let out = poisoned(len * 4);
-    ok(
-        // SAFETY: device buffers of `len` floats each, alive until the synchronous check after the launch.
-        unsafe {
-            kn::hostembed_swiglu(
-                gd.ptr() as *const f32,
-                ud.ptr() as *const f32,
-                out.ptr() as *mut f32,
-                len,
-                NULL_STREAM,
-            )
-        },
-        "hostembed_swiglu",
-    );
-    assert_close("swiglu", &download_f32(&out, len), &want, 1e-6);
+    // GeGLU's bound leaves room for the device's tanhf, a few ulps from the host's.
+    let glus: [(&str, c_int, fn(&[f32], &[f32], &mut [f32]), f64); 2] =
+        [("swiglu", kn::ACT_SILU, cpu::swiglu, 1e-6), ("geglu", kn::ACT_GELU_TANH, cpu::geglu, 1e-5)];
+    for (name, act, cpu_glu, tol) in glus {
+        let mut want = vec![0f32; len];
+        cpu_glu(&g, &u, &mut want);
+        let out = poisoned(len * 4);
+        ok(
+            // SAFETY: device buffers of `len` floats each, alive until the synchronous check after the launch.
+            unsafe {
+                kn::hostembed_glu_to(
+                    gd.ptr() as *const f32,
+                    ud.ptr() as *const f32,
+                    out.ptr(),
+                    DType::F32 as c_int,
+                    act,
+                    len,
+                    NULL_STREAM,
+                )
+            },
+            "hostembed_glu_to",
+        );
+        assert_close(name, &download_f32(&out, len), &want, tol);
+    }
 
     let mut sum = g.clone();
     cpu::add(&mut sum, &u);

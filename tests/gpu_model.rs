@@ -6,6 +6,7 @@
 //! device is present.
 
 mod common;
+use common::card::{OnBoth, POOL_PAGES, random_tokens};
 use common::{decode_configs as configs, rows_on_card};
 use common::{rel_l2, top_two_gap};
 
@@ -25,13 +26,6 @@ use hostembed::{Error, Status};
 
 fn model(cfg: ModelConfig, dtype: DType, seed: u64) -> MemSource {
     MemSource::synthetic(&cfg, seed, dtype)
-}
-
-/// KV pages the tests' models get: 2,048 positions.
-const POOL_PAGES: usize = 128;
-
-fn random_tokens(rng: &mut Rng, vocab: usize, n: usize) -> Vec<u32> {
-    (0..n).map(|_| rng.below(vocab as u64) as u32).collect()
 }
 
 #[test]
@@ -72,12 +66,10 @@ fn gpu_logits_match_cpu_at_every_position() {
             let head = if cfg.tied { names::EMBED } else { names::LM_HEAD };
             assert_eq!(src.tensor(head).unwrap().dtype, dtype, "{name}: the synthetic model is in {}", dtype.name());
         }
-        let cpu = CpuModel::new(&src).unwrap();
-        let (_rows_buf, rows) = rows_on_card(&src);
         let max_batch = 16;
-        let mut gpu = GpuModel::load(&src, rows, max_batch, POOL_PAGES, &Tuning::from_env()).unwrap();
+        let mut b = OnBoth::new(&src, max_batch, None, 64);
         assert_eq!(
-            gpu.allocated_bytes(),
+            b.gpu.allocated_bytes(),
             (
                 GpuModel::weight_bytes(&src),
                 GpuModel::scratch_bytes(
@@ -92,21 +84,15 @@ fn gpu_logits_match_cpu_at_every_position() {
         );
 
         let tokens = random_tokens(&mut rng, cfg.vocab, 40); // chunks of 16, 16 and 8
-        let window = 64;
-        let mut pool = gpu.page_pool().unwrap();
-        let mut gs = gpu.new_stream(window).unwrap();
-        let mut cs = cpu.new_stream(window);
-        let got = gpu.all_logits(&mut pool, &mut gs, &tokens).unwrap();
-        let want = cpu.forward_all(&mut cs, &tokens).unwrap();
-        assert_eq!(gs.len(), tokens.len());
-        let worst = got.iter().zip(&want).map(|(g, w)| rel_l2(g, w)).fold(0f64, f64::max);
+        let (got, worst) = b.all_logits(&tokens);
+        assert_eq!(b.gs.len(), tokens.len());
         println!(
             "{name} {}: worst relative L2 of the logits over {} positions {worst:.2e}",
             dtype.name(),
             tokens.len()
         );
         assert!(worst < 2e-2, "{name} {}: logits differ from the CPU's by {worst:.3e}", dtype.name());
-        assert_eq!(gpu.last_logits().unwrap(), *got.last().unwrap(), "{name}: last_logits after all_logits");
+        assert_eq!(b.gpu.last_logits().unwrap(), *got.last().unwrap(), "{name}: last_logits after all_logits");
     }
 }
 
@@ -118,21 +104,15 @@ fn greedy_decoding_matches_cpu_except_near_ties() {
     let mut rng = Rng::fresh("greedy_decoding_matches_cpu_except_near_ties");
     for (name, cfg) in configs() {
         let src = model(cfg.clone(), DType::Bf16, rng.next_u64());
-        let cpu = CpuModel::new(&src).unwrap();
-        let (_rows_buf, rows) = rows_on_card(&src);
-        let mut gpu = GpuModel::load(&src, rows, 8, POOL_PAGES, &Tuning::from_env()).unwrap();
-        let window = 128;
-        let mut pool = gpu.page_pool().unwrap();
-        let mut gs = gpu.new_stream(window).unwrap();
-        let mut cs = cpu.new_stream(window);
+        let mut b = OnBoth::new(&src, 8, None, 128);
         let prompt = random_tokens(&mut rng, cfg.vocab, 21); // three chunks of 8, 8 and 5
         let (mut input, mut near_ties) = (prompt, 0);
         for step in 0..64 {
-            let got = gpu.step(&mut pool, &mut gs, &input, &Sampling::GREEDY, 0).unwrap();
-            let logits = cpu.forward(&mut cs, &input).unwrap();
+            let got = b.gpu.step(&mut b.pool, &mut b.gs, &input, &Sampling::GREEDY, 0).unwrap();
+            let logits = b.cpu.forward(&mut b.cs, &input).unwrap();
             let want = sampler::argmax(&logits);
             // The GPU's logits at this step: the error they carry bounds the gaps it may misjudge.
-            let gl = gpu.last_logits().unwrap();
+            let gl = b.gpu.last_logits().unwrap();
             let err = gl.iter().zip(&logits).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
             if got != want {
                 let gap = top_two_gap(&logits);
@@ -142,7 +122,7 @@ fn greedy_decoding_matches_cpu_except_near_ties() {
                 );
                 near_ties += 1;
             }
-            assert_eq!(gs.len(), cs.len());
+            assert_eq!(b.gs.len(), b.cs.len());
             input = vec![want]; // both continue from the CPU's choice
         }
         println!("{name}: 64 greedy steps, {near_ties} near-tie differences");

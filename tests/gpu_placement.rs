@@ -72,7 +72,9 @@ fn free_bytes() -> u64 {
 }
 
 unsafe extern "C" fn collect_lines(user: *mut c_void, line: *const c_char) {
+    // SAFETY: the test passes a live Vec<String> as `user`, and nothing else touches it during the call.
     let lines = unsafe { &mut *(user as *mut Vec<String>) };
+    // SAFETY: the library passes a NUL-terminated line that lives for the call.
     lines.push(unsafe { CStr::from_ptr(line) }.to_string_lossy().into_owned());
 }
 
@@ -110,7 +112,9 @@ fn placements(path: &Path, lines: &mut Vec<String>) -> Vec<(engine_placement, en
 }
 
 fn rows_of(e: &Held) -> engine_rows {
+    // SAFETY: engine_rows is pointers, numbers, a bool and enums with a variant at 0: all zeros is a value of it.
     let mut r: engine_rows = unsafe { std::mem::zeroed() };
+    // SAFETY: a live engine and a writable engine_rows.
     assert_eq!(unsafe { ffi::engine_embed_rows(e.0, &mut r) }, Status::Ok);
     r
 }
@@ -136,6 +140,7 @@ fn check_exact(e: &Held, ckpt: &Checkpoint, rng: &mut Rng, count: usize, what: &
     let want: Vec<Vec<f32>> = ids.iter().map(|&id| reference_row(ckpt, id as usize)).collect();
 
     out.fill_bytes(0xff).unwrap();
+    // SAFETY: a live engine, `n` ids and room for n x cols f32 on the device, and the test's live stream.
     let st = unsafe { ffi::engine_embed(e.0, ids_dev.ptr() as *const i32, n, out.ptr(), DType::F32, stream.raw()) };
     assert_eq!(st, Status::Ok, "{what}: {}", last_error());
     let mut got = vec![0f32; n * cols];
@@ -148,6 +153,7 @@ fn check_exact(e: &Held, ckpt: &Checkpoint, rng: &mut Rng, count: usize, what: &
     }
 
     out.fill_bytes(0xff).unwrap();
+    // SAFETY: a live engine, `n` ids and room for n x cols bf16 (half the f32 room) on the device.
     let st =
         unsafe { ffi::engine_embed(e.0, ids_dev.ptr() as *const i32, n, out.ptr(), DType::Bf16, std::ptr::null_mut()) };
     assert_eq!(st, Status::Ok, "{what}: {}", last_error());
@@ -168,6 +174,7 @@ fn check_out_of_range(e: &Held, ckpt: &Checkpoint, what: &str) {
     let ids_dev = DeviceBuffer::from_slice(&ids).unwrap();
     let out = DeviceBuffer::new(ids.len() * cols * 4).unwrap();
     out.fill_bytes(0xff).unwrap();
+    // SAFETY: a live engine, ids.len() ids and room for as many rows of f32 on the device.
     let st = unsafe {
         ffi::engine_embed(e.0, ids_dev.ptr() as *const i32, ids.len(), out.ptr(), DType::F32, std::ptr::null_mut())
     };
@@ -184,6 +191,7 @@ fn check_out_of_range(e: &Held, ckpt: &Checkpoint, what: &str) {
         }
     }
     // The flag is cleared per call: a clean call after a bad one is OK.
+    // SAFETY: a live engine, one id (the second of four) and room for a row of f32 on the device.
     let st = unsafe {
         ffi::engine_embed(
             e.0,
@@ -208,8 +216,11 @@ fn check_rows_report(e: &Held, ckpt: &Checkpoint, placement: engine_placement, w
         "{what}"
     );
     assert!(r.device_usable && !r.data.is_null(), "{what}");
+    // SAFETY: a live engine; the call only reads where its rows are.
     let host_ptr = unsafe { ffi::engine_host_embed_ptr(e.0) };
+    // SAFETY: engine_plan is numbers and enums with a variant at 0: all zeros is a value of it.
     let mut plan: engine_plan = unsafe { std::mem::zeroed() };
+    // SAFETY: a live engine and a writable engine_plan.
     assert_eq!(unsafe { ffi::engine_plan_of(e.0, &mut plan) }, Status::Ok);
     assert_eq!(plan.placement, placement, "{what}: the plan reports where the rows went");
     if placement == engine_placement::Device {
@@ -218,6 +229,7 @@ fn check_rows_report(e: &Held, ckpt: &Checkpoint, placement: engine_placement, w
     } else {
         assert_eq!(host_ptr, r.data, "{what}: engine_host_embed_ptr is the rows' device pointer");
         assert_eq!(plan.embed_host_bytes, t.bytes as u64);
+        // SAFETY: host_data is the engine's host copy of the t.bytes bytes of rows, alive with the engine `e`.
         let host = unsafe { std::slice::from_raw_parts(r.host_data as *const u8, t.bytes) };
         assert!(host == ckpt.bytes_of(t), "{what}: the host copy is the file's bytes");
     }
@@ -298,8 +310,10 @@ fn ds4_embd_mmap_reads_rows_from_the_file_mapping() {
     let ckpt = Checkpoint::open(&path).unwrap();
     let mut lines = Vec::new();
     let opts = options(1 << 50, engine_tristate::Auto, &mut lines);
+    // SAFETY: the test holds serial(), which every test that reads or writes the environment takes.
     unsafe { std::env::set_var(engine::MMAP_ROWS_ENV, "1") };
     let e = init(&path, &opts);
+    // SAFETY: the test holds serial(), which every test that reads or writes the environment takes.
     unsafe { std::env::remove_var(engine::MMAP_ROWS_ENV) };
     check_rows_report(&e, &ckpt, engine_placement::FileMapped, "DS4_EMBD_MMAP=1");
     assert_eq!(lines[1], "embedding rows read from the file mapping: DS4_EMBD_MMAP=1");
@@ -381,7 +395,9 @@ fn predicted_on_card_bytes_match_measured() {
         let base = free_bytes();
         let e = init(&path, &opts);
         let taken = base.saturating_sub(free_bytes());
+        // SAFETY: engine_plan is numbers and enums with a variant at 0: all zeros is a value of it.
         let mut plan: engine_plan = unsafe { std::mem::zeroed() };
+        // SAFETY: a live engine and a writable engine_plan.
         assert_eq!(unsafe { ffi::engine_plan_of(e.0, &mut plan) }, Status::Ok);
         println!("{placement:?}: predicted on card {} MiB, measured {} MiB", plan.on_card_bytes / MIB, taken / MIB);
         assert!(
@@ -405,7 +421,9 @@ fn predicted_on_card_bytes_match_measured() {
         let base = free_bytes();
         let e = init(&q8, &opts);
         let taken = base.saturating_sub(free_bytes());
+        // SAFETY: engine_plan is numbers and enums with a variant at 0: all zeros is a value of it.
         let mut plan: engine_plan = unsafe { std::mem::zeroed() };
+        // SAFETY: a live engine and a writable engine_plan.
         assert_eq!(unsafe { ffi::engine_plan_of(e.0, &mut plan) }, Status::Ok);
         let what = format!("Q8_0 weights, max_batch {max_batch}, cache {kv:?}");
         println!("{what}: predicted on card {} MiB, measured {} MiB", plan.on_card_bytes / MIB, taken / MIB);
@@ -450,6 +468,7 @@ fn room_swept_across_the_boundary_flips_where_the_rule_says() {
         let want = fit::plan(&fit::engine_fit_inputs { room_bytes: room, ..inputs }).unwrap();
         let opts = options(room, engine_tristate::No, &mut lines);
         let mut e = std::ptr::null_mut();
+        // SAFETY: a NUL-terminated path that lives across the call, live options and a writable handle.
         let st = unsafe { ffi::engine_init_fit(c_path(&path).as_ptr(), &opts, &mut e) };
         if want.streams == 0 {
             assert_eq!(st, Status::NoRoom, "room {room}");
@@ -458,7 +477,9 @@ fn room_swept_across_the_boundary_flips_where_the_rule_says() {
         } else {
             assert_eq!(st, Status::Ok, "room {room}: {}", last_error());
             let e = Held(e);
+            // SAFETY: engine_plan is numbers and enums with a variant at 0: all zeros is a value of it.
             let mut got: engine_plan = unsafe { std::mem::zeroed() };
+            // SAFETY: a live engine and a writable engine_plan.
             assert_eq!(unsafe { ffi::engine_plan_of(e.0, &mut got) }, Status::Ok);
             assert_eq!(got, want, "room {room}: the engine's plan is the rule's");
             assert_eq!(rows_of(&e).placement, want.placement, "room {room}");
@@ -510,6 +531,7 @@ fn failed_loads_hold_nothing() {
     for (i, mmap) in (0..100).map(|i| (i, [engine_tristate::No, engine_tristate::Yes][i % 2])) {
         let opts = options(if i % 3 == 0 { 1 << 20 } else { 1 << 50 }, mmap, &mut lines);
         let mut e = std::ptr::null_mut();
+        // SAFETY: a NUL-terminated path that lives across the call, live options and a writable handle.
         let st = unsafe { ffi::engine_init_fit(c_path(&cut).as_ptr(), &opts, &mut e) };
         assert_eq!(st, Status::BadModel, "call {i}: {}", last_error());
         assert!(last_error().contains("cut.gguf"), "{}", last_error());
@@ -561,12 +583,14 @@ fn gather_reads_any_alignment_and_width() {
             bytes.extend(&table);
             std::fs::write(&file, &bytes).unwrap();
             let f = std::fs::File::open(&file).unwrap();
+            // SAFETY: the test's own file, which nothing writes or truncates while it is mapped.
             let map = unsafe { memmap2::Mmap::map(&f) }.unwrap();
             let src = RowsSource { bytes: &map[offset..], dtype, vocab, cols };
             let log = |l: &str| println!("{l}");
             let all: Vec<Rows> = vec![
                 Rows::on_device(&src).unwrap(),
                 Rows::host_mapped(&src).unwrap(),
+                // SAFETY: `map` outlives `all`, declared after it in the same block.
                 unsafe { Rows::file_mapped(&src, &info, &log) }.unwrap(),
             ];
             let ids: Vec<i32> = vec![0, vocab as i32 - 1, 17, 17, 3, vocab as i32, -7];
@@ -577,6 +601,7 @@ fn gather_reads_any_alignment_and_width() {
                     let out = DeviceBuffer::new(ids.len() * cols * size).unwrap();
                     out.fill_bytes(0x5a).unwrap();
                     bad.fill_bytes(0).unwrap();
+                    // SAFETY: ids.len() ids, room for as many rows of `out_dtype` and one flag int, all on the device.
                     unsafe {
                         rows.gather_device(
                             ids_dev.ptr() as *const i32,
@@ -642,12 +667,15 @@ fn an_existing_registration_is_borrowed() {
     let table: Vec<u8> = values.chunks(cols).flat_map(|r| encode_row(DType::Bf16, r)).collect();
     let file = dir.0.join("rows.bin");
     std::fs::write(&file, &table).unwrap();
+    // SAFETY: the test's own file, which nothing writes or truncates while it is mapped.
     let map = unsafe { memmap2::Mmap::map(&std::fs::File::open(&file).unwrap()) }.unwrap();
     let src = RowsSource { bytes: &map[..], dtype: DType::Bf16, vocab, cols };
     let (start, len) = hostmem::page_span(src.bytes);
     // cudaHostRegisterMapped | cudaHostRegisterReadOnly, as a host process would register its mapping.
+    // SAFETY: page_span gives a page-aligned range of `map`, which stays mapped until after `theirs` is dropped.
     let theirs = unsafe { HostRegistration::new(start, len, 0x02 | 0x08) }.unwrap();
     let registered = stats().registered_bytes;
+    // SAFETY: `map` outlives `rows`, dropped before the end of the test.
     let rows = unsafe { Rows::file_mapped(&src, &info, &|l| println!("{l}")) }.unwrap();
     assert_eq!(rows.placement(), engine_placement::FileMapped);
     assert_eq!(rows.registration_owned(), Some(false), "error 712 borrows the registration");
@@ -655,6 +683,7 @@ fn an_existing_registration_is_borrowed() {
     let ids = [0i32, 299, 150];
     let ids_dev = DeviceBuffer::from_slice(&ids).unwrap();
     let out = DeviceBuffer::new(ids.len() * cols * 4).unwrap();
+    // SAFETY: 3 ids and room for 3 rows of f32 on the device; no flag (NULL), all ids being in range.
     unsafe {
         rows.gather_device(
             ids_dev.ptr() as *const i32,

@@ -348,30 +348,35 @@ fn half_writers_round_once() {
 
         let len = 4099;
         let (gate, up) = (rng.vec(len, 3.0), rng.vec(len, 2.0));
-        let mut want = vec![0f32; len];
-        cpu::swiglu(&gate, &up, &mut want);
-        let (gb, ub, ob) =
-            (DeviceBuffer::from_slice(&gate).unwrap(), DeviceBuffer::from_slice(&up).unwrap(), poisoned(len * 2));
-        ok(
-            // SAFETY: device buffers of `len` values each (`ob` in the half format), alive until the check after the
-            // launch.
-            unsafe {
-                kn::hostembed_swiglu_to(
-                    gb.ptr() as *const f32,
-                    ub.ptr() as *const f32,
-                    ob.ptr(),
-                    out as c_int,
-                    len,
-                    NULL_STREAM,
-                )
-            },
-            "hostembed_swiglu_to",
-        );
-        let got = halves_to_f32(out, &download::<u16>(&ob, len));
-        finite("swiglu_to", &got);
-        let err = rel_l2(&got, &want);
-        println!("swiglu_to {}: relative L2 {err:.2e}", out.name());
-        assert!(err < bound, "swiglu_to {}: {err:.3e}", out.name());
+        let (gb, ub) = (DeviceBuffer::from_slice(&gate).unwrap(), DeviceBuffer::from_slice(&up).unwrap());
+        let glus: [(&str, c_int, fn(&[f32], &[f32], &mut [f32])); 2] =
+            [("swiglu", kn::ACT_SILU, cpu::swiglu), ("geglu", kn::ACT_GELU_TANH, cpu::geglu)];
+        for (name, act, cpu_glu) in glus {
+            let mut want = vec![0f32; len];
+            cpu_glu(&gate, &up, &mut want);
+            let ob = poisoned(len * 2);
+            ok(
+                // SAFETY: device buffers of `len` values each (`ob` in the half format), alive until the check after
+                // the launch.
+                unsafe {
+                    kn::hostembed_glu_to(
+                        gb.ptr() as *const f32,
+                        ub.ptr() as *const f32,
+                        ob.ptr(),
+                        out as c_int,
+                        act,
+                        len,
+                        NULL_STREAM,
+                    )
+                },
+                "hostembed_glu_to",
+            );
+            let got = halves_to_f32(out, &download::<u16>(&ob, len));
+            finite(name, &got);
+            let err = rel_l2(&got, &want);
+            println!("{name} to {}: relative L2 {err:.2e}", out.name());
+            assert!(err < bound, "{name} to {}: {err:.3e}", out.name());
+        }
 
         let ob = poisoned(len * 2);
         ok(

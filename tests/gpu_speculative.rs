@@ -7,7 +7,7 @@
 
 mod common;
 use common::shared::{self, no_cache};
-use common::spec::lookup;
+use common::spec::{lookup, shaped};
 use common::{Held, Rng, Scratch, cpu_options, gpu_present, init, model_file, reset, serial};
 
 use hostembed::Status;
@@ -20,17 +20,9 @@ use hostembed::tensor::DType;
 
 const PAGE: usize = hostembed::gpu::PAGE_TOKENS;
 
+/// The CPU tests' tiny models on a shape the card's kernels take: hidden 128, vocabulary 512.
 fn config(arch: Arch) -> ModelConfig {
-    ModelConfig {
-        arch,
-        rope_theta: 10000.0,
-        max_position: 512,
-        tied: arch == Arch::Qwen2,
-        qkv_bias: arch == Arch::Qwen2,
-        bos: Some(1),
-        eos: Some(2),
-        ..ModelConfig::llama(128, 2, 4, 2, 256, 512)
-    }
+    shaped(arch, ModelConfig::llama(128, 2, 4, 2, 256, 512))
 }
 
 fn cuda(window: u32, streams: u32) -> engine_options {

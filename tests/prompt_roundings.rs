@@ -7,7 +7,7 @@
 //! - the normed inputs of the q/k/v and of the gate/up products (`hostembed_rmsnorm_to`; k and v are
 //!   refined from the residue it writes, so their input is f32 to ~2^-16),
 //! - the attention output entering the o product (flash attention writes a half format),
-//! - the SwiGLU entering the down product (`hostembed_swiglu_to`),
+//! - the SwiGLU entering the down product (`hostembed_glu_to`),
 //! - the KV cache (the GPU pool is bf16, the CPU's f32),
 //! - flash attention's Q (q * scale * log2 e) and probabilities P before P V (its row sums keep the f32
 //!   values).

@@ -49,6 +49,7 @@ fn cpu_options() -> engine_options {
 
 fn embed(e: &Held, ids: &[i32], cols: usize) -> (Status, Vec<f32>) {
     let mut out = vec![7f32; ids.len() * cols];
+    // SAFETY: a live engine, ids.len() ids, and room for ids.len() x cols floats at `out` on the host (NULL stream).
     let st = unsafe {
         ffi::engine_embed(
             e.0,
@@ -143,6 +144,7 @@ fn non_finite_scales_are_refused_at_load() {
             let opts = engine_options { backend, ..cpu_options() };
             let mut e = std::ptr::null_mut();
             let c = std::ffi::CString::new(path.to_str().unwrap()).unwrap();
+            // SAFETY: a NUL-terminated path, live options and a writable handle (left NULL on failure).
             let st = unsafe { ffi::engine_init_fit(c.as_ptr(), &opts, &mut e) };
             assert_eq!(st, Status::BadModel, "{tensor} {value:#06x}: {}", last_error());
             assert!(e.is_null());

@@ -55,8 +55,10 @@ fn cpu_options() -> engine_options {
 /// engine_init_fit's status (the engine freed at once when it loaded).
 fn try_init(path: &Path, opts: &engine_options) -> Status {
     let mut e = std::ptr::null_mut();
+    // SAFETY: a NUL-terminated path that lives across the call, live options and a writable handle.
     let st = unsafe { ffi::engine_init_fit(c_path(path).as_ptr(), opts, &mut e) };
     assert_eq!(st == Status::Ok, !e.is_null(), "an engine exactly when the status is OK");
+    // SAFETY: the engine from engine_init_fit, or NULL, which engine_free accepts; no other call on it.
     unsafe { ffi::engine_free(e) };
     st
 }
@@ -100,6 +102,7 @@ fn huge_windows_and_stream_counts(dir: &Scratch) {
     let kv = fit::cpu_kv_bytes(c.layers as u64, c.max_position as u64, c.kv_heads as u64, c.head_dim as u64, f32_kv)
         .unwrap();
     let (mut pool, mut free) = (0u64, 0u64);
+    // SAFETY: a live engine and two writable counters.
     assert_eq!(unsafe { ffi::engine_kv_stats(e.0, &mut pool, &mut free) }, Status::Ok);
     let windows = pool / c.max_position as u64;
     assert!(windows > engine::CPU_STREAMS as u64 && windows * kv <= room, "{windows} windows of {kv} bytes in {room}");
@@ -167,6 +170,7 @@ fn broken_tokenizers(dir: &Scratch) {
 
 /// Reproducer 4: any integer names a status or "unknown status".
 fn status_strings() {
+    // SAFETY: engine_status_str gives a static NUL-terminated string for any integer.
     let name = |s: u32| unsafe { CStr::from_ptr(ffi::engine_status_str(s)) }.to_str().unwrap().to_string();
     let known: Vec<String> = (0..=10).map(name).collect();
     assert!(known.iter().all(|n| !n.is_empty() && n != "unknown status"), "{known:?}");
@@ -222,10 +226,13 @@ fn step_checks_n_first(dir: &Scratch) {
     let ids = [3i32, 4];
     let mut next = -7;
     // Only two ids are there: reading `n` of them would run far past the buffer.
+    // SAFETY: a live engine; the length is refused against the window before any id past the two is read.
     let st = unsafe { ffi::engine_step(e.0, 0, ids.as_ptr(), usize::MAX / 8, &mut next) };
     expect("n past the window", st, Status::NoRoom);
+    // SAFETY: a live engine; 17 tokens are refused against the window before any id past the two is read.
     let st = unsafe { ffi::engine_step(e.0, 0, ids.as_ptr(), 17, &mut next) };
     expect("n one past the window", st, Status::NoRoom);
+    // SAFETY: a live engine; the NULL tokens are refused before anything is read.
     let st = unsafe { ffi::engine_step(e.0, 0, std::ptr::null(), 1 << 40, &mut next) };
     expect("NULL tokens", st, Status::InvalidArgument);
     assert_eq!(next, -7, "a refused step wrote next");
@@ -329,6 +336,7 @@ fn eight_threads_on_one_engine_match_the_serial_run() {
                     for (i, want) in want.iter().enumerate() {
                         let input = if i == 0 { prompt.clone() } else { vec![*tokens.last().unwrap()] };
                         tokens.push(step(&e, s, &input));
+                        // SAFETY: a live engine and a buffer of out.len() floats to write.
                         let st = unsafe { ffi::engine_logits(e.0, s, out.as_mut_ptr(), out.len()) };
                         // Another stream may have stepped in between; a copy given must be this stream's.
                         if st == Status::Ok {

@@ -78,7 +78,9 @@ fn smollm2_q4_1_continues_the_prompt_with_paris() {
     let i = info(&e);
     assert_eq!((i.vocab, i.layers, i.hidden, i.heads, i.kv_heads, i.head_dim), (49152, 30, 576, 9, 3, 64));
 
+    // SAFETY: engine_rows is pointers, numbers, a bool and enums with a variant at 0: all zeros is a value of it.
     let mut rows: hostembed::abi::engine_rows = unsafe { std::mem::zeroed() };
+    // SAFETY: a live engine and a writable engine_rows.
     assert_eq!(unsafe { ffi::engine_embed_rows(e.0, &mut rows) }, Status::Ok, "{}", last_error());
     assert_eq!((rows.dtype, rows.rows, rows.cols), (DType::Q8_0, 49152, 576));
     assert_eq!(rows.row_bytes, 576 / 32 * 34);

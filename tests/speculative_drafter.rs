@@ -10,9 +10,8 @@
 
 mod common;
 use common::shared::{self, fork, no_cache};
-use common::spec::{
-    Item, RandomStreams, batch, drafted, generate, lookup, repeating_prompt, set_speculation, spec_stats, tiny,
-};
+use common::spec::{Item, RandomStreams, batch, drafted, generate, lookup, repeating_prompt, set_speculation};
+use common::spec::{spec_stats, speculated_as_plain, tiny};
 use common::{
     Held, Rng, Scratch, c_path, cpu_options, init, model_file, reset, serial, set_sampling, stream_len, truncate,
 };
@@ -48,12 +47,9 @@ fn identical_with_drafter(
     let (mut proposed, mut accepted) = (0, 0);
     for (p, prompt) in prompts.iter().enumerate() {
         let max = 1 + rng.below(8) as u32;
-        assert_eq!(set_speculation(spec, 0, &drafted(max)), Status::Ok, "{}", last_error());
-        let want = generate(plain, 0, prompt, n, 0);
-        let got = generate(spec, 0, prompt, n, max as usize + 1 + p % 2);
-        assert_eq!(got[..n], want[..n], "{what}: prompt {p} with max_tokens {max}");
-        let (pr, ac) = spec_stats(spec, 0);
-        assert!(ac <= pr, "{what}: accepted {ac} of {pr}");
+        let case = format!("{what}: prompt {p} with max_tokens {max}");
+        let cap = max as usize + 1 + p % 2;
+        let (_, (pr, ac)) = speculated_as_plain(spec, plain, &drafted(max), prompt, n, cap, &case);
         (proposed, accepted) = (proposed + pr, accepted + ac);
         reset(spec, 0);
         reset(plain, 0);
@@ -115,12 +111,9 @@ fn sampled_output_with_a_drafter_is_the_plain_output() {
         set_sampling(&spec, 0, &s);
         set_sampling(&plain, 0, &s);
         let max = 1 + rng.below(8) as u32;
-        assert_eq!(set_speculation(&spec, 0, &drafted(max)), Status::Ok, "{}", last_error());
         let prompt = repeating_prompt(&mut rng, cfg.vocab);
-        let want = generate(&plain, 0, &prompt, 96, 0);
-        let got = generate(&spec, 0, &prompt, 96, max as usize + 1);
-        assert_eq!(got[..96], want[..96], "prompt {p}, {s:?}");
-        let (pr, ac) = spec_stats(&spec, 0);
+        let what = format!("prompt {p}, {s:?}");
+        let (_, (pr, ac)) = speculated_as_plain(&spec, &plain, &drafted(max), &prompt, 96, max as usize + 1, &what);
         (proposed, accepted) = (proposed + pr, accepted + ac);
         reset(&spec, 0);
         reset(&plain, 0);
@@ -212,6 +205,7 @@ fn a_drafter_of_another_vocabulary_is_refused() {
         let d = c_path(drafter);
         let opts = with_drafter(cpu_options(64, 1), &d);
         let mut h = std::ptr::null_mut();
+        // SAFETY: a NUL-terminated path that lives across the call, live options and a writable handle.
         let st = unsafe { ffi::engine_init_fit(c_path(&target).as_ptr(), &opts, &mut h) };
         assert!(h.is_null());
         (st, last_error())

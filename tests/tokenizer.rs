@@ -385,6 +385,7 @@ impl CpuEngine {
         opts.backend = engine_backend::Cpu;
         let path = CString::new(model.to_str().unwrap()).unwrap();
         let mut e = std::ptr::null_mut();
+        // SAFETY: a NUL-terminated path, live options and a writable handle.
         let s = unsafe { engine_init_fit(path.as_ptr(), &opts, &mut e) };
         assert_eq!(s, Status::Ok, "{}: {}", model.display(), hostembed::status::last_error());
         CpuEngine(e)
@@ -394,17 +395,20 @@ impl CpuEngine {
         let mut ids = vec![-7i32; cap];
         let mut n = usize::MAX;
         let ptr = if cap == 0 { std::ptr::null_mut() } else { ids.as_mut_ptr() };
+        // SAFETY: a live engine, text.len() bytes of text, room for `cap` ids at `ptr` (NULL when 0), a writable count.
         let s =
             unsafe { engine_tokenize(self.0, text.as_ptr() as *const c_char, text.len(), add_bos, ptr, cap, &mut n) };
         (s, ids, n)
     }
 
     fn piece(&self, id: i32) -> Result<Vec<u8>, i32> {
+        // SAFETY: a live engine; a NULL buffer of length 0 is never written.
         let need = unsafe { engine_token_piece(self.0, id, std::ptr::null_mut(), 0) };
         if need < 0 {
             return Err(need);
         }
         let mut buf = vec![0x55 as c_char; need as usize + 1];
+        // SAFETY: a live engine and a buffer of buf.len() chars to write.
         let again = unsafe { engine_token_piece(self.0, id, buf.as_mut_ptr(), buf.len()) };
         assert_eq!(again, need, "piece of {id}");
         assert_eq!(buf[need as usize], 0, "piece of {id} is NUL-terminated");
@@ -414,6 +418,7 @@ impl CpuEngine {
 
 impl Drop for CpuEngine {
     fn drop(&mut self) {
+        // SAFETY: the engine this CpuEngine alone holds, loaded in `open`; nothing uses it after the drop.
         unsafe { engine_free(self.0) };
     }
 }
@@ -458,6 +463,7 @@ fn c_abi_tokenizes_and_returns_pieces() {
         assert_eq!(e.piece(nul).unwrap(), vec![0u8]);
         // Truncation follows snprintf: the length needed comes back, len - 1 bytes and a NUL are written.
         let mut small = [0x55 as c_char; 4];
+        // SAFETY: a live engine and a buffer of small.len() chars to write.
         let eos_len = unsafe { engine_token_piece(e.0, 1, small.as_mut_ptr(), small.len()) };
         assert_eq!(eos_len, "<|eos|>".len() as i32);
         assert_eq!(small.map(|c| c as u8), *b"<|e\0");
@@ -491,15 +497,19 @@ fn c_abi_without_a_tokenizer_refuses_text_only() {
     // NULLs: the engine, n_out, text with a length, ids with a capacity.
     let mut n = 0usize;
     let mut ids = [0i32; 4];
+    // SAFETY: a NULL engine is refused before the one byte of text or the ids are touched.
     let null_engine =
         unsafe { engine_tokenize(std::ptr::null(), c"x".as_ptr(), 1, ENGINE_BOS_NO, ids.as_mut_ptr(), 4, &mut n) };
     assert_eq!(null_engine, Status::InvalidArgument);
+    // SAFETY: a live engine, one byte of text and room for 4 ids; the NULL count is refused before any write.
     let null_n =
         unsafe { engine_tokenize(e.0, c"x".as_ptr(), 1, ENGINE_BOS_NO, ids.as_mut_ptr(), 4, std::ptr::null_mut()) };
     assert_eq!(null_n, Status::InvalidArgument);
+    // SAFETY: a live engine; the NULL text is refused before it is read.
     let null_text = unsafe { engine_tokenize(e.0, std::ptr::null(), 3, ENGINE_BOS_NO, ids.as_mut_ptr(), 4, &mut n) };
     assert_eq!(null_text, Status::InvalidArgument);
     assert_eq!(
+        // SAFETY: a NULL engine is refused; a NULL buffer of length 0 is never written.
         unsafe { engine_token_piece(std::ptr::null(), 3, std::ptr::null_mut(), 0) },
         -(Status::InvalidArgument as i32)
     );
@@ -652,21 +662,26 @@ fn malformed_sentencepiece_vocabularies_are_bad_models() {
 // BOS, EOS and end of generation through the C ABI
 
 fn model_info(e: &CpuEngine) -> engine_model_info {
+    // SAFETY: engine_model_info is numbers, bools and enums with a variant at 0: all zeros is a value of it.
     let mut info: engine_model_info = unsafe { std::mem::zeroed() };
+    // SAFETY: a live engine and a writable engine_model_info.
     assert_eq!(unsafe { hostembed::ffi::engine_model_info(e.0, &mut info) }, Status::Ok);
     info
 }
 
 fn eog_ids(e: &CpuEngine) -> Vec<i32> {
     let mut n = usize::MAX;
+    // SAFETY: a live engine, a NULL buffer of length 0 (never written) and a writable count.
     assert_eq!(unsafe { engine_eog_ids(e.0, std::ptr::null_mut(), 0, &mut n) }, Status::Ok);
     let mut out = vec![-9i32; n + 2];
     let mut again = 0usize;
     if n > 0 {
+        // SAFETY: a live engine and room for n + 2 ids; a capacity of n - 1 is refused before any is written.
         assert_eq!(unsafe { engine_eog_ids(e.0, out.as_mut_ptr(), n - 1, &mut again) }, Status::OutOfRange);
         assert_eq!(again, n);
         assert!(out.iter().all(|&i| i == -9), "a refused call wrote ids");
     }
+    // SAFETY: a live engine, room for out.len() ids and a writable count.
     assert_eq!(unsafe { engine_eog_ids(e.0, out.as_mut_ptr(), out.len(), &mut again) }, Status::Ok);
     assert_eq!(again, n);
     assert_eq!(&out[n..], &[-9, -9]);
@@ -718,10 +733,14 @@ fn gguf_keys_decide_bos_eos_and_end_of_generation() {
     want.sort_unstable();
     assert_eq!(eog_ids(&e), want);
     for i in 0..v.tokens.len() as i32 + 6 {
+        // SAFETY: a live engine.
         assert_eq!(unsafe { engine_is_eog(e.0, i) }, want.contains(&i), "id {i}");
     }
+    // SAFETY: a live engine.
     assert!(!unsafe { engine_is_eog(e.0, -1) });
+    // SAFETY: a live engine.
     assert!(!unsafe { engine_is_eog(e.0, i32::MAX) });
+    // SAFETY: a NULL engine is refused (false).
     assert!(!unsafe { engine_is_eog(std::ptr::null(), 1) });
     drop(e);
 
@@ -803,6 +822,7 @@ fn hf_configs_decide_bos_eos_and_end_of_generation() {
     let mut opts = default_options();
     opts.backend = engine_backend::Cpu;
     let mut e = std::ptr::null_mut();
+    // SAFETY: a NUL-terminated path, live options and a writable handle (left NULL on failure).
     assert_eq!(unsafe { engine_init_fit(path.as_ptr(), &opts, &mut e) }, Status::BadModel);
     assert!(e.is_null());
     assert!(hostembed::status::last_error().contains("tokenizer_config.json"), "{}", hostembed::status::last_error());
@@ -894,16 +914,19 @@ fn chat_template_functions() {
 fn chat_through_c(e: &CpuEngine, messages: &[(&CString, &CString)], generation: bool) -> Result<String, i32> {
     let raw: Vec<engine_chat_message> =
         messages.iter().map(|(r, c)| engine_chat_message { role: r.as_ptr(), content: c.as_ptr() }).collect();
+    // SAFETY: a live engine and raw.len() messages of live NUL-terminated strings; a NULL buffer of 0 is never written.
     let need = unsafe { engine_chat_template(e.0, raw.as_ptr(), raw.len(), generation, std::ptr::null_mut(), 0) };
     if need < 0 {
         return Err(need);
     }
     // Too small a buffer: truncated like snprintf, the full length still returned.
     let mut small = vec![0x55 as c_char; 5];
+    // SAFETY: a live engine, raw.len() messages of live NUL-terminated strings, and 5 chars to write.
     let again = unsafe { engine_chat_template(e.0, raw.as_ptr(), raw.len(), generation, small.as_mut_ptr(), 5) };
     assert_eq!(again, need);
     assert_eq!(small[4], 0);
     let mut buf = vec![0x55 as c_char; need as usize + 1];
+    // SAFETY: a live engine, raw.len() messages of live NUL-terminated strings, and buf.len() chars to write.
     let again = unsafe { engine_chat_template(e.0, raw.as_ptr(), raw.len(), generation, buf.as_mut_ptr(), buf.len()) };
     assert_eq!(again, need);
     assert_eq!(buf[need as usize], 0);
@@ -936,15 +959,19 @@ fn c_abi_renders_the_models_chat_template() {
     assert!(text.ends_with("<|start_header_id|>assistant<|end_header_id|>\n\n"), "{text}");
     // NULLs and bad text are refused by name.
     let bad = engine_chat_message { role: std::ptr::null(), content: hello.as_ptr() };
+    // SAFETY: a live engine; the NULL role is refused before anything is written.
     let s = unsafe { engine_chat_template(e.0, &bad, 1, true, std::ptr::null_mut(), 0) };
     assert_eq!(s, -(Status::InvalidArgument as i32));
     assert!(hostembed::status::last_error().contains("messages[0].role"), "{}", hostembed::status::last_error());
+    // SAFETY: a live engine; NULL messages with a count of 2 are refused before anything is read.
     let s = unsafe { engine_chat_template(e.0, std::ptr::null(), 2, true, std::ptr::null_mut(), 0) };
     assert_eq!(s, -(Status::InvalidArgument as i32));
+    // SAFETY: a NULL engine is refused before anything is read.
     let s = unsafe { engine_chat_template(std::ptr::null(), std::ptr::null(), 0, true, std::ptr::null_mut(), 0) };
     assert_eq!(s, -(Status::InvalidArgument as i32));
     let latin1 = [0xe9u8, 0];
     let bad = engine_chat_message { role: user.as_ptr(), content: latin1.as_ptr() as *const c_char };
+    // SAFETY: a live engine and one message of NUL-terminated strings (not UTF-8, which is refused).
     let s = unsafe { engine_chat_template(e.0, &bad, 1, true, std::ptr::null_mut(), 0) };
     assert_eq!(s, -(Status::InvalidArgument as i32));
     drop(e);
@@ -976,6 +1003,7 @@ fn c_abi_renders_the_models_chat_template() {
 unsafe extern "C" fn collect_line(user: *mut std::os::raw::c_void, line: *const c_char) {
     // SAFETY: the test passes a live Vec<String> as `user`, and the library a NUL-terminated line.
     let lines = unsafe { &mut *(user as *mut Vec<String>) };
+    // SAFETY: the library passes a NUL-terminated line that lives for the call.
     lines.push(unsafe { std::ffi::CStr::from_ptr(line) }.to_string_lossy().into_owned());
 }
 
@@ -994,6 +1022,7 @@ fn unknown_pre_tokenizer_is_logged_once_at_load() {
     let c_path = CString::new(path.to_str().unwrap()).unwrap();
     let mut e = std::ptr::null_mut();
     assert_eq!(
+        // SAFETY: a NUL-terminated path, live options and a writable handle.
         unsafe { engine_init_fit(c_path.as_ptr(), &opts, &mut e) },
         Status::Ok,
         "{}",

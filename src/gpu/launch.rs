@@ -20,6 +20,7 @@ use crate::cuda;
 use crate::cudart::cudaStream_t;
 use crate::kernels::{self as kn, hostembed_tuning};
 use crate::kv::KvTypes;
+use crate::model::Activation;
 use crate::sampler::Sampling;
 use crate::status::Result;
 use crate::tensor::DType;
@@ -133,12 +134,6 @@ pub(super) fn decode_swiglu(
         kn::hostembed_mmv_swiglu(gate.ptr, up.ptr, dtype, rows, cols, x, n, y, partial, counters, tuning, s)
     };
     cuda::check(code, "hostembed_mmv_swiglu")
-}
-
-/// out = silu(gate) * up over `len` values.
-pub(super) fn swiglu(gate: *const f32, up: *const f32, out: *mut f32, len: usize, s: cudaStream_t) -> Result<()> {
-    // SAFETY: device pointers to `len` floats each (see the module's note).
-    cuda::check(unsafe { kn::hostembed_swiglu(gate, up, out, len, s) }, "hostembed_swiglu")
 }
 
 /// RMSNorm of `rows` rows of `cols` values.
@@ -466,8 +461,9 @@ pub(super) fn rmsnorm_to(
     cuda::check(code, "hostembed_rmsnorm_to")
 }
 
-/// out = silu(gate) * up over `len` values, written in `dtype`.
-pub(super) fn swiglu_to(
+/// out = act(gate) * up over `len` values, written in `dtype` (F32 or a half format).
+pub(super) fn glu_to(
+    act: Activation,
     gate: *const f32,
     up: *const f32,
     out: *mut c_void,
@@ -475,21 +471,12 @@ pub(super) fn swiglu_to(
     len: usize,
     s: cudaStream_t,
 ) -> Result<()> {
+    let act = match act {
+        Activation::Silu => kn::ACT_SILU,
+        Activation::GeluTanh => kn::ACT_GELU_TANH,
+    };
     // SAFETY: device pointers to `len` values each (see the module's note).
-    cuda::check(unsafe { kn::hostembed_swiglu_to(gate, up, out, dtype as c_int, len, s) }, "hostembed_swiglu_to")
-}
-
-/// out = gelu_tanh(gate) * up over `len` values, written in `dtype` (F32 or a half format).
-pub(super) fn geglu_to(
-    gate: *const f32,
-    up: *const f32,
-    out: *mut c_void,
-    dtype: DType,
-    len: usize,
-    s: cudaStream_t,
-) -> Result<()> {
-    // SAFETY: device pointers to `len` values each (see the module's note).
-    cuda::check(unsafe { kn::hostembed_geglu_to(gate, up, out, dtype as c_int, len, s) }, "hostembed_geglu_to")
+    cuda::check(unsafe { kn::hostembed_glu_to(gate, up, out, dtype as c_int, act, len, s) }, "hostembed_glu_to")
 }
 
 /// x *= factor over `len` floats.

@@ -326,12 +326,7 @@ impl Ops for PassOps<'_> {
             } else {
                 launch::decode_product(gate, xn, m, none, none, self.gate, inter, tensor, s)?;
                 launch::decode_product(up, xn, m, none, none, self.up, inter, tensor, s)?;
-                match act {
-                    Activation::Silu => launch::swiglu(self.gate, self.up, self.gate, m * inter, s)?,
-                    Activation::GeluTanh => {
-                        launch::geglu_to(self.gate, self.up, self.gate.cast(), DType::F32, m * inter, s)?
-                    }
-                }
+                launch::glu_to(act, self.gate, self.up, self.gate.cast(), DType::F32, m * inter, s)?;
             }
             launch::decode_product(down, self.gate, m, none, residual, y, hidden, tensor, s)?;
         }
@@ -343,10 +338,7 @@ impl Ops for PassOps<'_> {
             }
             // The normed input is read by now: the activation's output takes its place.
             let (g, u) = (row(self.gate, m, inter), row(self.up, m, inter));
-            match act {
-                Activation::Silu => launch::swiglu_to(g, u, self.act, self.half, tc * inter, s)?,
-                Activation::GeluTanh => launch::geglu_to(g, u, self.act, self.half, tc * inter, s)?,
-            }
+            launch::glu_to(act, g, u, self.act, self.half, tc * inter, s)?;
             for &(r0, rows) in &self.groups {
                 let res = if residual.is_null() { none } else { row(x, r0, hidden) };
                 let yr = row(y, r0, hidden);

@@ -3,6 +3,7 @@
 //! each stream alone.
 #![allow(dead_code)]
 
+pub mod card;
 pub mod shared;
 pub mod spec;
 
@@ -320,6 +321,44 @@ pub fn top_two_gap(l: &[f32]) -> f32 {
     let mut v = l.to_vec();
     v.sort_by(|a, b| b.total_cmp(a));
     v[0] - v[1]
+}
+
+/// Both engines step `prompt`, then the same tokens (the reference's greedy choice); logits compared at every
+/// step, and a differing choice allowed only where the reference's own gap is within twice the measured
+/// error. Returns the worst relative L2 and the differing steps (step, gap between the choices, top-two
+/// gap, error).
+pub fn compare_greedy(
+    what: &str,
+    test: &Held,
+    reference: &Held,
+    prompt: &[i32],
+    steps: usize,
+) -> (f64, Vec<(usize, f32, f32, f32)>) {
+    let (mut got, mut want) = (step(test, 0, prompt), step(reference, 0, prompt));
+    let (mut worst, mut differ) = (0f64, Vec::new());
+    for i in 0..=steps {
+        let (lt, lr) = (logits(test, 0), logits(reference, 0));
+        let rel = rel_l2(&lt, &lr);
+        worst = worst.max(rel);
+        assert!(rel < 2e-2, "{what} step {i}: relative L2 {rel:.3e} of the logits");
+        if got != want {
+            let err = max_abs_diff(&lt, &lr);
+            let gap = lr[want as usize] - lr[got as usize];
+            assert!(gap <= 2.0 * err, "{what} step {i}: chose {got} over {want}, gap {gap} > 2 x error {err}");
+            differ.push((i, gap, top_two_gap(&lr), err));
+        }
+        if i < steps {
+            let input = [want];
+            (got, want) = (step(test, 0, &input), step(reference, 0, &input));
+        }
+    }
+    println!(
+        "{what}: {} greedy tokens, worst relative L2 {worst:.2e}, {} near-tie differences (step, gap, top-two gap, \
+         max error): {differ:?}",
+        steps + 1,
+        differ.len()
+    );
+    (worst, differ)
 }
 
 /// Bit patterns, for comparing floats exactly.

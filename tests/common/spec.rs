@@ -8,7 +8,9 @@ use hostembed::ffi;
 use hostembed::model::{Arch, ModelConfig};
 use hostembed::status::last_error;
 
-pub fn tiny(arch: Arch) -> ModelConfig {
+/// The speculative tests' model of `arch` (Llama, or Qwen2 with its tied head and q/k/v biases) on
+/// `base`'s shape.
+pub fn shaped(arch: Arch, base: ModelConfig) -> ModelConfig {
     ModelConfig {
         arch,
         rope_theta: 10000.0,
@@ -17,8 +19,13 @@ pub fn tiny(arch: Arch) -> ModelConfig {
         qkv_bias: arch == Arch::Qwen2,
         bos: Some(1),
         eos: Some(2),
-        ..ModelConfig::llama(64, 2, 4, 2, 96, 64)
+        ..base
     }
+}
+
+/// `shaped` small enough for the CPU tests: hidden 64, 2 layers, vocabulary 64.
+pub fn tiny(arch: Arch) -> ModelConfig {
+    shaped(arch, ModelConfig::llama(64, 2, 4, 2, 96, 64))
 }
 
 pub fn lookup(max_tokens: u32) -> engine_speculation {
@@ -106,6 +113,28 @@ pub fn generate(e: &Held, stream: u32, prompt: &[i32], n: usize, cap: usize) -> 
         input = vec![*next];
     }
     got
+}
+
+/// Generates `n` tokens after `prompt` on stream 0 of `plain`, and of `spec` speculating as `speculation`
+/// says with `cap` the out room of each step; asserts they are the same tokens and returns what `spec`
+/// generated (at least `n` tokens; its stream holds all but the last) and the stream's (proposed,
+/// accepted). Both streams are left as they are.
+pub fn speculated_as_plain(
+    spec: &Held,
+    plain: &Held,
+    speculation: &engine_speculation,
+    prompt: &[i32],
+    n: usize,
+    cap: usize,
+    what: &str,
+) -> (Vec<i32>, (u64, u64)) {
+    assert_eq!(set_speculation(spec, 0, speculation), Status::Ok, "{what}: {}", last_error());
+    let want = generate(plain, 0, prompt, n, 0);
+    let got = generate(spec, 0, prompt, n, cap);
+    assert_eq!(got[..n], want[..n], "{what}");
+    let (proposed, accepted) = spec_stats(spec, 0);
+    assert!(accepted <= proposed, "{what}: accepted {accepted} of {proposed}");
+    (got, (proposed, accepted))
 }
 
 /// A prompt that repeats itself, with changes: what prompt lookup pays off on.
