@@ -579,6 +579,16 @@ enum engine_status engine_speculation_stats(const struct engine *e,
                                             uint64_t *proposed,
                                             uint64_t *accepted);
 
+// Of the tokens stream `stream` was given by steps and `engine_score` since it was last reset
+// (`engine_reset`, or `engine_fork` onto it): those whose positions the prefix cache gave (whole KV pages
+// a step had computed before, `engine_options.prefix_cache`) into `*cached`, and those computed into
+// `*computed` (either pointer may be NULL). Proposals of speculative decoding are not counted
+// (`engine_speculation_stats` counts them). OUT_OF_RANGE for a stream the engine does not have.
+enum engine_status engine_prefix_stats(const struct engine *e,
+                                       uint32_t stream,
+                                       uint64_t *cached,
+                                       uint64_t *computed);
+
 // Greedy sampling with no cut and no penalty (temperature 0, top_k 0, top_p 1, min_p 0,
 // repeat_penalty 1, repeat_last_n 64, seed 0).
 struct engine_sampling engine_default_sampling(void);

@@ -947,6 +947,11 @@ impl Engine {
         self.backend.speculation_stats(stream)
     }
 
+    /// (tokens the prefix cache gave, tokens computed) of those stream `stream` was given since its last reset.
+    pub fn prefix_stats(&self, stream: u32) -> Result<(u64, u64)> {
+        self.backend.prefix_stats(stream)
+    }
+
     /// The logits after the last position of stream `stream`, for the streams the last batch stepped.
     pub fn logits(&self, stream: u32) -> Result<Vec<f32>> {
         self.backend.logits(stream)

@@ -625,6 +625,35 @@ pub unsafe extern "C" fn engine_speculation_stats(
     })
 }
 
+/// Of the tokens stream `stream` was given by steps and `engine_score` since it was last reset
+/// (`engine_reset`, or `engine_fork` onto it): those whose positions the prefix cache gave (whole KV pages
+/// a step had computed before, `engine_options.prefix_cache`) into `*cached`, and those computed into
+/// `*computed` (either pointer may be NULL). Proposals of speculative decoding are not counted
+/// (`engine_speculation_stats` counts them). OUT_OF_RANGE for a stream the engine does not have.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn engine_prefix_stats(
+    e: *const engine,
+    stream: u32,
+    cached: *mut u64,
+    computed: *mut u64,
+) -> engine_status {
+    guard("engine_prefix_stats", || {
+        // SAFETY: the caller passes an engine from engine_init_fit (or NULL, refused), not yet freed.
+        let e = unsafe { handle(e) }?;
+        let (c, n) = e.lock().prefix_stats(stream)?;
+        // SAFETY: each pointer is NULL or points to a writable u64 (the header's contract).
+        unsafe {
+            if let Some(out) = cached.as_mut() {
+                *out = c;
+            }
+            if let Some(out) = computed.as_mut() {
+                *out = n;
+            }
+        }
+        Ok(())
+    })
+}
+
 /// Greedy sampling with no cut and no penalty (temperature 0, top_k 0, top_p 1, min_p 0,
 /// repeat_penalty 1, repeat_last_n 64, seed 0).
 #[unsafe(no_mangle)]
