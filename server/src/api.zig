@@ -662,7 +662,7 @@ const Writer = struct {
 
     fn usageJson(w: *Writer, out: *std.ArrayList(u8)) !void {
         const completion = w.r.completionTokens();
-        try out.print(gpa, "{{\"prompt_tokens\":{d},\"completion_tokens\":{d},\"total_tokens\":{d}}}", .{ w.r.prompt.len, completion, w.r.prompt.len + completion });
+        try out.print(gpa, "{{\"prompt_tokens\":{d},\"completion_tokens\":{d},\"total_tokens\":{d},\"prompt_tokens_details\":{{\"cached_tokens\":{d}}}}}", .{ w.r.prompt.len, completion, w.r.prompt.len + completion, w.r.cached_tokens });
     }
 
     fn piece(w: *Writer, id: i32, buf: []u8) []const u8 {

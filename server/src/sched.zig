@@ -69,6 +69,8 @@ pub const Request = struct {
     submitted_ns: i128 = 0,
     first_token_ns: i128 = 0,
     reserved: u64 = 0,
+    /// Prompt tokens whose positions the engine's prefix cache gave (`engine_prefix_stats`), for `usage`.
+    cached_tokens: u64 = 0,
 
     // Shared with the connection thread.
     mutex: std.Thread.Mutex = .{},
@@ -275,11 +277,14 @@ pub const Scheduler = struct {
                 s.release(r);
                 continue;
             };
-            if (r.prefillEnd() == 0) s.enterDecode(r) catch {
-                _ = s.running.pop();
-                s.fail(r, 400);
-                s.release(r);
-            };
+            if (r.prefillEnd() == 0) {
+                s.countPrompt(r);
+                s.enterDecode(r) catch {
+                    _ = s.running.pop();
+                    s.fail(r, 400);
+                    s.release(r);
+                };
+            }
         }
     }
 
@@ -408,6 +413,7 @@ pub const Scheduler = struct {
         }
         r.prefilled += o.chunk;
         if (r.prefilled < r.prefillEnd()) return;
+        s.countPrompt(r);
         if (r.n == 1) {
             r.decoding = true;
             for (produced) |tok| {
@@ -415,6 +421,20 @@ pub const Scheduler = struct {
                 if (r.choices[0].finish != .none) break;
             }
         } else s.enterDecode(r) catch s.fail(r, 400);
+    }
+
+    /// Once the prompt is read: how many of its tokens the prefix cache gave and how many were computed,
+    /// from the stream that read it (the last token, which every choice steps itself when n > 1, counted
+    /// once as computed).
+    fn countPrompt(s: *Scheduler, r: *Request) void {
+        var cached: u64 = 0;
+        var computed: u64 = 0;
+        if (r.prefillEnd() > 0 and c.engine_prefix_stats(s.engine, r.choices[0].stream, &cached, &computed) != c.ENGINE_STATUS_OK) return;
+        computed += r.prompt.len - r.prefillEnd();
+        r.mutex.lock();
+        r.cached_tokens = cached;
+        r.mutex.unlock();
+        metrics.addPromptReuse(cached, computed);
     }
 
     fn takeToken(s: *Scheduler, r: *Request, ch: *Choice, tok: i32) void {

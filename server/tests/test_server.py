@@ -224,6 +224,29 @@ def test_penalties(srv):
     check(status == 400, "penalties with response_format are refused")
 
 
+def test_prefix_cache(srv):
+    """A prompt sent again takes its whole KV pages from the prefix cache: /metrics counts the prompt
+    tokens cached and computed, and usage.prompt_tokens_details.cached_tokens says it per request."""
+    client = srv.client()
+    prompt = "A note about the prefix cache, repeated to fill pages: " + " ".join(f"item {k}," for k in range(40))
+    before = srv.metrics()
+    first = complete(client, prompt, max_tokens=2)
+    mid = srv.metrics()
+    second = complete(client, prompt, max_tokens=2)
+    after = srv.metrics()
+    n = first.usage.prompt_tokens
+    cached = lambda m: m.get("hostembed_prompt_tokens_cached_total", -1)
+    computed = lambda m: m.get("hostembed_prompt_tokens_computed_total", -1)
+    check(n >= 96 and cached(mid) - cached(before) == 0 and computed(mid) - computed(before) == n,
+          f"a new {n}-token prompt is computed: cached +{cached(mid) - cached(before)}, computed +{computed(mid) - computed(before)}")
+    got = cached(after) - cached(mid)
+    check(got >= 64 and got + computed(after) - computed(mid) == n,
+          f"the same prompt again takes whole pages from the cache: cached +{got}, computed +{computed(after) - computed(mid)}")
+    details = lambda r: r.usage.prompt_tokens_details.cached_tokens if r.usage.prompt_tokens_details else None
+    check(details(first) == 0 and details(second) == got, f"usage cached_tokens: {details(first)}, then {details(second)}")
+    check(second.choices[0].text == first.choices[0].text, "the cached prompt gives the same greedy output")
+
+
 def test_logprobs(srv):
     client = srv.client()
     r = chat(client, "Say hello.", max_tokens=5, logprobs=True, top_logprobs=3)
@@ -579,7 +602,8 @@ def main():
     srv = Server(args.server, args.model, "--ctx", "512", "--streams", str(args.clients), "--kv-type", "f16",
                  "--header-timeout", "2", "--body-timeout", "2", "--chunk", "64", "--batch-tokens", "256")
     tests = [("basics", lambda: test_basics(srv)), ("stop", lambda: test_stop(srv)),
-             ("n", lambda: test_n_and_sampling(srv)), ("penalties", lambda: test_penalties(srv)), ("logprobs", lambda: test_logprobs(srv)),
+             ("n", lambda: test_n_and_sampling(srv)), ("penalties", lambda: test_penalties(srv)),
+             ("prefix_cache", lambda: test_prefix_cache(srv)), ("logprobs", lambda: test_logprobs(srv)),
              ("response_format", lambda: test_response_format(srv)), ("sse", lambda: test_raw_sse(srv)),
              ("utf8", lambda: test_utf8(srv)),
              ("concurrent", lambda: test_concurrent(srv, args.clients)), ("interleave", lambda: test_interleave(srv)),
