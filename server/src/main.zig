@@ -173,6 +173,8 @@ pub const Server = struct {
     busy: std.atomic.Value(u32) = .init(0),
     key_digest: ?[32]u8 = null,
     created: i64,
+    /// The model's fill-in-the-middle tokens (prefix, suffix, middle), for a completion's `suffix`.
+    fim: ?[3]i32 = null,
 
     pub fn authorized(s: *Server, header: ?[]const u8) bool {
         const want = s.key_digest orelse return true;
@@ -245,6 +247,7 @@ pub fn main() !void {
     if (st != c.ENGINE_STATUS_OK) die("cannot load {s}: {s}: {s}", .{ cfg.model.?, c.engine_status_str(@intCast(st)), c.engine_last_error() });
     server.engine = engine.?;
     _ = c.engine_model_info(engine.?, &server.info);
+    server.fim = api.fimTokens(engine.?);
     try server.scheduler.init(engine.?, .{
         .batch_tokens = cfg.batch_tokens,
         .chunk_tokens = cfg.chunk,
