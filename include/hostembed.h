@@ -627,6 +627,19 @@ enum engine_status engine_set_constraint(struct engine *e,
                                          const char *text,
                                          size_t len);
 
+// The ids stream `stream`'s constraint (`engine_set_constraint`) allows as its next token, the one its
+// last step's logits draw: bit `i % 32` of `bits[i / 32]` is set when id `i` is allowed, for every id of
+// the vocabulary (`words` must be at least `(vocab + 31) / 32`; bits past the vocabulary are 0). Every
+// id's bit is set when the stream has no constraint; once the constraint is complete only the
+// end-of-generation ids' are. A caller that samples a constrained stream itself from `engine_logits`
+// draws among these, and the engine takes that token at the next step. INVALID_ARGUMENT for NULLs, too
+// few words, or a constraint llguidance fails on (its message in `engine_last_error()`); OUT_OF_RANGE
+// for a stream the engine does not have.
+enum engine_status engine_allowed_tokens(struct engine *e,
+                                         uint32_t stream,
+                                         uint32_t *bits,
+                                         size_t words);
+
 // Keeps the first `len` positions of stream `stream` and gives the KV pages past them back to the
 // pool; stepping the same tokens again in the same pieces gives the same logits, bit for bit (on CUDA, a
 // prompt chunk the cut falls inside, stepped again as a shorter chunk, may take another product route:

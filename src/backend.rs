@@ -234,6 +234,9 @@ pub trait Decoder: Send {
     fn speculation(&self, stream: u32) -> Result<engine_speculation>;
     /// (tokens proposed, tokens accepted) on a stream since its speculation was last set.
     fn speculation_stats(&self, stream: u32) -> Result<(u64, u64)>;
+    /// The ids a stream's constraint allows as the token its last step's logits draw, as words of
+    /// `vocab` bits; None without a constraint.
+    fn allowed_tokens(&mut self, stream: u32, vocab: usize) -> Result<Option<Vec<u32>>>;
     /// (tokens the prefix cache gave, tokens computed) of the tokens a stream was given in steps and
     /// scores since its last reset (proposals not counted).
     fn prefix_stats(&self, stream: u32) -> Result<(u64, u64)>;

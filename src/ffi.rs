@@ -739,6 +739,46 @@ pub unsafe extern "C" fn engine_set_constraint(
     })
 }
 
+/// The ids stream `stream`'s constraint (`engine_set_constraint`) allows as its next token, the one its
+/// last step's logits draw: bit `i % 32` of `bits[i / 32]` is set when id `i` is allowed, for every id of
+/// the vocabulary (`words` must be at least `(vocab + 31) / 32`; bits past the vocabulary are 0). Every
+/// id's bit is set when the stream has no constraint; once the constraint is complete only the
+/// end-of-generation ids' are. A caller that samples a constrained stream itself from `engine_logits`
+/// draws among these, and the engine takes that token at the next step. INVALID_ARGUMENT for NULLs, too
+/// few words, or a constraint llguidance fails on (its message in `engine_last_error()`); OUT_OF_RANGE
+/// for a stream the engine does not have.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn engine_allowed_tokens(
+    e: *mut engine,
+    stream: u32,
+    bits: *mut u32,
+    words: usize,
+) -> engine_status {
+    guard("engine_allowed_tokens", || {
+        // SAFETY: the caller passes an engine from engine_init_fit (or NULL, refused), not yet freed.
+        let e = unsafe { handle(e) }?;
+        let vocab = e.info.vocab as usize;
+        let need = vocab.div_ceil(32);
+        if bits.is_null() || words < need {
+            crate::bail!(InvalidArgument, "bits is NULL or holds {words} words; the vocabulary of {vocab} needs {need}");
+        }
+        let allowed = e.lock().allowed_tokens(stream, vocab)?;
+        // SAFETY: the caller promises `bits` holds `words` u32s (not NULL, checked).
+        let out = unsafe { std::slice::from_raw_parts_mut(bits, words) };
+        out.fill(0);
+        match allowed {
+            Some(mask) => out[..need].copy_from_slice(&mask),
+            None => {
+                out[..need].fill(u32::MAX);
+                if !vocab.is_multiple_of(32) {
+                    out[need - 1] = (1u32 << (vocab % 32)) - 1;
+                }
+            }
+        }
+        Ok(())
+    })
+}
+
 /// Keeps the first `len` positions of stream `stream` and gives the KV pages past them back to the
 /// pool; stepping the same tokens again in the same pieces gives the same logits, bit for bit (on CUDA, a
 /// prompt chunk the cut falls inside, stepped again as a shorter chunk, may take another product route:

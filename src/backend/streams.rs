@@ -630,6 +630,11 @@ impl<B: Backend> Decoder for Streams<B> {
         Ok((s.proposed, s.accepted))
     }
 
+    fn allowed_tokens(&mut self, stream: u32, vocab: usize) -> Result<Option<Vec<u32>>> {
+        let slot = self.slot(stream, "")?;
+        self.constraints[slot].as_mut().map(|c| c.allowed_words(vocab)).transpose()
+    }
+
     fn prefix_stats(&self, stream: u32) -> Result<(u64, u64)> {
         Ok(self.reuse[self.slot(stream, "")?])
     }
