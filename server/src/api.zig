@@ -406,8 +406,6 @@ fn parse(server: *Server, arena: std.mem.Allocator, body: []const u8, kind: Kind
     }
 
     if (field(obj, "response_format")) |rf| try parseResponseFormat(arena, rf, p);
-    if (penalized and p.constraint != c.ENGINE_CONSTRAINT_NONE)
-        return bad(.{ .message = "'response_format' does not combine with 'frequency_penalty', 'presence_penalty' or 'logit_bias' in this server", .param = "response_format" });
 
     switch (kind) {
         .chat => try p.prompts.append(arena, .{ .ids = try chatPrompt(server, arena, obj) }),

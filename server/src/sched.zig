@@ -166,6 +166,8 @@ pub const Scheduler = struct {
     items: std.ArrayList(c.engine_batch_item) = .empty,
     owners: std.ArrayList(Owner) = .empty,
     logits: []f32 = &.{},
+    /// The ids a constrained choice's stream allows next (`engine_allowed_tokens`), for its own sampling.
+    allowed: []u32 = &.{},
     candidates: std.ArrayList(Candidate) = .empty,
 
     /// Requests submitted and not yet released, for draining and the metrics.
@@ -195,6 +197,7 @@ pub const Scheduler = struct {
             try s.free_streams.append(gpa, k);
         }
         s.logits = try gpa.alloc(f32, info.vocab);
+        s.allowed = try gpa.alloc(u32, (info.vocab + 31) / 32);
     }
 
     pub fn streams(s: *const Scheduler) usize {
@@ -540,8 +543,9 @@ pub const Scheduler = struct {
 
     /// Samples a choice's next token from its stream's logits: OpenAI's logit_bias added, its penalties
     /// subtracted (frequency_penalty times the token's count, presence_penalty once it occurred), then the
-    /// request's temperature, top-k, top-p and min-p; greedy at temperature 0. The draws come from the
-    /// choice's own generator, seeded by the request's seed and the choice's index.
+    /// request's temperature, top-k, top-p and min-p, among the ids its constraint allows when it has
+    /// one; greedy at temperature 0. The draws come from the choice's own generator, seeded by the
+    /// request's seed and the choice's index.
     fn sampleItself(s: *Scheduler, r: *Request, ch: *Choice) !i32 {
         const logits = s.logits;
         if (c.engine_logits(s.engine, ch.stream, logits.ptr, logits.len) != c.ENGINE_STATUS_OK) return error.Engine;
@@ -551,7 +555,17 @@ pub const Scheduler = struct {
             const id: usize = @intCast(e.key_ptr.*);
             logits[id] -= r.frequency_penalty * @as(f32, @floatFromInt(e.value_ptr.*)) + r.presence_penalty;
         }
-        var best: usize = 0;
+        // A constrained choice draws among the ids its constraint allows next, as the engine's draw would.
+        var first_allowed: ?usize = null;
+        if (r.constrained) {
+            if (c.engine_allowed_tokens(s.engine, ch.stream, s.allowed.ptr, s.allowed.len) != c.ENGINE_STATUS_OK) return error.Engine;
+            for (logits, 0..) |*x, i| {
+                if (s.allowed[i / 32] >> @intCast(i % 32) & 1 == 0) {
+                    x.* = -std.math.inf(f32);
+                } else if (first_allowed == null) first_allowed = i;
+            }
+        }
+        var best: usize = first_allowed orelse 0;
         for (logits, 0..) |x, i| if (x > logits[best]) {
             best = i;
         };
