@@ -760,7 +760,10 @@ pub unsafe extern "C" fn engine_allowed_tokens(
         let vocab = e.info.vocab as usize;
         let need = vocab.div_ceil(32);
         if bits.is_null() || words < need {
-            crate::bail!(InvalidArgument, "bits is NULL or holds {words} words; the vocabulary of {vocab} needs {need}");
+            crate::bail!(
+                InvalidArgument,
+                "bits is NULL or holds {words} words; the vocabulary of {vocab} needs {need}"
+            );
         }
         let allowed = e.lock().allowed_tokens(stream, vocab)?;
         // SAFETY: the caller promises `bits` holds `words` u32s (not NULL, checked).
