@@ -32,7 +32,7 @@ const usage =
     \\  --batch-tokens N          token budget of one step: decode tokens plus prompt chunks (default 512)
     \\  --chunk N                 most tokens of one prompt in one step (default 256)
     \\  --lookup N                prompt-lookup speculation proposing up to N tokens a step (default 0: off)
-    \\  --draft MODEL             a drafter checkpoint for speculation (this library version refuses it)
+    \\  --draft MODEL             a drafter checkpoint the engine loads (the scheduler does not propose with it yet)
     \\  --api-key KEY             require "Authorization: Bearer KEY" (compared in constant time)
     \\  --max-connections N       connections served at once; more get 503 (default 256)
     \\  --max-body BYTES          largest request body (default 4194304)
