@@ -122,8 +122,9 @@ pub const Request = struct {
         return sum;
     }
 
-    /// Prompt tokens stepped on the first stream before the others fork from it: all but the last when
-    /// several choices share the prompt, so each of them steps the last one itself and samples its own.
+    /// Prompt tokens read on the first stream before the others fork from it: all but the last when
+    /// several choices share the prompt (or it is scored), so each of them steps the last one itself and
+    /// samples its own.
     fn prefillEnd(r: *const Request) usize {
         return if (r.prefillSamples()) r.prompt.len else r.prompt.len - 1;
     }
