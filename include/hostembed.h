@@ -579,6 +579,16 @@ enum engine_status engine_speculation_stats(const struct engine *e,
                                             uint64_t *proposed,
                                             uint64_t *accepted);
 
+// Of the tokens stream `stream` was given by steps and `engine_score` since it was last reset
+// (`engine_reset`, or `engine_fork` onto it): those whose positions the prefix cache gave (whole KV pages
+// a step had computed before, `engine_options.prefix_cache`) into `*cached`, and those computed into
+// `*computed` (either pointer may be NULL). Proposals of speculative decoding are not counted
+// (`engine_speculation_stats` counts them). OUT_OF_RANGE for a stream the engine does not have.
+enum engine_status engine_prefix_stats(const struct engine *e,
+                                       uint32_t stream,
+                                       uint64_t *cached,
+                                       uint64_t *computed);
+
 // Greedy sampling with no cut and no penalty (temperature 0, top_k 0, top_p 1, min_p 0,
 // repeat_penalty 1, repeat_last_n 64, seed 0).
 struct engine_sampling engine_default_sampling(void);
@@ -616,6 +626,19 @@ enum engine_status engine_set_constraint(struct engine *e,
                                          enum engine_constraint kind,
                                          const char *text,
                                          size_t len);
+
+// The ids stream `stream`'s constraint (`engine_set_constraint`) allows as its next token, the one its
+// last step's logits draw: bit `i % 32` of `bits[i / 32]` is set when id `i` is allowed, for every id of
+// the vocabulary (`words` must be at least `(vocab + 31) / 32`; bits past the vocabulary are 0). Every
+// id's bit is set when the stream has no constraint; once the constraint is complete only the
+// end-of-generation ids' are. A caller that samples a constrained stream itself from `engine_logits`
+// draws among these, and the engine takes that token at the next step. INVALID_ARGUMENT for NULLs, too
+// few words, or a constraint llguidance fails on (its message in `engine_last_error()`); OUT_OF_RANGE
+// for a stream the engine does not have.
+enum engine_status engine_allowed_tokens(struct engine *e,
+                                         uint32_t stream,
+                                         uint32_t *bits,
+                                         size_t words);
 
 // Keeps the first `len` positions of stream `stream` and gives the KV pages past them back to the
 // pool; stepping the same tokens again in the same pieces gives the same logits, bit for bit (on CUDA, a

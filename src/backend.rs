@@ -237,6 +237,12 @@ pub trait Decoder: Send {
     /// Lets a stream's next verification hold `limit` proposals (at most its max_tokens), as if its
     /// earlier drafts had been accepted: for measuring a verification of a given length.
     fn set_proposal_limit(&mut self, stream: u32, limit: u32) -> Result<()>;
+    /// The ids a stream's constraint allows as the token its last step's logits draw, as words of
+    /// `vocab` bits; None without a constraint.
+    fn allowed_tokens(&mut self, stream: u32, vocab: usize) -> Result<Option<Vec<u32>>>;
+    /// (tokens the prefix cache gave, tokens computed) of the tokens a stream was given in steps and
+    /// scores since its last reset (proposals not counted).
+    fn prefix_stats(&self, stream: u32) -> Result<(u64, u64)>;
     /// Checks the pool's counts against every stream's pages (for tests): INVALID_ARGUMENT saying what
     /// disagrees.
     fn audit(&self) -> Result<()>;

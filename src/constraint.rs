@@ -286,6 +286,24 @@ impl Constraint {
     }
 }
 
+impl Constraint {
+    /// The mask of `mask` as words of `vocab` bits (bit `i % 32` of word `i / 32`), none past `vocab`; a
+    /// panic inside llguidance becomes an error.
+    pub fn allowed_words(&mut self, vocab: usize) -> Result<Vec<u32>> {
+        let mask = llg_call(Status::Panic, "the constraint's mask", || self.mask())??;
+        let mut words = vec![0u32; vocab.div_ceil(32)];
+        for (w, &m) in words.iter_mut().zip(mask.as_slice()) {
+            *w = m;
+        }
+        if !vocab.is_multiple_of(32)
+            && let Some(last) = words.last_mut()
+        {
+            *last &= (1u32 << (vocab % 32)) - 1;
+        }
+        Ok(words)
+    }
+}
+
 /// A mask computed on another thread while the forward runs: the sampler waits for it.
 #[derive(Default)]
 pub struct PendingMask(OnceLock<Result<SimpleVob>>);

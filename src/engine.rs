@@ -947,6 +947,16 @@ impl Engine {
         self.backend.speculation_stats(stream)
     }
 
+    /// The ids stream `stream`'s constraint allows next, as words of `vocab` bits; None without one.
+    pub fn allowed_tokens(&mut self, stream: u32, vocab: usize) -> Result<Option<Vec<u32>>> {
+        self.backend.allowed_tokens(stream, vocab)
+    }
+
+    /// (tokens the prefix cache gave, tokens computed) of those stream `stream` was given since its last reset.
+    pub fn prefix_stats(&self, stream: u32) -> Result<(u64, u64)> {
+        self.backend.prefix_stats(stream)
+    }
+
     /// The logits after the last position of stream `stream`, for the streams the last batch stepped.
     pub fn logits(&self, stream: u32) -> Result<Vec<f32>> {
         self.backend.logits(stream)

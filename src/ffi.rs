@@ -625,6 +625,35 @@ pub unsafe extern "C" fn engine_speculation_stats(
     })
 }
 
+/// Of the tokens stream `stream` was given by steps and `engine_score` since it was last reset
+/// (`engine_reset`, or `engine_fork` onto it): those whose positions the prefix cache gave (whole KV pages
+/// a step had computed before, `engine_options.prefix_cache`) into `*cached`, and those computed into
+/// `*computed` (either pointer may be NULL). Proposals of speculative decoding are not counted
+/// (`engine_speculation_stats` counts them). OUT_OF_RANGE for a stream the engine does not have.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn engine_prefix_stats(
+    e: *const engine,
+    stream: u32,
+    cached: *mut u64,
+    computed: *mut u64,
+) -> engine_status {
+    guard("engine_prefix_stats", || {
+        // SAFETY: the caller passes an engine from engine_init_fit (or NULL, refused), not yet freed.
+        let e = unsafe { handle(e) }?;
+        let (c, n) = e.lock().prefix_stats(stream)?;
+        // SAFETY: each pointer is NULL or points to a writable u64 (the header's contract).
+        unsafe {
+            if let Some(out) = cached.as_mut() {
+                *out = c;
+            }
+            if let Some(out) = computed.as_mut() {
+                *out = n;
+            }
+        }
+        Ok(())
+    })
+}
+
 /// Greedy sampling with no cut and no penalty (temperature 0, top_k 0, top_p 1, min_p 0,
 /// repeat_penalty 1, repeat_last_n 64, seed 0).
 #[unsafe(no_mangle)]
@@ -707,6 +736,49 @@ pub unsafe extern "C" fn engine_set_constraint(
             _ => e.grammars()?.compile(kind, text)?,
         };
         e.lock().set_constraint(stream, compiled)
+    })
+}
+
+/// The ids stream `stream`'s constraint (`engine_set_constraint`) allows as its next token, the one its
+/// last step's logits draw: bit `i % 32` of `bits[i / 32]` is set when id `i` is allowed, for every id of
+/// the vocabulary (`words` must be at least `(vocab + 31) / 32`; bits past the vocabulary are 0). Every
+/// id's bit is set when the stream has no constraint; once the constraint is complete only the
+/// end-of-generation ids' are. A caller that samples a constrained stream itself from `engine_logits`
+/// draws among these, and the engine takes that token at the next step. INVALID_ARGUMENT for NULLs, too
+/// few words, or a constraint llguidance fails on (its message in `engine_last_error()`); OUT_OF_RANGE
+/// for a stream the engine does not have.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn engine_allowed_tokens(
+    e: *mut engine,
+    stream: u32,
+    bits: *mut u32,
+    words: usize,
+) -> engine_status {
+    guard("engine_allowed_tokens", || {
+        // SAFETY: the caller passes an engine from engine_init_fit (or NULL, refused), not yet freed.
+        let e = unsafe { handle(e) }?;
+        let vocab = e.info.vocab as usize;
+        let need = vocab.div_ceil(32);
+        if bits.is_null() || words < need {
+            crate::bail!(
+                InvalidArgument,
+                "bits is NULL or holds {words} words; the vocabulary of {vocab} needs {need}"
+            );
+        }
+        let allowed = e.lock().allowed_tokens(stream, vocab)?;
+        // SAFETY: the caller promises `bits` holds `words` u32s (not NULL, checked).
+        let out = unsafe { std::slice::from_raw_parts_mut(bits, words) };
+        out.fill(0);
+        match allowed {
+            Some(mask) => out[..need].copy_from_slice(&mask),
+            None => {
+                out[..need].fill(u32::MAX);
+                if !vocab.is_multiple_of(32) {
+                    out[need - 1] = (1u32 << (vocab % 32)) - 1;
+                }
+            }
+        }
+        Ok(())
     })
 }
 

@@ -4,7 +4,7 @@
 //! parsing and (Python `jsonschema`) validating against its schema; 100 sampled runs of a regex all
 //! matching it; a Lark grammar of arithmetic giving only its sentences; a constrained stream leaving
 //! the bits of the streams beside it unchanged; truncate and step again giving the same tokens; bad
-//! input refused with nothing changed. Without a model: the token bytes llguidance matches for byte-level
+//! input refused with nothing changed; engine_allowed_tokens giving the mask a step draws from. Without a model: the token bytes llguidance matches for byte-level
 //! BPE and SentencePiece vocabularies.
 
 mod common;
@@ -402,6 +402,67 @@ fn truncate_and_reset_roll_the_constraint_back() {
 }
 
 /// engine_set_constraint with a raw kind, as C may pass any value.
+/// engine_allowed_tokens' bits for stream `stream` (status, words).
+fn allowed(e: &Held, stream: u32, words: usize) -> (Status, Vec<u32>) {
+    let mut bits = vec![0xA5A5_A5A5u32; words];
+    // SAFETY: a live engine and `words` writable u32s.
+    let st = unsafe { ffi::engine_allowed_tokens(e.0, stream, bits.as_mut_ptr(), words) };
+    (st, bits)
+}
+
+fn is_set(bits: &[u32], id: usize) -> bool {
+    bits[id / 32] >> (id % 32) & 1 == 1
+}
+
+/// engine_allowed_tokens is the mask a step draws from: the engine's greedy token is the likeliest
+/// allowed one, and a caller that draws its own tokens among the allowed ones (here the least likely)
+/// has every one taken, ending with a full match; a stream without
+/// a constraint allows every id and none past the vocabulary.
+#[test]
+fn allowed_tokens_are_the_mask_a_step_draws_from() {
+    let Some(path) = model() else { return };
+    const RE: &str = r"[a-z]{2,6} [0-9]{1,3}";
+    let full = regex::Regex::new(&format!("^(?:{RE})$")).unwrap();
+    let e = init(&path, &cpu_options(2, 256));
+    let vocab = common::info(&e).vocab as usize;
+    let words = vocab.div_ceil(32);
+    let (st, free) = allowed(&e, 1, words + 1);
+    assert_eq!(st, Status::Ok, "{}", last_error());
+    assert!((0..vocab).all(|i| is_set(&free, i)) && (vocab..32 * (words + 1)).all(|i| !is_set(&free, i)));
+    assert_eq!(allowed(&e, 1, words - 1).0, Status::InvalidArgument, "too few words");
+    assert_eq!(allowed(&e, 9, words).0, Status::OutOfRange);
+    // SAFETY: NULL bits are refused.
+    assert_eq!(unsafe { ffi::engine_allowed_tokens(e.0, 0, std::ptr::null_mut(), words) }, Status::InvalidArgument);
+
+    constrain(&e, 0, engine_constraint::Regex, RE);
+    let (st, next) = try_step(&e, 0, &chat_prompt(&e, "Name an animal and a number."));
+    assert_eq!(st, Status::Ok, "{}", last_error());
+    let (st, mask) = allowed(&e, 0, words);
+    assert_eq!(st, Status::Ok, "{}", last_error());
+    let l = logits(&e, 0);
+    let best = (0..vocab).filter(|&i| is_set(&mask, i)).max_by(|&a, &b| l[a].total_cmp(&l[b]).then(b.cmp(&a)));
+    assert_eq!(best, Some(next as usize), "the engine's greedy token is the likeliest allowed one");
+    assert!(!is_set(&mask, tokenize(&e, "7")[0] as usize), "a digit cannot come first");
+    assert_eq!(try_step(&e, 0, &tokenize(&e, "7")).0, Status::InvalidArgument, "nor be stepped");
+
+    let mut text = Vec::new();
+    let mut ended = false;
+    for _ in 0..40 {
+        let (st, mask) = allowed(&e, 0, words);
+        assert_eq!(st, Status::Ok, "{}", last_error());
+        let l = logits(&e, 0);
+        let pick = (0..vocab).filter(|&i| is_set(&mask, i)).min_by(|&a, &b| l[a].total_cmp(&l[b])).unwrap() as i32;
+        if is_eog(&e, pick) {
+            ended = true;
+            break;
+        }
+        text.extend(piece(&e, pick));
+        assert_eq!(try_step(&e, 0, &[pick]).0, Status::Ok, "token {pick} drawn from the mask: {}", last_error());
+    }
+    let text = String::from_utf8(text).unwrap();
+    assert!(ended && full.is_match(&text), "the least likely allowed tokens still make a match: {text:?}");
+}
+
 fn try_constrain_raw(e: &Held, stream: u32, kind: u32, text: *const u8, len: usize) -> Status {
     type Raw = unsafe extern "C" fn(*mut ffi::engine, u32, u32, *const std::ffi::c_char, usize) -> Status;
     // SAFETY: the same C signature, the enum passed as the 32-bit integer C passes for it.

@@ -6,7 +6,7 @@
 //! counts against every stream's page table after every call.
 
 mod common;
-use common::shared::{self, alone, fork, kv_usage, no_cache, pages, score};
+use common::shared::{self, alone, fork, kv_usage, no_cache, pages, prefix_stats, score};
 use common::{Held, Rng, Scratch, bits, cpu_options, init, logits, serial, stats, step, try_step};
 use common::{reset, room_for_tokens, stream_len, truncate, try_batch};
 
@@ -244,6 +244,50 @@ fn prompts_take_whole_cached_pages_with_the_logits_of_computing_them() {
     reset(&off, 0);
     assert_eq!(kv_usage(&off).tokens_cached, 0, "nothing kept");
     drop((e, reference, off));
+    assert_eq!(stats(), engine_memory::default());
+}
+
+/// engine_prefix_stats counts each stream's tokens since its reset: those the cache's pages stood for and
+/// those computed (a score's too); a fork starts from nothing, a refused step counts nothing.
+#[test]
+fn prefix_stats_count_cached_and_computed_tokens() {
+    let _g = serial();
+    let mut rng = Rng::fresh("prefix_stats_count_cached_and_computed_tokens");
+    let dir = Scratch::new("prefix-stats");
+    let path = model(&dir, &mut rng);
+    let vocab = llama().vocab;
+    let e = init(&path, &cpu_options(256, 4));
+    let system = rng.ids(vocab, 3 * PAGE + 10);
+    assert_eq!(prefix_stats(&e, 0), (0, 0), "a stream never stepped");
+    step(&e, 0, &system);
+    step(&e, 0, &rng.ids(vocab, 7));
+    assert_eq!(prefix_stats(&e, 0), (0, 3 * PAGE as u64 + 17), "nothing cached yet: every token computed");
+    let mut p1 = system.clone();
+    p1.extend(rng.ids(vocab, 30));
+    step(&e, 1, &p1);
+    assert_eq!(prefix_stats(&e, 1), (3 * PAGE as u64, 40), "three whole pages from the cache");
+    score(&e, 1, &rng.ids(vocab, 5));
+    assert_eq!(prefix_stats(&e, 1), (3 * PAGE as u64, 45), "a score's tokens are computed");
+    assert_eq!(try_step(&e, 1, &rng.ids(vocab, 300)).0, Status::NoRoom);
+    assert_eq!(prefix_stats(&e, 1), (3 * PAGE as u64, 45), "a refused step counts nothing");
+    assert_eq!(fork(&e, 1, 2, 50), Status::Ok, "{}", last_error());
+    assert_eq!(prefix_stats(&e, 2), (0, 0), "a fork's shared positions are neither");
+    reset(&e, 0);
+    assert_eq!(prefix_stats(&e, 0), (0, 0), "a reset starts the counts again");
+    // A prompt of exactly the three pages takes two: its last token runs.
+    step(&e, 0, &system[..3 * PAGE]);
+    assert_eq!(prefix_stats(&e, 0), (2 * PAGE as u64, PAGE as u64));
+    // SAFETY: a live engine; NULL outputs are allowed.
+    assert_eq!(unsafe { ffi::engine_prefix_stats(e.0, 0, std::ptr::null_mut(), std::ptr::null_mut()) }, Status::Ok);
+    // SAFETY: a stream the engine does not have is refused before any output is written.
+    let past = unsafe { ffi::engine_prefix_stats(e.0, 9, std::ptr::null_mut(), std::ptr::null_mut()) };
+    assert_eq!(past, Status::OutOfRange);
+    // SAFETY: NULL is refused.
+    assert_eq!(
+        unsafe { ffi::engine_prefix_stats(std::ptr::null(), 0, std::ptr::null_mut(), std::ptr::null_mut()) },
+        Status::InvalidArgument
+    );
+    drop(e);
     assert_eq!(stats(), engine_memory::default());
 }
 

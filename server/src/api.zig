@@ -95,11 +95,21 @@ fn writeModel(server: *Server, out: *std.ArrayList(u8), one: bool) !void {
     if (!one) try out.appendSlice(gpa, "]}");
 }
 
+/// One prompt of a request: its tokens, the text `echo` puts before its choices' text, and its
+/// `max_tokens` (default: the rest of the window).
+const Prompt = struct {
+    ids: []i32,
+    echo: []const u8 = "",
+    max_tokens: u32 = 0,
+};
+
+/// Most prompts one completions request may hold (each is a scheduler request of `n` choices).
+const max_prompts = 64;
+
 /// Everything a generation request asked for, checked.
 const Params = struct {
-    prompt: []i32 = &.{},
+    prompts: std.ArrayList(Prompt) = .empty,
     n: u32 = 1,
-    max_tokens: ?u32 = null,
     stops: std.ArrayList([]const u8) = .empty,
     stream: bool = false,
     include_usage: bool = false,
@@ -109,6 +119,14 @@ const Params = struct {
     constraint_text: []const u8 = "",
     frequency_penalty: f32 = 0,
     presence_penalty: f32 = 0,
+    logit_bias: []sched.Bias = &.{},
+    echo: bool = false,
+
+    fn promptTokens(p: *const Params) usize {
+        var sum: usize = 0;
+        for (p.prompts.items) |one| sum += one.ids.len;
+        return sum;
+    }
 };
 
 const chat_fields = [_][]const u8{
@@ -146,42 +164,65 @@ fn generate(server: *Server, conn: *http.Conn, req: http.Request, kind: Kind) bo
         return false;
     }
     metrics.countRequest(kind == .chat);
-    metrics.addPromptTokens(params.prompt.len);
+    metrics.addPromptTokens(params.promptTokens());
     _ = server.busy.fetchAdd(1, .acq_rel);
     defer _ = server.busy.fetchSub(1, .acq_rel);
 
-    const r = gpa.create(sched.Request) catch return false;
-    defer gpa.destroy(r);
-    r.* = .{
-        .prompt = params.prompt,
-        .max_tokens = params.max_tokens.?,
-        .stops = params.stops.items,
-        .sampling = params.sampling,
-        .constraint = params.constraint,
-        .constraint_text = params.constraint_text,
-        .top_logprobs = params.top_logprobs,
-        .frequency_penalty = params.frequency_penalty,
-        .presence_penalty = params.presence_penalty,
-    };
-    r.init(params.n) catch return false;
-    defer r.deinit();
-    server.scheduler.submit(r) catch |err| {
-        metrics.countFailure();
-        const msg = switch (err) {
-            error.Draining => "the server is shutting down",
-            error.Busy => "too many requests are waiting; retry later",
-            error.OutOfMemory => "out of memory",
+    // A scheduler request a prompt, all under one lock and signal.
+    var sync: sched.Sync = .{};
+    const rs = arena.alloc(*sched.Request, params.prompts.items.len) catch return false;
+    var made: usize = 0;
+    var submitted: usize = 0;
+    defer {
+        // The requests' memory goes only once the scheduler has let each go.
+        sync.mutex.lock();
+        for (rs[0..submitted]) |r| r.cancelled.store(true, .release);
+        for (rs[0..submitted]) |r| while (!r.released) sync.cond.wait(&sync.mutex);
+        sync.mutex.unlock();
+        for (rs[0..made]) |r| {
+            r.deinit();
+            gpa.destroy(r);
+        }
+    }
+    for (params.prompts.items, rs) |one, *slot| {
+        const r = gpa.create(sched.Request) catch return false;
+        r.* = .{
+            .prompt = one.ids,
+            .max_tokens = one.max_tokens,
+            .stops = params.stops.items,
+            .sampling = params.sampling,
+            .constraint = params.constraint,
+            .constraint_text = params.constraint_text,
+            .top_logprobs = params.top_logprobs,
+            .frequency_penalty = params.frequency_penalty,
+            .presence_penalty = params.presence_penalty,
+            .logit_bias = params.logit_bias,
+            .score_prompt = params.echo and params.top_logprobs != null,
+            .sync = &sync,
         };
-        http.respondError(conn, 503, msg, null, null, req.keep_alive);
-        return true;
-    };
-    var w = Writer{ .server = server, .conn = conn, .r = r, .kind = kind, .params = &params, .arena = arena };
+        r.init(params.n) catch {
+            gpa.destroy(r);
+            return false;
+        };
+        slot.* = r;
+        made += 1;
+    }
+    for (rs) |r| {
+        server.scheduler.submit(r) catch |err| {
+            metrics.countFailure();
+            const msg = switch (err) {
+                error.Draining => "the server is shutting down",
+                error.Busy => "too many requests are waiting; retry later",
+                error.OutOfMemory => "out of memory",
+            };
+            http.respondError(conn, 503, msg, null, null, req.keep_alive);
+            return true;
+        };
+        submitted += 1;
+    }
+    var w = Writer{ .server = server, .conn = conn, .rs = rs, .sync = &sync, .kind = kind, .params = &params, .arena = arena };
     w.id = w.makeId();
     const keep = w.run();
-    // The request's memory goes only once the scheduler has let it go.
-    r.mutex.lock();
-    while (!r.released) r.cond.wait(&r.mutex);
-    r.mutex.unlock();
     return keep and !w.streamed;
 }
 
@@ -301,11 +342,11 @@ fn parse(server: *Server, arena: std.mem.Allocator, body: []const u8, kind: Kind
             if (!empty) return badf(arena, name, "'{s}' is not supported by this server", .{name});
         }
     }
-    if (field(obj, "logit_bias")) |v| {
-        if (v != .object or v.object.count() > 0) return bad(.{ .message = "'logit_bias' is not supported by this server", .param = "logit_bias" });
-    }
-    if (try getBool(arena, obj, "echo")) |echo| if (echo) return bad(.{ .message = "'echo' is not supported by this server", .param = "echo" });
-    if (field(obj, "suffix") != null) return bad(.{ .message = "'suffix' is not supported by this server", .param = "suffix" });
+    if (field(obj, "logit_bias")) |v| p.logit_bias = try parseLogitBias(server, arena, v);
+    p.echo = (try getBool(arena, obj, "echo")) orelse false;
+    const suffix = try getString(arena, obj, "suffix");
+    if (suffix != null and suffix.?.len > 0 and server.fim == null)
+        return bad(.{ .message = "'suffix' needs a model with fill-in-the-middle tokens, and this model has none", .param = "suffix" });
 
     const streams: i64 = @intCast(server.scheduler.streams());
     p.n = @intCast((try getInt(arena, obj, "n", 1, @min(streams, 128))) orelse 1);
@@ -330,9 +371,10 @@ fn parse(server: *Server, arena: std.mem.Allocator, body: []const u8, kind: Kind
     }
     p.frequency_penalty = @floatCast((try getFloat(arena, obj, "frequency_penalty", -2, 2)) orelse 0);
     p.presence_penalty = @floatCast((try getFloat(arena, obj, "presence_penalty", -2, 2)) orelse 0);
-    const penalized = p.frequency_penalty != 0 or p.presence_penalty != 0;
+    // OpenAI's penalties and logit_bias: the server samples such a request itself from the logits.
+    const penalized = p.frequency_penalty != 0 or p.presence_penalty != 0 or p.logit_bias.len > 0;
     if (penalized and field(obj, "repetition_penalty") != null)
-        return bad(.{ .message = "'repetition_penalty' does not combine with 'frequency_penalty' or 'presence_penalty'", .param = "repetition_penalty" });
+        return bad(.{ .message = "'repetition_penalty' does not combine with 'frequency_penalty', 'presence_penalty' or 'logit_bias'", .param = "repetition_penalty" });
     if (try getInt(arena, obj, "seed", std.math.minInt(i64), std.math.maxInt(i64))) |seed| {
         s.seed = @bitCast(seed);
     } else s.seed = std.crypto.random.int(u64);
@@ -345,6 +387,8 @@ fn parse(server: *Server, arena: std.mem.Allocator, body: []const u8, kind: Kind
         if (p.top_logprobs == null and field(obj, "top_logprobs") != null)
             return bad(.{ .message = "'top_logprobs' needs 'logprobs' true", .param = "top_logprobs" });
     } else if (try getInt(arena, obj, "logprobs", 0, 5)) |k| p.top_logprobs = @intCast(k);
+    if (p.echo and p.top_logprobs != null and p.top_logprobs.? > 0)
+        return bad(.{ .message = "'echo' with 'logprobs' above 0 is not supported: the prompt's tokens are scored without their alternatives ('logprobs': 0 gives each prompt token's log-probability)", .param = "logprobs" });
 
     if (field(obj, "stop")) |stop| {
         switch (stop) {
@@ -362,25 +406,69 @@ fn parse(server: *Server, arena: std.mem.Allocator, body: []const u8, kind: Kind
     }
 
     if (field(obj, "response_format")) |rf| try parseResponseFormat(arena, rf, p);
-    if (penalized and p.constraint != c.ENGINE_CONSTRAINT_NONE)
-        return bad(.{ .message = "'response_format' does not combine with 'frequency_penalty' or 'presence_penalty' in this server", .param = "response_format" });
 
-    p.prompt = switch (kind) {
-        .chat => try chatPrompt(server, arena, obj),
-        .completion => try completionPrompt(server, arena, obj),
-    };
-    if (p.prompt.len == 0) return bad(.{ .message = "the prompt is empty", .param = if (kind == .chat) "messages" else "prompt" });
+    switch (kind) {
+        .chat => try p.prompts.append(arena, .{ .ids = try chatPrompt(server, arena, obj) }),
+        .completion => try completionPrompts(server, arena, obj, suffix, p),
+    }
+    if (p.prompts.items.len * p.n > 128) return bad(.{ .message = "at most 128 choices (prompts times 'n') in one request", .param = "n" });
 
     const window: u64 = server.info.window;
     const asked = (try getInt(arena, obj, if (kind == .chat and field(obj, "max_completion_tokens") != null) "max_completion_tokens" else "max_tokens", 1, std.math.maxInt(u32)));
-    if (p.prompt.len >= window or (asked != null and p.prompt.len + @as(u64, @intCast(asked.?)) > window)) {
-        return bad(.{
-            .message = try std.fmt.allocPrint(arena, "this model's maximum context length is {d} tokens; the request has {d} prompt tokens and asks for {d} more", .{ window, p.prompt.len, asked orelse 1 }),
-            .param = if (kind == .chat) "messages" else "prompt",
-            .code = "context_length_exceeded",
-        });
+    for (p.prompts.items) |*one| {
+        if (one.ids.len == 0) return bad(.{ .message = "the prompt is empty", .param = if (kind == .chat) "messages" else "prompt" });
+        if (one.ids.len >= window or (asked != null and one.ids.len + @as(u64, @intCast(asked.?)) > window)) {
+            return bad(.{
+                .message = try std.fmt.allocPrint(arena, "this model's maximum context length is {d} tokens; the request has {d} prompt tokens and asks for {d} more", .{ window, one.ids.len, asked orelse 1 }),
+                .param = if (kind == .chat) "messages" else "prompt",
+                .code = "context_length_exceeded",
+            });
+        }
+        one.max_tokens = if (asked) |a| @intCast(a) else @intCast(window - one.ids.len);
     }
-    p.max_tokens = if (asked) |a| @intCast(a) else @intCast(window - p.prompt.len);
+}
+
+/// OpenAI's `logit_bias`: an object of token ids (as strings) to biases in -100..100.
+fn parseLogitBias(server: *Server, arena: std.mem.Allocator, v: Value) ![]sched.Bias {
+    if (v != .object) return bad(.{ .message = "'logit_bias' must be an object of token ids to numbers", .param = "logit_bias" });
+    if (v.object.count() > 1024) return bad(.{ .message = "'logit_bias' holds more than 1024 tokens", .param = "logit_bias" });
+    const out = try arena.alloc(sched.Bias, v.object.count());
+    var it = v.object.iterator();
+    var i: usize = 0;
+    while (it.next()) |e| : (i += 1) {
+        const id = std.fmt.parseInt(i32, e.key_ptr.*, 10) catch
+            return badf(arena, "logit_bias", "'logit_bias' key '{s}' is not a token id", .{e.key_ptr.*});
+        if (id < 0 or id >= server.info.vocab) return badf(arena, "logit_bias", "'logit_bias' token id {d} is outside the vocabulary of {d}", .{ id, server.info.vocab });
+        const x: f64 = switch (e.value_ptr.*) {
+            .integer => |n| @floatFromInt(n),
+            .float => |f| f,
+            else => return badf(arena, "logit_bias", "'logit_bias' of token {d} must be a number", .{id}),
+        };
+        if (!(x >= -100 and x <= 100)) return badf(arena, "logit_bias", "'logit_bias' of token {d} is {d}, outside -100 to 100", .{ id, x });
+        out[i] = .{ .id = id, .bias = @floatCast(x) };
+    }
+    return out;
+}
+
+/// The fill-in-the-middle tokens (prefix, suffix, middle) when the model's vocabulary has a family of
+/// them that each tokenize to one id: StarCoder's `<fim_prefix>` or Qwen's `<|fim_prefix|>`.
+pub fn fimTokens(engine: *c.engine) ?[3]i32 {
+    const families = [_][3][]const u8{
+        .{ "<fim_prefix>", "<fim_suffix>", "<fim_middle>" },
+        .{ "<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>" },
+    };
+    family: for (families) |names| {
+        var ids: [3]i32 = undefined;
+        for (names, &ids) |name, *id| {
+            var n: usize = 0;
+            var one: [2]i32 = undefined;
+            const st = c.engine_tokenize(engine, name.ptr, name.len, c.ENGINE_BOS_NO, &one, one.len, &n);
+            if (st != c.ENGINE_STATUS_OK or n != 1) continue :family;
+            id.* = one[0];
+        }
+        return ids;
+    }
+    return null;
 }
 
 fn parseResponseFormat(arena: std.mem.Allocator, rf: Value, p: *Params) !void {
@@ -413,25 +501,61 @@ fn tokenize(server: *Server, arena: std.mem.Allocator, s: []const u8, add_bos: b
     return ids[0..n];
 }
 
-fn completionPrompt(server: *Server, arena: std.mem.Allocator, obj: ObjectMap) ![]i32 {
+/// `prompt`: a string, an array of token ids, or an array of either (a prompt each, answered by `n`
+/// choices each, in order); with `suffix`, each prompt is put in the model's fill-in-the-middle form.
+fn completionPrompts(server: *Server, arena: std.mem.Allocator, obj: ObjectMap, suffix: ?[]const u8, p: *Params) !void {
+    const shape = "'prompt' must be a string, an array of token ids, or an array of strings or of arrays of token ids";
     const prompt = field(obj, "prompt") orelse return bad(.{ .message = "'prompt' is required", .param = "prompt" });
+    const fim_suffix = if (suffix) |sx| (if (sx.len > 0) sx else null) else null;
     switch (prompt) {
-        .string => |s| {
-            if (s.len > 0 and std.mem.indexOfScalar(u8, s, 0) != null) return bad(.{ .message = "the prompt holds a NUL character", .param = "prompt" });
-            return tokenize(server, arena, s, server.info.add_bos, "prompt");
-        },
+        .string => |s| try p.prompts.append(arena, try textPrompt(server, arena, s, fim_suffix)),
         .array => |list| {
-            if (list.items.len == 1 and list.items[0] == .string) return tokenize(server, arena, list.items[0].string, server.info.add_bos, "prompt");
-            const ids = try arena.alloc(i32, list.items.len);
-            for (list.items, ids) |item, *id| {
-                if (item != .integer) return bad(.{ .message = "'prompt' must be a string, one string in an array, or an array of token ids (several prompts in one request are not supported)", .param = "prompt" });
-                if (item.integer < 0 or item.integer >= server.info.vocab) return badf(arena, "prompt", "token id {d} is outside the vocabulary of {d}", .{ item.integer, server.info.vocab });
-                id.* = @intCast(item.integer);
-            }
-            return ids;
+            if (list.items.len == 0) return bad(.{ .message = "'prompt' is an empty array", .param = "prompt" });
+            if (list.items[0] == .integer) return p.prompts.append(arena, try idsPrompt(server, arena, list.items, fim_suffix));
+            if (list.items.len > max_prompts) return badf(arena, "prompt", "at most {d} prompts in one request", .{max_prompts});
+            for (list.items) |item| try p.prompts.append(arena, switch (item) {
+                .string => |s| try textPrompt(server, arena, s, fim_suffix),
+                .array => |ids| try idsPrompt(server, arena, ids.items, fim_suffix),
+                else => return bad(.{ .message = shape, .param = "prompt" }),
+            });
         },
-        else => return bad(.{ .message = "'prompt' must be a string or an array of token ids", .param = "prompt" }),
+        else => return bad(.{ .message = shape, .param = "prompt" }),
     }
+}
+
+fn textPrompt(server: *Server, arena: std.mem.Allocator, s: []const u8, suffix: ?[]const u8) !Prompt {
+    if (std.mem.indexOfScalar(u8, s, 0) != null) return bad(.{ .message = "the prompt holds a NUL character", .param = "prompt" });
+    if (suffix == null) return .{ .ids = try tokenize(server, arena, s, server.info.add_bos, "prompt"), .echo = s };
+    return .{ .ids = try fimPrompt(server, arena, try tokenize(server, arena, s, false, "prompt"), suffix.?), .echo = s };
+}
+
+fn idsPrompt(server: *Server, arena: std.mem.Allocator, items: []const Value, suffix: ?[]const u8) !Prompt {
+    const ids = try arena.alloc(i32, items.len);
+    var echo: std.ArrayList(u8) = .empty;
+    var buf: [256]u8 = undefined;
+    for (items, ids) |item, *id| {
+        if (item != .integer) return bad(.{ .message = "an array of token ids holds only integers", .param = "prompt" });
+        if (item.integer < 0 or item.integer >= server.info.vocab) return badf(arena, "prompt", "token id {d} is outside the vocabulary of {d}", .{ item.integer, server.info.vocab });
+        id.* = @intCast(item.integer);
+        const n = c.engine_token_piece(server.engine.?, id.*, &buf, buf.len);
+        if (n > 0) try echo.appendSlice(arena, buf[0..@min(@as(usize, @intCast(n)), buf.len - 1)]);
+    }
+    return .{ .ids = if (suffix) |sx| try fimPrompt(server, arena, ids, sx) else ids, .echo = echo.items };
+}
+
+/// The prefix's tokens and the suffix in the prefix-suffix-middle order, BOS first where the model wants it.
+fn fimPrompt(server: *Server, arena: std.mem.Allocator, prefix: []const i32, suffix: []const u8) ![]i32 {
+    if (std.mem.indexOfScalar(u8, suffix, 0) != null) return bad(.{ .message = "the suffix holds a NUL character", .param = "suffix" });
+    const fim = server.fim.?;
+    const after = try tokenize(server, arena, suffix, false, "suffix");
+    var ids: std.ArrayList(i32) = .empty;
+    if (server.info.add_bos and server.info.bos >= 0) try ids.append(arena, server.info.bos);
+    try ids.append(arena, fim[0]);
+    try ids.appendSlice(arena, prefix);
+    try ids.append(arena, fim[1]);
+    try ids.appendSlice(arena, after);
+    try ids.append(arena, fim[2]);
+    return ids.items;
 }
 
 fn chatPrompt(server: *Server, arena: std.mem.Allocator, obj: ObjectMap) ![]i32 {
@@ -479,11 +603,13 @@ fn chatPrompt(server: *Server, arena: std.mem.Allocator, obj: ObjectMap) ![]i32 
     return tokenize(server, arena, buf[0..@intCast(n)], false, "messages");
 }
 
-/// Writes what the choices produce: a whole response, or server-sent events as they come.
+/// Writes what the choices produce: a whole response, or server-sent events as they come. The choices
+/// of several prompts are numbered in order, `n` a prompt: prompt i's choice k is index i * n + k.
 const Writer = struct {
     server: *Server,
     conn: *http.Conn,
-    r: *sched.Request,
+    rs: []const *sched.Request,
+    sync: *sched.Sync,
     kind: Kind,
     params: *Params,
     arena: std.mem.Allocator,
@@ -500,24 +626,41 @@ const Writer = struct {
         return std.fmt.allocPrint(w.arena, "{s}-{s}", .{ if (w.kind == .chat) "chatcmpl" else "cmpl", hex }) catch "cmpl";
     }
 
+    /// The first of the requests that failed (under the lock).
+    fn failed(w: *const Writer) ?*sched.Request {
+        for (w.rs) |r| if (r.failure != null) return r;
+        return null;
+    }
+
+    fn released(w: *const Writer) bool {
+        for (w.rs) |r| if (!r.released) return false;
+        return true;
+    }
+
     /// Returns false when the connection must close.
     fn run(w: *Writer) bool {
-        const r = w.r;
-        const n = r.choices.len;
-        const sent = w.arena.alloc(usize, n) catch return false;
-        const sent_lp = w.arena.alloc(usize, n) catch return false;
-        const closed = w.arena.alloc(bool, n) catch return false;
+        const n = w.params.n;
+        const total = w.rs.len * n;
+        const sent = w.arena.alloc(usize, total) catch return false;
+        const sent_lp = w.arena.alloc(usize, total) catch return false;
+        const opened = w.arena.alloc(bool, total) catch return false;
+        const closed = w.arena.alloc(bool, total) catch return false;
         @memset(sent, 0);
         @memset(sent_lp, 0);
+        @memset(opened, false);
         @memset(closed, false);
         var chunk: std.ArrayList(u8) = .empty;
         defer chunk.deinit(gpa);
         var last_check = std.time.milliTimestamp();
 
-        r.mutex.lock();
+        const sync = w.sync;
+        sync.mutex.lock();
         while (true) {
-            if (r.failure) |why| {
-                r.mutex.unlock();
+            if (w.failed()) |r| {
+                // The others stop too: the request is answered with this one's error.
+                for (w.rs) |other| other.cancelled.store(true, .release);
+                const why = r.failure.?;
+                sync.mutex.unlock();
                 metrics.countFailure();
                 if (!w.headers_sent) {
                     http.respondError(w.conn, r.failure_status, why, null, null, w.params.stream == false);
@@ -532,45 +675,48 @@ const Writer = struct {
             }
             if (w.params.stream) {
                 chunk.clearRetainingCapacity();
-                for (r.choices, 0..) |*ch, k| {
-                    if (closed[k]) continue;
-                    const new_text = ch.out.items[sent[k]..];
-                    const new_lp = ch.logprobs.items[sent_lp[k]..];
-                    if (new_text.len > 0 or new_lp.len > 0) {
-                        w.deltaEvent(&chunk, k, new_text, new_lp, null) catch return false;
-                        sent[k] = ch.out.items.len;
-                        sent_lp[k] = ch.logprobs.items.len;
+                for (w.rs, 0..) |r, pi| for (r.choices, 0..) |*ch, k| {
+                    const idx = pi * n + k;
+                    if (closed[idx]) continue;
+                    const new_text = ch.out.items[sent[idx]..];
+                    const new_lp = ch.logprobs.items[sent_lp[idx]..];
+                    // The echoed prompt comes with a choice's first event.
+                    const echo = w.params.echo and !opened[idx];
+                    if (new_text.len > 0 or new_lp.len > 0 or (echo and ch.finish != .none)) {
+                        w.deltaEvent(&chunk, idx, if (echo) r else null, new_text, new_lp, null) catch return false;
+                        sent[idx] = ch.out.items.len;
+                        sent_lp[idx] = ch.logprobs.items.len;
+                        opened[idx] = true;
                     }
                     if (ch.finish != .none) {
-                        w.deltaEvent(&chunk, k, "", &.{}, ch.finish) catch return false;
-                        closed[k] = true;
+                        w.deltaEvent(&chunk, idx, null, "", &.{}, ch.finish) catch return false;
+                        closed[idx] = true;
                     }
-                }
+                };
                 if (chunk.items.len > 0) {
-                    r.mutex.unlock();
+                    sync.mutex.unlock();
                     w.startStream();
                     w.conn.writeAll(chunk.items);
-                    r.mutex.lock();
+                    sync.mutex.lock();
                 }
             }
-            if (r.released) break;
-            r.cond.timedWait(&r.mutex, 50 * std.time.ns_per_ms) catch {};
+            if (w.released()) break;
+            sync.cond.timedWait(&sync.mutex, 50 * std.time.ns_per_ms) catch {};
             const now = std.time.milliTimestamp();
             if (now - last_check >= 50) {
                 last_check = now;
-                r.mutex.unlock();
+                sync.mutex.unlock();
                 const gone = w.conn.peerGone();
-                r.mutex.lock();
+                sync.mutex.lock();
                 if (gone) {
-                    // The client left: its streams go back at the scheduler's next step.
-                    r.cancelled.store(true, .release);
-                    while (!r.released) r.cond.wait(&r.mutex);
-                    r.mutex.unlock();
+                    // The client left: the streams go back at the scheduler's next step.
+                    for (w.rs) |r| r.cancelled.store(true, .release);
+                    sync.mutex.unlock();
                     return false;
                 }
             }
         }
-        r.mutex.unlock();
+        sync.mutex.unlock();
         if (w.params.stream) {
             w.startStream();
             chunk.clearRetainingCapacity();
@@ -599,7 +745,7 @@ const Writer = struct {
             // The assistant's role comes first, as OpenAI sends it.
             var first: std.ArrayList(u8) = .empty;
             defer first.deinit(gpa);
-            for (0..w.r.choices.len) |k| {
+            for (0..w.rs.len * w.params.n) |k| {
                 w.eventHead(&first) catch return;
                 first.print(gpa, "[{{\"index\":{d},\"delta\":{{\"role\":\"assistant\",\"content\":\"\"}},\"logprobs\":null,\"finish_reason\":null}}]}}\n\n", .{k}) catch return;
             }
@@ -613,7 +759,8 @@ const Writer = struct {
         try out.appendSlice(gpa, ",\"choices\":");
     }
 
-    fn deltaEvent(w: *Writer, out: *std.ArrayList(u8), k: usize, new_text: []const u8, lps: []const sched.TokenLogprob, finish: ?sched.Finish) !void {
+    /// One choice's event; `echo` (a completion's first event with `echo`) puts its prompt first.
+    fn deltaEvent(w: *Writer, out: *std.ArrayList(u8), k: usize, echo: ?*const sched.Request, new_text: []const u8, lps: []const sched.TokenLogprob, finish: ?sched.Finish) !void {
         try w.eventHead(out);
         try out.print(gpa, "[{{\"index\":{d},", .{k});
         if (w.kind == .chat) {
@@ -625,44 +772,69 @@ const Writer = struct {
             }
         } else {
             try out.appendSlice(gpa, "\"text\":");
-            try text.appendJsonString(gpa, out, new_text);
+            try w.completionText(out, if (echo) |r| w.echoOf(r) else "", new_text);
         }
         try out.appendSlice(gpa, ",\"logprobs\":");
-        try w.logprobsJson(out, lps, 0);
+        try w.logprobsJson(out, echo, lps, 0);
         try out.appendSlice(gpa, ",\"finish_reason\":");
         try finishJson(out, finish orelse .none);
         try out.appendSlice(gpa, "}]}\n\n");
+    }
+
+    /// The prompt text `echo` puts before request `r`'s choices.
+    fn echoOf(w: *const Writer, r: *const sched.Request) []const u8 {
+        for (w.rs, w.params.prompts.items) |one, prompt| if (one == r) return prompt.echo;
+        return "";
+    }
+
+    /// A completion's text: the echoed prompt (whole UTF-8) and then the choice's own.
+    fn completionText(w: *const Writer, out: *std.ArrayList(u8), echo: []const u8, own: []const u8) !void {
+        _ = w;
+        if (echo.len == 0) return text.appendJsonString(gpa, out, own);
+        var both: std.ArrayList(u8) = .empty;
+        defer both.deinit(gpa);
+        try text.appendValidUtf8(gpa, &both, echo);
+        try both.appendSlice(gpa, own);
+        try text.appendJsonString(gpa, out, both.items);
     }
 
     fn wholeResponse(w: *Writer, out: *std.ArrayList(u8)) !void {
         try out.print(gpa, "{{\"id\":\"{s}\",\"object\":\"{s}\",\"created\":{d},\"model\":", .{ w.id, if (w.kind == .chat) "chat.completion" else "text_completion", w.created });
         try text.appendValidJsonString(gpa, out, w.server.name);
         try out.appendSlice(gpa, ",\"choices\":[");
-        for (w.r.choices, 0..) |*ch, k| {
-            if (k > 0) try out.append(gpa, ',');
-            try out.print(gpa, "{{\"index\":{d},", .{k});
+        for (w.rs, 0..) |r, pi| for (r.choices, 0..) |*ch, k| {
+            const idx = pi * w.params.n + k;
+            if (idx > 0) try out.append(gpa, ',');
+            try out.print(gpa, "{{\"index\":{d},", .{idx});
             if (w.kind == .chat) {
                 try out.appendSlice(gpa, "\"message\":{\"role\":\"assistant\",\"content\":");
                 try text.appendJsonString(gpa, out, ch.out.items);
                 try out.appendSlice(gpa, ",\"refusal\":null}");
             } else {
                 try out.appendSlice(gpa, "\"text\":");
-                try text.appendJsonString(gpa, out, ch.out.items);
+                try w.completionText(out, if (w.params.echo) w.echoOf(r) else "", ch.out.items);
             }
             try out.appendSlice(gpa, ",\"logprobs\":");
-            try w.logprobsJson(out, ch.logprobs.items, 0);
+            try w.logprobsJson(out, if (w.params.echo) r else null, ch.logprobs.items, 0);
             try out.appendSlice(gpa, ",\"finish_reason\":");
             try finishJson(out, ch.finish);
             try out.append(gpa, '}');
-        }
+        };
         try out.appendSlice(gpa, "],\"usage\":");
         try w.usageJson(out);
         try out.append(gpa, '}');
     }
 
     fn usageJson(w: *Writer, out: *std.ArrayList(u8)) !void {
-        const completion = w.r.completionTokens();
-        try out.print(gpa, "{{\"prompt_tokens\":{d},\"completion_tokens\":{d},\"total_tokens\":{d}}}", .{ w.r.prompt.len, completion, w.r.prompt.len + completion });
+        var prompt: u64 = 0;
+        var completion: u64 = 0;
+        var cached: u64 = 0;
+        for (w.rs) |r| {
+            prompt += r.prompt.len;
+            completion += r.completionTokens();
+            cached += r.cached_tokens;
+        }
+        try out.print(gpa, "{{\"prompt_tokens\":{d},\"completion_tokens\":{d},\"total_tokens\":{d},\"prompt_tokens_details\":{{\"cached_tokens\":{d}}}}}", .{ prompt, completion, prompt + completion, cached });
     }
 
     fn piece(w: *Writer, id: i32, buf: []u8) []const u8 {
@@ -670,8 +842,12 @@ const Writer = struct {
         return if (n > 0) buf[0..@min(@as(usize, @intCast(n)), buf.len - 1)] else "";
     }
 
-    fn logprobsJson(w: *Writer, out: *std.ArrayList(u8), lps: []const sched.TokenLogprob, offset: usize) !void {
-        if (w.params.top_logprobs == null or lps.len == 0) return out.appendSlice(gpa, "null");
+    /// A choice's logprobs; `echo` (a completion with `echo` and its prompt scored) puts its prompt's
+    /// tokens first, the first with no log-probability.
+    fn logprobsJson(w: *Writer, out: *std.ArrayList(u8), echo: ?*const sched.Request, lps: []const sched.TokenLogprob, offset: usize) !void {
+        const prompt_ids: []const i32 = if (echo) |r| (if (r.score_prompt) r.prompt else &.{}) else &.{};
+        const prompt_lps: []const f32 = if (echo) |r| r.prompt_logprobs.items else &.{};
+        if (w.params.top_logprobs == null or (lps.len == 0 and prompt_ids.len == 0)) return out.appendSlice(gpa, "null");
         var buf: [256]u8 = undefined;
         if (w.kind == .chat) {
             try out.appendSlice(gpa, "{\"content\":[");
@@ -688,19 +864,42 @@ const Writer = struct {
             }
             return out.appendSlice(gpa, "],\"refusal\":null}");
         }
-        // The legacy completions shape: parallel arrays, and each position's alternatives as a map.
+        // The legacy completions shape: parallel arrays, and each position's alternatives as a map; an
+        // echoed prompt's tokens first (the first has no log-probability: null).
         try out.appendSlice(gpa, "{\"tokens\":[");
-        for (lps, 0..) |lp, i| {
+        var i: usize = 0;
+        for (prompt_ids) |id| {
+            if (i > 0) try out.append(gpa, ',');
+            try text.appendValidJsonString(gpa, out, w.piece(id, &buf));
+            i += 1;
+        }
+        for (lps) |lp| {
             if (i > 0) try out.append(gpa, ',');
             try text.appendValidJsonString(gpa, out, w.piece(lp.id, &buf));
+            i += 1;
         }
         try out.appendSlice(gpa, "],\"token_logprobs\":[");
-        for (lps, 0..) |lp, i| {
+        i = 0;
+        for (prompt_ids, 0..) |_, j| {
+            if (i > 0) try out.append(gpa, ',');
+            const x = if (j < prompt_lps.len) prompt_lps[j] else std.math.nan(f32);
+            if (std.math.isNan(x)) try out.appendSlice(gpa, "null") else try text.appendJsonFloat(gpa, out, x);
+            i += 1;
+        }
+        for (lps) |lp| {
             if (i > 0) try out.append(gpa, ',');
             try text.appendJsonFloat(gpa, out, lp.logprob);
+            i += 1;
         }
         try out.appendSlice(gpa, "],\"top_logprobs\":[");
-        for (lps, 0..) |lp, i| {
+        i = 0;
+        for (prompt_ids, 0..) |_, j| {
+            if (i > 0) try out.append(gpa, ',');
+            // Echo takes logprobs 0 only: no alternatives.
+            try out.appendSlice(gpa, if (j == 0) "null" else "{}");
+            i += 1;
+        }
+        for (lps) |lp| {
             if (i > 0) try out.append(gpa, ',');
             try out.append(gpa, '{');
             for (lp.top_ids, lp.top_logprobs, 0..) |id, x, j| {
@@ -710,13 +909,22 @@ const Writer = struct {
                 try text.appendJsonFloat(gpa, out, x);
             }
             try out.append(gpa, '}');
+            i += 1;
         }
         try out.appendSlice(gpa, "],\"text_offset\":[");
         var at = offset;
-        for (lps, 0..) |lp, i| {
+        i = 0;
+        for (prompt_ids) |id| {
+            if (i > 0) try out.append(gpa, ',');
+            try out.print(gpa, "{d}", .{at});
+            at += w.piece(id, &buf).len;
+            i += 1;
+        }
+        for (lps) |lp| {
             if (i > 0) try out.append(gpa, ',');
             try out.print(gpa, "{d}", .{at});
             at += w.piece(lp.id, &buf).len;
+            i += 1;
         }
         try out.appendSlice(gpa, "]}");
     }

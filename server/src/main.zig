@@ -32,7 +32,7 @@ const usage =
     \\  --batch-tokens N          token budget of one step: decode tokens plus prompt chunks (default 512)
     \\  --chunk N                 most tokens of one prompt in one step (default 256)
     \\  --lookup N                prompt-lookup speculation proposing up to N tokens a step (default 0: off)
-    \\  --draft MODEL             a drafter checkpoint for speculation (this library version refuses it)
+    \\  --draft MODEL             a drafter checkpoint the engine loads (the scheduler does not propose with it yet)
     \\  --api-key KEY             require "Authorization: Bearer KEY" (compared in constant time)
     \\  --max-connections N       connections served at once; more get 503 (default 256)
     \\  --max-body BYTES          largest request body (default 4194304)
@@ -173,6 +173,8 @@ pub const Server = struct {
     busy: std.atomic.Value(u32) = .init(0),
     key_digest: ?[32]u8 = null,
     created: i64,
+    /// The model's fill-in-the-middle tokens (prefix, suffix, middle), for a completion's `suffix`.
+    fim: ?[3]i32 = null,
 
     pub fn authorized(s: *Server, header: ?[]const u8) bool {
         const want = s.key_digest orelse return true;
@@ -245,6 +247,7 @@ pub fn main() !void {
     if (st != c.ENGINE_STATUS_OK) die("cannot load {s}: {s}: {s}", .{ cfg.model.?, c.engine_status_str(@intCast(st)), c.engine_last_error() });
     server.engine = engine.?;
     _ = c.engine_model_info(engine.?, &server.info);
+    server.fim = api.fimTokens(engine.?);
     try server.scheduler.init(engine.?, .{
         .batch_tokens = cfg.batch_tokens,
         .chunk_tokens = cfg.chunk,

@@ -9,6 +9,8 @@ var requests_completion: Counter = .init(0);
 var requests_failed: Counter = .init(0);
 var prompt_tokens: Counter = .init(0);
 var completion_tokens: Counter = .init(0);
+var prompt_cached: Counter = .init(0);
+var prompt_computed: Counter = .init(0);
 var spec_proposed: Counter = .init(0);
 var spec_accepted: Counter = .init(0);
 var steps: Counter = .init(0);
@@ -64,6 +66,10 @@ pub fn addPromptTokens(n: u64) void {
 pub fn addCompletionTokens(n: u64) void {
     _ = completion_tokens.fetchAdd(n, .monotonic);
 }
+pub fn addPromptReuse(cached: u64, computed: u64) void {
+    _ = prompt_cached.fetchAdd(cached, .monotonic);
+    _ = prompt_computed.fetchAdd(computed, .monotonic);
+}
 pub fn addSpeculation(proposed: u64, accepted: u64) void {
     _ = spec_proposed.fetchAdd(proposed, .monotonic);
     _ = spec_accepted.fetchAdd(accepted, .monotonic);
@@ -93,6 +99,8 @@ pub fn render(gpa: std.mem.Allocator, out: *std.ArrayList(u8), engine: *c.engine
     try out.print(gpa, "hostembed_requests_total{{endpoint=\"chat\"}} {d}\nhostembed_requests_total{{endpoint=\"completions\"}} {d}\n", .{ requests_chat.load(.monotonic), requests_completion.load(.monotonic) });
     try counter(gpa, out, "hostembed_request_errors_total", "counter", "Requests answered with an error status.", requests_failed.load(.monotonic));
     try counter(gpa, out, "hostembed_prompt_tokens_total", "counter", "Prompt tokens of accepted requests.", prompt_tokens.load(.monotonic));
+    try counter(gpa, out, "hostembed_prompt_tokens_cached_total", "counter", "Prompt tokens whose KV positions the prefix cache gave.", prompt_cached.load(.monotonic));
+    try counter(gpa, out, "hostembed_prompt_tokens_computed_total", "counter", "Prompt tokens computed (not given by the prefix cache).", prompt_computed.load(.monotonic));
     try counter(gpa, out, "hostembed_completion_tokens_total", "counter", "Tokens generated.", completion_tokens.load(.monotonic));
     try counter(gpa, out, "hostembed_steps_total", "counter", "engine_step_batch calls.", steps.load(.monotonic));
     try counter(gpa, out, "hostembed_step_items_total", "counter", "Items over all engine_step_batch calls.", step_items.load(.monotonic));

@@ -25,7 +25,7 @@ pub const Choice = struct {
     generated: u32 = 0,
     last_token_ns: i128 = 0,
     spec_out: [c.ENGINE_SPECULATION_MAX_TOKENS + 1]i32 = undefined,
-    // Read by the connection thread under Request.mutex.
+    // Read by the connection thread under the request's lock (`Request.sync`).
     finish: Finish = .none,
     out: std.ArrayList(u8) = .empty,
     logprobs: std.ArrayList(TokenLogprob) = .empty,
@@ -46,6 +46,15 @@ pub const Choice = struct {
     }
 };
 
+/// The lock and signal of a connection's requests (several prompts in one body are a request each).
+pub const Sync = struct {
+    mutex: std.Thread.Mutex = .{},
+    cond: std.Thread.Condition = .{},
+};
+
+/// A token's bias added to its logit before sampling (OpenAI's `logit_bias`).
+pub const Bias = struct { id: i32, bias: f32 };
+
 pub const Request = struct {
     // What was asked (owned by the connection thread, read-only here).
     prompt: []const i32,
@@ -60,6 +69,11 @@ pub const Request = struct {
     /// OpenAI's penalties; either nonzero makes the server sample the choices itself from the logits.
     frequency_penalty: f32 = 0,
     presence_penalty: f32 = 0,
+    /// Added to the logits before the penalties; any makes the server sample the choices itself.
+    logit_bias: []const Bias = &.{},
+    /// The prompt's tokens are scored (`engine_score`) for `prompt_logprobs` as they are read (echo
+    /// with logprobs): all but the last, which every choice steps itself as with n > 1.
+    score_prompt: bool = false,
 
     // The scheduler's own.
     choices: []Choice = &.{},
@@ -69,10 +83,14 @@ pub const Request = struct {
     submitted_ns: i128 = 0,
     first_token_ns: i128 = 0,
     reserved: u64 = 0,
+    /// Prompt tokens whose positions the engine's prefix cache gave (`engine_prefix_stats`), for `usage`.
+    cached_tokens: u64 = 0,
 
-    // Shared with the connection thread.
-    mutex: std.Thread.Mutex = .{},
-    cond: std.Thread.Condition = .{},
+    // Shared with the connection thread, under `sync`.
+    sync: *Sync,
+    /// With `score_prompt`: each prompt token's log-probability (NaN for the first), complete once the
+    /// choices decode.
+    prompt_logprobs: std.ArrayList(f32) = .empty,
     cancelled: std.atomic.Value(bool) = .init(false),
     /// The scheduler holds nothing of the request any more: the connection thread may free it.
     released: bool = false,
@@ -87,12 +105,13 @@ pub const Request = struct {
     }
 
     pub fn samplesItself(r: *const Request) bool {
-        return r.frequency_penalty != 0 or r.presence_penalty != 0;
+        return r.frequency_penalty != 0 or r.presence_penalty != 0 or r.logit_bias.len > 0;
     }
 
     pub fn deinit(r: *Request) void {
         for (r.choices) |*ch| ch.deinit();
         gpa.free(r.choices);
+        r.prompt_logprobs.deinit(gpa);
         if (r.failure) |f| gpa.free(f);
     }
 
@@ -103,10 +122,17 @@ pub const Request = struct {
         return sum;
     }
 
-    /// Prompt tokens stepped on the first stream before the others fork from it: all but the last when
-    /// several choices share the prompt, so each of them steps the last one itself and samples its own.
+    /// Prompt tokens read on the first stream before the others fork from it: all but the last when
+    /// several choices share the prompt (or it is scored), so each of them steps the last one itself and
+    /// samples its own.
     fn prefillEnd(r: *const Request) usize {
-        return if (r.n == 1) r.prompt.len else r.prompt.len - 1;
+        return if (r.prefillSamples()) r.prompt.len else r.prompt.len - 1;
+    }
+
+    /// Whether the step reading the prompt's last chunk samples the first token (one choice, the prompt
+    /// stepped rather than scored).
+    fn prefillSamples(r: *const Request) bool {
+        return r.n == 1 and !r.score_prompt;
     }
 };
 
@@ -141,6 +167,8 @@ pub const Scheduler = struct {
     items: std.ArrayList(c.engine_batch_item) = .empty,
     owners: std.ArrayList(Owner) = .empty,
     logits: []f32 = &.{},
+    /// The ids a constrained choice's stream allows next (`engine_allowed_tokens`), for its own sampling.
+    allowed: []u32 = &.{},
     candidates: std.ArrayList(Candidate) = .empty,
 
     /// Requests submitted and not yet released, for draining and the metrics.
@@ -170,6 +198,7 @@ pub const Scheduler = struct {
             try s.free_streams.append(gpa, k);
         }
         s.logits = try gpa.alloc(f32, info.vocab);
+        s.allowed = try gpa.alloc(u32, (info.vocab + 31) / 32);
     }
 
     pub fn streams(s: *const Scheduler) usize {
@@ -275,11 +304,15 @@ pub const Scheduler = struct {
                 s.release(r);
                 continue;
             };
-            if (r.prefillEnd() == 0) s.enterDecode(r) catch {
-                _ = s.running.pop();
-                s.fail(r, 400);
-                s.release(r);
-            };
+            if (r.prefillEnd() == 0) {
+                s.countPrompt(r);
+                if (r.score_prompt) s.notePromptLogprobs(r, &.{std.math.nan(f32)});
+                s.enterDecode(r) catch {
+                    _ = s.running.pop();
+                    s.fail(r, 400);
+                    s.release(r);
+                };
+            }
         }
     }
 
@@ -338,7 +371,12 @@ pub const Scheduler = struct {
             if (r.decoding or budget == 0) continue;
             const end = r.prefillEnd();
             const chunk = @min(end - r.prefilled, budget, s.opts.chunk_tokens);
-            if (r.n == 1 and r.prefilled + chunk == end) s.constrain(r) catch {
+            if (r.score_prompt) {
+                s.scoreChunk(r, chunk);
+                budget -= chunk;
+                continue;
+            }
+            if (r.prefillSamples() and r.prefilled + chunk == end) s.constrain(r) catch {
                 r.cancelled.store(true, .release);
                 s.fail(r, 400);
                 continue;
@@ -390,7 +428,7 @@ pub const Scheduler = struct {
             return;
         }
         var own: [1]i32 = undefined;
-        const ends_prefill = o.choice == null and r.prefilled + o.chunk >= r.prefillEnd() and r.n == 1;
+        const ends_prefill = o.choice == null and r.prefilled + o.chunk >= r.prefillEnd() and r.prefillSamples();
         const produced: []const i32 = if (r.samplesItself() and (o.choice != null or ends_prefill)) own: {
             own[0] = s.sampleItself(r, &r.choices[o.choice orelse 0]) catch {
                 s.fail(r, 500);
@@ -408,13 +446,61 @@ pub const Scheduler = struct {
         }
         r.prefilled += o.chunk;
         if (r.prefilled < r.prefillEnd()) return;
-        if (r.n == 1) {
+        s.countPrompt(r);
+        if (r.prefillSamples()) {
             r.decoding = true;
             for (produced) |tok| {
                 s.takeToken(r, &r.choices[0], tok);
                 if (r.choices[0].finish != .none) break;
             }
         } else s.enterDecode(r) catch s.fail(r, 400);
+    }
+
+    /// Reads the next `chunk` tokens of a scored prompt with `engine_score` (beside the step, as a call of
+    /// its own), keeping their log-probabilities; after the last, the last prompt token's from the logits
+    /// the score left, and the choices go on to decode.
+    fn scoreChunk(s: *Scheduler, r: *Request, chunk: usize) void {
+        const tokens = r.prompt[r.prefilled .. r.prefilled + chunk];
+        const lps = gpa.alloc(f32, chunk + 1) catch {
+            s.fail(r, 500);
+            return;
+        };
+        defer gpa.free(lps);
+        const st = c.engine_score(s.engine, r.choices[0].stream, tokens.ptr, tokens.len, lps.ptr);
+        if (st != c.ENGINE_STATUS_OK) {
+            s.fail(r, if (st == c.ENGINE_STATUS_NO_ROOM) 503 else 400);
+            return;
+        }
+        r.prefilled += chunk;
+        var n = chunk;
+        if (r.prefilled == r.prefillEnd()) {
+            lps[chunk] = s.logprobAt(r.choices[0].stream, r.prompt[r.prompt.len - 1]) catch std.math.nan(f32);
+            n += 1;
+        }
+        s.notePromptLogprobs(r, lps[0..n]);
+        if (r.prefilled < r.prefillEnd()) return;
+        s.countPrompt(r);
+        s.enterDecode(r) catch s.fail(r, 400);
+    }
+
+    fn notePromptLogprobs(s: *Scheduler, r: *Request, lps: []const f32) void {
+        r.sync.mutex.lock();
+        defer r.sync.mutex.unlock();
+        r.prompt_logprobs.appendSlice(gpa, lps) catch s.failLocked(r, 500);
+    }
+
+    /// Once the prompt is read: how many of its tokens the prefix cache gave and how many were computed,
+    /// from the stream that read it (the last token, which every choice steps itself when n > 1, counted
+    /// once as computed).
+    fn countPrompt(s: *Scheduler, r: *Request) void {
+        var cached: u64 = 0;
+        var computed: u64 = 0;
+        if (r.prefillEnd() > 0 and c.engine_prefix_stats(s.engine, r.choices[0].stream, &cached, &computed) != c.ENGINE_STATUS_OK) return;
+        computed += r.prompt.len - r.prefillEnd();
+        r.sync.mutex.lock();
+        r.cached_tokens = cached;
+        r.sync.mutex.unlock();
+        metrics.addPromptReuse(cached, computed);
     }
 
     fn takeToken(s: *Scheduler, r: *Request, ch: *Choice, tok: i32) void {
@@ -442,33 +528,45 @@ pub const Scheduler = struct {
         const len = c.engine_token_piece(s.engine, tok, &piece_buf, piece_buf.len);
         const piece: []const u8 = if (len > 0) piece_buf[0..@min(@as(usize, @intCast(len)), piece_buf.len - 1)] else "";
 
-        r.mutex.lock();
+        r.sync.mutex.lock();
         const stopped = ch.holder.push(gpa, piece, r.stops, &ch.out) catch true;
         if (lp) |v| ch.logprobs.append(gpa, v) catch {};
-        r.mutex.unlock();
+        r.sync.mutex.unlock();
         if (stopped) {
             s.finishChoice(r, ch, .stop);
         } else if (ch.generated >= r.max_tokens) {
             s.finishChoice(r, ch, .length);
         } else {
             ch.pending = tok;
-            r.cond.broadcast();
+            r.sync.cond.broadcast();
         }
     }
 
-    /// Samples a choice's next token from its stream's logits with OpenAI's penalties (each logit less
-    /// frequency_penalty times the token's count and presence_penalty once it occurred), then the
-    /// request's temperature, top-k, top-p and min-p; greedy at temperature 0. The draws come from the
-    /// choice's own generator, seeded by the request's seed and the choice's index.
+    /// Samples a choice's next token from its stream's logits: OpenAI's logit_bias added, its penalties
+    /// subtracted (frequency_penalty times the token's count, presence_penalty once it occurred), then the
+    /// request's temperature, top-k, top-p and min-p, among the ids its constraint allows when it has
+    /// one; greedy at temperature 0. The draws come from the choice's own generator, seeded by the
+    /// request's seed and the choice's index.
     fn sampleItself(s: *Scheduler, r: *Request, ch: *Choice) !i32 {
         const logits = s.logits;
         if (c.engine_logits(s.engine, ch.stream, logits.ptr, logits.len) != c.ENGINE_STATUS_OK) return error.Engine;
+        for (r.logit_bias) |b| logits[@intCast(b.id)] += b.bias;
         var it = ch.counts.iterator();
         while (it.next()) |e| {
             const id: usize = @intCast(e.key_ptr.*);
             logits[id] -= r.frequency_penalty * @as(f32, @floatFromInt(e.value_ptr.*)) + r.presence_penalty;
         }
-        var best: usize = 0;
+        // A constrained choice draws among the ids its constraint allows next, as the engine's draw would.
+        var first_allowed: ?usize = null;
+        if (r.constrained) {
+            if (c.engine_allowed_tokens(s.engine, ch.stream, s.allowed.ptr, s.allowed.len) != c.ENGINE_STATUS_OK) return error.Engine;
+            for (logits, 0..) |*x, i| {
+                if (s.allowed[i / 32] >> @intCast(i % 32) & 1 == 0) {
+                    x.* = -std.math.inf(f32);
+                } else if (first_allowed == null) first_allowed = i;
+            }
+        }
+        var best: usize = first_allowed orelse 0;
         for (logits, 0..) |x, i| if (x > logits[best]) {
             best = i;
         };
@@ -509,42 +607,51 @@ pub const Scheduler = struct {
         return s.candidates.items[keep - 1].id;
     }
 
-    /// The sampled token's log-probability (from the logits, as it may lie outside the top k) and the
-    /// k likeliest tokens', all before the sampling transforms.
-    fn logprobOf(s: *Scheduler, stream: u32, tok: i32, k: u32) !TokenLogprob {
+    /// Token `tok`'s log-probability after stream `stream`'s last step: the log-softmax of its logits.
+    fn logprobAt(s: *Scheduler, stream: u32, tok: i32) !f32 {
         if (c.engine_logits(s.engine, stream, s.logits.ptr, s.logits.len) != c.ENGINE_STATUS_OK) return error.Engine;
         var max: f64 = -std.math.inf(f64);
         for (s.logits) |x| max = @max(max, x);
         var sum: f64 = 0;
         for (s.logits) |x| sum += @exp(@as(f64, x) - max);
-        const lse = max + @log(sum);
+        return @floatCast(@as(f64, s.logits[@intCast(tok)]) - (max + @log(sum)));
+    }
+
+    /// The sampled token's log-probability (from the logits, as it may lie outside the top k) and the
+    /// k likeliest tokens', all before the sampling transforms.
+    fn logprobOf(s: *Scheduler, stream: u32, tok: i32, k: u32) !TokenLogprob {
+        const logprob = try s.logprobAt(stream, tok);
         const ids = try gpa.alloc(i32, k);
         errdefer gpa.free(ids);
         const lps = try gpa.alloc(f32, k);
         errdefer gpa.free(lps);
         if (c.engine_top_logprobs(s.engine, stream, k, ids.ptr, lps.ptr) != c.ENGINE_STATUS_OK) return error.Engine;
-        return .{ .id = tok, .logprob = @floatCast(@as(f64, s.logits[@intCast(tok)]) - lse), .top_ids = ids, .top_logprobs = lps };
+        return .{ .id = tok, .logprob = logprob, .top_ids = ids, .top_logprobs = lps };
     }
 
     fn finishChoice(s: *Scheduler, r: *Request, ch: *Choice, why: Finish) void {
         _ = s;
-        r.mutex.lock();
-        defer r.mutex.unlock();
+        r.sync.mutex.lock();
+        defer r.sync.mutex.unlock();
         ch.holder.flush(gpa, &ch.out) catch {};
         ch.finish = why;
-        r.cond.broadcast();
+        r.sync.cond.broadcast();
     }
 
     fn fail(s: *Scheduler, r: *Request, status: u16) void {
+        r.sync.mutex.lock();
+        defer r.sync.mutex.unlock();
+        s.failLocked(r, status);
+    }
+
+    fn failLocked(s: *Scheduler, r: *Request, status: u16) void {
         _ = s;
-        r.mutex.lock();
-        defer r.mutex.unlock();
         if (r.failure == null) {
             const why = std.mem.span(c.engine_last_error());
             r.failure = gpa.dupe(u8, if (why.len > 0) why else "the engine refused the request") catch null;
             r.failure_status = status;
         }
-        r.cond.broadcast();
+        r.sync.cond.broadcast();
     }
 
     fn retireFinished(s: *Scheduler) void {
@@ -592,19 +699,19 @@ pub const Scheduler = struct {
 
     fn releaseWaiting(s: *Scheduler, r: *Request, why: ?[]const u8, status: u16) void {
         if (why) |w| {
-            r.mutex.lock();
+            r.sync.mutex.lock();
             r.failure = gpa.dupe(u8, w) catch null;
             r.failure_status = status;
-            r.mutex.unlock();
+            r.sync.mutex.unlock();
         }
         s.markReleased(r);
     }
 
     fn markReleased(s: *Scheduler, r: *Request) void {
         _ = s.live.fetchSub(1, .monotonic);
-        r.mutex.lock();
-        defer r.mutex.unlock();
+        r.sync.mutex.lock();
+        defer r.sync.mutex.unlock();
         r.released = true;
-        r.cond.broadcast();
+        r.sync.cond.broadcast();
     }
 };

@@ -219,9 +219,143 @@ def test_penalties(srv):
     a = complete(client, prompt, max_tokens=8, temperature=1.0, seed=3, n=2, presence_penalty=0.5)
     b = complete(client, prompt, max_tokens=8, temperature=1.0, seed=3, n=2, presence_penalty=0.5)
     check([c.text for c in a.choices] == [c.text for c in b.choices], "penalized sampling repeats with its seed")
-    status, _ = srv.post("/v1/completions", {"model": MODEL_NAME, "prompt": "x", "max_tokens": 2, "presence_penalty": 1,
-                                             "response_format": {"type": "json_object"}})
-    check(status == 400, "penalties with response_format are refused")
+
+    # With response_format the server's draw keeps to the constraint's mask (engine_allowed_tokens): a
+    # negligible penalty gives the engine's own constrained greedy output, heavy ones still valid JSON.
+    schema = {"type": "object", "properties": {"words": {"type": "array", "items": {"type": "string", "maxLength": 12},
+                                                         "maxItems": 6}},
+              "required": ["words"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "words", "schema": schema}}
+    ask = "List some words as JSON."
+    plain = chat(client, ask, max_tokens=60, response_format=fmt).choices[0].message.content
+    tiny = chat(client, ask, max_tokens=60, response_format=fmt, frequency_penalty=0.0001).choices[0].message.content
+    check(tiny == plain, f"a negligible penalty with json_schema gives the engine's constrained greedy output: {tiny!r}")
+    outs = [chat(client, ask, max_tokens=60, response_format=fmt, **kw)
+            for kw in ({"frequency_penalty": 2.0, "presence_penalty": 2.0},
+                       {"presence_penalty": 1.0, "temperature": 1.0, "seed": 9},
+                       {"logit_bias": {str(ROME): 5}, "temperature": 0.7, "seed": 4})]
+    valid = []
+    for r in outs:
+        try:
+            jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+            valid.append(r.choices[0].finish_reason == "stop")
+        except (ValueError, jsonschema.ValidationError):
+            valid.append(False)
+    check(all(valid), f"penalties and logit_bias with json_schema still validate: {[r.choices[0].message.content for r in outs]}")
+    r = chat(client, 'Reply with JSON: {"ok": true}', max_tokens=60, presence_penalty=1.5, n=2, temperature=0.8, seed=2,
+             response_format={"type": "json_object"})
+    try:
+        parsed = all(json.loads(c.message.content) is not None for c in r.choices)
+    except ValueError:
+        parsed = False
+    check(parsed, f"penalties with json_object, n=2: {[c.message.content for c in r.choices]}")
+
+
+# SmolLM2's ids of three words, for requests that name tokens (the tests check that they are these words).
+PARIS, LONDON, ROME = 7042, 4528, 7268
+PATTERN = [PARIS, LONDON] * 4 + [PARIS]
+
+
+def test_logit_bias(srv):
+    """logit_bias: -100 bans the greedy token, +100 forces one, a negligible bias changes nothing."""
+    client = srv.client()
+    tokens = lambda r: r.choices[0].logprobs.tokens
+    prompt = "The capital of France is"
+    base = tokens(complete(client, prompt, max_tokens=4, logprobs=0))
+    paris = tokens(complete(client, prompt, max_tokens=1, logprobs=0, logit_bias={str(PARIS): 100}))[0]
+    check(paris == " Paris" and base[0] == paris, f"the greedy token is ' Paris' ({base})")
+    forced = tokens(complete(client, prompt, max_tokens=3, logprobs=0, logit_bias={str(ROME): 100}))
+    check(forced == [" Rome"] * 3, f"+100 forces its token at every step: {forced}")
+    banned = tokens(complete(client, prompt, max_tokens=4, logprobs=0, logit_bias={str(PARIS): -100}))
+    check(banned[0] != base[0] and paris not in banned, f"-100 bans the greedy token: {base} -> {banned}")
+    tiny = complete(client, prompt, max_tokens=4, logit_bias={str(ROME): 0.001}).choices[0].text
+    check(tiny == "".join(base), f"a negligible bias keeps the greedy output: {tiny!r}")
+    r = chat(client, "Name a city.", max_tokens=3, logit_bias={str(ROME): 100})
+    check(r.choices[0].message.content == " Rome" * 3, f"chat takes logit_bias: {r.choices[0].message.content!r}")
+    a = complete(client, "Pick a word:", max_tokens=6, temperature=1.0, seed=5, logit_bias={str(ROME): 2})
+    b = complete(client, "Pick a word:", max_tokens=6, temperature=1.0, seed=5, logit_bias={str(ROME): 2})
+    check(a.choices[0].text == b.choices[0].text, "biased sampling repeats with its seed")
+
+
+def test_completion_prompts(srv):
+    """Several prompts in one body (a choice each, n each, in order), echo, echo with logprobs, suffix."""
+    client = srv.client()
+    prompts = ["The capital of France is", "One, two, three,", "The capital of France is"]
+    alone = [complete(client, p, max_tokens=5) for p in prompts]
+    r = complete(client, prompts, max_tokens=5)
+    check([c.index for c in r.choices] == [0, 1, 2] and [c.text for c in r.choices] == [a.choices[0].text for a in alone],
+          f"three prompts: a choice each, in order, each equal to its prompt alone: {[c.text for c in r.choices]}")
+    check(r.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone) and r.usage.completion_tokens == 15,
+          f"usage sums the prompts: {r.usage}")
+    r = complete(client, prompts[:2], max_tokens=5, n=2)
+    want = [alone[0].choices[0].text] * 2 + [alone[1].choices[0].text] * 2
+    check([c.index for c in r.choices] == [0, 1, 2, 3] and [c.text for c in r.choices] == want,
+          "n=2 for two prompts: indexes 0-1 the first prompt's, 2-3 the second's")
+    ids = [PATTERN, [ROME, ROME, ROME]]
+    r = complete(client, ids, max_tokens=3)
+    check([c.text for c in r.choices] == [complete(client, p, max_tokens=3).choices[0].text for p in ids],
+          "prompts as arrays of token ids")
+    got = {}
+    for chunk in complete(client, prompts, max_tokens=5, stream=True):
+        for c in chunk.choices:
+            got[c.index] = got.get(c.index, "") + c.text
+    check(got == {k: a.choices[0].text for k, a in enumerate(alone)}, f"several prompts streamed: {got}")
+
+    r = complete(client, prompts[0], max_tokens=5, echo=True)
+    check(r.choices[0].text == prompts[0] + alone[0].choices[0].text, f"echo puts the prompt first: {r.choices[0].text!r}")
+    r = complete(client, PATTERN, max_tokens=2, echo=True)
+    check(r.choices[0].text.startswith(" Paris London Paris London"), f"echo of token ids is their text: {r.choices[0].text!r}")
+    streamed = "".join(c.text for chunk in complete(client, prompts[0], max_tokens=5, echo=True, stream=True) for c in chunk.choices)
+    check(streamed == prompts[0] + alone[0].choices[0].text, f"streamed echo: {streamed!r}")
+
+    # echo with logprobs: the prompt's tokens scored. " Paris" generated after the prompt and " Paris" as
+    # the last token of a longer prompt have the same log-probability.
+    r = complete(client, prompts[0], max_tokens=1, echo=True, logprobs=0)
+    lp = r.choices[0].logprobs
+    n = alone[0].usage.prompt_tokens
+    check(len(lp.tokens) == n + 1 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None and
+          all(x <= 0 for x in lp.token_logprobs[1:]) and "".join(lp.tokens) == r.choices[0].text,
+          f"echo with logprobs 0 scores the prompt's tokens: {lp.tokens} {lp.token_logprobs}")
+    longer = complete(client, prompts[0] + " Paris", max_tokens=1, echo=True, logprobs=0).choices[0].logprobs
+    check(lp.tokens[-1] == " Paris" and longer.tokens[:n + 1] == lp.tokens and
+          abs(longer.token_logprobs[n] - lp.token_logprobs[n]) < 1e-4,
+          f"a prompt token's score is its logprob when generated: {longer.token_logprobs[n]} vs {lp.token_logprobs[n]}")
+    r = complete(client, PATTERN, max_tokens=2, echo=True, logprobs=0)
+    lp = r.choices[0].logprobs
+    plain = complete(client, PATTERN, max_tokens=2, logprobs=0).choices[0].logprobs
+    check(lp.tokens[-2:] == plain.tokens and all(abs(a - b) < 1e-4 for a, b in zip(lp.token_logprobs[-2:], plain.token_logprobs)),
+          "echo keeps the generated tokens and their logprobs")
+    r = complete(client, [ROME], max_tokens=2, echo=True, logprobs=0, n=2)
+    check(all(c.logprobs.token_logprobs[0] is None and c.text.startswith(" Rome") for c in r.choices),
+          "echo with logprobs of a one-token prompt, n=2")
+
+    status, reply = srv.post("/v1/completions", {"model": MODEL_NAME, "prompt": "x", "max_tokens": 2, "echo": True, "logprobs": 2})
+    check(status == 400 and b"echo" in reply, f"echo with logprobs above 0 is refused: {reply[-160:]!r}")
+    status, reply = srv.post("/v1/completions", {"model": MODEL_NAME, "prompt": "def f(", "suffix": "return x", "max_tokens": 2})
+    check(status == 400 and b"fill-in-the-middle" in reply, f"suffix on a model with no fill-in-the-middle tokens: {reply[-160:]!r}")
+
+
+def test_prefix_cache(srv):
+    """A prompt sent again takes its whole KV pages from the prefix cache: /metrics counts the prompt
+    tokens cached and computed, and usage.prompt_tokens_details.cached_tokens says it per request."""
+    client = srv.client()
+    prompt = "A note about the prefix cache, repeated to fill pages: " + " ".join(f"item {k}," for k in range(40))
+    before = srv.metrics()
+    first = complete(client, prompt, max_tokens=2)
+    mid = srv.metrics()
+    second = complete(client, prompt, max_tokens=2)
+    after = srv.metrics()
+    n = first.usage.prompt_tokens
+    cached = lambda m: m.get("hostembed_prompt_tokens_cached_total", -1)
+    computed = lambda m: m.get("hostembed_prompt_tokens_computed_total", -1)
+    check(n >= 96 and cached(mid) - cached(before) == 0 and computed(mid) - computed(before) == n,
+          f"a new {n}-token prompt is computed: cached +{cached(mid) - cached(before)}, computed +{computed(mid) - computed(before)}")
+    got = cached(after) - cached(mid)
+    check(got >= 64 and got + computed(after) - computed(mid) == n,
+          f"the same prompt again takes whole pages from the cache: cached +{got}, computed +{computed(after) - computed(mid)}")
+    details = lambda r: r.usage.prompt_tokens_details.cached_tokens if r.usage.prompt_tokens_details else None
+    check(details(first) == 0 and details(second) == got, f"usage cached_tokens: {details(first)}, then {details(second)}")
+    check(second.choices[0].text == first.choices[0].text, "the cached prompt gives the same greedy output")
 
 
 def test_logprobs(srv):
@@ -393,7 +527,8 @@ def bad_requests():
         "presence_penalty": [-5, True],
         "repetition_penalty": [0, 100, "x"],
         "tools": [[{"type": "function", "function": {"name": "f"}}]],
-        "logit_bias": [{"1": 5}],
+        "logit_bias": ["x", [1], {"x": 5}, {"1": 500}, {"-1": 1}, {"99999999": 1}, {"1": "a"}, {"1": None},
+                       {str(k): 1 for k in range(1025)}],
         "bogus_field": [1],
     }
     for name, values in wrong.items():
@@ -405,10 +540,16 @@ def bad_requests():
                 body[name] = v
             out.append((f"{name}={json.dumps(v)[:40]}", post("/v1/chat/completions", json.dumps(body).encode())))
     completion = {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 2}
-    for name, v in [("prompt", 5), ("prompt", [[1, 2]]), ("prompt", [-1]), ("prompt", [10 ** 9]), ("prompt", ["a", "b"]),
-                    ("prompt", ""), ("echo", True), ("best_of", 3), ("suffix", "x"), ("logprobs", 9), ("prompt", "word " * 3000)]:
+    for name, v in [("prompt", 5), ("prompt", [-1]), ("prompt", [10 ** 9]), ("prompt", []), ("prompt", [[]]),
+                    ("prompt", [["a"]]), ("prompt", ["a", 5]), ("prompt", [1, "a"]), ("prompt", [[1, -1]]), ("prompt", ["a", ""]),
+                    ("prompt", ["a"] * 65), ("prompt", ["a", "word " * 3000]), ("prompt", [{"a": 1}]),
+                    ("prompt", ""), ("echo", "yes"), ("best_of", 3), ("suffix", "x"), ("suffix", 5), ("logprobs", 9),
+                    ("prompt", "word " * 3000), ("n", 3)]:
         body = dict(completion, **{name: v})
+        if name == "n":
+            body["prompt"] = ["a"] * 60  # 180 choices
         out.append((f"completions {name}={json.dumps(v)[:40]}", post("/v1/completions", json.dumps(body).encode())))
+    out.append(("completions echo with logprobs 1", post("/v1/completions", json.dumps(dict(completion, echo=True, logprobs=1)).encode())))
     out += [
         ("not an object", post("/v1/chat/completions", b"[1,2,3]")),
         ("empty body", post("/v1/chat/completions", b"")),
@@ -579,7 +720,9 @@ def main():
     srv = Server(args.server, args.model, "--ctx", "512", "--streams", str(args.clients), "--kv-type", "f16",
                  "--header-timeout", "2", "--body-timeout", "2", "--chunk", "64", "--batch-tokens", "256")
     tests = [("basics", lambda: test_basics(srv)), ("stop", lambda: test_stop(srv)),
-             ("n", lambda: test_n_and_sampling(srv)), ("penalties", lambda: test_penalties(srv)), ("logprobs", lambda: test_logprobs(srv)),
+             ("n", lambda: test_n_and_sampling(srv)), ("penalties", lambda: test_penalties(srv)),
+             ("prefix_cache", lambda: test_prefix_cache(srv)), ("logit_bias", lambda: test_logit_bias(srv)),
+             ("prompts", lambda: test_completion_prompts(srv)), ("logprobs", lambda: test_logprobs(srv)),
              ("response_format", lambda: test_response_format(srv)), ("sse", lambda: test_raw_sse(srv)),
              ("utf8", lambda: test_utf8(srv)),
              ("concurrent", lambda: test_concurrent(srv, args.clients)), ("interleave", lambda: test_interleave(srv)),

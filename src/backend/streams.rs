@@ -26,6 +26,8 @@ pub struct Streams<B: Backend> {
     /// position of their last kept token.
     last: Vec<(u32, usize, usize)>,
     spec: Vec<SpecState>,
+    /// Each stream's tokens since its last reset: those the prefix cache gave, those computed.
+    reuse: Vec<(u64, u64)>,
     /// The drafter model for `ENGINE_DRAFT_MODEL`: a second model of the same backend kind with its own
     /// pool, greedy, stream `i` shadowing this stream `i` (its tokens a prefix of this one's).
     drafter: Option<Box<Streams<B>>>,
@@ -52,6 +54,7 @@ impl<B: Backend> Streams<B> {
         constraints.resize_with(count, || None);
         let pool = PagePool::new(B::PAGE_TOKENS, pages)?;
         let spec = vec![SpecState::new(speculative::DEFAULT); count];
+        let reuse = vec![(0, 0); count];
         Ok(Streams {
             backend,
             window,
@@ -61,6 +64,7 @@ impl<B: Backend> Streams<B> {
             pool,
             last: Vec::new(),
             spec,
+            reuse,
             drafter: None,
         })
     }
@@ -397,6 +401,9 @@ impl<B: Backend> Decoder for Streams<B> {
             if items[*i].next.is_err() {
                 self.restore(a);
             } else {
+                let reuse = &mut self.reuse[a.slot];
+                reuse.0 += a.skip as u64;
+                reuse.1 += (items[*i].tokens.len() - a.skip) as u64;
                 self.trim_pages(a.slot);
                 self.enter_pages(a.slot);
             }
@@ -428,6 +435,7 @@ impl<B: Backend> Decoder for Streams<B> {
     fn reset(&mut self, stream: u32) -> Result<()> {
         self.truncate(stream, 0)?;
         self.forget_logits(stream);
+        self.reuse[stream as usize] = (0, 0);
         if let Some(d) = self.drafter.as_mut() {
             d.reset(stream)?;
         }
@@ -538,6 +546,7 @@ impl<B: Backend> Decoder for Streams<B> {
             return Err(e);
         }
         s.tokens.extend_from_slice(&run);
+        self.reuse[slot].1 += n as u64;
         self.last = vec![(stream, 0, 0)];
         self.enter_pages(slot);
         if let Some(c) = self.constraints[slot].as_mut() {
@@ -625,6 +634,15 @@ impl<B: Backend> Decoder for Streams<B> {
     fn speculation_stats(&self, stream: u32) -> Result<(u64, u64)> {
         let s = &self.spec[self.slot(stream, "")?];
         Ok((s.proposed, s.accepted))
+    }
+
+    fn allowed_tokens(&mut self, stream: u32, vocab: usize) -> Result<Option<Vec<u32>>> {
+        let slot = self.slot(stream, "")?;
+        self.constraints[slot].as_mut().map(|c| c.allowed_words(vocab)).transpose()
+    }
+
+    fn prefix_stats(&self, stream: u32) -> Result<(u64, u64)> {
+        Ok(self.reuse[self.slot(stream, "")?])
     }
 
     fn audit(&self) -> Result<()> {

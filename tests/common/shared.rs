@@ -27,6 +27,15 @@ pub fn kv_usage(e: &Held) -> engine_kv_usage {
     u
 }
 
+/// engine_prefix_stats: (tokens the prefix cache gave, tokens computed) of stream `stream`.
+pub fn prefix_stats(e: &Held, stream: u32) -> (u64, u64) {
+    let (mut cached, mut computed) = (u64::MAX, u64::MAX);
+    // SAFETY: a live engine and two writable counters.
+    let st = unsafe { ffi::engine_prefix_stats(e.0, stream, &mut cached, &mut computed) };
+    assert_eq!(st, Status::Ok, "engine_prefix_stats({stream}): {}", last_error());
+    (cached, computed)
+}
+
 /// engine_score's status and what it wrote (-7 where it wrote nothing).
 pub fn try_score(e: &Held, stream: u32, tokens: &[i32]) -> (Status, Vec<f32>) {
     let mut out = vec![-7f32; tokens.len()];
