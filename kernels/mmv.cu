@@ -524,18 +524,19 @@ bool with_reader(int dtype, Fn &&fn) {
     }
 }
 
-// d = A B for int8 A (weights: signed, or unsigned quants) and signed int8 B (the activation halves).
+// d = A B (+ c in every element) for int8 A (weights: signed, or unsigned quants) and signed int8 B (the
+// activation halves).
 template <bool SIGNED>
 __device__ __forceinline__ void mma_k32(int (&d)[4], unsigned int a0, unsigned int a1, unsigned int a2, unsigned int a3,
-                                        unsigned int b0, unsigned int b1) {
+                                        unsigned int b0, unsigned int b1, int c = 0) {
     if constexpr (SIGNED)
         asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%10,%10,%10};"
             : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
-            : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "r"(0));
+            : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "r"(c));
     else
         asm("mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%10,%10,%10};"
             : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
-            : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "r"(0));
+            : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "r"(c));
 }
 template <bool SIGNED>
 __device__ __forceinline__ void mma_k16(int (&d)[4], unsigned int a0, unsigned int a1, unsigned int b0) {
@@ -1358,8 +1359,8 @@ __global__ __launch_bounds__(MMV_THREADS, NT4 <= 2 ? MMV_SMALL_MIN_BLOCKS : NT4 
 // one float a row and token across chunks, not the integer kernel's five). One block a multiprocessor
 // at most (up to 255 registers a thread: a warp's decoded quants and scales stay in registers).
 
-// Ints of a token's record a 256-column group: the activation scale (then 3 unused, for 16-byte copies)
-// and, for readers with minimums, the group's sums of v per minimum.
+// Words of a token's record a 256-column group: the activation scale (then 3 unused, for 16-byte copies)
+// and, for readers with minimums, the group's sums of v per minimum (ints for k-quants, floats else).
 template <typename R>
 __host__ __device__ constexpr unsigned mmvt_meta() {
     return 4 + (R::HAS_MIN ? MMV_KC / R::STEP : 0);
@@ -1420,9 +1421,18 @@ __global__ __launch_bounds__(MMV_THREADS) void mmvt_prep_kernel(const float *__r
     if constexpr (R::HAS_MIN) {
 #pragma unroll
         for (unsigned o = 1; o < MIN_LANES; o *= 2) sum += __shfl_xor_sync(0xFFFFFFFFu, sum, o);
-        if (here && lane % MIN_LANES == 0) rec[4 + lane / MIN_LANES] = sum;
+        // k-quants multiply the sums as integers; block readers take them as floats (exact: |sum| < 2^24).
+        if (here && lane % MIN_LANES == 0) rec[4 + lane / MIN_LANES] = R::SUPER ? sum : __float_as_int((float)sum);
     }
 }
+
+// The block readers' (not k-quants') step sums d enter the float epilogue as the integer kernel's
+// (float)(d_hi 256 + d_lo), which is fmaf((float)d_hi, 256, (float)d_lo) (both exact: |d| <= 32 128 128 =
+// 2^19, so the one rounding is of the same integer). Each (float)d is taken without the conversion unit
+// (a quarter of the FMA rate): the product adds MMVT_MAGIC, the bits of 1.5 2^23, whose float then holds
+// 1.5 2^23 + d exactly for |d| < 2^22, less 1.5 2^23.
+constexpr int MMVT_MAGIC = 0x4B400000;
+__device__ __forceinline__ float mmvt_float(int biased) { return __int_as_float(biased) - 12582912.f; }
 
 // NT4 token tiles of 4 (4 * NT4 tokens at most).
 template <typename R, int NT4, bool GLU>
@@ -1452,8 +1462,8 @@ __global__ __launch_bounds__(MMV_THREADS, 1) void mmvt_kernel(
     const unsigned int act = mmvt_act_bytes<R>(n), stage_bytes = act + MMV_WARPS * WS::SLOT;
     const MmvRows rw = mmv_rows<GLU>(w, w2, rows, row_bytes, warp, g);
 
-    // Chunk ci's copies into buffer ci % 2: each warp its rows' weight bytes, every thread the
-    // activations (512 bytes and the record a token; columns past the range as zeros) by every thread.
+    // Chunk ci's copies into buffer ci % 2: each warp its rows' weight bytes, every thread a share of the
+    // activations (512 bytes and the record a token; 32-column steps past the range as zeros).
     auto issue_weights = [&](unsigned int ci) {
         if (ci < chunks) {
             const unsigned int c0 = k_begin + ci * MMV_KC;
@@ -1471,7 +1481,7 @@ __global__ __launch_bounds__(MMV_THREADS, 1) void mmvt_kernel(
                 const unsigned int tok = i / (PIECES + MPIECES), p = i % (PIECES + MPIECES);
                 if (p < PIECES) {
                     const unsigned char *row = xq + (size_t)tok * cols * 2;
-                    const bool valid = c0 + 8 * p < k_end;
+                    const bool valid = c0 + 32 * (p / 4) < k_end;  // 4 pieces a step: hi, then lo
                     he::cp_async16(buf + tok * XSTRIDE + 16 * p, valid ? row + (size_t)c0 * 2 + 16 * p : row, valid);
                 } else {
                     const unsigned int q = p - PIECES;
@@ -1546,7 +1556,8 @@ __global__ __launch_bounds__(MMV_THREADS, 1) void mmvt_kernel(
                     int d[4];
                     if constexpr (R::STEP == 32) {
                         const uint2 b = *reinterpret_cast<const uint2 *>(bp);
-                        mma_k32<R::SIGNED>(d, wa[u][s][0], wb[u][s][0], wa[u][s][KW - 1], wb[u][s][KW - 1], b.x, b.y);
+                        mma_k32<R::SIGNED>(d, wa[u][s][0], wb[u][s][0], wa[u][s][KW - 1], wb[u][s][KW - 1], b.x, b.y,
+                                           R::SUPER ? 0 : MMVT_MAGIC);
                     } else {
                         const unsigned int b = *reinterpret_cast<const unsigned int *>(bp);
                         mma_k16<R::SIGNED>(d, wa[u][s][0], wb[u][s][0], b);
@@ -1561,10 +1572,11 @@ __global__ __launch_bounds__(MMV_THREADS, 1) void mmvt_kernel(
                             mins[1] += imb[u][s] * xs_sum;
                         }
                     } else {
-                        acc[0] = fmaf(fsa[u], (float)(d[0] * 256 + d[1]), acc[0]);
-                        acc[1] = fmaf(fsb[u], (float)(d[2] * 256 + d[3]), acc[1]);
+                        static_assert(R::STEP == 32, "block readers take 32-column steps");
+                        acc[0] = fmaf(fsa[u], fmaf(mmvt_float(d[0]), 256.f, mmvt_float(d[1])), acc[0]);
+                        acc[1] = fmaf(fsb[u], fmaf(mmvt_float(d[2]), 256.f, mmvt_float(d[3])), acc[1]);
                         if constexpr (R::HAS_MIN) {
-                            const float xs_sum = (float)rec[4 + c / R::STEP];
+                            const float xs_sum = __int_as_float(rec[4 + c / R::STEP]);
                             acc[0] = fmaf(fmn_a[u], xs_sum, acc[0]);
                             acc[1] = fmaf(fmn_b[u], xs_sum, acc[1]);
                         }
