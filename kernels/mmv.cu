@@ -1353,7 +1353,7 @@ __global__ __launch_bounds__(MMV_THREADS, NT4 <= 2 ? MMV_SMALL_MIN_BLOCKS : NT4 
 // a product (mmvt_prep_kernel, into the workspace after the split sums); a block takes every token of
 // the launch (up to 64) against its 128 rows, one 256-column chunk (an activation group) at a time: the
 // chunk's weight bytes (each warp's 16 rows, as WeightStage lays them out) and its converted activations
-// are copied with cp.async into one of two buffers a chunk ahead of the arithmetic; a warp decodes its
+// are copied with cp.async into one of three buffers, two chunks ahead of the arithmetic; a warp decodes its
 // rows' quants of the chunk into registers once, then runs them against its token tiles one after the
 // other, each tile's sub-block sums and epilogue finished before the next tile starts (so a lane holds
 // one float a row and token across chunks, not the integer kernel's five). One block a multiprocessor
@@ -1379,10 +1379,13 @@ __host__ __device__ constexpr unsigned mmvt_stage_bytes(unsigned n) {
     return mmvt_act_bytes<R>(n) + MMV_WARPS * WeightSlots<R, MMV_KC>::SLOT;
 }
 // The converted activations fit the workspace hostembed_mmv_workspace gives launches of more than
-// MMV_PREP_AFTER tokens (4 bytes a column and 4 a group a token, after the split sums): 2 bytes a column
-// and at most 80 bytes a group (Q2_K's 16 sums), whose columns are at least 256 where a group holds
-// more than 12 ints (only 16-column readers have 16 sums, and those are k-quants), 32 otherwise.
-static_assert(mmvt_meta<QQ2_K>() * 4 <= 256 * 2 + 4 && mmvt_meta<QQ4_1>() * 4 <= 32 * 2 + 4, "the workspace holds it");
+// MMV_PREP_AFTER tokens after the split sums (a token's cols + groups words): a token's cols / 2 words of
+// quantized row and META words a group, so cols / 2 >= (META - 1) groups. The tightest case of each
+// record size: 32 columns (one group) for 12-word records (16 >= 11), 256 for the 20-word records of the
+// 16-column k-quants, whose rows are whole super-blocks.
+static_assert(mmvt_meta<QQ4_1>() - 1 <= 32 / 2 && mmvt_meta<QQ2_K>() - 1 <= 256 / 2, "the workspace holds it");
+// Chunks in flight: copies of the next two while one computes.
+constexpr unsigned MMVT_STAGES = 3;
 
 // One warp a token's 256-column group, converted as the integer kernel's `stage` does: v = rn(x 32639 /
 // max|x|) as hi and lo bytes, the group's scale and (readers with minimums) its sums of v.
@@ -1462,13 +1465,13 @@ __global__ __launch_bounds__(MMV_THREADS, 1) void mmvt_kernel(
     const unsigned int act = mmvt_act_bytes<R>(n), stage_bytes = act + MMV_WARPS * WS::SLOT;
     const MmvRows rw = mmv_rows<GLU>(w, w2, rows, row_bytes, warp, g);
 
-    // Chunk ci's copies into buffer ci % 2: each warp its rows' weight bytes, every thread a share of the
+    // Chunk ci's copies into buffer ci % MMVT_STAGES: each warp its rows' weight bytes, every thread a share of the
     // activations (512 bytes and the record a token; 32-column steps past the range as zeros).
     auto issue_weights = [&](unsigned int ci) {
         if (ci < chunks) {
             const unsigned int c0 = k_begin + ci * MMV_KC;
             const unsigned int len = (min(c0 + MMV_KC, k_end) - c0) / R::BLOCK_COLS * R::BYTES;
-            copy_rows<WS, GLU>(mmv_smem + (ci % 2) * stage_bytes + act + warp * WS::SLOT, w, w2, rows, row_bytes, warp,
+            copy_rows<WS, GLU>(mmv_smem + (ci % MMVT_STAGES) * stage_bytes + act + warp * WS::SLOT, w, w2, rows, row_bytes, warp,
                                lane, (size_t)(c0 / R::BLOCK_COLS) * R::BYTES, len);
         }
     };
@@ -1476,7 +1479,7 @@ __global__ __launch_bounds__(MMV_THREADS, 1) void mmvt_kernel(
         if (ci < chunks) {
             const unsigned int c0 = k_begin + ci * MMV_KC;
             constexpr unsigned PIECES = MMV_KC * 2 / 16, MPIECES = META / 4;
-            unsigned char *buf = mmv_smem + (ci % 2) * stage_bytes;
+            unsigned char *buf = mmv_smem + (ci % MMVT_STAGES) * stage_bytes;
             for (unsigned int i = tid; i < n * (PIECES + MPIECES); i += MMV_THREADS) {
                 const unsigned int tok = i / (PIECES + MPIECES), p = i % (PIECES + MPIECES);
                 if (p < PIECES) {
@@ -1598,20 +1601,28 @@ __global__ __launch_bounds__(MMV_THREADS, 1) void mmvt_kernel(
         }
     };
 
-    // Two buffers: chunk ci + 1's copies go out once every warp has left chunk ci - 1 (the barrier that
-    // also makes chunk ci's copies every thread's), and a chunk's arithmetic hides them.
+    // MMVT_STAGES buffers, a commit group a chunk: chunk ci + STAGES - 1's copies go out once every warp
+    // has left chunk ci - 1, whose buffer they take (the barrier that also makes chunk ci's copies every
+    // thread's), so the arithmetic of the chunks before hides them.
+    static_assert(MMVT_STAGES >= 2, "a chunk ahead at least");
     issue_weights(0);  // the weights do not depend on the kernel before
     he::pdl_wait();     // the converted activations come from mmvt_prep_kernel
     issue_acts(0);
     he::cp_async_commit();
+#pragma unroll
+    for (unsigned int ci = 1; ci + 1 < MMVT_STAGES; ci++) {
+        issue_weights(ci);
+        issue_acts(ci);
+        he::cp_async_commit();
+    }
     for (unsigned int ci = 0; ci < chunks; ci++) {
-        he::cp_async_wait<0>();
+        he::cp_async_wait<MMVT_STAGES - 2>();
         __syncthreads();
-        issue_weights(ci + 1);
-        issue_acts(ci + 1);
+        issue_weights(ci + MMVT_STAGES - 1);
+        issue_acts(ci + MMVT_STAGES - 1);
         he::cp_async_commit();
         const unsigned int c0 = k_begin + ci * MMV_KC;
-        compute(mmv_smem + (ci % 2) * stage_bytes, c0, min(c0 + MMV_KC, k_end) - c0);
+        compute(mmv_smem + (ci % MMVT_STAGES) * stage_bytes, c0, min(c0 + MMV_KC, k_end) - c0);
     }
 
     mmv_write<GLU>(shape, n, rows, rw.a, rw.b, bias, residual, y, ldy, partial, counters, [&](auto &&fn) {
@@ -1621,6 +1632,17 @@ __global__ __launch_bounds__(MMV_THREADS, 1) void mmvt_kernel(
             if (tok < n) fn(tok, out[j][0], out[j][1]);
         }
     });
+}
+
+// Whether this device gives a block the tile kernel's shared memory for `n` tokens (3 x 75 KiB at most,
+// at 64 tokens: sm_90's 227 KiB holds every reader's; smaller cards' launches stay on the integer kernel,
+// which gives the same bits).
+template <typename R>
+bool mmvt_fits(unsigned int n) {
+    int dev = 0, most = 0;
+    return cudaGetDevice(&dev) == cudaSuccess &&
+           cudaDeviceGetAttribute(&most, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) == cudaSuccess &&
+           (size_t)MMVT_STAGES * mmvt_stage_bytes<R>(n) <= (size_t)most;
 }
 
 // A launch of `n` (MMV_PREP_AFTER < n <= MMV_MAX_TOKENS) tokens on the tile kernel: the conversion,
@@ -1637,7 +1659,7 @@ cudaError_t launch_mmvt(const unsigned char *w, const unsigned char *w2, unsigne
                                           dim3(MMV_THREADS), 0, stream, x, n, cols, xq,
                                           reinterpret_cast<int *>(xq + mmvt_prep_bytes(n, cols)));
     if (e != cudaSuccess) return e;
-    const int smem = (int)(2 * mmvt_stage_bytes<R>(n));
+    const int smem = (int)(MMVT_STAGES * mmvt_stage_bytes<R>(n));
     auto go = [&](auto kernel) {
         cudaError_t err = he::allow_smem(kernel, smem);
         if (err != cudaSuccess) return err;
@@ -1664,9 +1686,11 @@ cudaError_t launch_mmv(const unsigned char *w, const unsigned char *w2, unsigned
                        const hostembed_tuning &tuning, cudaStream_t stream) {
     const MmvShape shape = mmv_shape(rows, cols, GLU, R::INT);
     const dim3 grid(shape.row_blocks, shape.splits);
-    // The tile kernel (hostembed_tuning's mmv_tc_blocks) takes integer launches of more than
-    // MMV_PREP_AFTER tokens, up to MMV_MAX_TOKENS at once; a launch of fewer takes the integer kernel.
-    const bool tile = R::INT && tuning.mmv_tc_blocks != 0 && n > MMV_PREP_AFTER;
+    // The tile kernel (hostembed_tuning's mmv_tc_blocks, where the card has its shared memory) takes integer
+    // launches of more than MMV_PREP_AFTER tokens, up to MMV_MAX_TOKENS at once; a launch of fewer takes
+    // the integer kernel.
+    bool tile = false;
+    if constexpr (R::INT) tile = tuning.mmv_tc_blocks != 0 && n > MMV_PREP_AFTER && mmvt_fits<R>(min(n, MMV_MAX_TOKENS));
     const unsigned int MAX = R::INT && !tile ? mmvq_launch_tokens(tuning) : MMV_MAX_TOKENS;
     constexpr unsigned GROUP = mmv_group<R, STAGED>();
     constexpr unsigned WEIGHTS = STAGED ? WeightSlots<R, GROUP>::BLOCK_BYTES : 0;
