@@ -1465,14 +1465,14 @@ __global__ __launch_bounds__(MMV_THREADS, 1) void mmvt_kernel(
     const unsigned int act = mmvt_act_bytes<R>(n), stage_bytes = act + MMV_WARPS * WS::SLOT;
     const MmvRows rw = mmv_rows<GLU>(w, w2, rows, row_bytes, warp, g);
 
-    // Chunk ci's copies into buffer ci % MMVT_STAGES: each warp its rows' weight bytes, every thread a share of the
-    // activations (512 bytes and the record a token; 32-column steps past the range as zeros).
+    // Chunk ci's copies into buffer ci % MMVT_STAGES: each warp its rows' weight bytes, every thread a
+    // share of the activations (512 bytes and the record a token; 32-column steps past the range as zeros).
     auto issue_weights = [&](unsigned int ci) {
         if (ci < chunks) {
             const unsigned int c0 = k_begin + ci * MMV_KC;
             const unsigned int len = (min(c0 + MMV_KC, k_end) - c0) / R::BLOCK_COLS * R::BYTES;
-            copy_rows<WS, GLU>(mmv_smem + (ci % MMVT_STAGES) * stage_bytes + act + warp * WS::SLOT, w, w2, rows, row_bytes, warp,
-                               lane, (size_t)(c0 / R::BLOCK_COLS) * R::BYTES, len);
+            copy_rows<WS, GLU>(mmv_smem + (ci % MMVT_STAGES) * stage_bytes + act + warp * WS::SLOT, w, w2, rows,
+                               row_bytes, warp, lane, (size_t)(c0 / R::BLOCK_COLS) * R::BYTES, len);
         }
     };
     auto issue_acts = [&](unsigned int ci) {
