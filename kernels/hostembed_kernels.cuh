@@ -45,7 +45,9 @@
 // setting gives the same bits): `overlap` lets a launch start while the kernel before it finishes (on
 // sm_90 and newer); hostembed_mmv's `mmv_stage` (HE_MMV_STAGE_*) says when its weights are staged,
 // `mmvq_tokens` the tokens an integer launch takes (0, or past MMVQ_MAX_TOKENS: its own choice), and
-// `mmv_prep` whether half launches of many tokens convert their activations once.
+// `mmv_prep` whether half launches of many tokens convert their activations once, and `mmv_tc_blocks`
+// whether integer launches of more than 8 tokens take the tile kernel (every token of a launch at once,
+// the activations converted once a product; the same bits as the streamed kernel).
 #define HE_MMV_STAGE_NEVER 0
 #define HE_MMV_STAGE_MEASURED 1
 #define HE_MMV_STAGE_ALWAYS 2
@@ -54,8 +56,9 @@ typedef struct hostembed_tuning {
     int mmv_stage;
     unsigned int mmvq_tokens;
     int mmv_prep;
+    int mmv_tc_blocks;
 } hostembed_tuning;
-static_assert(sizeof(hostembed_tuning) == 16, "src/kernels.rs repeats hostembed_tuning");
+static_assert(sizeof(hostembed_tuning) == 20, "src/kernels.rs repeats hostembed_tuning");
 
 #ifdef __cplusplus
 extern "C" {

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine from the repo root: unpacks .gpu/bundle.tar.xz and runs the GPU suite,
 # then whatever steps are named (default: tests). Logs go to $OUT (or ./gpu-out).
-# Steps: info tests tests-parallel targets formats prep targets-f16 targets-kv sanitize profile-decode hfref bench-embed bench-decode bench-mmv bench-model bench-prefill bench-prefill-quant
+# Steps: info tests tests-parallel targets formats prep tc-blocks targets-f16 targets-kv sanitize profile-decode hfref bench-embed bench-decode bench-mmv bench-model bench-prefill bench-prefill-quant
 # bench-convert bench-kv torch-prefill server-load, or any example's name. server-load measures the
 # server's targets (scripts/server-load.sh: a 16 GB Llama-3-8B-shaped file written under /tmp, batch.c,
 # decode.c and hostembed-server with load.py on it; about 4 minutes, meant for a call of its own). bench-mmv times the decode products alone
@@ -170,6 +170,25 @@ for step in $steps; do
         done
       done
       unset HOSTEMBED_MMV_PREP ;;
+    tc-blocks)
+      # The block formats' decode products past 8 tokens on the tile kernel (HOSTEMBED_MMV_TC_BLOCKS=1) against
+      # the integer kernel: the kernel tests with it on first (its own: the same bits, the CPU, batch
+      # invariance; and every other product test through it), then the products alone and the Q4_K_M and
+      # Q8_0 models' streams, each way.
+      rc=0
+      log="$OUT/tc-blocks.log"
+      HOSTEMBED_MMV_TC_BLOCKS=1 run_test gpu_kernels -tc " (tile kernel)" || rc=$?
+      for v in 1 0; do
+        export HOSTEMBED_MMV_TC_BLOCKS=$v
+        echo "HOSTEMBED_MMV_TC_BLOCKS=$v" >> "$log"
+        for dtype in Q4_K Q6_K Q8_0 Q4_0 Q5_K; do
+          run_bench bench_decode --kernels-only --no-matvec --mmv-only "$dtype"
+        done
+        for dtype in q4_k_m q8_0; do
+          run_bench bench_batch --dtype "$dtype" --streams 1,8,16,64 --no-long --no-host-rows --steps 32
+        done
+      done
+      unset HOSTEMBED_MMV_TC_BLOCKS ;;
     targets-f16)
       # Issue 31's one-stream F16 rows (decode at a 64 and a 16,384-token cache, a 4,096-token prompt), the
       # streams table's largest count with the rows in host memory, and Q4_K_M decode with them there.

@@ -44,8 +44,10 @@ pub struct hostembed_tuning {
     pub mmvq_tokens: c_uint,
     /// Non-zero: half hostembed_mmv launches of many tokens convert their activations once.
     pub mmv_prep: c_int,
+    /// Non-zero: integer hostembed_mmv launches of more than 8 tokens take the tile kernel.
+    pub mmv_tc_blocks: c_int,
 }
-const _: () = assert!(std::mem::size_of::<hostembed_tuning>() == 16);
+const _: () = assert!(std::mem::size_of::<hostembed_tuning>() == 20);
 
 /// `hostembed_tuning::mmv_stage` values (HE_MMV_STAGE_*).
 pub const MMV_STAGE_NEVER: c_int = 0;
@@ -64,6 +66,7 @@ impl hostembed_tuning {
             },
             mmvq_tokens: tuning.mmvq_tokens,
             mmv_prep: tuning.mmv_prep as c_int,
+            mmv_tc_blocks: tuning.mmv_tc_blocks as c_int,
         }
     }
 }

@@ -375,6 +375,23 @@ fn run_mmv(
     residual: Option<&[f32]>,
     ldy: usize,
 ) -> Vec<f32> {
+    run_mmv_tuned(w, dtype, rows, cols, x, n, bias, residual, ldy, launch_tuning())
+}
+
+/// `run_mmv` with the launchers' settings `tuning`.
+#[allow(clippy::too_many_arguments)]
+fn run_mmv_tuned(
+    w: *const c_void,
+    dtype: DType,
+    rows: usize,
+    cols: usize,
+    x: &[f32],
+    n: usize,
+    bias: Option<&DeviceBuffer>,
+    residual: Option<&[f32]>,
+    ldy: usize,
+    tuning: kn::hostembed_tuning,
+) -> Vec<f32> {
     let xd = DeviceBuffer::from_slice(x).unwrap();
     let yb = match residual {
         Some(r) => DeviceBuffer::from_slice(r).unwrap(),
@@ -398,7 +415,7 @@ fn run_mmv(
                 ldy as c_uint,
                 partial.ptr() as *mut f32,
                 counters.ptr() as *mut c_uint,
-                launch_tuning(),
+                tuning,
                 NULL_STREAM,
             )
         },
@@ -578,6 +595,178 @@ fn mmv_is_batch_invariant() {
                     differ,
                     0,
                     "mmv {} {rows}x{cols}: token {at} of {n} differs from alone in {differ} rows",
+                    dtype.name()
+                );
+            }
+        }
+    }
+}
+
+/// The launchers' settings as the environment gives them, with the block formats' tile kernel
+/// (`Tuning::mmv_tc_blocks`) on or off.
+fn tile_tuning(on: bool) -> kn::hostembed_tuning {
+    kn::hostembed_tuning { mmv_tc_blocks: on as c_int, ..launch_tuning() }
+}
+
+/// The block formats the tensor-core decode product reads (those the tile kernel takes).
+fn mmv_block_dtypes() -> Vec<DType> {
+    mmv_dtypes().into_iter().filter(|d| !matches!(d, DType::Bf16 | DType::F16)).collect()
+}
+
+/// y[t] = silu(gate x[t]) * (up x[t]) on the tensor-core decode product with the launchers' settings `tuning`.
+fn run_mmv_swiglu(case: &SwigluCase, dtype: DType, rows: usize, n: usize, tuning: kn::hostembed_tuning) -> Vec<f32> {
+    let y = poisoned(n * rows * 4);
+    let (partial, counters) = mmv_work(&[(rows, case.cols, true)], n);
+    ok(
+        // SAFETY: device buffers sized for the case and a workspace from hostembed_mmv_workspace for it, alive until
+        // the synchronous check after the launch.
+        unsafe {
+            kn::hostembed_mmv_swiglu(
+                case.gd.ptr(),
+                case.ud.ptr(),
+                dtype as c_int,
+                rows as c_uint,
+                case.cols as c_uint,
+                case.xd.ptr() as *const f32,
+                n as c_uint,
+                y.ptr() as *mut f32,
+                partial.ptr() as *mut f32,
+                counters.ptr() as *mut c_uint,
+                tuning,
+                NULL_STREAM,
+            )
+        },
+        "hostembed_mmv_swiglu",
+    );
+    let mut left = vec![0u32; counters.bytes() / 4];
+    counters.download(&mut left).unwrap();
+    assert!(left.iter().all(|&c| c == 0), "hostembed_mmv_swiglu left its arrival counters non-zero: {left:?}");
+    download_f32(&y, n * rows)
+}
+
+/// The first element where two outputs' bits differ, as (index, a, b).
+fn first_difference(a: &[f32], b: &[f32]) -> Option<(usize, f32, f32)> {
+    assert_eq!(a.len(), b.len());
+    a.iter().zip(b).position(|(x, y)| x.to_bits() != y.to_bits()).map(|i| (i, a[i], b[i]))
+}
+
+/// The tile kernel (launches of more than 8 tokens with `mmv_tc_blocks` on) computes the integer kernel's
+/// sums and epilogue in the same order: every output the same bits as with the option off, for every
+/// block format, token count and shape (one column range and many, a short last range, more row blocks
+/// than a split product takes, a stub row block), within the bound of the CPU's product where checked,
+/// and nothing written outside the rows.
+#[test]
+fn mmv_tile_kernel_gives_the_integer_kernels_bits() {
+    if !gpu_present("mmv_tile_kernel_gives_the_integer_kernels_bits") {
+        return;
+    }
+    let mut rng = Rng::fresh("mmv_tile_kernel_gives_the_integer_kernels_bits");
+    let formats = mmv_block_dtypes();
+    assert!(formats.contains(&DType::Q4_K) && formats.contains(&DType::Q8_0), "formats: {formats:?}");
+    // (rows, cols, n, bias, residual, ldy pad, against the CPU)
+    let cases = [
+        (4096, 4096, 64, false, false, 0, false),  // 8 column ranges, one launch of 64
+        (1000, 1536, 9, true, true, 0, true),      // the fewest tokens the tile kernel takes
+        (200, 4128, 16, true, false, 3, true),     // a last 256-column group of 32 (32-value blocks)
+        (333, 768, 33, false, true, 0, true),      // three tiles of tokens past 32
+        (14336, 1024, 40, false, false, 0, false), // two column ranges, 112 row blocks
+        (40000, 512, 17, false, false, 0, false),  // more row blocks than a split product has: one range
+        (130, 1024, 70, true, false, 0, true),     // two launches: 64 tokens on the tile kernel, then 6
+    ];
+    for &dtype in &formats {
+        for &(rows, cols, n, with_bias, with_residual, pad, cpu_check) in &cases {
+            let cols = cols_for(dtype, cols);
+            let ldy = rows + pad;
+            let bytes = encode(dtype, cols, &rng.vec(rows * cols, 1.0));
+            let x = rng.vec(n * cols, 1.0);
+            let bias = rng.vec(rows, 0.5);
+            let res = rng.vec(n * ldy, 1.0);
+            let wd = DeviceBuffer::from_slice(&bytes).unwrap();
+            let bd = DeviceBuffer::from_slice(&bias).unwrap();
+            let run = |on: bool| {
+                let (b, r) = (with_bias.then_some(&bd), with_residual.then_some(&res[..]));
+                run_mmv_tuned(wd.ptr(), dtype, rows, cols, &x, n, b, r, ldy, tile_tuning(on))
+            };
+            let (tile, integer) = (run(true), run(false));
+            let what = format!("mmv {} {rows}x{cols} n={n} bias {with_bias} residual {with_residual}", dtype.name());
+            if let Some((i, a, b)) = first_difference(&tile, &integer) {
+                panic!("{what}: the tile kernel gives y[{}][{}] = {a:e}, the integer kernel {b:e}", i / ldy, i % ldy);
+            }
+            for t in 0..n {
+                for r in rows..ldy {
+                    let before = if with_residual { res[t * ldy + r] } else { f32::NAN };
+                    assert!(
+                        tile[t * ldy + r].to_bits() == before.to_bits(),
+                        "{what}: wrote y[{t}][{r}] outside its rows"
+                    );
+                }
+            }
+            if cpu_check {
+                let w = TensorRef { dtype, shape: &[rows, cols], bytes: &bytes };
+                let mut want = vec![0f32; n * rows];
+                for t in 0..n {
+                    cpu::matvec(&w, &x[t * cols..(t + 1) * cols], &mut want[t * rows..(t + 1) * rows]);
+                    for r in 0..rows {
+                        want[t * rows + r] +=
+                            if with_bias { bias[r] } else { 0.0 } + if with_residual { res[t * ldy + r] } else { 0.0 };
+                    }
+                }
+                let got: Vec<f32> = (0..n).flat_map(|t| tile[t * ldy..t * ldy + rows].to_vec()).collect();
+                assert_close(&format!("{what} (tile kernel)"), &got, &want, MMV_TOL);
+            }
+        }
+    }
+}
+
+/// The fused gate/up product on the tile kernel: the integer kernel's bits, and the CPU's within the bound.
+#[test]
+fn mmv_tile_kernel_swiglu_gives_the_integer_kernels_bits() {
+    if !gpu_present("mmv_tile_kernel_swiglu_gives_the_integer_kernels_bits") {
+        return;
+    }
+    let mut rng = Rng::fresh("mmv_tile_kernel_swiglu_gives_the_integer_kernels_bits");
+    for dtype in mmv_block_dtypes() {
+        for (rows, cols, n) in [(14336, 512, 24), (64, 256, 20), (1000, 1024, 64), (300, 4096, 12)] {
+            let case = swiglu_case(&mut rng, dtype, rows, cols, n);
+            let tile = run_mmv_swiglu(&case, dtype, rows, n, tile_tuning(true));
+            let integer = run_mmv_swiglu(&case, dtype, rows, n, tile_tuning(false));
+            let what = format!("mmv_swiglu {} {rows}x{} n={n}", dtype.name(), case.cols);
+            if let Some((i, a, b)) = first_difference(&tile, &integer) {
+                panic!("{what}: the tile kernel gives y[{}][{}] = {a:e}, the integer kernel {b:e}", i / rows, i % rows);
+            }
+            assert_close(&format!("{what} (tile kernel)"), &tile, &case.want, MMV_TOL);
+        }
+    }
+}
+
+/// With the tile kernel on, a token's outputs are the bits it gets alone (a launch of one, on the
+/// integer kernel), at any place in batches of 9 to 70, whatever its neighbours hold.
+#[test]
+fn mmv_tile_kernel_is_batch_invariant() {
+    if !gpu_present("mmv_tile_kernel_is_batch_invariant") {
+        return;
+    }
+    let mut rng = Rng::fresh("mmv_tile_kernel_is_batch_invariant");
+    let tuning = tile_tuning(true);
+    for dtype in mmv_block_dtypes() {
+        for (rows, cols) in [(4096, 4096), (1000, 14336), (14336, 1024)] {
+            let cols = cols_for(dtype, cols);
+            let bytes = encode(dtype, cols, &rng.vec(rows * cols, 1.0));
+            let wd = DeviceBuffer::from_slice(&bytes).unwrap();
+            let probe = rng.vec(cols, 1.0);
+            let alone = run_mmv_tuned(wd.ptr(), dtype, rows, cols, &probe, 1, None, None, rows, tuning);
+            for (n, at, scale) in
+                [(9, 8, 1.0), (16, 7, 1e4), (17, 16, 1.0), (33, 1, 1e-3), (64, 0, 1e-3), (64, 63, 1e6), (70, 66, 1.0)]
+            {
+                let mut x = rng.vec(n * cols, scale);
+                x[at * cols..(at + 1) * cols].copy_from_slice(&probe);
+                let all = run_mmv_tuned(wd.ptr(), dtype, rows, cols, &x, n, None, None, rows, tuning);
+                let got = &all[at * rows..(at + 1) * rows];
+                let differ = got.iter().zip(&alone).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
+                assert_eq!(
+                    differ,
+                    0,
+                    "mmv {} {rows}x{cols} (tile kernel): token {at} of {n} differs from alone in {differ} rows",
                     dtype.name()
                 );
             }
