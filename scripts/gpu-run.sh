@@ -171,13 +171,13 @@ for step in $steps; do
       done
       unset HOSTEMBED_MMV_PREP ;;
     tc-blocks)
-      # The block formats' decode products past 8 tokens on the tile kernel (HOSTEMBED_MMV_TC_BLOCKS=1) against
-      # the integer kernel: the kernel tests with it on first (its own: the same bits, the CPU, batch
-      # invariance; and every other product test through it), then the products alone and the Q4_K_M and
-      # Q8_0 models' streams, each way.
+      # The block formats' decode products past 8 tokens on the tile kernel (the default) against the
+      # streamed integer kernel (HOSTEMBED_MMV_TC_BLOCKS=0): the kernel tests with it off first (every
+      # product test through the integer kernel; the tile kernel's own tests set the option themselves),
+      # then the products alone and the Q4_K_M and Q8_0 models' streams, each way.
       rc=0
       log="$OUT/tc-blocks.log"
-      HOSTEMBED_MMV_TC_BLOCKS=1 run_test gpu_kernels -tc " (tile kernel)" || rc=$?
+      HOSTEMBED_MMV_TC_BLOCKS=0 run_test gpu_kernels -tc " (integer kernel)" || rc=$?
       for v in 1 0; do
         export HOSTEMBED_MMV_TC_BLOCKS=$v
         echo "HOSTEMBED_MMV_TC_BLOCKS=$v" >> "$log"

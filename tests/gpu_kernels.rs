@@ -694,7 +694,8 @@ fn mmv_tile_kernel_gives_the_integer_kernels_bits() {
             }
             for t in 0..n {
                 for r in rows..ldy {
-                    let before = if with_residual { res[t * ldy + r] } else { f32::NAN };
+                    // The residual where y started as it, else `poisoned`'s bytes.
+                    let before = if with_residual { res[t * ldy + r] } else { f32::from_bits(u32::MAX) };
                     assert!(
                         tile[t * ldy + r].to_bits() == before.to_bits(),
                         "{what}: wrote y[{t}][{r}] outside its rows"
