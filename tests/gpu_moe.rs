@@ -1,5 +1,5 @@
 //! Mixture-of-Experts models (tests/common's small Qwen3-MoE and Mixtral) on the CUDA backend against
-//! the CPU backend, the oracle: a prompt (its chunk on the tensor-core rows) then 64 greedy tokens in F32,
+//! the CPU backend, the oracle (both with F32 caches): a prompt (its chunk on the tensor-core rows) then 64 greedy tokens in F32,
 //! BF16, Q8_0 and llama.cpp's Q4_K_M mix, the logits within the formats' bound at every step and the
 //! tokens the same but at near ties; and random batches giving each stream the bits it gets alone,
 //! graphs and all. A SKIP line without a card.
@@ -9,6 +9,7 @@ use common::{Mix, Rng, Scratch, compare_greedy, cpu_options, cuda_options, gguf_
 use common::{moe_configs, serial, stats, twins_batch_like_alone};
 
 use hostembed::checkpoint::write::Recipe;
+use hostembed::engine::engine_options;
 use hostembed::placement::engine_memory;
 use hostembed::tensor::DType;
 
@@ -28,7 +29,10 @@ fn cuda_follows_the_cpu_in_every_format() {
             let what = format!("{name} {}", recipe.name());
             let path = gguf_of_recipe(&dir, &cfg, rng.next_u64(), recipe);
             let cpu = init(&path, &cpu_options(128, 1));
-            let gpu = init(&path, &cuda_options(128, 1, 64));
+            // An F32 cache as the CPU's: with BF16 K and V, a router score within their rounding of the
+            // next one can pick another expert (a 3% jump in the logits once in 64 steps).
+            let f32_kv = hostembed::engine::engine_kv_type::ENGINE_KV_F32;
+            let gpu = init(&path, &engine_options { kv_type_k: f32_kv, kv_type_v: f32_kv, ..cuda_options(128, 1, 64) });
             // 64 tokens after a 40-token prompt; a differing choice only at a near tie.
             let prompt: Vec<i32> = (0..40).map(|i| ((i * 97 + 13) % cfg.vocab) as i32).collect();
             let (_, differ) = compare_greedy(&what, &gpu, &cpu, &prompt, 64);
