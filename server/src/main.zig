@@ -29,8 +29,8 @@ const usage =
     \\  --kv-type TYPE            K and V cache type: default, bf16, f16, f32, q8_0, fp8 (default: the backend's)
     \\  --no-prefix-cache         do not reuse KV pages of prompts that start the same
     \\  --batch-tensor-cores      CUDA: shared tensor-core products for batches of 16+ (not batch invariant)
-    \\  --batch-tokens N          token budget of one step: decode tokens plus prompt chunks (default 512)
-    \\  --chunk N                 most tokens of one prompt in one step (default 256)
+    \\  --batch-tokens N          token budget of one step: decode tokens plus prompt chunks (default 2048)
+    \\  --chunk N                 most tokens of one prompt in one step (default 512)
     \\  --lookup N                prompt-lookup speculation proposing up to N tokens a step (default 0: off)
     \\  --draft MODEL             a drafter checkpoint the engine loads (the scheduler does not propose with it yet)
     \\  --api-key KEY             require "Authorization: Bearer KEY" (compared in constant time)
@@ -59,8 +59,10 @@ pub const Config = struct {
     kv_type: c.engine_kv_type = c.ENGINE_KV_DEFAULT,
     prefix_cache: bool = true,
     batch_tensor_cores: bool = false,
-    batch_tokens: u32 = 512,
-    chunk: u32 = 256,
+    // 64 clients' 512-token prompts on the H100's 8B shape: 0.75 of engine_step_batch's aggregate at 512 /
+    // 256, 0.90 at 2048 / 512 (0.97 at 4096 / 1024, with inter-token p99 155 ms against 113).
+    batch_tokens: u32 = 2048,
+    chunk: u32 = 512,
     lookup: u32 = 0,
     draft: ?[:0]const u8 = null,
     api_key: ?[]const u8 = null,
