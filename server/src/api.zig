@@ -949,9 +949,9 @@ const Writer = struct {
     }
 
     /// A streamed choice's events when its output is read for calls: the text before any call as
-    /// content as it comes; once the choice ends, each call as OpenAI streams one (its index, id and
-    /// name with empty arguments, then the arguments) and `finish_reason` "tool_calls", or what was
-    /// held back as content when it holds no call.
+    /// content as it comes, then each call as OpenAI streams one (its index, id and name with empty
+    /// arguments first, then its arguments' text in pieces as they come) and `finish_reason`
+    /// "tool_calls"; an output that holds no call goes out as content once it ends.
     fn toolDeltas(w: *Writer, out: *std.ArrayList(u8), idx: usize, ch: *const sched.Choice, sent_lp: *usize) !void {
         const t = w.toolsRead().?;
         const rd = &w.readers[idx];
@@ -961,28 +961,37 @@ const Writer = struct {
             try w.deltaEvent(out, idx, null, content, ch.logprobs.items[sent_lp.*..], null);
             sent_lp.* = ch.logprobs.items.len;
         }
+        var pieces: std.ArrayList(tools.Reader.Piece) = .empty;
+        const is_calls = if (finished) try rd.finish(w.arena, ch.out.items, t, &pieces) else blk: {
+            try rd.pieces(w.arena, ch.out.items, t, &pieces);
+            break :blk true;
+        };
+        for (pieces.items) |p| {
+            try w.eventHead(out);
+            try out.print(gpa, "[{{\"index\":{d},\"delta\":{{\"tool_calls\":[{{\"index\":{d},", .{ idx, p.index });
+            if (p.name) |name| {
+                try out.print(gpa, "\"id\":\"{s}\",\"type\":\"function\",\"function\":{{\"name\":", .{tools.callId(w.arena)});
+                try text.appendJsonString(gpa, out, name);
+                try out.appendSlice(gpa, ",\"arguments\":");
+            } else try out.appendSlice(gpa, "\"function\":{\"arguments\":");
+            try text.appendJsonString(gpa, out, p.arguments);
+            try out.appendSlice(gpa, "}}]},\"logprobs\":");
+            // The calls' tokens' logprobs come with their pieces.
+            try w.logprobsJson(out, null, ch.logprobs.items[sent_lp.*..], 0);
+            sent_lp.* = ch.logprobs.items.len;
+            try out.appendSlice(gpa, ",\"finish_reason\":null}]}\n\n");
+        }
         if (!finished) return;
-        const calls = rd.calls(w.arena, ch.out.items, t) orelse {
+        if (!is_calls and !rd.began()) {
+            // No call after all: what was held back is content.
             const rest = ch.out.items[rd.sent..];
             const lps = ch.logprobs.items[sent_lp.*..];
             if (rest.len > 0 or lps.len > 0) try w.deltaEvent(out, idx, null, rest, lps, null);
             sent_lp.* = ch.logprobs.items.len;
             return w.deltaEvent(out, idx, null, "", &.{}, ch.finish);
-        };
-        for (calls, 0..) |call, i| {
-            try w.eventHead(out);
-            try out.print(gpa, "[{{\"index\":{d},\"delta\":{{\"tool_calls\":[{{\"index\":{d},\"id\":\"{s}\",\"type\":\"function\",\"function\":{{\"name\":", .{ idx, i, tools.callId(w.arena) });
-            try text.appendJsonString(gpa, out, call.name);
-            try out.appendSlice(gpa, ",\"arguments\":\"\"}}]},\"logprobs\":null,\"finish_reason\":null}]}\n\n");
-            try w.eventHead(out);
-            try out.print(gpa, "[{{\"index\":{d},\"delta\":{{\"tool_calls\":[{{\"index\":{d},\"function\":{{\"arguments\":", .{ idx, i });
-            try text.appendJsonString(gpa, out, call.arguments);
-            try out.appendSlice(gpa, "}}]},\"logprobs\":");
-            // The calls' tokens' logprobs come with the last call's arguments.
-            try w.logprobsJson(out, null, if (i + 1 == calls.len) ch.logprobs.items[sent_lp.*..] else &.{}, 0);
-            try out.appendSlice(gpa, ",\"finish_reason\":null}]}\n\n");
         }
-        sent_lp.* = ch.logprobs.items.len;
+        // A call cut short (by `max_tokens`) ends as the choice ended; whole calls end with "tool_calls".
+        if (!is_calls) return w.deltaEvent(out, idx, null, "", &.{}, ch.finish);
         try w.eventHead(out);
         try out.print(gpa, "[{{\"index\":{d},\"delta\":{{}},\"logprobs\":null,\"finish_reason\":\"tool_calls\"}}]}}\n\n", .{idx});
     }

@@ -525,6 +525,7 @@ def stream_tool_calls(client, messages, **kw):
                     calls[tc.index] = {"id": tc.id, "name": tc.function.name, "arguments": ""}
                     order.append(("open", tc.index, bool(tc.id and tc.function.name)))
                 calls[tc.index]["arguments"] += tc.function.arguments or ""
+                calls[tc.index]["pieces"] = calls[tc.index].get("pieces", 0) + bool(tc.function.arguments)
             if choice.finish_reason:
                 finish = choice.finish_reason
     return [calls[k] for k in sorted(calls)], content, finish, order
@@ -547,8 +548,8 @@ def test_tools(srv):
     calls, content, finish, order = stream_tool_calls(client, ask, tools=TOOLS, tool_choice=named, max_tokens=60)
     check(len(calls) == 1 and calls[0]["name"] == "get_weather" and calls[0]["id"].startswith("call_") and
           calls[0]["arguments"] == (call.function.arguments if call else None) and finish == "tool_calls" and not content and
-          order == [("open", 0, True)],
-          f"streamed: the id and name first, then the arguments, equal to the whole response: {calls} {finish} {content!r}")
+          order == [("open", 0, True)] and calls[0]["pieces"] > 2,
+          f"streamed: the id and name first, then the arguments in pieces, equal to the whole response: {calls} {finish} {content!r}")
 
     r = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "What time is it in Tokyo?"}],
                                        tools=TOOLS, tool_choice="required", max_tokens=60, temperature=0, n=2)
