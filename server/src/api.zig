@@ -657,7 +657,8 @@ fn messagesJson(arena: std.mem.Allocator, msgs: []const Message) ![]const u8 {
         try out.appendSlice(arena, "{\"role\":");
         try text.appendJsonString(arena, &out, m.role);
         try out.appendSlice(arena, ",\"content\":");
-        if (m.content) |s| try text.appendJsonString(arena, &out, s) else try out.appendSlice(arena, "null");
+        // Null only beside calls, as OpenAI's clients send it; an assistant message without either is "".
+        if (m.content) |s| try text.appendJsonString(arena, &out, s) else try out.appendSlice(arena, if (m.tool_calls.len > 0) "null" else "\"\"");
         if (m.name) |s| {
             try out.appendSlice(arena, ",\"name\":");
             try text.appendJsonString(arena, &out, s);
@@ -944,8 +945,8 @@ const Writer = struct {
 
     /// The tools whose calls the output is read for: none without tools or with "none".
     fn toolsRead(w: *const Writer) ?*const tools.Tools {
-        const t = &(w.params.tools orelse return null);
-        return if (t.parsed()) t else null;
+        if (w.params.tools) |*t| return if (t.parsed()) t else null;
+        return null;
     }
 
     /// A streamed choice's events when its output is read for calls: the text before any call as
