@@ -13,6 +13,7 @@ import os
 import re
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -602,6 +603,102 @@ def test_tools(srv):
                   f"{json.dumps(bad)[:70]} is 400: {body.get('message')}")
 
 
+def with_chat_template(src, dst, template):
+    """Copies a GGUF file with its tokenizer.chat_template replaced, the tensors' bytes as they are."""
+    data = open(src, "rb").read()
+    pos = 0
+
+    def take(fmt):
+        nonlocal pos
+        v = struct.unpack_from("<" + fmt, data, pos)[0]
+        pos += struct.calcsize("<" + fmt)
+        return v
+
+    def string():
+        n = take("Q")
+        return take(f"{n}s")
+
+    scalars = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+
+    def value(kind):
+        if kind == 8:
+            return string()
+        if kind == 9:
+            inner, count = take("I"), take("Q")
+            for _ in range(count):
+                value(inner)
+            return None
+        return take(scalars[kind])
+
+    assert data[:4] == b"GGUF"
+    pos = 4
+    version, n_tensors, n_kv = take("I"), take("Q"), take("Q")
+    kvs, alignment = [], 32
+    for _ in range(n_kv):
+        start = pos
+        key = string()
+        v = value(take("I"))
+        if key == b"general.alignment":
+            alignment = v
+        kvs.append((key, data[start:pos]))
+    infos_start = pos
+    for _ in range(n_tensors):
+        string()
+        dims = take("I")
+        pos += 8 * dims + 4 + 8  # the dims, the type, the offset
+    infos = data[infos_start:pos]
+    data_start = -(-pos // alignment) * alignment
+    key, text = b"tokenizer.chat_template", template.encode()
+    entry = struct.pack("<Q", len(key)) + key + struct.pack("<IQ", 8, len(text)) + text
+    head = struct.pack("<4sIQQ", b"GGUF", version, n_tensors, n_kv) + b"".join(
+        entry if k == key else raw for k, raw in kvs) + infos
+    with open(dst, "wb") as f:
+        f.write(head + b"\0" * (-len(head) % alignment))
+        f.write(memoryview(data)[data_start:])
+
+
+def test_tools_template(binary, model):
+    """On a template that prints tools (SmolLM2's weights with Qwen2.5's template), the prompt is what
+    transformers renders: the tools' JSON, an assistant's call with its arguments object and the tool's
+    result; the greedy answer equals the completion of that text."""
+    qwen = os.path.join(os.path.dirname(os.path.abspath(__file__)), "../../tests/data/tokenizer/templates/qwen2.5.jinja")
+    copy = f"/tmp/hostembed-tools-{os.getpid()}.gguf"
+    with_chat_template(model, copy, open(qwen).read())
+    srv = None
+    try:
+        srv = Server(binary, copy, "--ctx", "1024", "--streams", "4")
+        client = srv.client()
+        ask = "What is the weather in Paris right now?"
+        args = '{"city": "Paris", "unit": "celsius"}'
+        result = '{"temperature": 21, "sky": "clear"}'
+        convo = [{"role": "user", "content": ask},
+                 {"role": "assistant", "content": None,
+                  "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": args}}]},
+                 {"role": "tool", "tool_call_id": "call_1", "content": result}]
+        want = ("<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.\n\n# Tools\n\n"
+                "You may call one or more functions to assist with the user query.\n\nYou are provided with function "
+                "signatures within <tools></tools> XML tags:\n<tools>" + "".join("\n" + json.dumps(t) for t in TOOLS) +
+                "\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
+                "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}"
+                "\n</tool_call><|im_end|>\n<|im_start|>user\n" + ask + "<|im_end|>\n<|im_start|>assistant\n<tool_call>\n"
+                '{"name": "get_weather", "arguments": ' + json.dumps(json.loads(args)) + "}\n</tool_call><|im_end|>\n"
+                "<|im_start|>user\n<tool_response>\n" + result + "\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+        r = client.chat.completions.create(model=MODEL_NAME, messages=convo, tools=TOOLS, max_tokens=12, temperature=0)
+        c = complete(client, want, max_tokens=12)
+        check(r.usage.prompt_tokens == c.usage.prompt_tokens and (r.choices[0].message.content or "") == c.choices[0].text,
+              f"Qwen2.5's template gets the tools, the call and its result as transformers gives them "
+              f"({r.usage.prompt_tokens} == {c.usage.prompt_tokens} tokens): {r.choices[0].message.content!r}")
+        r = client.chat.completions.create(model=MODEL_NAME, messages=convo[:1], tools=TOOLS, max_tokens=60, temperature=0,
+                                           tool_choice={"type": "function", "function": {"name": "get_weather"}})
+        calls = r.choices[0].message.tool_calls or []
+        check(len(calls) == 1 and valid_call(calls[0].function.name, calls[0].function.arguments),
+              f"a named call through a template that prints tools: {calls}")
+    finally:
+        if srv:
+            srv.stop()
+        os.unlink(copy)
+
+
 def bad_requests():
     """(description, bytes) pairs, each of which must get a 4xx in OpenAI's error shape."""
     good = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -859,6 +956,12 @@ def main():
         check(srv.proc.poll() is None, "the server survived every test")
     finally:
         srv.stop()
+    if args.only in (None, "tools_template"):
+        print("--- tools through a template that prints them", flush=True)
+        try:
+            test_tools_template(args.server, args.model)
+        except Exception as err:
+            check(False, f"tools_template raised {type(err).__name__}: {err}")
     if args.only in (None, "drain"):
         print("--- limits, API key, drain", flush=True)
         test_limits_key_and_drain(args.server, args.model, reference)
