@@ -160,9 +160,9 @@ typedef enum engine_constraint {
 // Threads: an engine may be called from several threads at once. Calls that touch its decode state
 // (steps, logits, resets, the rows) are serialized inside the library, so a stream's tokens are the same
 // as in a serial run; `engine_tokenize`, `engine_token_piece`, `engine_model_info`, `engine_is_eog`,
-// `engine_eog_ids` and `engine_chat_template` read only what the load fixed and run beside them
-// without waiting. `engine_free` while another thread is still
-// inside a call on the same engine is the caller's bug.
+// `engine_eog_ids`, `engine_chat_template` and `engine_chat_template_json` read only what the load
+// fixed and run beside them without waiting. `engine_free` while another thread is still inside a call
+// on the same engine is the caller's bug.
 typedef struct engine engine;
 
 // What the placements decide on, read from the device.
@@ -778,6 +778,23 @@ int32_t engine_chat_template(const struct engine *e,
                              bool add_generation_prompt,
                              char *buf,
                              size_t len);
+
+// As `engine_chat_template`, with the conversation and the tools given as JSON, the way transformers'
+// `apply_chat_template(messages, tools=tools)` receives them, for templates that call tools:
+// `messages_json` a NUL-terminated array of message objects passed to the template as they are (an
+// assistant message's `tool_calls`, a `"tool"` message's `tool_call_id`, any field the template
+// reads), `tools_json` a NUL-terminated array of tools (OpenAI's `{"type": "function", "function":
+// {"name", "description", "parameters"}}` objects, which the templates of Qwen2.5, Llama 3.1 and
+// Hermes models print) or NULL for the template's `tools` being none. Objects keep their keys' order
+// (Python's dicts do). Writes and returns as `engine_chat_template` does; -INVALID_ARGUMENT also for
+// JSON that does not parse or is not an array (of objects, for the messages). Runs beside steps
+// without waiting.
+int32_t engine_chat_template_json(const struct engine *e,
+                                  const char *messages_json,
+                                  const char *tools_json,
+                                  bool add_generation_prompt,
+                                  char *buf,
+                                  size_t len);
 
 #ifdef __cplusplus
 }  // extern "C"

@@ -34,5 +34,12 @@ pub fn build(b: *std.Build) void {
         .target = target,
         .optimize = optimize,
     }) });
-    b.step("test", "unit tests of the text handling (UTF-8 holding, stop strings, JSON escaping)").dependOn(&b.addRunArtifact(unit).step);
+    const unit_tools = b.addTest(.{ .root_module = b.createModule(.{
+        .root_source_file = b.path("src/tools.zig"),
+        .target = target,
+        .optimize = optimize,
+    }) });
+    const test_step = b.step("test", "unit tests of the text handling (UTF-8 holding, stop strings, JSON escaping) and of tool calls");
+    test_step.dependOn(&b.addRunArtifact(unit).step);
+    test_step.dependOn(&b.addRunArtifact(unit_tools).step);
 }

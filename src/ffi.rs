@@ -205,9 +205,9 @@ use std::sync::{Arc, Mutex, MutexGuard};
 /// Threads: an engine may be called from several threads at once. Calls that touch its decode state
 /// (steps, logits, resets, the rows) are serialized inside the library, so a stream's tokens are the same
 /// as in a serial run; `engine_tokenize`, `engine_token_piece`, `engine_model_info`, `engine_is_eog`,
-/// `engine_eog_ids` and `engine_chat_template` read only what the load fixed and run beside them
-/// without waiting. `engine_free` while another thread is still
-/// inside a call on the same engine is the caller's bug.
+/// `engine_eog_ids`, `engine_chat_template` and `engine_chat_template_json` read only what the load
+/// fixed and run beside them without waiting. `engine_free` while another thread is still inside a call
+/// on the same engine is the caller's bug.
 pub struct engine {
     /// Everything a step may change, behind one lock.
     state: Mutex<Engine>,
@@ -1207,6 +1207,61 @@ pub unsafe extern "C" fn engine_chat_template(
         }
         let rendered =
             chat::render(template, &chat_messages, add_generation_prompt, &e.text.bos_text, &e.text.eos_text)?;
+        need = i32::try_from(rendered.len())
+            .map_err(|_| crate::err!(OutOfRange, "the rendered chat is {} bytes", rendered.len()))?;
+        // SAFETY: `buf` holds `len` bytes or is NULL with `len` 0.
+        unsafe { write_c_string(&rendered, buf, len) };
+        Ok(())
+    });
+    if status == Status::Ok { need } else { -(status as i32) }
+}
+
+/// As `engine_chat_template`, with the conversation and the tools given as JSON, the way transformers'
+/// `apply_chat_template(messages, tools=tools)` receives them, for templates that call tools:
+/// `messages_json` a NUL-terminated array of message objects passed to the template as they are (an
+/// assistant message's `tool_calls`, a `"tool"` message's `tool_call_id`, any field the template
+/// reads), `tools_json` a NUL-terminated array of tools (OpenAI's `{"type": "function", "function":
+/// {"name", "description", "parameters"}}` objects, which the templates of Qwen2.5, Llama 3.1 and
+/// Hermes models print) or NULL for the template's `tools` being none. Objects keep their keys' order
+/// (Python's dicts do). Writes and returns as `engine_chat_template` does; -INVALID_ARGUMENT also for
+/// JSON that does not parse or is not an array (of objects, for the messages). Runs beside steps
+/// without waiting.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn engine_chat_template_json(
+    e: *const engine,
+    messages_json: *const c_char,
+    tools_json: *const c_char,
+    add_generation_prompt: bool,
+    buf: *mut c_char,
+    len: usize,
+) -> i32 {
+    if !buf.is_null() && len > 0 {
+        // SAFETY: the caller promises `buf` holds `len` bytes.
+        unsafe { *buf = 0 };
+    }
+    let mut need = 0i32;
+    let status = guard("engine_chat_template_json", || {
+        // SAFETY: the caller passes an engine from engine_init_fit (or NULL, refused), not yet freed.
+        let e = unsafe { handle(e) }?;
+        if buf.is_null() && len > 0 {
+            crate::bail!(InvalidArgument, "buf is NULL with len {len}");
+        }
+        if messages_json.is_null() {
+            crate::bail!(InvalidArgument, "messages_json is NULL");
+        }
+        let template = e.text.chat_template.as_deref().ok_or_else(|| {
+            Error::new(Status::Unsupported, "the model has no chat template (tokenizer.chat_template, chat_template)")
+        })?;
+        let text = |p: *const c_char, what: &str| -> Result<&str> {
+            // SAFETY: the caller promises a NUL-terminated string that outlives the call (p is not NULL).
+            unsafe { std::ffi::CStr::from_ptr(p) }
+                .to_str()
+                .map_err(|err| crate::err!(InvalidArgument, "{what} is not UTF-8 at byte {}", err.valid_up_to()))
+        };
+        let messages = text(messages_json, "messages_json")?;
+        let tools = if tools_json.is_null() { None } else { Some(text(tools_json, "tools_json")?) };
+        let rendered =
+            chat::render_json(template, messages, tools, add_generation_prompt, &e.text.bos_text, &e.text.eos_text)?;
         need = i32::try_from(rendered.len())
             .map_err(|_| crate::err!(OutOfRange, "the rendered chat is {} bytes", rendered.len()))?;
         // SAFETY: `buf` holds `len` bytes or is NULL with `len` 0.

@@ -16,8 +16,8 @@ use hostembed::checkpoint::gguf::GgufValue;
 use hostembed::checkpoint::write::{synthetic_weights, write_gguf, write_hf_folder};
 use hostembed::engine::{default_options, engine_backend};
 use hostembed::ffi::{
-    engine, engine_chat_template, engine_eog_ids, engine_free, engine_init_fit, engine_is_eog, engine_model_info,
-    engine_token_piece, engine_tokenize,
+    engine, engine_chat_template, engine_chat_template_json, engine_eog_ids, engine_free, engine_init_fit,
+    engine_is_eog, engine_model_info, engine_token_piece, engine_tokenize,
 };
 use hostembed::model::{Arch, ModelConfig, RopeScaling};
 use hostembed::tensor::DType;
@@ -909,6 +909,86 @@ fn chat_template_functions() {
     assert!(year.len() == 4 && year.starts_with("20"), "{year}");
     let e = render("{% if %}").unwrap_err();
     assert_eq!(e.status, Status::BadModel, "{e}");
+}
+
+/// Tools and a tool-calling conversation given as JSON reach the template as transformers passes them:
+/// Qwen2.5's prints each tool with `tojson` (keys in the caller's order), an assistant's call with its
+/// arguments object, and a tool's result as a `<tool_response>`; plain messages render as
+/// `render` renders them; JSON that is not an array of objects is refused.
+#[test]
+fn chat_templates_take_tools_and_tool_calls_as_json() {
+    let qwen = template("qwen2.5.jinja");
+    let tools = r#"[{"type": "function", "function": {"name": "get_weather", "description": "Weather now", "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}}, "required": ["city"]}}}]"#;
+    let messages = r#"[{"role": "user", "content": "Paris?"},
+        {"role": "assistant", "content": null, "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"unit": "c", "city": "Paris"}}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "21"}]"#;
+    let got = chat::render_json(&qwen, messages, Some(tools), true, "", "<|im_end|>").unwrap();
+    let want = concat!(
+        "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.\n\n# Tools\n\n",
+        "You may call one or more functions to assist with the user query.\n\nYou are provided with function ",
+        "signatures within <tools></tools> XML tags:\n<tools>\n",
+        r#"{"type": "function", "function": {"name": "get_weather", "description": "Weather now", "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}}, "required": ["city"]}}}"#,
+        "\n</tools>\n\nFor each function call, return a json object with function name and arguments within ",
+        "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}",
+        "\n</tool_call><|im_end|>\n",
+        "<|im_start|>user\nParis?<|im_end|>\n",
+        "<|im_start|>assistant\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"unit\": \"c\", \"city\": \"Paris\"}}\n</tool_call><|im_end|>\n",
+        "<|im_start|>user\n<tool_response>\n21\n</tool_response><|im_end|>\n",
+        "<|im_start|>assistant\n",
+    );
+    assert_eq!(got, want);
+    // Without tools the template takes its other branch; plain messages render as `render` does.
+    let plain = r#"[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello é"}]"#;
+    for name in ["qwen2.5.jinja", "llama3.1.jinja", "smollm2.jinja"] {
+        let t = template(name);
+        let want = chat::render(
+            &t,
+            &[ChatMessage { role: "system", content: "Be brief." }, ChatMessage { role: "user", content: "Hello é" }],
+            true,
+            "<s>",
+            "</s>",
+        )
+        .unwrap();
+        assert_eq!(chat::render_json(&t, plain, None, true, "<s>", "</s>").unwrap(), want, "{name}");
+    }
+    for (messages, tools, why) in [
+        ("{", None, "not valid JSON"),
+        (r#"{"role": "user"}"#, None, "not a JSON array"),
+        ("[1]", None, "messages[0] is not a JSON object"),
+        (plain, Some("{}"), "tools is not a JSON array"),
+    ] {
+        let e = chat::render_json(&qwen, messages, tools, true, "", "").unwrap_err();
+        assert_eq!(e.status, Status::InvalidArgument);
+        assert!(e.message.contains(why), "{e}");
+    }
+
+    // Through C: the GGUF's template, NULL tools, the snprintf contract and NULLs refused.
+    let dir = Scratch::new("chat-json-c");
+    let gguf = reference_gguf(&dir, "chat.gguf", vec![("tokenizer.chat_template".into(), GgufValue::String(qwen))]);
+    let e = CpuEngine::open(&gguf);
+    let (m, t) = (CString::new(messages).unwrap(), CString::new(tools).unwrap());
+    // SAFETY: a live engine and NUL-terminated JSON; a NULL buffer of 0 is never written.
+    let need = unsafe { engine_chat_template_json(e.0, m.as_ptr(), t.as_ptr(), true, std::ptr::null_mut(), 0) };
+    assert!(need > 0, "{need}: {}", hostembed::status::last_error());
+    let mut buf = vec![0x55 as c_char; need as usize + 1];
+    // SAFETY: a live engine, NUL-terminated JSON and buf.len() chars to write.
+    let again = unsafe { engine_chat_template_json(e.0, m.as_ptr(), t.as_ptr(), true, buf.as_mut_ptr(), buf.len()) };
+    assert_eq!(again, need);
+    let text = String::from_utf8(buf[..need as usize].iter().map(|&c| c as u8).collect()).unwrap();
+    assert!(
+        text.starts_with("<|im_start|>system\nYou are Qwen") && text.contains("<tools>\n{\"type\": \"function\""),
+        "{text}"
+    );
+    // SAFETY: a live engine, NUL-terminated JSON and NULL tools.
+    let none = unsafe { engine_chat_template_json(e.0, m.as_ptr(), std::ptr::null(), true, std::ptr::null_mut(), 0) };
+    assert!(none > 0 && none < need, "{none} {need}");
+    // SAFETY: NULL messages are refused before anything is read.
+    let s = unsafe { engine_chat_template_json(e.0, std::ptr::null(), t.as_ptr(), true, std::ptr::null_mut(), 0) };
+    assert_eq!(s, -(Status::InvalidArgument as i32));
+    // SAFETY: a NULL engine is refused before anything is read.
+    let s =
+        unsafe { engine_chat_template_json(std::ptr::null(), m.as_ptr(), t.as_ptr(), true, std::ptr::null_mut(), 0) };
+    assert_eq!(s, -(Status::InvalidArgument as i32));
 }
 
 fn chat_through_c(e: &CpuEngine, messages: &[(&CString, &CString)], generation: bool) -> Result<String, i32> {

@@ -177,6 +177,8 @@ pub const Server = struct {
     created: i64,
     /// The model's fill-in-the-middle tokens (prefix, suffix, middle), for a completion's `suffix`.
     fim: ?[3]i32 = null,
+    /// The chat template prints the tools it is given (else the server shows them in the system message).
+    template_tools: bool = false,
 
     pub fn authorized(s: *Server, header: ?[]const u8) bool {
         const want = s.key_digest orelse return true;
@@ -250,6 +252,7 @@ pub fn main() !void {
     server.engine = engine.?;
     _ = c.engine_model_info(engine.?, &server.info);
     server.fim = api.fimTokens(engine.?);
+    server.template_tools = api.templateShowsTools(engine.?);
     try server.scheduler.init(engine.?, .{
         .batch_tokens = cfg.batch_tokens,
         .chunk_tokens = cfg.chunk,

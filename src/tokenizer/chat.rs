@@ -2,7 +2,8 @@
 //! tokenizer_config.json `chat_template` or chat_template.jinja) rendered with `minijinja` the way
 //! transformers' `apply_chat_template` renders it: blocks trimmed and left-stripped, `break` and
 //! `continue`, `raise_exception`, `strftime_now`, a `tojson` that writes what Python's `json.dumps`
-//! writes, Python's string and dict methods, and `bos_token` / `eos_token` in the context.
+//! writes, Python's string and dict methods, and `bos_token` / `eos_token` in the context. Messages
+//! come as roles and texts, or as JSON with the tools (`render_json`) for templates that call tools.
 
 use crate::status::{Error, Result, Status};
 use minijinja::value::{Kwargs, Value};
@@ -24,6 +25,54 @@ pub fn render(
     bos_token: &str,
     eos_token: &str,
 ) -> Result<String> {
+    let messages =
+        messages.iter().map(|m| minijinja::context! { role => m.role, content => m.content }).collect::<Vec<_>>();
+    render_values(template, Value::from(messages), Value::from(()), add_generation_prompt, bos_token, eos_token)
+}
+
+/// As `render`, with the messages and the tools given as JSON the way transformers'
+/// `apply_chat_template(messages, tools=tools)` receives them: `messages` an array of message objects
+/// passed to the template as they are (an assistant's `tool_calls`, a tool message's `tool_call_id`,
+/// any other field), `tools` an array (OpenAI's `{"type": "function", "function": {...}}` objects)
+/// or None for the template's `tools` being none. Objects keep their keys' order. INVALID_ARGUMENT
+/// for JSON that does not parse or is not an array (of objects, for the messages).
+pub fn render_json(
+    template: &str,
+    messages: &str,
+    tools: Option<&str>,
+    add_generation_prompt: bool,
+    bos_token: &str,
+    eos_token: &str,
+) -> Result<String> {
+    let parse = |json: &str, what: &str| -> Result<Value> {
+        let v: Value = serde_json::from_str(json)
+            .map_err(|e| Error::new(Status::InvalidArgument, format!("{what} is not valid JSON: {e}")))?;
+        if v.kind() != minijinja::value::ValueKind::Seq {
+            return Err(Error::new(Status::InvalidArgument, format!("{what} is not a JSON array")));
+        }
+        Ok(v)
+    };
+    let messages = parse(messages, "messages")?;
+    for (i, m) in messages.try_iter().map_err(|e| Error::new(Status::InvalidArgument, e.to_string()))?.enumerate() {
+        if m.kind() != minijinja::value::ValueKind::Map {
+            return Err(Error::new(Status::InvalidArgument, format!("messages[{i}] is not a JSON object")));
+        }
+    }
+    let tools = match tools {
+        Some(json) => parse(json, "tools")?,
+        None => Value::from(()),
+    };
+    render_values(template, messages, tools, add_generation_prompt, bos_token, eos_token)
+}
+
+fn render_values(
+    template: &str,
+    messages: Value,
+    tools: Value,
+    add_generation_prompt: bool,
+    bos_token: &str,
+    eos_token: &str,
+) -> Result<String> {
     let mut env = Environment::new();
     let syntax = minijinja::syntax::SyntaxConfig::builder()
         .trim_blocks(true)
@@ -39,11 +88,11 @@ pub fn render(
         Error::new(Status::BadModel, format!("the model's chat template does not parse: {}", describe(&e)))
     })?;
     let context = minijinja::context! {
-        messages => messages.iter().map(|m| minijinja::context! { role => m.role, content => m.content }).collect::<Vec<_>>(),
+        messages => messages,
         add_generation_prompt => add_generation_prompt,
         bos_token => bos_token,
         eos_token => eos_token,
-        tools => Value::from(()),
+        tools => tools,
         documents => Value::from(()),
     };
     compiled
