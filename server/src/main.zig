@@ -32,7 +32,8 @@ const usage =
     \\  --batch-tokens N          token budget of one step: decode tokens plus prompt chunks (default 2048)
     \\  --chunk N                 most tokens of one prompt in one step (default 512)
     \\  --lookup N                prompt-lookup speculation proposing up to N tokens a step (default 0: off)
-    \\  --draft MODEL             a drafter checkpoint the engine loads (the scheduler does not propose with it yet)
+    \\  --draft MODEL             a drafter checkpoint (the target's vocabulary) proposing for every stream
+    \\  --draft-tokens N          most tokens the drafter proposes a step (default 4)
     \\  --api-key KEY             require "Authorization: Bearer KEY" (compared in constant time)
     \\  --max-connections N       connections served at once; more get 503 (default 256)
     \\  --max-body BYTES          largest request body (default 4194304)
@@ -65,6 +66,7 @@ pub const Config = struct {
     chunk: u32 = 512,
     lookup: u32 = 0,
     draft: ?[:0]const u8 = null,
+    draft_tokens: u32 = 4,
     api_key: ?[]const u8 = null,
     max_connections: u32 = 256,
     max_body: usize = 4 * 1024 * 1024,
@@ -134,6 +136,9 @@ fn parseArgs(args: []const [:0]const u8) Config {
             if (cfg.lookup > c.ENGINE_SPECULATION_MAX_TOKENS) die("--lookup is at most {d}", .{c.ENGINE_SPECULATION_MAX_TOKENS});
         } else if (std.mem.eql(u8, a, "--draft")) {
             cfg.draft = v;
+        } else if (std.mem.eql(u8, a, "--draft-tokens")) {
+            cfg.draft_tokens = number(u32, a, v);
+            if (cfg.draft_tokens == 0 or cfg.draft_tokens > c.ENGINE_SPECULATION_MAX_TOKENS) die("--draft-tokens is 1 to {d}", .{c.ENGINE_SPECULATION_MAX_TOKENS});
         } else if (std.mem.eql(u8, a, "--api-key")) {
             cfg.api_key = v;
         } else if (std.mem.eql(u8, a, "--max-connections")) {
@@ -256,7 +261,9 @@ pub fn main() !void {
     try server.scheduler.init(engine.?, .{
         .batch_tokens = cfg.batch_tokens,
         .chunk_tokens = cfg.chunk,
-        .lookup = cfg.lookup,
+        // With a drafter every stream drafts (up to --draft-tokens a step) in place of prompt lookup.
+        .lookup = if (cfg.draft != null) cfg.draft_tokens else cfg.lookup,
+        .drafter = cfg.draft != null,
         .queue_timeout_ms = @as(u64, cfg.queue_timeout_s) * 1000,
         .max_waiting = cfg.max_waiting,
     });

@@ -107,7 +107,7 @@ pub fn render(gpa: std.mem.Allocator, out: *std.ArrayList(u8), engine: *c.engine
     try counter(gpa, out, "hostembed_step_seconds_total", "counter", "Time inside engine_step_batch.", @as(f64, @floatFromInt(step_seconds_ns.load(.monotonic))) / std.time.ns_per_s);
     try counter(gpa, out, "hostembed_requests_waiting", "gauge", "Requests waiting for a stream or KV room.", waiting.load(.monotonic));
     try counter(gpa, out, "hostembed_requests_running", "gauge", "Requests holding streams.", running.load(.monotonic));
-    try counter(gpa, out, "hostembed_speculation_proposed_total", "counter", "Tokens proposed by prompt lookup.", spec_proposed.load(.monotonic));
+    try counter(gpa, out, "hostembed_speculation_proposed_total", "counter", "Tokens proposed by speculation (prompt lookup or the drafter).", spec_proposed.load(.monotonic));
     try counter(gpa, out, "hostembed_speculation_accepted_total", "counter", "Proposed tokens verification accepted.", spec_accepted.load(.monotonic));
     var usage: c.struct_engine_kv_usage = undefined;
     if (c.engine_kv_usage(engine, &usage) == c.ENGINE_STATUS_OK) {

@@ -139,7 +139,10 @@ pub const Request = struct {
 pub const Options = struct {
     batch_tokens: u32,
     chunk_tokens: u32,
+    /// Most tokens a stream proposes a step (0: no speculation).
     lookup: u32,
+    /// Proposals come from the engine's drafter model rather than prompt lookup.
+    drafter: bool = false,
     queue_timeout_ms: u64,
     max_waiting: usize,
 };
@@ -323,7 +326,7 @@ pub const Scheduler = struct {
             if (c.engine_set_sampling(s.engine, ch.stream, &r.sampling) != c.ENGINE_STATUS_OK) return error.Engine;
             var spec = c.engine_default_speculation();
             if (spec_on) {
-                spec.draft = c.ENGINE_DRAFT_NGRAM;
+                spec.draft = if (s.opts.drafter) c.ENGINE_DRAFT_MODEL else c.ENGINE_DRAFT_NGRAM;
                 spec.max_tokens = s.opts.lookup;
             }
             if (c.engine_set_speculation(s.engine, ch.stream, &spec) != c.ENGINE_STATUS_OK) return error.Engine;

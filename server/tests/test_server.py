@@ -864,6 +864,20 @@ def test_metrics(srv):
     check(m.get("hostembed_kv_tokens_total", 0) > 0, "metrics report the KV pool")
 
 
+def test_drafter(binary, model, reference):
+    """A server with a drafter (the model itself, so every proposal is the target's own greedy token):
+    the greedy output is the output without it, and the metrics count the drafter's proposals accepted."""
+    srv = Server(binary, model, "--ctx", "512", "--streams", "2", "--draft", model, "--draft-tokens", "3")
+    try:
+        r = complete(srv.client(), reference[0], max_tokens=24)
+        check(r.choices[0].text == reference[1], f"greedy output with --draft equals the output without: {r.choices[0].text!r}")
+        m = srv.metrics()
+        proposed, accepted = m.get("hostembed_speculation_proposed_total", 0), m.get("hostembed_speculation_accepted_total", 0)
+        check(proposed > 0 and accepted == proposed, f"the model drafting for itself is always accepted: {accepted} of {proposed}")
+    finally:
+        srv.stop()
+
+
 def test_limits_key_and_drain(binary, model, reference):
     """A second server: one stream, prompt lookup, an API key, a 1 s queue timeout; then SIGTERM while
     streaming."""
@@ -962,6 +976,12 @@ def main():
             test_tools_template(args.server, args.model)
         except Exception as err:
             check(False, f"tools_template raised {type(err).__name__}: {err}")
+    if args.only in (None, "drafter"):
+        print("--- a drafter", flush=True)
+        try:
+            test_drafter(args.server, args.model, reference)
+        except Exception as err:
+            check(False, f"drafter raised {type(err).__name__}: {err}")
     if args.only in (None, "drain"):
         print("--- limits, API key, drain", flush=True)
         test_limits_key_and_drain(args.server, args.model, reference)
