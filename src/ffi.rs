@@ -611,16 +611,9 @@ pub unsafe extern "C" fn engine_speculation_stats(
     guard("engine_speculation_stats", || {
         // SAFETY: the caller passes an engine from engine_init_fit (or NULL, refused), not yet freed.
         let e = unsafe { handle(e) }?;
-        let (p, a) = e.lock().speculation_stats(stream)?;
+        let counts = e.lock().speculation_stats(stream)?;
         // SAFETY: each pointer is NULL or points to a writable u64 (the header's contract).
-        unsafe {
-            if let Some(out) = proposed.as_mut() {
-                *out = p;
-            }
-            if let Some(out) = accepted.as_mut() {
-                *out = a;
-            }
-        }
+        unsafe { write_pair(counts, proposed, accepted) };
         Ok(())
     })
 }
@@ -640,18 +633,27 @@ pub unsafe extern "C" fn engine_prefix_stats(
     guard("engine_prefix_stats", || {
         // SAFETY: the caller passes an engine from engine_init_fit (or NULL, refused), not yet freed.
         let e = unsafe { handle(e) }?;
-        let (c, n) = e.lock().prefix_stats(stream)?;
+        let counts = e.lock().prefix_stats(stream)?;
         // SAFETY: each pointer is NULL or points to a writable u64 (the header's contract).
-        unsafe {
-            if let Some(out) = cached.as_mut() {
-                *out = c;
-            }
-            if let Some(out) = computed.as_mut() {
-                *out = n;
-            }
-        }
+        unsafe { write_pair(counts, cached, computed) };
         Ok(())
     })
+}
+
+/// Writes a pair of counts to the caller's two outputs, skipping a NULL one.
+///
+/// # Safety
+/// Each pointer is NULL or points to a writable u64.
+unsafe fn write_pair((a, b): (u64, u64), out_a: *mut u64, out_b: *mut u64) {
+    // SAFETY: the caller's contract above.
+    unsafe {
+        if let Some(out) = out_a.as_mut() {
+            *out = a;
+        }
+        if let Some(out) = out_b.as_mut() {
+            *out = b;
+        }
+    }
 }
 
 /// Greedy sampling with no cut and no penalty (temperature 0, top_k 0, top_p 1, min_p 0,
