@@ -1174,26 +1174,13 @@ pub unsafe extern "C" fn engine_chat_template(
     buf: *mut c_char,
     len: usize,
 ) -> i32 {
-    if !buf.is_null() && len > 0 {
-        // SAFETY: the caller promises `buf` holds `len` bytes.
-        unsafe { *buf = 0 };
-    }
-    let mut need = 0i32;
-    let status = guard("engine_chat_template", || {
-        // SAFETY: the caller passes an engine from engine_init_fit (or NULL, refused), not yet freed.
-        let e = unsafe { handle(e) }?;
-        if buf.is_null() && len > 0 {
-            crate::bail!(InvalidArgument, "buf is NULL with len {len}");
-        }
+    let render = |e: &engine, template: &str| -> Result<String> {
         if messages.is_null() && n > 0 {
             crate::bail!(InvalidArgument, "messages is NULL with n {n}");
         }
-        let template = e.text.chat_template.as_deref().ok_or_else(|| {
-            Error::new(Status::Unsupported, "the model has no chat template (tokenizer.chat_template, chat_template)")
-        })?;
         let raw: &[engine_chat_message] =
-            // SAFETY: the caller promises `messages` holds `n` messages; n is 0 when it is NULL.
-            if n == 0 { &[] } else { unsafe { std::slice::from_raw_parts(messages, n) } };
+        // SAFETY: the caller promises `messages` holds `n` messages; n is 0 when it is NULL.
+        if n == 0 { &[] } else { unsafe { std::slice::from_raw_parts(messages, n) } };
         let mut chat_messages = Vec::with_capacity(n);
         for (i, m) in raw.iter().enumerate() {
             let text = |p: *const c_char, field: &str| -> Result<&str> {
@@ -1207,8 +1194,40 @@ pub unsafe extern "C" fn engine_chat_template(
             };
             chat_messages.push(chat::ChatMessage { role: text(m.role, "role")?, content: text(m.content, "content")? });
         }
-        let rendered =
-            chat::render(template, &chat_messages, add_generation_prompt, &e.text.bos_text, &e.text.eos_text)?;
+        chat::render(template, &chat_messages, add_generation_prompt, &e.text.bos_text, &e.text.eos_text)
+    };
+    // SAFETY: the caller's contract for `e`, `buf` and `len`, passed on.
+    unsafe { render_chat("engine_chat_template", e, buf, len, render) }
+}
+
+/// The two chat-template exports around their renderers: `buf` emptied first, the engine and `buf`
+/// checked, the model's template handed to `render`, its text written into `buf`; the length it needs,
+/// or -status.
+///
+/// # Safety
+/// `e` is NULL or a live engine; `buf` is NULL or holds `len` bytes.
+unsafe fn render_chat(
+    name: &str,
+    e: *const engine,
+    buf: *mut c_char,
+    len: usize,
+    render: impl FnOnce(&engine, &str) -> Result<String>,
+) -> i32 {
+    if !buf.is_null() && len > 0 {
+        // SAFETY: the caller promises `buf` holds `len` bytes.
+        unsafe { *buf = 0 };
+    }
+    let mut need = 0i32;
+    let status = guard(name, || {
+        // SAFETY: the caller passes an engine from engine_init_fit (or NULL, refused), not yet freed.
+        let e = unsafe { handle(e) }?;
+        if buf.is_null() && len > 0 {
+            crate::bail!(InvalidArgument, "buf is NULL with len {len}");
+        }
+        let template = e.text.chat_template.as_deref().ok_or_else(|| {
+            Error::new(Status::Unsupported, "the model has no chat template (tokenizer.chat_template, chat_template)")
+        })?;
+        let rendered = render(e, template)?;
         need = i32::try_from(rendered.len())
             .map_err(|_| crate::err!(OutOfRange, "the rendered chat is {} bytes", rendered.len()))?;
         // SAFETY: `buf` holds `len` bytes or is NULL with `len` 0.
@@ -1237,23 +1256,10 @@ pub unsafe extern "C" fn engine_chat_template_json(
     buf: *mut c_char,
     len: usize,
 ) -> i32 {
-    if !buf.is_null() && len > 0 {
-        // SAFETY: the caller promises `buf` holds `len` bytes.
-        unsafe { *buf = 0 };
-    }
-    let mut need = 0i32;
-    let status = guard("engine_chat_template_json", || {
-        // SAFETY: the caller passes an engine from engine_init_fit (or NULL, refused), not yet freed.
-        let e = unsafe { handle(e) }?;
-        if buf.is_null() && len > 0 {
-            crate::bail!(InvalidArgument, "buf is NULL with len {len}");
-        }
+    let render = |e: &engine, template: &str| -> Result<String> {
         if messages_json.is_null() {
             crate::bail!(InvalidArgument, "messages_json is NULL");
         }
-        let template = e.text.chat_template.as_deref().ok_or_else(|| {
-            Error::new(Status::Unsupported, "the model has no chat template (tokenizer.chat_template, chat_template)")
-        })?;
         let text = |p: *const c_char, what: &str| -> Result<&str> {
             // SAFETY: the caller promises a NUL-terminated string that outlives the call (p is not NULL).
             unsafe { std::ffi::CStr::from_ptr(p) }
@@ -1262,13 +1268,8 @@ pub unsafe extern "C" fn engine_chat_template_json(
         };
         let messages = text(messages_json, "messages_json")?;
         let tools = if tools_json.is_null() { None } else { Some(text(tools_json, "tools_json")?) };
-        let rendered =
-            chat::render_json(template, messages, tools, add_generation_prompt, &e.text.bos_text, &e.text.eos_text)?;
-        need = i32::try_from(rendered.len())
-            .map_err(|_| crate::err!(OutOfRange, "the rendered chat is {} bytes", rendered.len()))?;
-        // SAFETY: `buf` holds `len` bytes or is NULL with `len` 0.
-        unsafe { write_c_string(&rendered, buf, len) };
-        Ok(())
-    });
-    if status == Status::Ok { need } else { -(status as i32) }
+        chat::render_json(template, messages, tools, add_generation_prompt, &e.text.bos_text, &e.text.eos_text)
+    };
+    // SAFETY: the caller's contract for `e`, `buf` and `len`, passed on.
+    unsafe { render_chat("engine_chat_template_json", e, buf, len, render) }
 }
