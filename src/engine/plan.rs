@@ -1,0 +1,163 @@
+//! The engine's figures for the fit rule (`fit_inputs`: from the GPU model's own layouts and the
+//! device), the KV pool the plan leaves room for, and the start-up line's words about both.
+
+use super::options::{gpu_kv_types, max_batch_of, resolve_mmap_rows, resolve_unified, tuning_for, window_of};
+use super::{MMAP_ROWS_ENV, engine_options, engine_tristate};
+use crate::abi::engine_device_info;
+use crate::checkpoint::Checkpoint;
+use crate::fit::{self, engine_fit_inputs, engine_placement, engine_plan};
+use crate::gpu::GpuModel;
+use crate::kv::KvTypes;
+use crate::model::ModelConfig;
+use crate::status::Result;
+use crate::tuning::Tuning;
+
+/// The KV pool: `pages` pages of `page_tokens` positions, `bytes` of memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KvPool {
+    pub page_tokens: usize,
+    pub pages: usize,
+    pub bytes: u64,
+}
+
+impl KvPool {
+    /// Pages for `windows` full windows of `window` tokens, or for `room` bytes at `per_token` bytes a
+    /// position, whichever is more.
+    pub fn sized(page_tokens: usize, window: usize, windows: u64, room: u64, per_token: u64) -> KvPool {
+        let per_page = per_token.max(1).saturating_mul(page_tokens as u64);
+        let for_windows = windows.saturating_mul(window.div_ceil(page_tokens) as u64);
+        let pages = for_windows.max(room / per_page).min(u32::MAX as u64) as usize;
+        KvPool { page_tokens, pages, bytes: (pages as u64).saturating_mul(per_page) }
+    }
+
+    pub fn tokens(&self) -> u64 {
+        self.pages as u64 * self.page_tokens as u64
+    }
+
+    /// Streams to admit when `want` are asked for: no more than the pool has pages, so that each can
+    /// hold a token.
+    pub fn streams(&self, want: u32) -> u32 {
+        want.min(u32::try_from(self.pages).unwrap_or(u32::MAX))
+    }
+
+    /// The start-up line's words for it.
+    pub fn describe(&self) -> String {
+        format!(
+            "KV pool of {} tokens ({} GiB, {} pages of {} tokens)",
+            self.tokens(),
+            fit::gib(self.bytes),
+            self.pages,
+            self.page_tokens
+        )
+    }
+
+    /// `describe` naming the cache types too: "KV pool of 4096 tokens in Q8_0 (...)".
+    pub fn describe_with(&self, kv: KvTypes) -> String {
+        format!(
+            "KV pool of {} tokens in {} ({} GiB, {} pages of {} tokens)",
+            self.tokens(),
+            kv.describe(),
+            fit::gib(self.bytes),
+            self.pages,
+            self.page_tokens
+        )
+    }
+}
+
+/// "device 0 (NVIDIA H200)" for messages about the device.
+pub(super) fn device_label(device: i32, info: &engine_device_info) -> String {
+    let bytes: Vec<u8> = info.name.iter().take_while(|&&c| c != 0).map(|&c| c as u8).collect();
+    format!("device {device} ({})", String::from_utf8_lossy(&bytes))
+}
+
+/// The figures the fit rule decides on, from a checkpoint and the options (the KV cache in
+/// `gpu_kv_types`; UNSUPPORTED when a type cannot hold the model's heads), for the tuning an engine
+/// would run with (`tuning_for`). `device` is the device the engine would run on (None: no device;
+/// then `room_bytes` must be given and unified Auto is false).
+pub fn fit_inputs(
+    ckpt: &Checkpoint,
+    opts: &engine_options,
+    device: Option<&engine_device_info>,
+) -> Result<engine_fit_inputs> {
+    fit_inputs_with_drafter(ckpt, None, opts, device, &tuning_for(opts))
+}
+
+/// `fit_inputs` for `tuning`, with a drafter model beside the target: its terms are the drafter's real
+/// bytes (its weights, embedding rows and scratch; one stream at the drafter's window) instead of the
+/// options'.
+pub fn fit_inputs_with_drafter(
+    ckpt: &Checkpoint,
+    drafter: Option<&Checkpoint>,
+    opts: &engine_options,
+    device: Option<&engine_device_info>,
+    tuning: &Tuning,
+) -> Result<engine_fit_inputs> {
+    let cfg = &ckpt.config;
+    let window = window_of(cfg, opts)?;
+    let room = match (opts.room_bytes, device) {
+        (0, Some(d)) => d.free_bytes,
+        (0, None) => crate::bail!(InvalidArgument, "options.room_bytes is 0 and there is no device to probe"),
+        (room, _) => room,
+    };
+    let embed = ckpt.bytes_of(ckpt.embed()).len() as u64;
+    // What the GPU model allocates beside the rows, from the same layout its load uses.
+    let weights = GpuModel::weight_bytes(ckpt);
+    if weights == 0 {
+        crate::bail!(BadModel, "{}: the GPU backend cannot lay out this model's weights", ckpt.path.display());
+    }
+    let kv = gpu_kv_types(opts);
+    kv.check(cfg)?;
+    let scratch = GpuModel::scratch_bytes(ckpt, max_batch_of(opts), kv, window as usize, tuning);
+    let stream = GpuModel::stream_bytes(cfg, kv, window as usize);
+    let (drafter_weight_bytes, drafter_stream_bytes) = match drafter {
+        None => (opts.drafter_weight_bytes, opts.drafter_stream_bytes),
+        Some(d) => {
+            let weights = GpuModel::weight_bytes(d);
+            if weights == 0 {
+                crate::bail!(BadModel, "{}: the GPU backend cannot lay out the drafter's weights", d.path.display());
+            }
+            kv.check(&d.config)?;
+            let window = drafter_window(&d.config, window as usize);
+            let embed = d.bytes_of(d.embed()).len() as u64;
+            let scratch = GpuModel::scratch_bytes(d, max_batch_of(opts), kv, window, tuning);
+            (weights + embed + scratch, GpuModel::stream_bytes(&d.config, kv, window))
+        }
+    };
+    Ok(engine_fit_inputs {
+        room_bytes: room,
+        weight_bytes: weights + embed,
+        embed_bytes: embed,
+        scratch_bytes: scratch,
+        stream_bytes: stream,
+        stream_bytes_per_token: kv.bytes_per_token(cfg),
+        drafter_weight_bytes,
+        drafter_stream_bytes,
+        reserve_bytes: opts.reserve_bytes,
+        window,
+        max_streams: opts.max_streams,
+        unified: resolve_unified(opts.unified, device),
+        embed_tied: cfg.tied,
+        mmap_rows: resolve_mmap_rows(opts.mmap_rows),
+    })
+}
+
+/// The line logged when the rows leave the card, in the seed's words.
+pub fn host_rows_reason(plan: &engine_plan, inputs: &engine_fit_inputs, opts: &engine_options) -> Option<String> {
+    match plan.placement {
+        engine_placement::Device => None,
+        engine_placement::HostMapped => {
+            Some(format!("embedding rows read from host memory: no room beside a {}-token stream", plan.window))
+        }
+        engine_placement::FileMapped => Some(match opts.mmap_rows {
+            engine_tristate::Yes => "embedding rows read from the file mapping: options.mmap_rows is set".to_string(),
+            _ if inputs.mmap_rows => format!("embedding rows read from the file mapping: {MMAP_ROWS_ENV}=1"),
+            _ => "embedding rows read from the file mapping".to_string(),
+        }),
+    }
+}
+
+/// The window a drafter's streams have beside a target's of `window`: the target's, or the drafter's
+/// own positions where those are fewer (its streams then stop proposing before the target's end).
+pub fn drafter_window(cfg: &ModelConfig, window: usize) -> usize {
+    window.min(cfg.max_position)
+}
