@@ -362,11 +362,27 @@ fn tag_only(mut text: String) -> String {
     text
 }
 
-/// The modules that hold the C ABI: the types and constants C sees, and the exported functions. cbindgen
-/// reads only these, so nothing else the crate makes `pub` reaches the header.
-const ABI_SOURCES: &[&str] = &["src/abi.rs", "src/ffi.rs"];
+/// The modules that hold the C ABI: the types and constants C sees, and the exported functions, in the
+/// header's order. cbindgen reads only these, so nothing else the crate makes `pub` reaches the header.
+const ABI_SOURCES: &[&str] = &[
+    "src/abi.rs",
+    "src/ffi/basics.rs",
+    "src/ffi/handle.rs",
+    "src/ffi/step.rs",
+    "src/ffi/sample.rs",
+    "src/ffi/streams.rs",
+    "src/ffi/text.rs",
+];
 
 fn generate_header(manifest: &Path, out: &Path) {
+    // A file of src/ffi/ left out of ABI_SOURCES would drop its functions from the header unseen.
+    for entry in fs::read_dir(manifest.join("src/ffi")).expect("src/ffi") {
+        let name = format!("src/ffi/{}", entry.expect("src/ffi").file_name().to_string_lossy());
+        assert!(
+            name == "src/ffi/mod.rs" || ABI_SOURCES.contains(&name.as_str()),
+            "build.rs: {name} is not in ABI_SOURCES"
+        );
+    }
     let mut config = cbindgen::Config::from_file(manifest.join("cbindgen.toml")).expect("cbindgen.toml");
     // The crate's version is the library's: the header carries the one it was generated with.
     let part = |p: &str| env::var(format!("CARGO_PKG_VERSION_{p}")).unwrap();
