@@ -916,11 +916,28 @@ __global__ __launch_bounds__(MMV_THREADS) void mmv_prep_kernel(const float *__re
     }
 }
 
+// PREP launches stage chunks of one width for a tile count (NT tiles of 8 tokens) and rows for all its
+// tokens, absent ones too (never copied, never written out): a tile's rows then sit at offsets known when
+// compiling, where computing each tile's address from the token count was most of the loop's instructions.
+__host__ __device__ constexpr unsigned mmv_prep_chunk(unsigned nt, unsigned group) {
+    return MMV_BF16_STAGE_BUDGET / (nt * 8 * 4) / group * group < group ? group
+                                                                          : MMV_BF16_STAGE_BUDGET / (nt * 8 * 4) / group * group;
+}
+// Scaled PREP launches keep every exponent of their column range in shared memory, a group's tokens side by
+// side (a lane's two tokens one 8-byte read, a tile's at a known offset): read from global memory, each took
+// a 64-bit address of its own, twice a group.
+__host__ __device__ constexpr unsigned mmv_prep_exponent_bytes(unsigned nt, unsigned kr) {
+    return (kr + MMV_KC - 1) / MMV_KC * nt * 8 * 4;
+}
+// The tile count a PREP launch of `n` tokens takes (launch_mmv's choice).
+__host__ __device__ constexpr unsigned mmv_prep_tiles(unsigned n) { return n <= 16 ? 2 : n <= 32 ? 4 : 8; }
+
 // The staged activations' bytes of a launch: one chunk converted in the block, or (PREP) two copied.
 __host__ __device__ inline unsigned int mmv_half_smem(unsigned int n, unsigned int kr, unsigned int group, bool scaled,
                                                       bool prep) {
     if (!prep) return mmv_act_bytes(n, mmv_chunk(n, kr, 4, MMV_KC, MMV_BF16_STAGE_BUDGET), scaled);
-    return 2 * mmv_act_bytes(n, mmv_chunk(n, kr, 4, group, MMV_BF16_STAGE_BUDGET), false);
+    const unsigned nt = mmv_prep_tiles(n);
+    return 2 * mmv_act_bytes(nt * 8, mmv_prep_chunk(nt, group), false) + (scaled ? mmv_prep_exponent_bytes(nt, kr) : 0);
 }
 
 // PREP: the activations come staged from mmv_prep_kernel (in the workspace after the split sums), in chunks
@@ -933,7 +950,12 @@ __global__ __launch_bounds__(MMV_THREADS, NT <= 2 ? MMV_SMALL_MIN_BLOCKS : 2) vo
                                                          const float *bias, const float *residual, float *y,
                                                          unsigned int ldy, float *partial, unsigned int *counters) {
     extern __shared__ __align__(16) unsigned char mmv_smem[];
-    constexpr unsigned UNROLL = STAGED ? R::SUNROLL : R::UNROLL, GROUP = mmv_group<R, STAGED>();
+    // PREP launches of 8 tiles take half the column group: two groups of weights in registers beside 8
+    // tiles' sums spilled at 128 registers a thread (two blocks a multiprocessor).
+    constexpr unsigned UNROLL = STAGED ? R::SUNROLL : PREP && NT >= 8 ? R::UNROLL / 2 : R::UNROLL;
+    constexpr unsigned GROUP = UNROLL * R::STEP * R::TILE_STEPS;
+    static_assert(!PREP || mmv_prep_chunk(NT, GROUP) == mmv_prep_chunk(NT, mmv_group<R, STAGED>()),
+                  "the host sizes the chunks with the whole group");
 
     const unsigned int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, g = lane / 4, t = lane % 4;
     he::pdl_launch_dependents();
@@ -941,7 +963,9 @@ __global__ __launch_bounds__(MMV_THREADS, NT <= 2 ? MMV_SMALL_MIN_BLOCKS : 2) vo
     const unsigned int k_begin = blockIdx.y * shape.kr;
     const unsigned int k_end = min(cols, k_begin + shape.kr);
     static_assert(!(PREP && STAGED), "staged activations come with streamed weights");
-    const unsigned int kch = mmv_chunk(n, shape.kr, 4, PREP ? GROUP : MMV_KC, MMV_BF16_STAGE_BUDGET), stride = mmv_stride(kch);
+    constexpr unsigned PREP_KCH = mmv_prep_chunk(NT, GROUP);
+    const unsigned int kch = PREP ? PREP_KCH : mmv_chunk(n, shape.kr, 4, MMV_KC, MMV_BF16_STAGE_BUDGET);
+    const unsigned int stride = PREP ? mmv_stride(PREP_KCH) : mmv_stride(kch);
     const unsigned int groups = kch / MMV_KC;
     unsigned char *xs = mmv_smem;
     const unsigned char *xb = xs;  // the chunk the arithmetic reads (PREP: one of two buffers)
@@ -1010,17 +1034,22 @@ __global__ __launch_bounds__(MMV_THREADS, NT <= 2 ? MMV_SMALL_MIN_BLOCKS : 2) vo
         else stage(c0, len);
     };
     // A token's exponent of the group that holds column `col`, whose chunk starts at `c0`.
-    auto exponent = [&](unsigned int tok, unsigned int col, unsigned int c0) {
-        if constexpr (PREP) return __ldg(xpe + tok * row_groups + col / MMV_KC);
-        else return xe[tok * groups + (col - c0) / MMV_KC];
-    };
+    auto exponent = [&](unsigned int tok, unsigned int col, unsigned int c0) { return xe[tok * groups + (col - c0) / MMV_KC]; };
+    // PREP: the range's exponents, [group][token] (see mmv_prep_exponent_bytes), after the two buffers.
+    int *xes = reinterpret_cast<int *>(xs + 2 * mmv_act_bytes(NT * 8, PREP_KCH, false));
     // Scaled readers: the lane's accumulators times 2^(sign e) of their tokens' group holding `col`.
     auto rescale = [&](unsigned int col, unsigned int c0, int sign) {
 #pragma unroll
         for (int j = 0; j < NT; j++) {
             if (!PREP && 8 * j >= n) break;
-            const unsigned int tok = min(8 * j + 2 * t, n - 1), tok1 = min(8 * j + 2 * t + 1, n - 1);
-            const float f0 = mmv_pow2(sign * exponent(tok, col, c0)), f1 = mmv_pow2(sign * exponent(tok1, col, c0));
+            int e0, e1;
+            if constexpr (PREP) {  // absent tokens' exponents are whatever the buffer holds, as their rows
+                const int2 e = *reinterpret_cast<const int2 *>(xes + (col - k_begin) / MMV_KC * (NT * 8) + 8 * j + 2 * t);
+                e0 = e.x, e1 = e.y;
+            } else {
+                e0 = exponent(min(8 * j + 2 * t, n - 1), col, c0), e1 = exponent(min(8 * j + 2 * t + 1, n - 1), col, c0);
+            }
+            const float f0 = mmv_pow2(sign * e0), f1 = mmv_pow2(sign * e1);
             acc[j][0] *= f0, acc[j][2] *= f0, acc[j][1] *= f1, acc[j][3] *= f1;
         }
     };
@@ -1052,7 +1081,8 @@ __global__ __launch_bounds__(MMV_THREADS, NT <= 2 ? MMV_SMALL_MIN_BLOCKS : 2) vo
                 // A whole tile of absent tokens; PREP launches compute every tile, so that the compiler may
                 // interleave the tiles' dependent tensor-core chains.
                 if (!PREP && 8 * j >= n) break;
-                const unsigned int tok = min(8 * j + g, n - 1);  // absent tokens reread the last one
+                // Absent tokens reread the last one (PREP: their rows are staged, whatever they hold).
+                const unsigned int tok = PREP ? 8 * j + g : min(8 * j + g, n - 1);
 #pragma unroll
                 for (int k = 0; k < (int)R::KSTEPS; k++) {
                     const unsigned int a[4] = {fa[k][0], fb[k][0], fa[k][1], fb[k][1]};
@@ -1073,15 +1103,14 @@ __global__ __launch_bounds__(MMV_THREADS, NT <= 2 ? MMV_SMALL_MIN_BLOCKS : 2) vo
     } else if constexpr (PREP) {
         // Chunk ci's copies go out when every warp has left chunk ci - 1 (whose buffer they take) and are
         // waited for when the arithmetic enters chunk ci + 1: a whole chunk's arithmetic hides them.
-        const unsigned int buf = mmv_act_bytes(n, kch, false), chunks = (k_end - k_begin + kch - 1) / kch;
-        auto issue = [&](unsigned int ci) {
+        const unsigned int buf = mmv_act_bytes(NT * 8, PREP_KCH, false), chunks = (k_end - k_begin + kch - 1) / kch;
+        auto issue = [&](unsigned int ci) {  // a warp a token, a lane 4 columns at a time
             if (ci < chunks) {
-                const unsigned int c0 = k_begin + ci * kch, quads = min(kch, k_end - c0) / 4, total = n * quads;
+                const unsigned int c0 = k_begin + ci * kch, quads = min(kch, k_end - c0) / 4;
                 unsigned char *dst = xs + (ci % 2) * buf;
-                for (unsigned int i = tid; i < total; i += MMV_THREADS) {
-                    const unsigned int tok = i / quads, q = i % quads;
-                    he::cp_async16(dst + tok * stride + 16 * q, xp + ((size_t)tok * cols + c0) / 4 + q, true);
-                }
+                for (unsigned int tok = warp; tok < n; tok += MMV_WARPS)
+                    for (unsigned int q = lane; q < quads; q += 32)
+                        he::cp_async16(dst + tok * stride + 16 * q, xp + ((size_t)tok * cols + c0) / 4 + q, true);
             }
             he::cp_async_commit();
         };
@@ -1090,6 +1119,13 @@ __global__ __launch_bounds__(MMV_THREADS, NT <= 2 ? MMV_SMALL_MIN_BLOCKS : 2) vo
         fetch_group(cur, k_begin);
         he::pdl_wait();  // the staged rows come from mmv_prep_kernel
         issue(0);
+        if constexpr (R::SCALED) {  // read once the first chunk's barrier has passed
+            const unsigned int range_groups = (k_end - k_begin + MMV_KC - 1) / MMV_KC, first = k_begin / MMV_KC;
+            for (unsigned int i = tid; i < n * range_groups; i += MMV_THREADS) {
+                const unsigned int tok = i / range_groups, gi = i % range_groups;
+                xes[gi * (NT * 8) + tok] = __ldg(xpe + tok * row_groups + first + gi);
+            }
+        }
         for (unsigned int col = k_begin; col < k_end; col += GROUP) {
             if (col + GROUP < k_end) fetch_group(nxt, col + GROUP);
             const unsigned int ci = (col - k_begin) / kch;
@@ -1475,22 +1511,21 @@ __global__ __launch_bounds__(MMV_THREADS, 1) void mmvt_kernel(
                                row_bytes, warp, lane, (size_t)(c0 / R::BLOCK_COLS) * R::BYTES, len);
         }
     };
+    // A warp a token: lane p its 16-byte piece p of the row (4 a step: hi, then lo), the first lanes the
+    // record (a division by the pieces a token took more instructions than the copies).
     auto issue_acts = [&](unsigned int ci) {
         if (ci < chunks) {
             const unsigned int c0 = k_begin + ci * MMV_KC;
             constexpr unsigned PIECES = MMV_KC * 2 / 16, MPIECES = META / 4;
+            static_assert(PIECES == 32 && MPIECES <= 32, "a lane a piece");
             unsigned char *buf = mmv_smem + (ci % MMVT_STAGES) * stage_bytes;
-            for (unsigned int i = tid; i < n * (PIECES + MPIECES); i += MMV_THREADS) {
-                const unsigned int tok = i / (PIECES + MPIECES), p = i % (PIECES + MPIECES);
-                if (p < PIECES) {
-                    const unsigned char *row = xq + (size_t)tok * cols * 2;
-                    const bool valid = c0 + 32 * (p / 4) < k_end;  // 4 pieces a step: hi, then lo
-                    he::cp_async16(buf + tok * XSTRIDE + 16 * p, valid ? row + (size_t)c0 * 2 + 16 * p : row, valid);
-                } else {
-                    const unsigned int q = p - PIECES;
-                    he::cp_async16(buf + n * XSTRIDE + (tok * META + 4 * q) * 4,
-                                   xmeta + ((size_t)tok * groups + c0 / MMV_KC) * META * 4 + 16 * q, true);
-                }
+            const bool valid = c0 + 32 * (lane / 4) < k_end;  // 32-column steps past the range as zeros
+            for (unsigned int tok = warp; tok < n; tok += MMV_WARPS) {
+                const unsigned char *row = xq + (size_t)tok * cols * 2;
+                he::cp_async16(buf + tok * XSTRIDE + 16 * lane, valid ? row + (size_t)c0 * 2 + 16 * lane : row, valid);
+                if (lane < MPIECES)
+                    he::cp_async16(buf + n * XSTRIDE + (tok * META + 4 * lane) * 4,
+                                   xmeta + ((size_t)tok * groups + c0 / MMV_KC) * META * 4 + 16 * lane, true);
             }
         }
     };
@@ -1542,7 +1577,9 @@ __global__ __launch_bounds__(MMV_THREADS, 1) void mmvt_kernel(
 #pragma unroll
         for (int j = 0; j < NT4; j++) {
             const unsigned int tb = 4 * j;
-            if (tb >= n) break;  // a whole tile of absent tokens
+            // Absent tokens four tiles at a time: a branch between every two tiles kept the scheduler from
+            // overlapping one tile's sums with the next tile's tensor-core products.
+            if (j % 4 == 0 && tb >= n) break;
             // B column g: token tb + g / 2 (absent ones reread the last), its hi (even g) or lo half; the
             // lane's outputs are token tb + t's.
             const unsigned char *xb = xs + min(tb + g / 2, n - 1) * XSTRIDE + (g % 2) * 32 + (R::STEP / 4) * t;
