@@ -50,6 +50,12 @@ constexpr unsigned MMVQ_LAUNCH_TOKENS = 16;
 #ifndef MMV_BF16_UNROLL
 #define MMV_BF16_UNROLL 4
 #endif
+// The kernels only a tuning setting asks for (mmv_stage staging a format's weights where it streams them by
+// default, mmvq_tokens past MMVQ_LAUNCH_TOKENS): a third of this file's instantiations and of its build
+// time, so built only with -DMMV_TUNING_KERNELS=1; without, those settings give the default kernels.
+#ifndef MMV_TUNING_KERNELS
+#define MMV_TUNING_KERNELS 0
+#endif
 constexpr unsigned MMV_TARGET_BLOCKS = MMV_TARGET;  // blocks a launch aims at (two a multiprocessor: 264)
 constexpr unsigned MMV_MAX_ROW_BLOCKS_SPLIT = MMV_TARGET_BLOCKS;  // a split product has fewer row blocks
 constexpr unsigned MMV_MAX_SPLITS = 16;  // column ranges at most (the last block adds them unrolled)
@@ -1713,7 +1719,8 @@ cudaError_t launch_mmvt(const unsigned char *w, const unsigned char *w2, unsigne
 // MMVQ_MAX_TOKENS), to measure. Any split gives a token the same bits.
 inline unsigned int mmvq_launch_tokens(const hostembed_tuning &tuning) {
     const unsigned int t = tuning.mmvq_tokens;
-    return t >= 1 && t <= MMVQ_MAX_TOKENS ? t : MMVQ_LAUNCH_TOKENS;
+    const unsigned int most = MMV_TUNING_KERNELS ? MMVQ_MAX_TOKENS : MMVQ_LAUNCH_TOKENS;
+    return t >= 1 && t <= most ? t : MMVQ_LAUNCH_TOKENS;
 }
 
 template <typename R, bool GLU, bool STAGED>
@@ -1765,7 +1772,8 @@ cudaError_t launch_mmv(const unsigned char *w, const unsigned char *w2, unsigned
             else if (nt <= 4) e = go(mmvq_kernel<R, 1, GLU, STAGED>);
             else if (nt <= 8) e = go(mmvq_kernel<R, 2, GLU, STAGED>);
             else if (nt <= 16) e = go(mmvq_kernel<R, 4, GLU, STAGED>);
-            else e = go(mmvq_kernel<R, 8, GLU, STAGED>);
+            else if constexpr (MMV_TUNING_KERNELS) e = go(mmvq_kernel<R, 8, GLU, STAGED>);
+            else e = cudaErrorNotSupported;  // mmvq_launch_tokens keeps these builds at 16
         } else if constexpr (!STAGED) {
             static_assert(MMV_PREP_AFTER == 8, "the first tile count that converts once");
             if (nt <= 8) e = go(mmv_kernel<R, 1, GLU, false>);
@@ -1841,10 +1849,13 @@ static cudaError_t mmv_entry(const void *w, const void *w2, int dtype, unsigned 
         he::with_format(dtype, [&](auto format) {
             using F = decltype(format);
             const size_t rb = he::row_bytes<F>(cols);
-            err = mmv_staged<R>(tuning, n) ? launch_mmv<R, GLU, true>(wb, wb2, rows, cols, rb, x, n, bias, residual, y,
-                                                                      ldy, partial, counters, tuning, stream)
-                                           : launch_mmv<R, GLU, false>(wb, wb2, rows, cols, rb, x, n, bias, residual, y,
-                                                                       ldy, partial, counters, tuning, stream);
+            // Formats that never stage by default have their staged kernels in tuning builds only.
+            if constexpr (MMV_TUNING_KERNELS || R::STAGE_TOKENS > 0)
+                if (mmv_staged<R>(tuning, n))
+                    return void(err = launch_mmv<R, GLU, true>(wb, wb2, rows, cols, rb, x, n, bias, residual, y, ldy,
+                                                                partial, counters, tuning, stream));
+            err = launch_mmv<R, GLU, false>(wb, wb2, rows, cols, rb, x, n, bias, residual, y, ldy, partial, counters,
+                                            tuning, stream);
         });
     });
     return err;
