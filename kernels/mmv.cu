@@ -1121,8 +1121,12 @@ __global__ __launch_bounds__(MMV_THREADS, NT <= 2 ? MMV_SMALL_MIN_BLOCKS : 2) vo
             he::cp_async_commit();
         };
         unsigned int entered = ~0u;
-        Raw cur[UNROLL][2], nxt[UNROLL][2];
+        // 8-tile launches read the weights two (half) groups ahead: one group's arithmetic did not hide a
+        // load's latency (the profile's stalls on global loads).
+        constexpr unsigned AHEAD = NT >= 8 ? 2 : 1;
+        Raw cur[UNROLL][2], nxt[UNROLL][2], far[UNROLL][2];
         fetch_group(cur, k_begin);
+        if (AHEAD == 2 && k_begin + GROUP < k_end) fetch_group(nxt, k_begin + GROUP);
         he::pdl_wait();  // the staged rows come from mmv_prep_kernel
         issue(0);
         if constexpr (R::SCALED) {  // read once the first chunk's barrier has passed
@@ -1133,7 +1137,7 @@ __global__ __launch_bounds__(MMV_THREADS, NT <= 2 ? MMV_SMALL_MIN_BLOCKS : 2) vo
             }
         }
         for (unsigned int col = k_begin; col < k_end; col += GROUP) {
-            if (col + GROUP < k_end) fetch_group(nxt, col + GROUP);
+            if (col + AHEAD * GROUP < k_end) fetch_group(AHEAD == 2 ? far : nxt, col + AHEAD * GROUP);
             const unsigned int ci = (col - k_begin) / kch;
             if (ci != entered) {
                 he::cp_async_wait<0>();
@@ -1144,7 +1148,10 @@ __global__ __launch_bounds__(MMV_THREADS, NT <= 2 ? MMV_SMALL_MIN_BLOCKS : 2) vo
             }
             compute(cur, col, k_begin + ci * kch);
 #pragma unroll
-            for (int u = 0; u < (int)UNROLL; u++) cur[u][0] = nxt[u][0], cur[u][1] = nxt[u][1];
+            for (int u = 0; u < (int)UNROLL; u++) {
+                cur[u][0] = nxt[u][0], cur[u][1] = nxt[u][1];
+                if constexpr (AHEAD == 2) nxt[u][0] = far[u][0], nxt[u][1] = far[u][1];
+            }
         }
     } else {
         unsigned int staged = ~0u;
