@@ -1,6 +1,5 @@
 //! The one place that calls the kernel launchers of `kernels.rs`: typed wrappers that take device
 //! pointers and shapes, queue the kernel on a stream and turn its status into a `Result`. None waits.
-//! (Past 600 lines: one short wrapper a launcher, which a reader finds by the launcher's name.)
 //!
 //! Every pointer passed here is a device address (NULL only where a kernel takes none) inside an
 //! allocation the caller keeps alive until the stream has run the launch, and sized for the shapes
@@ -11,7 +10,11 @@
 use std::os::raw::{c_int, c_uint, c_void};
 use std::ptr;
 
+mod flash;
+mod gemm;
 mod moe;
+pub(super) use self::flash::{FlashStage, flash_attention, flash_stage, flash_supports};
+pub(super) use self::gemm::{HalfMatrix, add_bias, convert_matrix, gemm};
 pub(super) use self::moe::{ExpertStack, moe_down, moe_gate_up, moe_route, moe_router, widen};
 
 use super::RowsOnDevice;
@@ -376,71 +379,6 @@ pub(super) fn sample_rows(
     cuda::check(code, "hostembed_sample_rows")
 }
 
-/// A matrix operand of the tensor-core product: `rows` x `cols` values of a half format, row-major.
-#[derive(Clone, Copy)]
-pub(super) struct HalfMatrix {
-    pub ptr: *const c_void,
-    pub dtype: DType,
-    pub rows: usize,
-    pub cols: usize,
-}
-
-/// y[t] = w a[t] (+ bias) (+ residual[t]) for `n` rows of `a` (`lda` apart, w's format), on this
-/// library's tensor-core kernel.
-pub(super) fn gemm(
-    a: *const c_void,
-    lda: usize,
-    w: &HalfMatrix,
-    n: usize,
-    bias: *const f32,
-    residual: *const f32,
-    y: *mut f32,
-    ldy: usize,
-    s: cudaStream_t,
-) -> Result<()> {
-    let (rows, cols) = (w.rows as c_uint, w.cols as c_uint);
-    // SAFETY: device pointers into live allocations sized for these shapes (see the module's note).
-    let code = unsafe {
-        kn::hostembed_gemm(
-            a,
-            lda as c_uint,
-            w.ptr,
-            w.dtype as c_int,
-            rows,
-            cols,
-            n as c_uint,
-            bias,
-            residual,
-            y,
-            ldy as c_uint,
-            s,
-        )
-    };
-    cuda::check(code, "hostembed_gemm")
-}
-
-/// `w` decoded into `out` as a `dtype` matrix of the same shape.
-pub(super) fn convert_matrix(w: &DeviceWeight, out: *mut c_void, dtype: DType, s: cudaStream_t) -> Result<()> {
-    let (rows, cols) = (w.rows as c_uint, w.cols as c_uint);
-    // SAFETY: `w` is a placed weight; `out` holds rows x cols values of `dtype` (see the module's note).
-    let code = unsafe { kn::hostembed_convert_matrix(w.ptr, w.dtype as c_int, rows, cols, out, dtype as c_int, s) };
-    cuda::check(code, "hostembed_convert_matrix")
-}
-
-/// y[t][r] += bias[r] for `n` rows of `rows` values, `ldy` apart.
-pub(super) fn add_bias(
-    y: *mut f32,
-    ldy: usize,
-    bias: *const f32,
-    rows: usize,
-    n: usize,
-    s: cudaStream_t,
-) -> Result<()> {
-    // SAFETY: device pointers sized for these shapes (see the module's note).
-    let code = unsafe { kn::hostembed_add_bias(y, ldy as c_uint, bias, rows as c_uint, n as c_uint, s) };
-    cuda::check(code, "hostembed_add_bias")
-}
-
 /// RMSNorm of `rows` rows of `cols` values, written in `dtype` (F32 or a half format), and where
 /// `residue` is not null (a half format) each value's rounding residue there too.
 pub(super) fn rmsnorm_to(
@@ -518,99 +456,4 @@ pub(super) fn row_logprobs(
     // SAFETY: device pointers to `rows` logits rows, targets and outputs (see the module's note).
     let code = unsafe { kn::hostembed_row_logprobs(logits, vocab as c_uint, rows as c_uint, targets, out, s) };
     cuda::check(code, "hostembed_row_logprobs")
-}
-
-/// Whether the flash kernel takes heads of `head_dim` values.
-pub(super) fn flash_supports(head_dim: usize) -> bool {
-    // SAFETY: a pure query on a number.
-    u32::try_from(head_dim).is_ok_and(|d| unsafe { kn::hostembed_flash_head_dim(d) } == crate::cudart::cudaSuccess)
-}
-
-/// An 8-bit cache's stage for flash attention: `tokens` positions' f16 rows at `ptr` (scratch), of
-/// which the stream's first `ctx` are written (`flash_stage`).
-#[derive(Clone, Copy)]
-pub(super) struct FlashStage {
-    pub ptr: *mut c_void,
-    pub tokens: usize,
-    pub ctx: usize,
-}
-
-/// Decodes the first `stage.ctx` positions of the stream whose page table is `table` into the stage
-/// (as many as it holds), for the flash attention after it.
-pub(super) fn flash_stage(
-    kv: KvPages,
-    table: *const c_uint,
-    kv_heads: usize,
-    head_dim: usize,
-    stage: FlashStage,
-    s: cudaStream_t,
-) -> Result<()> {
-    // SAFETY: device pointers into live allocations: one layer's pool, a page table covering `ctx`
-    // positions, a stage of `tokens` positions of every kv head (see the module's note).
-    let code = unsafe {
-        kn::hostembed_flash_stage(
-            kv.pool,
-            table,
-            kv.pages as c_uint,
-            kv.kv.k as c_int,
-            kv.kv.v as c_int,
-            kv_heads as c_uint,
-            head_dim as c_uint,
-            stage.ctx as c_uint,
-            stage.ptr,
-            stage.tokens as c_uint,
-            s,
-        )
-    };
-    cuda::check(code, "hostembed_flash_stage")
-}
-
-/// Causal flash attention of a prompt chunk's `n` queries over the pages of their stream (page table
-/// `table`), into `out` (`dtype`, rows `out_stride` values apart); the stream's first positions from
-/// `stage` when given.
-pub(super) fn flash_attention(
-    q: *const f32,
-    shape: AttentionShape,
-    kv: KvPages,
-    table: *const c_uint,
-    pos: *const c_int,
-    scale: f32,
-    out: *mut c_void,
-    dtype: DType,
-    out_stride: usize,
-    stage: Option<FlashStage>,
-    s: cudaStream_t,
-) -> Result<()> {
-    let (stage_ptr, stage_tokens, staged) = match stage {
-        Some(st) => (st.ptr as *const c_void, st.tokens as c_uint, st.ctx as c_uint),
-        None => (std::ptr::null(), 0, 0),
-    };
-    let a = shape;
-    // SAFETY: device pointers into live allocations sized for these shapes (see the module's note).
-    let code = unsafe {
-        kn::hostembed_flash_attention(
-            q,
-            a.qkv_stride as c_uint,
-            kv.pool,
-            table,
-            kv.pages as c_uint,
-            kv.kv.k as c_int,
-            kv.kv.v as c_int,
-            pos,
-            a.n as c_uint,
-            a.heads as c_uint,
-            a.kv_heads as c_uint,
-            a.head_dim as c_uint,
-            scale,
-            a.window as c_uint,
-            out,
-            dtype as c_int,
-            out_stride as c_uint,
-            stage_ptr,
-            stage_tokens,
-            staged,
-            s,
-        )
-    };
-    cuda::check(code, "hostembed_flash_attention")
 }
