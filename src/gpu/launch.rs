@@ -12,7 +12,7 @@ use std::os::raw::{c_int, c_uint, c_void};
 use std::ptr;
 
 mod moe;
-pub(super) use self::moe::{ExpertStack, moe_down, moe_gate_up, moe_route, moe_router, widen};
+pub(super) use self::moe::{ExpertStack, groups_len, moe_down, moe_gate_up, moe_route, moe_router, moe_sum, widen};
 
 use super::RowsOnDevice;
 use super::weights::DeviceWeight;
