@@ -18,6 +18,9 @@ constexpr unsigned MOE_WARPS = 8;
 constexpr unsigned MOE_THREADS = MOE_WARPS * 32;
 // Tokens that share one read of a weight piece; a group's last tokens (fewer than a tile) go one at a time.
 constexpr int TILE = 4;
+// A group's slots a block takes (grid z cuts a group into slices of them, so an expert that many rows
+// chose keeps many blocks busy).
+constexpr unsigned SLICE = 256;
 // The router's tokens a block: its tiles share each row's reads.
 constexpr unsigned ROUTER_TOKENS = 16;
 // Grid rows at most (the y dimension's limit); a launch of more loops over them.
@@ -302,7 +305,8 @@ __device__ __forceinline__ void gate_up_tile(const unsigned char *g, const unsig
     }
 }
 
-// Block (x, a): rows x * MOE_WARPS.. of the a-th chosen expert's gate and up, a warp a row, for its group.
+// Block (x, a, z): rows x * MOE_WARPS.. of the a-th chosen expert's gate and up, a warp a row, for slice z
+// of its group.
 template <typename R>
 __global__ void __launch_bounds__(MOE_THREADS, 2)
     gate_up_kernel(const unsigned char *__restrict__ gate, const unsigned char *__restrict__ up, size_t expert_bytes,
@@ -314,9 +318,12 @@ __global__ void __launch_bounds__(MOE_THREADS, 2)
     const unsigned e = g.expert(blockIdx.y), count = g.count(e);
     const int *slots = g.list() + g.start(e);
     const size_t at = (size_t)e * expert_bytes + j * rb;
-    unsigned i = 0;
-    for (; i + TILE <= count; i += TILE) gate_up_tile<R, TILE>(gate + at, up + at, cols, x, slots + i, k, width, j, act);
-    for (; i < count; i++) gate_up_tile<R, 1>(gate + at, up + at, cols, x, slots + i, k, width, j, act);
+    for (unsigned first = blockIdx.z * SLICE; first < count; first += gridDim.z * SLICE) {
+        const unsigned end = min(count, first + SLICE);
+        unsigned i = first;
+        for (; i + TILE <= end; i += TILE) gate_up_tile<R, TILE>(gate + at, up + at, cols, x, slots + i, k, width, j, act);
+        for (; i < end; i++) gate_up_tile<R, 1>(gate + at, up + at, cols, x, slots + i, k, width, j, act);
+    }
 }
 
 // out[s * rows + j] = D_e[j] . act[s * cols..] for T slots of expert e's group.
@@ -346,9 +353,12 @@ __global__ void __launch_bounds__(MOE_THREADS, 2)
     const unsigned e = g.expert(blockIdx.y), count = g.count(e);
     const int *slots = g.list() + g.start(e);
     const unsigned char *row = down + (size_t)e * expert_bytes + j * rb;
-    unsigned i = 0;
-    for (; i + TILE <= count; i += TILE) down_tile<R, TILE>(row, cols, act, slots + i, rows, j, out);
-    for (; i < count; i++) down_tile<R, 1>(row, cols, act, slots + i, rows, j, out);
+    for (unsigned first = blockIdx.z * SLICE; first < count; first += gridDim.z * SLICE) {
+        const unsigned end = min(count, first + SLICE);
+        unsigned i = first;
+        for (; i + TILE <= end; i += TILE) down_tile<R, TILE>(row, cols, act, slots + i, rows, j, out);
+        for (; i < end; i++) down_tile<R, 1>(row, cols, act, slots + i, rows, j, out);
+    }
 }
 
 // x[r * rows + j] += the sum over the row's slots in order (ascending expert ids) of weight * output.
@@ -392,6 +402,15 @@ void with_reader(const void *w, const void *w2, size_t stride, unsigned cols, co
 }
 
 unsigned blocks_for(unsigned outputs) { return (outputs + MOE_WARPS - 1) / MOE_WARPS; }
+
+// A grouped product's grid: blocks of rows, by the experts chosen at most (n * k, or every expert), by
+// slices of a group (a row chooses an expert once, so a group holds n slots at most).
+dim3 groups_grid(unsigned outputs, unsigned n, unsigned k, unsigned experts) {
+    const size_t chosen = (size_t)n * k;
+    const unsigned slices = (n + SLICE - 1) / SLICE;
+    return dim3(blocks_for(outputs), (unsigned)(chosen < experts ? chosen : experts),
+                slices < MAX_GRID_Y ? slices : MAX_GRID_Y);
+}
 
 }  // namespace
 
@@ -440,8 +459,7 @@ extern "C" cudaError_t hostembed_moe_gate_up(const void *gate, const void *up, i
         using F = decltype(f);
         const size_t rb = he::row_bytes<F>(cols);
         if (rb == 0 || expert_bytes < rb * width) return;
-        const size_t chosen = (size_t)n * k;
-        const dim3 grid(blocks_for(width), (unsigned)(chosen < experts ? chosen : experts));
+        const dim3 grid = groups_grid(width, n, k, experts);
         with_reader<F>(gate, up, expert_bytes, cols, x, [&](auto r) {
             gate_up_kernel<decltype(r)><<<grid, MOE_THREADS, 0, stream>>>((const unsigned char *)gate,
                                                                           (const unsigned char *)up, expert_bytes, rb,
@@ -464,8 +482,7 @@ extern "C" cudaError_t hostembed_moe_down(const void *down, int dtype, size_t ex
         using F = decltype(f);
         const size_t rb = he::row_bytes<F>(cols);
         if (rb == 0 || expert_bytes < rb * rows) return;
-        const size_t chosen = (size_t)n * k;
-        const dim3 grid(blocks_for(rows), (unsigned)(chosen < experts ? chosen : experts));
+        const dim3 grid = groups_grid(rows, n, k, experts);
         with_reader<F>(down, nullptr, expert_bytes, cols, act, [&](auto r) {
             down_kernel<decltype(r)><<<grid, MOE_THREADS, 0, stream>>>((const unsigned char *)down, expert_bytes, rb,
                                                                        rows, cols, act, groups, experts, out);
