@@ -285,24 +285,30 @@ cudaError_t hostembed_flash_stage(const void *kv_pool, const unsigned int *table
                                   void *stage, unsigned int stage_tokens, cudaStream_t stream);
 
 // ---- moe.cu ----
-// The Mixture-of-Experts feed-forward (correct, not yet fast: each weight value read through value()).
+// The Mixture-of-Experts feed-forward: each chosen expert's weights read once a launch for every row that
+// chose it, a row's results the same bits in any batch.
 // logits[r*experts + j] = R[j] . x[r] for rows r < n, R (experts x cols) in `dtype`.
 cudaError_t hostembed_moe_router(const void *router, int dtype, unsigned int experts, unsigned int cols,
                                  const float *x, unsigned int n, float *logits, cudaStream_t stream);
 // Each row's k largest logits (ties to the lower index) as expert ids in ascending order in ids[r*k..],
-// with their softmax probabilities over every expert (over the k when norm_topk) in weights[r*k..].
+// with their softmax probabilities over every expert (over the k when norm_topk) in weights[r*k..]; and
+// the slots r*k + s grouped by expert into groups (1 + 3*experts + n*k ints; experts <= 1024, k <= 32): the
+// count of experts chosen, those experts ascending, each expert's first place and count, then the slots.
 cudaError_t hostembed_moe_route(const float *logits, unsigned int experts, unsigned int n, unsigned int k,
-                                int norm_topk, int *ids, float *weights, cudaStream_t stream);
-// act[(r*k + s)*width + j] = silu(G_e[j] . x[r]) * (U_e[j] . x[r]) with e = ids[r*k + s]: expert e's gate and
-// up matrices (width x cols in dtype) at gate + e*expert_bytes and up + e*expert_bytes.
+                                int norm_topk, int *ids, float *weights, int *groups, cudaStream_t stream);
+// act[(r*k + s)*width + j] = silu(G_e[j] . x[r]) * (U_e[j] . x[r]) with e = ids[r*k + s] (as `groups` has
+// them): expert e's gate and up matrices (width x cols in dtype) at gate + e*expert_bytes and up + e*expert_bytes.
 cudaError_t hostembed_moe_gate_up(const void *gate, const void *up, int dtype, size_t expert_bytes, unsigned int width,
-                                  unsigned int cols, const float *x, const int *ids, unsigned int n, unsigned int k,
-                                  float *act, cudaStream_t stream);
-// x[r*rows + j] += the sum over s = 0..k in order of weights[r*k + s] * (D_e[j] . act[(r*k + s)*cols..]) with
-// e = ids[r*k + s]: expert e's down matrix (rows x cols in dtype) at down + e*expert_bytes.
+                                  unsigned int cols, const float *x, const int *groups, unsigned int experts,
+                                  unsigned int n, unsigned int k, float *act, cudaStream_t stream);
+// out[(r*k + s)*rows + j] = D_e[j] . act[(r*k + s)*cols..] with e = ids[r*k + s] (as `groups` has them):
+// expert e's down matrix (rows x cols in dtype) at down + e*expert_bytes.
 cudaError_t hostembed_moe_down(const void *down, int dtype, size_t expert_bytes, unsigned int rows, unsigned int cols,
-                               const float *act, const int *ids, const float *weights, unsigned int n, unsigned int k,
-                               float *x, cudaStream_t stream);
+                               const float *act, const int *groups, unsigned int experts, unsigned int n,
+                               unsigned int k, float *out, cudaStream_t stream);
+// x[r*rows + j] += the sum over s = 0..k in order of weights[r*k + s] * out[(r*k + s)*rows + j].
+cudaError_t hostembed_moe_sum(const float *out, const float *weights, unsigned int rows, unsigned int n,
+                              unsigned int k, float *x, cudaStream_t stream);
 // out[i] = x[i], a half format's values (HE_DTYPE_BF16 or HE_DTYPE_F16) widened to f32.
 cudaError_t hostembed_widen(const void *x, int dtype, float *out, size_t len, cudaStream_t stream);
 

@@ -119,9 +119,10 @@ cuda_fns! {
     pub fn hostembed_flash_stage(kv_pool: *const c_void, table: *const c_uint, pool_pages: c_uint, k_type: c_int, v_type: c_int, kv_heads: c_uint, head_dim: c_uint, ctx: c_uint, stage: *mut c_void, stage_tokens: c_uint, stream: cudaStream_t) -> cudaError_t;
     // moe.cu
     pub fn hostembed_moe_router(router: *const c_void, dtype: c_int, experts: c_uint, cols: c_uint, x: *const f32, n: c_uint, logits: *mut f32, stream: cudaStream_t) -> cudaError_t;
-    pub fn hostembed_moe_route(logits: *const f32, experts: c_uint, n: c_uint, k: c_uint, norm_topk: c_int, ids: *mut c_int, weights: *mut f32, stream: cudaStream_t) -> cudaError_t;
-    pub fn hostembed_moe_gate_up(gate: *const c_void, up: *const c_void, dtype: c_int, expert_bytes: usize, width: c_uint, cols: c_uint, x: *const f32, ids: *const c_int, n: c_uint, k: c_uint, act: *mut f32, stream: cudaStream_t) -> cudaError_t;
-    pub fn hostembed_moe_down(down: *const c_void, dtype: c_int, expert_bytes: usize, rows: c_uint, cols: c_uint, act: *const f32, ids: *const c_int, weights: *const f32, n: c_uint, k: c_uint, x: *mut f32, stream: cudaStream_t) -> cudaError_t;
+    pub fn hostembed_moe_route(logits: *const f32, experts: c_uint, n: c_uint, k: c_uint, norm_topk: c_int, ids: *mut c_int, weights: *mut f32, groups: *mut c_int, stream: cudaStream_t) -> cudaError_t;
+    pub fn hostembed_moe_gate_up(gate: *const c_void, up: *const c_void, dtype: c_int, expert_bytes: usize, width: c_uint, cols: c_uint, x: *const f32, groups: *const c_int, experts: c_uint, n: c_uint, k: c_uint, act: *mut f32, stream: cudaStream_t) -> cudaError_t;
+    pub fn hostembed_moe_down(down: *const c_void, dtype: c_int, expert_bytes: usize, rows: c_uint, cols: c_uint, act: *const f32, groups: *const c_int, experts: c_uint, n: c_uint, k: c_uint, out: *mut f32, stream: cudaStream_t) -> cudaError_t;
+    pub fn hostembed_moe_sum(out: *const f32, weights: *const f32, rows: c_uint, n: c_uint, k: c_uint, x: *mut f32, stream: cudaStream_t) -> cudaError_t;
     pub fn hostembed_widen(x: *const c_void, dtype: c_int, out: *mut f32, len: usize, stream: cudaStream_t) -> cudaError_t;
     // device.cu
     pub fn hostembed_device_name(device: c_int, name: *mut c_char, len: usize) -> cudaError_t;

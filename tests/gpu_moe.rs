@@ -2,16 +2,27 @@
 //! the CPU backend, the oracle (both with F32 caches): a prompt (its chunk on the tensor-core rows) then 64 greedy tokens in F32,
 //! BF16, Q8_0 and llama.cpp's Q4_K_M mix, the logits within the formats' bound at every step and the
 //! tokens the same but at near ties; and random batches giving each stream the bits it gets alone,
-//! graphs and all. A SKIP line without a card.
+//! graphs and all; and a Qwen3-MoE of 40 experts, 8 a token, whose routing spans two of a lane's
+//! registers and whose experts' groups hold many rows. A SKIP line without a card.
 
 mod common;
 use common::{Mix, Rng, Scratch, compare_greedy, cpu_options, cuda_options, gguf_of_recipe, gpu_present, init};
-use common::{moe_configs, serial, stats, twins_batch_like_alone};
+use common::{moe_configs, qwen3_moe, serial, stats, twins_batch_like_alone};
 
 use hostembed::checkpoint::write::Recipe;
 use hostembed::engine::engine_options;
+use hostembed::model::{ModelConfig, MoeConfig};
 use hostembed::placement::engine_memory;
 use hostembed::tensor::DType;
+
+/// The small models, and a Qwen3-MoE of 40 experts choosing 8 (renormalized, as Qwen3-30B-A3B does).
+fn configs() -> Vec<(&'static str, ModelConfig)> {
+    let wide = ModelConfig {
+        moe: Some(MoeConfig { experts: 40, used: 8, intermediate: 256, norm_topk: true }),
+        ..qwen3_moe()
+    };
+    moe_configs().into_iter().chain([("qwen3_moe_40x8", wide)]).collect()
+}
 
 const RECIPES: [Recipe; 4] =
     [Recipe::Uniform(DType::F32), Recipe::Uniform(DType::Bf16), Recipe::Uniform(DType::Q8_0), Recipe::Q4KM];
@@ -24,7 +35,7 @@ fn cuda_follows_the_cpu_in_every_format() {
     let _g = serial();
     let mut rng = Rng::fresh("cuda_follows_the_cpu_in_every_format");
     let dir = Scratch::new("gpu-moe");
-    for (name, cfg) in moe_configs() {
+    for (name, cfg) in configs() {
         for recipe in RECIPES {
             let what = format!("{name} {}", recipe.name());
             let path = gguf_of_recipe(&dir, &cfg, rng.next_u64(), recipe);
@@ -54,7 +65,7 @@ fn a_cuda_batch_gives_each_stream_the_bits_it_gets_alone() {
     let mut rng = Rng::fresh("a_cuda_batch_gives_each_stream_the_bits_it_gets_alone");
     let dir = Scratch::new("gpu-moe-batch");
     let page = hostembed::gpu::PAGE_TOKENS as u64;
-    for (name, cfg) in moe_configs() {
+    for (name, cfg) in configs() {
         for recipe in [Recipe::Uniform(DType::Bf16), Recipe::Q4KM] {
             let path = gguf_of_recipe(&dir, &cfg, rng.next_u64(), recipe);
             let what = format!("{name} {}", recipe.name());

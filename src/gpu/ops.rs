@@ -351,9 +351,10 @@ impl Ops for PassOps<'_> {
         }
     }
 
-    /// Every row through kernels/moe.cu (correct, not yet fast): the tensor-core rows' half normed
-    /// inputs widened into their f32 rows first, then the router, each row's top-k and weights, the
-    /// chosen experts' SwiGLU and their weighted sum onto x, all on the device.
+    /// Every row through kernels/moe.cu: the tensor-core rows' half normed inputs widened into their f32
+    /// rows first, then the router, each row's top-k and weights with the rows grouped by expert, each
+    /// chosen expert's SwiGLU and down product over its rows, and each row's weighted sum onto x, all on
+    /// the device.
     fn add_moe_ffn(
         &mut self,
         router: &DeviceWeight,
@@ -364,20 +365,23 @@ impl Ops for PassOps<'_> {
         let (model, s, n, m) = (self.model, self.s, self.n, self.m);
         let (cfg, sl) = (&model.cfg, &model.s);
         let moe = cfg.moe.expect("a model with a router has a Mixture-of-Experts config");
-        let hidden = cfg.hidden;
+        let (hidden, experts, k) = (cfg.hidden, moe.experts, moe.used);
         if n > m {
             launch::widen(self.act, self.half, row(self.xn, m, hidden), (n - m) * hidden, s)?;
         }
         let logits = model.buf(sl.moe_logits) as *mut f32;
         let ids = model.buf(sl.moe_ids) as *mut c_int;
         let weights = model.buf(sl.moe_weights) as *mut f32;
+        let groups = model.buf(sl.moe_groups) as *mut c_int;
         let act = model.buf(sl.moe_act) as *mut f32;
+        let out = model.buf(sl.moe_out) as *mut f32;
         let stack = |w: &[DeviceWeight], what: &str| launch::ExpertStack::of(w, what);
         let (gate, up, down) = (stack(gate, "expert gate")?, stack(up, "expert up")?, stack(down, "expert down")?);
         launch::moe_router(router, self.xn, n, logits, s)?;
-        launch::moe_route(logits, moe.experts, n, moe.used, moe.norm_topk, ids, weights, s)?;
-        launch::moe_gate_up(&gate, &up, self.xn, ids, n, moe.used, act, s)?;
-        launch::moe_down(&down, act, ids, weights, n, moe.used, self.x, s)
+        launch::moe_route(logits, experts, n, k, moe.norm_topk, ids, weights, groups, s)?;
+        launch::moe_gate_up(&gate, &up, self.xn, groups, experts, n, k, act, s)?;
+        launch::moe_down(&down, act, groups, experts, n, k, out, s)?;
+        launch::moe_sum(out, weights, hidden, n, k, self.x, s)
     }
 }
 

@@ -1,6 +1,7 @@
-//! The Mixture-of-Experts launchers (kernels/moe.cu): the router's logits, each row's top-k and weights,
-//! the chosen experts' SwiGLU, and their weighted sum onto the residual; and the half activations widened
-//! to f32 for them. Pointers as `launch`'s module note says.
+//! The Mixture-of-Experts launchers (kernels/moe.cu): the router's logits, each row's top-k and weights
+//! (and the rows grouped by expert), the chosen experts' SwiGLU and down products, and their weighted sum
+//! onto the residual; and the half activations widened to f32 for them. Pointers as `launch`'s module
+//! note says.
 
 use std::os::raw::{c_int, c_uint, c_void};
 
@@ -64,7 +65,12 @@ pub(in crate::gpu) fn moe_router(
     cuda::check(code, "hostembed_moe_router")
 }
 
-/// Each of `n` rows' `k` experts (ascending ids) and weights from its `experts` logits.
+/// The most experts and experts a token `moe_route` takes (kernels/moe.cu's one block and warp a row).
+const MAX_EXPERTS: usize = 1024;
+const MAX_USED: usize = 32;
+
+/// Each of `n` rows' `k` experts (ascending ids) and weights from its `experts` logits, and the rows'
+/// slots grouped by expert into `groups` (`groups_len` ints).
 #[allow(clippy::too_many_arguments)]
 pub(in crate::gpu) fn moe_route(
     logits: *const f32,
@@ -74,21 +80,37 @@ pub(in crate::gpu) fn moe_route(
     norm_topk: bool,
     ids: *mut c_int,
     weights: *mut f32,
+    groups: *mut c_int,
     s: cudaStream_t,
 ) -> Result<()> {
+    if experts > MAX_EXPERTS || k > MAX_USED {
+        crate::bail!(
+            Unsupported,
+            "{k} of {experts} experts a token: the CUDA backend routes at most {MAX_USED} of {MAX_EXPERTS}"
+        );
+    }
     let (experts, n, k) = (experts as c_uint, n as c_uint, k as c_uint);
-    // SAFETY: device pointers to n x experts logits and n x k ids and weights (see `launch`'s note).
-    let code = unsafe { kn::hostembed_moe_route(logits, experts, n, k, norm_topk as c_int, ids, weights, s) };
+    // SAFETY: device pointers to n x experts logits, n x k ids and weights, and groups_len(experts, n * k)
+    // ints (see `launch`'s note).
+    let code = unsafe { kn::hostembed_moe_route(logits, experts, n, k, norm_topk as c_int, ids, weights, groups, s) };
     cuda::check(code, "hostembed_moe_route")
 }
 
-/// act[r * k + slot] = silu(gate_e x[r]) * (up_e x[r]) for each row's `k` chosen experts e.
+/// Ints of `moe_route`'s groups for `slots` (rows times k) of `experts`: the count of experts chosen, the
+/// chosen experts, each expert's first place and count, and the slots.
+pub(in crate::gpu) fn groups_len(experts: usize, slots: usize) -> usize {
+    1 + 3 * experts + slots
+}
+
+/// act[r * k + slot] = silu(gate_e x[r]) * (up_e x[r]) for each row's `k` chosen experts e, as `groups`
+/// lists them (`moe_route`).
 #[allow(clippy::too_many_arguments)]
 pub(in crate::gpu) fn moe_gate_up(
     gate: &ExpertStack,
     up: &ExpertStack,
     x: *const f32,
-    ids: *const c_int,
+    groups: *const c_int,
+    experts: usize,
     n: usize,
     k: usize,
     act: *mut f32,
@@ -98,8 +120,8 @@ pub(in crate::gpu) fn moe_gate_up(
         crate::bail!(Unsupported, "expert gate and up matrices of different formats or shapes");
     }
     let (width, cols) = (gate.rows as c_uint, gate.cols as c_uint);
-    // SAFETY: device pointers into live allocations sized for these shapes; every id is below the stack's
-    // expert count (the route kernel writes them) (see `launch`'s note).
+    // SAFETY: device pointers into live allocations sized for these shapes; every expert in `groups` is
+    // below the stack's expert count (the route kernel writes them) (see `launch`'s note).
     let code = unsafe {
         kn::hostembed_moe_gate_up(
             gate.ptr,
@@ -109,7 +131,8 @@ pub(in crate::gpu) fn moe_gate_up(
             width,
             cols,
             x,
-            ids,
+            groups,
+            experts as c_uint,
             n as c_uint,
             k as c_uint,
             act,
@@ -119,16 +142,16 @@ pub(in crate::gpu) fn moe_gate_up(
     cuda::check(code, "hostembed_moe_gate_up")
 }
 
-/// x[r] += the sum of weights[r * k + slot] * down_e act[r * k + slot] over each row's chosen experts, in order.
+/// out[r * k + slot] = down_e act[r * k + slot] for each row's chosen experts e, as `groups` lists them.
 #[allow(clippy::too_many_arguments)]
 pub(in crate::gpu) fn moe_down(
     down: &ExpertStack,
     act: *const f32,
-    ids: *const c_int,
-    weights: *const f32,
+    groups: *const c_int,
+    experts: usize,
     n: usize,
     k: usize,
-    x: *mut f32,
+    out: *mut f32,
     s: cudaStream_t,
 ) -> Result<()> {
     let (rows, cols) = (down.rows as c_uint, down.cols as c_uint);
@@ -141,15 +164,31 @@ pub(in crate::gpu) fn moe_down(
             rows,
             cols,
             act,
-            ids,
-            weights,
+            groups,
+            experts as c_uint,
             n as c_uint,
             k as c_uint,
-            x,
+            out,
             s,
         )
     };
     cuda::check(code, "hostembed_moe_down")
+}
+
+/// x[r] += the sum of weights[r * k + slot] * out[r * k + slot] over each row's `k` slots, in order.
+pub(in crate::gpu) fn moe_sum(
+    out: *const f32,
+    weights: *const f32,
+    rows: usize,
+    n: usize,
+    k: usize,
+    x: *mut f32,
+    s: cudaStream_t,
+) -> Result<()> {
+    let (rows, n, k) = (rows as c_uint, n as c_uint, k as c_uint);
+    // SAFETY: device pointers to n x k x rows outputs, n x k weights and n x rows of x (see `launch`'s note).
+    let code = unsafe { kn::hostembed_moe_sum(out, weights, rows, n, k, x, s) };
+    cuda::check(code, "hostembed_moe_sum")
 }
 
 /// `len` values of the half format `dtype` widened to f32.
