@@ -256,6 +256,20 @@ impl ShardPlan {
         Ok(s)
     }
 
+    /// Rank `rank`'s weights as stored (the model `cfg` the plan was made for, its formats from
+    /// `dtype_of`): its slices of the cut weights and every whole one, the embedding included; the
+    /// per-device fit's `weight_bytes` before a backend's own layout.
+    pub fn weight_bytes(&self, rank: usize, cfg: &ModelConfig, dtype_of: impl Fn(&Weight) -> DType) -> Result<u64> {
+        let mut sum = 0u64;
+        for w in weight_list(cfg) {
+            let dtype = dtype_of(&w);
+            let bytes = self.slice(rank, &w)?.bytes(dtype);
+            sum += bytes
+                .ok_or_else(|| err!(InvalidArgument, "{}: its slice is not whole {} blocks", w.name, dtype.name()))?;
+        }
+        Ok(sum)
+    }
+
     /// The output head's rows on rank `rank`: its vocabulary range, of the untied head or of the
     /// embedding when tied.
     pub fn head(&self, rank: usize) -> Slice {

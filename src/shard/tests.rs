@@ -232,3 +232,25 @@ fn take_copies_whole_blocks_of_the_range() {
         assert_eq!(take(&t, &bad).unwrap_err().status, Status::InvalidArgument, "{bad:?}");
     }
 }
+
+/// Over two ranks each holds half of every cut matrix and all of the rest: the embedding, the norms.
+#[test]
+fn a_rank_weighs_its_slices_and_the_whole_weights() {
+    let cfg = llama_8b();
+    let bytes = |world: usize, r: usize| {
+        let dtype_of = |w: &Weight| if w.is_vector() { DType::F32 } else { DType::Q8_0 };
+        ShardPlan::new(&cfg, world, dtype_of).unwrap().weight_bytes(r, &cfg, dtype_of).unwrap()
+    };
+    let (all, half) = (bytes(1, 0), bytes(2, 1));
+    let whole: u64 = weight_list(&cfg)
+        .iter()
+        .filter(|w| cut_of(w).unwrap() == Cut::Whole)
+        .map(|w| {
+            Slice { rows: 0..shape_rows(&w.shape), cols: 0..shape_cols(&w.shape) }
+                .bytes(if w.is_vector() { DType::F32 } else { DType::Q8_0 })
+                .unwrap()
+        })
+        .sum();
+    assert_eq!(half, whole + (all - whole) / 2);
+    assert_eq!(bytes(2, 0), half);
+}
