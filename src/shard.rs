@@ -18,7 +18,7 @@
 
 use std::ops::Range;
 
-use crate::model::{Dim, ModelConfig, TensorRef, Weight, shape_cols, shape_rows, weight_list};
+use crate::model::{Dim, EMBED_WEIGHT, ModelConfig, TensorRef, Weight, shape_cols, shape_rows, weight_list};
 use crate::status::Result;
 use crate::tensor::DType;
 use crate::{bail, err};
@@ -57,7 +57,7 @@ fn part_of(dim: Dim) -> Option<Part> {
 
 /// The cut of `w`, from its table shape; UNSUPPORTED naming it when both dimensions would be cut.
 pub fn cut_of(w: &Weight) -> Result<Cut> {
-    if w.spec.role == "embed" {
+    if w.spec.role == EMBED_WEIGHT.role {
         return Ok(Cut::Whole);
     }
     Ok(match *w.spec.shape {
