@@ -15,7 +15,7 @@
 #define HOSTEMBED_VERSION "0.1.0"
 
 // The ABI this header describes; a caller compares it with `engine_abi_version()`.
-#define HOSTEMBED_ABI_VERSION 5
+#define HOSTEMBED_ABI_VERSION 6
 
 // The default reserve for the load's other buffers (kernel modules, the kit): about 85 MB measured.
 #define ENGINE_FIT_DEFAULT_RESERVE_BYTES (256 << 20)
@@ -310,6 +310,11 @@ typedef struct engine_options {
   // BAD_MODEL. On CUDA the fit rule counts its real bytes in place of `drafter_weight_bytes` and
   // `drafter_stream_bytes` below.
   const char *draft_model;
+  // Devices to run the model over with tensor parallelism (ARCHITECTURE.md, "Tensor parallelism"):
+  // 0 or 1 = one device, `device`, as before. N > 1 asks for the CUDA devices `device` to `device` +
+  // N - 1, which this version refuses with UNSUPPORTED (the multi-device backend, which also needs
+  // NCCL's libnccl.so.2, is not built yet); the CPU backend runs on one (INVALID_ARGUMENT).
+  uint32_t devices;
 } engine_options;
 
 // Where a caller's kernels can find the rows, in whatever placement they live.

@@ -23,7 +23,7 @@ macro_rules! from_raw {
 }
 
 /// The ABI this header describes; a caller compares it with `engine_abi_version()`.
-pub const HOSTEMBED_ABI_VERSION: u32 = 5;
+pub const HOSTEMBED_ABI_VERSION: u32 = 6;
 
 // ---------------------------------------------------------------------------------------------
 // Status
@@ -350,6 +350,11 @@ pub struct engine_options {
     /// BAD_MODEL. On CUDA the fit rule counts its real bytes in place of `drafter_weight_bytes` and
     /// `drafter_stream_bytes` below.
     pub draft_model: *const c_char,
+    /// Devices to run the model over with tensor parallelism (ARCHITECTURE.md, "Tensor parallelism"):
+    /// 0 or 1 = one device, `device`, as before. N > 1 asks for the CUDA devices `device` to `device` +
+    /// N - 1, which this version refuses with UNSUPPORTED (the multi-device backend, which also needs
+    /// NCCL's libnccl.so.2, is not built yet); the CPU backend runs on one (INVALID_ARGUMENT).
+    pub devices: u32,
 }
 
 /// How one stream picks its next token; `engine_default_sampling()` is greedy with no penalty.

@@ -19,6 +19,9 @@ use crate::status::{Error, Result, Status};
 
 pub use crate::abi::{ENGINE_FIT_DEFAULT_RESERVE_BYTES, engine_fit_inputs, engine_placement, engine_plan};
 
+mod devices;
+pub use devices::{DevicesPlan, describe_devices, device_inputs, maps_rows, plan_devices};
+
 const GIB: u64 = 1 << 30;
 
 /// Reserve 256 MiB, every other figure 0 and every flag false.

@@ -22,6 +22,7 @@ pub mod kv;
 pub mod model;
 pub mod placement;
 pub mod sampler;
+pub mod shard;
 pub mod speculative;
 pub mod status;
 pub mod tensor;

@@ -73,6 +73,7 @@ fn default_options_are_documented_values() {
     assert!(o.log.is_none() && o.log_user.is_null());
     assert_eq!(o.batch_tensor_cores, engine_tristate::Auto);
     assert_eq!(o.prefix_cache, engine_tristate::Auto);
+    assert_eq!(o.devices, 0, "one device");
     assert!(engine::resolve_prefix_cache(o.prefix_cache), "AUTO keeps a prefix cache");
     assert!(engine::resolve_prefix_cache(engine_tristate::Yes) && !engine::resolve_prefix_cache(engine_tristate::No));
 }
@@ -518,6 +519,43 @@ fn bad_checkpoints_are_bad_model_and_hold_nothing() {
             assert_eq!(stats(), before);
         }
     }
+}
+
+/// `options.devices` past one is refused, never run on one device in silence: INVALID_ARGUMENT on the CPU
+/// backend, UNSUPPORTED on CUDA and AUTO, naming tensor parallelism, the devices and what NCCL says (on a
+/// machine without it, that it did not load); 0 and 1 start today's engine.
+#[test]
+fn devices_past_one_are_refused_until_tensor_parallelism_is_built() {
+    let _g = serial();
+    let dir = Scratch::new("devices");
+    write_synthetic_hf(&dir.0, &config(128, 64, false), 2, DType::Bf16).unwrap();
+    let path = c_path(&dir.0);
+    let cases = [
+        (engine_backend::Cpu, 0, 2, Status::InvalidArgument, "options.devices is 2: the CPU backend runs on one"),
+        (engine_backend::Cuda, 0, 2, Status::Unsupported, "tensor parallelism over CUDA devices 0..=1 needs"),
+        (engine_backend::Auto, 1, 4, Status::Unsupported, "over CUDA devices 1..=4 needs the multi-device backend"),
+    ];
+    for (backend, device, devices, want, words) in cases {
+        let opts = engine_options { backend, device, devices, ..cpu_options() };
+        let mut e = std::ptr::null_mut();
+        // SAFETY: a NUL-terminated path, live options and a writable engine pointer.
+        assert_eq!(unsafe { ffi::engine_init_fit(path.as_ptr(), &opts, &mut e) }, want, "{backend:?} x {devices}");
+        assert!(e.is_null(), "a refused load returned an engine");
+        let why = last_error();
+        assert!(why.contains(words), "{why}");
+        if want == Status::Unsupported {
+            assert!(why.contains("NCCL"), "{why}");
+        }
+    }
+    for devices in [0, 1] {
+        let opts = engine_options { devices, ..cpu_options() };
+        let mut e = std::ptr::null_mut();
+        // SAFETY: as above; the engine is freed below.
+        assert_eq!(unsafe { ffi::engine_init_fit(path.as_ptr(), &opts, &mut e) }, Status::Ok, "{}", last_error());
+        // SAFETY: the engine engine_init_fit gave.
+        unsafe { ffi::engine_free(e) };
+    }
+    assert_eq!(stats(), engine_memory::default());
 }
 
 #[test]

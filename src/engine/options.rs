@@ -45,6 +45,7 @@ pub fn default_options() -> engine_options {
         batch_tensor_cores: engine_tristate::Auto,
         prefix_cache: engine_tristate::Auto,
         draft_model: std::ptr::null(),
+        devices: 0,
     }
 }
 
@@ -99,7 +100,8 @@ pub fn resolve_unified(option: engine_tristate, device: Option<&engine_device_in
     }
 }
 
-/// Options no engine can start with: INVALID_ARGUMENT naming the field.
+/// Options no engine can start with: INVALID_ARGUMENT naming the field (UNSUPPORTED for more than one
+/// CUDA device, until tensor parallelism is built).
 pub fn check_options(o: &engine_options) -> Result<()> {
     if o.device < 0 {
         crate::bail!(InvalidArgument, "options.device is {}", o.device);
@@ -107,7 +109,30 @@ pub fn check_options(o: &engine_options) -> Result<()> {
     if o.max_batch as usize > MAX_BATCH_LIMIT {
         crate::bail!(InvalidArgument, "options.max_batch is {}, past {MAX_BATCH_LIMIT}", o.max_batch);
     }
+    check_devices(o)?;
     sampling_of(o).check("options.")
+}
+
+/// `options.devices` past one: INVALID_ARGUMENT on the CPU backend, UNSUPPORTED on CUDA until the
+/// multi-device backend exists (its refusal says whether NCCL would load), never one device in silence.
+fn check_devices(o: &engine_options) -> Result<()> {
+    let n = o.devices;
+    if n <= 1 {
+        return Ok(());
+    }
+    if o.backend == engine_backend::Cpu {
+        crate::bail!(InvalidArgument, "options.devices is {n}: the CPU backend runs on one (0 or 1)");
+    }
+    let nccl = match crate::gpu::nccl::load(n as usize) {
+        Ok(nccl) => format!("NCCL {} loads from {}", nccl.version(), nccl.name()),
+        Err(e) => e.message,
+    };
+    let last = o.device as i64 + n as i64 - 1;
+    crate::bail!(
+        Unsupported,
+        "options.devices is {n}: tensor parallelism over CUDA devices {}..={last} needs the multi-device backend, which this version does not have ({nccl})",
+        o.device
+    )
 }
 
 /// The prompt tokens a pass takes: the option, or the default for 0. The fit rule's scratch and the load

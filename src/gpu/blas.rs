@@ -123,7 +123,7 @@ fn dl_error() -> String {
     }
 }
 
-fn open(name: &str) -> std::result::Result<*mut c_void, String> {
+pub(super) fn open(name: &str) -> std::result::Result<*mut c_void, String> {
     let c = CString::new(name).map_err(|_| format!("{name}: a NUL in the name"))?;
     // SAFETY: a NUL-terminated file name; dlopen reports failure as NULL.
     let h = unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
@@ -134,7 +134,7 @@ fn open(name: &str) -> std::result::Result<*mut c_void, String> {
 ///
 /// # Safety
 /// `F` must be the C signature of `name`.
-unsafe fn symbol<F: Copy>(lib: *mut c_void, name: &CStr) -> std::result::Result<F, String> {
+pub(super) unsafe fn symbol<F: Copy>(lib: *mut c_void, name: &CStr) -> std::result::Result<F, String> {
     // SAFETY: `lib` is a handle dlopen returned; the name is NUL-terminated.
     let p = unsafe { libc::dlsym(lib, name.as_ptr()) };
     if p.is_null() {

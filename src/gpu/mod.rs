@@ -35,6 +35,7 @@ mod forward;
 mod graph;
 mod launch;
 mod mask;
+pub mod nccl;
 mod ops;
 mod pages;
 mod score;
