@@ -1,7 +1,8 @@
 // The Mixture-of-Experts feed-forward: the router's logits, each row's top-k and their weights, the
 // (row, slot) pairs grouped by expert, each chosen expert's SwiGLU and down product, and each row's
 // weighted sum onto the residual, all on the device (nothing read back, so a decode pass captures into a
-// graph), reading only the chosen experts' matrices, each once a launch for all the rows that chose it.
+// graph), reading only the chosen experts' matrices: an expert's rows by the blocks of its group alone,
+// which serve every row that chose it (its tiles of tokens after the first read them through the caches).
 //
 // Every product is one warp a matrix row: lane l takes the row's pieces l, l + 32, ... (a format's 16-byte
 // chunks, or its 32-value units decoded in registers, or single values where the alignment allows neither),
