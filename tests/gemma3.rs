@@ -4,6 +4,7 @@
 //! transformers' logits (scripts/hf_reference.py), the readers' refusals, and the chat template.
 
 mod common;
+use common::gemma3::Gemma3;
 use common::{Rng, Scratch, rel_l2};
 
 use std::path::Path;
@@ -23,34 +24,21 @@ use hostembed::tokenizer::chat::{self, ChatMessage};
 /// hidden 64; scores scaled by 1/sqrt(24) rather than 1/sqrt(head_dim); linear rope scaling on the global
 /// layers only.
 fn small() -> ModelConfig {
-    let mut cfg = ModelConfig::llama(64, 4, 4, 2, 96, 96);
-    cfg.arch = Arch::Gemma3;
-    cfg.head_dim = 32;
-    cfg.tied = true;
-    cfg.qk_norm = true;
-    cfg.rms_eps = 1e-6;
-    cfg.rope_theta = 1_000_000.0;
-    cfg.rope_scaling = RopeScaling::Linear { factor: 8.0 };
-    cfg.max_position = 256;
-    cfg.attention = AttentionConfig {
-        query_scale_base: Some(24.0),
-        sliding: Some(SlidingWindow { window: 7, global_every: 2, rope_theta: 10_000.0 }),
+    let shape = Gemma3 {
+        hidden: 64,
+        head_dim: 32,
+        intermediate: 96,
+        vocab: 96,
+        max_position: 256,
+        query_scale_base: 24.0,
+        window: 7,
     };
-    cfg.bos = Some(2);
-    cfg.eos = Some(1);
-    cfg
+    ModelConfig { bos: Some(2), eos: Some(1), ..shape.config() }
 }
 
-/// A model GGUF and HF spell alike: llama.cpp's layer pattern (every sixth layer global, a local base
-/// of 10000) and query scaling (1/sqrt(head_dim) below 62 layers).
+/// A model GGUF and HF spell alike (`common::gemma3::gguf_shaped`), local windows of 9.
 fn gguf_shaped() -> ModelConfig {
-    let mut cfg = small();
-    cfg.layers = 7;
-    cfg.attention = AttentionConfig {
-        query_scale_base: Some(cfg.head_dim as f32),
-        sliding: Some(SlidingWindow { window: 9, global_every: 6, rope_theta: 10_000.0 }),
-    };
-    cfg
+    common::gemma3::gguf_shaped(small(), 9)
 }
 
 fn tokens(rng: &mut Rng, n: usize, vocab: usize) -> Vec<u32> {

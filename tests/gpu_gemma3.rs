@@ -5,31 +5,28 @@
 
 mod common;
 use common::card::{OnBoth, random_tokens};
+use common::gemma3::Gemma3;
 use common::{Rng, Scratch, gpu_present, rel_l2};
 
 use hostembed::checkpoint::write::MemSource;
 use hostembed::kv::{KvType, KvTypes};
-use hostembed::model::{Arch, AttentionConfig, ModelConfig, RopeScaling, SlidingWindow};
+use hostembed::model::ModelConfig;
 use hostembed::sampler::{self, Sampling};
 use hostembed::tensor::DType;
 
 /// Head size 64 (flash attention has a kernel for it), q_dim 256 beside hidden 128, local layers 0 and
 /// 2 over 20 positions, scores scaled by 1/sqrt(80), linear rope scaling on the global layers.
 fn config() -> ModelConfig {
-    let mut cfg = ModelConfig::llama(128, 4, 4, 2, 256, 320);
-    cfg.arch = Arch::Gemma3;
-    cfg.head_dim = 64;
-    cfg.tied = true;
-    cfg.qk_norm = true;
-    cfg.rms_eps = 1e-6;
-    cfg.rope_theta = 1_000_000.0;
-    cfg.rope_scaling = RopeScaling::Linear { factor: 8.0 };
-    cfg.max_position = 512;
-    cfg.attention = AttentionConfig {
-        query_scale_base: Some(80.0),
-        sliding: Some(SlidingWindow { window: 20, global_every: 2, rope_theta: 10_000.0 }),
+    let shape = Gemma3 {
+        hidden: 128,
+        head_dim: 64,
+        intermediate: 256,
+        vocab: 320,
+        max_position: 512,
+        query_scale_base: 80.0,
+        window: 20,
     };
-    cfg
+    shape.config()
 }
 
 #[test]
@@ -103,12 +100,7 @@ fn engine_batches_match_stepping_alone() {
     let mut rng = Rng::fresh("engine_batches_match_stepping_alone");
     let dir = Scratch::new("gpu-gemma3-batches");
     // llama.cpp's pattern, which GGUF files carry: every sixth layer global.
-    let mut cfg = config();
-    cfg.layers = 7;
-    cfg.attention = AttentionConfig {
-        query_scale_base: Some(cfg.head_dim as f32),
-        sliding: Some(SlidingWindow { window: 20, global_every: 6, rope_theta: 10_000.0 }),
-    };
+    let cfg = common::gemma3::gguf_shaped(config(), 20);
     let mix = common::Mix { rounds: 150, widest: 6, chunk: 8, long_chunk: 48 };
     for dtype in [DType::Bf16, DType::Q8_0] {
         let path = dir.gguf(dtype.name(), &cfg, rng.next_u64(), dtype);

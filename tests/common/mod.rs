@@ -4,6 +4,7 @@
 #![allow(dead_code)]
 
 pub mod card;
+pub mod gemma3;
 pub mod shared;
 pub mod spec;
 
