@@ -142,7 +142,7 @@ fn dl_error() -> String {
     }
 }
 
-pub(super) fn open(name: &str) -> std::result::Result<*mut c_void, String> {
+fn open(name: &str) -> std::result::Result<*mut c_void, String> {
     let c = CString::new(name).map_err(|_| format!("{name}: a NUL in the name"))?;
     // SAFETY: a NUL-terminated file name; dlopen reports failure as NULL.
     let h = unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
@@ -170,38 +170,41 @@ fn load_library(choice: &Cublaslt) -> std::result::Result<Library, String> {
         Cublaslt::File(name) => vec![name.clone()],
         Cublaslt::Default => LIBRARY_NAMES.iter().map(|s| s.to_string()).collect(),
     };
-    let mut tried = Vec::new();
-    for name in &names {
-        let lib = match open(name) {
-            Ok(lib) => lib,
-            Err(e) => {
-                tried.push(e);
-                continue;
-            }
-        };
+    let names: Vec<&str> = names.iter().map(String::as_str).collect();
+    first_library(&names, |lib, name| {
         // SAFETY: each type below is the signature cublasLt.h declares for that name.
         let api = unsafe {
-            (|| -> std::result::Result<Api, String> {
-                Ok(Api {
-                    create: symbol(lib, c"cublasLtCreate")?,
-                    destroy: symbol(lib, c"cublasLtDestroy")?,
-                    desc_create: symbol(lib, c"cublasLtMatmulDescCreate")?,
-                    desc_set: symbol(lib, c"cublasLtMatmulDescSetAttribute")?,
-                    desc_destroy: symbol(lib, c"cublasLtMatmulDescDestroy")?,
-                    layout_create: symbol(lib, c"cublasLtMatrixLayoutCreate")?,
-                    layout_destroy: symbol(lib, c"cublasLtMatrixLayoutDestroy")?,
-                    pref_create: symbol(lib, c"cublasLtMatmulPreferenceCreate")?,
-                    pref_set: symbol(lib, c"cublasLtMatmulPreferenceSetAttribute")?,
-                    pref_destroy: symbol(lib, c"cublasLtMatmulPreferenceDestroy")?,
-                    heuristic: symbol(lib, c"cublasLtMatmulAlgoGetHeuristic")?,
-                    algo_check: symbol(lib, c"cublasLtMatmulAlgoCheck").ok(),
-                    matmul: symbol(lib, c"cublasLtMatmul")?,
-                })
-            })()
+            Api {
+                create: symbol(lib, c"cublasLtCreate")?,
+                destroy: symbol(lib, c"cublasLtDestroy")?,
+                desc_create: symbol(lib, c"cublasLtMatmulDescCreate")?,
+                desc_set: symbol(lib, c"cublasLtMatmulDescSetAttribute")?,
+                desc_destroy: symbol(lib, c"cublasLtMatmulDescDestroy")?,
+                layout_create: symbol(lib, c"cublasLtMatrixLayoutCreate")?,
+                layout_destroy: symbol(lib, c"cublasLtMatrixLayoutDestroy")?,
+                pref_create: symbol(lib, c"cublasLtMatmulPreferenceCreate")?,
+                pref_set: symbol(lib, c"cublasLtMatmulPreferenceSetAttribute")?,
+                pref_destroy: symbol(lib, c"cublasLtMatmulPreferenceDestroy")?,
+                heuristic: symbol(lib, c"cublasLtMatmulAlgoGetHeuristic")?,
+                algo_check: symbol(lib, c"cublasLtMatmulAlgoCheck").ok(),
+                matmul: symbol(lib, c"cublasLtMatmul")?,
+            }
         };
-        match api {
-            Ok(api) => return Ok(Library { api, name: name.clone() }),
-            Err(e) => tried.push(format!("{name}: {e}")),
+        Ok(Library { api, name: name.to_string() })
+    })
+}
+
+/// The first of `names` that opens and that `resolve` takes (its entry points found, say), or every
+/// reason why none did.
+pub(super) fn first_library<T>(
+    names: &[&str],
+    mut resolve: impl FnMut(*mut c_void, &str) -> std::result::Result<T, String>,
+) -> std::result::Result<T, String> {
+    let mut tried = Vec::new();
+    for &name in names {
+        match open(name).and_then(|lib| resolve(lib, name).map_err(|e| format!("{name}: {e}"))) {
+            Ok(loaded) => return Ok(loaded),
+            Err(e) => tried.push(e),
         }
     }
     Err(tried.join("; "))

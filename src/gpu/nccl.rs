@@ -12,7 +12,7 @@ use std::ffi::CStr;
 use std::os::raw::{c_char, c_int, c_void};
 use std::sync::OnceLock;
 
-use super::blas::{open, symbol};
+use super::blas::{first_library, symbol};
 use crate::cudart::cudaStream_t;
 use crate::status::Result;
 use crate::{bail, err};
@@ -68,49 +68,30 @@ unsafe impl Sync for Nccl {}
 
 /// The first of `names` that opens and has every entry point, or every reason why none did.
 fn load_from(names: &[&str]) -> std::result::Result<Nccl, String> {
-    let mut tried = Vec::new();
-    for &name in names {
-        let lib = match open(name) {
-            Ok(lib) => lib,
-            Err(e) => {
-                tried.push(e);
-                continue;
-            }
-        };
+    first_library(names, |lib, name| {
         // SAFETY: each type below is the signature nccl.h declares for that name.
         let api = unsafe {
-            (|| -> std::result::Result<Api, String> {
-                Ok(Api {
-                    get_version: symbol(lib, c"ncclGetVersion")?,
-                    get_error_string: symbol(lib, c"ncclGetErrorString")?,
-                    get_unique_id: symbol(lib, c"ncclGetUniqueId")?,
-                    comm_init_rank: symbol(lib, c"ncclCommInitRank")?,
-                    comm_init_all: symbol(lib, c"ncclCommInitAll")?,
-                    comm_destroy: symbol(lib, c"ncclCommDestroy")?,
-                    all_reduce: symbol(lib, c"ncclAllReduce")?,
-                    all_gather: symbol(lib, c"ncclAllGather")?,
-                    group_start: symbol(lib, c"ncclGroupStart")?,
-                    group_end: symbol(lib, c"ncclGroupEnd")?,
-                })
-            })()
-        };
-        let api = match api {
-            Ok(api) => api,
-            Err(e) => {
-                tried.push(format!("{name}: {e}"));
-                continue;
+            Api {
+                get_version: symbol(lib, c"ncclGetVersion")?,
+                get_error_string: symbol(lib, c"ncclGetErrorString")?,
+                get_unique_id: symbol(lib, c"ncclGetUniqueId")?,
+                comm_init_rank: symbol(lib, c"ncclCommInitRank")?,
+                comm_init_all: symbol(lib, c"ncclCommInitAll")?,
+                comm_destroy: symbol(lib, c"ncclCommDestroy")?,
+                all_reduce: symbol(lib, c"ncclAllReduce")?,
+                all_gather: symbol(lib, c"ncclAllGather")?,
+                group_start: symbol(lib, c"ncclGroupStart")?,
+                group_end: symbol(lib, c"ncclGroupEnd")?,
             }
         };
         let mut version: c_int = 0;
         // SAFETY: ncclGetVersion writes one int through a valid pointer.
         let status = unsafe { (api.get_version)(&mut version) };
         if status != NCCL_SUCCESS {
-            tried.push(format!("{name}: ncclGetVersion returned {status}"));
-            continue;
+            return Err(format!("ncclGetVersion returned {status}"));
         }
-        return Ok(Nccl { api, name: name.to_string(), version });
-    }
-    Err(tried.join("; "))
+        Ok(Nccl { api, name: name.to_string(), version })
+    })
 }
 
 /// NCCL, loaded once a process, for an engine over `devices` devices; UNSUPPORTED with the reason when
