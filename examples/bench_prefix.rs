@@ -222,8 +222,7 @@ fn main() {
         let mean = later.iter().sum::<f64>() / later.len().max(1) as f64;
         let (slowest, max) =
             later.iter().copied().enumerate().fold((0, 0f64), |m, (i, t)| if t > m.1 { (i + 1, t) } else { m });
-        // The first later stream is the first chunk of its length: its products' layouts are made then
-        // (their algorithms were chosen when the model loaded).
+        // The first later stream is the first chunk of its length: the products' plans for it are made then.
         let after_first = later.iter().skip(1).copied().fold(0f64, f64::max);
         println!(
             "| {} | {:.3} s | {:.3} / {:.3} s (stream {slowest}) | {after_first:.3} s ({:.1}%) | {:.1}% | {} | {computed} | {:.2}x | {:.2}x | {}{} | {} |",

@@ -7,11 +7,6 @@
 //! The declarations are written by hand, like the runtime's in `cudart.rs`; the values below are the
 //! ones `cublasLt.h` gives (CUDA 11 to 13 share them). The GPU suite runs the prompt tests once on
 //! cuBLASLt and once more with `HOSTEMBED_CUBLASLT=0`, each against the CPU backend.
-//!
-//! An algorithm is chosen per bucket of token counts (`bucket`), not per count: one heuristic query per
-//! product shape doubled the time of a 100-token chunk of a new length on an H100, so the model asks for
-//! every bucket of its product shapes at load (`Blas::warm`), and a chunk of a new length only makes its
-//! layouts and checks its bucket's algorithm against them (`cublasLtMatmulAlgoCheck`).
 
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -84,20 +79,6 @@ struct Api {
         *mut HeuristicResult,
         *mut c_int,
     ) -> Status,
-    /// `cublasLtMatmulAlgoCheck`, where the library has it (without it every shape takes its own query).
-    #[allow(clippy::type_complexity)]
-    algo_check: Option<
-        unsafe extern "C" fn(
-            Handle,
-            Handle,
-            Handle,
-            Handle,
-            Handle,
-            Handle,
-            *const c_void,
-            *mut HeuristicResult,
-        ) -> Status,
-    >,
     #[allow(clippy::type_complexity)]
     matmul: unsafe extern "C" fn(
         Handle,
@@ -186,7 +167,6 @@ fn load_library(choice: &Cublaslt) -> std::result::Result<Library, String> {
                 pref_set: symbol(lib, c"cublasLtMatmulPreferenceSetAttribute")?,
                 pref_destroy: symbol(lib, c"cublasLtMatmulPreferenceDestroy")?,
                 heuristic: symbol(lib, c"cublasLtMatmulAlgoGetHeuristic")?,
-                algo_check: symbol(lib, c"cublasLtMatmulAlgoCheck").ok(),
                 matmul: symbol(lib, c"cublasLtMatmul")?,
             }
         };
@@ -237,74 +217,19 @@ fn check(status: Status, what: &str) -> Result<()> {
 /// One product's shapes: (format, weight rows, cols, tokens, lda, ldy).
 type Key = (DType, usize, usize, usize, usize, usize);
 
-/// `cublasLtMatmulAlgo_t`, opaque.
-type Algo = [u64; 8];
-
-/// The fewest tokens a bucket's query is made for: the tensor-core chunks of 16 to 64 tokens share one.
-pub(super) const BUCKET_FLOOR: usize = 64;
-
-/// The token count whose heuristic query chooses the algorithm of a product of `n` tokens: `n` rounded
-/// up to a power of two, at least `BUCKET_FLOOR`. It depends on `n` alone (not on the largest chunk,
-/// nor on what ran before), so a length's algorithm is the same in every process.
-pub(super) fn bucket(n: usize) -> usize {
-    n.max(BUCKET_FLOOR).next_power_of_two()
-}
-
-/// Every bucket of the counts 1..=`ceiling`, smallest first.
-pub(super) fn buckets(ceiling: usize) -> impl Iterator<Item = usize> {
-    let last = bucket(ceiling);
-    std::iter::successors(Some(BUCKET_FLOOR), move |&b| (b < last).then_some(b * 2))
-}
-
-/// The three matrix layouts of one product (weight, input, output), destroyed on drop.
-struct Layouts {
-    api: &'static Api,
-    handles: [Handle; 3],
-}
-
-impl Layouts {
-    /// The layouts of `key`'s shapes, or None where cuBLASLt refuses one.
-    fn new(api: &'static Api, key: Key) -> Option<Layouts> {
-        let (dtype, rows, cols, n, lda, ldy) = key;
-        let half = if dtype == DType::Bf16 { CUDA_R_16BF } else { CUDA_R_16F };
-        let mut l = Layouts { api, handles: [ptr::null_mut(); 3] };
-        let shapes = [(half, cols, rows, cols), (half, cols, n, lda), (CUDA_R_32F, rows, n, ldy)];
-        for (h, &(t, r, c, ld)) in l.handles.iter_mut().zip(&shapes) {
-            // SAFETY: writes a new layout handle into `h`, which Drop destroys.
-            let st = unsafe { (api.layout_create)(h, t, r as u64, c as u64, ld as i64) };
-            if st != CUBLAS_STATUS_SUCCESS {
-                return None;
-            }
-        }
-        Some(l)
-    }
-}
-
-impl Drop for Layouts {
-    fn drop(&mut self) {
-        for &h in self.handles.iter().filter(|h| !h.is_null()) {
-            // SAFETY: a layout `new` created and nothing else holds, destroyed once.
-            unsafe { (self.api.layout_destroy)(h) };
-        }
-    }
-}
-
-/// The layouts of one exact shape and the algorithm its products run.
+/// The layouts and algorithm cuBLASLt chose for one shape.
 struct Plan {
-    layouts: Layouts,
-    algo: Algo,
+    layouts: [Handle; 3],
+    algo: [u64; 8],
 }
 
 /// A cuBLASLt handle on the current device, its one operation descriptor (f32 compute, y^T = W a^T in
-/// column-major terms), the algorithms of the buckets asked for so far and the plans of the exact
-/// shapes seen so far.
+/// column-major terms) and the plans of the shapes seen so far.
 pub(super) struct Blas {
     lib: &'static Library,
     handle: Handle,
     desc: Handle,
     pref: Handle,
-    /// Per bucket key (`n` = `bucket(n)`): the heuristic's algorithm, None where it has none.
-    algos: RefCell<HashMap<Key, Option<Algo>>>,
     plans: RefCell<HashMap<Key, Option<Plan>>>,
 }
 
@@ -322,7 +247,6 @@ impl Blas {
             handle: ptr::null_mut(),
             desc: ptr::null_mut(),
             pref: ptr::null_mut(),
-            algos: Default::default(),
             plans: Default::default(),
         };
         let ws = WORKSPACE_BYTES as u64;
@@ -356,72 +280,41 @@ impl Blas {
         &self.lib.name
     }
 
-    /// The heuristic's best algorithm for `layouts` within the workspace (one query).
-    fn heuristic(&self, layouts: &Layouts) -> Option<Algo> {
+    fn plan_for(&self, key: Key) -> Option<Plan> {
+        let (dtype, rows, cols, n, lda, ldy) = key;
+        let a = &self.lib.api;
+        let half = if dtype == DType::Bf16 { CUDA_R_16BF } else { CUDA_R_16F };
+        let mut layouts = [ptr::null_mut(); 3];
+        let shapes = [(half, cols, rows, cols), (half, cols, n, lda), (CUDA_R_32F, rows, n, ldy)];
+        let mut ok = true;
+        for (l, &(t, r, c, ld)) in layouts.iter_mut().zip(&shapes) {
+            // SAFETY: writes a new layout handle into `l`; destroyed below or by Plan's owner.
+            ok &= unsafe { (a.layout_create)(l, t, r as u64, c as u64, ld as i64) } == CUBLAS_STATUS_SUCCESS;
+        }
         let mut result =
             HeuristicResult { algo: [0; 8], workspace_size: 0, state: 0, waves_count: 0.0, reserved: [0; 4] };
         let mut found: c_int = 0;
-        let [wl, al, yl] = layouts.handles;
-        // SAFETY: live handle, descriptor, layouts and preference; room for the one result asked for.
-        let st = unsafe {
-            (self.lib.api.heuristic)(self.handle, self.desc, wl, al, yl, yl, self.pref, 1, &mut result, &mut found)
-        };
-        (st == CUBLAS_STATUS_SUCCESS && found > 0 && result.state == CUBLAS_STATUS_SUCCESS).then_some(result.algo)
-    }
-
-    /// Whether `algo` runs `layouts`' shapes within the workspace (false where the library cannot say).
-    fn accepts(&self, layouts: &Layouts, algo: &Algo) -> bool {
-        let Some(check) = self.lib.api.algo_check else { return false };
-        let mut result =
-            HeuristicResult { algo: [0; 8], workspace_size: 0, state: 0, waves_count: 0.0, reserved: [0; 4] };
-        let [wl, al, yl] = layouts.handles;
-        // SAFETY: live handle, descriptor and layouts, an algorithm the heuristic returned for this
-        // descriptor, and a result to write.
-        let st = unsafe { check(self.handle, self.desc, wl, al, yl, yl, algo.as_ptr().cast(), &mut result) };
-        st == CUBLAS_STATUS_SUCCESS && result.workspace_size <= WORKSPACE_BYTES
-    }
-
-    /// The algorithm of `key`'s bucket (`n` replaced by `bucket(n)`), queried once and kept.
-    fn bucket_algo(&self, key: Key) -> Option<Algo> {
-        let (dtype, rows, cols, n, lda, ldy) = key;
-        let key = (dtype, rows, cols, bucket(n), lda, ldy);
-        let api = &self.lib.api;
-        *self.algos.borrow_mut().entry(key).or_insert_with(|| Layouts::new(api, key).and_then(|l| self.heuristic(&l)))
-    }
-
-    /// The plan of one exact shape: its own layouts, and its bucket's algorithm where
-    /// `cublasLtMatmulAlgoCheck` accepts it for them, else the exact shape's own query's.
-    ///
-    /// Bits: a shape's algorithm is a function of the shape alone on a given device, cuBLASLt file and
-    /// workspace (the heuristic and the check answer the same to the same question), so the same token
-    /// count gives the same bits in any process, whatever ran before it, warmed or not, and whatever the
-    /// largest chunk. They differ where the count differs (another chunk split, as the prefix cache
-    /// documents), on another device or cuBLASLt version, on the own kernel (`HOSTEMBED_CUBLASLT=0`, or a
-    /// pointer off the 256-byte alignment), and from versions of this file that chose per exact count.
-    fn plan_for(&self, key: Key) -> Option<Plan> {
-        let layouts = Layouts::new(&self.lib.api, key)?;
-        // Without the check a bucket's algorithm cannot be vouched for: no bucket query then.
-        let checked = self.lib.api.algo_check.is_some();
-        let bucketed = if checked { self.bucket_algo(key).filter(|a| self.accepts(&layouts, a)) } else { None };
-        let algo = bucketed.or_else(|| self.heuristic(&layouts))?;
-        Some(Plan { layouts, algo })
-    }
-
-    /// Asks for the algorithm of every bucket of token counts up to `ceiling` (the largest chunk) for
-    /// each product shape (weight rows, cols, ldy) in `dtype`, so that no chunk's product makes a
-    /// heuristic query; returns the queries made (shapes x buckets). None are made without
-    /// `cublasLtMatmulAlgoCheck`, where every exact shape takes its own query anyway.
-    pub(super) fn warm(&self, dtype: DType, shapes: &[(usize, usize, usize)], ceiling: usize) -> usize {
-        if self.lib.api.algo_check.is_none() {
-            return 0;
+        if ok {
+            let [wl, al, yl] = layouts;
+            // SAFETY: live descriptor, layouts and preference; room for the one result asked for.
+            let st =
+                unsafe { (a.heuristic)(self.handle, self.desc, wl, al, yl, yl, self.pref, 1, &mut result, &mut found) };
+            ok = st == CUBLAS_STATUS_SUCCESS && found > 0 && result.state == CUBLAS_STATUS_SUCCESS;
         }
-        let before = self.algos.borrow().len();
-        for &(rows, cols, ldy) in shapes {
-            for b in buckets(ceiling) {
-                self.bucket_algo((dtype, rows, cols, b, cols, ldy));
-            }
+        let plan = Plan { layouts, algo: result.algo };
+        if ok {
+            Some(plan)
+        } else {
+            self.destroy(plan);
+            None
         }
-        self.algos.borrow().len() - before
+    }
+
+    fn destroy(&self, plan: Plan) {
+        for l in plan.layouts.into_iter().filter(|l| !l.is_null()) {
+            // SAFETY: a layout this struct created and nothing else holds.
+            unsafe { (self.lib.api.layout_destroy)(l) };
+        }
     }
 
     /// y[t] = w a[t] (+ residual[t]) for `n` tokens, when cuBLASLt has an algorithm for the shape and
@@ -450,7 +343,7 @@ impl Blas {
         let Some(plan) = plan else { return Ok(false) };
         let (alpha, beta) = (1f32, if residual.is_null() { 0f32 } else { 1f32 });
         let c = if residual.is_null() { y as *const c_void } else { residual as *const c_void };
-        let [wl, al, yl] = plan.layouts.handles;
+        let [wl, al, yl] = plan.layouts;
         // SAFETY: device pointers sized for these layouts (the caller's shapes), host scalars, a live
         // handle, descriptor and algorithm, and a workspace of WORKSPACE_BYTES.
         let st = unsafe {
@@ -480,8 +373,10 @@ impl Blas {
 
 impl Drop for Blas {
     fn drop(&mut self) {
-        // The plans' layouts first (they need no handle, but go before the library's other objects).
-        self.plans.get_mut().clear();
+        let plans: Vec<Plan> = self.plans.get_mut().drain().filter_map(|(_, p)| p).collect();
+        for p in plans {
+            self.destroy(p);
+        }
         let a = &self.lib.api;
         // SAFETY: handles this struct created (NULL when creation failed), each destroyed once.
         unsafe {
@@ -519,32 +414,5 @@ mod tests {
         // Each choice is loaded once and kept: asking again gives the same answer.
         assert_eq!(library(&Cublaslt::Off).map(|l| l.name.clone()), Err("HOSTEMBED_CUBLASLT=0".to_string()));
         assert_eq!(library(&Cublaslt::Off).map(|l| l.name.clone()), Err("HOSTEMBED_CUBLASLT=0".to_string()));
-    }
-
-    /// A count's bucket holds it, is a power of two of at least the floor, grows with the count, and is
-    /// among the buckets `warm` asks for whenever the count is within the ceiling.
-    #[test]
-    fn every_count_up_to_the_ceiling_has_a_warmed_bucket() {
-        let mut last = 0;
-        for n in 1..=4096 {
-            let b = bucket(n);
-            assert!(b >= n && b >= BUCKET_FLOOR && b.is_power_of_two(), "{n} -> {b}");
-            assert!(b >= last, "{n} -> {b} after {last}");
-            assert_eq!(bucket(n), b, "{n}");
-            last = b;
-        }
-        assert_eq!(bucket(16), 64);
-        assert_eq!((bucket(64), bucket(65), bucket(100), bucket(128)), (64, 128, 128, 128));
-        assert_eq!(bucket(2000), 2048);
-        for ceiling in [1, 16, 63, 64, 65, 100, 384, 512, 513, 2000, 4096] {
-            let warmed: Vec<usize> = buckets(ceiling).collect();
-            assert!(warmed.windows(2).all(|w| w[1] == 2 * w[0]), "{ceiling}: {warmed:?}");
-            assert_eq!(warmed.last(), Some(&bucket(ceiling)), "{ceiling}");
-            for n in 1..=ceiling {
-                assert!(warmed.contains(&bucket(n)), "{n} of {ceiling}: {warmed:?}");
-            }
-        }
-        // The default largest chunk, 512: four buckets.
-        assert_eq!(buckets(512).collect::<Vec<_>>(), [64, 128, 256, 512]);
     }
 }

@@ -360,18 +360,7 @@ impl GpuModel {
         let tensor_cores = !exact && [cfg.hidden, cfg.q_dim(), cfg.intermediate].iter().all(|d| d % 8 == 0);
         let (blas, route) = match blas::Blas::new(&tuning.cublaslt) {
             Ok(b) => {
-                // Every bucket of every product shape now, so that a chunk of a new length makes no
-                // heuristic query: shapes x buckets, 6 x 4 = 24 for Llama 3 8B in BF16 with chunks of 512.
-                let queries = if tensor_cores {
-                    let mut shapes = ops::product_shapes(&cfg, &layers)?;
-                    if head.dtype == half {
-                        shapes.push((head.rows, head.cols, head.rows));
-                    }
-                    b.warm(half, &shapes, max_batch)
-                } else {
-                    0
-                };
-                let route = format!("prompt products on cuBLASLt ({}, {queries} algorithms chosen at load)", b.name());
+                let route = format!("prompt products on cuBLASLt ({})", b.name());
                 (Some(b), route)
             }
             Err(why) => (None, format!("prompt products on hostembed's tensor-core kernel (no cuBLASLt: {why})")),

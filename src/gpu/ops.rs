@@ -12,9 +12,9 @@ use super::forward::{PassShape, Path, Piece};
 use super::launch::{self, AttentionShape, HalfMatrix, KvPages};
 use super::scratch::ATTENTION_TOKENS;
 use super::weights::{DeviceWeight, Qkv};
-use crate::arch::{Feeds, Layers, Ops, Rotary};
+use crate::arch::{Feeds, Ops, Rotary};
 use crate::cudart::cudaStream_t;
-use crate::model::{Activation, ModelConfig};
+use crate::model::Activation;
 use crate::status::Result;
 use crate::tensor::DType;
 
@@ -453,133 +453,5 @@ impl GpuModel {
             launch::add_bias(y, ldy, bias, m.rows, n, s)?;
         }
         Ok(())
-    }
-}
-
-/// The shapes (weight rows, cols, ldy) of the products a pass's tensor-core rows run, each once, for
-/// `Blas::warm`: the architecture's file run over operations that note the products `PassOps` queues
-/// for each (keep the two in step). The head's product (scoring, batched heads) is the caller's to add.
-pub(super) fn product_shapes(cfg: &ModelConfig, layers: &Layers<DeviceWeight>) -> Result<Vec<(usize, usize, usize)>> {
-    let mut ops = ProductShapes { cfg, shapes: Vec::new() };
-    crate::arch::forward(cfg, &mut ops, layers)?;
-    let mut shapes = ops.shapes;
-    shapes.sort_unstable();
-    shapes.dedup();
-    Ok(shapes)
-}
-
-struct ProductShapes<'a> {
-    cfg: &'a ModelConfig,
-    shapes: Vec<(usize, usize, usize)>,
-}
-
-impl Ops for ProductShapes<'_> {
-    type Weight = DeviceWeight;
-
-    fn embed(&mut self) -> Result<()> {
-        Ok(())
-    }
-
-    fn scale(&mut self, _: f32) -> Result<()> {
-        Ok(())
-    }
-
-    fn norm(&mut self, _: &DeviceWeight, _: Feeds) -> Result<()> {
-        Ok(())
-    }
-
-    /// `PassOps::qkv`: the fused matrix and its k/v rows' refinement, or q, k and v apart (k's and v's
-    /// refinements are their own shapes again).
-    fn qkv(
-        &mut self,
-        q: &DeviceWeight,
-        k: &DeviceWeight,
-        v: &DeviceWeight,
-        _: Option<[&DeviceWeight; 3]>,
-    ) -> Result<()> {
-        let q_dim = self.cfg.q_dim();
-        let ldy = q_dim + 2 * self.cfg.kv_dim();
-        match Qkv::of(q, k, v) {
-            Qkv::Fused(w) => self.shapes.extend([(w.rows, w.cols, ldy), (w.rows - q_dim, w.cols, ldy)]),
-            Qkv::Split(parts) => self.shapes.extend(parts.iter().map(|w| (w.rows, w.cols, ldy))),
-        }
-        Ok(())
-    }
-
-    fn rope_append(&mut self, _: usize, _: Option<[&DeviceWeight; 2]>, _: Rotary) -> Result<()> {
-        Ok(())
-    }
-
-    fn attention(&mut self, _: usize, _: Option<usize>) -> Result<()> {
-        Ok(())
-    }
-
-    fn add_attention_out(&mut self, o: &DeviceWeight, _: Option<&DeviceWeight>) -> Result<()> {
-        self.shapes.push((o.rows, o.cols, self.cfg.hidden));
-        Ok(())
-    }
-
-    fn add_gated_ffn(
-        &mut self,
-        _: Activation,
-        gate: &DeviceWeight,
-        up: &DeviceWeight,
-        down: &DeviceWeight,
-        _: Option<&DeviceWeight>,
-    ) -> Result<()> {
-        let (hidden, inter) = (self.cfg.hidden, self.cfg.intermediate);
-        self.shapes.extend([(gate.rows, gate.cols, inter), (up.rows, up.cols, inter), (down.rows, down.cols, hidden)]);
-        Ok(())
-    }
-
-    /// kernels/moe.cu runs a Mixture of Experts: no product.
-    fn add_moe_ffn(
-        &mut self,
-        _: &DeviceWeight,
-        _: &[DeviceWeight],
-        _: &[DeviceWeight],
-        _: &[DeviceWeight],
-    ) -> Result<()> {
-        Ok(())
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::model::{Arch, MoeConfig};
-
-    /// Layers of `cfg` whose matrices are in `dtype` (k in `k_dtype`), at no address: shapes only.
-    fn layers(cfg: &ModelConfig, dtype: DType, k_dtype: DType) -> Layers<DeviceWeight> {
-        Layers::build(cfg, |w| {
-            let (rows, cols) = if w.is_vector() { (1, w.shape[0]) } else { (w.shape[0], w.shape[1]) };
-            let dtype = if w.spec.name == crate::model::names::K { k_dtype } else { dtype };
-            Ok(DeviceWeight { ptr: ptr::null(), dtype, rows, cols })
-        })
-        .unwrap()
-    }
-
-    /// Llama 3 8B's shapes: the fused q/k/v and its k/v refinement, o, gate and up (one shape), down.
-    #[test]
-    fn a_llama_pass_runs_five_product_shapes() {
-        let cfg = ModelConfig::llama(4096, 2, 32, 8, 14336, 128256);
-        let bf16 = DType::Bf16;
-        let want =
-            [(2048, 4096, 6144), (4096, 4096, 4096), (4096, 14336, 4096), (6144, 4096, 6144), (14336, 4096, 14336)];
-        assert_eq!(product_shapes(&cfg, &layers(&cfg, bf16, bf16)).unwrap(), want);
-        // k in another format: q, k and v apart, each into the qkv rows.
-        let split = product_shapes(&cfg, &layers(&cfg, bf16, DType::F16)).unwrap();
-        assert_eq!(
-            split,
-            [(1024, 4096, 6144), (4096, 4096, 4096), (4096, 4096, 6144), (4096, 14336, 4096), (14336, 4096, 14336)]
-        );
-        // A Mixture of Experts runs its feed-forward on its own kernels: q/k/v and o alone.
-        let mut moe = cfg.clone();
-        moe.arch = Arch::Mixtral;
-        moe.moe = Some(MoeConfig { experts: 4, used: 2, intermediate: 1024, norm_topk: true });
-        assert_eq!(
-            product_shapes(&moe, &layers(&moe, bf16, bf16)).unwrap(),
-            [(2048, 4096, 6144), (4096, 4096, 4096), (6144, 4096, 6144)]
-        );
     }
 }
