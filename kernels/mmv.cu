@@ -567,7 +567,7 @@ constexpr unsigned MMV_STAGE_BUDGET = 32 * 1024;
 
 // Columns staged at a time for n tokens of `bytes_per_col` each: as many whole `unit` pieces (a multiple
 // of MMV_KC) of the column range as the budget takes, or the whole range.
-__host__ __device__ inline unsigned int mmv_chunk(unsigned int n, unsigned int kr, unsigned int bytes_per_col,
+__host__ __device__ constexpr unsigned int mmv_chunk(unsigned int n, unsigned int kr, unsigned int bytes_per_col,
                                                   unsigned int unit, unsigned int budget = MMV_STAGE_BUDGET) {
     unsigned int k = budget / (n * bytes_per_col) / unit * unit;
     k = k < unit ? unit : k;
@@ -926,8 +926,7 @@ __global__ __launch_bounds__(MMV_THREADS) void mmv_prep_kernel(const float *__re
 // tokens, absent ones too (never copied, never written out): a tile's rows then sit at offsets known when
 // compiling, where computing each tile's address from the token count was most of the loop's instructions.
 __host__ __device__ constexpr unsigned mmv_prep_chunk(unsigned nt, unsigned group) {
-    return MMV_BF16_STAGE_BUDGET / (nt * 8 * 4) / group * group < group ? group
-                                                                          : MMV_BF16_STAGE_BUDGET / (nt * 8 * 4) / group * group;
+    return mmv_chunk(nt * 8, ~0u, 4, group, MMV_BF16_STAGE_BUDGET);
 }
 // Scaled PREP launches keep every exponent of their column range in shared memory, a group's tokens side by
 // side (a lane's two tokens one 8-byte read, a tile's at a known offset): read from global memory, each took
@@ -971,7 +970,7 @@ __global__ __launch_bounds__(MMV_THREADS, NT <= 2 ? MMV_SMALL_MIN_BLOCKS : 2) vo
     static_assert(!(PREP && STAGED), "staged activations come with streamed weights");
     constexpr unsigned PREP_KCH = mmv_prep_chunk(NT, GROUP);
     const unsigned int kch = PREP ? PREP_KCH : mmv_chunk(n, shape.kr, 4, MMV_KC, MMV_BF16_STAGE_BUDGET);
-    const unsigned int stride = PREP ? mmv_stride(PREP_KCH) : mmv_stride(kch);
+    const unsigned int stride = mmv_stride(kch);
     const unsigned int groups = kch / MMV_KC;
     unsigned char *xs = mmv_smem;
     const unsigned char *xb = xs;  // the chunk the arithmetic reads (PREP: one of two buffers)
