@@ -100,4 +100,20 @@ struct ByValue {
     static __device__ __forceinline__ void decode(Chunk c, float *f) { f[0] = c; }
 };
 
+// N consecutive activations, read through the read-only path: as float4s when N is a multiple of 4 (xp
+// then 16-byte aligned), else one at a time.
+template <int N>
+__device__ __forceinline__ void load_x(const float *xp, float *xf) {
+    if constexpr (N % 4 == 0) {
+#pragma unroll
+        for (int i = 0; i < N / 4; i++) {
+            const float4 v = __ldg(reinterpret_cast<const float4 *>(xp) + i);
+            xf[4 * i] = v.x, xf[4 * i + 1] = v.y, xf[4 * i + 2] = v.z, xf[4 * i + 3] = v.w;
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < N; i++) xf[i] = __ldg(xp + i);
+    }
+}
+
 }  // namespace he

@@ -14,22 +14,6 @@ constexpr int MV_WARPS = 8;
 constexpr int MV_THREADS = MV_WARPS * 32;
 constexpr unsigned int MV_MAX_TOKENS = 8;
 
-// N consecutive activations, read through the read-only path: as float4s when N is a multiple of 4 (xp
-// then 16-byte aligned), else one at a time.
-template <int N>
-__device__ __forceinline__ void load_x(const float *xp, float *xf) {
-    if constexpr (N % 4 == 0) {
-#pragma unroll
-        for (int i = 0; i < N / 4; i++) {
-            float4 v = __ldg(reinterpret_cast<const float4 *>(xp) + i);
-            xf[4 * i] = v.x, xf[4 * i + 1] = v.y, xf[4 * i + 2] = v.z, xf[4 * i + 3] = v.w;
-        }
-    } else {
-#pragma unroll
-        for (int i = 0; i < N; i++) xf[i] = __ldg(xp + i);
-    }
-}
-
 // Loads in flight per lane: fewer when more tokens (and so more activation loads) share each weight.
 template <int T, bool GLU>
 __host__ __device__ constexpr int unroll_for() {
@@ -118,7 +102,7 @@ __device__ __forceinline__ void chunk_dot(const typename F::Chunk &wv, const typ
 #pragma unroll
     for (int t = 0; t < T; t++) {
         float xf[N];
-        load_x<N>(xc + (size_t)token_row<T>(t, nt) * cols, xf);
+        he::load_x<N>(xc + (size_t)token_row<T>(t, nt) * cols, xf);
 #pragma unroll
         for (int i = 0; i < N; i++) {
             acc[t] = fmaf(wf[i], xf[i], acc[t]);

@@ -69,21 +69,6 @@ struct UnitReader {
     }
 };
 
-// N consecutive activations: float4 loads when N is a multiple of 4 (xp then 16-byte aligned).
-template <int N>
-__device__ __forceinline__ void load_x(const float *xp, float *xf) {
-    if constexpr (N % 4 == 0) {
-#pragma unroll
-        for (int i = 0; i < N / 4; i++) {
-            const float4 v = __ldg(reinterpret_cast<const float4 *>(xp) + i);
-            xf[4 * i] = v.x, xf[4 * i + 1] = v.y, xf[4 * i + 2] = v.z, xf[4 * i + 3] = v.w;
-        }
-    } else {
-#pragma unroll
-        for (int i = 0; i < N; i++) xf[i] = __ldg(xp + i);
-    }
-}
-
 // One piece of weights (w, and w2 for GLU) against T tokens' activations at column `col`: each token's
 // chain takes the piece's values in order (4 at a time for every token, so few activations are live).
 template <int N, int T, bool GLU>
@@ -95,7 +80,7 @@ __device__ __forceinline__ void piece_dot(const float *w, const float *w2, const
 #pragma unroll
         for (int t = 0; t < T; t++) {
             float xf[STEP];
-            load_x<STEP>(xs[t] + col + i0, xf);
+            he::load_x<STEP>(xs[t] + col + i0, xf);
 #pragma unroll
             for (int i = 0; i < STEP; i++) {
                 acc[t] = fmaf(w[i0 + i], xf[i], acc[t]);
