@@ -121,7 +121,8 @@ __global__ __launch_bounds__(FA_THREADS, READ8 == STAGED ? 3 : 0) void flash_ker
                                                            typename Out::T *__restrict__ out,
                                                            unsigned int out_stride,
                                                            const unsigned short *__restrict__ stage,
-                                                           unsigned int stage_tokens, unsigned int staged) {
+                                                           unsigned int stage_tokens, unsigned int staged,
+                                                           float *__restrict__ partial, unsigned int part_tiles) {
     constexpr int S = fa_stride<D>(), KSTEPS = D / 16, DT = D / 8;
     extern __shared__ __align__(16) unsigned short fa_smem_buf[];
     __shared__ int block_max_pos, block_min_pos;
@@ -235,9 +236,12 @@ __global__ __launch_bounds__(FA_THREADS, READ8 == STAGED ? 3 : 0) void flash_ker
 
     // Two buffers: tile t + 1's loads are in flight while tile t computes. With a window, from the tile
     // of the first position the block's first query sees.
-    const unsigned int tiles = (ctx + FA_BN - 1) / FA_BN;
-    const unsigned int first_tile =
+    // With parts (grid z), this block's part of the tiles only: partial results, merged by flash_merge_kernel.
+    const unsigned int all_tiles = (ctx + FA_BN - 1) / FA_BN;
+    const unsigned int tiles = gridDim.z > 1 ? min(all_tiles, (blockIdx.z + 1) * part_tiles) : all_tiles;
+    const unsigned int window_tile =
         window != 0 && p_min >= 0 && (unsigned int)p_min + 1 > window ? ((unsigned int)p_min + 1 - window) / FA_BN : 0u;
+    const unsigned int first_tile = max(window_tile, blockIdx.z * part_tiles);
     if (tiles > first_tile) {
         fetch_tile(first_tile % 2, first_tile);
         store_tile8(first_tile % 2, first_tile);
@@ -344,6 +348,21 @@ __global__ __launch_bounds__(FA_THREADS, READ8 == STAGED ? 3 : 0) void flash_ker
         l_lo += __shfl_xor_sync(0xffffffffu, l_lo, o_);
         l_hi += __shfl_xor_sync(0xffffffffu, l_hi, o_);
     }
+    if (gridDim.z > 1) {
+        // Unnormalized: [part][row][head] of D values, the row's max (log2 units) and its sum of weights.
+        const size_t rows_pad = (size_t)gridDim.x * FA_BM;
+        float *lo = partial + (((size_t)blockIdx.z * rows_pad + r_lo) * heads + h) * (D + 2);
+        float *hi = partial + (((size_t)blockIdx.z * rows_pad + r_hi) * heads + h) * (D + 2);
+#pragma unroll
+        for (int d = 0; d < DT; d++) {
+            const unsigned int c = d * 8 + 2 * t4;
+            if (r_lo < n) *reinterpret_cast<float2 *>(lo + c) = make_float2(o[d][0], o[d][1]);
+            if (r_hi < n) *reinterpret_cast<float2 *>(hi + c) = make_float2(o[d][2], o[d][3]);
+        }
+        if (t4 == 0 && r_lo < n) lo[D] = m_lo, lo[D + 1] = l_lo;
+        if (t4 == 0 && r_hi < n) hi[D] = m_hi, hi[D + 1] = l_hi;
+        return;
+    }
     const float inv_lo = l_lo > 0.f ? 1.f / l_lo : 0.f, inv_hi = l_hi > 0.f ? 1.f / l_hi : 0.f;
     typename Out::T *out_lo = out + (size_t)r_lo * out_stride + (size_t)h * D;
     typename Out::T *out_hi = out + (size_t)r_hi * out_stride + (size_t)h * D;
@@ -353,6 +372,29 @@ __global__ __launch_bounds__(FA_THREADS, READ8 == STAGED ? 3 : 0) void flash_ker
         if (r_lo < n) *reinterpret_cast<unsigned int *>(out_lo + c) = Out::pack(o[d][0] * inv_lo, o[d][1] * inv_lo);
         if (r_hi < n) *reinterpret_cast<unsigned int *>(out_hi + c) = Out::pack(o[d][2] * inv_hi, o[d][3] * inv_hi);
     }
+}
+
+// Row `blockIdx.x`, head `blockIdx.y` of a launch cut in `parts`: the parts' partial results merged in
+// part order (each rescaled to the largest max; a part that saw no position weighs nothing), a thread two
+// values.
+template <int D, typename Out>
+__global__ void flash_merge_kernel(const float *__restrict__ partial, unsigned int parts, unsigned int rows_pad,
+                                   unsigned int heads, typename Out::T *__restrict__ out, unsigned int out_stride) {
+    const unsigned int r = blockIdx.x, h = blockIdx.y, c = threadIdx.x * 2;
+    auto at = [&](unsigned int p) { return partial + (((size_t)p * rows_pad + r) * heads + h) * (D + 2); };
+    float m = -INFINITY;
+    for (unsigned int p = 0; p < parts; p++)
+        if (at(p)[D + 1] > 0.f) m = fmaxf(m, at(p)[D]);
+    float l = 0.f, o0 = 0.f, o1 = 0.f;
+    for (unsigned int p = 0; p < parts; p++) {
+        const float *q = at(p);
+        const float w = q[D + 1] > 0.f ? exp2f(q[D] - m) : 0.f;
+        l += q[D + 1] * w;
+        const float2 v = *reinterpret_cast<const float2 *>(q + c);
+        o0 += v.x * w, o1 += v.y * w;
+    }
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    *reinterpret_cast<unsigned int *>(out + (size_t)r * out_stride + (size_t)h * D + c) = Out::pack(o0 * inv, o1 * inv);
 }
 
 // Calls fn(std::integral_constant<int, D>) for a head size with a kernel; false for any other.
@@ -373,13 +415,16 @@ extern "C" cudaError_t hostembed_flash_head_dim(unsigned int head_dim) {
     return with_head_dim(head_dim, [](auto) {}) ? cudaSuccess : cudaErrorInvalidValue;
 }
 
-extern "C" cudaError_t hostembed_flash_attention(const float *q, unsigned int q_stride, const void *kv_pool,
-                                                 const unsigned int *table, unsigned int pool_pages, int k_type,
-                                                 int v_type, const int *pos, unsigned int n, unsigned int heads,
-                                                 unsigned int kv_heads, unsigned int head_dim, float scale,
-                                                 unsigned int window, void *out, int out_dtype,
-                                                 unsigned int out_stride, const void *stage,
-                                                 unsigned int stage_tokens, unsigned int staged, cudaStream_t stream) {
+extern "C" cudaError_t hostembed_flash_attention_parts(
+    const float *q, unsigned int q_stride, const void *kv_pool, const unsigned int *table, unsigned int pool_pages,
+    int k_type, int v_type, const int *pos, unsigned int n, unsigned int heads, unsigned int kv_heads,
+    unsigned int head_dim, float scale, unsigned int window, void *out, int out_dtype, unsigned int out_stride,
+    const void *stage, unsigned int stage_tokens, unsigned int staged, unsigned int parts, unsigned int part_tiles,
+    float *partial, size_t partial_floats, cudaStream_t stream) {
+    const size_t rows_pad = (size_t)(n + FA_BM - 1) / FA_BM * FA_BM;
+    if (parts == 0 || (parts > 1 && (partial == nullptr || part_tiles == 0 || reinterpret_cast<uintptr_t>(partial) % 8 != 0 ||
+                                     parts > 65535 || (size_t)parts * rows_pad * heads * (head_dim + 2) > partial_floats)))
+        return cudaErrorInvalidValue;
     if (q == nullptr || kv_pool == nullptr || table == nullptr || pos == nullptr || out == nullptr || heads == 0 ||
         kv_heads == 0 || heads % kv_heads != 0 || pool_pages == 0 || q_stride < heads * head_dim ||
         out_stride < heads * head_dim || out_stride % 2 != 0 || reinterpret_cast<uintptr_t>(out) % 4 != 0 ||
@@ -414,17 +459,33 @@ extern "C" cudaError_t hostembed_flash_attention(const float *q, unsigned int q_
                                                       : flash_kernel<D, Out, KOp, VOp, RAW8>;
                     err = he::allow_smem(kernel, fa_smem<D>());
                     if (err != cudaSuccess) return;
-                    const dim3 grid((n + FA_BM - 1) / FA_BM, heads);
+                    const dim3 grid((n + FA_BM - 1) / FA_BM, heads, parts);
                     kernel<<<grid, FA_THREADS, fa_smem<D>(), stream>>>(
                         q, q_stride, static_cast<const unsigned char *>(kv_pool), table, pool_pages, k_type, v_type,
                         pos, n, heads, kv_heads, scale * FA_LOG2E, window, static_cast<typename Out::T *>(out), out_stride,
-                        static_cast<const unsigned short *>(stage), stage_tokens, staged);
+                        static_cast<const unsigned short *>(stage), stage_tokens, staged, partial, part_tiles);
+                    err = cudaGetLastError();
+                    if (err != cudaSuccess || parts == 1) return;
+                    flash_merge_kernel<D, Out><<<dim3(n, heads), D / 2, 0, stream>>>(
+                        partial, parts, (unsigned int)rows_pad, heads, static_cast<typename Out::T *>(out), out_stride);
                     err = cudaGetLastError();
                 });
             });
         });
     });
     return err;
+}
+
+extern "C" cudaError_t hostembed_flash_attention(const float *q, unsigned int q_stride, const void *kv_pool,
+                                                 const unsigned int *table, unsigned int pool_pages, int k_type,
+                                                 int v_type, const int *pos, unsigned int n, unsigned int heads,
+                                                 unsigned int kv_heads, unsigned int head_dim, float scale,
+                                                 unsigned int window, void *out, int out_dtype,
+                                                 unsigned int out_stride, const void *stage,
+                                                 unsigned int stage_tokens, unsigned int staged, cudaStream_t stream) {
+    return hostembed_flash_attention_parts(q, q_stride, kv_pool, table, pool_pages, k_type, v_type, pos, n, heads,
+                                           kv_heads, head_dim, scale, window, out, out_dtype, out_stride, stage,
+                                           stage_tokens, staged, 1, 0, nullptr, 0, stream);
 }
 
 extern "C" cudaError_t hostembed_flash_stage(const void *kv_pool, const unsigned int *table, unsigned int pool_pages,

@@ -274,6 +274,19 @@ cudaError_t hostembed_flash_attention(const float *q, unsigned int q_stride, con
                                       unsigned int out_stride, const void *stage, unsigned int stage_tokens,
                                       unsigned int staged, cudaStream_t stream);
 
+// hostembed_flash_attention with the context cut in `parts` of `part_tiles` 64-position tiles (grid z), each
+// part's unnormalized results in `partial` (parts x the queries rounded up to 64 x heads x (head_dim + 2)
+// floats, at most `partial_floats`), merged in part order by a second kernel: the blocks a short chunk
+// over a long context needs to fill the card. parts 1 is hostembed_flash_attention (partial unused).
+cudaError_t hostembed_flash_attention_parts(const float *q, unsigned int q_stride, const void *kv_pool,
+                                            const unsigned int *table, unsigned int pool_pages, int k_type,
+                                            int v_type, const int *pos, unsigned int n, unsigned int heads,
+                                            unsigned int kv_heads, unsigned int head_dim, float scale,
+                                            unsigned int window, void *out, int out_dtype, unsigned int out_stride,
+                                            const void *stage, unsigned int stage_tokens, unsigned int staged,
+                                            unsigned int parts, unsigned int part_tiles, float *partial,
+                                            size_t partial_floats, cudaStream_t stream);
+
 // The stage of an 8-bit cache for hostembed_flash_attention: the first min(ctx, stage_tokens) positions of
 // the stream whose page table is `table`, rounded up to whole 64-position tiles (positions from ctx on are
 // zeros), of each 8-bit half of K and V, decoded into f16 rows [K, V][kv_heads][stage_tokens][head_dim] of

@@ -31,6 +31,8 @@ pub const MMV_PREP_ENV: &str = "HOSTEMBED_MMV_PREP";
 /// "0": the block formats' decode products of more than 8 tokens take the streamed integer kernel (16
 /// tokens a launch) instead of the tile kernel (all of a pass's tokens against one read of the weights).
 pub const MMV_TC_BLOCKS_ENV: &str = "HOSTEMBED_MMV_TC_BLOCKS";
+/// "0": a prompt chunk's flash attention never cuts its context in parts (one block a query tile and head).
+pub const FLASH_PARTS_ENV: &str = "HOSTEMBED_FLASH_PARTS";
 
 /// The parts the attention kernel cuts one token's context into by default. Fixed, so that a token's
 /// parts (and so its bits) depend on its own context length only: 32 parts of 512 positions at 16k, 8
@@ -88,6 +90,8 @@ pub struct Tuning {
     /// Whether block-format decode products of more than 8 tokens take the tile kernel (the same bits as
     /// the streamed kernel; at 64 tokens 1.7-2x faster on the H100).
     pub mmv_tc_blocks: bool,
+    /// Whether a short prompt chunk's flash attention cuts a long context in parts to fill the card.
+    pub flash_parts: bool,
 }
 
 impl Default for Tuning {
@@ -105,6 +109,7 @@ impl Default for Tuning {
             mmvq_tokens: 0,
             mmv_prep: true,
             mmv_tc_blocks: true,
+            flash_parts: true,
         }
     }
 }
@@ -155,6 +160,7 @@ impl Tuning {
             mmvq_tokens: var(MMVQ_TOKENS_ENV).and_then(|v| v.trim().parse().ok()).unwrap_or(0),
             mmv_prep: !off(MMV_PREP_ENV),
             mmv_tc_blocks: !off(MMV_TC_BLOCKS_ENV),
+            flash_parts: !off(FLASH_PARTS_ENV),
         }
     }
 }

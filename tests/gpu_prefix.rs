@@ -187,6 +187,40 @@ fn prefix_cache_hits_on_cuda_have_the_bits_of_the_same_chunks() {
     assert_eq!(stats(), engine_memory::default());
 }
 
+/// A short chunk after a long prompt (a question after a system prompt): its flash attention cuts the
+/// context in parts and merges them (too few query blocks to fill the card otherwise). The logits follow
+/// the CPU's within the prompt route's bound, and the chunk beside another stream's in one call has the
+/// bits it has alone.
+#[test]
+fn a_short_chunk_over_a_long_context_follows_the_cpu_on_cuda() {
+    if !gpu_present("a_short_chunk_over_a_long_context_follows_the_cpu_on_cuda") {
+        return;
+    }
+    let _g = serial();
+    let mut rng = Rng::fresh("a_short_chunk_over_a_long_context_follows_the_cpu_on_cuda");
+    let dir = Scratch::new("gpu-prefix-parts");
+    let path = bf16_model(&dir, &mut rng);
+    let vocab = config().vocab;
+    let (system, question, other) = (rng.ids(vocab, 1500), rng.ids(vocab, 40), rng.ids(vocab, 23));
+    let cpu = init(&path, &common::cpu_options(2048, 1));
+    let gpu = init(&path, &no_cache(cuda(2048, 2)));
+    for e in [&cpu, &gpu] {
+        step(e, 0, &system);
+        step(e, 0, &question);
+    }
+    let rel = rel_l2(&logits(&gpu, 0), &logits(&cpu, 0));
+    println!("40 queries over 1,540 positions: {rel:.3e} relative L2 from the CPU");
+    assert!(rel <= 2e-3, "{rel:.3e} from the CPU");
+    let alone = logits(&gpu, 0);
+    truncate(&gpu, 0, system.len() as u32);
+    step(&gpu, 1, &system);
+    let items = [(0u32, &question[..]), (1u32, &other[..])];
+    let (st, each) = common::try_batch(&gpu, &items);
+    assert_eq!(st, Status::Ok, "{}", last_error());
+    assert!(each.iter().all(|&(s, _)| s == Status::Ok), "{each:?}");
+    assert!(bits(&logits(&gpu, 0)) == bits(&alone), "the chunk's bits beside another stream's chunk");
+}
+
 /// Random calls on CUDA against each stream computed alone: on the all-F32 model with an F32 cache
 /// (the matrix-vector path, the same bits in any chunking) bit for bit, the pool checked after every
 /// call, NO_ROOM only where it would be without the cache.

@@ -13,7 +13,7 @@ use std::ptr;
 mod flash;
 mod gemm;
 mod moe;
-pub(super) use self::flash::{FlashStage, flash_attention, flash_stage, flash_supports};
+pub(super) use self::flash::{FlashPartial, FlashStage, flash_attention, flash_stage, flash_supports};
 pub(super) use self::gemm::{HalfMatrix, add_bias, convert_matrix, gemm};
 pub(super) use self::moe::{ExpertStack, groups_len, moe_down, moe_gate_up, moe_route, moe_router, moe_sum, widen};
 

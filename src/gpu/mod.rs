@@ -142,6 +142,8 @@ pub struct GpuModel {
     attention_parts: usize,
     /// Whether every attention part is a block of its own (`scratch::attention_grid`).
     attention_grid_full: bool,
+    /// Whether a short chunk's flash attention may cut its context in parts (`launch::flash_parts`).
+    flash_parts: bool,
     /// How the launchers that take it launch.
     kernel_tuning: hostembed_tuning,
     pool_pages: usize,
@@ -394,6 +396,7 @@ impl GpuModel {
             mmv: tuning.mmv,
             attention_parts: tuning.attention_parts,
             attention_grid_full: tuning.attention_grid_full,
+            flash_parts: tuning.flash_parts,
             kernel_tuning: hostembed_tuning::of(tuning),
             pool_pages,
             kv,

@@ -285,7 +285,24 @@ impl Ops for PassOps<'_> {
                 if let Some(st) = stage {
                     launch::flash_stage(kv, p.table, cfg.kv_heads, cfg.head_dim, st, s)?;
                 }
-                launch::flash_attention(q, shape_of(p.len), kv, p.table, at, scale, out, self.half, q_dim, stage, s)?;
+                let ctx = p.pos + p.len;
+                let room = if model.flash_parts { model.s.partial_floats } else { 0 };
+                let partial = launch::FlashPartial { ptr: self.partial, floats: room };
+                launch::flash_attention(
+                    q,
+                    shape_of(p.len),
+                    kv,
+                    p.table,
+                    at,
+                    scale,
+                    out,
+                    self.half,
+                    q_dim,
+                    stage,
+                    ctx,
+                    partial,
+                    s,
+                )?;
             }
         }
         Ok(())

@@ -137,6 +137,8 @@ pub(super) struct ScratchLayout {
     pub(super) up: usize,
     pub(super) logits: usize,
     pub(super) partial: usize,
+    /// Its floats: the split attention's parts of up to ATTENTION_TOKENS rows, or a flash launch's parts.
+    pub(super) partial_floats: usize,
     pub(super) inv_freq: usize,
     /// The local layers' rotary frequencies, right after the model's (a model with sliding-window layers).
     pub(super) inv_freq_local: Option<usize>,
@@ -239,6 +241,7 @@ impl ScratchLayout {
             up,
             logits,
             partial,
+            partial_floats,
             inv_freq,
             inv_freq_local,
             meta,

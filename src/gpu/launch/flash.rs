@@ -55,9 +55,43 @@ pub(in crate::gpu) fn flash_stage(
     cuda::check(code, "hostembed_flash_stage")
 }
 
+/// Blocks a flash launch should give the card: a short chunk over a long context (a question after a
+/// cached system prompt: 2 query blocks of 32 heads) has too few and cuts its context into parts.
+const FLASH_FILL_BLOCKS: usize = 256;
+/// 64-position tiles a part takes at least, and the most parts.
+const FLASH_PART_TILES_MIN: usize = 4;
+const FLASH_MAX_PARTS: usize = 16;
+
+/// Where a flash launch cut in parts keeps their results until they are merged (the split attention's
+/// partial buffer, free again by the time the prompt pieces' attention runs).
+#[derive(Clone, Copy)]
+pub(in crate::gpu) struct FlashPartial {
+    pub ptr: *mut f32,
+    pub floats: usize,
+}
+
+/// (parts, tiles a part) of the flash launch of `n` queries whose context reaches `ctx` positions: from
+/// the piece's own shape and the buffer's room only, so a piece has the same bits alone or in a batch.
+/// One part (no cut) for a sliding window, whose early tiles are skipped anyway.
+pub(in crate::gpu) fn flash_parts(a: &AttentionShape, ctx: usize, room_floats: usize) -> (usize, usize) {
+    let qblocks = a.n.div_ceil(64);
+    let tiles = ctx.div_ceil(64);
+    let room = room_floats / (qblocks * 64 * a.heads * (a.head_dim + 2)).max(1);
+    let parts = FLASH_FILL_BLOCKS
+        .div_ceil((qblocks * a.heads).max(1))
+        .min(tiles / FLASH_PART_TILES_MIN)
+        .min(FLASH_MAX_PARTS)
+        .min(room);
+    if parts <= 1 || a.window != 0 {
+        return (1, 0);
+    }
+    let part_tiles = tiles.div_ceil(parts);
+    (tiles.div_ceil(part_tiles), part_tiles)
+}
+
 /// Causal flash attention of a prompt chunk's `n` queries over the pages of their stream (page table
-/// `table`), into `out` (`dtype`, rows `out_stride` values apart); the stream's first positions from
-/// `stage` when given.
+/// `table`), whose context reaches `ctx` positions, into `out` (`dtype`, rows `out_stride` values apart);
+/// the stream's first positions from `stage` when given; cut in parts (`flash_parts`) through `partial`.
 pub(in crate::gpu) fn flash_attention(
     q: *const f32,
     shape: AttentionShape,
@@ -69,6 +103,8 @@ pub(in crate::gpu) fn flash_attention(
     dtype: DType,
     out_stride: usize,
     stage: Option<FlashStage>,
+    ctx: usize,
+    partial: FlashPartial,
     s: cudaStream_t,
 ) -> Result<()> {
     let (stage_ptr, stage_tokens, staged) = match stage {
@@ -76,9 +112,11 @@ pub(in crate::gpu) fn flash_attention(
         None => (std::ptr::null(), 0, 0),
     };
     let a = shape;
-    // SAFETY: device pointers into live allocations sized for these shapes (see the module's note).
+    let (parts, part_tiles) = flash_parts(&a, ctx, partial.floats);
+    // SAFETY: device pointers into live allocations sized for these shapes, `partial` holding
+    // `partial.floats` floats (see the module's note).
     let code = unsafe {
-        kn::hostembed_flash_attention(
+        kn::hostembed_flash_attention_parts(
             q,
             a.qkv_stride as c_uint,
             kv.pool,
@@ -99,8 +137,12 @@ pub(in crate::gpu) fn flash_attention(
             stage_ptr,
             stage_tokens,
             staged,
+            parts as c_uint,
+            part_tiles as c_uint,
+            partial.ptr,
+            partial.floats,
             s,
         )
     };
-    cuda::check(code, "hostembed_flash_attention")
+    cuda::check(code, "hostembed_flash_attention_parts")
 }
