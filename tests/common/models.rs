@@ -95,7 +95,7 @@ pub fn decode_configs() -> Vec<(&'static str, ModelConfig)> {
     vec![("llama", llama), ("qwen2", qwen2), ("qwen3", qwen3)]
 }
 
-/// The prompt suites' shape (tests/gpu_prefill.rs, and its CPU emulation tests/prompt_roundings.rs).
+/// The prompt suites' shape (tests/gpu_prefill/prompts.rs, and its CPU emulation tests/prompt_roundings.rs).
 pub fn prompt_base(arch: Arch) -> ModelConfig {
     ModelConfig {
         arch,
