@@ -7,7 +7,7 @@ general.file_type MOSTLY_F16, and a byte-level BPE tokenizer (tokenizer.ggml.mod
 "gpt-2") read from assets/tokenizer.json the way the converter reads a tokenizer.json: tokens by id
 (special added tokens CONTROL), merges and the BOS/EOS ids through gguf.SpecialVocab.
 
-tests/batch_formats.rs decodes it on the CPU and tests/gpu_engine.rs on CUDA. The same package version
+tests/batch_formats.rs decodes it on the CPU and tests/gpu_engine/batches.rs on CUDA. The same package version
 writes the same bytes. The package quantizes Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 but not the k-quants
 (gguf.quants only decodes Q2_K to Q6_K), so a Q4_K_M file cannot be written here; the tests write that
 mix with the crate's own writer.

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Reference logits from HF transformers for the CPU backend's parity tests (tests/cpu.rs, tests/gemma3.rs,
-tests/moe.rs).
+"""Reference logits from HF transformers for the CPU backend's parity tests (tests/cpu/reference.rs,
+tests/gemma3.rs, tests/moe.rs).
 
 Builds small random models offline from config objects (Llama with GQA 4:1 and llama3 rope scaling;
 Qwen2 with q/k/v bias and a tied head; Qwen3 with q/k norm and head_dim 128 at hidden 1024; Gemma 3
@@ -18,7 +18,7 @@ expert under the per-expert names), and writes, per model, into OUT/<name>/:
   inv_freq_local.f32  Gemma 3 only: its sliding-window layers' frequencies
   reference.json      seed, versions, the canonical tensors filled, and the float32-vs-float64 error of HF
 
-tests/cpu.rs checks llama, qwen2 and qwen3; tests/gemma3.rs checks gemma3; tests/moe.rs checks
+tests/cpu/reference.rs checks llama, qwen2 and qwen3; tests/gemma3.rs checks gemma3; tests/moe.rs checks
 qwen3_moe and mixtral.
 
 Usage: hf_reference.py --out OUT [--only NAME[,NAME...] ...] [--save-models DIR]   (torch + transformers; no network)

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Writes the reference data tests/tokenizer.rs checks hostembed's GGUF tokenizers against.
+"""Writes the reference data tests/tokenizer/reference.rs checks hostembed's GGUF tokenizers against.
 
   pip install tokenizers sentencepiece transformers
   python3 scripts/tokenizer_reference.py        # from the repository root

@@ -2,7 +2,7 @@
 # Installs the pinned `gguf` package (and the numpy and PyYAML it imports) into .pyenv/ (ignored by git)
 # and writes models/gguf-f16.gguf with scripts/gguf_f16_model.py: a small random Llama laid out as
 # llama.cpp's converter writes one in F16. tests/batch_formats.rs decodes it (a SKIP line without it);
-# scripts/gpu-build.sh puts it in the GPU bundle for tests/gpu_engine.rs.
+# scripts/gpu-build.sh puts it in the GPU bundle for tests/gpu_engine/batches.rs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

@@ -12,7 +12,7 @@
 //! - flash attention's Q (q * scale * log2 e) and probabilities P before P V (its row sums keep the f32
 //!   values).
 //!
-//! Everything runs the shapes of `tests/gpu_prefill.rs`'s `prompt_logits_match_cpu_on_every_architecture`
+//! Everything runs the shapes of `tests/gpu_prefill/prompts.rs`'s `prompt_logits_match_cpu_on_every_architecture`
 //! (2,048-token prompts, its positions) against `CpuModel`. `emulation_sees_the_gpu_roundings` checks the
 //! emulation with nothing rounded is the CPU backend, that the GPU's roundings show, and that an attention
 //! path in f16 (cache, Q, P and output) keeps the prompt test's bound. `rounding_contributions` (ignored:

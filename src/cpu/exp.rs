@@ -1,7 +1,7 @@
 //! The softmax's exp, in f64: e^x = 2^k * e^r with k = round(x / ln 2) and e^r from its Taylor series
 //! to r^13 (|r| <= ln2/2, where the first term left out is below 2^-57 of the sum). Plain multiplies
 //! and adds with no table, so a row of them vectorizes and every IEEE host gives the same bits,
-//! whatever its libm; within 1 ulp of the host's exp (tests/cpu.rs measures it).
+//! whatever its libm; within 1 ulp of the host's exp (tests/cpu/ measures it).
 
 /// Inputs whose result is a normal number; outside (0, subnormals, inf, NaN) the host's exp answers.
 pub(super) const NORMAL: std::ops::RangeInclusive<f64> = -708.0..=709.0;

@@ -122,7 +122,7 @@ mod tests {
             .collect()
     }
 
-    /// The device's sampler is `sampler::sample_stream` bit for bit (tests/gpu_kernels.rs); on the row its
+    /// The device's sampler is `sampler::sample_stream` bit for bit (tests/gpu_kernels/); on the row its
     /// masking makes, that draw is `sample_stream_masked`'s for every setting, with -inf and NaN logits
     /// among the allowed ones, and allowed ids whose logits are all -inf.
     #[test]
