@@ -283,10 +283,8 @@ fn prefix_stats_count_cached_and_computed_tokens() {
     let past = unsafe { ffi::engine_prefix_stats(e.0, 9, std::ptr::null_mut(), std::ptr::null_mut()) };
     assert_eq!(past, Status::OutOfRange);
     // SAFETY: NULL is refused.
-    assert_eq!(
-        unsafe { ffi::engine_prefix_stats(std::ptr::null(), 0, std::ptr::null_mut(), std::ptr::null_mut()) },
-        Status::InvalidArgument
-    );
+    let null = unsafe { ffi::engine_prefix_stats(std::ptr::null(), 0, std::ptr::null_mut(), std::ptr::null_mut()) };
+    assert_eq!(null, Status::InvalidArgument);
     drop(e);
     assert_eq!(stats(), engine_memory::default());
 }
