@@ -213,9 +213,8 @@ fn main() {
         let skip = if cache { (sys / page * page).min(n - 1) } else { 0 };
         let computed = n + (args.streams - 1) * (n - skip);
         let system_computed = sys + (args.streams - 1) * (sys - skip.min(sys));
-        // Positions the streams hold (the warm-up's pages wait in the cache, held by none).
-        let held =
-            (u.tokens_total - u.tokens_free - u.tokens_cached) as f64 * args.streams as f64 / (later_count + 1) as f64;
+        // Positions the streams hold (free counts the cache's pages that no stream holds: the warm-up's).
+        let held = (u.tokens_total - u.tokens_free) as f64 * args.streams as f64 / (later_count + 1) as f64;
         // The others again, in one call, from empty streams.
         let batch_secs = if cache {
             for s in 1..args.streams {
