@@ -325,6 +325,18 @@ cudaError_t hostembed_moe_sum(const float *out, const float *weights, unsigned i
 // out[i] = x[i], a half format's values (HE_DTYPE_BF16 or HE_DTYPE_F16) widened to f32.
 cudaError_t hostembed_widen(const void *x, int dtype, float *out, size_t len, cudaStream_t stream);
 
+// ---- moe_gemm.cu ----
+// The tensor-core rows' expert products, grouped: for each slot s of `groups` (hostembed_moe_route's, `slots`
+// of them) with expert e, out[s*ldy + r] = W_e[r] . a[(s / per)*lda..] in f32 for the rows r of W_e (rows x
+// cols in w_dtype at w, expert e's right after expert e - 1's), a in the half format dtype; where gate is
+// not NULL, out is in dtype and out[s*ldy + r] = silu(gate[s*ldy + r]) * that product. The weights are
+// rounded to dtype as hostembed_convert_matrix rounds them. cols and lda multiples of 8, ldy even, a and w
+// 16-byte aligned, out 8-byte aligned. A row's results are the same bits in any batch.
+cudaError_t hostembed_moe_grouped(const void *a, unsigned int lda, unsigned int per, int dtype, const void *w,
+                                  int w_dtype, unsigned int rows, unsigned int cols, const int *groups,
+                                  unsigned int experts, unsigned int slots, const float *gate, void *out,
+                                  unsigned int ldy, cudaStream_t stream);
+
 // ---- device.cu ----
 // Writes the device's name (NUL-terminated, truncated to len) without exposing cudaDeviceProp to Rust.
 cudaError_t hostembed_device_name(int device, char *name, size_t len);

@@ -12,6 +12,7 @@
 // stream's bits are the same in any batch. src/cpu/moe.rs is the same computation on the CPU (its choice
 // and weights, its order of the experts' sum).
 #include "formats.cuh"
+#include "moe.cuh"
 
 namespace {
 
@@ -138,17 +139,7 @@ __device__ __forceinline__ void warp_dots(const unsigned char *row, const unsign
     }
 }
 
-// groups' layout (hostembed_moe_route): [0] the experts chosen by any row, then those experts in ascending
-// order, each expert's first place and count in the list, then the list: every slot r*k + s, by expert.
-struct Groups {
-    const int *g;
-    unsigned experts;
-    __device__ unsigned active() const { return (unsigned)g[0]; }
-    __device__ unsigned expert(unsigned a) const { return (unsigned)g[1 + a]; }
-    __device__ unsigned start(unsigned e) const { return (unsigned)g[1 + experts + e]; }
-    __device__ unsigned count(unsigned e) const { return (unsigned)g[1 + 2 * experts + e]; }
-    __device__ const int *list() const { return g + 1 + 3 * experts; }
-};
+using Groups = he::MoeGroups;
 
 template <typename R>
 __global__ void __launch_bounds__(MOE_THREADS, 2) router_kernel(const unsigned char *__restrict__ w, size_t rb,

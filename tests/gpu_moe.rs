@@ -1,7 +1,9 @@
 //! Mixture-of-Experts models (tests/common's small Qwen3-MoE and Mixtral) on the CUDA backend against
-//! the CPU backend, the oracle (both with F32 caches): a prompt (its chunk on the tensor-core rows) then 64 greedy tokens in F32,
+//! the CPU backend, the oracle (both with F32 caches): a prompt (its chunk on the tensor-core rows, whose
+//! experts take the grouped products, but in F32, which keeps prompts in f32) then 64 greedy tokens in F32,
 //! BF16, Q8_0 and llama.cpp's Q4_K_M mix, the logits within the formats' bound at every step and the
-//! tokens the same but at near ties; and random batches giving each stream the bits it gets alone,
+//! tokens the same but at near ties; a 256-token prompt in one chunk, whose experts' groups fill several
+//! tiles of the grouped products, the last partly; and random batches giving each stream the bits it gets alone,
 //! graphs and all; and a Qwen3-MoE of 40 experts, 8 a token, whose routing spans two of a lane's
 //! registers and whose experts' groups hold many rows. A SKIP line without a card.
 
@@ -48,6 +50,32 @@ fn cuda_follows_the_cpu_in_every_format() {
             let prompt: Vec<i32> = (0..40).map(|i| ((i * 97 + 13) % cfg.vocab) as i32).collect();
             let (_, differ) = compare_greedy(&what, &gpu, &cpu, &prompt, 64);
             assert!(differ.len() <= 2, "{what}: {} tokens differ", differ.len());
+        }
+    }
+    assert_eq!(stats(), engine_memory::default());
+}
+
+#[test]
+fn a_long_prompt_chunk_follows_the_cpu() {
+    if !gpu_present("a_long_prompt_chunk_follows_the_cpu") {
+        return;
+    }
+    let _g = serial();
+    let mut rng = Rng::fresh("a_long_prompt_chunk_follows_the_cpu");
+    let dir = Scratch::new("gpu-moe-long");
+    for (name, cfg) in configs() {
+        // F32 with an F32 cache keeps its prompt chunks off the tensor cores.
+        for recipe in RECIPES.into_iter().skip(1) {
+            let what = format!("{name} {} long prompt", recipe.name());
+            let path = gguf_of_recipe(&dir, &cfg, rng.next_u64(), recipe);
+            let cpu = init(&path, &cpu_options(512, 1));
+            let f32_kv = hostembed::engine::engine_kv_type::ENGINE_KV_F32;
+            let gpu =
+                init(&path, &engine_options { kv_type_k: f32_kv, kv_type_v: f32_kv, ..cuda_options(512, 1, 256) });
+            // One chunk of 256 tokens: 64 to 128 slots an expert on average in these models.
+            let prompt: Vec<i32> = (0..256).map(|i| ((i * 131 + 7) % cfg.vocab) as i32).collect();
+            let (_, differ) = compare_greedy(&what, &gpu, &cpu, &prompt, 16);
+            assert!(differ.len() <= 1, "{what}: {} tokens differ", differ.len());
         }
     }
     assert_eq!(stats(), engine_memory::default());

@@ -15,7 +15,9 @@ mod gemm;
 mod moe;
 pub(super) use self::flash::{FlashPartial, FlashStage, flash_attention, flash_stage, flash_supports};
 pub(super) use self::gemm::{HalfMatrix, add_bias, convert_matrix, gemm};
-pub(super) use self::moe::{ExpertStack, groups_len, moe_down, moe_gate_up, moe_route, moe_router, moe_sum, widen};
+pub(super) use self::moe::{
+    ExpertStack, groups_len, moe_down, moe_gate_up, moe_grouped, moe_route, moe_router, moe_sum, widen,
+};
 
 use super::RowsOnDevice;
 use super::weights::DeviceWeight;

@@ -64,6 +64,12 @@ fn row(p: *mut f32, r: usize, width: usize) -> *mut f32 {
     p.wrapping_add(r * width)
 }
 
+/// Whether a stack of experts takes the grouped products (kernels/moe_gemm.cu): columns in whole 16-byte
+/// pieces of halves, and the stack at a 16-byte boundary (the placement's).
+fn grouped(st: &launch::ExpertStack) -> bool {
+    st.cols.is_multiple_of(8) && (st.ptr as usize).is_multiple_of(16)
+}
+
 impl<'a> PassOps<'a> {
     /// The operations over `pieces`, laid out as `shape`, whose rows' ids, positions and page tables are
     /// already in scratch.
@@ -368,10 +374,12 @@ impl Ops for PassOps<'_> {
         }
     }
 
-    /// Every row through kernels/moe.cu: the tensor-core rows' half normed inputs widened into their f32
-    /// rows first, then the router, each row's top-k and weights with the rows grouped by expert, each
-    /// chosen expert's SwiGLU and down product over its rows, and each row's weighted sum onto x, all on
-    /// the device.
+    /// The router over every row (the tensor-core rows' half normed inputs widened into their f32 rows
+    /// first), then each row range routed and grouped by expert apart: rows [0, m) through kernels/moe.cu
+    /// (each chosen expert's SwiGLU and down product, a warp a matrix row, in f32), rows [m, n) through the
+    /// grouped tensor-core products of kernels/moe_gemm.cu from their half normed inputs where the shapes
+    /// allow (else kernels/moe.cu's as well); each range's weighted sums onto x, all on the device. A piece
+    /// takes its range's path alone or in a batch, so its bits do not depend on the batch.
     fn add_moe_ffn(
         &mut self,
         router: &DeviceWeight,
@@ -382,7 +390,7 @@ impl Ops for PassOps<'_> {
         let (model, s, n, m) = (self.model, self.s, self.n, self.m);
         let (cfg, sl) = (&model.cfg, &model.s);
         let moe = cfg.moe.expect("a model with a router has a Mixture-of-Experts config");
-        let (hidden, experts, k) = (cfg.hidden, moe.experts, moe.used);
+        let (hidden, experts, k, width) = (cfg.hidden, moe.experts, moe.used, moe.intermediate);
         if n > m {
             launch::widen(self.act, self.half, row(self.xn, m, hidden), (n - m) * hidden, s)?;
         }
@@ -395,10 +403,33 @@ impl Ops for PassOps<'_> {
         let stack = |w: &[DeviceWeight], what: &str| launch::ExpertStack::of(w, what);
         let (gate, up, down) = (stack(gate, "expert gate")?, stack(up, "expert up")?, stack(down, "expert down")?);
         launch::moe_router(router, self.xn, n, logits, s)?;
-        launch::moe_route(logits, experts, n, k, moe.norm_topk, ids, weights, groups, s)?;
-        launch::moe_gate_up(&gate, &up, self.xn, groups, experts, n, k, act, s)?;
-        launch::moe_down(&down, act, groups, experts, n, k, out, s)?;
-        launch::moe_sum(out, weights, hidden, n, k, self.x, s)
+        if m > 0 {
+            launch::moe_route(logits, experts, m, k, moe.norm_topk, ids, weights, groups, s)?;
+            launch::moe_gate_up(&gate, &up, self.xn, groups, experts, m, k, act, s)?;
+            launch::moe_down(&down, act, groups, experts, m, k, out, s)?;
+            launch::moe_sum(out, weights, hidden, m, k, self.x, s)?;
+        }
+        let tc = n - m;
+        if tc == 0 {
+            return Ok(());
+        }
+        // Rows [m, n)'s buffers from their first slot's place; their groups after rows [0, m)'s.
+        let (logits, ids, weights) = (row(logits, m, experts), ids.wrapping_add(m * k), row(weights, m, k));
+        let (act, out) = (row(act, m * k, width), row(out, m * k, hidden));
+        let groups = groups.wrapping_add(launch::groups_len(experts, m * k));
+        launch::moe_route(logits, experts, tc, k, moe.norm_topk, ids, weights, groups, s)?;
+        if [&gate, &up, &down].iter().all(|st| grouped(st)) {
+            let (slots, none, half, half_act) = (tc * k, ptr::null::<f32>(), self.half, model.buf(sl.moe_half));
+            launch::moe_grouped(self.act, hidden, k, half, &gate, groups, experts, slots, none, act.cast(), width, s)?;
+            // The up product's outputs are SwiGLU's with the gate's, in the half format the down product reads.
+            launch::moe_grouped(self.act, hidden, k, half, &up, groups, experts, slots, act, half_act, width, s)?;
+            launch::moe_grouped(half_act, width, 1, half, &down, groups, experts, slots, none, out.cast(), hidden, s)?;
+        } else {
+            let xn = row(self.xn, m, hidden);
+            launch::moe_gate_up(&gate, &up, xn, groups, experts, tc, k, act, s)?;
+            launch::moe_down(&down, act, groups, experts, tc, k, out, s)?;
+        }
+        launch::moe_sum(out, weights, hidden, tc, k, row(self.x, m, hidden), s)
     }
 }
 

@@ -168,14 +168,16 @@ pub(super) struct ScratchLayout {
     pub(super) mmv_counter_bytes: usize,
     pub(super) workspace: usize,
     /// A Mixture-of-Experts layer's router logits, each row's chosen experts (i32) and their weights,
-    /// the rows' slots grouped by expert (i32, `launch::groups_len`), and the chosen experts' SwiGLU and
-    /// down outputs (f32; each empty for a dense model).
+    /// the rows' slots grouped by expert (i32, `launch::groups_len`: the matrix-vector rows' groups, then
+    /// the tensor-core rows'), the chosen experts' SwiGLU and down outputs (f32), and the tensor-core rows'
+    /// SwiGLU in the half format, which their grouped down product reads (each empty for a dense model).
     pub(super) moe_logits: usize,
     pub(super) moe_ids: usize,
     pub(super) moe_weights: usize,
     pub(super) moe_groups: usize,
     pub(super) moe_act: usize,
     pub(super) moe_out: usize,
+    pub(super) moe_half: usize,
     /// An 8-bit cache's stage for flash attention (`stage_tokens` positions; none when 0).
     pub(super) stage: usize,
     pub(super) stage_tokens: usize,
@@ -229,9 +231,12 @@ impl ScratchLayout {
         let moe_logits = l.push(b * experts * f);
         let moe_ids = l.push(b * k * 4);
         let moe_weights = l.push(b * k * f);
-        let moe_groups = l.push(if k == 0 { 0 } else { super::launch::groups_len(experts, b * k) * 4 });
+        // The two row ranges' groups: one more header than the rows' slots take in one.
+        let groups = super::launch::groups_len(experts, b * k) + super::launch::groups_len(experts, 0);
+        let moe_groups = l.push(if k == 0 { 0 } else { groups * 4 });
         let moe_act = l.push(b * k * width * f);
         let moe_out = l.push(b * k * cfg.hidden * f);
+        let moe_half = l.push(b * k * width * 2);
         ScratchLayout {
             x,
             xn,
@@ -269,6 +274,7 @@ impl ScratchLayout {
             moe_groups,
             moe_act,
             moe_out,
+            moe_half,
             total: l.total,
         }
     }

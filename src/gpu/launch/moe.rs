@@ -1,7 +1,7 @@
 //! The Mixture-of-Experts launchers (kernels/moe.cu): the router's logits, each row's top-k and weights
 //! (and the rows grouped by expert), the chosen experts' SwiGLU and down products, and their weighted sum
-//! onto the residual; and the half activations widened to f32 for them. Pointers as `launch`'s module
-//! note says.
+//! onto the residual; and the half activations widened to f32 for them; and the tensor-core rows' grouped
+//! products (kernels/moe_gemm.cu). Pointers as `launch`'s module note says.
 
 use std::os::raw::{c_int, c_uint, c_void};
 
@@ -195,4 +195,49 @@ pub(in crate::gpu) fn moe_sum(
 pub(in crate::gpu) fn widen(x: *const c_void, dtype: DType, out: *mut f32, len: usize, s: cudaStream_t) -> Result<()> {
     // SAFETY: device pointers to `len` values each (see `launch`'s note).
     cuda::check(unsafe { kn::hostembed_widen(x, dtype as c_int, out, len, s) }, "hostembed_widen")
+}
+
+/// out[s * ldy + r] = w_e[r] . a[s / per] for each of the `slots` slots s of `groups` and its expert e
+/// (`w`'s e-th matrix, its values rounded to the half format `half`), on tensor cores in f32; with `gate`
+/// (not null), out is in `half` and holds silu(gate[s * ldy + r]) times the product instead. Rows of `a`
+/// are `lda` apart, in `half`.
+#[allow(clippy::too_many_arguments)]
+pub(in crate::gpu) fn moe_grouped(
+    a: *const c_void,
+    lda: usize,
+    per: usize,
+    half: DType,
+    w: &ExpertStack,
+    groups: *const c_int,
+    experts: usize,
+    slots: usize,
+    gate: *const f32,
+    out: *mut c_void,
+    ldy: usize,
+    s: cudaStream_t,
+) -> Result<()> {
+    let (rows, cols) = (w.rows as c_uint, w.cols as c_uint);
+    // SAFETY: device pointers into live allocations sized for these shapes; `w` is a stack of `experts`
+    // matrices back to back (`ExpertStack::of`), every expert in `groups` below that count and every slot
+    // below `slots` (the route kernel writes them) (see `launch`'s note).
+    let code = unsafe {
+        kn::hostembed_moe_grouped(
+            a,
+            lda as c_uint,
+            per as c_uint,
+            half as c_int,
+            w.ptr,
+            w.dtype as c_int,
+            rows,
+            cols,
+            groups,
+            experts as c_uint,
+            slots as c_uint,
+            gate,
+            out,
+            ldy as c_uint,
+            s,
+        )
+    };
+    cuda::check(code, "hostembed_moe_grouped")
 }
