@@ -1,14 +1,12 @@
 //! kernels/moe_gemm.cu's grouped products against a host computation: slots routed and grouped by
 //! hostembed_moe_route, each slot's row times its expert's matrix (every weight rounded to the half
 //! format as the conversion rounds it), in several formats and both half formats; with SwiGLU of a gate;
-//! the rows of a smaller batch the same bits; and bad shapes refused. A SKIP line without a card.
-
-mod common;
+//! the rows of a smaller batch the same bits; and bad shapes refused.
 
 use std::os::raw::{c_int, c_void};
 use std::ptr;
 
-use common::{Rng, gpu_present};
+use crate::common::{Rng, gpu_present};
 use hostembed::cuda::{self, DeviceBuffer};
 use hostembed::kernels as kn;
 use hostembed::tensor::{DType, decode_row, encode_row};
