@@ -33,6 +33,9 @@ pub const MMV_PREP_ENV: &str = "HOSTEMBED_MMV_PREP";
 pub const MMV_TC_BLOCKS_ENV: &str = "HOSTEMBED_MMV_TC_BLOCKS";
 /// "0": a prompt chunk's flash attention never cuts its context in parts (one block a query tile and head).
 pub const FLASH_PARTS_ENV: &str = "HOSTEMBED_FLASH_PARTS";
+/// "0": a Mixture-of-Experts layer's prompt rows take the warp-a-row expert kernels instead of the grouped
+/// tensor-core products.
+pub const MOE_GROUPED_ENV: &str = "HOSTEMBED_MOE_GROUPED";
 
 /// The parts the attention kernel cuts one token's context into by default. Fixed, so that a token's
 /// parts (and so its bits) depend on its own context length only: 32 parts of 512 positions at 16k, 8
@@ -92,6 +95,8 @@ pub struct Tuning {
     pub mmv_tc_blocks: bool,
     /// Whether a short prompt chunk's flash attention cuts a long context in parts to fill the card.
     pub flash_parts: bool,
+    /// Whether a Mixture-of-Experts layer's prompt rows take the grouped tensor-core products.
+    pub moe_grouped: bool,
 }
 
 impl Default for Tuning {
@@ -110,6 +115,7 @@ impl Default for Tuning {
             mmv_prep: true,
             mmv_tc_blocks: true,
             flash_parts: true,
+            moe_grouped: true,
         }
     }
 }
@@ -161,6 +167,7 @@ impl Tuning {
             mmv_prep: !off(MMV_PREP_ENV),
             mmv_tc_blocks: !off(MMV_TC_BLOCKS_ENV),
             flash_parts: !off(FLASH_PARTS_ENV),
+            moe_grouped: !off(MOE_GROUPED_ENV),
         }
     }
 }

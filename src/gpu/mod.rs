@@ -144,6 +144,8 @@ pub struct GpuModel {
     attention_grid_full: bool,
     /// Whether a short chunk's flash attention may cut its context in parts (`launch::flash_parts`).
     flash_parts: bool,
+    /// Whether a MoE layer's prompt rows take the grouped tensor-core products (`ops::add_moe_ffn`).
+    moe_grouped: bool,
     /// How the launchers that take it launch.
     kernel_tuning: hostembed_tuning,
     pool_pages: usize,
@@ -397,6 +399,7 @@ impl GpuModel {
             attention_parts: tuning.attention_parts,
             attention_grid_full: tuning.attention_grid_full,
             flash_parts: tuning.flash_parts,
+            moe_grouped: tuning.moe_grouped,
             kernel_tuning: hostembed_tuning::of(tuning),
             pool_pages,
             kv,

@@ -418,7 +418,7 @@ impl Ops for PassOps<'_> {
         let (act, out) = (row(act, m * k, width), row(out, m * k, hidden));
         let groups = groups.wrapping_add(launch::groups_len(experts, m * k));
         launch::moe_route(logits, experts, tc, k, moe.norm_topk, ids, weights, groups, s)?;
-        if [&gate, &up, &down].iter().all(|st| grouped(st)) {
+        if model.moe_grouped && [&gate, &up, &down].iter().all(|st| grouped(st)) {
             let (slots, none, half, half_act) = (tc * k, ptr::null::<f32>(), self.half, model.buf(sl.moe_half));
             launch::moe_grouped(self.act, hidden, k, half, &gate, groups, experts, slots, none, act.cast(), width, s)?;
             // The up product's outputs are SwiGLU's with the gate's, in the half format the down product reads.
