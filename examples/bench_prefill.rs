@@ -7,7 +7,8 @@
 //!         [--dtype bf16|f16|...] [--qwen3-30b-a3b]
 //!
 //! `--qwen3-30b-a3b` measures Qwen3-30B-A3B's Mixture-of-Experts shape (`ModelConfig::qwen3_30b_a3b`;
-//! `--layers` still sets its depth) in place of Llama 3 8B's.
+//! `--layers` still sets its depth) in place of Llama 3 8B's, its matrices 64 random rows repeated (as
+//! bench_decode builds it), in `--dtype` or with `--q4-k-m` in the Q4_K_M mix alone.
 //! `--dtype` gives the first tables' weight format (BF16 by default; F16 is what converters write).
 //!
 //! `--kv` keeps the KV cache in another type (K and V, or K,V apart; BF16 by default): every table then
@@ -237,7 +238,16 @@ fn main() {
         std::process::exit(1);
     });
     let cfg = shape(args.layers, args.moe);
-    let src = build(&cfg, args.dtype);
+    let src = match (args.moe, args.q4_k_m) {
+        (false, _) => build(&cfg, args.dtype),
+        (true, q4_k_m) => {
+            let t = Instant::now();
+            let src = MemSource::benchmark(&cfg, if q4_k_m { Recipe::Q4KM } else { Recipe::Uniform(args.dtype) });
+            println!("built the Mixture-of-Experts model in {:.1} s", t.elapsed().as_secs_f64());
+            src
+        }
+    };
+    let name = if args.moe && args.q4_k_m { "Q4_K_M".to_string() } else { args.dtype.name().to_uppercase() };
     let (_rows, rows) = Rows::new(&src, false);
     // Room for the longest prompt and the decode after it.
     let positions = args.lengths.iter().copied().max().unwrap_or(4096).max(4096) + 65;
@@ -252,7 +262,7 @@ fn main() {
         GpuModel::weight_bytes(&src) as f64 / (1u64 << 30) as f64
     );
 
-    println!("\n| prompt tokens | {} tok/s | seconds | decode right after, tok/s |", args.dtype.name().to_uppercase());
+    println!("\n| prompt tokens | {name} tok/s | seconds | decode right after, tok/s |");
     println!("| --- | --- | --- | --- |");
     let mut bf16_at = HashMap::new();
     for &len in &args.lengths {
@@ -264,7 +274,7 @@ fn main() {
         println!("| {len} | {rate:.0} | {:.2} | {dec} |", len as f64 / rate);
     }
     if args.quick {
-        if args.q4_k_m {
+        if args.q4_k_m && !args.moe {
             drop(gpu);
             drop(_rows);
             drop(src);
@@ -311,7 +321,7 @@ fn main() {
         let of = bf16_at.get(&len).map_or("-".to_string(), |b| format!("{:.0}%", 100.0 * rate / b));
         println!("| {len} | {rate:.0} | {of} |");
     }
-    if args.q4_k_m {
+    if args.q4_k_m && !args.moe {
         drop(gpu);
         drop(_q8_rows);
         drop(q8);
