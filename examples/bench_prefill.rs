@@ -8,7 +8,8 @@
 //!
 //! `--qwen3-30b-a3b` measures Qwen3-30B-A3B's Mixture-of-Experts shape (`ModelConfig::qwen3_30b_a3b`;
 //! `--layers` still sets its depth) in place of Llama 3 8B's, its matrices 64 random rows repeated (as
-//! bench_decode builds it), in `--dtype` or with `--q4-k-m` in the Q4_K_M mix alone.
+//! bench_decode builds it), in `--dtype` or with `--q4-k-m` in the Q4_K_M mix alone, then again with its
+//! prompt rows on the warp-a-row expert kernels (`HOSTEMBED_MOE_GROUPED=0`).
 //! `--dtype` gives the first tables' weight format (BF16 by default; F16 is what converters write).
 //!
 //! `--kv` keeps the KV cache in another type (K and V, or K,V apart; BF16 by default): every table then
@@ -272,6 +273,27 @@ fn main() {
         bf16_at.insert(len, rate);
         let dec = if decode > 0 { format!("{dec:.1}") } else { "-".into() };
         println!("| {len} | {rate:.0} | {:.2} | {dec} |", len as f64 / rate);
+    }
+    if args.moe {
+        // The same model again with its prompt rows on the decode rows' warp-a-row expert kernels.
+        drop(gpu);
+        let warp = Tuning { moe_grouped: false, ..Tuning::from_env() };
+        gpu = GpuModel::load_for_window(
+            &src,
+            rows,
+            args.chunk,
+            positions.div_ceil(PAGE_TOKENS),
+            args.kv,
+            positions,
+            &warp,
+        )
+        .unwrap_or_else(|e| panic!("load: {e}"));
+        println!("\n| prompt tokens | {name} tok/s, experts warp a row | against the grouped products |");
+        println!("| --- | --- | --- |");
+        for &len in &args.lengths {
+            let (rate, _) = prompt_rate(&mut gpu, len, args.runs, 0);
+            println!("| {len} | {rate:.0} | {:.2}x |", bf16_at[&len] / rate);
+        }
     }
     if args.quick {
         if args.q4_k_m && !args.moe {
