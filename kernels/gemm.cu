@@ -75,22 +75,7 @@ __global__ __launch_bounds__(GM_THREADS) void gemm_kernel(const unsigned short *
 
         const unsigned short *as = gm_smem + (kt % GM_STAGES) * GM_TILE_HALVES;
         const unsigned short *bs = as + GM_BM * GM_STRIDE;
-#pragma unroll
-        for (int kk = 0; kk < GM_BK; kk += 16) {
-            unsigned int af[GM_MT][4], bf[GM_NT / 2][4];
-#pragma unroll
-            for (int i = 0; i < GM_MT; i++)
-                he::ldmatrix_x4(af[i], as + (wm + i * 16 + lane % 16) * GM_STRIDE + kk + (lane / 16) * 8);
-#pragma unroll
-            for (int j = 0; j < GM_NT / 2; j++)
-                he::ldmatrix_x4(bf[j],
-                                bs + (wn + j * 16 + lane % 8 + (lane / 16) * 8) * GM_STRIDE + kk + ((lane / 8) % 2) * 8);
-#pragma unroll
-            for (int i = 0; i < GM_MT; i++)
-#pragma unroll
-                for (int j = 0; j < GM_NT; j++)
-                    Op::mma(acc[i][j], af[i], bf[j / 2][(j % 2) * 2], bf[j / 2][(j % 2) * 2 + 1]);
-        }
+        he::mma_warp_tile<Op, GM_MT, GM_NT, GM_BK, GM_STRIDE>(acc, as, bs, wm, wn, lane);
     }
     he::cp_async_wait<0>();
 

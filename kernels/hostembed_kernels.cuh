@@ -557,6 +557,27 @@ __device__ __forceinline__ void ldmatrix_x4_trans(unsigned int (&r)[4], const vo
                  : "r"(smem_addr(row)));
 }
 
+// A warp's MT x NT m16n8k16 accumulators over one BK-column tile in shared memory: A's rows from wm of
+// `as`, B's (the weights, k-major) from wn of `bs`, rows STRIDE halves apart; Op gives the half format.
+template <typename Op, int MT, int NT, int BK, int STRIDE>
+__device__ __forceinline__ void mma_warp_tile(float (&acc)[MT][NT][4], const unsigned short *as,
+                                              const unsigned short *bs, unsigned int wm, unsigned int wn,
+                                              unsigned int lane) {
+#pragma unroll
+    for (int kk = 0; kk < BK; kk += 16) {
+        unsigned int af[MT][4], bf[NT / 2][4];
+#pragma unroll
+        for (int i = 0; i < MT; i++) ldmatrix_x4(af[i], as + (wm + i * 16 + lane % 16) * STRIDE + kk + (lane / 16) * 8);
+#pragma unroll
+        for (int j = 0; j < NT / 2; j++)
+            ldmatrix_x4(bf[j], bs + (wn + j * 16 + lane % 8 + (lane / 16) * 8) * STRIDE + kk + ((lane / 8) % 2) * 8);
+#pragma unroll
+        for (int i = 0; i < MT; i++)
+#pragma unroll
+            for (int j = 0; j < NT; j++) Op::mma(acc[i][j], af[i], bf[j / 2][(j % 2) * 2], bf[j / 2][(j % 2) * 2 + 1]);
+    }
+}
+
 // 16 bytes from global to shared memory without passing through registers; zeros where !valid (the
 // source is then not read, but must still be a mapped address).
 __device__ __forceinline__ void cp_async16(void *dst, const void *src, bool valid) {

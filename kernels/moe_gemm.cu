@@ -159,22 +159,7 @@ __global__ __launch_bounds__(MG_THREADS) void grouped_kernel(const unsigned shor
 
         const unsigned short *as = a_tiles[kt % MG_STAGES];
         const unsigned short *bs = w_tiles[kt % 2];
-#pragma unroll
-        for (int kk = 0; kk < MG_BK; kk += 16) {
-            unsigned af[MG_MT][4], bf[MG_NT / 2][4];
-#pragma unroll
-            for (int i = 0; i < MG_MT; i++)
-                he::ldmatrix_x4(af[i], as + (wm + i * 16 + lane % 16) * MG_STRIDE + kk + (lane / 16) * 8);
-#pragma unroll
-            for (int j = 0; j < MG_NT / 2; j++)
-                he::ldmatrix_x4(bf[j],
-                                bs + (wn + j * 16 + lane % 8 + (lane / 16) * 8) * MG_STRIDE + kk + ((lane / 8) % 2) * 8);
-#pragma unroll
-            for (int i = 0; i < MG_MT; i++)
-#pragma unroll
-                for (int j = 0; j < MG_NT; j++)
-                    Op::mma(acc[i][j], af[i], bf[j / 2][(j % 2) * 2], bf[j / 2][(j % 2) * 2 + 1]);
-        }
+        he::mma_warp_tile<Op, MG_MT, MG_NT, MG_BK, MG_STRIDE>(acc, as, bs, wm, wn, lane);
     }
     he::cp_async_wait<0>();
 
