@@ -16,7 +16,8 @@ use std::path::Path;
 
 use hostembed::Status;
 use hostembed::checkpoint::write::{
-    MemSource, OwnedTensor, Recipe, synthetic_weights, write_gguf, write_gguf_dequantized, write_hf_folder,
+    MemSource, OwnedTensor, Recipe, synthetic_weights, write_gguf, write_gguf_dequantized, write_gguf_experts_apart,
+    write_hf_folder,
 };
 use hostembed::checkpoint::{Checkpoint, gguf::GgufValue};
 use hostembed::cpu::CpuModel;
@@ -80,6 +81,51 @@ fn hf_folders_and_gguf_stacks_are_the_same_model() {
             assert_eq!(bits(&a), bits(&b), "{name}: HF and GGUF logits differ");
             println!("{name}: HF and GGUF logits bit for bit");
         }
+    }
+}
+
+/// Files of early 2024 with one tensor an expert (`blk.N.ffn_gate.E.weight`, llama.cpp's spelling before
+/// it stacked them): the stacked file's model, bit for bit, in F32 and Q8_0; an expert left out is
+/// BAD_MODEL naming it, with nothing held.
+#[test]
+fn gguf_experts_one_tensor_each_are_the_stacked_model() {
+    let _g = serial();
+    let mut rng = Rng::fresh("gguf_experts_one_tensor_each_are_the_stacked_model");
+    let dir = Scratch::new("experts-apart");
+    for (name, cfg) in configs() {
+        for dtype in [DType::F32, DType::Q8_0] {
+            let what = format!("{name} {}", dtype.name());
+            let tensors = synthetic_weights(&cfg, rng.next_u64(), dtype);
+            let stacked = dir.join(&format!("{name}-{}-stacked.gguf", dtype.name()));
+            let apart = dir.join(&format!("{name}-{}-apart.gguf", dtype.name()));
+            write_gguf(&stacked, &cfg, &tensors, &[]).unwrap();
+            write_gguf_experts_apart(&apart, &cfg, &tensors, &[]).unwrap();
+            let raw = std::fs::read(&apart).unwrap();
+            let has = |s: &str| raw.windows(s.len()).any(|w| w == s.as_bytes());
+            assert!(has("blk.0.ffn_gate.1.weight") && !has("_exps"), "{what}: one tensor an expert");
+            let (a, b) = (Checkpoint::open(&stacked).unwrap(), Checkpoint::open(&apart).unwrap());
+            assert_eq!(a.config, b.config, "{what}: config");
+            assert_eq!(a.weight_bytes(), b.weight_bytes(), "{what}: the fit counts every expert");
+            let tokens: Vec<u32> = (0..20).map(|_| rng.below(cfg.vocab as u64) as u32).collect();
+            assert_eq!(bits(&logits_of(&a, &tokens)), bits(&logits_of(&b, &tokens)), "{what}");
+        }
+        let tensors = synthetic_weights(&cfg, 9, DType::Q8_0);
+        let gone = names::layer(1, &names::expert(names::EXPERT_UP, 1));
+        let without: Vec<OwnedTensor> = tensors.iter().filter(|t| t.name != gone).cloned().collect();
+        let path = dir.join(&format!("{name}-apart-missing.gguf"));
+        write_gguf_experts_apart(&path, &cfg, &without, &[]).unwrap();
+        refused(&path, &["tensor blk.1.ffn_up.1.weight is missing"]);
+        // One expert more than the key says.
+        let mut more = tensors.clone();
+        let extra = tensors.iter().find(|t| t.name == names::layer(0, &names::expert(names::EXPERT_GATE, 0))).unwrap();
+        more.push(OwnedTensor {
+            name: names::layer(0, &names::expert(names::EXPERT_GATE, cfg.moe.unwrap().experts)),
+            ..extra.clone()
+        });
+        let path = dir.join(&format!("{name}-apart-extra.gguf"));
+        write_gguf_experts_apart(&path, &cfg, &more, &[]).unwrap();
+        let past = format!("tensor blk.0.ffn_gate.{}.weight is past", cfg.moe.unwrap().experts);
+        refused(&path, &[&past, &key(&cfg, "expert_count")]);
     }
 }
 

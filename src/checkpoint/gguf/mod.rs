@@ -12,7 +12,8 @@ mod open;
 mod parse;
 
 pub use self::names::{
-    EXPERT_STACKS, canonical_name, canonical_name_in, expert_stack_name, expert_stack_of, gguf_name, gguf_name_in,
+    EXPERT_STACKS, canonical_name, canonical_name_in, expert_stack_name, expert_stack_of, expert_tensor_name,
+    expert_tensor_name_of, gguf_name, gguf_name_in,
 };
 pub use self::open::open_file;
 #[cfg(feature = "fixtures")]

@@ -44,6 +44,35 @@ pub fn expert_stack_name(layer: usize, role: usize) -> String {
     format!("blk.{layer}.{}", EXPERT_STACKS[role].0)
 }
 
+/// llama.cpp's spelling before it stacked experts (Mixtral files of early 2024): one tensor an expert,
+/// `blk.N.ffn_gate.E.weight`, of layer `layer`'s `EXPERT_STACKS` entry `role`.
+pub fn expert_tensor_name(layer: usize, role: usize, e: usize) -> String {
+    let base = EXPERT_STACKS[role].0.strip_suffix("_exps.weight").expect("a stack's name ends in _exps.weight");
+    format!("blk.{layer}.{base}.{e}.weight")
+}
+
+/// A whole number as GGUF names write it (no sign, no leading zeros).
+fn index(s: &str) -> Option<usize> {
+    s.parse::<usize>().ok().filter(|i| i.to_string() == s)
+}
+
+/// The canonical name of an expert tensor in that earlier spelling.
+fn expert_tensor(gguf: &str) -> Option<String> {
+    let (layer, part) = gguf.strip_prefix("blk.")?.split_once('.')?;
+    let (base, e) = part.strip_suffix(".weight")?.rsplit_once('.')?;
+    let (layer, e) = (index(layer)?, index(e)?);
+    let (_, hf, _) = EXPERT_STACKS.iter().find(|(g, _, _)| g.strip_suffix("_exps.weight") == Some(base))?;
+    Some(names::layer(layer, &names::expert(hf, e)))
+}
+
+/// The earlier spelling of a canonical per-expert name (`expert_tensor_name`).
+pub fn expert_tensor_name_of(canonical: &str) -> Option<String> {
+    let (layer, e) = names::expert_of(canonical)?;
+    let part = canonical.strip_prefix(&names::layer(layer, ""))?;
+    let role = EXPERT_STACKS.iter().position(|(_, hf, _)| names::expert(hf, e) == part)?;
+    Some(expert_tensor_name(layer, role, e))
+}
+
 /// The GGUF stack a canonical per-expert name belongs to: (its name, the expert's index).
 pub fn expert_stack_of(canonical: &str) -> Option<(String, usize)> {
     let (layer, e) = names::expert_of(canonical)?;
@@ -86,7 +115,7 @@ pub fn canonical_name_in(arch: Arch, gguf: &str) -> String {
     {
         return names::layer(i, hf);
     }
-    gguf.to_string()
+    expert_tensor(gguf).unwrap_or_else(|| gguf.to_string())
 }
 
 /// The GGUF name of a canonical tensor of an `arch` model, or None for a name GGUF has no spelling for.

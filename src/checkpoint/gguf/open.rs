@@ -4,7 +4,9 @@
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 
-use super::names::{EXPERT_STACKS, canonical_name_in, expert_stack, expert_stack_name};
+use super::names::{
+    EXPERT_STACKS, canonical_name_in, expert_stack, expert_stack_name, expert_tensor_name, expert_tensor_name_of,
+};
 use super::parse::{GgufTensor, GgufValue, parse};
 use super::{KEY_LLAMA3_FACTOR, KEY_LLAMA3_HIGH, KEY_LLAMA3_LOW, KEY_LLAMA3_ORIGINAL};
 use crate::checkpoint::{
@@ -381,12 +383,34 @@ fn split_expert_stacks(
             }
         }
     }
+    // A role without a stack is its experts one tensor each (llama.cpp's spelling before stacks), all of them.
     for layer in 0..cfg.layers {
         for role in 0..EXPERT_STACKS.len() {
-            if !stacks.iter().any(|&(l, r, _)| (l, r) == (layer, role)) {
-                bail!(BadModel, "{file}: tensor {} is missing", expert_stack_name(layer, role));
+            if stacks.iter().any(|&(l, r, _)| (l, r) == (layer, role)) {
+                continue;
+            }
+            let held = |e: usize| tensors.contains_key(&names::layer(layer, &names::expert(EXPERT_STACKS[role].1, e)));
+            let missing: Vec<usize> = (0..moe.experts).filter(|&e| !held(e)).collect();
+            match missing.first() {
+                None => {}
+                Some(&e) if missing.len() < moe.experts => {
+                    bail!(BadModel, "{file}: tensor {} is missing", expert_tensor_name(layer, role, e))
+                }
+                Some(_) => bail!(BadModel, "{file}: tensor {} is missing", expert_stack_name(layer, role)),
             }
         }
+    }
+    let past = |n: &String| names::expert_of(n).is_some_and(|(l, e)| l >= cfg.layers || e >= moe.experts);
+    if let Some(name) = tensors.keys().find(|n| past(n)) {
+        bail!(
+            BadModel,
+            "{file}: tensor {} is past the {} experts of key {} or the {} layers of key {}",
+            expert_tensor_name_of(name).unwrap_or_else(|| name.clone()),
+            moe.experts,
+            key("expert_count"),
+            cfg.layers,
+            key("block_count")
+        );
     }
     Ok(())
 }

@@ -249,11 +249,36 @@ pub fn write_gguf(
     tensors: &[OwnedTensor],
     extra_kv: &[(String, GgufValue)],
 ) -> Result<()> {
+    write_gguf_as(path, cfg, tensors, extra_kv, true)
+}
+
+/// `write_gguf` with each expert its own tensor (`blk.N.ffn_gate.E.weight`), as llama.cpp wrote
+/// Mixtral before it stacked experts: the files of that time, which the reader takes too.
+pub fn write_gguf_experts_apart(
+    path: &Path,
+    cfg: &ModelConfig,
+    tensors: &[OwnedTensor],
+    extra_kv: &[(String, GgufValue)],
+) -> Result<()> {
+    write_gguf_as(path, cfg, tensors, extra_kv, false)
+}
+
+fn write_gguf_as(
+    path: &Path,
+    cfg: &ModelConfig,
+    tensors: &[OwnedTensor],
+    extra_kv: &[(String, GgufValue)],
+    stacked: bool,
+) -> Result<()> {
     let mut entries = Vec::with_capacity(tensors.len() + 1);
     for t in tensors {
         t.check()?;
+        let expert = |name: &str| match stacked {
+            true => gguf::expert_stack_of(name).map(|s| s.0),
+            false => gguf::expert_tensor_name_of(name),
+        };
         let gguf_name = gguf::gguf_name_in(cfg.arch, &t.name)
-            .or_else(|| gguf::expert_stack_of(&t.name).map(|s| s.0))
+            .or_else(|| expert(&t.name))
             .ok_or_else(|| err!(InvalidArgument, "tensor {} has no GGUF name", t.name))?;
         entries.push(GgufEntry {
             gguf_name,
@@ -266,7 +291,8 @@ pub fn write_gguf(
     if !tensors.iter().any(|t| t.name == ROPE_FREQS) {
         entries.extend(rope_freqs_entry(cfg));
     }
-    write_gguf_entries(path, cfg, &stack_experts(entries)?, extra_kv)
+    let entries = if stacked { stack_experts(entries)? } else { entries };
+    write_gguf_entries(path, cfg, &entries, extra_kv)
 }
 
 /// `write_gguf` for `synthetic_weights(cfg, seed, recipe)`, one tensor generated at a time as the file
