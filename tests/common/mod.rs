@@ -8,6 +8,7 @@ pub mod batches;
 pub mod card;
 pub mod compare;
 pub mod gemma3;
+pub mod launch;
 pub mod models;
 pub mod shared;
 pub mod spec;

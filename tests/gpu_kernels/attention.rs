@@ -1,6 +1,6 @@
 //! RoPE with the KV append, and decode attention (at long context too), against the CPU.
 
-use super::{NULL_STREAM, assert_close, bf16_round, download_f32, launch_tuning, ok, poisoned};
+use super::{NULL_STREAM, assert_close, bf16_round, download, launch_tuning, ok, poisoned};
 use crate::common::{PagedKv, Rng, gpu_present};
 use hostembed::cuda::DeviceBuffer;
 use hostembed::gpu::PAGE_TOKENS;
@@ -102,7 +102,7 @@ fn rope_and_kv_append_match_cpu() {
             },
             "hostembed_rope_kv",
         );
-        let got = download_f32(&qkv_d, n * stride);
+        let got = download::<f32>(&qkv_d, n * stride);
         let what =
             format!("rope {heads}/{kv_heads} heads of {hd}, {scaling:?}, interleaved {interleaved}, qk_norm {qk_norm}");
         // q and k rotated in place; v and the padding untouched.
@@ -227,7 +227,7 @@ fn launch_attention(
         },
         "hostembed_attention",
     );
-    download_f32(&out, n * heads * hd)
+    download::<f32>(&out, n * heads * hd)
 }
 
 /// One attention case: streams of (context, queries) whose query tokens sit at the last positions of

@@ -1,6 +1,6 @@
 //! The batched sampler against the single-row one, its refusals, and masked rows against the host's masked sampler.
 
-use super::{NULL_STREAM, SAMPLE_SETTINGS, device_sample_penalized, download_f32, ok, poisoned, sample_logits};
+use super::{NULL_STREAM, SAMPLE_SETTINGS, device_sample_penalized, download, ok, poisoned, sample_logits};
 use crate::common::{Rng, gpu_present};
 use hostembed::cuda::DeviceBuffer;
 use hostembed::sampler::Sampling;
@@ -46,7 +46,7 @@ fn device_sample_rows(
     }
     let scratch = poisoned(scratch_bytes.max(1));
     let tokens = poisoned(rows.max(1) * 4);
-    let before = download_f32(logits, rows * vocab);
+    let before = download::<f32>(logits, rows * vocab);
     // SAFETY: host arrays of the lengths passed; device buffers of rows x vocab floats, rows tokens and
     // scratch_bytes of scratch.
     let code = unsafe {
@@ -67,7 +67,7 @@ fn device_sample_rows(
     cuda::synchronize().unwrap_or_else(|e| panic!("hostembed_sample_rows while running: {e}"));
     let mut t = vec![0i32; rows];
     tokens.download(&mut t).unwrap();
-    let after = download_f32(logits, rows * vocab);
+    let after = download::<f32>(logits, rows * vocab);
     assert!(
         before.iter().zip(&after).all(|(a, b)| a.to_bits() == b.to_bits()),
         "the batched sampler left the logits changed"
@@ -325,7 +325,7 @@ fn masked_rows_draw_the_host_masked_samplers_token() {
                     masked_away += usize::from(sampler::argmax(row) != want[r]);
                 }
             }
-            let after = download_f32(&d, rows * vocab);
+            let after = download::<f32>(&d, rows * vocab);
             assert!(logits.iter().zip(&after).all(|(a, b)| a.to_bits() == b.to_bits()), "the logits changed");
         }
     }

@@ -1,6 +1,6 @@
 //! RMSNorm and the GLU-and-add kernels against the CPU.
 
-use super::{NULL_STREAM, assert_close, download_f32, launch_tuning, ok, poisoned};
+use super::{NULL_STREAM, assert_close, download, launch_tuning, ok, poisoned};
 use crate::common::{Rng, gpu_present};
 use hostembed::cuda::DeviceBuffer;
 use hostembed::tensor::DType;
@@ -42,7 +42,7 @@ fn rmsnorm_matches_cpu() {
             },
             "hostembed_rmsnorm",
         );
-        let got = download_f32(out.as_ref().unwrap_or(&xb), n * cols);
+        let got = download::<f32>(out.as_ref().unwrap_or(&xb), n * cols);
         assert_close(&format!("rmsnorm {n}x{cols} in place {in_place}"), &got, &want, 1e-5);
     }
 }
@@ -78,7 +78,7 @@ fn glu_and_add_match_cpu() {
             },
             "hostembed_glu_to",
         );
-        assert_close(name, &download_f32(&out, len), &want, tol);
+        assert_close(name, &download::<f32>(&out, len), &want, tol);
     }
 
     let mut sum = g.clone();
@@ -91,5 +91,5 @@ fn glu_and_add_match_cpu() {
         },
         "hostembed_add",
     );
-    assert_close("add", &download_f32(&gd, len), &sum, 1e-7);
+    assert_close("add", &download::<f32>(&gd, len), &sum, 1e-7);
 }

@@ -13,34 +13,13 @@ mod mmv;
 mod sampling;
 
 use common::Rng;
+use common::launch::{NULL_STREAM, download, launch_tuning, ok, poisoned};
 use hostembed::cuda::DeviceBuffer;
 use hostembed::model::TensorRef;
 use hostembed::sampler::Sampling;
 use hostembed::tensor::{DType, FORMATS, encode_row};
-use hostembed::tuning::Tuning;
-use hostembed::{cpu, cuda, kernels as kn};
+use hostembed::{cpu, kernels as kn};
 use std::os::raw::{c_int, c_uint, c_void};
-use std::ptr;
-
-/// The launchers' settings as the environment gives them (what an engine would run with).
-fn launch_tuning() -> kn::hostembed_tuning {
-    kn::hostembed_tuning::of(&Tuning::from_env())
-}
-
-const NULL_STREAM: *mut c_void = ptr::null_mut();
-
-/// Fails on a launch error and on any error the kernel raised while running.
-fn ok(code: c_int, what: &str) {
-    cuda::check(code, what).unwrap_or_else(|e| panic!("{what}: {e}"));
-    cuda::synchronize().unwrap_or_else(|e| panic!("{what} while running: {e}"));
-}
-
-/// A device buffer of `bytes` with every byte 0xFF (every f32 a NaN).
-fn poisoned(bytes: usize) -> DeviceBuffer {
-    let b = DeviceBuffer::new(bytes).unwrap();
-    b.fill_bytes(0xFF).unwrap();
-    b
-}
 
 /// `data` uploaded `offset` bytes into a fresh buffer (to test misaligned pointers).
 fn upload_at<T: Copy>(data: &[T], offset: usize) -> (DeviceBuffer, *mut c_void) {
@@ -49,12 +28,6 @@ fn upload_at<T: Copy>(data: &[T], offset: usize) -> (DeviceBuffer, *mut c_void) 
     // SAFETY: `offset` is within `b`, which has room for `data` after it; only the address is formed.
     let p = unsafe { (b.ptr() as *mut u8).add(offset) } as *mut c_void;
     (b, p)
-}
-
-fn download_f32(b: &DeviceBuffer, n: usize) -> Vec<f32> {
-    let mut out = vec![0f32; n];
-    b.download(&mut out).unwrap();
-    out
 }
 
 /// Relative L2 error, after checking that every element was written (no NaN left from the poison).
@@ -153,7 +126,7 @@ fn device_sample_penalized(
     let ids = poisoned(penalty.len().max(1) * 8);
     let ids_host: Vec<i32> = penalty.iter().map(|&t| t as i32).collect();
     ids.upload(&ids_host, 0).unwrap();
-    let before = download_f32(logits, vocab);
+    let before = download::<f32>(logits, vocab);
     ok(
         // SAFETY: `logits` holds `vocab` floats, `scratch` 8 bytes an id, `ids` room for the penalty ids and their
         // saved logits, `token` one int; all alive until the synchronous check after the launch.
@@ -181,7 +154,7 @@ fn device_sample_penalized(
     let mut t = [0i32];
     token.download(&mut t).unwrap();
     assert!(t[0] >= 0 && (t[0] as usize) < vocab, "sampled token {} outside the vocabulary of {vocab}", t[0]);
-    let after = download_f32(logits, vocab);
+    let after = download::<f32>(logits, vocab);
     assert!(before.iter().zip(&after).all(|(a, b)| a.to_bits() == b.to_bits()), "the sampler left the logits changed");
     t[0] as u32
 }

@@ -1,8 +1,8 @@
 //! The matvec kernels (plain and with SwiGLU) against the CPU in every format, and their refusals.
 
 use super::{
-    NULL_STREAM, SwigluCase, assert_close, cols_for, download_f32, dtypes, encode, ok, poisoned, swiglu_case,
-    upload_at, weight_tol,
+    NULL_STREAM, SwigluCase, assert_close, cols_for, download, dtypes, encode, ok, poisoned, swiglu_case, upload_at,
+    weight_tol,
 };
 use crate::common::{Rng, gpu_present};
 use hostembed::cuda::DeviceBuffer;
@@ -71,7 +71,7 @@ fn run_matvec(rng: &mut Rng, dtype: DType, c: &MatvecCase) {
         },
         "hostembed_matvec",
     );
-    let all = download_f32(&yb, n * ldy);
+    let all = download::<f32>(&yb, n * ldy);
     let got: Vec<f32> = (0..n).flat_map(|t| all[t * ldy..t * ldy + rows].to_vec()).collect();
     let what = format!(
         "matvec {} {rows}x{cols} n={n} offsets w+{} x+{} bias {} residual {} ldy {ldy}",
@@ -163,7 +163,7 @@ fn matvec_swiglu_matches_cpu() {
                 },
                 "hostembed_matvec_swiglu",
             );
-            let got = download_f32(&y, n * rows);
+            let got = download::<f32>(&y, n * rows);
             assert_close(
                 &format!("matvec_swiglu {} {rows}x{cols} n={n}", dtype.name()),
                 &got,

@@ -1,8 +1,7 @@
 //! The batched mmv kernels against the CPU, the tile kernel against the integer ones, the workspace, refusals.
 
 use super::{
-    NULL_STREAM, SwigluCase, assert_close, cols_for, download_f32, dtypes, encode, launch_tuning, ok, poisoned,
-    swiglu_case,
+    NULL_STREAM, SwigluCase, assert_close, cols_for, download, dtypes, encode, launch_tuning, ok, poisoned, swiglu_case,
 };
 use crate::common::{Rng, gpu_present};
 use hostembed::cuda::DeviceBuffer;
@@ -98,7 +97,7 @@ fn run_mmv_tuned(
         "hostembed_mmv",
     );
     assert_counters_reset(&counters, "hostembed_mmv");
-    download_f32(&yb, n * ldy)
+    download::<f32>(&yb, n * ldy)
 }
 
 /// The tensor-core decode product's bound: each activation enters as a bf16 pair (about 16 bits), so the
@@ -236,7 +235,7 @@ fn mmv_swiglu_matches_cpu() {
                 },
                 "hostembed_mmv_swiglu",
             );
-            let got = download_f32(&y, n * rows);
+            let got = download::<f32>(&y, n * rows);
             assert_close(&format!("mmv_swiglu {} {rows}x{cols} n={n}", dtype.name()), &got, &want, MMV_TOL);
         }
     }
@@ -313,7 +312,7 @@ fn run_mmv_swiglu(case: &SwigluCase, dtype: DType, rows: usize, n: usize, tuning
         "hostembed_mmv_swiglu",
     );
     assert_counters_reset(&counters, "hostembed_mmv_swiglu");
-    download_f32(&y, n * rows)
+    download::<f32>(&y, n * rows)
 }
 
 /// A split product's last block resets its arrival counter for the next launch: all must read zero.

@@ -15,39 +15,12 @@ mod attention;
 mod models;
 
 use common::Rng;
+use common::launch::{NULL_STREAM, download, launch_tuning, ok, poisoned};
 use hostembed::cuda::DeviceBuffer;
 use hostembed::gpu::{PAGE_TOKENS, PageLayout};
 use hostembed::kv::{KvType, KvTypes};
 use hostembed::model::ModelConfig;
-use hostembed::tuning::Tuning;
-use hostembed::{cuda, kernels as kn};
-use std::ffi::c_void;
-use std::os::raw::{c_int, c_uint};
-use std::ptr;
-
-/// The launchers' settings as the environment gives them (what an engine would run with).
-fn launch_tuning() -> kn::hostembed_tuning {
-    kn::hostembed_tuning::of(&Tuning::from_env())
-}
-
-const NULL_STREAM: *mut c_void = ptr::null_mut();
-
-fn ok(code: c_int, what: &str) {
-    cuda::check(code, what).unwrap_or_else(|e| panic!("{what}: {e}"));
-    cuda::synchronize().unwrap_or_else(|e| panic!("{what} while running: {e}"));
-}
-
-fn poisoned(bytes: usize) -> DeviceBuffer {
-    let b = DeviceBuffer::new(bytes.max(1)).unwrap();
-    b.fill_bytes(0xFF).unwrap();
-    b
-}
-
-fn download<T: Copy + Default>(b: &DeviceBuffer, n: usize) -> Vec<T> {
-    let mut out = vec![T::default(); n];
-    b.download(&mut out).unwrap();
-    out
-}
+use std::os::raw::c_uint;
 
 /// The pairs of K and V types the kernels are checked on: each type for both, and pairs apart (which
 /// take the attention kernel that reads the types at run time).

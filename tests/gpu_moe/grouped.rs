@@ -3,20 +3,14 @@
 //! format as the conversion rounds it), in several formats and both half formats; with SwiGLU of a gate;
 //! the rows of a smaller batch the same bits; and bad shapes refused.
 
-use std::os::raw::{c_int, c_void};
+use std::os::raw::c_int;
 use std::ptr;
 
+use crate::common::launch::{NULL_STREAM, ok};
 use crate::common::{Rng, gpu_present};
-use hostembed::cuda::{self, DeviceBuffer};
+use hostembed::cuda::DeviceBuffer;
 use hostembed::kernels as kn;
 use hostembed::tensor::{DType, decode_row, encode_row};
-
-const NULL_STREAM: *mut c_void = ptr::null_mut();
-
-fn ok(code: c_int, what: &str) {
-    cuda::check(code, what).unwrap_or_else(|e| panic!("{what}: {e}"));
-    cuda::synchronize().unwrap_or_else(|e| panic!("{what} while running: {e}"));
-}
 
 /// `values` rounded to the half format `half` as the device rounds them (to nearest, ties to even).
 fn round_half(half: DType, values: &[f32]) -> Vec<f32> {

@@ -11,36 +11,8 @@ mod flash;
 mod products;
 mod prompts;
 
-use hostembed::cuda::DeviceBuffer;
+use common::launch::{NULL_STREAM, download, launch_tuning, ok, poisoned};
 use hostembed::tensor::{DType, decode_row, encode_row};
-use hostembed::tuning::Tuning;
-use hostembed::{cuda, kernels as kn};
-use std::os::raw::{c_int, c_void};
-use std::ptr;
-
-/// The launchers' settings as the environment gives them (what an engine would run with).
-fn launch_tuning() -> kn::hostembed_tuning {
-    kn::hostembed_tuning::of(&Tuning::from_env())
-}
-
-const NULL_STREAM: *mut c_void = ptr::null_mut();
-
-fn ok(code: c_int, what: &str) {
-    cuda::check(code, what).unwrap_or_else(|e| panic!("{what}: {e}"));
-    cuda::synchronize().unwrap_or_else(|e| panic!("{what} while running: {e}"));
-}
-
-fn poisoned(bytes: usize) -> DeviceBuffer {
-    let b = DeviceBuffer::new(bytes.max(1)).unwrap();
-    b.fill_bytes(0xFF).unwrap();
-    b
-}
-
-fn download<T: Copy + Default>(b: &DeviceBuffer, n: usize) -> Vec<T> {
-    let mut out = vec![T::default(); n];
-    b.download(&mut out).unwrap();
-    out
-}
 
 /// Values of a half format (2 bytes each, little-endian) as f32.
 fn halves_to_f32(dtype: DType, bits: &[u16]) -> Vec<f32> {
