@@ -48,6 +48,7 @@ scripts/write-gguf-f16.sh >/dev/null
 mkdir -p .gpu/bundle/models && cp models/gguf-f16.gguf .gpu/bundle/models/
 [ -d assets ] && cp -r assets .gpu/bundle/
 strip .gpu/bundle/tests/* .gpu/bundle/examples/* .gpu/bundle/server/hostembed-server .gpu/bundle/libhostembed.so 2>/dev/null || true
-XZ_OPT=-9 tar -C .gpu -cJf .gpu/bundle.tar.xz bundle
+# Every binary carries the same kernels: a dictionary wider than one binary packs the copies as one.
+XZ_OPT="-T1 --lzma2=preset=6,dict=192MiB" tar -C .gpu -cJf .gpu/bundle.tar.xz bundle
 rm -rf .gpu/bundle
 ls -la .gpu/bundle.tar.xz
