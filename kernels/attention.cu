@@ -28,6 +28,9 @@ static_assert(AT_UNIT % HE_PAGE_TOKENS == 0 && AT_UNIT == 2 * HE_PAGE_TOKENS, "a
 #ifndef AT_MIN_BLOCKS
 #define AT_MIN_BLOCKS 2
 #endif
+#ifndef AT_WIDE_BLOCKS
+#define AT_WIDE_BLOCKS 4
+#endif
 #ifndef AT_MAX_BATCH
 #define AT_MAX_BATCH 16
 #endif
@@ -68,8 +71,13 @@ __device__ __forceinline__ ContextCut context_cut(unsigned int ctx, unsigned int
     return ContextCut{chunk, (ctx + chunk - 1) / chunk};
 }
 
-template <int D, int HB, int KT, int VT>
-__global__ __launch_bounds__(AT_THREADS, AT_MIN_BLOCKS) void attention_split_kernel(
+// BLOCKS: the blocks a multiprocessor the registers are capped for. AT_MIN_BLOCKS keeps a thread's 16 K
+// or V loads in flight (the most bytes a block, for few blocks: one stream's long context);
+// AT_WIDE_BLOCKS halves them for twice the blocks, where a launch has many (many streams' short
+// contexts: each block's loads, softmax and V pass run one after another, and other blocks fill the gaps).
+// The same products in the same order either way: the same bits.
+template <int D, int HB, int KT, int VT, int BLOCKS = AT_MIN_BLOCKS>
+__global__ __launch_bounds__(AT_THREADS, BLOCKS) void attention_split_kernel(
     const float *__restrict__ q, unsigned int q_stride, const unsigned char *__restrict__ kv_pool,
     const unsigned int *const *__restrict__ tables, unsigned int pool_pages, int k_type, int v_type,
     const int *__restrict__ pos, unsigned int heads, unsigned int kv_heads, unsigned int d, float scale_log2,
@@ -81,13 +89,14 @@ __global__ __launch_bounds__(AT_THREADS, AT_MIN_BLOCKS) void attention_split_ker
     // Raw chunks wider than 16 bytes (the run-time reader) halve the loads in flight, for registers.
     constexpr int K_WIDE = sizeof(typename KR::Raw) > 16 ? 2 : 1, V_WIDE = sizeof(typename VR::Raw) > 16 ? 2 : 1;
     // K: a thread's row chunks (8 values each) in flight at once.
-    constexpr int K_BATCH_BASE = HB >= 8 ? 8 : (D / 8 < AT_MAX_BATCH ? D / 8 : AT_MAX_BATCH);
+    constexpr int MAX_BATCH = BLOCKS > AT_MIN_BLOCKS ? AT_MAX_BATCH / 2 : AT_MAX_BATCH;
+    constexpr int K_BATCH_BASE = HB >= 8 ? 8 : (D / 8 < MAX_BATCH ? D / 8 : MAX_BATCH);
     constexpr int K_BATCH = K_BATCH_BASE / K_WIDE;
     // V: each lane reads 8 dims of a row, so a warp reads V_ROWS rows per load and requests
     // the warp's 32 rows as 32 / V_ROWS loads per lane, V_BATCH at a time (fewer where the accumulators
     // already take the registers). Measured: 16k-cache decode 168.5 -> 175.1 tok/s on the 8B shape.
     constexpr int V_LANES = D / 8, V_ROWS = 32 / V_LANES, V_STEPS = 32 / V_ROWS;
-    constexpr int V_BATCH_BASE = (HB >= 8 || D > 128) ? 8 : (V_STEPS < AT_MAX_BATCH ? V_STEPS : AT_MAX_BATCH);
+    constexpr int V_BATCH_BASE = (HB >= 8 || D > 128) ? 8 : (V_STEPS < MAX_BATCH ? V_STEPS : MAX_BATCH);
     constexpr int V_BATCH = V_BATCH_BASE / V_WIDE > 0 ? V_BATCH_BASE / V_WIDE : 1;
     __shared__ __align__(16) float q_s[HB][D];
     __shared__ float p_s[HB][AT_TILE];
@@ -358,11 +367,28 @@ struct SplitArgs {
     hostembed_tuning tuning;
 };
 
+// Launches of at least this many blocks whose grid gives a token fewer blocks than parts (a short longest
+// context: at most 2,048 positions with 32 parts, parts of 128) take the kernel capped for AT_WIDE_BLOCKS
+// blocks a multiprocessor; hostembed_tuning's attention_blocks 1 never, 2 always, to measure. H100,
+// Llama-3-8B shape in F16 (BENCHMARKS.md): 64 streams at 512-token caches (2,048 blocks of 128
+// positions) at least 3,684 -> 3,807 tok/s; one stream at a 16,384-token cache (256 blocks of 512
+// positions) 131.4 -> 122.5 on the wide kernel, so long parts keep the other.
+constexpr unsigned long long AT_WIDE_AFTER = 1024;
+
 template <int D, int HB, int KT, int VT>
 cudaError_t launch_split(dim3 grid, const SplitArgs &a, cudaStream_t stream) {
-    return he::launch_overlapped(a.tuning, attention_split_kernel<D, HB, KT, VT>, grid, dim3(AT_THREADS), 0, stream,
-                                 a.q, a.q_stride, a.pool, a.tables, a.pool_pages, a.k_type, a.v_type, a.pos, a.heads,
-                                 a.kv_heads, a.d, a.scale_log2, a.window, a.splits, a.partial);
+    const unsigned long long blocks = (unsigned long long)grid.x * grid.y * grid.z;
+    const bool wide = a.tuning.attention_blocks == 0 ? blocks >= AT_WIDE_AFTER && grid.x < a.splits
+                                                     : a.tuning.attention_blocks == 2;
+    auto go = [&](auto kernel) {
+        return he::launch_overlapped(a.tuning, kernel, grid, dim3(AT_THREADS), 0, stream, a.q, a.q_stride, a.pool,
+                                     a.tables, a.pool_pages, a.k_type, a.v_type, a.pos, a.heads, a.kv_heads, a.d,
+                                     a.scale_log2, a.window, a.splits, a.partial);
+    };
+    // The wide kernel for the head sizes and head groups whose registers fit its cap without spilling.
+    if constexpr (D <= 128 && HB <= 4)
+        if (wide) return go(attention_split_kernel<D, HB, KT, VT, AT_WIDE_BLOCKS>);
+    return go(attention_split_kernel<D, HB, KT, VT>);
 }
 
 // The kernel for K and V of one type, or the run-time reader's (Reader<0>) for any other pair.

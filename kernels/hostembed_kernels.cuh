@@ -47,7 +47,9 @@
 // `mmvq_tokens` the tokens an integer launch takes (0, or past MMVQ_MAX_TOKENS: its own choice), and
 // `mmv_prep` whether half launches of many tokens convert their activations once, and `mmv_tc_blocks`
 // whether integer launches of more than 8 tokens take the tile kernel (every token of a launch at once,
-// the activations converted once a product; the same bits as the streamed kernel).
+// the activations converted once a product; the same bits as the streamed kernel), and `attention_blocks`
+// which decode attention kernel a launch takes (0 by its block count, 1 the one with more loads in flight a
+// thread, 2 the one with twice the blocks a multiprocessor).
 #define HE_MMV_STAGE_NEVER 0
 #define HE_MMV_STAGE_MEASURED 1
 #define HE_MMV_STAGE_ALWAYS 2
@@ -57,8 +59,9 @@ typedef struct hostembed_tuning {
     unsigned int mmvq_tokens;
     int mmv_prep;
     int mmv_tc_blocks;
+    unsigned int attention_blocks;
 } hostembed_tuning;
-static_assert(sizeof(hostembed_tuning) == 20, "src/kernels.rs repeats hostembed_tuning");
+static_assert(sizeof(hostembed_tuning) == 24, "src/kernels.rs repeats hostembed_tuning");
 
 #ifdef __cplusplus
 extern "C" {

@@ -46,8 +46,11 @@ pub struct hostembed_tuning {
     pub mmv_prep: c_int,
     /// Non-zero: integer hostembed_mmv launches of more than 8 tokens take the tile kernel.
     pub mmv_tc_blocks: c_int,
+    /// Which decode attention kernel a launch takes: 0 by its block count, 1 the one with more loads in
+    /// flight a thread, 2 the one with twice the blocks a multiprocessor.
+    pub attention_blocks: c_uint,
 }
-const _: () = assert!(std::mem::size_of::<hostembed_tuning>() == 20);
+const _: () = assert!(std::mem::size_of::<hostembed_tuning>() == 24);
 
 /// `hostembed_tuning::mmv_stage` values (HE_MMV_STAGE_*).
 pub const MMV_STAGE_NEVER: c_int = 0;
@@ -67,6 +70,11 @@ impl hostembed_tuning {
             mmvq_tokens: tuning.mmvq_tokens,
             mmv_prep: tuning.mmv_prep as c_int,
             mmv_tc_blocks: tuning.mmv_tc_blocks as c_int,
+            attention_blocks: match tuning.attention_wide {
+                None => 0,
+                Some(false) => 1,
+                Some(true) => 2,
+            },
         }
     }
 }

@@ -33,6 +33,9 @@ pub const MMV_PREP_ENV: &str = "HOSTEMBED_MMV_PREP";
 pub const MMV_TC_BLOCKS_ENV: &str = "HOSTEMBED_MMV_TC_BLOCKS";
 /// "0": a prompt chunk's flash attention never cuts its context in parts (one block a query tile and head).
 pub const FLASH_PARTS_ENV: &str = "HOSTEMBED_FLASH_PARTS";
+/// "0": decode attention always takes the kernel with more loads in flight a thread; "1": always the one
+/// with twice the blocks a multiprocessor (unset: by the launch's block count).
+pub const ATTENTION_WIDE_ENV: &str = "HOSTEMBED_ATTENTION_WIDE";
 /// "0": a Mixture-of-Experts layer's prompt rows take the warp-a-row expert kernels instead of the grouped
 /// tensor-core products.
 pub const MOE_GROUPED_ENV: &str = "HOSTEMBED_MOE_GROUPED";
@@ -97,6 +100,9 @@ pub struct Tuning {
     pub flash_parts: bool,
     /// Whether a Mixture-of-Experts layer's prompt rows take the grouped tensor-core products.
     pub moe_grouped: bool,
+    /// Which decode attention kernel: the one with twice the blocks a multiprocessor (true), the one with
+    /// more loads in flight a thread (false), or by the launch's block count (None).
+    pub attention_wide: Option<bool>,
 }
 
 impl Default for Tuning {
@@ -116,6 +122,7 @@ impl Default for Tuning {
             mmv_tc_blocks: true,
             flash_parts: true,
             moe_grouped: true,
+            attention_wide: None,
         }
     }
 }
@@ -168,6 +175,11 @@ impl Tuning {
             mmv_tc_blocks: !off(MMV_TC_BLOCKS_ENV),
             flash_parts: !off(FLASH_PARTS_ENV),
             moe_grouped: !off(MOE_GROUPED_ENV),
+            attention_wide: var(ATTENTION_WIDE_ENV).and_then(|v| match v.trim() {
+                "0" => Some(false),
+                "1" => Some(true),
+                _ => None,
+            }),
         }
     }
 }
@@ -217,6 +229,10 @@ mod tests {
         assert!(!with(&[(MMV_PREP_ENV, "0")]).mmv_prep && with(&[(MMV_PREP_ENV, "1")]).mmv_prep);
         assert!(with(&[(MMV_TC_BLOCKS_ENV, "1")]).mmv_tc_blocks && !with(&[(MMV_TC_BLOCKS_ENV, "0")]).mmv_tc_blocks);
         assert!(d.mmv_tc_blocks);
+        assert_eq!(with(&[(ATTENTION_WIDE_ENV, "0")]).attention_wide, Some(false));
+        assert_eq!(with(&[(ATTENTION_WIDE_ENV, "1")]).attention_wide, Some(true));
+        assert_eq!(with(&[(ATTENTION_WIDE_ENV, "auto")]).attention_wide, None);
+        assert_eq!(d.attention_wide, None);
         // The engine option's variable is the engine's to read with the option, not a tuning variable.
         assert_eq!(with(&[("HOSTEMBED_BATCH_TENSOR_CORES", "1")]).batch_tensor_cores, d.batch_tensor_cores);
     }

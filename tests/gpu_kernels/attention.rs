@@ -188,6 +188,7 @@ fn launch_attention(
     hd: usize,
     splits: usize,
     grid_parts: usize,
+    tuning: kn::hostembed_tuning,
 ) -> Vec<f32> {
     let n = tokens.len();
     let q: Vec<f32> = tokens.iter().flat_map(|&t| q[t * q_stride..(t + 1) * q_stride].to_vec()).collect();
@@ -221,7 +222,7 @@ fn launch_attention(
                 grid_parts as c_uint,
                 partial.ptr() as *mut f32,
                 out.ptr() as *mut f32,
-                launch_tuning(),
+                tuning,
                 NULL_STREAM,
             )
         },
@@ -273,7 +274,7 @@ fn run_attention(rng: &mut Rng, heads: usize, kv_heads: usize, hd: usize, stream
         let longest = tokens.iter().map(|&t| pos[t] as usize + 1).max().unwrap_or(0);
         hostembed::gpu::attention_grid_parts(longest, splits)
     };
-    let launch = |tokens: &[usize], grid_parts: usize| {
+    let launch_with = |tokens: &[usize], grid_parts: usize, tuning: kn::hostembed_tuning| {
         launch_attention(
             &q,
             q_stride,
@@ -288,8 +289,10 @@ fn run_attention(rng: &mut Rng, heads: usize, kv_heads: usize, hd: usize, stream
             hd,
             splits,
             grid_parts,
+            tuning,
         )
     };
+    let launch = |tokens: &[usize], grid_parts: usize| launch_with(tokens, grid_parts, launch_tuning());
     let got = launch(&all, grid_of(&all));
     let what =
         format!("attention {heads}/{kv_heads} heads of {hd}, streams (context, tokens) {streams:?}, {splits} splits");
@@ -304,6 +307,11 @@ fn run_attention(rng: &mut Rng, heads: usize, kv_heads: usize, hd: usize, stream
     // part in turn, and a block for every part.
     for grid_parts in [1, splits] {
         same_bits(&launch(&all, grid_parts), &got, &format!("{what}: {grid_parts} blocks a token"));
+    }
+    // Either kernel (more loads in flight a thread, or more blocks a multiprocessor): the same bits.
+    for blocks in [1, 2] {
+        let tuning = kn::hostembed_tuning { attention_blocks: blocks, ..launch_tuning() };
+        same_bits(&launch_with(&all, grid_of(&all), tuning), &got, &format!("{what}: attention kernel {blocks}"));
     }
     // Batch invariance: each stream's tokens launched without the others (on their own grid) give the
     // same bits.
