@@ -64,9 +64,10 @@ struct MmvShape {
     unsigned int row_blocks, splits, kr;
 };
 
-// `whole_waves` (the integer products) rounds the splits down, so that a matrix of more than half the
-// target's row blocks stays one wave (14,336-row GLU: 224 blocks, not 448 in 1.7 waves); the workspace
-// is sized by the rounding up, which is never less.
+// `whole_waves` (every product's launch) rounds the splits down, so that a matrix of more than half the
+// target's row blocks stays one wave (14,336-row GLU: 224 blocks, not 448 in 1.7 waves; the F16 product
+// of 14336 x 4096 at 64 tokens 114.8 -> 99.8 us, BENCHMARKS.md); the workspace and the staged
+// activations' offset are sized by the rounding up, which never gives fewer splits.
 __host__ __device__ inline MmvShape mmv_shape(unsigned int rows, unsigned int cols, bool glu, bool whole_waves = false) {
     const unsigned int out_rows = glu ? MMV_BLOCK_ROWS / 2 : MMV_BLOCK_ROWS;
     MmvShape s;
@@ -964,7 +965,7 @@ __global__ __launch_bounds__(MMV_THREADS, NT <= 2 ? MMV_SMALL_MIN_BLOCKS : 2) vo
 
     const unsigned int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, g = lane / 4, t = lane % 4;
     he::pdl_launch_dependents();
-    const MmvShape shape = mmv_shape(rows, cols, GLU);
+    const MmvShape shape = mmv_shape(rows, cols, GLU, true);
     const unsigned int k_begin = blockIdx.y * shape.kr;
     const unsigned int k_end = min(cols, k_begin + shape.kr);
     static_assert(!(PREP && STAGED), "staged activations come with streamed weights");
@@ -976,7 +977,7 @@ __global__ __launch_bounds__(MMV_THREADS, NT <= 2 ? MMV_SMALL_MIN_BLOCKS : 2) vo
     const unsigned char *xb = xs;  // the chunk the arithmetic reads (PREP: one of two buffers)
     int *xe = reinterpret_cast<int *>(xs + n * stride);  // scaled readers: [tok][group] exponents
     // PREP: the staged rows and every token's exponents of the whole row (mmv_prep_kernel's layout).
-    const uint4 *xp = reinterpret_cast<const uint4 *>(partial + mmv_prep_offset(shape, GLU, n, rows));
+    const uint4 *xp = reinterpret_cast<const uint4 *>(partial + mmv_prep_offset(mmv_shape(rows, cols, GLU), GLU, n, rows));
     const int *xpe = reinterpret_cast<const int *>(xp) + (size_t)n * cols;
     const unsigned int row_groups = (cols + MMV_KC - 1) / MMV_KC;
     const MmvRows rw = mmv_rows<GLU>(w, w2, rows, row_bytes, warp, g);
@@ -1734,7 +1735,7 @@ cudaError_t launch_mmv(const unsigned char *w, const unsigned char *w2, unsigned
                        size_t row_bytes, const float *x, unsigned int n, const float *bias, const float *residual,
                        float *y, unsigned int ldy, float *partial, unsigned int *counters,
                        const hostembed_tuning &tuning, cudaStream_t stream) {
-    const MmvShape shape = mmv_shape(rows, cols, GLU, R::INT);
+    const MmvShape shape = mmv_shape(rows, cols, GLU, true);
     const dim3 grid(shape.row_blocks, shape.splits);
     // The tile kernel (hostembed_tuning's mmv_tc_blocks, where the card has its shared memory) takes integer
     // launches of more than MMV_PREP_AFTER tokens, up to MMV_MAX_TOKENS at once; a launch of fewer takes
@@ -1755,7 +1756,7 @@ cudaError_t launch_mmv(const unsigned char *w, const unsigned char *w2, unsigned
         else smem = (int)(mmv_half_smem(nt, shape.kr, GROUP, R::SCALED, prep) + WEIGHTS);
         if constexpr (!R::INT && !STAGED) {
             if (prep) {
-                float *staged = partial + mmv_prep_offset(shape, GLU, nt, rows);
+                float *staged = partial + mmv_prep_offset(mmv_shape(rows, cols, GLU), GLU, nt, rows);
                 const unsigned int warps = nt * ((cols + MMV_KC - 1) / MMV_KC);
                 const cudaError_t e = he::launch_overlapped(
                     tuning, mmv_prep_kernel<R>, dim3((warps + MMV_WARPS - 1) / MMV_WARPS), dim3(MMV_THREADS), 0, stream,
