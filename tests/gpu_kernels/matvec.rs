@@ -27,7 +27,8 @@ struct MatvecCase {
 fn run_matvec(rng: &mut Rng, dtype: DType, c: &MatvecCase) {
     let (rows, cols, n) = (c.rows, cols_for(dtype, c.cols), c.n);
     let ldy = rows + c.ldy_pad;
-    let bytes = encode(dtype, cols, &rng.vec(rows * cols, 1.0));
+    let values = rng.vec(rows * cols, 1.0);
+    let bytes = encode(dtype, cols, &values);
     let w = TensorRef { dtype, shape: &[rows, cols], bytes: &bytes };
     let x = rng.vec(n * cols, 1.0);
     let bias = rng.vec(rows, 0.5);
@@ -81,7 +82,27 @@ fn run_matvec(rng: &mut Rng, dtype: DType, c: &MatvecCase) {
         c.bias,
         c.residual
     );
-    assert_close(&what, &got, &want, weight_tol(dtype));
+    if dtype == DType::F32 {
+        // F32 differs from the CPU by accumulation order alone, an error relative to the sums of |w x|: a
+        // few outputs that happen to sum near zero (2 rows of 106,496 columns) would fail a bound relative
+        // to the outputs themselves. One misread value moves its output by about |w x|: past 1e-6 here.
+        let mut magnitude = vec![0f32; n * rows];
+        for t in 0..n {
+            for r in 0..rows {
+                let (wr, xt) = (&values[r * cols..(r + 1) * cols], &x[t * cols..(t + 1) * cols]);
+                magnitude[t * rows + r] = wr.iter().zip(xt).map(|(a, b)| (a * b).abs()).sum::<f32>()
+                    + if c.bias { bias[r].abs() } else { 0.0 }
+                    + if c.residual { res[t * ldy + r].abs() } else { 0.0 };
+            }
+        }
+        let err = got.iter().zip(&want).map(|(g, w)| (*g as f64 - *w as f64).powi(2)).sum::<f64>().sqrt()
+            / magnitude.iter().map(|m| (*m as f64).powi(2)).sum::<f64>().sqrt();
+        assert!(got.iter().all(|v| v.is_finite()), "{what}: an output not written");
+        println!("{what}: L2 error relative to the sums of |w x| {err:.2e} (bound 1e-6)");
+        assert!(err < 1e-6, "{what}: L2 error relative to the sums of |w x| {err:.3e} >= 1e-6");
+    } else {
+        assert_close(&what, &got, &want, weight_tol(dtype));
+    }
     // The columns between rows and ldy are not the kernel's to write.
     for t in 0..n {
         for r in rows..ldy {
