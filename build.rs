@@ -161,7 +161,7 @@ fn build_kernels(manifest: &Path, nvcc: &Path, include: &Path, archs: &str) {
         build.flag(f);
     }
     // Each nvcc run compiles its architectures on as many threads as there are cores: the largest file
-    // (mmv.cu) finishes last, alone, and would otherwise hold one core for the whole tail of the build.
+    // finishes last, alone, and would otherwise hold one core for the whole tail of the build.
     build.flag("--threads").flag("0");
 
     // Objects are kept by a hash of what makes them (the file, every kernel header, nvcc, the flags and

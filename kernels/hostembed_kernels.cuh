@@ -1,5 +1,7 @@
 // The one header every kernel file shares: the C launchers Rust calls (src/kernels.rs repeats
 // them, and build.rs checks the two agree), and the device helpers the kernels have in common.
+// Over 600 lines on purpose: every launcher's declaration in one place, so that build.rs's one check
+// against src/kernels.rs covers them all.
 #pragma once
 #include <cuda_runtime_api.h>
 #include <stddef.h>
@@ -95,7 +97,7 @@ cudaError_t hostembed_matvec(const void *w, int dtype, unsigned int rows, unsign
 cudaError_t hostembed_matvec_swiglu(const void *w_gate, const void *w_up, int dtype, unsigned int rows,
                                     unsigned int cols, const float *x, unsigned int n, float *y, cudaStream_t stream);
 
-// ---- mmv.cu: decode products on tensor cores, batch invariant ----
+// ---- mmv*.cu: decode products on tensor cores, batch invariant ----
 // y[t*ldy + r] = sum_c W[r][c] * x[t*cols + c] (+ bias[r]) (+ residual[t*ldy + r]), as hostembed_matvec,
 // for the formats and shapes hostembed_mmv_supports accepts (cudaErrorNotSupported otherwise): W read once
 // per 64 tokens on tensor cores, each token's result the same bits whatever the others in the launch are.

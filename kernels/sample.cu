@@ -1,6 +1,8 @@
 // Token choice on the device: exactly the algorithm of src/sampler.rs's module comment (same ranking, same
 // integer weights from the same f32 operations, same top-k, top-p and draw), so the same logits give the
 // same token on both sides.
+// Over 600 lines on purpose: one algorithm, read beside src/sampler.rs step for step, and its two
+// launches (a row, every row of a pass) share all of it.
 //
 // Many blocks of one cooperative launch, each owning a contiguous chunk of the vocabulary (its keys kept in
 // shared memory), separated by grid-wide barriers; only per-block totals, 256-bin histograms and a short

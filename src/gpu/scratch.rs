@@ -61,17 +61,17 @@ fn stage_bytes(cfg: &ModelConfig, tokens: usize) -> usize {
     2 * tokens * cfg.kv_dim() * 2
 }
 
-/// kernels/mmv.cu's cut of a matrix (its MMV_* constants): output rows a block, the unit of column
+/// kernels/mmv_readers.cuh's cut of a matrix (its MMV_* constants): output rows a block, the unit of column
 /// ranges, blocks a launch aims at, column ranges at most, tokens a launch.
 const MMV_BLOCK_ROWS: usize = 128;
 const MMV_KC: usize = 256;
 const MMV_TARGET_BLOCKS: usize = 256;
 const MMV_MAX_SPLITS: usize = 16;
 pub const MMV_MAX_TOKENS: usize = 64;
-/// Launches of more tokens stage their activations once in the workspace (mmv.cu's MMV_PREP_AFTER).
+/// Launches of more tokens stage their activations once in the workspace (kernels/mmv.cuh's MMV_PREP_AFTER).
 const MMV_PREP_AFTER: usize = 8;
 
-/// (row blocks, column ranges) of a tensor-core decode product of `rows` x `cols`, as mmv.cu's mmv_shape.
+/// (row blocks, column ranges) of a tensor-core decode product of `rows` x `cols`, as kernels/mmv_readers.cuh's mmv_shape.
 pub fn mmv_shape(rows: usize, cols: usize, glu: bool) -> (usize, usize) {
     let out_rows = if glu { MMV_BLOCK_ROWS / 2 } else { MMV_BLOCK_ROWS };
     let row_blocks = rows.div_ceil(out_rows);

@@ -1,0 +1,256 @@
+// The block formats' decode product up to 16 tokens a launch (mmvq_kernel: integer mma on the quants,
+// the activations as 16-bit integers in two int8 halves) and the launcher of every block-format product,
+// which hands launches past 8 tokens to the tile kernel (kernels/mmv_tile.cu) where it fits.
+// kernels/mmv_readers.cuh says the design.
+#include "mmv.cuh"
+
+namespace {
+
+template <typename R, int NT4, bool GLU, bool STAGED>
+__global__ __launch_bounds__(MMV_THREADS, NT4 <= 2 ? MMV_SMALL_MIN_BLOCKS : NT4 <= 4 ? MMVQ_MID_MIN_BLOCKS : 1) void mmvq_kernel(
+    const unsigned char *__restrict__ w, const unsigned char *__restrict__ w2, unsigned int rows, unsigned int cols,
+    size_t row_bytes, const float *__restrict__ x, unsigned int n, const float *bias, const float *residual, float *y,
+    unsigned int ldy, float *partial, unsigned int *counters) {
+    extern __shared__ __align__(16) unsigned char mmv_smem[];
+    constexpr unsigned UNROLL = STAGED ? R::SUNROLL : R::UNROLL;
+    constexpr unsigned TILE = R::STEP * R::TILE_STEPS, GROUP = mmv_group<R, STAGED>(), KW = R::STEP / 16;
+    static_assert(MMV_KC % TILE == 0 && (GROUP % MMV_KC == 0 || MMV_KC % GROUP == 0), "tiles within an activation group");
+
+    const unsigned int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, g = lane / 4, t = lane % 4;
+    he::pdl_launch_dependents();
+    const MmvShape shape = mmv_shape(rows, cols, GLU, true);
+    const unsigned int k_begin = blockIdx.y * shape.kr;
+    const unsigned int k_end = min(cols, k_begin + shape.kr);
+    const unsigned int kch = mmv_chunk(n, shape.kr, 2, mmvq_unit(GROUP)), stride = mmvq_stride(kch);
+    constexpr unsigned MIN_LANES = R::STEP / 8;  // the staging lanes (8 columns each) a minimum spans
+    const unsigned int groups = kch / MMV_KC, blocks = kch / R::STEP;
+    unsigned char *xs = mmv_smem;
+    float *sx = reinterpret_cast<float *>(mmv_smem + n * stride);  // [tok][group]: the activation scales
+    int *xv = reinterpret_cast<int *>(sx + n * groups);            // [tok][32-column block]: sums of v
+    const MmvRows rw = mmv_rows<GLU>(w, w2, rows, row_bytes, warp, g);
+    const unsigned char *wr[2] = {rw.wa, rw.wb};
+
+    // Lane (g, t) holds token 4j + t of rows a ([0]) and b ([1]) in tile j: `out` the sum so far, and the
+    // current activation group's: `acc` (block formats), or (k-quants) the hi and lo halves' integer sums
+    // times the sub-scales in `ihi` and `ilo` (exact: at most 16 steps of 16 x 32 x 128 x 128 < 2^31, two
+    // integer multiply-adds a row a step instead of a conversion and a float add), and `mins`.
+    float out[NT4][2], acc[NT4][2];
+    int ihi[NT4][2], ilo[NT4][2], mins[NT4][2];
+#pragma unroll
+    for (int j = 0; j < NT4; j++)
+#pragma unroll
+        for (int e = 0; e < 2; e++) out[j][e] = 0.f, acc[j][e] = 0.f, ihi[j][e] = ilo[j][e] = mins[j][e] = 0;
+
+    // Columns [c0, c0 + len) as 16-bit integers: a warp takes a token's 256-column group (8 columns a
+    // lane; lanes past a short last group hold zeros), its scale from a shuffled max.
+    auto stage = [&](unsigned int c0, unsigned int len) {
+        const unsigned int units = (len + MMV_KC - 1) / MMV_KC * 32, total = n * units;
+        for (unsigned int i = tid; i < total; i += MMV_THREADS) {
+            const unsigned int tok = i / units, e = i % units;  // e: 8-column unit of the chunk
+            const bool here = 8 * e < len;
+            float f[8];
+            const float amax = stage_unit(x, tok, cols, c0, e, here, f);
+            const float inv = amax > 0.f ? (float)MMVQ_RANGE / amax : 0.f;
+            unsigned int hw[2] = {0u, 0u}, lw[2] = {0u, 0u};
+            int sum = 0;
+#pragma unroll
+            for (int k = 0; k < 8; k++) {
+                const int v = __float2int_rn(f[k] * inv);
+                const int h = (v + 128) >> 8, l = v - 256 * h;
+                hw[k / 4] |= ((unsigned int)h & 0xFFu) << (8 * (k % 4));
+                lw[k / 4] |= ((unsigned int)l & 0xFFu) << (8 * (k % 4));
+                sum += v;
+            }
+            if (here) {
+                unsigned char *at = xs + tok * stride + (e / 4) * 64 + 8 * (e % 4);
+                *reinterpret_cast<uint2 *>(at) = make_uint2(hw[0], hw[1]);
+                *reinterpret_cast<uint2 *>(at + 32) = make_uint2(lw[0], lw[1]);
+            }
+            if (lane == 0) sx[tok * groups + e / 32] = amax / (float)MMVQ_RANGE;
+            if constexpr (R::HAS_MIN) {
+#pragma unroll
+                for (unsigned o = 1; o < MIN_LANES; o *= 2) sum += __shfl_xor_sync(0xFFFFFFFFu, sum, o);
+                if (here && lane % MIN_LANES == 0) xv[tok * blocks + e / MIN_LANES] = sum;
+            }
+        }
+    };
+
+    using Raw = typename R::Raw;
+    auto fetch_group = [&](Raw (&r)[UNROLL][2], unsigned int col) {
+#pragma unroll
+        for (int u = 0; u < (int)UNROLL; u++)
+            if (col + u * TILE < k_end) {
+                R::template fetch<false>(r[u][0], wr[0], col + u * TILE, t);
+                R::template fetch<false>(r[u][1], wr[1], col + u * TILE, t);
+            }
+    };
+
+    // The tiles of column group `col`, whose chunk starts at column `c0` of shared memory; streamed, each
+    // tile's registers are refilled with the next group's tile as soon as it is used.
+    auto compute = [&](Raw (&r)[UNROLL][2], unsigned int col, unsigned int c0) {
+#pragma unroll
+        for (int u = 0; u < (int)UNROLL; u++) {
+            const unsigned int tc = col + u * TILE;
+            if (tc >= k_end) break;
+#pragma unroll
+            for (int s = 0; s < (int)R::TILE_STEPS; s++) {
+                const unsigned int c = tc + s * R::STEP - c0;  // column within the chunk
+                unsigned int wa[KW], wb[KW];
+                R::a(r[u][0], s, wa, t);
+                R::a(r[u][1], s, wb, t);
+                int isa = 1, isb = 1, ima = 0, imb = 0;
+                float fsa = 1.f, fsb = 1.f;
+                if constexpr (R::SUPER) {
+                    isa = R::isc(r[u][0], s), isb = R::isc(r[u][1], s);
+                    if constexpr (R::HAS_MIN) ima = R::imin(r[u][0], s), imb = R::imin(r[u][1], s);
+                } else {
+                    fsa = R::fsc(r[u][0], s), fsb = R::fsc(r[u][1], s);
+                }
+#pragma unroll
+                for (int j = 0; j < NT4; j++) {
+                    if (4 * j >= n) break;  // a whole tile of absent tokens
+                    // B column g: token 4j + g / 2 (absent ones reread the last), its hi (even g) or lo half.
+                    const unsigned int tok = min(4 * j + g / 2, n - 1);
+                    const unsigned char *bp = xs + tok * stride + (c / 32) * 64 + (g % 2) * 32 + c % 32 + (R::STEP / 4) * t;
+                    int d[4];
+                    if constexpr (R::STEP == 32) {
+                        const uint2 b = *reinterpret_cast<const uint2 *>(bp);
+                        mma_k32<R::SIGNED>(d, wa[0], wb[0], wa[KW - 1], wb[KW - 1], b.x, b.y);
+                    } else {
+                        const unsigned int b = *reinterpret_cast<const unsigned int *>(bp);
+                        mma_k16<R::SIGNED>(d, wa[0], wb[0], b);
+                    }
+                    // d[0], d[1]: row a, token 4j + t's hi and lo sums; d[2], d[3]: row b.
+                    if constexpr (R::SUPER) {
+                        ihi[j][0] += isa * d[0], ilo[j][0] += isa * d[1];
+                        ihi[j][1] += isb * d[2], ilo[j][1] += isb * d[3];
+                        if constexpr (R::HAS_MIN) {
+                            const int xs_sum = xv[min(4 * j + t, n - 1) * blocks + c / R::STEP];
+                            mins[j][0] += ima * xs_sum;
+                            mins[j][1] += imb * xs_sum;
+                        }
+                    } else {
+                        acc[j][0] = fmaf(fsa, (float)(d[0] * 256 + d[1]), acc[j][0]);
+                        acc[j][1] = fmaf(fsb, (float)(d[2] * 256 + d[3]), acc[j][1]);
+                        if constexpr (R::HAS_MIN) {
+                            const float xs_sum = (float)xv[min(4 * j + t, n - 1) * blocks + c / R::STEP];
+                            acc[j][0] = fmaf(R::fmin(r[u][0], s), xs_sum, acc[j][0]);
+                            acc[j][1] = fmaf(R::fmin(r[u][1], s), xs_sum, acc[j][1]);
+                        }
+                    }
+                }
+            }
+            // An activation group (a super-block) ends: its scales into the sum, in column order.
+            if ((tc + TILE) % MMV_KC == 0 || tc + TILE >= k_end) {
+                float da = 1.f, db = 1.f, ma = 0.f, mb = 0.f;
+                if constexpr (R::SUPER) {
+                    R::tile(r[u][0], da, ma);
+                    R::tile(r[u][1], db, mb);
+                }
+#pragma unroll
+                for (int j = 0; j < NT4; j++) {
+                    if (4 * j >= n) break;
+                    const float s = sx[min(4 * j + t, n - 1) * groups + (tc - c0) / MMV_KC];
+                    if constexpr (R::SUPER) {
+#pragma unroll
+                        for (int e = 0; e < 2; e++) {
+                            acc[j][e] = fmaf((float)ihi[j][e], 256.f, (float)ilo[j][e]);
+                            ihi[j][e] = ilo[j][e] = 0;
+                        }
+                    }
+                    out[j][0] = fmaf(da * s, acc[j][0], out[j][0]);
+                    out[j][1] = fmaf(db * s, acc[j][1], out[j][1]);
+                    if constexpr (R::SUPER && R::HAS_MIN) {
+                        out[j][0] = fmaf(ma * s, (float)mins[j][0], out[j][0]);
+                        out[j][1] = fmaf(mb * s, (float)mins[j][1], out[j][1]);
+                    }
+                    acc[j][0] = acc[j][1] = 0.f;
+                    mins[j][0] = mins[j][1] = 0;
+                }
+            }
+            if (!STAGED && tc + GROUP < k_end) {
+                R::template fetch<false>(r[u][0], wr[0], tc + GROUP, t);
+                R::template fetch<false>(r[u][1], wr[1], tc + GROUP, t);
+            }
+        }
+    };
+
+    if constexpr (STAGED) {
+        staged_groups<R, UNROLL, TILE, GLU>(mmv_smem + mmvq_act_bytes(n, kch, mmvq_min_cols<R>()), w, w2, rows, row_bytes, wr,
+                                            warp, lane, k_begin, k_end, kch, stage, compute);
+    } else {
+        unsigned int staged = ~0u;
+        Raw r[UNROLL][2];
+        fetch_group(r, k_begin);
+        he::pdl_wait();
+        for (unsigned int col = k_begin; col < k_end; col += GROUP)
+            compute(r, col, enter_chunk(col, k_begin, k_end, kch, staged, stage));
+    }
+
+    mmv_write<GLU>(shape, n, rows, rw.a, rw.b, bias, residual, y, ldy, partial, counters, [&](auto &&fn) {
+#pragma unroll
+        for (int j = 0; j < NT4; j++) {
+            const unsigned int tok = 4 * j + t;
+            if (tok < n) fn(tok, out[j][0], out[j][1]);
+        }
+    });
+}
+
+// Tokens an integer launch takes: MMVQ_LAUNCH_TOKENS, or hostembed_tuning's mmvq_tokens (1 to
+// MMVQ_MAX_TOKENS), to measure. Any split gives a token the same bits.
+inline unsigned int mmvq_launch_tokens(const hostembed_tuning &tuning) {
+    const unsigned int t = tuning.mmvq_tokens;
+    const unsigned int most = MMV_TUNING_KERNELS ? MMVQ_MAX_TOKENS : MMVQ_LAUNCH_TOKENS;
+    return t >= 1 && t <= most ? t : MMVQ_LAUNCH_TOKENS;
+}
+
+template <typename R, bool GLU, bool STAGED>
+cudaError_t launch_int(const he::mmv::Args &a) {
+    const unsigned int rows = a.rows, cols = a.cols, n = a.n, ldy = a.ldy;
+    const hostembed_tuning &tuning = a.tuning;
+    const MmvShape shape = mmv_shape(rows, cols, GLU, true);
+    const dim3 grid(shape.row_blocks, shape.splits);
+    // The tile kernel (hostembed_tuning's mmv_tc_blocks, where the card has its shared memory) takes
+    // launches of more than MMV_PREP_AFTER tokens, up to MMV_MAX_TOKENS at once; a launch of fewer takes
+    // the integer kernel.
+    const bool tile = tuning.mmv_tc_blocks != 0 && n > MMV_PREP_AFTER && he::mmv::tile_fits(a.dtype, min(n, MMV_MAX_TOKENS));
+    const unsigned int MAX = tile ? MMV_MAX_TOKENS : mmvq_launch_tokens(tuning);
+    constexpr unsigned GROUP = mmv_group<R, STAGED>();
+    constexpr unsigned WEIGHTS = STAGED ? WeightSlots<R, GROUP>::BLOCK_BYTES : 0;
+    for (unsigned int t0 = 0; t0 < n; t0 += MAX) {
+        const unsigned int nt = min(MAX, n - t0);
+        const float *xt = a.x + (size_t)t0 * cols;
+        const float *rt = a.residual != nullptr ? a.residual + (size_t)t0 * ldy : nullptr;
+        float *yt = a.y + (size_t)t0 * ldy;
+        if (tile && nt > MMV_PREP_AFTER) {
+            he::mmv::Args part = a;
+            part.x = xt, part.n = nt, part.residual = rt, part.y = yt;
+            const cudaError_t e = he::mmv::tile(GLU, part);
+            if (e != cudaSuccess) return e;
+            continue;
+        }
+        const int smem = (int)(mmvq_act_bytes(nt, mmv_chunk(nt, shape.kr, 2, mmvq_unit(GROUP)), mmvq_min_cols<R>()) + WEIGHTS);
+        auto go = [&](auto kernel) {
+            cudaError_t e = he::allow_smem(kernel, smem);
+            if (e != cudaSuccess) return e;
+            return he::launch_overlapped(tuning, kernel, grid, dim3(MMV_THREADS), (size_t)smem, a.stream, a.w, a.w2,
+                                         rows, cols, a.row_bytes, xt, nt, a.bias, rt, yt, ldy, a.partial, a.counters);
+        };
+        cudaError_t e;
+        if (nt <= 4) e = go(mmvq_kernel<R, 1, GLU, STAGED>);
+        else if (nt <= 8) e = go(mmvq_kernel<R, 2, GLU, STAGED>);
+        else if (nt <= 16) e = go(mmvq_kernel<R, 4, GLU, STAGED>);
+        else if constexpr (MMV_TUNING_KERNELS) e = go(mmvq_kernel<R, 8, GLU, STAGED>);
+        else e = cudaErrorNotSupported;  // mmvq_launch_tokens keeps these builds at 16
+        if (e != cudaSuccess) return e;
+    }
+    return cudaSuccess;
+}
+
+}  // namespace
+
+cudaError_t he::mmv::integer(bool glu, const Args &a) {
+    return with_launch<true>(glu, a, [&](auto reader, auto g, auto staged) {
+        return launch_int<decltype(reader), decltype(g)::value, decltype(staged)::value>(a);
+    });
+}
