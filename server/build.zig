@@ -39,7 +39,13 @@ pub fn build(b: *std.Build) void {
         .target = target,
         .optimize = optimize,
     }) });
+    const unit_calls = b.addTest(.{ .root_module = b.createModule(.{
+        .root_source_file = b.path("src/tool_calls.zig"),
+        .target = target,
+        .optimize = optimize,
+    }) });
     const test_step = b.step("test", "unit tests of the text handling (UTF-8 holding, stop strings, JSON escaping) and of tool calls");
     test_step.dependOn(&b.addRunArtifact(unit).step);
     test_step.dependOn(&b.addRunArtifact(unit_tools).step);
+    test_step.dependOn(&b.addRunArtifact(unit_calls).step);
 }
