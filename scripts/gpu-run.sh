@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine from the repo root: unpacks .gpu/bundle.tar.xz and runs the GPU suite,
 # then whatever steps are named (default: tests). Logs go to $OUT (or ./gpu-out).
-# Steps: info tests tests-parallel targets formats prep tc-blocks targets-f16 targets-kv sanitize profile-decode hfref bench-embed bench-decode bench-mmv bench-model bench-prefill bench-prefill-quant
+# Steps: info tests tests-parallel targets formats prep tc-blocks attention-wide targets-f16 targets-kv sanitize profile-decode hfref bench-embed bench-decode bench-mmv bench-model bench-prefill bench-prefill-quant
 # bench-convert bench-kv torch-prefill server-load, or any example's name. server-load measures the
 # server's targets (scripts/server-load.sh: a 16 GB Llama-3-8B-shaped file written under /tmp, batch.c,
 # decode.c and hostembed-server with load.py on it; about 4 minutes, meant for a call of its own). bench-mmv times the decode products alone
@@ -189,6 +189,19 @@ for step in $steps; do
         done
       done
       unset HOSTEMBED_MMV_TC_BLOCKS ;;
+    attention-wide)
+      # Decode attention's two builds (HOSTEMBED_ATTENTION_WIDE: 0 more loads in flight a thread, 1 twice
+      # the blocks a multiprocessor) against the default's choice: F16 streams at 512-token caches, then
+      # one stream at a 16,384-token cache.
+      rc=0
+      log="$OUT/attention-wide.log"
+      for w in default 0 1; do
+        if [ "$w" = default ]; then unset HOSTEMBED_ATTENTION_WIDE; else export HOSTEMBED_ATTENTION_WIDE=$w; fi
+        echo "HOSTEMBED_ATTENTION_WIDE=$w" >> "$log"
+        run_bench bench_batch --dtype f16 --streams 1,8,16,64 --no-long --no-host-rows --steps 32
+        run_bench bench_decode --no-kernels --no-mmv --dtype f16 --prompt 16384 --tokens 64 --runs 2 --greedy
+      done
+      unset HOSTEMBED_ATTENTION_WIDE ;;
     targets-f16)
       # Issue 31's one-stream F16 rows (decode at a 64 and a 16,384-token cache, a 4,096-token prompt), the
       # streams table's largest count with the rows in host memory, and Q4_K_M decode with them there.
