@@ -395,6 +395,24 @@ __host__ __device__ constexpr unsigned mmvq_min_cols() {
 // The unit of staged activation chunks: whole column groups and whole activation groups.
 __host__ __device__ constexpr unsigned mmvq_unit(unsigned group) { return group > MMV_KC ? group : MMV_KC; }
 
+// Eight activations as v = rn(x inv) in two bytes, hi and lo (v = 256 hi + lo), four a word: the integer
+// products' 16-bit activations (both kernels' conversions). Returns the sum of the eight v.
+__device__ __forceinline__ int mmvq_split8(const float (&f)[8], float inv, uint2 &hi, uint2 &lo) {
+    unsigned int hw[2] = {0u, 0u}, lw[2] = {0u, 0u};
+    int sum = 0;
+#pragma unroll
+    for (int k = 0; k < 8; k++) {
+        const int v = __float2int_rn(f[k] * inv);
+        const int h = (v + 128) >> 8, l = v - 256 * h;
+        hw[k / 4] |= ((unsigned int)h & 0xFFu) << (8 * (k % 4));
+        lw[k / 4] |= ((unsigned int)l & 0xFFu) << (8 * (k % 4));
+        sum += v;
+    }
+    hi = make_uint2(hw[0], hw[1]);
+    lo = make_uint2(lw[0], lw[1]);
+    return sum;
+}
+
 }  // namespace
 
 // ---- the launchers each kernel file defines (named: called from the other files) ----

@@ -50,21 +50,12 @@ __global__ __launch_bounds__(MMV_THREADS, NT4 <= 2 ? MMV_SMALL_MIN_BLOCKS : NT4 
             const bool here = 8 * e < len;
             float f[8];
             const float amax = stage_unit(x, tok, cols, c0, e, here, f);
-            const float inv = amax > 0.f ? (float)MMVQ_RANGE / amax : 0.f;
-            unsigned int hw[2] = {0u, 0u}, lw[2] = {0u, 0u};
-            int sum = 0;
-#pragma unroll
-            for (int k = 0; k < 8; k++) {
-                const int v = __float2int_rn(f[k] * inv);
-                const int h = (v + 128) >> 8, l = v - 256 * h;
-                hw[k / 4] |= ((unsigned int)h & 0xFFu) << (8 * (k % 4));
-                lw[k / 4] |= ((unsigned int)l & 0xFFu) << (8 * (k % 4));
-                sum += v;
-            }
+            uint2 hi, lo;
+            int sum = mmvq_split8(f, amax > 0.f ? (float)MMVQ_RANGE / amax : 0.f, hi, lo);
             if (here) {
                 unsigned char *at = xs + tok * stride + (e / 4) * 64 + 8 * (e % 4);
-                *reinterpret_cast<uint2 *>(at) = make_uint2(hw[0], hw[1]);
-                *reinterpret_cast<uint2 *>(at + 32) = make_uint2(lw[0], lw[1]);
+                *reinterpret_cast<uint2 *>(at) = hi;
+                *reinterpret_cast<uint2 *>(at + 32) = lo;
             }
             if (lane == 0) sx[tok * groups + e / 32] = amax / (float)MMVQ_RANGE;
             if constexpr (R::HAS_MIN) {

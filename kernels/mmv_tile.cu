@@ -63,21 +63,12 @@ __global__ __launch_bounds__(MMV_THREADS) void mmvt_prep_kernel(const float *__r
     const bool here = c0 + 8 * lane < cols;
     float f[8];
     const float amax = stage_unit(x, tok, cols, c0, lane, here, f);
-    const float inv = amax > 0.f ? (float)MMVQ_RANGE / amax : 0.f;
-    unsigned int hw[2] = {0u, 0u}, lw[2] = {0u, 0u};
-    int sum = 0;
-#pragma unroll
-    for (int k = 0; k < 8; k++) {
-        const int v = __float2int_rn(f[k] * inv);
-        const int h = (v + 128) >> 8, l = v - 256 * h;
-        hw[k / 4] |= ((unsigned int)h & 0xFFu) << (8 * (k % 4));
-        lw[k / 4] |= ((unsigned int)l & 0xFFu) << (8 * (k % 4));
-        sum += v;
-    }
+    uint2 hi, lo;
+    int sum = mmvq_split8(f, amax > 0.f ? (float)MMVQ_RANGE / amax : 0.f, hi, lo);
     if (here) {
         unsigned char *at = xq + (size_t)tok * cols * 2 + (size_t)(c0 + 8 * lane) / 32 * 64 + 8 * (lane % 4);
-        *reinterpret_cast<uint2 *>(at) = make_uint2(hw[0], hw[1]);
-        *reinterpret_cast<uint2 *>(at + 32) = make_uint2(lw[0], lw[1]);
+        *reinterpret_cast<uint2 *>(at) = hi;
+        *reinterpret_cast<uint2 *>(at + 32) = lo;
     }
     int *rec = meta + (size_t)(tok * groups + gi) * META;
     if (lane == 0) rec[0] = __float_as_int(amax / (float)MMVQ_RANGE);
