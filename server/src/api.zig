@@ -6,7 +6,6 @@ const http = @import("http.zig");
 const sched = @import("sched.zig");
 const text = @import("text.zig");
 const metrics = @import("metrics.zig");
-const tools = @import("tools.zig");
 const Server = @import("main.zig").Server;
 const request = @import("request.zig");
 const respond = @import("respond.zig");

@@ -2,10 +2,7 @@
 //! where the template does not print them, an assistant's calls and the tools' results carried as text.
 const std = @import("std");
 const c = @import("hostembed");
-const http = @import("http.zig");
-const sched = @import("sched.zig");
 const text = @import("text.zig");
-const metrics = @import("metrics.zig");
 const tools = @import("tools.zig");
 const Server = @import("main.zig").Server;
 const request = @import("request.zig");

@@ -2,15 +2,12 @@
 //! prompts tokenized; a chat's messages through chat.zig), or the `Bad` that says what the client got wrong.
 const std = @import("std");
 const c = @import("hostembed");
-const http = @import("http.zig");
 const sched = @import("sched.zig");
 const text = @import("text.zig");
-const metrics = @import("metrics.zig");
 const tools = @import("tools.zig");
 const Server = @import("main.zig").Server;
 const chat = @import("chat.zig");
 
-const gpa = std.heap.c_allocator;
 const Value = std.json.Value;
 const ObjectMap = std.json.ObjectMap;
 
