@@ -449,6 +449,19 @@ bool tile_fits(int dtype, unsigned int n);
 
 namespace {
 
+// One launch of a streamed or staged product kernel for tokens [t0, t0 + nt) of `a`, on `grid` with
+// `smem` bytes of shared memory.
+template <typename Kernel>
+cudaError_t launch_tokens(Kernel kernel, dim3 grid, int smem, const he::mmv::Args &a, unsigned int t0,
+                          unsigned int nt) {
+    const cudaError_t e = he::allow_smem(kernel, smem);
+    if (e != cudaSuccess) return e;
+    const float *rt = a.residual != nullptr ? a.residual + (size_t)t0 * a.ldy : nullptr;
+    return he::launch_overlapped(a.tuning, kernel, grid, dim3(MMV_THREADS), (size_t)smem, a.stream, a.w, a.w2, a.rows,
+                                 a.cols, a.row_bytes, a.x + (size_t)t0 * a.cols, nt, a.bias, rt,
+                                 a.y + (size_t)t0 * a.ldy, a.ldy, a.partial, a.counters);
+}
+
 // Calls fn(R{}, glu, staged) (std::bool_constant flags) for the reader of a.dtype when its kind is INT,
 // staged where mmv_staged says (formats that never stage by default have their staged kernels in
 // tuning builds only); cudaErrorNotSupported for the other readers and formats.

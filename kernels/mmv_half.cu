@@ -263,7 +263,7 @@ __global__ __launch_bounds__(MMV_THREADS, NT <= 2 ? MMV_SMALL_MIN_BLOCKS : 2) vo
 
 template <typename R, bool GLU, bool STAGED>
 cudaError_t launch_half(const he::mmv::Args &a) {
-    const unsigned int rows = a.rows, cols = a.cols, n = a.n, ldy = a.ldy;
+    const unsigned int rows = a.rows, cols = a.cols, n = a.n;
     const hostembed_tuning &tuning = a.tuning;
     const MmvShape shape = mmv_shape(rows, cols, GLU, true);
     const dim3 grid(shape.row_blocks, shape.splits);
@@ -272,8 +272,6 @@ cudaError_t launch_half(const he::mmv::Args &a) {
     for (unsigned int t0 = 0; t0 < n; t0 += MMV_MAX_TOKENS) {
         const unsigned int nt = min(MMV_MAX_TOKENS, n - t0);
         const float *xt = a.x + (size_t)t0 * cols;
-        const float *rt = a.residual != nullptr ? a.residual + (size_t)t0 * ldy : nullptr;
-        float *yt = a.y + (size_t)t0 * ldy;
         const bool prep = !STAGED && nt > MMV_PREP_AFTER && tuning.mmv_prep != 0;
         const int smem = (int)(mmv_half_smem(nt, shape.kr, GROUP, R::SCALED, prep) + WEIGHTS);
         if (prep) {
@@ -284,12 +282,7 @@ cudaError_t launch_half(const he::mmv::Args &a) {
                 xt, nt, cols, reinterpret_cast<uint4 *>(staged), reinterpret_cast<int *>(staged + (size_t)nt * cols));
             if (e != cudaSuccess) return e;
         }
-        auto go = [&](auto kernel) {
-            cudaError_t e = he::allow_smem(kernel, smem);
-            if (e != cudaSuccess) return e;
-            return he::launch_overlapped(tuning, kernel, grid, dim3(MMV_THREADS), (size_t)smem, a.stream, a.w, a.w2,
-                                         rows, cols, a.row_bytes, xt, nt, a.bias, rt, yt, ldy, a.partial, a.counters);
-        };
+        auto go = [&](auto kernel) { return launch_tokens(kernel, grid, smem, a, t0, nt); };
         cudaError_t e;
         if constexpr (!STAGED) {
             static_assert(MMV_PREP_AFTER == 8, "the first tile count that converts once");

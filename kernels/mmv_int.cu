@@ -221,12 +221,7 @@ cudaError_t launch_int(const he::mmv::Args &a) {
             continue;
         }
         const int smem = (int)(mmvq_act_bytes(nt, mmv_chunk(nt, shape.kr, 2, mmvq_unit(GROUP)), mmvq_min_cols<R>()) + WEIGHTS);
-        auto go = [&](auto kernel) {
-            cudaError_t e = he::allow_smem(kernel, smem);
-            if (e != cudaSuccess) return e;
-            return he::launch_overlapped(tuning, kernel, grid, dim3(MMV_THREADS), (size_t)smem, a.stream, a.w, a.w2,
-                                         rows, cols, a.row_bytes, xt, nt, a.bias, rt, yt, ldy, a.partial, a.counters);
-        };
+        auto go = [&](auto kernel) { return launch_tokens(kernel, grid, smem, a, t0, nt); };
         cudaError_t e;
         if (nt <= 4) e = go(mmvq_kernel<R, 1, GLU, STAGED>);
         else if (nt <= 8) e = go(mmvq_kernel<R, 2, GLU, STAGED>);
