@@ -30,12 +30,17 @@ fn upload_at<T: Copy>(data: &[T], offset: usize) -> (DeviceBuffer, *mut c_void) 
     (b, p)
 }
 
-/// Relative L2 error, after checking that every element was written (no NaN left from the poison).
-fn rel_l2(what: &str, got: &[f32], want: &[f32]) -> f64 {
-    assert_eq!(got.len(), want.len(), "{what}: lengths");
+/// Fails where an element is not finite (a NaN left from the poison: not written).
+fn assert_written(what: &str, got: &[f32]) {
     if let Some(i) = got.iter().position(|v| !v.is_finite()) {
         panic!("{what}: element {i} of {} is {} (not written?)", got.len(), got[i]);
     }
+}
+
+/// Relative L2 error, after checking that every element was written (no NaN left from the poison).
+fn rel_l2(what: &str, got: &[f32], want: &[f32]) -> f64 {
+    assert_eq!(got.len(), want.len(), "{what}: lengths");
+    assert_written(what, got);
     let (mut num, mut den) = (0f64, 0f64);
     for (&g, &w) in got.iter().zip(want) {
         num += (g as f64 - w as f64).powi(2);
