@@ -6,7 +6,7 @@
 
 namespace {
 
-// ---- shared by both kernels ----
+// ---- shared by every kernel ----
 
 // Bytes of shared memory the staged activations may take (the rest of a multiprocessor's goes to more
 // blocks); a chunk is at least MMV_KC columns whatever the token count. The BF16 kernel's is a knob.
@@ -266,7 +266,7 @@ bool mmv_staged(const hostembed_tuning &tuning, unsigned int n) {
     return tuning.mmv_stage == HE_MMV_STAGE_ALWAYS || (tuning.mmv_stage != HE_MMV_STAGE_NEVER && n <= R::STAGE_TOKENS);
 }
 
-// ---- the BF16 kernel ----
+// ---- the half kernels' staged activations (mmv_half.cu; stage_unit the integer kernels' too) ----
 
 // One token's staged row of `kch` columns: groups of 4 columns, hi[4] then lo[4] (16 bytes), then padding
 // that puts a quarter warp's 16-byte reads (tokens g and g + 1, lanes t = 0..3) in distinct banks.
@@ -359,7 +359,7 @@ __host__ __device__ constexpr unsigned mmv_prep_chunk(unsigned nt, unsigned grou
 __host__ __device__ constexpr unsigned mmv_prep_exponent_bytes(unsigned nt, unsigned kr) {
     return (kr + MMV_KC - 1) / MMV_KC * nt * 8 * 4;
 }
-// The tile count a PREP launch of `n` tokens takes (launch_mmv's choice).
+// The tile count a PREP launch of `n` tokens takes (launch_half's choice).
 __host__ __device__ constexpr unsigned mmv_prep_tiles(unsigned n) { return n <= 16 ? 2 : n <= 32 ? 4 : 8; }
 
 // The staged activations' bytes of a launch: one chunk converted in the block, or (PREP) two copied.

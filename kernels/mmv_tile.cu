@@ -6,7 +6,7 @@
 namespace {
 
 // ---- the tile kernel (block formats, more than MMV_PREP_AFTER tokens a launch) ----
-// The integer kernel above holds every token tile's sums at once, so it takes 16 tokens a launch and
+// The integer kernel (mmv_int.cu) holds every token tile's sums at once, so it takes 16 tokens a launch and
 // reads (and decodes) the weights again for each 16; each block also converts its chunk's activations
 // itself. The tile kernel computes the same integers and the same float epilogue, in the same order
 // (so the same bits, for any token count), arranged for many tokens: the activations are converted once
