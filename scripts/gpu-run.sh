@@ -31,6 +31,12 @@ lt=$(find /opt /usr/local /usr/lib -name 'libcublasLt.so.1[23]' 2>/dev/null | he
 [ -n "$lt" ] && export LD_LIBRARY_PATH="$(dirname "$lt")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 echo "cuBLASLt: ${lt:-none found}" >> "$OUT/summary.txt"
 summary="$OUT/summary.txt"
+# At most 8 files come back: the summary, and every log packed into one archive, also when the call's
+# time limit (or `timeout -s INT`) stops a step, so what the earlier steps wrote still comes back.
+pack_logs() {
+  (cd "$OUT" && ls *.log >/dev/null 2>&1 && tar -rf logs.tar *.log && rm -f *.log) || true
+}
+trap 'echo "stopped during a step at $(date +%T)" >> "$summary"; pack_logs; exit 130' INT TERM
 # What a stalled process $1 is doing, into $2: its threads' states and CPU time, the card's load, and
 # (by cuda-gdb) every host thread's stack and the kernels resident on the card.
 dump_stall() {
@@ -261,6 +267,5 @@ for step in $steps; do
   esac
   echo "step $step: rc=$rc in $(( $(date +%s) - start ))s" >> "$summary"
 done
-# At most 8 files come back: the summary, and every log packed into one archive.
-(cd "$OUT" && ls *.log >/dev/null 2>&1 && tar -cf logs.tar *.log && rm -f *.log)
+pack_logs
 cat "$summary"
