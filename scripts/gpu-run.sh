@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine from the repo root: unpacks .gpu/bundle.tar.xz and runs the GPU suite,
 # then whatever steps are named (default: tests). Logs go to $OUT (or ./gpu-out).
-# Steps: info tests tests-parallel targets formats prep tc-blocks attention-wide targets-f16 targets-kv sanitize profile-decode hfref bench-embed bench-decode bench-mmv bench-model bench-prefill bench-prefill-quant
+# Steps: info tests tests-parallel targets formats prep tc-blocks attention-wide targets-f16 targets-kv sanitize profile-decode profile-mmv hfref bench-embed bench-decode bench-mmv bench-model bench-prefill bench-prefill-quant
 # bench-convert bench-kv torch-prefill server-load, or any example's name. server-load measures the
 # server's targets (scripts/server-load.sh: a 16 GB Llama-3-8B-shaped file written under /tmp, batch.c,
 # decode.c and hostembed-server with load.py on it; about 4 minutes, meant for a call of its own). bench-mmv times the decode products alone
@@ -248,6 +248,16 @@ for step in $steps; do
           --launch-skip 400 --launch-count 900 "$B/examples/bench_decode" --no-kernels --no-mmv --dtype "$dtype" \
           --prompt 64 --tokens 8 --runs 1 > "$OUT/profile-decode-$dtype.log" 2>&1 || rc=$?
       done ;;
+    profile-mmv)
+      # Nsight Compute's full set over one launch of the F16 decode product at 64 tokens (4096 x 14336,
+      # activations converted once), then its per-instruction counters (SASS with stall reasons, as CSV).
+      rc=0
+      ncu --kernel-name regex:'mmv_kernelINS_6MmaF16ELi8ELb0ELb0ELb1' --launch-skip 2 --launch-count 1 --set full \
+        --import-source yes -o "$OUT/profile-mmv" "$B/examples/bench_decode" --kernels-only --no-matvec --mmv-only F16 \
+        > "$OUT/profile-mmv-run.log" 2>&1 || rc=$?
+      ncu -i "$OUT/profile-mmv.ncu-rep" --page details > "$OUT/profile-mmv-details.log" 2>&1 || rc=$?
+      ncu -i "$OUT/profile-mmv.ncu-rep" --page source --csv --print-source sass > "$OUT/profile-mmv-sass.log" 2>&1 || rc=$?
+      rm -f "$OUT/profile-mmv.ncu-rep" ;;
     tests-parallel)
       # The GPU suites at once on the one card (each binary still runs its tests one at a time).
       rc=0
