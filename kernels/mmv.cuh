@@ -449,17 +449,25 @@ bool tile_fits(int dtype, unsigned int n);
 
 namespace {
 
-// One launch of a streamed or staged product kernel for tokens [t0, t0 + nt) of `a`, on `grid` with
-// `smem` bytes of shared memory.
+// Tokens [t0, t0 + nt) of `a` as a product of their own: their activations, residual rows and outputs.
+inline he::mmv::Args tokens_of(const he::mmv::Args &a, unsigned int t0, unsigned int nt) {
+    he::mmv::Args part = a;
+    part.x = a.x + (size_t)t0 * a.cols;
+    part.n = nt;
+    part.residual = a.residual != nullptr ? a.residual + (size_t)t0 * a.ldy : nullptr;
+    part.y = a.y + (size_t)t0 * a.ldy;
+    return part;
+}
+
+// One launch of a streamed or staged product kernel for `part` (tokens_of's), on `grid` with `smem` bytes
+// of shared memory.
 template <typename Kernel>
-cudaError_t launch_tokens(Kernel kernel, dim3 grid, int smem, const he::mmv::Args &a, unsigned int t0,
-                          unsigned int nt) {
+cudaError_t launch_tokens(Kernel kernel, dim3 grid, int smem, const he::mmv::Args &part) {
     const cudaError_t e = he::allow_smem(kernel, smem);
     if (e != cudaSuccess) return e;
-    const float *rt = a.residual != nullptr ? a.residual + (size_t)t0 * a.ldy : nullptr;
-    return he::launch_overlapped(a.tuning, kernel, grid, dim3(MMV_THREADS), (size_t)smem, a.stream, a.w, a.w2, a.rows,
-                                 a.cols, a.row_bytes, a.x + (size_t)t0 * a.cols, nt, a.bias, rt,
-                                 a.y + (size_t)t0 * a.ldy, a.ldy, a.partial, a.counters);
+    return he::launch_overlapped(part.tuning, kernel, grid, dim3(MMV_THREADS), (size_t)smem, part.stream, part.w,
+                                 part.w2, part.rows, part.cols, part.row_bytes, part.x, part.n, part.bias,
+                                 part.residual, part.y, part.ldy, part.partial, part.counters);
 }
 
 // Calls fn(R{}, glu, staged) (std::bool_constant flags) for the reader of a.dtype when its kind is INT,

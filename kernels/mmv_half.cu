@@ -271,7 +271,7 @@ cudaError_t launch_half(const he::mmv::Args &a) {
     constexpr unsigned WEIGHTS = STAGED ? WeightSlots<R, GROUP>::BLOCK_BYTES : 0;
     for (unsigned int t0 = 0; t0 < n; t0 += MMV_MAX_TOKENS) {
         const unsigned int nt = min(MMV_MAX_TOKENS, n - t0);
-        const float *xt = a.x + (size_t)t0 * cols;
+        const he::mmv::Args part = tokens_of(a, t0, nt);
         const bool prep = !STAGED && nt > MMV_PREP_AFTER && tuning.mmv_prep != 0;
         const int smem = (int)(mmv_half_smem(nt, shape.kr, GROUP, R::SCALED, prep) + WEIGHTS);
         if (prep) {
@@ -279,10 +279,10 @@ cudaError_t launch_half(const he::mmv::Args &a) {
             const unsigned int warps = nt * ((cols + MMV_KC - 1) / MMV_KC);
             const cudaError_t e = he::launch_overlapped(
                 tuning, mmv_prep_kernel<R>, dim3((warps + MMV_WARPS - 1) / MMV_WARPS), dim3(MMV_THREADS), 0, a.stream,
-                xt, nt, cols, reinterpret_cast<uint4 *>(staged), reinterpret_cast<int *>(staged + (size_t)nt * cols));
+                part.x, nt, cols, reinterpret_cast<uint4 *>(staged), reinterpret_cast<int *>(staged + (size_t)nt * cols));
             if (e != cudaSuccess) return e;
         }
-        auto go = [&](auto kernel) { return launch_tokens(kernel, grid, smem, a, t0, nt); };
+        auto go = [&](auto kernel) { return launch_tokens(kernel, grid, smem, part); };
         cudaError_t e;
         if constexpr (!STAGED) {
             static_assert(MMV_PREP_AFTER == 8, "the first tile count that converts once");

@@ -197,7 +197,7 @@ inline unsigned int mmvq_launch_tokens(const hostembed_tuning &tuning) {
 
 template <typename R, bool GLU, bool STAGED>
 cudaError_t launch_int(const he::mmv::Args &a) {
-    const unsigned int rows = a.rows, cols = a.cols, n = a.n, ldy = a.ldy;
+    const unsigned int rows = a.rows, cols = a.cols, n = a.n;
     const hostembed_tuning &tuning = a.tuning;
     const MmvShape shape = mmv_shape(rows, cols, GLU, true);
     const dim3 grid(shape.row_blocks, shape.splits);
@@ -210,18 +210,14 @@ cudaError_t launch_int(const he::mmv::Args &a) {
     constexpr unsigned WEIGHTS = STAGED ? WeightSlots<R, GROUP>::BLOCK_BYTES : 0;
     for (unsigned int t0 = 0; t0 < n; t0 += MAX) {
         const unsigned int nt = min(MAX, n - t0);
-        const float *xt = a.x + (size_t)t0 * cols;
-        const float *rt = a.residual != nullptr ? a.residual + (size_t)t0 * ldy : nullptr;
-        float *yt = a.y + (size_t)t0 * ldy;
+        const he::mmv::Args part = tokens_of(a, t0, nt);
         if (tile && nt > MMV_PREP_AFTER) {
-            he::mmv::Args part = a;
-            part.x = xt, part.n = nt, part.residual = rt, part.y = yt;
             const cudaError_t e = he::mmv::tile(GLU, part);
             if (e != cudaSuccess) return e;
             continue;
         }
         const int smem = (int)(mmvq_act_bytes(nt, mmv_chunk(nt, shape.kr, 2, mmvq_unit(GROUP)), mmvq_min_cols<R>()) + WEIGHTS);
-        auto go = [&](auto kernel) { return launch_tokens(kernel, grid, smem, a, t0, nt); };
+        auto go = [&](auto kernel) { return launch_tokens(kernel, grid, smem, part); };
         cudaError_t e;
         if (nt <= 4) e = go(mmvq_kernel<R, 1, GLU, STAGED>);
         else if (nt <= 8) e = go(mmvq_kernel<R, 2, GLU, STAGED>);
