@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine from the repo root: unpacks .gpu/bundle.tar.xz and runs the GPU suite,
 # then whatever steps are named (default: tests). Logs go to $OUT (or ./gpu-out).
-# Steps: info tests tests-parallel targets formats prep tc-blocks attention-wide targets-f16 targets-kv sanitize profile-decode profile-mmv hfref bench-embed bench-decode bench-mmv bench-model bench-prefill bench-prefill-quant
+# Steps: info tests tests-parallel targets formats prep tc-blocks attention-wide targets-f16 targets-kv wgmma sanitize profile-decode profile-mmv hfref bench-embed bench-decode bench-mmv bench-model bench-prefill bench-prefill-quant
 # bench-convert bench-kv torch-prefill server-load, or any example's name. server-load measures the
 # server's targets (scripts/server-load.sh: a 16 GB Llama-3-8B-shaped file written under /tmp, batch.c,
 # decode.c and hostembed-server with load.py on it; about 4 minutes, meant for a call of its own). bench-mmv times the decode products alone
@@ -208,6 +208,29 @@ for step in $steps; do
         run_bench bench_decode --no-kernels --no-mmv --dtype f16 --prompt 16384 --tokens 64 --runs 2 --greedy
       done
       unset HOSTEMBED_ATTENTION_WIDE ;;
+    wgmma)
+      # The half products past 8 tokens on the warpgroup products (HOSTEMBED_MMV_WGMMA=1, 2: pipelined)
+      # against mma.sync (0): the decode products' kernel tests, the F16 and BF16 products alone, then the
+      # F16 model's streams.
+      rc=0
+      log="$OUT/wgmma.log"
+      HOSTEMBED_MMV_WGMMA=1 "$B/tests/gpu_kernels" --test-threads=1 --nocapture mmv_warpgroup mmv_is_batch mmv_matches \
+        > "$OUT/test-wgmma1.log" 2>&1 || rc=$?
+      HOSTEMBED_MMV_WGMMA=2 "$B/tests/gpu_kernels" --test-threads=1 --nocapture mmv_warpgroup mmv_is_batch \
+        > "$OUT/test-wgmma2.log" 2>&1 || rc=$?
+      grep -h "^test result" "$OUT"/test-wgmma*.log >> "$summary"
+      for wg in 1 2 0; do
+        export HOSTEMBED_MMV_WGMMA=$wg
+        echo "HOSTEMBED_MMV_WGMMA=$wg" >> "$log"
+        run_bench bench_decode --kernels-only --no-matvec --mmv-only F16
+        run_bench bench_decode --kernels-only --no-matvec --mmv-only BF16
+      done
+      for wg in 1 2 0; do
+        export HOSTEMBED_MMV_WGMMA=$wg
+        echo "HOSTEMBED_MMV_WGMMA=$wg" >> "$log"
+        run_bench bench_batch --dtype f16 --streams 64 --no-long --no-host-rows --steps 32
+      done
+      unset HOSTEMBED_MMV_WGMMA ;;
     targets-f16)
       # Issue 31's one-stream F16 rows (decode at a 64 and a 16,384-token cache, a 4,096-token prompt), the
       # streams table's largest count with the rows in host memory, and Q4_K_M decode with them there.
@@ -252,7 +275,7 @@ for step in $steps; do
       # Nsight Compute's full set over one launch of the F16 decode product at 64 tokens (4096 x 14336,
       # activations converted once), then its per-instruction counters (SASS with stall reasons, as CSV).
       rc=0
-      ncu --kernel-name regex:'mmv_kernelINS_6MmaF16ELi8ELb0ELb0ELb1' --launch-skip 2 --launch-count 1 --set full \
+      ncu --kernel-name-base mangled --kernel-name regex:'mmv_kernelINS_6MmaF16ELi8ELb0ELb0ELb1' --launch-skip 2 --launch-count 1 --set full \
         --import-source yes -o "$OUT/profile-mmv" "$B/examples/bench_decode" --kernels-only --no-matvec --mmv-only F16 \
         > "$OUT/profile-mmv-run.log" 2>&1 || rc=$?
       ncu -i "$OUT/profile-mmv.ncu-rep" --page details > "$OUT/profile-mmv-details.log" 2>&1 || rc=$?
