@@ -149,7 +149,9 @@ fn build_kernels(manifest: &Path, nvcc: &Path, include: &Path, archs: &str) {
         .cudart("static");
     let mut flags = Vec::new();
     for a in &archs {
-        flags.push(format!("-gencode=arch=compute_{a},code=sm_{a}"));
+        // sm_90a: sm_90's instructions and Hopper's warpgroup products (kernels/mmv_wg.cu), for every sm_90 card.
+        let real = if *a == "90" { "90a" } else { a };
+        flags.push(format!("-gencode=arch=compute_{real},code=sm_{real}"));
     }
     let newest = archs.iter().max_by_key(|a| a.parse::<u32>().unwrap_or(0)).unwrap();
     flags.push(format!("-gencode=arch=compute_{newest},code=compute_{newest}"));

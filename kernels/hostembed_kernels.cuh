@@ -51,7 +51,8 @@
 // whether integer launches of more than 8 tokens take the tile kernel (every token of a launch at once,
 // the activations converted once a product; the same bits as the streamed kernel), and `attention_blocks`
 // which decode attention kernel a launch takes (0 by its block count, 1 the one with more loads in flight a
-// thread, 2 the one with twice the blocks a multiprocessor).
+// thread, 2 the one with twice the blocks a multiprocessor), and `mmv_wgmma` whether half launches of more
+// than 8 tokens take the warpgroup products on an sm_90 card (0 no, 1 yes, 2 the pipelined kernel).
 #define HE_MMV_STAGE_NEVER 0
 #define HE_MMV_STAGE_MEASURED 1
 #define HE_MMV_STAGE_ALWAYS 2
@@ -62,8 +63,9 @@ typedef struct hostembed_tuning {
     int mmv_prep;
     int mmv_tc_blocks;
     unsigned int attention_blocks;
+    int mmv_wgmma;
 } hostembed_tuning;
-static_assert(sizeof(hostembed_tuning) == 24, "src/kernels.rs repeats hostembed_tuning");
+static_assert(sizeof(hostembed_tuning) == 28, "src/kernels.rs repeats hostembed_tuning");
 
 #ifdef __cplusplus
 extern "C" {

@@ -35,7 +35,8 @@ extern "C" cudaError_t hostembed_mmv_workspace(unsigned int rows, unsigned int c
     const MmvShape s = mmv_shape(rows, cols, glu != 0);
     const unsigned int nt = min(n, MMV_MAX_TOKENS);
     // The split sums, then (half kernels past MMV_PREP_AFTER tokens) the activations staged once.
-    *partial_floats = nt > MMV_PREP_AFTER ? mmv_prep_offset(s, glu != 0, nt, rows) + mmv_prep_floats(nt, cols)
+    // (rows for every token of the launch's tiles: the warpgroup kernel's layout holds absent ones too).
+    *partial_floats = nt > MMV_PREP_AFTER ? mmv_prep_offset(s, glu != 0, nt, rows) + mmv_prep_floats(mmv_prep_tiles(nt) * 8, cols)
                                           : (s.splits > 1 ? (size_t)s.splits * (glu ? 2 : 1) * nt * rows : 0);
     *counters = s.splits > 1 ? s.row_blocks : 0;
     return cudaSuccess;

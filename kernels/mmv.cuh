@@ -444,6 +444,10 @@ cudaError_t integer(bool glu, const Args &a);
 // kernel, and whether the card's shared memory takes it.
 cudaError_t tile(bool glu, const Args &a);
 bool tile_fits(int dtype, unsigned int n);
+// kernels/mmv_wg.cu: a half format's launch of MMV_PREP_AFTER < n <= MMV_MAX_TOKENS tokens on the
+// warpgroup products, and whether the card (sm_90) and the tuning take it.
+cudaError_t warpgroup(bool glu, const Args &a);
+bool warpgroup_ready(const hostembed_tuning &tuning);
 
 }  // namespace he::mmv
 

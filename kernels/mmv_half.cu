@@ -273,6 +273,11 @@ cudaError_t launch_half(const he::mmv::Args &a) {
         const unsigned int nt = min(MMV_MAX_TOKENS, n - t0);
         const he::mmv::Args part = tokens_of(a, t0, nt);
         const bool prep = !STAGED && nt > MMV_PREP_AFTER && tuning.mmv_prep != 0;
+        if (prep && he::mmv::warpgroup_ready(tuning)) {
+            const cudaError_t e = he::mmv::warpgroup(GLU, part);
+            if (e != cudaSuccess) return e;
+            continue;
+        }
         const int smem = (int)(mmv_half_smem(nt, shape.kr, GROUP, R::SCALED, prep) + WEIGHTS);
         if (prep) {
             float *staged = a.partial + mmv_prep_offset(mmv_shape(rows, cols, GLU), GLU, nt, rows);

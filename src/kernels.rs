@@ -49,8 +49,11 @@ pub struct hostembed_tuning {
     /// Which decode attention kernel a launch takes: 0 by its block count, 1 the one with more loads in
     /// flight a thread, 2 the one with twice the blocks a multiprocessor.
     pub attention_blocks: c_uint,
+    /// Half hostembed_mmv launches of more than 8 tokens on an sm_90 card: 0 mma.sync, 1 the warpgroup
+    /// products, 2 their pipelined kernel.
+    pub mmv_wgmma: c_int,
 }
-const _: () = assert!(std::mem::size_of::<hostembed_tuning>() == 24);
+const _: () = assert!(std::mem::size_of::<hostembed_tuning>() == 28);
 
 /// `hostembed_tuning::mmv_stage` values (HE_MMV_STAGE_*).
 pub const MMV_STAGE_NEVER: c_int = 0;
@@ -75,6 +78,7 @@ impl hostembed_tuning {
                 Some(false) => 1,
                 Some(true) => 2,
             },
+            mmv_wgmma: tuning.mmv_wgmma as c_int,
         }
     }
 }

@@ -31,6 +31,9 @@ pub const MMV_PREP_ENV: &str = "HOSTEMBED_MMV_PREP";
 /// "0": the block formats' decode products of more than 8 tokens take the streamed integer kernel (16
 /// tokens a launch) instead of the tile kernel (all of a pass's tokens against one read of the weights).
 pub const MMV_TC_BLOCKS_ENV: &str = "HOSTEMBED_MMV_TC_BLOCKS";
+/// "1": half decode products of more than 8 tokens take the warpgroup products on an sm_90 card instead of
+/// mma.sync; "2": the pipelined warpgroup kernel; "0" (the default): mma.sync.
+pub const MMV_WGMMA_ENV: &str = "HOSTEMBED_MMV_WGMMA";
 /// "0": a prompt chunk's flash attention never cuts its context in parts (one block a query tile and head).
 pub const FLASH_PARTS_ENV: &str = "HOSTEMBED_FLASH_PARTS";
 /// "0": decode attention always takes the kernel with more loads in flight a thread; "1": always the one
@@ -96,6 +99,10 @@ pub struct Tuning {
     /// Whether block-format decode products of more than 8 tokens take the tile kernel (the same bits as
     /// the streamed kernel; at 64 tokens 1.7-2x faster on the H100).
     pub mmv_tc_blocks: bool,
+    /// Whether half decode products of more than 8 tokens take Hopper's warpgroup products on an sm_90
+    /// card (meant to give the mma.sync kernel's bits): 0 no, 1 yes, 2 the pipelined kernel. Off until a
+    /// card has run its tests and benchmarks (`scripts/gpu-run.sh wgmma`).
+    pub mmv_wgmma: u32,
     /// Whether a short prompt chunk's flash attention cuts a long context in parts to fill the card.
     pub flash_parts: bool,
     /// Whether a Mixture-of-Experts layer's prompt rows take the grouped tensor-core products.
@@ -120,6 +127,7 @@ impl Default for Tuning {
             mmvq_tokens: 0,
             mmv_prep: true,
             mmv_tc_blocks: true,
+            mmv_wgmma: 0,
             flash_parts: true,
             moe_grouped: true,
             attention_wide: None,
@@ -173,6 +181,10 @@ impl Tuning {
             mmvq_tokens: var(MMVQ_TOKENS_ENV).and_then(|v| v.trim().parse().ok()).unwrap_or(0),
             mmv_prep: !off(MMV_PREP_ENV),
             mmv_tc_blocks: !off(MMV_TC_BLOCKS_ENV),
+            mmv_wgmma: var(MMV_WGMMA_ENV)
+                .and_then(|v| v.trim().parse().ok())
+                .filter(|&m| m <= 2)
+                .unwrap_or(d.mmv_wgmma),
             flash_parts: !off(FLASH_PARTS_ENV),
             moe_grouped: !off(MOE_GROUPED_ENV),
             attention_wide: var(ATTENTION_WIDE_ENV).and_then(|v| match v.trim() {
@@ -229,6 +241,11 @@ mod tests {
         assert!(!with(&[(MMV_PREP_ENV, "0")]).mmv_prep && with(&[(MMV_PREP_ENV, "1")]).mmv_prep);
         assert!(with(&[(MMV_TC_BLOCKS_ENV, "1")]).mmv_tc_blocks && !with(&[(MMV_TC_BLOCKS_ENV, "0")]).mmv_tc_blocks);
         assert!(d.mmv_tc_blocks);
+        assert_eq!(with(&[(MMV_WGMMA_ENV, "0")]).mmv_wgmma, 0);
+        assert_eq!(with(&[(MMV_WGMMA_ENV, "2")]).mmv_wgmma, 2);
+        assert_eq!(with(&[(MMV_WGMMA_ENV, "3")]).mmv_wgmma, d.mmv_wgmma);
+        assert_eq!(with(&[(MMV_WGMMA_ENV, "1")]).mmv_wgmma, 1);
+        assert_eq!(d.mmv_wgmma, 0);
         assert_eq!(with(&[(ATTENTION_WIDE_ENV, "0")]).attention_wide, Some(false));
         assert_eq!(with(&[(ATTENTION_WIDE_ENV, "1")]).attention_wide, Some(true));
         assert_eq!(with(&[(ATTENTION_WIDE_ENV, "auto")]).attention_wide, None);

@@ -90,9 +90,17 @@ pub fn mmv_workspace(rows: usize, cols: usize, glu: bool, n: usize) -> (usize, u
     let (row_blocks, splits) = mmv_shape(rows, cols, glu);
     let n = n.min(MMV_MAX_TOKENS);
     let sums = if splits > 1 { splits * if glu { 2 } else { 1 } * n * rows } else { 0 };
-    // Then the activations staged once: each token's row (4 bytes a column) and its group exponents.
-    let floats =
-        if n > MMV_PREP_AFTER { sums.next_multiple_of(4) + n * cols + n * cols.div_ceil(MMV_KC) } else { sums };
+    // Then the activations staged once: a row (4 bytes a column) for every token of the launch's tiles of
+    // 8 (the warpgroup kernel's layout holds absent ones too), and each token's group exponents.
+    let tiles = if n <= 16 {
+        2
+    } else if n <= 32 {
+        4
+    } else {
+        8
+    };
+    let prep = |n: usize| n * cols + n * cols.div_ceil(MMV_KC);
+    let floats = if n > MMV_PREP_AFTER { sums.next_multiple_of(4) + prep(8 * tiles) } else { sums };
     (floats, if splits > 1 { row_blocks } else { 0 })
 }
 

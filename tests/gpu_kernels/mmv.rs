@@ -453,6 +453,86 @@ fn mmv_tile_kernel_is_batch_invariant() {
     }
 }
 
+/// The half formats' launches of more than 8 tokens on the warpgroup products (`Tuning::mmv_wgmma`, an
+/// sm_90 card; elsewhere both settings take mma.sync and this checks nothing new) compute mma.sync's sums
+/// in its order: every output the same bits with the setting on and off, plain and fused gate/up, for
+/// one column range and many, a short last range and every tile count, and nothing written outside the
+/// rows; against the CPU within the bound.
+#[test]
+fn mmv_warpgroup_kernel_gives_the_mma_kernels_bits() {
+    if !gpu_present("mmv_warpgroup_kernel_gives_the_mma_kernels_bits") {
+        return;
+    }
+    let mut rng = Rng::fresh("mmv_warpgroup_kernel_gives_the_mma_kernels_bits");
+    // On: the environment's choice of warpgroup kernel (HOSTEMBED_MMV_WGMMA), or the default.
+    let tuning = |on: bool| {
+        let env = launch_tuning();
+        kn::hostembed_tuning { mmv_wgmma: if on { env.mmv_wgmma.max(1) } else { 0 }, ..env }
+    };
+    // (rows, cols, n, bias, residual, ldy pad)
+    let cases = [
+        (4096, 4096, 64, false, false, 0),  // 8 column ranges, 8 tiles
+        (1000, 1536, 9, true, true, 0),     // the fewest tokens it takes: 2 tiles
+        (200, 4128, 16, true, false, 3),    // a last range of 32 columns
+        (333, 768, 33, false, true, 0),     // 8 tiles, 33 tokens
+        (14336, 1024, 40, false, false, 0), // two column ranges, 112 row blocks
+        (40000, 512, 17, false, false, 0),  // one range: more row blocks than a split product has
+        (130, 1024, 70, true, false, 0),    // 64 tokens, then 6 on the 1-tile kernel
+        (64, 14336, 24, false, false, 0),   // a half row block, 4 tiles, 14 ranges
+    ];
+    for dtype in [DType::F16, DType::Bf16] {
+        for &(rows, cols, n, with_bias, with_residual, pad) in &cases {
+            let ldy = rows + pad;
+            let bytes = encode(dtype, cols, &rng.vec(rows * cols, 1.0));
+            let mut x = rng.vec(n * cols, 1.0);
+            x[..cols].iter_mut().for_each(|v| *v *= 1e5); // a token of large values beside small ones
+            let bias = rng.vec(rows, 0.5);
+            let res = rng.vec(n * ldy, 1.0);
+            let wd = DeviceBuffer::from_slice(&bytes).unwrap();
+            let bd = DeviceBuffer::from_slice(&bias).unwrap();
+            let run = |on: bool| {
+                let (b, r) = (with_bias.then_some(&bd), with_residual.then_some(&res[..]));
+                run_mmv_tuned(wd.ptr(), dtype, rows, cols, &x, n, b, r, ldy, tuning(on))
+            };
+            let (wg, mma) = (run(true), run(false));
+            let what = format!("mmv {} {rows}x{cols} n={n} bias {with_bias} residual {with_residual}", dtype.name());
+            if let Some((i, a, b)) = first_difference(&wg, &mma) {
+                panic!("{what}: the warpgroup kernel gives y[{}][{}] = {a:e}, mma.sync {b:e}", i / ldy, i % ldy);
+            }
+            for t in 0..n {
+                for r in rows..ldy {
+                    let before = if with_residual { res[t * ldy + r] } else { f32::from_bits(u32::MAX) };
+                    assert!(
+                        wg[t * ldy + r].to_bits() == before.to_bits(),
+                        "{what}: wrote y[{t}][{r}] outside its rows"
+                    );
+                }
+            }
+            let w = TensorRef { dtype, shape: &[rows, cols], bytes: &bytes };
+            let mut want = vec![0f32; n * rows];
+            for t in 0..n {
+                cpu::matvec(&w, &x[t * cols..(t + 1) * cols], &mut want[t * rows..(t + 1) * rows]);
+                for r in 0..rows {
+                    want[t * rows + r] +=
+                        if with_bias { bias[r] } else { 0.0 } + if with_residual { res[t * ldy + r] } else { 0.0 };
+                }
+            }
+            let got: Vec<f32> = (0..n).flat_map(|t| wg[t * ldy..t * ldy + rows].to_vec()).collect();
+            assert_close(&format!("{what} (warpgroup kernel)"), &got, &want, MMV_TOL);
+        }
+        for (rows, cols, n) in [(14336, 512, 24), (64, 256, 20), (1000, 1024, 64), (300, 4096, 12)] {
+            let case = swiglu_case(&mut rng, dtype, rows, cols, n);
+            let wg = run_mmv_swiglu(&case, dtype, rows, n, tuning(true));
+            let mma = run_mmv_swiglu(&case, dtype, rows, n, tuning(false));
+            let what = format!("mmv_swiglu {} {rows}x{} n={n}", dtype.name(), case.cols);
+            if let Some((i, a, b)) = first_difference(&wg, &mma) {
+                panic!("{what}: the warpgroup kernel gives y[{}][{}] = {a:e}, mma.sync {b:e}", i / rows, i % rows);
+            }
+            assert_close(&format!("{what} (warpgroup kernel)"), &wg, &case.want, MMV_TOL);
+        }
+    }
+}
+
 /// The Rust mirror of the product's cut (the scratch sizes the fit predicts) answers as the kernels do.
 /// Host arithmetic only: runs wherever the kernels were built, GPU or not.
 #[test]
