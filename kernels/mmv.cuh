@@ -116,6 +116,37 @@ __device__ __forceinline__ MmvRows mmv_rows(const unsigned char *w, const unsign
     return r;
 }
 
+// The warp's two rows' raw weights of the UNROLL steps of the column group at `col` (steps past k_end
+// left as they are): the streamed half kernels' loads.
+template <typename R, unsigned UNROLL>
+__device__ __forceinline__ void fetch_rows(typename R::Raw (&r)[UNROLL][2], const unsigned char *const (&wr)[2],
+                                           unsigned int col, unsigned int k_end, unsigned int t) {
+#pragma unroll
+    for (int u = 0; u < (int)UNROLL; u++)
+        if (col + u * R::STEP < k_end) {
+            R::template fetch<false>(r[u][0], wr[0], col + u * R::STEP, t);
+            R::template fetch<false>(r[u][1], wr[1], col + u * R::STEP, t);
+        }
+}
+
+// A half kernel's results: lane (g, t) holds tokens 8j + 2t (+ 1) of rows a (acc[j][0], [1]) and b
+// ([2], [3]), written out as mmv_write says.
+template <bool GLU, int NT>
+__device__ __forceinline__ void mmv_write_tiles(const MmvShape &shape, unsigned int n, unsigned int rows, const MmvRows &rw,
+                                                const float *bias, const float *residual, float *y, unsigned int ldy,
+                                                float *partial, unsigned int *counters, const float (&acc)[NT][4],
+                                                unsigned int t) {
+    mmv_write<GLU>(shape, n, rows, rw.a, rw.b, bias, residual, y, ldy, partial, counters, [&](auto &&fn) {
+#pragma unroll
+        for (int j = 0; j < NT; j++)
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                const unsigned int tok = 8 * j + 2 * t + e;
+                if (tok < n) fn(tok, acc[j][e], acc[j][2 + e]);
+            }
+    });
+}
+
 // The weights stream one column group ahead of the arithmetic; the chunk of activations column `col`
 // enters is staged (between two barriers every warp of the block reaches together) when the group
 // enters it. Returns the chunk's first column.

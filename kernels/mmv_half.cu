@@ -144,14 +144,7 @@ __global__ __launch_bounds__(MMV_THREADS, NT <= 2 ? MMV_SMALL_MIN_BLOCKS : 2) vo
     };
 
     using Raw = typename R::Raw;
-    auto fetch_group = [&](Raw (&r)[UNROLL][2], unsigned int col) {
-#pragma unroll
-        for (int u = 0; u < (int)UNROLL; u++)
-            if (col + u * R::STEP < k_end) {
-                R::template fetch<false>(r[u][0], wr[0], col + u * R::STEP, t);
-                R::template fetch<false>(r[u][1], wr[1], col + u * R::STEP, t);
-            }
-    };
+    auto fetch_group = [&](Raw (&r)[UNROLL][2], unsigned int col) { fetch_rows<R, UNROLL>(r, wr, col, k_end, t); };
 
     // The steps of column group `col`, whose chunk starts at column `c0` of shared memory.
     auto compute = [&](const Raw (&r)[UNROLL][2], unsigned int col, unsigned int c0) {
@@ -249,16 +242,7 @@ __global__ __launch_bounds__(MMV_THREADS, NT <= 2 ? MMV_SMALL_MIN_BLOCKS : 2) vo
         }
     }
 
-    // Lane (g, t) holds tokens 8j + 2t (+ 1) of rows a (c0, c1) and b (c2, c3).
-    mmv_write<GLU>(shape, n, rows, rw.a, rw.b, bias, residual, y, ldy, partial, counters, [&](auto &&fn) {
-#pragma unroll
-        for (int j = 0; j < NT; j++)
-#pragma unroll
-            for (int e = 0; e < 2; e++) {
-                const unsigned int tok = 8 * j + 2 * t + e;
-                if (tok < n) fn(tok, acc[j][e], acc[j][2 + e]);
-            }
-    });
+    mmv_write_tiles<GLU, NT>(shape, n, rows, rw, bias, residual, y, ldy, partial, counters, acc, t);
 }
 
 template <typename R, bool GLU, bool STAGED>

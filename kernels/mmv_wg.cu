@@ -88,9 +88,12 @@ __global__ __launch_bounds__(MMV_THREADS, 2) void mmv_wg_kernel(const unsigned c
     const uint32_t smem = (uint32_t)__cvta_generic_to_shared(wg_smem);
     int *xes = reinterpret_cast<int *>(wg_smem + BUFS * BUF);  // the range's exponents, [group][token]
 
-    float acc[NT * 4];  // tile j's accumulators at 4j, as mma.sync's acc[j][0..3]
+    float acc[NT][4];  // mma.sync's layout, which wgmma's accumulators share (a tile of 8 tokens after another)
 #pragma unroll
-    for (int i = 0; i < NT * 4; i++) acc[i] = 0.f;
+    for (int j = 0; j < NT; j++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) acc[j][e] = 0.f;
+    float(&flat)[NT * 4] = reinterpret_cast<float(&)[NT * 4]>(acc);
 
     const unsigned int chunks = (k_end - k_begin + KCH - 1) / KCH;
     auto issue = [&](unsigned int ci) {  // chunk ci's bytes are contiguous in xp
@@ -108,18 +111,11 @@ __global__ __launch_bounds__(MMV_THREADS, 2) void mmv_wg_kernel(const unsigned c
         for (int j = 0; j < NT; j++) {
             const int2 e = *reinterpret_cast<const int2 *>(xes + (col - k_begin) / MMV_KC * TOKENS + 8 * j + 2 * t);
             const float f0 = mmv_pow2(sign * e.x), f1 = mmv_pow2(sign * e.y);
-            acc[4 * j] *= f0, acc[4 * j + 2] *= f0, acc[4 * j + 1] *= f1, acc[4 * j + 3] *= f1;
+            acc[j][0] *= f0, acc[j][2] *= f0, acc[j][1] *= f1, acc[j][3] *= f1;
         }
     };
     using Raw = typename R::Raw;
-    auto fetch_group = [&](Raw (&r)[UNROLL][2], unsigned int col) {
-#pragma unroll
-        for (int u = 0; u < (int)UNROLL; u++)
-            if (col + u * R::STEP < k_end) {
-                R::template fetch<false>(r[u][0], wr[0], col + u * R::STEP, t);
-                R::template fetch<false>(r[u][1], wr[1], col + u * R::STEP, t);
-            }
-    };
+    auto fetch_group = [&](Raw (&r)[UNROLL][2], unsigned int col) { fetch_rows<R, UNROLL>(r, wr, col, k_end, t); };
     // The steps of column group `col` on the chunk at shared address `buf` starting at column `c0`; returns
     // with every product done (their A registers free for the next group's weights), or (PIPE) in flight.
     auto compute = [&](const Raw (&r)[UNROLL][2], unsigned int col, uint32_t buf, unsigned int c0) {
@@ -138,8 +134,8 @@ __global__ __launch_bounds__(MMV_THREADS, 2) void mmv_wg_kernel(const unsigned c
             for (int k = 0; k < (int)R::KSTEPS; k++) {
                 const unsigned int a[4] = {fa[k][0], fb[k][0], fa[k][1], fb[k][1]};
                 const uint32_t op = step + 2 * k * wg_operand_bytes(NT);
-                he::wg::mma<NT, BF>(acc, a, he::wg::desc(op, WG_LEAD, WG_STRIDE));  // hi
-                he::wg::mma<NT, BF>(acc, a, he::wg::desc(op + wg_operand_bytes(NT), WG_LEAD, WG_STRIDE));  // lo
+                he::wg::mma<NT, BF>(flat, a, he::wg::desc(op, WG_LEAD, WG_STRIDE));  // hi
+                he::wg::mma<NT, BF>(flat, a, he::wg::desc(op + wg_operand_bytes(NT), WG_LEAD, WG_STRIDE));  // lo
             }
             he::wg::commit();
             if constexpr (R::SCALED && !PIPE)
@@ -215,16 +211,7 @@ __global__ __launch_bounds__(MMV_THREADS, 2) void mmv_wg_kernel(const unsigned c
         }
     }
 
-    // Lane (g, t) holds tokens 8j + 2t (+ 1) of rows a (4j, 4j + 1) and b (4j + 2, 4j + 3).
-    mmv_write<GLU>(shape, n, rows, rw.a, rw.b, bias, residual, y, ldy, partial, counters, [&](auto &&fn) {
-#pragma unroll
-        for (int j = 0; j < NT; j++)
-#pragma unroll
-            for (int e = 0; e < 2; e++) {
-                const unsigned int tok = 8 * j + 2 * t + e;
-                if (tok < n) fn(tok, acc[4 * j + e], acc[4 * j + 2 + e]);
-            }
-    });
+    mmv_write_tiles<GLU, NT>(shape, n, rows, rw, bias, residual, y, ldy, partial, counters, acc, t);
 #else
     __trap();  // launched only where the card is sm_90 (he::mmv::warpgroup_ready)
 #endif

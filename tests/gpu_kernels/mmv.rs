@@ -100,6 +100,26 @@ fn run_mmv_tuned(
     download::<f32>(&yb, n * ldy)
 }
 
+/// The CPU's y[t] = W x[t] (+ bias) (+ residual[t], rows of `ldy`) for `n` tokens, rows packed.
+fn cpu_product(
+    w: &TensorRef,
+    x: &[f32],
+    n: usize,
+    bias: Option<&[f32]>,
+    residual: Option<&[f32]>,
+    ldy: usize,
+) -> Vec<f32> {
+    let (rows, cols) = (w.shape[0], w.shape[1]);
+    let mut want = vec![0f32; n * rows];
+    for t in 0..n {
+        cpu::matvec(w, &x[t * cols..(t + 1) * cols], &mut want[t * rows..(t + 1) * rows]);
+        for r in 0..rows {
+            want[t * rows + r] += bias.map_or(0.0, |b| b[r]) + residual.map_or(0.0, |res| res[t * ldy + r]);
+        }
+    }
+    want
+}
+
 /// The tensor-core decode product's bound: each activation enters as a bf16 pair (about 16 bits), so the
 /// products keep f32-activation accuracy (~1e-6 here); bf16 activations alone would give ~2e-3, and one
 /// misread quant ~1e-2.
@@ -129,18 +149,11 @@ fn mmv_matches_cpu_for_every_format_it_takes() {
             let cols = cols_for(dtype, cols);
             let ldy = rows + pad;
             let bytes = encode(dtype, cols, &rng.vec(rows * cols, 1.0));
-            let w = TensorRef { dtype, shape: &[rows, cols], bytes: &bytes };
             let x = rng.vec(n * cols, 1.0);
             let bias = rng.vec(rows, 0.5);
             let res = rng.vec(n * ldy, 1.0);
-            let mut want = vec![0f32; n * rows];
-            for t in 0..n {
-                cpu::matvec(&w, &x[t * cols..(t + 1) * cols], &mut want[t * rows..(t + 1) * rows]);
-                for r in 0..rows {
-                    want[t * rows + r] +=
-                        if with_bias { bias[r] } else { 0.0 } + if with_residual { res[t * ldy + r] } else { 0.0 };
-                }
-            }
+            let w = TensorRef { dtype, shape: &[rows, cols], bytes: &bytes };
+            let want = cpu_product(&w, &x, n, with_bias.then_some(&bias[..]), with_residual.then_some(&res[..]), ldy);
             let wd = DeviceBuffer::from_slice(&bytes).unwrap();
             let bd = DeviceBuffer::from_slice(&bias).unwrap();
             let all = run_mmv(
@@ -328,6 +341,90 @@ fn first_difference(a: &[f32], b: &[f32]) -> Option<(usize, f32, f32)> {
     a.iter().zip(b).position(|(x, y)| x.to_bits() != y.to_bits()).map(|i| (i, a[i], b[i]))
 }
 
+/// A product case: its shape and token count, whether it adds a bias and a residual, the padding of y's
+/// rows past `rows`, and whether to check it against the CPU.
+#[derive(Clone, Copy)]
+struct MmvCase {
+    rows: usize,
+    cols: usize,
+    n: usize,
+    bias: bool,
+    residual: bool,
+    pad: usize,
+    cpu_check: bool,
+}
+
+impl From<(usize, usize, usize, bool, bool, usize, bool)> for MmvCase {
+    fn from((rows, cols, n, bias, residual, pad, cpu_check): (usize, usize, usize, bool, bool, usize, bool)) -> Self {
+        MmvCase { rows, cols, n, bias, residual, pad, cpu_check }
+    }
+}
+
+/// Two launcher settings `settings` (named `names`) that must give the same bits on `case`: every output
+/// equal, nothing written outside the rows, and (cpu_check) the first's within the bound of the CPU's
+/// product. `big_first`: token 0's activations times 1e5, beside the others'.
+fn assert_same_bits(
+    rng: &mut Rng,
+    dtype: DType,
+    case: MmvCase,
+    big_first: bool,
+    settings: [kn::hostembed_tuning; 2],
+    names: [&str; 2],
+) {
+    let MmvCase { rows, cols, n, bias: with_bias, residual: with_residual, pad, cpu_check } = case;
+    let ldy = rows + pad;
+    let bytes = encode(dtype, cols, &rng.vec(rows * cols, 1.0));
+    let mut x = rng.vec(n * cols, 1.0);
+    if big_first {
+        x[..cols].iter_mut().for_each(|v| *v *= 1e5);
+    }
+    let bias = rng.vec(rows, 0.5);
+    let res = rng.vec(n * ldy, 1.0);
+    let wd = DeviceBuffer::from_slice(&bytes).unwrap();
+    let bd = DeviceBuffer::from_slice(&bias).unwrap();
+    let run = |tuning: kn::hostembed_tuning| {
+        let (b, r) = (with_bias.then_some(&bd), with_residual.then_some(&res[..]));
+        run_mmv_tuned(wd.ptr(), dtype, rows, cols, &x, n, b, r, ldy, tuning)
+    };
+    let (first, second) = (run(settings[0]), run(settings[1]));
+    let what = format!("mmv {} {rows}x{cols} n={n} bias {with_bias} residual {with_residual}", dtype.name());
+    if let Some((i, a, b)) = first_difference(&first, &second) {
+        panic!("{what}: {} gives y[{}][{}] = {a:e}, {} {b:e}", names[0], i / ldy, i % ldy, names[1]);
+    }
+    for t in 0..n {
+        for r in rows..ldy {
+            // The residual where y started as it, else `poisoned`'s bytes.
+            let before = if with_residual { res[t * ldy + r] } else { f32::from_bits(u32::MAX) };
+            assert!(first[t * ldy + r].to_bits() == before.to_bits(), "{what}: wrote y[{t}][{r}] outside its rows");
+        }
+    }
+    if cpu_check {
+        let w = TensorRef { dtype, shape: &[rows, cols], bytes: &bytes };
+        let want = cpu_product(&w, &x, n, with_bias.then_some(&bias[..]), with_residual.then_some(&res[..]), ldy);
+        let got: Vec<f32> = (0..n).flat_map(|t| first[t * ldy..t * ldy + rows].to_vec()).collect();
+        assert_close(&format!("{what} ({})", names[0]), &got, &want, MMV_TOL);
+    }
+}
+
+/// The fused gate/up product of (rows, cols, n) under two settings that must give the same bits: every
+/// output equal, and the first's within the bound of the CPU's.
+fn assert_same_bits_swiglu(
+    rng: &mut Rng,
+    dtype: DType,
+    (rows, cols, n): (usize, usize, usize),
+    settings: [kn::hostembed_tuning; 2],
+    names: [&str; 2],
+) {
+    let case = swiglu_case(rng, dtype, rows, cols, n);
+    let first = run_mmv_swiglu(&case, dtype, rows, n, settings[0]);
+    let second = run_mmv_swiglu(&case, dtype, rows, n, settings[1]);
+    let what = format!("mmv_swiglu {} {rows}x{} n={n}", dtype.name(), case.cols);
+    if let Some((i, a, b)) = first_difference(&first, &second) {
+        panic!("{what}: {} gives y[{}][{}] = {a:e}, {} {b:e}", names[0], i / rows, i % rows, names[1]);
+    }
+    assert_close(&format!("{what} ({})", names[0]), &first, &case.want, MMV_TOL);
+}
+
 /// The tile kernel (launches of more than 8 tokens with `mmv_tc_blocks` on) computes the integer kernel's
 /// sums and epilogue in the same order: every output the same bits as with the option off, for every
 /// block format, token count and shape (one column range and many, a short last range, more row blocks
@@ -352,47 +449,16 @@ fn mmv_tile_kernel_gives_the_integer_kernels_bits() {
         (130, 1024, 70, true, false, 0, true),     // two launches: 64 tokens on the tile kernel, then 6
     ];
     for &dtype in &formats {
-        for &(rows, cols, n, with_bias, with_residual, pad, cpu_check) in &cases {
-            let cols = cols_for(dtype, cols);
-            let ldy = rows + pad;
-            let bytes = encode(dtype, cols, &rng.vec(rows * cols, 1.0));
-            let x = rng.vec(n * cols, 1.0);
-            let bias = rng.vec(rows, 0.5);
-            let res = rng.vec(n * ldy, 1.0);
-            let wd = DeviceBuffer::from_slice(&bytes).unwrap();
-            let bd = DeviceBuffer::from_slice(&bias).unwrap();
-            let run = |on: bool| {
-                let (b, r) = (with_bias.then_some(&bd), with_residual.then_some(&res[..]));
-                run_mmv_tuned(wd.ptr(), dtype, rows, cols, &x, n, b, r, ldy, tile_tuning(on))
-            };
-            let (tile, integer) = (run(true), run(false));
-            let what = format!("mmv {} {rows}x{cols} n={n} bias {with_bias} residual {with_residual}", dtype.name());
-            if let Some((i, a, b)) = first_difference(&tile, &integer) {
-                panic!("{what}: the tile kernel gives y[{}][{}] = {a:e}, the integer kernel {b:e}", i / ldy, i % ldy);
-            }
-            for t in 0..n {
-                for r in rows..ldy {
-                    // The residual where y started as it, else `poisoned`'s bytes.
-                    let before = if with_residual { res[t * ldy + r] } else { f32::from_bits(u32::MAX) };
-                    assert!(
-                        tile[t * ldy + r].to_bits() == before.to_bits(),
-                        "{what}: wrote y[{t}][{r}] outside its rows"
-                    );
-                }
-            }
-            if cpu_check {
-                let w = TensorRef { dtype, shape: &[rows, cols], bytes: &bytes };
-                let mut want = vec![0f32; n * rows];
-                for t in 0..n {
-                    cpu::matvec(&w, &x[t * cols..(t + 1) * cols], &mut want[t * rows..(t + 1) * rows]);
-                    for r in 0..rows {
-                        want[t * rows + r] +=
-                            if with_bias { bias[r] } else { 0.0 } + if with_residual { res[t * ldy + r] } else { 0.0 };
-                    }
-                }
-                let got: Vec<f32> = (0..n).flat_map(|t| tile[t * ldy..t * ldy + rows].to_vec()).collect();
-                assert_close(&format!("{what} (tile kernel)"), &got, &want, MMV_TOL);
-            }
+        for &case in &cases {
+            let case = MmvCase { cols: cols_for(dtype, case.1), ..MmvCase::from(case) };
+            assert_same_bits(
+                &mut rng,
+                dtype,
+                case,
+                false,
+                [tile_tuning(true), tile_tuning(false)],
+                ["the tile kernel", "the integer kernel"],
+            );
         }
     }
 }
@@ -406,14 +472,14 @@ fn mmv_tile_kernel_swiglu_gives_the_integer_kernels_bits() {
     let mut rng = Rng::fresh("mmv_tile_kernel_swiglu_gives_the_integer_kernels_bits");
     for dtype in mmv_block_dtypes() {
         for (rows, cols, n) in [(14336, 512, 24), (64, 256, 20), (1000, 1024, 64), (300, 4096, 12)] {
-            let case = swiglu_case(&mut rng, dtype, rows, cols, n);
-            let tile = run_mmv_swiglu(&case, dtype, rows, n, tile_tuning(true));
-            let integer = run_mmv_swiglu(&case, dtype, rows, n, tile_tuning(false));
-            let what = format!("mmv_swiglu {} {rows}x{} n={n}", dtype.name(), case.cols);
-            if let Some((i, a, b)) = first_difference(&tile, &integer) {
-                panic!("{what}: the tile kernel gives y[{}][{}] = {a:e}, the integer kernel {b:e}", i / rows, i % rows);
-            }
-            assert_close(&format!("{what} (tile kernel)"), &tile, &case.want, MMV_TOL);
+            let settings = [tile_tuning(true), tile_tuning(false)];
+            assert_same_bits_swiglu(
+                &mut rng,
+                dtype,
+                (rows, cols, n),
+                settings,
+                ["the tile kernel", "the integer kernel"],
+            );
         }
     }
 }
@@ -481,54 +547,25 @@ fn mmv_warpgroup_kernel_gives_the_mma_kernels_bits() {
         (64, 14336, 24, false, false, 0),   // a half row block, 4 tiles, 14 ranges
     ];
     for dtype in [DType::F16, DType::Bf16] {
-        for &(rows, cols, n, with_bias, with_residual, pad) in &cases {
-            let ldy = rows + pad;
-            let bytes = encode(dtype, cols, &rng.vec(rows * cols, 1.0));
-            let mut x = rng.vec(n * cols, 1.0);
-            x[..cols].iter_mut().for_each(|v| *v *= 1e5); // a token of large values beside small ones
-            let bias = rng.vec(rows, 0.5);
-            let res = rng.vec(n * ldy, 1.0);
-            let wd = DeviceBuffer::from_slice(&bytes).unwrap();
-            let bd = DeviceBuffer::from_slice(&bias).unwrap();
-            let run = |on: bool| {
-                let (b, r) = (with_bias.then_some(&bd), with_residual.then_some(&res[..]));
-                run_mmv_tuned(wd.ptr(), dtype, rows, cols, &x, n, b, r, ldy, tuning(on))
-            };
-            let (wg, mma) = (run(true), run(false));
-            let what = format!("mmv {} {rows}x{cols} n={n} bias {with_bias} residual {with_residual}", dtype.name());
-            if let Some((i, a, b)) = first_difference(&wg, &mma) {
-                panic!("{what}: the warpgroup kernel gives y[{}][{}] = {a:e}, mma.sync {b:e}", i / ldy, i % ldy);
-            }
-            for t in 0..n {
-                for r in rows..ldy {
-                    let before = if with_residual { res[t * ldy + r] } else { f32::from_bits(u32::MAX) };
-                    assert!(
-                        wg[t * ldy + r].to_bits() == before.to_bits(),
-                        "{what}: wrote y[{t}][{r}] outside its rows"
-                    );
-                }
-            }
-            let w = TensorRef { dtype, shape: &[rows, cols], bytes: &bytes };
-            let mut want = vec![0f32; n * rows];
-            for t in 0..n {
-                cpu::matvec(&w, &x[t * cols..(t + 1) * cols], &mut want[t * rows..(t + 1) * rows]);
-                for r in 0..rows {
-                    want[t * rows + r] +=
-                        if with_bias { bias[r] } else { 0.0 } + if with_residual { res[t * ldy + r] } else { 0.0 };
-                }
-            }
-            let got: Vec<f32> = (0..n).flat_map(|t| wg[t * ldy..t * ldy + rows].to_vec()).collect();
-            assert_close(&format!("{what} (warpgroup kernel)"), &got, &want, MMV_TOL);
+        for &(rows, cols, n, bias, residual, pad) in &cases {
+            let case = MmvCase { rows, cols, n, bias, residual, pad, cpu_check: true };
+            assert_same_bits(
+                &mut rng,
+                dtype,
+                case,
+                true,
+                [tuning(true), tuning(false)],
+                ["the warpgroup kernel", "mma.sync"],
+            );
         }
-        for (rows, cols, n) in [(14336, 512, 24), (64, 256, 20), (1000, 1024, 64), (300, 4096, 12)] {
-            let case = swiglu_case(&mut rng, dtype, rows, cols, n);
-            let wg = run_mmv_swiglu(&case, dtype, rows, n, tuning(true));
-            let mma = run_mmv_swiglu(&case, dtype, rows, n, tuning(false));
-            let what = format!("mmv_swiglu {} {rows}x{} n={n}", dtype.name(), case.cols);
-            if let Some((i, a, b)) = first_difference(&wg, &mma) {
-                panic!("{what}: the warpgroup kernel gives y[{}][{}] = {a:e}, mma.sync {b:e}", i / rows, i % rows);
-            }
-            assert_close(&format!("{what} (warpgroup kernel)"), &wg, &case.want, MMV_TOL);
+        for shape in [(14336, 512, 24), (64, 256, 20), (1000, 1024, 64), (300, 4096, 12)] {
+            assert_same_bits_swiglu(
+                &mut rng,
+                dtype,
+                shape,
+                [tuning(true), tuning(false)],
+                ["the warpgroup kernel", "mma.sync"],
+            );
         }
     }
 }
