@@ -11,6 +11,7 @@
 // in column order, F16's groups scaled as MmaF16 says: a token's bits are meant to be those of its 1-token
 // product, which holds where wgmma rounds as mma.sync does (mmv_warpgroup_kernel_gives_the_mma_kernels_bits
 // checks it; off by default until that has run on a card).
+#include <atomic>
 #include "mmv.cuh"
 #include "wgmma.cuh"
 
@@ -236,12 +237,19 @@ cudaError_t launch_wg(const he::mmv::Args &a) {
 
 bool he::mmv::warpgroup_ready(const hostembed_tuning &tuning) {
     if (tuning.mmv_wgmma == 0) return false;
-    int dev = 0, major = 0, minor = 0;
+    // Each device's answer, asked once (0 not asked, 1 no, 2 yes): a launch then costs one runtime call.
+    static std::atomic<unsigned char> sm90a[64];
+    int dev = 0;
     if (cudaGetDevice(&dev) != cudaSuccess) return false;
+    if (dev >= 0 && dev < 64 && sm90a[dev].load(std::memory_order_relaxed) != 0)
+        return sm90a[dev].load(std::memory_order_relaxed) == 2;
+    int major = 0, minor = 0;
     if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
         cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess)
         return false;
-    return major == 9 && minor == 0;
+    const bool yes = major == 9 && minor == 0;
+    if (dev >= 0 && dev < 64) sm90a[dev].store(yes ? 2 : 1, std::memory_order_relaxed);
+    return yes;
 }
 
 cudaError_t he::mmv::warpgroup(bool glu, const Args &a) {
