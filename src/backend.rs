@@ -38,6 +38,23 @@ use self::pool::ROOT;
 pub use self::pool::{PagePool, PoolUsage};
 pub use self::streams::Streams;
 
+/// A local-layer page entry of a stream whose page fell out of the layers' window and went back to the
+/// pool: the kernels never read it.
+pub const NO_PAGE: u32 = u32::MAX;
+
+/// A model's sliding-window (local) layers as a backend keeps them: a page pool of their own, each page
+/// a position range of every local layer, holding only the positions their window can still reach.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LocalLayers {
+    /// The layers' window: a query sees its last `window` positions, its own counted.
+    pub window: usize,
+    /// Positions before a query's window that the backend's attention may still read (it reads whole
+    /// blocks of positions and masks those before the window).
+    pub reach: usize,
+    /// Pages in the local layers' pool.
+    pub pages: usize,
+}
+
 /// log p(`id`) under the softmax of `logits`, in f64 as `sampler::top_logprobs` computes it; NaN where
 /// the logits hold a NaN or no finite value.
 pub fn log_prob(logits: &[f32], id: u32) -> f32 {
@@ -64,16 +81,19 @@ pub struct KvStream<C> {
     pub(crate) tokens: Vec<u32>,
     /// The prefix cache's node for each of its first whole pages (while the engine's cache is on).
     pub(crate) keys: Vec<u64>,
+    /// With a local layers' pool (`Backend::local_layers`): that pool's page for each page of `pages`,
+    /// `NO_PAGE` for those before the window's reach (always a prefix). Empty without one.
+    pub(crate) local: Vec<u32>,
 }
 
 impl<C> KvStream<C> {
     pub(crate) fn new(cache: C, window: usize) -> KvStream<C> {
-        KvStream { cache, len: 0, window, pages: Vec::new(), tokens: Vec::new(), keys: Vec::new() }
+        KvStream { cache, len: 0, window, pages: Vec::new(), tokens: Vec::new(), keys: Vec::new(), local: Vec::new() }
     }
 
     /// A stream over the given pages (a backend's own, outside any engine pool).
     pub(crate) fn with_pages(cache: C, window: usize, pages: Vec<u32>) -> KvStream<C> {
-        KvStream { cache, len: 0, window, pages, tokens: Vec::new(), keys: Vec::new() }
+        KvStream { cache, len: 0, window, pages, tokens: Vec::new(), keys: Vec::new(), local: Vec::new() }
     }
 
     /// Tokens in the cache.
@@ -92,6 +112,12 @@ impl<C> KvStream<C> {
     /// The pool pages this stream holds, in position order.
     pub fn pages(&self) -> &[u32] {
         &self.pages
+    }
+
+    /// The local layers' pool pages for each of `pages` (`NO_PAGE` where released); empty without
+    /// that pool.
+    pub fn local_pages(&self) -> &[u32] {
+        &self.local
     }
 
     /// Forgets every token (the cache's memory, and whatever the backend keeps with it, stays).
@@ -184,6 +210,18 @@ pub trait Backend: Send {
     /// Copies every layer's K and V of pool page `from` into page `to` (copy on write), before anything
     /// later reads or writes `to`.
     fn copy_page(&mut self, from: u32, to: u32) -> Result<()>;
+
+    /// The model's sliding-window layers when this backend keeps them in a pool of their own (then a
+    /// step's pages come from both pools: `KvStream::local` names the local one's); None when every
+    /// layer's K and V live in the one pool.
+    fn local_layers(&self) -> Option<LocalLayers> {
+        None
+    }
+
+    /// `copy_page` for the local layers' pool.
+    fn copy_local_page(&mut self, _from: u32, _to: u32) -> Result<()> {
+        Err(Error::new(Status::Unsupported, "this backend keeps no local layers' pool"))
+    }
 
     /// Appends `tokens` to `stream` as `step_batch` would an item of them (its pages ready), computing
     /// the logits after every one of them (a prompt's chunks, not a step a token), and writes

@@ -19,7 +19,7 @@
 //! of f64 operations however the tokens are batched and whatever the thread count or the host's libm,
 //! so a prompt stepped at once gives the logits it gives token by token, bit for bit.
 
-use crate::backend::KvStream;
+use crate::backend::{KvStream, NO_PAGE};
 use crate::kv::{KvType, KvTypes};
 use crate::model::{Arch, Layers, ModelConfig, ModelWeights, TensorRef, TensorSource};
 use crate::status::Result;
@@ -350,7 +350,13 @@ impl<'a> CpuModel<'a> {
             for (c, chunk) in tokens.chunks(CHUNK_TOKENS).enumerate() {
                 self.advance(
                     kv,
-                    &[Segment { pages: &stream.pages, tokens: chunk, first_pos: stream.len, row: 0 }],
+                    &[Segment {
+                        pages: &stream.pages,
+                        local: &stream.local,
+                        tokens: chunk,
+                        first_pos: stream.len,
+                        row: 0,
+                    }],
                     &mut s,
                 );
                 stream.len += chunk.len();
@@ -388,7 +394,13 @@ impl<'a> CpuModel<'a> {
             for chunk in tokens.chunks(CHUNK_TOKENS) {
                 self.advance(
                     kv,
-                    &[Segment { pages: &stream.pages, tokens: chunk, first_pos: stream.len, row: 0 }],
+                    &[Segment {
+                        pages: &stream.pages,
+                        local: &stream.local,
+                        tokens: chunk,
+                        first_pos: stream.len,
+                        row: 0,
+                    }],
                     &mut s,
                 );
                 stream.len += chunk.len();
@@ -447,6 +459,7 @@ impl<'a> CpuModel<'a> {
                     let first_pos = stream.len + done[i];
                     segments.push(Segment {
                         pages: &stream.pages,
+                        local: &stream.local,
                         tokens: &tokens[done[i]..done[i] + take],
                         first_pos,
                         row: rows,
@@ -510,14 +523,26 @@ impl<'a> CpuModel<'a> {
         }
         self.cfg.check_append(stream.len, stream.window, tokens)?;
         let need = (stream.len + tokens.len()).div_ceil(PAGE_TOKENS);
-        if stream.pages.len() < need || stream.pages.iter().any(|&p| p as usize >= kv.pages) {
+        if stream.pages.len() < need || stream.pages.iter().any(|&p| p as usize >= kv.pages()) {
             bail!(
                 InvalidArgument,
                 "stream holds {} KV pages ({} tokens need {need}) or a page outside the pool of {}",
                 stream.pages.len(),
                 stream.len + tokens.len(),
-                kv.pages
+                kv.pages()
             );
+        }
+        if let Some(pages) = kv.local_pages() {
+            // Released pages (`NO_PAGE`) are before the window of every position the call reads.
+            let outside = stream.local.iter().any(|&p| p != NO_PAGE && p as usize >= pages);
+            if stream.local.len() < need || outside {
+                bail!(
+                    InvalidArgument,
+                    "stream holds {} pages of the sliding-window layers' pool ({} tokens need {need}) or a page outside its {pages}",
+                    stream.local.len(),
+                    stream.len + tokens.len()
+                );
+            }
         }
         Ok(())
     }

@@ -2,7 +2,7 @@
 //! settings, constraint and speculation, and the pool's accounting around every batch (the module doc
 //! of `backend` says how pages are taken, shared, copied and cached).
 
-use super::{Backend, Batch, Decoder, KvStream, PagePool, ROOT, StepItem, log_prob, not_run};
+use super::{Backend, Batch, Decoder, KvStream, NO_PAGE, PagePool, StepItem, log_prob, not_run};
 use crate::abi::{engine_draft, engine_kv_usage, engine_speculation};
 use crate::constraint::{Constraint, PendingMask};
 use crate::sampler::Sampling;
@@ -11,7 +11,10 @@ use crate::status::{Result, Status};
 use crate::{bail, err};
 
 mod admit;
+mod local;
 mod propose;
+
+use self::local::LocalPool;
 
 /// A backend with `count` stream slots of `window` tokens over one page pool; a slot gets its stream on
 /// its first step.
@@ -23,6 +26,8 @@ pub struct Streams<B: Backend> {
     /// Each stream's constraint, which truncate and reset roll back with it.
     constraints: Vec<Option<Constraint>>,
     pool: PagePool,
+    /// The sliding-window layers' pool, where the backend keeps them apart (`Backend::local_layers`).
+    local: Option<LocalPool>,
     /// The streams whose logits the backend holds, with their item index in its last batch and the head
     /// position of their last kept token.
     last: Vec<(u32, usize, usize)>,
@@ -54,6 +59,7 @@ impl<B: Backend> Streams<B> {
             .map_err(|_| err!(NoRoom, "the host has no room for a table of {count} streams"))?;
         constraints.resize_with(count, || None);
         let pool = PagePool::new(B::PAGE_TOKENS, pages)?;
+        let local = backend.local_layers().map(|l| LocalPool::new(l, B::PAGE_TOKENS)).transpose()?;
         let spec = vec![SpecState::new(speculative::DEFAULT); count];
         let reuse = vec![(0, 0); count];
         Ok(Streams {
@@ -63,6 +69,7 @@ impl<B: Backend> Streams<B> {
             sampling: settings,
             constraints,
             pool,
+            local,
             last: Vec::new(),
             spec,
             reuse,
@@ -89,6 +96,9 @@ impl<B: Backend> Streams<B> {
     /// The same streams with the prefix cache on or off (off unless told).
     pub fn with_prefix_cache(mut self, on: bool) -> Self {
         self.pool.set_prefix_cache(on);
+        if let Some(lp) = self.local.as_mut() {
+            lp.pool.set_prefix_cache(on);
+        }
         self
     }
 
@@ -113,11 +123,19 @@ impl<B: Backend> Streams<B> {
         }
         let page = self.pool.page_tokens();
         let Some(s) = self.slots[slot].as_mut() else { return };
+        let mut entered = Vec::new();
         while s.keys.len() < s.len / page {
             let i = s.keys.len();
-            let parent = if i == 0 { ROOT } else { s.keys[i - 1] };
+            let parent = Self::parent_key(&s.keys, i);
             let node = self.pool.enter(s.pages[i], parent, &s.tokens[i * page..(i + 1) * page]);
             s.keys.push(node);
+            if let Some(&local) = s.local.get(i) {
+                entered.push((local, parent, i));
+            }
+        }
+        for (local, parent, i) in entered {
+            let tokens = self.slots[slot].as_ref().expect("entered above").tokens[i * page..(i + 1) * page].to_vec();
+            self.enter_local(local, parent, &tokens);
         }
     }
 
@@ -130,6 +148,7 @@ impl<B: Backend> Streams<B> {
                 self.pool.give_back(s.pages.drain(keep..));
             }
         }
+        self.trim_local(slot);
     }
 
     /// Runs the tokens of admitted item `item` through its stream's constraint, if it has one.
@@ -293,8 +312,9 @@ impl<B: Backend> Decoder for Streams<B> {
                 let reuse = &mut self.reuse[a.slot];
                 reuse.0 += a.skip as u64;
                 reuse.1 += (items[*i].tokens.len() - a.skip) as u64;
-                self.trim_pages(a.slot);
+                // Entered before the local pages the window left are given back, so the cache keeps them.
                 self.enter_pages(a.slot);
+                self.trim_pages(a.slot);
             }
             let len = self.slots[a.slot].as_ref().map_or(0, |s| s.len);
             if let Some(c) = self.constraints[a.slot].as_mut() {
@@ -342,6 +362,9 @@ impl<B: Backend> Decoder for Streams<B> {
         if len > s.len {
             bail!(OutOfRange, "stream {stream} holds {} tokens; it cannot keep {len}", s.len);
         }
+        let s = self.slots[slot].as_ref().expect("checked above");
+        self.check_local_reach(s, len, &format!("stream {stream}: "))?;
+        let s = self.slots[slot].as_mut().expect("checked above");
         if len < s.len {
             self.backend.truncate(s, len);
             s.tokens.truncate(len);
@@ -365,6 +388,9 @@ impl<B: Backend> Decoder for Streams<B> {
         if len > have {
             bail!(OutOfRange, "engine_fork: stream {src} holds {have} tokens; it cannot give {len}");
         }
+        if let Some(s) = self.slots[from].as_ref() {
+            self.check_local_reach(s, len, &format!("engine_fork: stream {src}: "))?;
+        }
         if self.slots[to].is_none() {
             self.slots[to] = Some(self.backend.new_stream(self.window)?);
         }
@@ -377,11 +403,15 @@ impl<B: Backend> Decoder for Streams<B> {
         let pages = s.pages[..self.pool.pages_for(len)].to_vec();
         let tokens = s.tokens[..len].to_vec();
         let keys = s.keys[..s.keys.len().min(len / page)].to_vec();
+        let local = s.local[..s.local.len().min(pages.len())].to_vec();
         for &p in &pages {
             self.pool.hold(p);
         }
+        if let Some(lp) = self.local.as_mut() {
+            local.iter().filter(|&&p| p != NO_PAGE).for_each(|&p| lp.pool.hold(p));
+        }
         let d = self.slots[to].as_mut().expect("made above");
-        (d.pages, d.tokens, d.keys, d.len) = (pages, tokens, keys, len);
+        (d.pages, d.tokens, d.keys, d.local, d.len) = (pages, tokens, keys, local, len);
         // The drafter's `dst` shares the drafter's `src` pages as far as those hold the same tokens; a
         // drafter that cannot fork leaves `dst` empty, to catch up on its first proposal.
         if let Some(drafter) = self.drafter.as_mut() {
@@ -438,6 +468,7 @@ impl<B: Backend> Decoder for Streams<B> {
         self.reuse[slot].1 += n as u64;
         self.last = vec![(stream, 0, 0)];
         self.enter_pages(slot);
+        self.trim_local(slot);
         if let Some(c) = self.constraints[slot].as_mut() {
             c.stepped(len + n);
         }
@@ -477,19 +508,23 @@ impl<B: Backend> Decoder for Streams<B> {
     }
 
     fn kv_stats(&self) -> (u64, u64) {
-        let page = self.pool.page_tokens() as u64;
-        (self.pool.total_pages() as u64 * page, self.pool.free_pages() as u64 * page)
+        let u = self.kv_usage();
+        (u.tokens_total, u.tokens_free)
     }
 
+    /// The two pools' counts added where the sliding-window layers have their own.
     fn kv_usage(&self) -> engine_kv_usage {
         let page = self.pool.page_tokens() as u64;
-        let u = self.pool.usage();
-        engine_kv_usage {
-            tokens_total: self.pool.total_pages() as u64 * page,
-            tokens_free: u.free as u64 * page,
-            tokens_shared: u.shared as u64 * page,
-            tokens_cached: u.cached as u64 * page,
+        let pools = std::iter::once(&self.pool).chain(self.local.as_ref().map(|lp| &lp.pool));
+        let mut out = engine_kv_usage { tokens_total: 0, tokens_free: 0, tokens_shared: 0, tokens_cached: 0 };
+        for pool in pools {
+            let u = pool.usage();
+            out.tokens_total += pool.total_pages() as u64 * page;
+            out.tokens_free += u.free as u64 * page;
+            out.tokens_shared += u.shared as u64 * page;
+            out.tokens_cached += u.cached as u64 * page;
         }
+        out
     }
 
     fn stream_pages(&self, stream: u32) -> Result<Vec<u32>> {
@@ -565,6 +600,7 @@ impl<B: Backend> Decoder for Streams<B> {
             }
         }
         let holders = self.slots.iter().flatten().map(|s| s.pages.as_slice());
-        self.pool.audit(holders).map_err(|why| err!(InvalidArgument, "the KV pool: {why}"))
+        self.pool.audit(holders).map_err(|why| err!(InvalidArgument, "the KV pool: {why}"))?;
+        self.audit_local()
     }
 }

@@ -3,7 +3,7 @@
 use std::sync::Arc;
 
 use super::{CpuCache, CpuModel, CpuStream, KvPages, PAGE_TOKENS};
-use crate::backend::{Backend, KvStream, StepItem};
+use crate::backend::{Backend, KvStream, LocalLayers, StepItem};
 use crate::err;
 use crate::kv::KvTypes;
 use crate::model::TensorSource;
@@ -37,10 +37,22 @@ impl CpuBackend {
         kv: KvTypes,
         tuning: &Tuning,
     ) -> Result<CpuBackend> {
+        Self::with_pools(source, pages, None, kv, tuning)
+    }
+
+    /// `with_kv` with the sliding-window layers (where the model has them) in a pool of `local` pages
+    /// of their own, holding only what their window reaches.
+    pub fn with_pools(
+        source: Arc<dyn TensorSource + Send + Sync>,
+        pages: usize,
+        local: Option<usize>,
+        kv: KvTypes,
+        tuning: &Tuning,
+    ) -> Result<CpuBackend> {
         // SAFETY: an Arc's pointee never moves, and this struct drops the view before its Arc.
         let src: &'static dyn TensorSource = unsafe { &*Arc::as_ptr(&source) };
         let model = CpuModel::new(src)?.with_threads(tuning.cpu_threads).with_kv_types(kv)?;
-        let kv = KvPages::with_types(model.config(), pages, kv)?;
+        let kv = KvPages::with_local(model.config(), pages, local, kv)?;
         Ok(CpuBackend { model, kv, logits: Vec::new(), _source: source })
     }
 
@@ -116,7 +128,20 @@ impl Backend for CpuBackend {
     }
 
     fn copy_page(&mut self, from: u32, to: u32) -> Result<()> {
-        self.kv.copy_page(from, to);
+        self.kv.copy_page(false, from, to);
+        Ok(())
+    }
+
+    fn local_layers(&self) -> Option<LocalLayers> {
+        let pages = self.kv.local_pages()?;
+        let cfg = self.model.config();
+        let window = (0..cfg.layers).filter_map(|l| cfg.attention.window(l)).max()?;
+        // Attention reads whole blocks of KEY_BLOCK positions from the block holding a window's first.
+        Some(LocalLayers { window, reach: super::attention::KEY_BLOCK, pages })
+    }
+
+    fn copy_local_page(&mut self, from: u32, to: u32) -> Result<()> {
+        self.kv.copy_page(true, from, to);
         Ok(())
     }
 

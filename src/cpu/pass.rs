@@ -13,6 +13,8 @@ use crate::status::Result;
 /// `row..row + tokens.len()` of the pass's activations.
 pub(super) struct Segment<'s> {
     pub pages: &'s [u32],
+    /// The stream's pages of the local layers' pool (empty without one).
+    pub local: &'s [u32],
     pub tokens: &'s [u32],
     pub first_pos: usize,
     pub row: usize,
@@ -121,8 +123,8 @@ impl<'a> Ops for CpuPass<'_, 'a> {
         for g in self.segments {
             for t in 0..g.tokens.len() {
                 let (row, pos) = ((g.row + t) * kv_dim, g.first_pos + t);
-                self.kv.store(g.pages, pos, layer, 0, &self.k[row..row + kv_dim]);
-                self.kv.store(g.pages, pos, layer, 1, &self.v[row..row + kv_dim]);
+                self.kv.store(g.pages, g.local, pos, layer, 0, &self.k[row..row + kv_dim]);
+                self.kv.store(g.pages, g.local, pos, layer, 1, &self.v[row..row + kv_dim]);
             }
         }
         Ok(())
@@ -135,8 +137,8 @@ impl<'a> Ops for CpuPass<'_, 'a> {
             let (rows, ctx) = (g.row..g.row + g.tokens.len(), g.first_pos + g.tokens.len());
             let batch = Batch {
                 q: &self.q[rows.start * q_dim..rows.end * q_dim],
-                k: self.kv.stream_rows(g.pages, ctx, layer, 0),
-                v: self.kv.stream_rows(g.pages, ctx, layer, 1),
+                k: self.kv.stream_rows(g.pages, g.local, ctx, layer, 0),
+                v: self.kv.stream_rows(g.pages, g.local, ctx, layer, 1),
                 first_pos: g.first_pos,
                 window,
                 scale: cfg.score_scale(),

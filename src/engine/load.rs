@@ -163,12 +163,14 @@ fn load_decoder(
     let prefix_cache = resolve_prefix_cache(opts.prefix_cache);
     Ok(match kind {
         BackendKind::Cpu => {
-            let backend = CpuBackend::with_kv(ckpt.shared(), pool.pages, kv, tuning)?;
+            let local = pool.local.map(|(pages, _)| pages);
+            let backend = CpuBackend::with_pools(ckpt.shared(), pool.pages, local, kv, tuning)?;
             let target = Streams::new(backend, window, streams, pool.pages, sampling)?.with_prefix_cache(prefix_cache);
             match drafter {
                 None => Box::new(target),
                 Some(d) => {
-                    let backend = CpuBackend::with_kv(d.ckpt.shared(), d.pool.pages, kv, tuning)?;
+                    let local = d.pool.local.map(|(pages, _)| pages);
+                    let backend = CpuBackend::with_pools(d.ckpt.shared(), d.pool.pages, local, kv, tuning)?;
                     let dwindow = drafter_window(&d.ckpt.config, window);
                     let drafts = Streams::new(backend, dwindow, streams, d.pool.pages, Sampling::GREEDY)?
                         .with_prefix_cache(prefix_cache);
@@ -272,7 +274,8 @@ impl Engine {
             let pool = KvPool::sized(CpuBackend::PAGE_TOKENS, window as usize, cpu.streams as u64, room, {
                 let c = &ckpt.config;
                 fit::cpu_kv_bytes(c.layers as u64, 1, c.kv_heads as u64, c.head_dim as u64, kv).unwrap_or(u64::MAX)
-            });
+            })
+            .with_local(&ckpt.config, window as usize, want as usize);
             let pool_line = if cpu.streams > 0 { format!(", {}", pool.describe_with(kv)) } else { String::new() };
             logger.line(&format!(
                 "{}: model {} GiB on the CPU backend, rows read from the file mapping, {}{pool_line}",
@@ -302,7 +305,8 @@ impl Engine {
                         kv,
                     )
                     .unwrap_or(u64::MAX);
-                    let dpool = KvPool::sized(CpuBackend::PAGE_TOKENS, dwindow, streams as u64, 0, per_token);
+                    let dpool = KvPool::sized(CpuBackend::PAGE_TOKENS, dwindow, streams as u64, 0, per_token)
+                        .with_local(&d.config, dwindow, streams as usize);
                     logger.line(&describe_drafter(d, dwindow, d.weight_bytes(), &dpool, kv));
                     Some(DrafterLoad { ckpt: d, rows: r, pool: dpool })
                 }

@@ -12,13 +12,20 @@ use crate::model::ModelConfig;
 use crate::status::Result;
 use crate::tuning::Tuning;
 
-/// The KV pool: `pages` pages of `page_tokens` positions, `bytes` of memory.
+/// The KV pool: `pages` pages of `page_tokens` positions, `bytes` of memory; `local`: the pages of the
+/// sliding-window layers' own pool, and their window, where they have one.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct KvPool {
     pub page_tokens: usize,
     pub pages: usize,
     pub bytes: u64,
+    pub local: Option<(usize, usize)>,
 }
+
+/// Positions before a stream's length that its sliding-window layers' pages are kept for beyond the
+/// window: a backend's attention reach (a block of positions: 32 on the CPU, a 64-position tile on
+/// CUDA) and a verification's longest rejection, with a page to spare.
+const LOCAL_MARGIN: usize = 128 + crate::abi::ENGINE_SPECULATION_MAX_TOKENS as usize + 1;
 
 impl KvPool {
     /// Pages for `windows` full windows of `window` tokens, or for `room` bytes at `per_token` bytes a
@@ -27,7 +34,23 @@ impl KvPool {
         let per_page = per_token.max(1).saturating_mul(page_tokens as u64);
         let for_windows = windows.saturating_mul(window.div_ceil(page_tokens) as u64);
         let pages = for_windows.max(room / per_page).min(u32::MAX as u64) as usize;
-        KvPool { page_tokens, pages, bytes: (pages as u64).saturating_mul(per_page) }
+        KvPool { page_tokens, pages, bytes: (pages as u64).saturating_mul(per_page), local: None }
+    }
+
+    /// The same pool with `cfg`'s sliding-window layers in a pool of their own for `streams` streams
+    /// of `window` tokens: each stream's pages of what the window still reaches, and a window's pages
+    /// more for the new positions of one step (a step holds every position it computes until it ends),
+    /// at most the main pool's pages (a local page stands beside a main one). Unchanged where the
+    /// model has no such layers or their window with its margin reaches the whole window anyway.
+    pub fn with_local(mut self, cfg: &ModelConfig, window: usize, streams: usize) -> KvPool {
+        let Some(w) = (0..cfg.layers).filter_map(|l| cfg.attention.window(l)).max() else { return self };
+        if w + LOCAL_MARGIN + self.page_tokens >= window {
+            return self;
+        }
+        let keep = (w + LOCAL_MARGIN).div_ceil(self.page_tokens) + 1;
+        let pages = streams.saturating_mul(keep).saturating_add(window.div_ceil(self.page_tokens)).min(self.pages);
+        self.local = Some((pages, w));
+        self
     }
 
     pub fn tokens(&self) -> u64 {
@@ -43,23 +66,34 @@ impl KvPool {
     /// The start-up line's words for it.
     pub fn describe(&self) -> String {
         format!(
-            "KV pool of {} tokens ({} GiB, {} pages of {} tokens)",
+            "KV pool of {} tokens ({} GiB, {} pages of {} tokens{})",
             self.tokens(),
             fit::gib(self.bytes),
             self.pages,
-            self.page_tokens
+            self.page_tokens,
+            self.describe_local()
         )
+    }
+
+    fn describe_local(&self) -> String {
+        match self.local {
+            Some((pages, w)) => {
+                format!("; the sliding-window layers' own pool of {pages} pages, a stream's last {w} tokens")
+            }
+            None => String::new(),
+        }
     }
 
     /// `describe` naming the cache types too: "KV pool of 4096 tokens in Q8_0 (...)".
     pub fn describe_with(&self, kv: KvTypes) -> String {
         format!(
-            "KV pool of {} tokens in {} ({} GiB, {} pages of {} tokens)",
+            "KV pool of {} tokens in {} ({} GiB, {} pages of {} tokens{})",
             self.tokens(),
             kv.describe(),
             fit::gib(self.bytes),
             self.pages,
-            self.page_tokens
+            self.page_tokens,
+            self.describe_local()
         )
     }
 }

@@ -11,7 +11,10 @@ use crate::status::{Result, engine_status};
 /// prompt chunk the cut falls inside, stepped again as a shorter chunk, may take another product route:
 /// within 2e-3 relative L2; so may a prompt that takes the prefix cache's pages for its first whole pages,
 /// see `engine_options.prefix_cache`). OUT_OF_RANGE when `len` is more than the stream holds or the stream
-/// does not exist. The stream's logits are dropped when it loses positions.
+/// does not exist. INVALID_ARGUMENT, changing nothing, for a model whose sliding-window layers keep only
+/// their window (Gemma 3 on the CPU backend) when `len` is further back than the positions they still
+/// hold: the last step's length less the window and a margin of at least 32. The stream's logits are
+/// dropped when it loses positions.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn engine_truncate(e: *mut engine, stream: u32, len: u32) -> engine_status {
     // SAFETY: the caller passes an engine from engine_init_fit (or NULL, refused), not yet freed.
@@ -72,9 +75,9 @@ pub unsafe extern "C" fn engine_kv_usage(e: *const engine, out: *mut engine_kv_u
 /// `src`'s KV pages: no position is computed or copied, and each stream goes on on its own (the first
 /// write into a page the other holds copies that page). `dst` keeps its own sampler settings and has
 /// no logits until it is stepped. No page is taken: a step that writes into a shared page takes one
-/// for the copy (NO_ROOM for that step when none is free). INVALID_ARGUMENT for `src == dst`;
-/// OUT_OF_RANGE for a stream the engine does not have or `len` past `src`'s length. A refused call
-/// changes nothing.
+/// for the copy (NO_ROOM for that step when none is free). INVALID_ARGUMENT for `src == dst`, and for
+/// `len` further back than `src`'s sliding-window layers still hold (as `engine_truncate`); OUT_OF_RANGE
+/// for a stream the engine does not have or `len` past `src`'s length. A refused call changes nothing.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn engine_fork(e: *mut engine, src: u32, dst: u32, len: u32) -> engine_status {
     // SAFETY: the caller passes an engine from engine_init_fit (or NULL, refused), not yet freed.

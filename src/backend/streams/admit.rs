@@ -2,7 +2,7 @@
 //! matches first, a shared page copied before it is written), and undoing that when the backend refuses it.
 
 use super::Streams;
-use crate::backend::{Backend, ROOT};
+use crate::backend::{Backend, NO_PAGE, ROOT};
 use crate::bail;
 use crate::status::Result;
 
@@ -54,8 +54,9 @@ impl<B: Backend> Streams<B> {
         // The cache's pages for the item's next whole pages, leaving its last token to compute.
         let mut matched: Vec<(u64, u32)> = Vec::new();
         let whole = start / page;
+        let parent = s.keys.last().copied().unwrap_or(ROOT);
         if reuse > 0 && start.is_multiple_of(page) && s.pages.len() == whole && s.keys.len() == whole {
-            let mut parent = s.keys.last().copied().unwrap_or(ROOT);
+            let mut parent = parent;
             while (matched.len() + 1) * page < reuse.min(n) {
                 let at = matched.len() * page;
                 let Some((node, p)) = self.pool.lookup(parent, &tokens[at..at + page]) else { break };
@@ -63,10 +64,22 @@ impl<B: Backend> Streams<B> {
                 parent = node;
             }
         }
+        // With a local layers' pool, the longest match whose local pages the window reaches are cached too.
+        let mut local_matched = Vec::new();
+        if let Some(lp) = self.local.as_ref() {
+            while !matched.is_empty() {
+                if let Some(found) = lp.matches(parent, whole, &matched, tokens) {
+                    local_matched = found;
+                    break;
+                }
+                matched.pop();
+            }
+        }
         let skip = matched.len() * page;
         let held = s.pages.len() + matched.len();
         // The page the first computed position lands in, where the stream holds it already.
-        let written = s.pages.get((start + skip) / page).copied();
+        let at = (start + skip) / page;
+        let written = s.pages.get(at).copied();
         let copy = written.filter(|&p| self.pool.refs(p) > 1);
         let need = self.pool.pages_for(start + n).saturating_sub(held) + copy.is_some() as usize;
         let taken_from_cache = matched.iter().filter(|&&(_, p)| self.pool.refs(p) == 0).count();
@@ -79,21 +92,58 @@ impl<B: Backend> Streams<B> {
                 self.pool.total_pages()
             );
         }
+        // The same of the local layers' pool.
+        let local_written = s.local.get(at).copied().filter(|&p| p != NO_PAGE);
+        let mut local_copy = None;
+        let mut local_need = 0;
+        if let Some(lp) = self.local.as_ref() {
+            local_copy = local_written.filter(|&p| lp.pool.refs(p) > 1);
+            local_need = lp.pool.pages_for(start + n).saturating_sub(held) + local_copy.is_some() as usize;
+            let from_cache = local_matched.iter().filter(|&&p| p != NO_PAGE && lp.pool.refs(p) == 0).count();
+            let free = lp.pool.free_pages() - from_cache;
+            if local_need > free {
+                bail!(
+                    NoRoom,
+                    "stream {stream}: {} tokens after {len} need {local_need} more pages of the sliding-window layers' KV pool; {free} of {} are free",
+                    n - (len - start),
+                    lp.pool.total_pages()
+                );
+            }
+        }
         // Held before `take`, which would otherwise evict them.
         for &(_, p) in &matched {
             self.pool.hold(p);
         }
         let mut fresh = self.pool.take(need).expect("counted above");
-        if let Some(from) = copy {
-            let to = fresh.pop().expect("counted in need");
-            if let Err(e) = self.backend.copy_page(from, to) {
-                self.pool.give_back(matched.iter().map(|&(_, p)| p).chain(fresh).chain([to]));
-                return Err(e);
+        let mut local_fresh = Vec::new();
+        if let Some(lp) = self.local.as_mut() {
+            local_matched.iter().filter(|&&p| p != NO_PAGE).for_each(|&p| lp.pool.hold(p));
+            local_fresh = lp.pool.take(local_need).expect("counted above");
+        }
+        let copied = self.copy_written(copy, &mut fresh, local_copy, &mut local_fresh);
+        if let Err(e) = copied {
+            self.pool.give_back(matched.iter().map(|&(_, p)| p).chain(fresh));
+            if let Some(lp) = self.local.as_mut() {
+                lp.pool.give_back(local_matched.iter().copied().filter(|&p| p != NO_PAGE).chain(local_fresh));
             }
-            self.slots[slot].as_mut().expect("made above").pages[(start + skip) / page] = to;
-            self.pool.give_back([from]);
-        } else if let Some(p) = written {
-            self.pool.forget(p);
+            return Err(e);
+        }
+        let (to, local_to) = copied.expect("checked above");
+        match (copy, to) {
+            (Some(from), Some(to)) => {
+                self.slots[slot].as_mut().expect("made above").pages[at] = to;
+                self.pool.give_back([from]);
+            }
+            _ => written.into_iter().for_each(|p| self.pool.forget(p)),
+        }
+        if let Some(lp) = self.local.as_mut() {
+            match (local_copy, local_to) {
+                (Some(from), Some(to)) => {
+                    self.slots[slot].as_mut().expect("made above").local[at] = to;
+                    lp.pool.give_back([from]);
+                }
+                _ => local_written.into_iter().for_each(|p| lp.pool.forget(p)),
+            }
         }
         let s = self.slots[slot].as_mut().expect("made above");
         let last = s.tokens.last().copied().filter(|_| start < len);
@@ -107,6 +157,10 @@ impl<B: Backend> Streams<B> {
         s.tokens.extend_from_slice(&tokens[..skip]);
         s.len = start + skip;
         s.pages.extend(fresh);
+        if self.local.is_some() {
+            s.local.extend(local_matched);
+            s.local.extend(local_fresh);
+        }
         Ok(Admission { slot, len, last, skip })
     }
 
@@ -120,7 +174,26 @@ impl<B: Backend> Streams<B> {
             s.tokens.extend(a.last);
             s.keys.truncate(start / page);
         }
-        self.trim_pages(a.slot);
         self.enter_pages(a.slot);
+        self.trim_pages(a.slot);
+    }
+
+    /// Copies the page an item writes first into a page of its own where another stream holds it (in
+    /// either pool): the last of `fresh` (`local_fresh`) becomes the copy. The copies' pages, or the
+    /// backend's error (nothing taken out of `fresh`).
+    fn copy_written(
+        &mut self,
+        copy: Option<u32>,
+        fresh: &mut Vec<u32>,
+        local_copy: Option<u32>,
+        local_fresh: &mut Vec<u32>,
+    ) -> Result<(Option<u32>, Option<u32>)> {
+        if let Some(from) = copy {
+            self.backend.copy_page(from, *fresh.last().expect("counted in need"))?;
+        }
+        if let Some(from) = local_copy {
+            self.backend.copy_local_page(from, *local_fresh.last().expect("counted in need"))?;
+        }
+        Ok((copy.and_then(|_| fresh.pop()), local_copy.and_then(|_| local_fresh.pop())))
     }
 }
