@@ -652,8 +652,8 @@ enum engine_status engine_allowed_tokens(struct engine *e,
 // see `engine_options.prefix_cache`). OUT_OF_RANGE when `len` is more than the stream holds or the stream
 // does not exist. INVALID_ARGUMENT, changing nothing, for a model whose sliding-window layers keep only
 // their window (Gemma 3 on the CPU backend) when `len` is further back than the positions they still
-// hold: the last step's length less the window and a margin of at least 32. The stream's logits are
-// dropped when it loses positions.
+// hold: a step keeps them from the stream's new length less the window and a margin of at least 32
+// positions (a fork holds its source's). The stream's logits are dropped when it loses positions.
 enum engine_status engine_truncate(struct engine *e,
                                    uint32_t stream,
                                    uint32_t len);

@@ -348,17 +348,7 @@ impl<'a> CpuModel<'a> {
         let mut logits = try_filled(chunk_tokens as u128 * self.cfg.vocab as u128, 0f32)?;
         self.pool.install(|| {
             for (c, chunk) in tokens.chunks(CHUNK_TOKENS).enumerate() {
-                self.advance(
-                    kv,
-                    &[Segment {
-                        pages: &stream.pages,
-                        local: &stream.local,
-                        tokens: chunk,
-                        first_pos: stream.len,
-                        row: 0,
-                    }],
-                    &mut s,
-                );
+                self.advance(kv, &[Segment::alone(stream, chunk)], &mut s);
                 stream.len += chunk.len();
                 let logits = &mut logits[..chunk.len() * self.cfg.vocab];
                 self.logits(&mut s, 0..chunk.len(), logits);
@@ -392,17 +382,7 @@ impl<'a> CpuModel<'a> {
         self.pool.install(|| {
             let mut last = 0;
             for chunk in tokens.chunks(CHUNK_TOKENS) {
-                self.advance(
-                    kv,
-                    &[Segment {
-                        pages: &stream.pages,
-                        local: &stream.local,
-                        tokens: chunk,
-                        first_pos: stream.len,
-                        row: 0,
-                    }],
-                    &mut s,
-                );
+                self.advance(kv, &[Segment::alone(stream, chunk)], &mut s);
                 stream.len += chunk.len();
                 last = chunk.len() - 1;
             }

@@ -4,7 +4,9 @@
 use super::attention::{AttentionScratch, Batch};
 use super::matmul::{self, RowTile, Write};
 use super::moe::{MoeFfn, MoeScratch};
-use super::{CpuWeight, KvPages, add, gelu_tanh_times, inverse_rms, norm_rows, rotate, rotation_at, silu_times};
+use super::{
+    CpuStream, CpuWeight, KvPages, add, gelu_tanh_times, inverse_rms, norm_rows, rotate, rotation_at, silu_times,
+};
 use crate::arch::{Feeds, Ops, Rotary};
 use crate::model::{Activation, ModelConfig, TensorRef};
 use crate::status::Result;
@@ -18,6 +20,13 @@ pub(super) struct Segment<'s> {
     pub tokens: &'s [u32],
     pub first_pos: usize,
     pub row: usize,
+}
+
+impl<'s> Segment<'s> {
+    /// A pass of `tokens` of `stream` alone, at its next positions.
+    pub fn alone(stream: &'s CpuStream, tokens: &'s [u32]) -> Segment<'s> {
+        Segment { pages: &stream.pages, local: &stream.local, tokens, first_pos: stream.len, row: 0 }
+    }
 }
 
 /// A pass of `n` rows: the model's constants, the streams' pages, and the scratch cut to n rows.

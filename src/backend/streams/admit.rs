@@ -2,9 +2,25 @@
 //! matches first, a shared page copied before it is written), and undoing that when the backend refuses it.
 
 use super::Streams;
-use crate::backend::{Backend, NO_PAGE, ROOT};
+use crate::backend::{Backend, NO_PAGE, PagePool, ROOT};
 use crate::bail;
 use crate::status::Result;
+
+/// What an item ending at position `end` takes from `pool`, where its stream holds `held` pages with
+/// those the prefix cache gives it (`cached`): the page it writes first when another stream holds it
+/// (to copy), the pages it needs, and the pages free for it (the cache's own not counted).
+fn room(
+    pool: &PagePool,
+    written: Option<u32>,
+    end: usize,
+    held: usize,
+    cached: impl Iterator<Item = u32>,
+) -> (Option<u32>, usize, usize) {
+    let copy = written.filter(|&p| pool.refs(p) > 1);
+    let need = pool.pages_for(end).saturating_sub(held) + copy.is_some() as usize;
+    let from_cache = cached.filter(|&p| pool.refs(p) == 0).count();
+    (copy, need, pool.free_pages() - from_cache)
+}
 
 /// Where `Streams::admit` put an item: what to restore when the backend refuses it.
 pub(super) struct Admission {
@@ -80,10 +96,7 @@ impl<B: Backend> Streams<B> {
         // The page the first computed position lands in, where the stream holds it already.
         let at = (start + skip) / page;
         let written = s.pages.get(at).copied();
-        let copy = written.filter(|&p| self.pool.refs(p) > 1);
-        let need = self.pool.pages_for(start + n).saturating_sub(held) + copy.is_some() as usize;
-        let taken_from_cache = matched.iter().filter(|&&(_, p)| self.pool.refs(p) == 0).count();
-        let free = self.pool.free_pages() - taken_from_cache;
+        let (copy, need, free) = room(&self.pool, written, start + n, held, matched.iter().map(|&(_, p)| p));
         if need > free {
             bail!(
                 NoRoom,
@@ -97,10 +110,9 @@ impl<B: Backend> Streams<B> {
         let mut local_copy = None;
         let mut local_need = 0;
         if let Some(lp) = self.local.as_ref() {
-            local_copy = local_written.filter(|&p| lp.pool.refs(p) > 1);
-            local_need = lp.pool.pages_for(start + n).saturating_sub(held) + local_copy.is_some() as usize;
-            let from_cache = local_matched.iter().filter(|&&p| p != NO_PAGE && lp.pool.refs(p) == 0).count();
-            let free = lp.pool.free_pages() - from_cache;
+            let cached = local_matched.iter().copied().filter(|&p| p != NO_PAGE);
+            let free;
+            (local_copy, local_need, free) = room(&lp.pool, local_written, start + n, held, cached);
             if local_need > free {
                 bail!(
                     NoRoom,

@@ -48,8 +48,9 @@ impl LocalPool {
     }
 
     /// The local pages standing for `matched` (the prefix cache's main pages for a stream's pages from
-    /// `whole` on, whose keys chain from `parent`), or None when one its window reaches is not in the
-    /// local cache. Pages before the reach of the stream's new length stand as `NO_PAGE`.
+    /// `whole` on, whose keys chain from `parent`), or None when one the stream keeps at its new length
+    /// is not in the local cache (kept as a step keeps them, so a cut within the margin works after a
+    /// hit too). Pages before those stand as `NO_PAGE`.
     pub(super) fn matches(
         &self,
         parent: u64,
@@ -58,7 +59,7 @@ impl LocalPool {
         tokens: &[u32],
     ) -> Option<Vec<u32>> {
         let page = self.pool.page_tokens();
-        let from = self.need_from((whole + matched.len()) * page);
+        let from = self.keep_from((whole + matched.len()) * page);
         let mut parent = parent;
         let mut out = Vec::with_capacity(matched.len());
         for (j, &(node, _)) in matched.iter().enumerate() {
