@@ -53,6 +53,10 @@ pub struct LocalLayers {
     pub reach: usize,
     /// Pages in the local layers' pool.
     pub pages: usize,
+    /// Tokens of the pieces `Streams` steps a longer item in (a multiple of the backend's own chunks,
+    /// so the pieces take the routes the whole item would), each piece's early pages given back before
+    /// the next: a stream's local pages never hold more than the window's reach and one piece.
+    pub piece: usize,
 }
 
 /// log p(`id`) under the softmax of `logits`, in f64 as `sampler::top_logprobs` computes it; NaN where

@@ -48,6 +48,9 @@ pub use self::scratch::{scratch_bytes, step_threads};
 /// Tokens a step runs through the layers together; a longer step runs in chunks of this many. Past a
 /// few dozen tokens a decoded row is reused enough that larger chunks only cost scratch.
 pub const CHUNK_TOKENS: usize = 64;
+/// Tokens of the pieces a long item is stepped in where the sliding-window layers have a pool of their
+/// own (`backend::LocalLayers::piece`).
+pub const LOCAL_PIECE_TOKENS: usize = 8 * CHUNK_TOKENS;
 
 /// Positions in one page of the KV pool.
 pub const PAGE_TOKENS: usize = 32;

@@ -33,7 +33,7 @@ fn config() -> ModelConfig {
         head_dim: 32,
         intermediate: 96,
         vocab: 96,
-        max_position: 1024,
+        max_position: 2048,
         query_scale_base: 24.0,
         window: 7,
     };
@@ -76,10 +76,21 @@ fn local_layers_keep_only_their_window() {
     let path = dir.gguf("gemma3", &cfg, rng.next_u64(), DType::Q8_0);
     let ckpt = Checkpoint::open(&path).unwrap();
     let model = CpuModel::new(&ckpt).unwrap();
-    let e = init(&path, &cpu_options(640, 3));
+    let e = init(&path, &cpu_options(1536, 3));
     let total = kv_usage(&e).tokens_total;
+    // A prompt of more than a piece (512 tokens on the CPU) is stepped in pieces, and so is a score.
+    let long = rng.ids(cfg.vocab, 700);
+    let (st, got) = try_score(&e, 2, &long);
+    assert_eq!(st, Status::Ok, "{}", last_error());
+    let all = reference(&model, &long);
+    let want: Vec<f32> =
+        (0..long.len()).map(|i| if i == 0 { f32::NAN } else { log_prob(&all[i - 1], long[i] as u32) }).collect();
+    assert_eq!(bits(&got), bits(&want), "a score in pieces");
+    assert_eq!(bits(&logits(&e, 2)), bits(all.last().unwrap()), "after the score");
+    assert_eq!(held(&e), held_pages(long.len()) * PAGE, "held after the score");
+    reset(&e, 2);
     let mut hist: Vec<i32> = Vec::new();
-    for n in [300usize, 37, 1, 1, 1, 64, 1, 5] {
+    for n in [300usize, 37, 1, 1, 1, 64, 1, 5, 700] {
         let tokens = rng.ids(cfg.vocab, n);
         assert_eq!(try_step(&e, 0, &tokens).0, Status::Ok, "{}", last_error());
         hist.extend(&tokens);
@@ -145,7 +156,7 @@ fn random_calls_match_one_pool() {
     let path = dir.gguf("gemma3", &cfg, rng.next_u64(), DType::Q8_0);
     let ckpt = Checkpoint::open(&path).unwrap();
     let model = CpuModel::new(&ckpt).unwrap();
-    let (window, streams) = (480usize, 4usize);
+    let (window, streams) = (1024usize, 4usize);
     let e = init(&path, &cpu_options(window as u32, streams as u32));
     let systems: Vec<Vec<i32>> = (0..2).map(|k| rng.ids(cfg.vocab, 120 + 70 * k)).collect();
     let mut hist: Vec<Vec<i32>> = vec![Vec::new(); streams];
@@ -174,10 +185,15 @@ fn random_calls_match_one_pool() {
                     let n = 1 + rng.below(80) as usize;
                     rng.ids(cfg.vocab, n)
                 }
+                // More than a piece: stepped (or scored) in pieces.
+                3 if h.len() + 800 <= window => {
+                    let n = 513 + rng.below(180) as usize;
+                    rng.ids(cfg.vocab, n)
+                }
                 _ => rng.ids(cfg.vocab, 1),
             }
         };
-        if hist[s].len() + 100 > window {
+        if hist[s].len() + 100 > window || (hist[s].len() > 300 && rng.below(4) == 0) {
             reset(&e, s as u32);
             hist[s].clear();
             floor[s] = 0;
@@ -286,8 +302,8 @@ fn speculation_cuts_rejections_within_the_margin() {
     let path = dir.gguf("gemma3", &cfg, rng.next_u64(), DType::Q8_0);
     let ckpt = Checkpoint::open(&path).unwrap();
     let model = CpuModel::new(&ckpt).unwrap();
-    let spec = init(&path, &cpu_options(640, 2));
-    let plain = init(&path, &cpu_options(640, 2));
+    let spec = init(&path, &cpu_options(1536, 2));
+    let plain = init(&path, &cpu_options(1536, 2));
     let (mut proposed, mut accepted) = (0, 0);
     for p in 0..3 {
         let prompt = common::spec::repeating_prompt(&mut rng, cfg.vocab);

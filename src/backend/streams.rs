@@ -192,16 +192,25 @@ impl<B: Backend> Decoder for Streams<B> {
             }
             item.out.clear();
             let proposals = std::mem::take(&mut all_proposals[i]);
-            let mut tokens = item.tokens.to_vec();
+            // A long item's first pieces run ahead where the local layers keep only their window.
+            let own = match self.step_ahead(item.stream(), item.tokens) {
+                Ok(ahead) => &item.tokens[ahead..],
+                Err(e) => {
+                    runs.push(Vec::new());
+                    item.next = Err(e);
+                    continue;
+                }
+            };
+            let mut tokens = own.to_vec();
             tokens.extend_from_slice(&proposals);
             // The cache may stand for the item's own tokens only: every proposal needs its logits.
-            let mut admitted = self.admit(item.stream(), None, &tokens, item.tokens.len());
+            let mut admitted = self.admit(item.stream(), None, &tokens, own.len());
             if admitted.as_ref().is_err_and(|e| e.status == Status::NoRoom) && !proposals.is_empty() {
                 // No room for the proposals: the item steps as without them.
-                tokens.truncate(item.tokens.len());
-                admitted = self.admit(item.stream(), None, &tokens, item.tokens.len());
+                tokens.truncate(own.len());
+                admitted = self.admit(item.stream(), None, &tokens, own.len());
             }
-            proposed[i] = tokens.len() - item.tokens.len();
+            proposed[i] = tokens.len() - own.len();
             runs.push(tokens);
             let a = match admitted {
                 Ok(a) => a,
@@ -210,7 +219,7 @@ impl<B: Backend> Decoder for Streams<B> {
                     continue;
                 }
             };
-            match self.feed_constraint(a.slot, a.len, item.tokens) {
+            match self.feed_constraint(a.slot, a.len, own) {
                 Ok(()) => run.push((i, a)),
                 Err(e) => {
                     self.restore(&a);
@@ -311,7 +320,7 @@ impl<B: Backend> Decoder for Streams<B> {
             } else {
                 let reuse = &mut self.reuse[a.slot];
                 reuse.0 += a.skip as u64;
-                reuse.1 += (items[*i].tokens.len() - a.skip) as u64;
+                reuse.1 += (runs[*i].len() - proposed[*i] - a.skip) as u64;
                 // Entered before the local pages the window left are given back, so the cache keeps them.
                 self.enter_pages(a.slot);
                 self.trim_pages(a.slot);
@@ -447,28 +456,9 @@ impl<B: Backend> Decoder for Streams<B> {
             }
         };
         let start = len + n - run.len();
-        let a = self.admit(stream, Some(start), &run, 0)?;
-        // The tokens go through the stream's constraint as a step's would (one it refuses fails the call).
-        if let Err(e) = self.feed_constraint(slot, len, tokens) {
-            self.restore(&a);
-            return Err(e);
-        }
-        let mut scored = vec![f32::NAN; run.len()];
-        let s = self.slots[slot].as_mut().expect("admitted");
-        if let Err(e) = self.backend.score(s, &run, &mut scored) {
-            self.restore(&a);
-            if let Some(c) = self.constraints[slot].as_mut() {
-                c.rollback(len);
-            }
-            // The backend may have dropped what it kept.
-            self.last.clear();
-            return Err(e);
-        }
-        s.tokens.extend_from_slice(&run);
+        let scored = self.score_run(stream, slot, start, &run, tokens)?;
         self.reuse[slot].1 += n as u64;
         self.last = vec![(stream, 0, 0)];
-        self.enter_pages(slot);
-        self.trim_local(slot);
         if let Some(c) = self.constraints[slot].as_mut() {
             c.stepped(len + n);
         }

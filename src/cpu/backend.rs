@@ -137,7 +137,7 @@ impl Backend for CpuBackend {
         let cfg = self.model.config();
         let window = (0..cfg.layers).filter_map(|l| cfg.attention.window(l)).max()?;
         // Attention reads whole blocks of KEY_BLOCK positions from the block holding a window's first.
-        Some(LocalLayers { window, reach: super::attention::KEY_BLOCK, pages })
+        Some(LocalLayers { window, reach: super::attention::KEY_BLOCK, pages, piece: super::LOCAL_PIECE_TOKENS })
     }
 
     fn copy_local_page(&mut self, from: u32, to: u32) -> Result<()> {

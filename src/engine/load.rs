@@ -275,7 +275,7 @@ impl Engine {
                 let c = &ckpt.config;
                 fit::cpu_kv_bytes(c.layers as u64, 1, c.kv_heads as u64, c.head_dim as u64, kv).unwrap_or(u64::MAX)
             })
-            .with_local(&ckpt.config, window as usize, want as usize);
+            .with_local(&ckpt.config, window as usize, want as usize, crate::cpu::LOCAL_PIECE_TOKENS);
             let pool_line = if cpu.streams > 0 { format!(", {}", pool.describe_with(kv)) } else { String::new() };
             logger.line(&format!(
                 "{}: model {} GiB on the CPU backend, rows read from the file mapping, {}{pool_line}",
@@ -306,7 +306,7 @@ impl Engine {
                     )
                     .unwrap_or(u64::MAX);
                     let dpool = KvPool::sized(CpuBackend::PAGE_TOKENS, dwindow, streams as u64, 0, per_token)
-                        .with_local(&d.config, dwindow, streams as usize);
+                        .with_local(&d.config, dwindow, streams as usize, crate::cpu::LOCAL_PIECE_TOKENS);
                     logger.line(&describe_drafter(d, dwindow, d.weight_bytes(), &dpool, kv));
                     Some(DrafterLoad { ckpt: d, rows: r, pool: dpool })
                 }

@@ -38,17 +38,20 @@ impl KvPool {
     }
 
     /// The same pool with `cfg`'s sliding-window layers in a pool of their own for `streams` streams
-    /// of `window` tokens: each stream's pages of what the window still reaches, and a window's pages
-    /// more for the new positions of one step (a step holds every position it computes until it ends),
-    /// at most the main pool's pages (a local page stands beside a main one). Unchanged where the
-    /// model has no such layers or their window with its margin reaches the whole window anyway.
-    pub fn with_local(mut self, cfg: &ModelConfig, window: usize, streams: usize) -> KvPool {
+    /// of `window` tokens stepping long items in pieces of `piece` tokens: each stream's pages of what
+    /// the window still reaches, with the margin, and of a piece with a verification's proposals (a
+    /// step holds every position it computes until it ends), at most the main pool's pages (a local
+    /// page stands beside a main one). Unchanged where the model has no such layers or their pages
+    /// would hold the whole window anyway.
+    pub fn with_local(mut self, cfg: &ModelConfig, window: usize, streams: usize, piece: usize) -> KvPool {
         let Some(w) = (0..cfg.layers).filter_map(|l| cfg.attention.window(l)).max() else { return self };
-        if w + LOCAL_MARGIN + self.page_tokens >= window {
+        let page = self.page_tokens;
+        let step = (piece + crate::abi::ENGINE_SPECULATION_MAX_TOKENS as usize).div_ceil(page) + 1;
+        let each = (w + LOCAL_MARGIN).div_ceil(page) + 1 + step;
+        if each >= window.div_ceil(page) {
             return self;
         }
-        let keep = (w + LOCAL_MARGIN).div_ceil(self.page_tokens) + 1;
-        let pages = streams.saturating_mul(keep).saturating_add(window.div_ceil(self.page_tokens)).min(self.pages);
+        let pages = streams.saturating_mul(each).min(self.pages);
         self.local = Some((pages, w));
         self
     }

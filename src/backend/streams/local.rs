@@ -10,8 +10,9 @@
 
 use super::Streams;
 use crate::abi::ENGINE_SPECULATION_MAX_TOKENS;
-use crate::backend::{Backend, KvStream, LocalLayers, NO_PAGE, PagePool, ROOT};
+use crate::backend::{Backend, KvStream, LocalLayers, NO_PAGE, PagePool, ROOT, StepItem, log_prob};
 use crate::bail;
+use crate::sampler::Sampling;
 use crate::status::Result;
 
 /// Positions a step's verification may cut back from a stream's length (its rejected proposals), with
@@ -148,5 +149,126 @@ impl<B: Backend> Streams<B> {
         lp.pool
             .audit(held.iter().map(Vec::as_slice))
             .map_err(|why| crate::err!(InvalidArgument, "the local layers' KV pool: {why}"))
+    }
+}
+
+impl<B: Backend> Streams<B> {
+    /// With a local layers' pool, steps all but the last piece of an item of `tokens` on `stream` ahead
+    /// in pieces of `LocalLayers::piece`, each a backend call of its own (the prefix cache taking what it
+    /// holds), the local pages its window leaves given back after each, so that a long prompt never
+    /// holds more local pages than the window's reach and a piece. Returns how many tokens ran ahead
+    /// (their tokens appended, the stream's kept logits gone). None run for a constrained stream, an
+    /// item the window or the main pool has no room for (its admission then refuses it whole), or one
+    /// of a piece or less. Err only when the backend failed a piece: the pieces before it stay.
+    pub(super) fn step_ahead(&mut self, stream: u32, tokens: &[u32]) -> Result<usize> {
+        let Some(piece) = self.local.as_ref().map(|lp| lp.layers.piece.max(1)) else { return Ok(0) };
+        let slot = self.slot(stream, "")?;
+        let len = self.slots[slot].as_ref().map_or(0, |s| s.len);
+        if tokens.len() <= piece || self.constraints[slot].is_some() || tokens.len() > self.window.saturating_sub(len) {
+            return Ok(0);
+        }
+        // Room for every piece in the main pool (a page more for a copy of a shared last page).
+        let held = self.slots[slot].as_ref().map_or(0, |s| s.pages.len());
+        if self.pool.pages_for(len + tokens.len()).saturating_sub(held) + 1 > self.pool.free_pages() {
+            return Ok(0);
+        }
+        let ahead = (tokens.len() - 1) / piece * piece;
+        let mut done = 0;
+        while done < ahead {
+            let part = &tokens[done..done + piece];
+            let Ok(a) = self.admit(stream, None, part, part.len()) else { break };
+            self.last.clear();
+            let Streams { backend, slots, .. } = &mut *self;
+            let s = slots[slot].as_mut().expect("admitted");
+            let mut item = [StepItem::new(s, stream, &part[a.skip..], Sampling::GREEDY)];
+            let ran = backend.step_batch(&mut item);
+            let next = std::mem::replace(&mut item[0].next, Ok(0));
+            if let Err(e) = ran.and(next) {
+                self.restore(&a);
+                return Err(e);
+            }
+            let s = self.slots[slot].as_mut().expect("admitted");
+            s.tokens.extend_from_slice(&part[a.skip..]);
+            self.reuse[slot].0 += a.skip as u64;
+            self.reuse[slot].1 += (piece - a.skip) as u64;
+            self.enter_pages(slot);
+            self.trim_pages(slot);
+            done += piece;
+        }
+        Ok(done)
+    }
+}
+
+impl<B: Backend> Streams<B> {
+    /// `score`'s appending of `run` (the tokens, after the stream's last token again when `start` is
+    /// one before its length) on stream slot `slot`, through its constraint (fed `tokens` at the
+    /// stream's length), and the backend's log-probabilities of each next token (the last NaN). With a
+    /// local layers' pool, in pieces of `LocalLayers::piece` (the main pool's room checked for all of
+    /// them first), each piece's last log-probability from the logits it kept. Refused, appending
+    /// nothing, where the first piece is; a backend failure in a later piece leaves those before it.
+    pub(super) fn score_run(
+        &mut self,
+        stream: u32,
+        slot: usize,
+        start: usize,
+        run: &[u32],
+        tokens: &[u32],
+    ) -> Result<Vec<f32>> {
+        let len = self.slots[slot].as_ref().map_or(0, |s| s.len);
+        let piece = self.local.as_ref().map_or(run.len(), |lp| lp.layers.piece.max(1));
+        if run.len() > piece {
+            let s = self.slots[slot].as_ref();
+            let held = s.map_or(0, |s| s.pages.len());
+            let page = self.pool.page_tokens();
+            let shared = s.and_then(|s| s.pages.get(start / page)).is_some_and(|&p| self.pool.refs(p) > 1);
+            let need = self.pool.pages_for(start + run.len()).saturating_sub(held) + shared as usize;
+            if need > self.pool.free_pages() {
+                bail!(
+                    NoRoom,
+                    "stream {stream}: {} tokens after {len} need {need} more KV pages of {page} tokens; {} of {} are free",
+                    tokens.len(),
+                    self.pool.free_pages(),
+                    self.pool.total_pages()
+                );
+            }
+        }
+        let mut scored = vec![f32::NAN; run.len()];
+        let mut done = 0;
+        while done < run.len() {
+            let part = &run[done..(done + piece).min(run.len())];
+            let a = self.admit(stream, (done == 0).then_some(start), part, 0)?;
+            // The tokens go through the stream's constraint as a step's would (one it refuses fails the call).
+            if done == 0
+                && let Err(e) = self.feed_constraint(slot, len, tokens)
+            {
+                self.restore(&a);
+                return Err(e);
+            }
+            let s = self.slots[slot].as_mut().expect("admitted");
+            let mut scored_part = self.backend.score(s, part, &mut scored[done..done + part.len()]);
+            let s = self.slots[slot].as_mut().expect("admitted");
+            s.tokens.extend_from_slice(part);
+            done += part.len();
+            if scored_part.is_ok() && done < run.len() {
+                // The next piece's first token after the logits this one kept.
+                scored_part = self.backend.logits(0, 0).map(|logits| scored[done - 1] = log_prob(&logits, run[done]));
+            }
+            if let Err(e) = scored_part {
+                let s = self.slots[slot].as_mut().expect("admitted");
+                if s.len > a.len {
+                    self.backend.truncate(s, a.len);
+                }
+                self.restore(&a);
+                if let Some(c) = self.constraints[slot].as_mut() {
+                    c.rollback(self.slots[slot].as_ref().map_or(0, |s| s.len));
+                }
+                // The backend may have dropped what it kept.
+                self.last.clear();
+                return Err(e);
+            }
+            self.enter_pages(slot);
+            self.trim_local(slot);
+        }
+        Ok(scored)
     }
 }
