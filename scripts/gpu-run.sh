@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine from the repo root: unpacks .gpu/bundle.tar.xz and runs the GPU suite,
 # then whatever steps are named (default: tests). Logs go to $OUT (or ./gpu-out).
-# Steps: info tests tests-parallel targets formats prep tc-blocks attention-wide targets-f16 targets-kv wgmma sanitize profile-decode profile-mmv hfref bench-embed bench-decode bench-mmv bench-model bench-prefill bench-prefill-quant
+# Steps: info tests tests-parallel targets formats prep tc-blocks attention-wide targets-f16 targets-kv wgmma local-pool sanitize profile-decode profile-mmv hfref bench-embed bench-decode bench-mmv bench-model bench-prefill bench-prefill-quant
 # bench-convert bench-kv torch-prefill server-load, or any example's name. server-load measures the
 # server's targets (scripts/server-load.sh: a 16 GB Llama-3-8B-shaped file written under /tmp, batch.c,
 # decode.c and hostembed-server with load.py on it; about 4 minutes, meant for a call of its own). bench-mmv times the decode products alone
@@ -208,6 +208,16 @@ for step in $steps; do
         run_bench bench_decode --no-kernels --no-mmv --dtype f16 --prompt 16384 --tokens 64 --runs 2 --greedy
       done
       unset HOSTEMBED_ATTENTION_WIDE ;;
+    local-pool)
+      # Gemma 3's sliding-window layers in a pool of their own: the pool test against one pool, the
+      # Gemma 3 suite, and the pool test under compute-sanitizer's memcheck (a released page is never read).
+      rc=0
+      run_test gpu_gemma3_pool || rc=$?
+      run_test gpu_gemma3 || rc=$?
+      grep -h "^test result" "$OUT"/test-gpu_gemma3*.log >> "$summary"
+      timeout 300 compute-sanitizer --error-exitcode 99 "$B/tests/gpu_gemma3_pool" --test-threads=1 \
+        > "$OUT/memcheck-local-pool.log" 2>&1 || rc=$?
+      tail -3 "$OUT/memcheck-local-pool.log" >> "$summary" ;;
     wgmma)
       # The half products past 8 tokens on the warpgroup products (HOSTEMBED_MMV_WGMMA=1, 2: pipelined)
       # against mma.sync (0): the decode products' kernel tests, the F16 and BF16 products alone, then the

@@ -39,6 +39,9 @@ pub const FLASH_PARTS_ENV: &str = "HOSTEMBED_FLASH_PARTS";
 /// "0": decode attention always takes the kernel with more loads in flight a thread; "1": always the one
 /// with twice the blocks a multiprocessor (unset: by the launch's block count).
 pub const ATTENTION_WIDE_ENV: &str = "HOSTEMBED_ATTENTION_WIDE";
+/// "1": on CUDA, a model's sliding-window layers keep only their window in a KV pool of their own, as on
+/// the CPU (off until a card has run its tests).
+pub const CUDA_LOCAL_POOL_ENV: &str = "HOSTEMBED_CUDA_LOCAL_POOL";
 /// "0": a Mixture-of-Experts layer's prompt rows take the warp-a-row expert kernels instead of the grouped
 /// tensor-core products.
 pub const MOE_GROUPED_ENV: &str = "HOSTEMBED_MOE_GROUPED";
@@ -110,6 +113,9 @@ pub struct Tuning {
     /// Which decode attention kernel: the one with twice the blocks a multiprocessor (true), the one with
     /// more loads in flight a thread (false), or by the launch's block count (None).
     pub attention_wide: Option<bool>,
+    /// Whether a CUDA model's sliding-window layers keep only their window in a KV pool of their own
+    /// (the same kernels and bits, less memory). Off until a card has run its tests.
+    pub cuda_local_pool: bool,
 }
 
 impl Default for Tuning {
@@ -131,6 +137,7 @@ impl Default for Tuning {
             flash_parts: true,
             moe_grouped: true,
             attention_wide: None,
+            cuda_local_pool: false,
         }
     }
 }
@@ -192,6 +199,7 @@ impl Tuning {
                 "1" => Some(true),
                 _ => None,
             }),
+            cuda_local_pool: var(CUDA_LOCAL_POOL_ENV).map_or(d.cuda_local_pool, |v| v.trim() == "1"),
         }
     }
 }

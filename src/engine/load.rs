@@ -12,7 +12,7 @@ use crate::checkpoint::Checkpoint;
 use crate::cpu::{CpuBackend, CpuStream};
 use crate::cuda::{self, PinnedBuffer};
 use crate::fit::{self, engine_placement};
-use crate::gpu::{CudaBackend, RowsOnDevice};
+use crate::gpu::{CudaBackend, RowsOnDevice, local_piece};
 use crate::kv::KvTypes;
 use crate::placement::{Rows, RowsSource};
 use crate::sampler::Sampling;
@@ -181,8 +181,9 @@ fn load_decoder(
         BackendKind::Cuda => {
             let r = rows.describe();
             let rows = RowsOnDevice { ptr: r.data, dtype: r.dtype, vocab: r.rows as usize, cols: r.cols as usize };
+            let (batch, local) = (max_batch_of(opts), pool.local.map(|(pages, _)| pages));
             let model =
-                CudaBackend::load(&**ckpt, rows, max_batch_of(opts), opts.device, pool.pages, kv, window, tuning)?;
+                CudaBackend::load_with_pools(&**ckpt, rows, batch, opts.device, pool.pages, local, kv, window, tuning)?;
             logger.line(model.prompt_route());
             if tuning.batch_tensor_cores {
                 logger.line("batches of 16 or more single tokens share tensor-core products: a stream's logits depend on its batch");
@@ -196,8 +197,10 @@ fn load_decoder(
                         RowsOnDevice { ptr: r.data, dtype: r.dtype, vocab: r.rows as usize, cols: r.cols as usize };
                     let dwindow = drafter_window(&d.ckpt.config, window);
                     let (device, pages) = (opts.device, d.pool.pages);
-                    let model =
-                        CudaBackend::load(&**d.ckpt, rows, max_batch_of(opts), device, pages, kv, dwindow, tuning)?;
+                    let (batch, local) = (max_batch_of(opts), d.pool.local.map(|(pages, _)| pages));
+                    let model = CudaBackend::load_with_pools(
+                        &**d.ckpt, rows, batch, device, pages, local, kv, dwindow, tuning,
+                    )?;
                     let drafts = Streams::new(model, dwindow, streams, d.pool.pages, Sampling::GREEDY)?
                         .with_prefix_cache(prefix_cache);
                     Box::new(target.with_drafter(drafts)?)
@@ -369,6 +372,16 @@ impl Engine {
             room,
             inputs.stream_bytes_per_token,
         );
+        // `max_streams` bounds the streams, which share the pool however many full windows it holds.
+        let streams = if opts.max_streams > 0 { pool.streams(opts.max_streams) } else { plan.streams };
+        // The sliding-window layers' own pool takes less than the main pool's pages at their bytes,
+        // which the plan counted, and the main pool then holds the other layers only.
+        let pool = match tuning.cuda_local_pool {
+            true => {
+                pool.with_local(&ckpt.config, plan.window as usize, streams as usize, local_piece(max_batch_of(opts)))
+            }
+            false => pool,
+        };
         match fit::refusal(&plan) {
             Some(why) => {
                 logger.line(&format!("{}: {}", fit::describe_parameters(&ckpt.config), fit::describe(&plan)));
@@ -397,8 +410,6 @@ impl Engine {
         let drafter_rows = drafter_ckpt.as_ref().map(|d| Rows::on_device(&rows_source(d))).transpose()?;
         let bad_ids = Mutex::new(PinnedBuffer::new_mapped(std::mem::size_of::<i32>())?);
         injected(InitStep::RowsPlaced)?;
-        // `max_streams` bounds the streams, which share the pool however many full windows it holds.
-        let streams = if opts.max_streams > 0 { pool.streams(opts.max_streams) } else { plan.streams };
         let drafter = match (&drafter_ckpt, &drafter_rows, drafter_pool) {
             (Some(d), Some(r), Some(dpool)) => {
                 let dwindow = drafter_window(&d.config, plan.window as usize);

@@ -67,8 +67,10 @@ pub(super) struct Piece {
     pub len: usize,
     /// The position of its first token.
     pub pos: usize,
-    /// The stream's page table (a device address).
+    /// The stream's page table (a device address), and its table of the local layers' pool (null
+    /// without one).
     pub table: *const c_uint,
+    pub local_table: *const c_uint,
     /// Whether the item ends with this piece (its logits follow the piece's last token).
     pub last: bool,
     /// Its first row in the pass, and its path (set by `lay_out`).
@@ -202,17 +204,24 @@ impl GpuModel {
     /// Checks an item and queues its page table's update.
     fn admit(&self, item: &mut StepItem<'_, GpuCache>) -> Result<()> {
         self.check_tokens(item.stream, item.tokens)?;
-        let end = item.stream.len + item.tokens.len();
-        let held = item.stream.pages.len() * PAGE_TOKENS;
-        if held < end {
-            bail!(
-                NoRoom,
-                "positions up to {end} need {} KV pages; the stream holds {}",
-                end.div_ceil(PAGE_TOKENS),
-                item.stream.pages.len()
-            );
-        }
+        self.check_held(item.stream, item.stream.len + item.tokens.len())?;
         self.sync_table(item.stream)
+    }
+
+    /// NO_ROOM unless `stream` holds the pages of positions up to `end` (in both pools, where the local
+    /// layers have their own).
+    pub(super) fn check_held(&self, stream: &GpuStream, end: usize) -> Result<()> {
+        let local = if self.local_pages > 0 { Some(stream.local.len()) } else { None };
+        for (held, what) in [(Some(stream.pages.len()), "KV pages"), (local, "pages of the local layers' pool")] {
+            if let Some(held) = held.filter(|&h| h * PAGE_TOKENS < end) {
+                bail!(
+                    NoRoom,
+                    "positions up to {end} need {} {what}; the stream holds {held}",
+                    end.div_ceil(PAGE_TOKENS)
+                );
+            }
+        }
+        Ok(())
     }
 
     /// Runs the admitted items `run` and returns the tokens drawn after each one's head positions (its
@@ -238,13 +247,14 @@ impl GpuModel {
                     continue;
                 }
                 let len = (n - from).min(b);
-                let table = item.stream.cache.table_ptr();
+                let (table, local_table) = (item.stream.cache.table_ptr(), item.stream.cache.local_table_ptr());
                 let piece = Piece {
                     item: i,
                     from,
                     len,
                     pos: item.stream.len + from,
                     table,
+                    local_table,
                     last: from + len == n,
                     row: 0,
                     path: Path::Matvec,
@@ -467,10 +477,10 @@ impl GpuModel {
         }
     }
 
-    /// Uploads each row's id, position and page table address, in one copy.
+    /// Uploads each row's id, position and page tables' addresses, in one copy.
     pub(super) fn upload_pass(&self, pieces: &[Piece], token_lists: &[&[u32]]) -> Result<()> {
         let b = self.max_batch;
-        let mut meta = vec![0u8; b * 16];
+        let mut meta = vec![0u8; b * 24];
         // Pad rows: id 0, position -1 (nothing written, nothing attended), no page table.
         for row in 0..b {
             meta[(b + row) * 4..(b + row) * 4 + 4].copy_from_slice(&(-1i32).to_ne_bytes());
@@ -481,6 +491,8 @@ impl GpuModel {
                 meta[row * 4..row * 4 + 4].copy_from_slice(&id.to_ne_bytes());
                 meta[(b + row) * 4..(b + row) * 4 + 4].copy_from_slice(&pos.to_ne_bytes());
                 meta[(b + row) * 8..(b + row) * 8 + 8].copy_from_slice(&(p.table as u64).to_ne_bytes());
+                let local = (2 * b + row) * 8;
+                meta[local..local + 8].copy_from_slice(&(p.local_table as u64).to_ne_bytes());
             }
         }
         self.upload(self.s.meta, &meta)

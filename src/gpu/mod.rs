@@ -52,7 +52,7 @@ pub use self::pages::{GpuCache, GpuStream, PAGE_TOKENS, PageLayout};
 use self::scratch::ScratchLayout;
 pub use self::scratch::{MMV_MAX_TOKENS, attention_grid_parts, mmv_shape, mmv_workspace};
 use self::weights::{DeviceWeight, plan, prompt_format, upload};
-use crate::backend::{Backend, PagePool, StepItem};
+use crate::backend::{Backend, LocalLayers, PagePool, StepItem};
 use crate::cuda::{self, DeviceBuffer, StagedUploader, Stream};
 use crate::cudart as rt;
 use crate::kernels::hostembed_tuning;
@@ -149,6 +149,11 @@ pub struct GpuModel {
     /// How the launchers that take it launch.
     kernel_tuning: hostembed_tuning,
     pool_pages: usize,
+    /// Pages of the sliding-window layers' own pool (0: they are in the main one), after the main
+    /// pool's layers in the allocation.
+    local_pages: usize,
+    /// Each layer's pool (true: the local one) and its place among that pool's layers.
+    layer_pool: Vec<(bool, usize)>,
     /// What the pool keeps K and V in, and how a page lays them out.
     kv: KvTypes,
     page: PageLayout,
@@ -208,6 +213,14 @@ impl GpuModel {
         kv.bytes_per_token(cfg) * (pages * PAGE_TOKENS) as u64
     }
 
+    /// Device bytes `load_with_pools` allocates: `pages` pages of the layers in the main pool, and with
+    /// `local` the sliding-window layers' `local` pages of their own.
+    pub fn pools_bytes(cfg: &ModelConfig, kv: KvTypes, pages: usize, local: Option<usize>) -> u64 {
+        let apart = local.map_or(0, |_| local_layer_count(cfg)) as u64;
+        let per_layer = Self::pool_bytes(cfg, kv, 1) / cfg.layers.max(1) as u64;
+        per_layer * ((cfg.layers as u64 - apart) * pages as u64 + apart * local.unwrap_or(0) as u64)
+    }
+
     /// What the pool keeps K and V in.
     pub fn kv_types(&self) -> KvTypes {
         self.kv
@@ -216,6 +229,26 @@ impl GpuModel {
     /// Pages in the KV pool.
     pub fn pool_pages(&self) -> usize {
         self.pool_pages
+    }
+
+    /// Pages of the sliding-window layers' own pool; 0 when they are in the main one.
+    pub fn local_pages(&self) -> usize {
+        self.local_pages
+    }
+
+    /// Layer `layer`'s region of the pool allocation (its first page), its pool's page count, and
+    /// whether that pool is the local layers'.
+    pub(super) fn layer_region(&self, layer: usize) -> (*mut u8, usize, bool) {
+        let page = self.page.page_bytes();
+        let main_layers = self.layer_pool.iter().filter(|(apart, _)| !apart).count();
+        let base = self.pool.ptr() as *mut u8;
+        match self.layer_pool[layer] {
+            (false, i) => (base.wrapping_add(i * self.pool_pages * page), self.pool_pages, false),
+            (true, i) => {
+                let local = base.wrapping_add(main_layers * self.pool_pages * page);
+                (local.wrapping_add(i * self.local_pages * page), self.local_pages, true)
+            }
+        }
     }
 
     /// A page pool over every page of this model's KV pool, for callers that step streams directly
@@ -292,7 +325,27 @@ impl GpuModel {
         window: usize,
         tuning: &Tuning,
     ) -> Result<GpuModel> {
+        Self::load_with_pools(src, rows, max_batch, pool_pages, None, kv, window, tuning)
+    }
+
+    /// `load_for_window` with the sliding-window layers (where the model has them and `local_pages` is
+    /// given) in a pool of `local_pages` pages of their own.
+    #[allow(clippy::too_many_arguments)]
+    pub fn load_with_pools(
+        src: &dyn TensorSource,
+        rows: RowsOnDevice,
+        max_batch: usize,
+        pool_pages: usize,
+        local_pages: Option<usize>,
+        kv: KvTypes,
+        window: usize,
+        tuning: &Tuning,
+    ) -> Result<GpuModel> {
         let cfg = src.config().clone();
+        let local_pages = if local_layer_count(&cfg) > 0 { local_pages.unwrap_or(0) } else { 0 };
+        if local_pages > u32::MAX as usize {
+            bail!(InvalidArgument, "a local layers' KV pool of {local_pages} pages is more than page ids count");
+        }
         Self::check_config(&cfg)?;
         kv.check(&cfg)?;
         if kv.k == KvType::Fp8E4m3 || kv.v == KvType::Fp8E4m3 {
@@ -344,8 +397,17 @@ impl GpuModel {
             None => DeviceWeight { ptr: rows.ptr, dtype: rows.dtype, rows: rows.vocab, cols: rows.cols },
         };
 
-        let pool_bytes = usize::try_from(Self::pool_bytes(&cfg, kv, pool_pages))
+        let local = (local_pages > 0).then_some(local_pages);
+        let pool_bytes = usize::try_from(Self::pools_bytes(&cfg, kv, pool_pages, local))
             .map_err(|_| err!(NoRoom, "a KV pool of {pool_pages} pages does not fit in memory"))?;
+        let mut counts = [0usize; 2];
+        let layer_pool = (0..cfg.layers)
+            .map(|l| {
+                let apart = local_pages > 0 && cfg.attention.window(l).is_some();
+                counts[apart as usize] += 1;
+                (apart, counts[apart as usize] - 1)
+            })
+            .collect();
         let pool = DeviceBuffer::new(pool_bytes)?;
         let flash = flash_attention_for(&cfg, kv);
         let stage = scratch::stage_tokens(kv, flash, window);
@@ -402,6 +464,8 @@ impl GpuModel {
             moe_grouped: tuning.moe_grouped,
             kernel_tuning: hostembed_tuning::of(tuning),
             pool_pages,
+            local_pages,
+            layer_pool,
             kv,
             page,
             half,
@@ -439,6 +503,17 @@ impl GpuModel {
 
 /// Whether prompt chunks take flash attention: its operands are half formats (an F32 cache is read by
 /// the split kernel in f32), for the head sizes it has kernels for.
+/// Layers with a sliding window: those a local layers' pool would hold.
+fn local_layer_count(cfg: &ModelConfig) -> usize {
+    (0..cfg.layers).filter(|&l| cfg.attention.window(l).is_some()).count()
+}
+
+/// Tokens of the pieces `Streams` steps a long item in where the sliding-window layers have a pool of
+/// their own (`backend::LocalLayers::piece`): whole prompt chunks of `max_batch`, about 2,048 tokens.
+pub fn local_piece(max_batch: usize) -> usize {
+    max_batch.max(1) * (2048 / max_batch.max(1)).max(1)
+}
+
 fn flash_attention_for(cfg: &ModelConfig, kv: KvTypes) -> bool {
     kv.k != KvType::F32 && kv.v != KvType::F32 && launch::flash_supports(cfg.head_dim)
 }
@@ -464,7 +539,24 @@ impl CudaBackend {
         window: usize,
         tuning: &Tuning,
     ) -> Result<CudaBackend> {
-        let model = GpuModel::load_for_window(src, rows, max_batch, pool_pages, kv, window, tuning)?;
+        Self::load_with_pools(src, rows, max_batch, device, pool_pages, None, kv, window, tuning)
+    }
+
+    /// `load` with the sliding-window layers (where the model has them and `local_pages` is given) in a
+    /// pool of `local_pages` pages of their own (`GpuModel::load_with_pools`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn load_with_pools(
+        src: &dyn TensorSource,
+        rows: RowsOnDevice,
+        max_batch: usize,
+        device: i32,
+        pool_pages: usize,
+        local_pages: Option<usize>,
+        kv: KvTypes,
+        window: usize,
+        tuning: &Tuning,
+    ) -> Result<CudaBackend> {
+        let model = GpuModel::load_with_pools(src, rows, max_batch, pool_pages, local_pages, kv, window, tuning)?;
         Ok(CudaBackend { model, device })
     }
 
@@ -513,6 +605,24 @@ impl Backend for CudaBackend {
     fn copy_page(&mut self, from: u32, to: u32) -> Result<()> {
         self.enter()?;
         self.model.copy_page(from, to)
+    }
+
+    fn local_layers(&self) -> Option<LocalLayers> {
+        let m = &self.model;
+        let window = (0..m.cfg.layers).filter_map(|l| m.cfg.attention.window(l)).max()?;
+        // The flash kernel reads 64-position tiles from the one holding a window's first position (the
+        // decode kernel less: its 32-position units).
+        (m.local_pages > 0).then(|| LocalLayers {
+            window,
+            reach: 64,
+            pages: m.local_pages,
+            piece: local_piece(m.max_batch),
+        })
+    }
+
+    fn copy_local_page(&mut self, from: u32, to: u32) -> Result<()> {
+        self.enter()?;
+        self.model.copy_pool_page(true, from, to)
     }
 
     fn score(&mut self, stream: &mut GpuStream, tokens: &[u32], out: &mut [f32]) -> Result<()> {

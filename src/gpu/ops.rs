@@ -51,6 +51,8 @@ pub(super) struct PassOps<'a> {
     residue: *mut c_void,
     pos: *const c_int,
     tables: *const *const c_uint,
+    /// Each row's page table of the local layers' pool (null rows without one).
+    local_tables: *const *const c_uint,
     inv_freq: *const f32,
     /// The local layers' frequencies (null for a model without them).
     inv_freq_local: *const f32,
@@ -103,6 +105,7 @@ impl<'a> PassOps<'a> {
             residue: model.buf(model.s.act_residue),
             pos: model.buf(model.s.pos) as *const c_int,
             tables: model.buf(model.s.tables) as *const *const c_uint,
+            local_tables: model.buf(model.s.local_tables) as *const *const c_uint,
             inv_freq: model.buf(model.s.inv_freq) as *const f32,
             inv_freq_local: model.s.inv_freq_local.map_or(ptr::null(), |at| model.buf(at) as *const f32),
             tensor: model.mmv_work(),
@@ -130,13 +133,13 @@ impl<'a> PassOps<'a> {
 
     /// Layer `layer`'s part of the KV pool.
     fn kv(&self, layer: usize) -> KvPages {
-        let model = self.model;
-        let layer_bytes = model.pool_pages * model.page.page_bytes();
-        KvPages {
-            pool: (model.pool.ptr() as *mut u8).wrapping_add(layer * layer_bytes) as *mut c_void,
-            pages: model.pool_pages,
-            kv: model.kv,
-        }
+        let (pool, pages, _) = self.model.layer_region(layer);
+        KvPages { pool: pool as *mut c_void, pages, kv: self.model.kv }
+    }
+
+    /// The rows' page tables `layer` reads: the local layers' pool's where the layer is in it.
+    fn tables(&self, layer: usize) -> *const *const c_uint {
+        if self.model.layer_region(layer).2 { self.local_tables } else { self.tables }
     }
 
     /// y = w input (+ bias) (+ residual) for every row: rows [0, m) from the f32 `input`, rows [m, n)
@@ -243,7 +246,7 @@ impl Ops for PassOps<'_> {
         };
         let (shape, kv) = (self.shape_of(self.n), self.kv(layer));
         let (qkv, pos, interleaved) = (self.qkv, self.pos, cfg.rope_interleaved);
-        let (tables, tuning) = (self.tables, self.model.kernel_tuning);
+        let (tables, tuning) = (self.tables(layer), self.model.kernel_tuning);
         launch::rope_kv(qkv, shape, pos, inv_freq, interleaved, q_norm, k_norm, cfg.rms_eps, kv, tables, tuning, self.s)
     }
 
@@ -254,7 +257,8 @@ impl Ops for PassOps<'_> {
         let (model, cfg, s) = (self.model, &self.model.cfg, self.s);
         let q_dim = cfg.q_dim();
         let qkv_dim = q_dim + 2 * cfg.kv_dim();
-        let kv = self.kv(layer);
+        let (kv, tables) = (self.kv(layer), self.tables(layer));
+        let local = model.layer_region(layer).2;
         let scale = cfg.score_scale_f32();
         let shape_of = |rows: usize| AttentionShape { window: window.unwrap_or(0), ..self.shape_of(rows) };
         let (split_end, m) = (self.split_end, self.m);
@@ -264,7 +268,7 @@ impl Ops for PassOps<'_> {
                 row(self.qkv, g0, qkv_dim),
                 shape_of(g),
                 kv,
-                self.tables.wrapping_add(g0),
+                tables.wrapping_add(g0),
                 self.pos.wrapping_add(g0),
                 scale,
                 model.attention_parts,
@@ -288,8 +292,9 @@ impl Ops for PassOps<'_> {
                     tokens: model.s.stage_tokens,
                     ctx: p.pos + p.len,
                 });
+                let table = if local { p.local_table } else { p.table };
                 if let Some(st) = stage {
-                    launch::flash_stage(kv, p.table, cfg.kv_heads, cfg.head_dim, st, s)?;
+                    launch::flash_stage(kv, table, cfg.kv_heads, cfg.head_dim, st, s)?;
                 }
                 let ctx = p.pos + p.len;
                 let room = if model.flash_parts { model.s.partial_floats } else { 0 };
@@ -298,7 +303,7 @@ impl Ops for PassOps<'_> {
                     q,
                     shape_of(p.len),
                     kv,
-                    p.table,
+                    table,
                     at,
                     scale,
                     out,

@@ -9,7 +9,7 @@
 use std::os::raw::{c_uint, c_void};
 
 use super::GpuModel;
-use crate::backend::KvStream;
+use crate::backend::{KvStream, NO_PAGE};
 use crate::bail;
 use crate::cuda::{self, DeviceBuffer};
 use crate::cudart as rt;
@@ -105,31 +105,91 @@ impl PageLayout {
     }
 }
 
-/// What a CUDA stream keeps beside its pages: the device copy of its page table.
+/// What a CUDA stream keeps beside its pages: the device copies of its page tables.
 pub struct GpuCache {
-    /// Page ids in position order, room for a full window.
-    table: DeviceBuffer,
-    /// The entries the device table holds now (a prefix of it).
-    on_device: Vec<u32>,
+    table: DeviceTable,
+    /// Its table of the local layers' pool, where the model keeps one.
+    local: Option<DeviceTable>,
     pub(super) model_id: u64,
 }
 
-// SAFETY: the cache owns its allocation; device memory may be used from any thread.
+/// A device copy of a page table with room for a full window, and the entries it holds now.
+struct DeviceTable {
+    buf: DeviceBuffer,
+    on_device: Vec<u32>,
+}
+
+// SAFETY: the cache owns its allocations; device memory may be used from any thread.
 unsafe impl Send for GpuCache {}
 
 pub type GpuStream = KvStream<GpuCache>;
 
 impl GpuStream {
-    /// Device bytes this stream holds apart from its pages: its page table.
+    /// Device bytes this stream holds apart from its pages: its page tables.
     pub fn allocated_bytes(&self) -> u64 {
-        self.cache.table.bytes() as u64
+        (self.cache.table.buf.bytes() + self.cache.local.as_ref().map_or(0, |t| t.buf.bytes())) as u64
     }
 }
 
 impl GpuCache {
     /// The device address of the page table.
     pub(super) fn table_ptr(&self) -> *const c_uint {
-        self.table.ptr() as *const c_uint
+        self.table.buf.ptr() as *const c_uint
+    }
+
+    /// The device address of the local layers' pool's page table; null without one.
+    pub(super) fn local_table_ptr(&self) -> *const c_uint {
+        self.local.as_ref().map_or(std::ptr::null(), |t| t.buf.ptr() as *const c_uint)
+    }
+}
+
+impl DeviceTable {
+    /// A table for `window` tokens' pages.
+    fn new(window: usize) -> Result<DeviceTable> {
+        let entries = window.div_ceil(PAGE_TOKENS);
+        let buf = DeviceBuffer::new(entries * 4)
+            .map_err(|e| Error::new(e.status, format!("the page table of a {window}-token window: {}", e.message)))?;
+        Ok(DeviceTable { buf, on_device: Vec::new() })
+    }
+
+    /// Queues the upload of the entries of `pages` that differ from the device copy on `stream`;
+    /// INVALID_ARGUMENT for more pages than the window's or an id outside a pool of `pool_pages`
+    /// (`NO_PAGE`, a page given back, is kept: the kernels never read it).
+    fn sync(&mut self, pages: &[u32], pool_pages: usize, stream: &crate::cuda::Stream) -> Result<()> {
+        if pages.len() * 4 > self.buf.bytes() {
+            bail!(
+                InvalidArgument,
+                "a stream holds {} pages, more than its window's {}",
+                pages.len(),
+                self.buf.bytes() / 4
+            );
+        }
+        if let Some(&bad) = pages.iter().find(|&&p| p != NO_PAGE && p as usize >= pool_pages) {
+            bail!(InvalidArgument, "page {bad} is outside the KV pool of {pool_pages} pages");
+        }
+        let same = pages.iter().zip(&self.on_device).take_while(|(a, b)| a == b).count();
+        if same == pages.len() {
+            self.on_device.truncate(same);
+            return Ok(());
+        }
+        let fresh = &pages[same..];
+        cuda::check(
+            // SAFETY: the table holds room for every page of the window (checked above); pageable `fresh` is
+            // staged before this returns, and the copy runs in stream order before any kernel that reads it.
+            unsafe {
+                rt::cudaMemcpyAsync(
+                    (self.buf.ptr() as *mut u8).wrapping_add(same * 4) as *mut c_void,
+                    fresh.as_ptr() as *const c_void,
+                    std::mem::size_of_val(fresh),
+                    rt::cudaMemcpyHostToDevice,
+                    stream.raw(),
+                )
+            },
+            "cudaMemcpyAsync(page table)",
+        )?;
+        self.on_device.truncate(same);
+        self.on_device.extend_from_slice(fresh);
+        Ok(())
     }
 }
 
@@ -145,35 +205,37 @@ pub(super) fn check_page_tokens() -> Result<()> {
 }
 
 impl GpuModel {
-    /// A stream with no positions and no pages, with a device page table for `window` tokens.
+    /// A stream with no positions and no pages, with a device page table for `window` tokens (and one
+    /// of the local layers' pool where the model keeps one).
     pub fn new_stream(&self, window: usize) -> Result<GpuStream> {
         if window == 0 || window > i32::MAX as usize {
             bail!(InvalidArgument, "a window of {window} tokens is outside 1..={}", i32::MAX);
         }
-        let entries = window.div_ceil(PAGE_TOKENS);
-        let table = DeviceBuffer::new(entries * 4)
-            .map_err(|e| Error::new(e.status, format!("the page table of a {window}-token window: {}", e.message)))?;
-        Ok(KvStream::new(GpuCache { table, on_device: Vec::new(), model_id: self.id }, window))
+        let table = DeviceTable::new(window)?;
+        let local = if self.local_pages > 0 { Some(DeviceTable::new(window)?) } else { None };
+        Ok(KvStream::new(GpuCache { table, local, model_id: self.id }, window))
     }
 
-    /// Queues a copy of pool page `from`'s K and V into page `to`, every layer (copy on write): stream
-    /// order puts it before any later step's reads and writes.
-    pub fn copy_page(&self, from: u32, to: u32) -> Result<()> {
-        if from as usize >= self.pool_pages || to as usize >= self.pool_pages {
-            bail!(InvalidArgument, "pages {from} and {to}: the KV pool has {}", self.pool_pages);
+    /// Queues a copy of pool page `from`'s K and V into page `to`, every layer of the main pool (`local`
+    /// false) or of the local layers' pool (copy on write): stream order puts it before any later
+    /// step's reads and writes.
+    pub fn copy_pool_page(&self, local: bool, from: u32, to: u32) -> Result<()> {
+        let pages = if local { self.local_pages } else { self.pool_pages };
+        if from as usize >= pages || to as usize >= pages {
+            bail!(InvalidArgument, "pages {from} and {to}: the KV pool has {pages}");
         }
         let page = self.page.page_bytes();
-        let layer = self.pool_pages * page;
-        let pool = self.pool.ptr() as *mut u8;
-        for l in 0..self.cfg.layers {
-            let (src, dst) = (l * layer + from as usize * page, l * layer + to as usize * page);
+        for l in (0..self.cfg.layers).filter(|&l| self.layer_region(l).2 == local) {
+            let (region, _, _) = self.layer_region(l);
+            let (src, dst) = (from as usize * page, to as usize * page);
             cuda::check(
-                // SAFETY: both pages lie inside the pool allocation (ids checked above), distinct pages do
-                // not overlap, and the copy runs in stream order with every kernel that reads the pool.
+                // SAFETY: both pages lie inside the layer's region of the pool allocation (ids checked
+                // above), distinct pages do not overlap, and the copy runs in stream order with every
+                // kernel that reads the pool.
                 unsafe {
                     rt::cudaMemcpyAsync(
-                        pool.wrapping_add(dst) as *mut c_void,
-                        pool.wrapping_add(src) as *const c_void,
+                        region.wrapping_add(dst) as *mut c_void,
+                        region.wrapping_add(src) as *const c_void,
                         page,
                         rt::cudaMemcpyDeviceToDevice,
                         self.stream.raw(),
@@ -185,43 +247,18 @@ impl GpuModel {
         Ok(())
     }
 
-    /// Queues the upload of the entries of `stream`'s page table that differ from the device copy.
+    /// `copy_pool_page` of the main pool.
+    pub fn copy_page(&self, from: u32, to: u32) -> Result<()> {
+        self.copy_pool_page(false, from, to)
+    }
+
+    /// Queues the upload of the entries of `stream`'s page tables that differ from the device copies.
     pub(super) fn sync_table(&self, stream: &mut GpuStream) -> Result<()> {
-        let pages = &stream.pages;
-        let cache = &mut stream.cache;
-        if pages.len() * 4 > cache.table.bytes() {
-            bail!(
-                InvalidArgument,
-                "a stream holds {} pages, more than its window's {}",
-                pages.len(),
-                cache.table.bytes() / 4
-            );
+        stream.cache.table.sync(&stream.pages, self.pool_pages, &self.stream)?;
+        match stream.cache.local.as_mut() {
+            Some(t) => t.sync(&stream.local, self.local_pages, &self.stream),
+            None if self.local_pages > 0 => bail!(InvalidArgument, "the stream has no table of the local layers' pool"),
+            None => Ok(()),
         }
-        if let Some(&bad) = pages.iter().find(|&&p| p as usize >= self.pool_pages) {
-            bail!(InvalidArgument, "page {bad} is outside the KV pool of {} pages", self.pool_pages);
-        }
-        let same = pages.iter().zip(&cache.on_device).take_while(|(a, b)| a == b).count();
-        if same == pages.len() {
-            cache.on_device.truncate(same);
-            return Ok(());
-        }
-        let fresh = &pages[same..];
-        cuda::check(
-            // SAFETY: the table holds room for every page of the window (checked above); pageable `fresh` is
-            // staged before this returns, and the copy runs in stream order before any kernel that reads it.
-            unsafe {
-                rt::cudaMemcpyAsync(
-                    (cache.table.ptr() as *mut u8).wrapping_add(same * 4) as *mut c_void,
-                    fresh.as_ptr() as *const c_void,
-                    std::mem::size_of_val(fresh),
-                    rt::cudaMemcpyHostToDevice,
-                    self.stream.raw(),
-                )
-            },
-            "cudaMemcpyAsync(page table)",
-        )?;
-        cache.on_device.truncate(same);
-        cache.on_device.extend_from_slice(fresh);
-        Ok(())
     }
 }

@@ -6,10 +6,8 @@ use std::ptr;
 
 use super::forward::{Head, LogitsAt, Path, Piece, reserve_pages};
 use super::launch;
-use super::pages::PAGE_TOKENS;
 use super::{GpuModel, GpuStream};
 use crate::backend::PagePool;
-use crate::bail;
 use crate::cuda::{self, DeviceBuffer};
 use crate::cudart as rt;
 use crate::status::Result;
@@ -25,6 +23,7 @@ impl GpuModel {
             len,
             pos: stream.len + from,
             table: stream.cache.table_ptr(),
+            local_table: stream.cache.local_table_ptr(),
             last: false,
             row: 0,
             path: Path::Matvec,
@@ -77,14 +76,7 @@ impl GpuModel {
         self.logits_at.clear();
         self.check_tokens(stream, tokens)?;
         let end = stream.len + tokens.len();
-        if stream.pages.len() * PAGE_TOKENS < end {
-            bail!(
-                NoRoom,
-                "positions up to {end} need {} KV pages; the stream holds {}",
-                end.div_ceil(PAGE_TOKENS),
-                stream.pages.len()
-            );
-        }
+        self.check_held(stream, end)?;
         self.sync_table(stream)?;
         let (hidden, vocab, s) = (self.cfg.hidden, self.cfg.vocab, self.stream.raw());
         // Each group re-reads the whole head (1 GB for Llama 3's in F16), so a chunk's rows go through it

@@ -155,6 +155,8 @@ pub(super) struct ScratchLayout {
     pub(super) ids: usize,
     pub(super) pos: usize,
     pub(super) tables: usize,
+    /// Each row's page table of the local layers' pool.
+    pub(super) local_tables: usize,
     /// Sampled tokens of the items whose logits are on the device, one i32 a logits row.
     pub(super) token: usize,
     pub(super) logit_rows: usize,
@@ -219,8 +221,8 @@ impl ScratchLayout {
         let tables = if cfg.attention.sliding.is_some() { 2 } else { 1 };
         let inv_freq = l.push(tables * cfg.head_dim / 2 * f);
         let inv_freq_local = (tables == 2).then_some(inv_freq + cfg.head_dim / 2 * f);
-        let meta = l.push(b * 16);
-        let (ids, pos, tables) = (meta, meta + b * 4, meta + b * 8);
+        let meta = l.push(b * 24);
+        let (ids, pos, tables, local_tables) = (meta, meta + b * 4, meta + b * 8, meta + b * 16);
         let token = l.push(logit_rows * 4);
         let sample_bytes = super::launch::sample_rows_bytes(cfg.vocab, logit_rows);
         let sample = l.push(sample_bytes);
@@ -261,6 +263,7 @@ impl ScratchLayout {
             ids,
             pos,
             tables,
+            local_tables,
             token,
             logit_rows,
             sample,
