@@ -670,7 +670,8 @@ enum engine_status engine_kv_stats(const struct engine *e,
 // The KV pool's positions by state into `*out`: in all, free (as `engine_kv_stats`), held by more than
 // one stream, and kept by the prefix cache with no stream holding them (counted free too). Whole pages,
 // each counted once however many streams hold it, so the positions streams hold are `tokens_total -
-// tokens_free`.
+// tokens_free`. Where a model's sliding-window layers keep only their window in a pool of their own
+// (Gemma 3 on the CPU backend), every figure is the two pools' positions added.
 enum engine_status engine_kv_usage(const struct engine *e,
                                    struct engine_kv_usage *out);
 

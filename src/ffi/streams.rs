@@ -58,7 +58,8 @@ pub unsafe extern "C" fn engine_kv_stats(
 /// The KV pool's positions by state into `*out`: in all, free (as `engine_kv_stats`), held by more than
 /// one stream, and kept by the prefix cache with no stream holding them (counted free too). Whole pages,
 /// each counted once however many streams hold it, so the positions streams hold are `tokens_total -
-/// tokens_free`.
+/// tokens_free`. Where a model's sliding-window layers keep only their window in a pool of their own
+/// (Gemma 3 on the CPU backend), every figure is the two pools' positions added.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn engine_kv_usage(e: *const engine, out: *mut engine_kv_usage) -> engine_status {
     guard("engine_kv_usage", || {
