@@ -276,6 +276,37 @@ pub struct CpuFitInputs {
     /// Where `room_bytes` came from: None = the caller's `room_bytes`, Some((available, reserve)) =
     /// MemAvailable less the reserve.
     pub probed: Option<(u64, u64)>,
+    /// The sliding-window layers' share where they keep only their window (counted at its positions,
+    /// the other layers at the window).
+    pub local: Option<LocalShare>,
+}
+
+/// Positions before a stream's length that its sliding-window layers keep beyond their window: a
+/// backend's attention reach (a block of positions: 32 on the CPU, a 64-position tile on CUDA, 128
+/// counted) and a verification's longest rejection with the position a score computes again.
+pub const LOCAL_MARGIN: usize = 128 + crate::abi::ENGINE_SPECULATION_MAX_TOKENS as usize + 1;
+
+/// A model's sliding-window layers in a pool of their own: how many, their window, and the positions
+/// of them a stream holds at most (the window's reach with the margin and a piece with a
+/// verification's proposals, in whole pages).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LocalShare {
+    pub layers: u64,
+    pub window: u64,
+    pub positions: u64,
+}
+
+/// `cfg`'s `LocalShare` for streams of `window` tokens in pages of `page` stepping long items in pieces
+/// of `piece`; None where it has no sliding-window layers or their pages would hold the whole window.
+pub fn local_share(cfg: &crate::model::ModelConfig, window: usize, page: usize, piece: usize) -> Option<LocalShare> {
+    let w = (0..cfg.layers).filter_map(|l| cfg.attention.window(l)).max()?;
+    let layers = (0..cfg.layers).filter(|&l| cfg.attention.window(l).is_some()).count();
+    let step = (piece + crate::abi::ENGINE_SPECULATION_MAX_TOKENS as usize).div_ceil(page) + 1;
+    let pages = (w + LOCAL_MARGIN).div_ceil(page) + 1 + step;
+    if pages >= window.div_ceil(page) {
+        return None;
+    }
+    Some(LocalShare { layers: layers as u64, window: w as u64, positions: (pages * page) as u64 })
 }
 
 /// The CPU backend's decision: how many streams start, and the figures it was made from.
@@ -299,8 +330,10 @@ pub fn cpu_kv_bytes(layers: u64, window: u64, kv_heads: u64, head_dim: u64, kv: 
 /// Decides the CPU backend's streams: as many as asked that fit the room left beside the step
 /// scratch, none when one does not.
 pub fn plan_cpu(i: &CpuFitInputs) -> CpuPlan {
-    let stream_bytes =
-        cpu_kv_bytes(i.layers, i.window, i.kv_heads, i.head_dim, i.kv).and_then(|kv| kv.checked_add(i.slot_bytes));
+    let (apart, positions) = i.local.map_or((0, 0), |l| (l.layers.min(i.layers), l.positions));
+    let stream_bytes = cpu_kv_bytes(i.layers - apart, i.window, i.kv_heads, i.head_dim, i.kv)
+        .and_then(|main| main.checked_add(cpu_kv_bytes(apart, positions, i.kv_heads, i.head_dim, i.kv)?))
+        .and_then(|kv| kv.checked_add(i.slot_bytes));
     let room = i.room_bytes.saturating_sub(i.scratch_bytes);
     let fit = stream_bytes.map_or(0, |s| room.checked_div(s).unwrap_or(u64::MAX));
     let streams = fit.min(i.want_streams as u64) as u32;
@@ -412,5 +445,6 @@ pub fn cpu_inputs(
         scratch_bytes: crate::cpu::scratch_bytes(cfg, window as usize, threads),
         room_bytes,
         probed,
+        local: local_share(cfg, window as usize, crate::cpu::PAGE_TOKENS, crate::cpu::LOCAL_PIECE_TOKENS),
     })
 }

@@ -482,6 +482,7 @@ fn cpu(room_bytes: u64, scratch_bytes: u64) -> fit::CpuFitInputs {
         scratch_bytes,
         room_bytes,
         probed: None,
+        local: None,
     }
 }
 
@@ -596,4 +597,40 @@ fn the_receipt_recomputed_for_every_kv_type() {
         assert!(!admitted[&(KvType::Bf16, w)] || admitted[&(KvType::Q8_0, w)], "{w}");
         assert!(!admitted[&(KvType::F32, w)] || admitted[&(KvType::Bf16, w)], "{w}");
     }
+}
+
+/// Gemma 3 27B's shape of layers: 62, every sixth global, local windows of 1,024.
+fn gemma3_layers(window: usize) -> hostembed::model::ModelConfig {
+    let mut cfg = hostembed::model::ModelConfig::llama(64, 62, 4, 2, 128, 256);
+    cfg.attention.sliding = Some(hostembed::model::SlidingWindow { window, global_every: 6, rope_theta: 10_000.0 });
+    cfg
+}
+
+/// The sliding-window layers' share: the window's reach with the margin (32 proposals and a score's
+/// recomputed position beside 128 of attention reach) and a piece with 32 proposals, in whole pages;
+/// none where that would hold the whole stream window, or without such layers.
+#[test]
+fn local_share_counts_the_window_reach_and_a_piece() {
+    let cfg = gemma3_layers(1024);
+    let share = fit::local_share(&cfg, 131_072, 16, 2048).unwrap();
+    let pages = (1024 + 161usize).div_ceil(16) + 1 + (2048 + 32usize).div_ceil(16) + 1;
+    assert_eq!(share, fit::LocalShare { layers: 52, window: 1024, positions: (pages * 16) as u64 });
+    assert_eq!(fit::local_share(&cfg, pages * 16, 16, 2048), None, "a stream window the share fills");
+    assert!(fit::local_share(&cfg, pages * 16 + 16, 16, 2048).is_some());
+    assert_eq!(fit::local_share(&hostembed::model::ModelConfig::llama(64, 4, 4, 2, 128, 256), 131_072, 16, 2048), None);
+}
+
+/// The CPU plan counts the sliding-window layers at their share's positions and the others at the
+/// window: a stream costs less, so more start in the same room.
+#[test]
+fn cpu_plan_counts_local_layers_at_their_share() {
+    let whole = fit::plan_cpu(&cpu(1 << 30, 0));
+    let local = fit::LocalShare { layers: 1, window: 9, positions: 64 };
+    let apart = fit::plan_cpu(&fit::CpuFitInputs { local: Some(local), ..cpu(1 << 30, 0) });
+    let row = 2 * 16 * 4 * 2; // K and V rows of 2 heads of 16 f32 values
+    assert_eq!(whole.stream_bytes, Some(2 * 256 * row + 64));
+    assert_eq!(apart.stream_bytes, Some(256 * row + 64 * row + 64));
+    let small = fit::plan_cpu(&fit::CpuFitInputs { local: Some(local), ..cpu(100 * (256 * row + 64 * row + 64), 0) });
+    assert_eq!(small.streams, 100, "a hundred streams at the share's bytes");
+    assert!(fit::plan_cpu(&cpu(100 * (256 * row + 64 * row + 64), 0)).streams < 100);
 }

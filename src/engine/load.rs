@@ -12,7 +12,7 @@ use crate::checkpoint::Checkpoint;
 use crate::cpu::{CpuBackend, CpuStream};
 use crate::cuda::{self, PinnedBuffer};
 use crate::fit::{self, engine_placement};
-use crate::gpu::{CudaBackend, RowsOnDevice, local_piece};
+use crate::gpu::{CudaBackend, PAGE_TOKENS as PAGE, RowsOnDevice, local_piece};
 use crate::kv::KvTypes;
 use crate::placement::{Rows, RowsSource};
 use crate::sampler::Sampling;
@@ -274,11 +274,18 @@ impl Engine {
             let room = (cpu.inputs.room_bytes.saturating_sub(cpu.inputs.scratch_bytes))
                 .saturating_sub(want as u64 * slot)
                 .min((want as u64).saturating_mul(cpu.stream_bytes.unwrap_or(0)));
-            let pool = KvPool::sized(CpuBackend::PAGE_TOKENS, window as usize, cpu.streams as u64, room, {
-                let c = &ckpt.config;
-                fit::cpu_kv_bytes(c.layers as u64, 1, c.kv_heads as u64, c.head_dim as u64, kv).unwrap_or(u64::MAX)
-            })
-            .with_local(&ckpt.config, window as usize, want as usize, crate::cpu::LOCAL_PIECE_TOKENS);
+            // With the sliding-window layers in a pool of their own, the main pool's pages hold the other
+            // layers, in the room the local pool leaves.
+            let c = &ckpt.config;
+            let per_layer = fit::cpu_kv_bytes(1, 1, c.kv_heads as u64, c.head_dim as u64, kv).unwrap_or(u64::MAX);
+            let (apart, local_bytes) = cpu.inputs.local.map_or((0, 0), |l| {
+                (l.layers, (want as u64).saturating_mul(l.positions).saturating_mul(l.layers).saturating_mul(per_layer))
+            });
+            let main_per_token = per_layer.saturating_mul((c.layers as u64 - apart).max(1));
+            let main_room = room.saturating_sub(local_bytes);
+            let pool =
+                KvPool::sized(CpuBackend::PAGE_TOKENS, window as usize, cpu.streams as u64, main_room, main_per_token)
+                    .with_local(c, window as usize, want as usize, crate::cpu::LOCAL_PIECE_TOKENS);
             let pool_line = if cpu.streams > 0 { format!(", {}", pool.describe_with(kv)) } else { String::new() };
             logger.line(&format!(
                 "{}: model {} GiB on the CPU backend, rows read from the file mapping, {}{pool_line}",
@@ -365,22 +372,23 @@ impl Engine {
             0 => room,
             most => room.min((most as u64).saturating_mul(plan.stream_bytes)),
         };
-        let pool = KvPool::sized(
-            CudaBackend::PAGE_TOKENS,
-            plan.window as usize,
-            plan.streams as u64,
-            room,
-            inputs.stream_bytes_per_token,
-        );
+        // With the sliding-window layers in a pool of their own (the plan counted each stream's share of
+        // it), the main pool holds the other layers in the room the local pool leaves.
+        let piece = local_piece(max_batch_of(opts));
+        let share = tuning.cuda_local_pool.then(|| fit::local_share(&ckpt.config, plan.window as usize, PAGE, piece));
+        let share = share.flatten();
+        let local_stream = share.map_or(0, |l| {
+            l.positions * l.layers * (kv.bytes_per_token(&ckpt.config) / ckpt.config.layers.max(1) as u64)
+        });
+        let sized = |room: u64| {
+            KvPool::sized(PAGE, plan.window as usize, plan.streams as u64, room, inputs.stream_bytes_per_token)
+        };
         // `max_streams` bounds the streams, which share the pool however many full windows it holds.
-        let streams = if opts.max_streams > 0 { pool.streams(opts.max_streams) } else { plan.streams };
-        // The sliding-window layers' own pool takes less than the main pool's pages at their bytes,
-        // which the plan counted, and the main pool then holds the other layers only.
-        let pool = match tuning.cuda_local_pool {
-            true => {
-                pool.with_local(&ckpt.config, plan.window as usize, streams as usize, local_piece(max_batch_of(opts)))
-            }
-            false => pool,
+        let streams = if opts.max_streams > 0 { sized(room).streams(opts.max_streams) } else { plan.streams };
+        let pool = sized(room.saturating_sub(local_stream.saturating_mul(streams as u64)));
+        let pool = match share {
+            Some(_) => pool.with_local(&ckpt.config, plan.window as usize, streams as usize, piece),
+            None => pool,
         };
         match fit::refusal(&plan) {
             Some(why) => {

@@ -6,7 +6,7 @@ use super::{MMAP_ROWS_ENV, engine_options, engine_tristate};
 use crate::abi::engine_device_info;
 use crate::checkpoint::Checkpoint;
 use crate::fit::{self, engine_fit_inputs, engine_placement, engine_plan};
-use crate::gpu::GpuModel;
+use crate::gpu::{GpuModel, local_piece};
 use crate::kv::KvTypes;
 use crate::model::ModelConfig;
 use crate::status::Result;
@@ -22,11 +22,6 @@ pub struct KvPool {
     pub local: Option<(usize, usize)>,
 }
 
-/// Positions before a stream's length that its sliding-window layers' pages are kept for beyond the
-/// window: a backend's attention reach (a block of positions: 32 on the CPU, a 64-position tile on
-/// CUDA) and a verification's longest rejection, with a page to spare.
-const LOCAL_MARGIN: usize = 128 + crate::abi::ENGINE_SPECULATION_MAX_TOKENS as usize + 1;
-
 impl KvPool {
     /// Pages for `windows` full windows of `window` tokens, or for `room` bytes at `per_token` bytes a
     /// position, whichever is more.
@@ -38,21 +33,15 @@ impl KvPool {
     }
 
     /// The same pool with `cfg`'s sliding-window layers in a pool of their own for `streams` streams
-    /// of `window` tokens stepping long items in pieces of `piece` tokens: each stream's pages of what
-    /// the window still reaches, with the margin, and of a piece with a verification's proposals (a
-    /// step holds every position it computes until it ends), at most the main pool's pages (a local
-    /// page stands beside a main one). Unchanged where the model has no such layers or their pages
-    /// would hold the whole window anyway.
+    /// of `window` tokens stepping long items in pieces of `piece` tokens (`fit::local_share`: each
+    /// stream's pages of what the window still reaches, with the margin, and of a piece; a step holds
+    /// every position it computes until it ends), at most the main pool's pages (a local page stands
+    /// beside a main one). Unchanged where the model has no such layers or their pages would hold the
+    /// whole window anyway.
     pub fn with_local(mut self, cfg: &ModelConfig, window: usize, streams: usize, piece: usize) -> KvPool {
-        let Some(w) = (0..cfg.layers).filter_map(|l| cfg.attention.window(l)).max() else { return self };
-        let page = self.page_tokens;
-        let step = (piece + crate::abi::ENGINE_SPECULATION_MAX_TOKENS as usize).div_ceil(page) + 1;
-        let each = (w + LOCAL_MARGIN).div_ceil(page) + 1 + step;
-        if each >= window.div_ceil(page) {
-            return self;
-        }
-        let pages = streams.saturating_mul(each).min(self.pages);
-        self.local = Some((pages, w));
+        let Some(share) = fit::local_share(cfg, window, self.page_tokens, piece) else { return self };
+        let pages = streams.saturating_mul(share.positions as usize / self.page_tokens).min(self.pages);
+        self.local = Some((pages, share.window as usize));
         self
     }
 
@@ -145,7 +134,19 @@ pub fn fit_inputs_with_drafter(
     let kv = gpu_kv_types(opts);
     kv.check(cfg)?;
     let scratch = GpuModel::scratch_bytes(ckpt, max_batch_of(opts), kv, window as usize, tuning);
-    let stream = GpuModel::stream_bytes(cfg, kv, window as usize);
+    // The sliding-window layers in a pool of their own count their share's positions, the others the window.
+    let share = tuning
+        .cuda_local_pool
+        .then(|| fit::local_share(cfg, window as usize, crate::gpu::PAGE_TOKENS, local_piece(max_batch_of(opts))))
+        .flatten();
+    let per_layer = kv.bytes_per_token(cfg) / cfg.layers.max(1) as u64;
+    let (stream, per_token) = match share {
+        None => (GpuModel::stream_bytes(cfg, kv, window as usize), kv.bytes_per_token(cfg)),
+        Some(l) => {
+            let main = per_layer * (cfg.layers as u64 - l.layers);
+            (main * window as u64 + per_layer * l.layers * l.positions, main)
+        }
+    };
     let (drafter_weight_bytes, drafter_stream_bytes) = match drafter {
         None => (opts.drafter_weight_bytes, opts.drafter_stream_bytes),
         Some(d) => {
@@ -166,7 +167,7 @@ pub fn fit_inputs_with_drafter(
         embed_bytes: embed,
         scratch_bytes: scratch,
         stream_bytes: stream,
-        stream_bytes_per_token: kv.bytes_per_token(cfg),
+        stream_bytes_per_token: per_token,
         drafter_weight_bytes,
         drafter_stream_bytes,
         reserve_bytes: opts.reserve_bytes,
