@@ -24,16 +24,7 @@ use hostembed::tokenizer::chat::{self, ChatMessage};
 /// hidden 64; scores scaled by 1/sqrt(24) rather than 1/sqrt(head_dim); linear rope scaling on the global
 /// layers only.
 fn small() -> ModelConfig {
-    let shape = Gemma3 {
-        hidden: 64,
-        head_dim: 32,
-        intermediate: 96,
-        vocab: 96,
-        max_position: 256,
-        query_scale_base: 24.0,
-        window: 7,
-    };
-    ModelConfig { bos: Some(2), eos: Some(1), ..shape.config() }
+    Gemma3::on_cpu(256)
 }
 
 /// A model GGUF and HF spell alike (`common::gemma3::gguf_shaped`), local windows of 9.

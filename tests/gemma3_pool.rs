@@ -28,16 +28,7 @@ const KEPT: usize = WINDOW + 32 + 33;
 
 /// Seven layers, six of them local over 9 positions.
 fn config() -> ModelConfig {
-    let shape = Gemma3 {
-        hidden: 64,
-        head_dim: 32,
-        intermediate: 96,
-        vocab: 96,
-        max_position: 2048,
-        query_scale_base: 24.0,
-        window: 7,
-    };
-    ModelConfig { bos: Some(2), eos: Some(1), ..gguf_shaped(shape.config(), WINDOW) }
+    gguf_shaped(Gemma3::on_cpu(2048), WINDOW)
 }
 
 /// Pages held in both pools by a stream of `len` positions after a step: every main page, and the

@@ -17,16 +17,7 @@ use hostembed::tensor::DType;
 /// Head size 64 (flash attention has a kernel for it), q_dim 256 beside hidden 128, local layers 0 and
 /// 2 over 20 positions, scores scaled by 1/sqrt(80), linear rope scaling on the global layers.
 fn config() -> ModelConfig {
-    let shape = Gemma3 {
-        hidden: 128,
-        head_dim: 64,
-        intermediate: 256,
-        vocab: 320,
-        max_position: 512,
-        query_scale_base: 80.0,
-        window: 20,
-    };
-    shape.config()
+    Gemma3::on_card(512, 80.0, 20).config()
 }
 
 #[test]

@@ -28,16 +28,7 @@ const MAX_BATCH: usize = 128;
 
 /// Seven layers, six of them local over 40 positions; head size 64 (a flash kernel's).
 fn config() -> ModelConfig {
-    let shape = Gemma3 {
-        hidden: 128,
-        head_dim: 64,
-        intermediate: 256,
-        vocab: 320,
-        max_position: WINDOW,
-        query_scale_base: 64.0,
-        window: 40,
-    };
-    gguf_shaped(shape.config(), 40)
+    gguf_shaped(Gemma3::on_card(WINDOW, 64.0, 40).config(), 40)
 }
 
 #[test]

@@ -17,6 +17,27 @@ pub struct Gemma3 {
 }
 
 impl Gemma3 {
+    /// The CPU tests' shape: head size 32, q_dim 128 beside hidden 64, a vocabulary of 96, scores scaled
+    /// by 1/sqrt(24), local windows of 7, bos 2 and eos 1.
+    pub fn on_cpu(max_position: usize) -> ModelConfig {
+        let shape = Gemma3 {
+            hidden: 64,
+            head_dim: 32,
+            intermediate: 96,
+            vocab: 96,
+            max_position,
+            query_scale_base: 24.0,
+            window: 7,
+        };
+        ModelConfig { bos: Some(2), eos: Some(1), ..shape.config() }
+    }
+
+    /// The CUDA tests' shape: head size 64 (a flash kernel's), q_dim 256 beside hidden 128, a vocabulary
+    /// of 320.
+    pub fn on_card(max_position: usize, query_scale_base: f32, window: usize) -> Gemma3 {
+        Gemma3 { hidden: 128, head_dim: 64, intermediate: 256, vocab: 320, max_position, query_scale_base, window }
+    }
+
     /// Four layers of 4 heads over 2 KV heads, tied, with q/k norms; local layers 0 and 2 (a global
     /// layer every second) with a rotary base of 10000, linear rope scaling (8) on the global ones.
     pub fn config(&self) -> ModelConfig {
