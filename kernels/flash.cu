@@ -405,6 +405,7 @@ bool with_head_dim(unsigned int head_dim, Fn &&fn) {
     case 32: fn(std::integral_constant<int, 32>{}); return true;
     case 64: fn(std::integral_constant<int, 64>{}); return true;
     case 128: fn(std::integral_constant<int, 128>{}); return true;
+    case 256: fn(std::integral_constant<int, 256>{}); return true;
     default: return false;
     }
 }
@@ -412,7 +413,18 @@ bool with_head_dim(unsigned int head_dim, Fn &&fn) {
 }  // namespace
 
 extern "C" cudaError_t hostembed_flash_head_dim(unsigned int head_dim) {
-    return with_head_dim(head_dim, [](auto) {}) ? cudaSuccess : cudaErrorInvalidValue;
+    size_t smem = 0;
+    if (!with_head_dim(head_dim, [&](auto dim) { smem = fa_smem<decltype(dim)::value>(); })) return cudaErrorInvalidValue;
+    // Head size 256's tiles take 132 KiB: more than a block of sm_86 or sm_89 may have, which then has no kernel.
+    // (Every card from sm_80 gives a block the 99 KiB the smaller head sizes take.)
+    if (smem > 99 * 1024) {
+        int dev = 0, optin = 0;
+        if (cudaGetDevice(&dev) != cudaSuccess ||
+            cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess ||
+            (size_t)optin < smem)
+            return cudaErrorInvalidValue;
+    }
+    return cudaSuccess;
 }
 
 extern "C" cudaError_t hostembed_flash_attention_parts(
@@ -453,10 +465,15 @@ extern "C" cudaError_t hostembed_flash_attention_parts(
                     using KOp = decltype(kop);
                     using VOp = decltype(vop);
                     auto kernel = flash_kernel<D, Out, KOp, VOp, NONE>;
-                    // An 8-bit type takes f16 operands: two bf16 ones never need the 8-bit kernels.
-                    if constexpr (!std::is_same_v<KOp, he::Bf16Op> || !std::is_same_v<VOp, he::Bf16Op>)
+                    // An 8-bit type takes f16 operands: two bf16 ones never need the 8-bit kernels. Head size
+                    // 256 has none (their registers spill a kilobyte and more a thread): the host gives an
+                    // 8-bit cache of that size to the split kernel.
+                    if constexpr (D > 128) {
+                        if (raw8) return;
+                    } else if constexpr (!std::is_same_v<KOp, he::Bf16Op> || !std::is_same_v<VOp, he::Bf16Op>) {
                         if (raw8) kernel = all_staged ? flash_kernel<D, Out, KOp, VOp, STAGED>
                                                       : flash_kernel<D, Out, KOp, VOp, RAW8>;
+                    }
                     err = he::allow_smem(kernel, fa_smem<D>());
                     if (err != cudaSuccess) return;
                     const dim3 grid((n + FA_BM - 1) / FA_BM, heads, parts);

@@ -264,7 +264,8 @@ cudaError_t hostembed_rmsnorm_to(const float *x, const float *w, float eps, void
 // out[i] = x[i] in out_dtype (a half format).
 cudaError_t hostembed_convert(const float *x, void *out, int out_dtype, size_t len, cudaStream_t stream);
 
-// cudaSuccess where hostembed_flash_attention has a kernel for head_dim, else cudaErrorInvalidValue.
+// cudaSuccess where hostembed_flash_attention has a kernel for head_dim on the current device, else
+// cudaErrorInvalidValue. Head size 256 takes 16-bit caches only (an 8-bit one is refused at launch).
 cudaError_t hostembed_flash_head_dim(unsigned int head_dim);
 
 // Causal attention of a prompt chunk of one stream (flash attention on tensor cores): query t (q +

@@ -1,7 +1,8 @@
 //! Gemma 3 on the CUDA backend against the CPU reference: logits at every position of prompts that run
 //! past the sliding window (matrix-vector rows, tensor-core chunks with flash attention, and the split
-//! kernel for an F32 cache), 64 greedy tokens equal to the CPU's, and batches through the engine equal
-//! to stepping each stream alone, bit for bit. Skips where no CUDA device is present.
+//! kernel for an F32 cache; head size 256 on flash attention with a 16-bit cache), 64 greedy tokens
+//! equal to the CPU's, and batches through the engine equal to stepping each stream alone, bit for bit.
+//! Skips where no CUDA device is present.
 
 mod common;
 use common::card::{OnBoth, random_tokens};
@@ -52,6 +53,31 @@ fn gpu_logits_match_cpu_at_every_position() {
             let err = rel_l2(&b.gpu.last_logits().unwrap(), &want);
             assert!(err < bound, "gemma3 {name} decode step {step}: {err:.3e}");
         }
+    }
+}
+
+/// Head size 256 (Gemma 3's): prompt chunks on flash attention with a 16-bit cache (the split kernel
+/// with an 8-bit one), against the CPU at every position, past the window.
+#[test]
+fn gpu_head_size_256_matches_cpu() {
+    if !gpu_present("gpu_head_size_256_matches_cpu") {
+        return;
+    }
+    let mut rng = Rng::fresh("gpu_head_size_256_matches_cpu");
+    let shape = Gemma3 { head_dim: 256, query_scale_base: 256.0, ..Gemma3::on_card(512, 80.0, 20) };
+    let cfg = shape.config();
+    for (name, kv, bound, route) in [
+        ("BF16 cache", KvTypes::GPU_DEFAULT, 2e-2, "flash attention"),
+        ("F16 cache", KvTypes::same(KvType::F16), 2e-2, "flash attention"),
+        ("Q8_0 cache", KvTypes::same(KvType::Q8_0), 3e-2, "split attention"),
+    ] {
+        let src = MemSource::synthetic(&cfg, rng.next_u64(), DType::Bf16);
+        let mut b = OnBoth::new(&src, 32, Some(kv), 256);
+        assert!(b.gpu.prompt_route().contains(route), "head 256, {name}: {}", b.gpu.prompt_route());
+        let tokens = random_tokens(&mut rng, cfg.vocab, 150);
+        let (_, worst) = b.all_logits(&tokens);
+        println!("gemma3 head 256, {name}: worst relative L2 over {} positions {worst:.2e}", tokens.len());
+        assert!(worst < bound, "gemma3 head 256, {name}: logits differ from the CPU's by {worst:.3e}");
     }
 }
 

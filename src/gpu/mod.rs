@@ -515,7 +515,9 @@ pub fn local_piece(max_batch: usize) -> usize {
 }
 
 fn flash_attention_for(cfg: &ModelConfig, kv: KvTypes) -> bool {
-    kv.k != KvType::F32 && kv.v != KvType::F32 && launch::flash_supports(cfg.head_dim)
+    // Head sizes past 128 (Gemma 3's 256) have flash kernels for the 16-bit caches only.
+    let types = if cfg.head_dim > 128 { !kv.k.is_block() && !kv.v.is_block() } else { true };
+    kv.k != KvType::F32 && kv.v != KvType::F32 && types && launch::flash_supports(cfg.head_dim)
 }
 
 /// The CUDA backend: a `GpuModel` and the device it was loaded on, made current before each call.
