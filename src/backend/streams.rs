@@ -122,20 +122,20 @@ impl<B: Backend> Streams<B> {
             return;
         }
         let page = self.pool.page_tokens();
-        let Some(s) = self.slots[slot].as_mut() else { return };
-        let mut entered = Vec::new();
+        let Streams { slots, pool, local, .. } = self;
+        let Some(s) = slots[slot].as_mut() else { return };
         while s.keys.len() < s.len / page {
             let i = s.keys.len();
             let parent = Self::parent_key(&s.keys, i);
-            let node = self.pool.enter(s.pages[i], parent, &s.tokens[i * page..(i + 1) * page]);
+            let tokens = &s.tokens[i * page..(i + 1) * page];
+            let node = pool.enter(s.pages[i], parent, tokens);
             s.keys.push(node);
-            if let Some(&local) = s.local.get(i) {
-                entered.push((local, parent, i));
+            // The local layers' page under the same key (its pool caches as the main one does).
+            if let (Some(lp), Some(&p)) = (local.as_mut(), s.local.get(i))
+                && p != NO_PAGE
+            {
+                lp.pool.enter(p, parent, tokens);
             }
-        }
-        for (local, parent, i) in entered {
-            let tokens = self.slots[slot].as_ref().expect("entered above").tokens[i * page..(i + 1) * page].to_vec();
-            self.enter_local(local, parent, &tokens);
         }
     }
 

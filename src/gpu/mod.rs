@@ -154,6 +154,8 @@ pub struct GpuModel {
     local_pages: usize,
     /// Each layer's pool (true: the local one) and its place among that pool's layers.
     layer_pool: Vec<(bool, usize)>,
+    /// Layers in the main pool: the local pool's region starts after theirs.
+    main_layers: usize,
     /// What the pool keeps K and V in, and how a page lays them out.
     kv: KvTypes,
     page: PageLayout,
@@ -240,8 +242,7 @@ impl GpuModel {
     /// whether that pool is the local layers'.
     pub(super) fn layer_region(&self, layer: usize) -> (*mut u8, usize, bool) {
         let page = self.page.page_bytes();
-        let main_layers = self.layer_pool.iter().filter(|(apart, _)| !apart).count();
-        let base = self.pool.ptr() as *mut u8;
+        let (base, main_layers) = (self.pool.ptr() as *mut u8, self.main_layers);
         match self.layer_pool[layer] {
             (false, i) => (base.wrapping_add(i * self.pool_pages * page), self.pool_pages, false),
             (true, i) => {
@@ -465,6 +466,7 @@ impl GpuModel {
             kernel_tuning: hostembed_tuning::of(tuning),
             pool_pages,
             local_pages,
+            main_layers: counts[0],
             layer_pool,
             kv,
             page,

@@ -111,13 +111,6 @@ impl<B: Backend> Streams<B> {
         );
     }
 
-    /// Enters stream `s`'s local page `i` under the key its main page `i` has (`parent`, `tokens`).
-    pub(super) fn enter_local(&mut self, local: u32, parent: u64, tokens: &[u32]) {
-        if let Some(lp) = self.local.as_mut().filter(|lp| lp.pool.caching() && local != NO_PAGE) {
-            lp.pool.enter(local, parent, tokens);
-        }
-    }
-
     /// The parent key of a stream's page `i` in the prefix cache.
     pub(super) fn parent_key(keys: &[u64], i: usize) -> u64 {
         if i == 0 { ROOT } else { keys[i - 1] }
