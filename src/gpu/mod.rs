@@ -1,4 +1,5 @@
-//! The CUDA decode backend: a dense decoder (Llama, Qwen2, Qwen3) run on the kernels in kernels/*.cu.
+//! The CUDA decode backend: the architectures' forward passes (`arch`) run on the kernels in kernels/*.cu;
+//! `backend.rs` puts a model behind the engine's `Backend` seam.
 //!
 //! Weights go to the device as stored (BF16/F16/F32/Q8_0 matrices, no conversion), except the small
 //! 1-D tensors (norms, biases), which are decoded to f32 once. Everything lives in one weight
@@ -30,6 +31,7 @@
 //! The model reads no environment variable: every setting of how it runs comes from the `Tuning` its
 //! load is given.
 
+mod backend;
 mod blas;
 mod forward;
 mod graph;
@@ -46,15 +48,15 @@ use std::collections::{HashMap, HashSet};
 use std::os::raw::{c_uint, c_void};
 use std::sync::atomic::{AtomicU64, Ordering};
 
+pub use self::backend::CudaBackend;
 pub use self::forward::{TENSOR_CORE_MIN_TOKENS, reserve_pages, truncate_stream};
 use self::graph::StepGraph;
 pub use self::pages::{GpuCache, GpuStream, PAGE_TOKENS, PageLayout};
 use self::scratch::ScratchLayout;
 pub use self::scratch::{MMV_MAX_TOKENS, attention_grid_parts, mmv_shape, mmv_workspace};
 use self::weights::{DeviceWeight, plan, prompt_format, upload};
-use crate::backend::{Backend, LocalLayers, PagePool, StepItem};
+use crate::backend::PagePool;
 use crate::cuda::{self, DeviceBuffer, StagedUploader, Stream};
-use crate::cudart as rt;
 use crate::kernels::hostembed_tuning;
 use crate::kv::{KvType, KvTypes};
 use crate::model::{Layers, ModelConfig, TensorSource, rope_inv_freq, rope_inv_freq_local};
@@ -503,8 +505,6 @@ impl GpuModel {
     }
 }
 
-/// Whether prompt chunks take flash attention: its operands are half formats (an F32 cache is read by
-/// the split kernel in f32), for the head sizes it has kernels for.
 /// Layers with a sliding window: those a local layers' pool would hold.
 fn local_layer_count(cfg: &ModelConfig) -> usize {
     (0..cfg.layers).filter(|&l| cfg.attention.window(l).is_some()).count()
@@ -516,121 +516,10 @@ pub fn local_piece(max_batch: usize) -> usize {
     max_batch.max(1) * (2048 / max_batch.max(1)).max(1)
 }
 
+/// Whether prompt chunks take flash attention: its operands are half formats (an F32 cache is read by
+/// the split kernel in f32), for the head sizes it has kernels for.
 fn flash_attention_for(cfg: &ModelConfig, kv: KvTypes) -> bool {
     // Head sizes past 128 (Gemma 3's 256) have flash kernels for the 16-bit caches only.
     let types = if cfg.head_dim > 128 { !kv.k.is_block() && !kv.v.is_block() } else { true };
     kv.k != KvType::F32 && kv.v != KvType::F32 && types && launch::flash_supports(cfg.head_dim)
-}
-
-/// The CUDA backend: a `GpuModel` and the device it was loaded on, made current before each call.
-pub struct CudaBackend {
-    model: GpuModel,
-    device: i32,
-}
-
-impl CudaBackend {
-    /// `GpuModel::load_for_window` on `device`, which the caller has made current, with a KV pool of
-    /// `pool_pages` pages of `PAGE_TOKENS` positions in `kv`'s types, for streams of `window` positions,
-    /// to run as `tuning` says.
-    #[allow(clippy::too_many_arguments)]
-    pub fn load(
-        src: &dyn TensorSource,
-        rows: RowsOnDevice,
-        max_batch: usize,
-        device: i32,
-        pool_pages: usize,
-        kv: KvTypes,
-        window: usize,
-        tuning: &Tuning,
-    ) -> Result<CudaBackend> {
-        Self::load_with_pools(src, rows, max_batch, device, pool_pages, None, kv, window, tuning)
-    }
-
-    /// `load` with the sliding-window layers (where the model has them and `local_pages` is given) in a
-    /// pool of `local_pages` pages of their own (`GpuModel::load_with_pools`).
-    #[allow(clippy::too_many_arguments)]
-    pub fn load_with_pools(
-        src: &dyn TensorSource,
-        rows: RowsOnDevice,
-        max_batch: usize,
-        device: i32,
-        pool_pages: usize,
-        local_pages: Option<usize>,
-        kv: KvTypes,
-        window: usize,
-        tuning: &Tuning,
-    ) -> Result<CudaBackend> {
-        let model = GpuModel::load_with_pools(src, rows, max_batch, pool_pages, local_pages, kv, window, tuning)?;
-        Ok(CudaBackend { model, device })
-    }
-
-    /// What runs a prompt chunk's products and attention, in one line for the log.
-    pub fn prompt_route(&self) -> &str {
-        self.model.prompt_route()
-    }
-
-    /// The model, for tests that look under the seam.
-    pub fn model(&self) -> &GpuModel {
-        &self.model
-    }
-
-    /// Makes the model's device current for this thread (the caller may have moved to another).
-    fn enter(&self) -> Result<()> {
-        // SAFETY: plain runtime call on a device index; an invalid one returns an error code.
-        cuda::check(unsafe { rt::cudaSetDevice(self.device) }, "cudaSetDevice")
-    }
-}
-
-impl Backend for CudaBackend {
-    type Cache = GpuCache;
-
-    const PAGE_TOKENS: usize = PAGE_TOKENS;
-
-    fn new_stream(&self, window: usize) -> Result<GpuStream> {
-        self.enter()?;
-        self.model.new_stream(window)
-    }
-
-    fn step_batch(&mut self, items: &mut [StepItem<'_, GpuCache>]) -> Result<()> {
-        self.enter()?;
-        self.model.step_batch(items)
-    }
-
-    fn logits(&self, i: usize, head: usize) -> Result<Vec<f32>> {
-        self.enter()?;
-        self.model.head_logits(i, head)
-    }
-
-    fn verify_tokens(&self) -> usize {
-        // Shorter runs take the matrix-vector kernels, whose rows are the bits of single-token steps.
-        (forward::TENSOR_CORE_MIN_TOKENS - 1).min(self.model.max_batch())
-    }
-
-    fn copy_page(&mut self, from: u32, to: u32) -> Result<()> {
-        self.enter()?;
-        self.model.copy_page(from, to)
-    }
-
-    fn local_layers(&self) -> Option<LocalLayers> {
-        let m = &self.model;
-        let window = (0..m.cfg.layers).filter_map(|l| m.cfg.attention.window(l)).max()?;
-        // The flash kernel reads 64-position tiles from the one holding a window's first position (the
-        // decode kernel less: its 32-position units).
-        (m.local_pages > 0).then(|| LocalLayers {
-            window,
-            reach: 64,
-            pages: m.local_pages,
-            piece: local_piece(m.max_batch),
-        })
-    }
-
-    fn copy_local_page(&mut self, from: u32, to: u32) -> Result<()> {
-        self.enter()?;
-        self.model.copy_pool_page(true, from, to)
-    }
-
-    fn score(&mut self, stream: &mut GpuStream, tokens: &[u32], out: &mut [f32]) -> Result<()> {
-        self.enter()?;
-        self.model.score(stream, tokens, out)
-    }
 }

@@ -10,6 +10,7 @@ mod batched_sampling;
 mod elementwise;
 mod matvec;
 mod mmv;
+mod mmv_kernels;
 mod sampling;
 
 use common::Rng;
