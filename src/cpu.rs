@@ -261,6 +261,7 @@ impl<'a> CpuModel<'a> {
     /// Reads the config and checks every tensor the architecture needs; `BadModel` names the first at
     /// fault. The model runs on every core (`with_threads` sets another count).
     pub fn new(src: &'a dyn TensorSource) -> Result<Self> {
+        crate::shard::refuse_rank(src)?;
         let cfg = src.config().clone();
         let w = ModelWeights::read(src)?;
         let layers = w.layers.try_map(|_, _, t| Ok(CpuWeight::new(t)))?;

@@ -485,6 +485,11 @@ pub trait TensorSource {
     fn try_tensor(&self, name: &str) -> Option<TensorRef<'_>> {
         self.tensor(name).ok()
     }
+    /// Some for one rank's share of a tensor-parallel model (`shard::RankSource`): the vocabulary ids
+    /// its head (`shard::RANK_HEAD`) computes. A loader that runs whole models refuses such a source.
+    fn rank_head(&self) -> Option<std::ops::Range<usize>> {
+        None
+    }
 }
 
 impl<'a> TensorRef<'a> {

@@ -1,7 +1,7 @@
 //! Tensor parallelism's shard rules: which rows and columns of every weight each of N ranks (devices)
 //! holds, checked against the model's head counts and each matrix's block format. Pure: no device, no
 //! file; the multi-device loader, the per-device fit and the CPU proof of the split
-//! (`tests/tp_split.rs`) all read it. ARCHITECTURE.md's "Tensor parallelism" is the design.
+//! (`tests/tp_split.rs`) all read it. `RankSource` is one rank's model as a loader reads it. ARCHITECTURE.md's "Tensor parallelism" is the design.
 //!
 //! A weight's cut follows from its shape in the architecture's `weight_table!` (`Dim`s), so a new
 //! weight needs no entry here:
@@ -296,6 +296,23 @@ pub fn take(t: &TensorRef, s: &Slice) -> Result<Vec<u8>> {
     }
     Ok(out)
 }
+
+/// UNSUPPORTED for one rank's share of a model (`RankSource`), which a loader of whole models would
+/// run as a smaller model, its head the wrong rows.
+pub fn refuse_rank(src: &dyn crate::model::TensorSource) -> Result<()> {
+    match src.rank_head() {
+        Some(rows) => bail!(
+            Unsupported,
+            "one device's share of a tensor-parallel model (its head the vocabulary ids {}..{}) runs only beside the other devices' shares",
+            rows.start,
+            rows.end
+        ),
+        None => Ok(()),
+    }
+}
+
+mod source;
+pub use source::{RANK_HEAD, RankSource, rank_config};
 
 #[cfg(test)]
 mod tests;

@@ -17,10 +17,10 @@ use hostembed::arch::{self, Feeds, Ops, Rotary};
 use hostembed::checkpoint::write::{MemSource, Recipe};
 use hostembed::cpu::{self, CpuModel};
 use hostembed::model::{
-    Activation, Arch, AttentionConfig, Layers, ModelConfig, MoeConfig, SlidingWindow, TensorRef, TensorSource, Weight,
-    names, rope_inv_freq, rope_inv_freq_local, weight_list,
+    Activation, Arch, AttentionConfig, Layers, ModelConfig, ModelWeights, MoeConfig, SlidingWindow, TensorRef,
+    TensorSource, Weight, names, rope_inv_freq, rope_inv_freq_local, weight_list,
 };
-use hostembed::shard::{self, RankShare, ShardPlan, Slice};
+use hostembed::shard::{self, RankShare, RankSource, ShardPlan};
 use hostembed::status::Result;
 use hostembed::tensor::DType;
 
@@ -32,6 +32,10 @@ struct Held {
 }
 
 impl Held {
+    fn of(t: TensorRef) -> Held {
+        Held { dtype: t.dtype, shape: t.shape.to_vec(), bytes: t.bytes.to_vec() }
+    }
+
     fn view(&self) -> TensorRef<'_> {
         TensorRef { dtype: self.dtype, shape: &self.shape, bytes: &self.bytes }
     }
@@ -60,21 +64,19 @@ struct Rank {
     v_cache: Vec<Vec<Vec<f32>>>,
 }
 
-fn cut(t: TensorRef, s: &Slice) -> Held {
-    let shape = if t.shape.len() == 1 { vec![s.cols.len()] } else { vec![s.rows.len(), s.cols.len()] };
-    Held { dtype: t.dtype, shape, bytes: shard::take(&t, s).unwrap() }
-}
-
 impl Rank {
-    /// Rank `r`'s slices of every weight of `src`, and of the head.
+    /// Rank `r`'s model as a multi-device loader reads it (`shard::RankSource`): its slices of every
+    /// weight of `src` under the rank's config, whose shapes every loader's checks hold, and its head.
     fn load(src: &MemSource, plan: &ShardPlan, r: usize) -> Rank {
-        let cfg = src.config();
+        let rank = RankSource::new(src, plan, r).unwrap();
+        ModelWeights::read(&rank).unwrap();
+        assert_eq!(rank.head_rows(), plan.head(r).rows);
+        let cfg = rank.config();
         let mut held = HashMap::new();
         for w in weight_list(cfg) {
-            held.insert(w.name.clone(), cut(src.tensor(&w.name).unwrap(), &plan.slice(r, &w).unwrap()));
+            held.insert(w.name.clone(), Held::of(rank.tensor(&w.name).unwrap()));
         }
-        let head = src.tensor(if cfg.tied { names::EMBED } else { names::LM_HEAD }).unwrap();
-        held.insert(HEAD.into(), cut(head, &plan.head(r)));
+        held.insert(HEAD.into(), Held::of(rank.tensor(shard::RANK_HEAD).unwrap()));
         let layers = vec![Vec::new(); cfg.layers];
         let share = plan.rank(r).clone();
         Rank { share, held, q: vec![], k: vec![], v: vec![], attn: vec![], k_cache: layers.clone(), v_cache: layers }
@@ -408,4 +410,21 @@ fn a_wrong_cut_is_caught() {
         worst = worst.max(rel_l2(&split.logits(&final_norm), &want[pos]));
     }
     assert!(worst > 1e-2, "a swapped cut of o is only {worst:e} off");
+}
+
+/// A rank's source gives its head only as `RANK_HEAD`, and a loader of whole models refuses it rather
+/// than run it as a smaller model.
+#[test]
+fn a_rank_alone_is_refused_by_whole_model_loaders() {
+    let cfg = llama();
+    let src = MemSource::synthetic(&ModelConfig { tied: false, ..cfg.clone() }, 7, DType::Q8_0);
+    let plan = ShardPlan::new(src.config(), 2, |_| DType::Q8_0).unwrap();
+    let rank = RankSource::new(&src, &plan, 1).unwrap();
+    assert_eq!(rank.tensor(names::LM_HEAD).err().map(|e| e.status), Some(hostembed::Status::BadModel));
+    let head = rank.tensor(shard::RANK_HEAD).unwrap();
+    assert_eq!(head.shape, [49, 128], "the last rank's 49 of 99 ids");
+    let e = CpuModel::new(&rank).err().expect("refused");
+    assert_eq!(e.status, hostembed::Status::Unsupported, "{e}");
+    assert!(e.to_string().contains("50..99"), "{e}");
+    assert!(rank.copied_bytes() > 0 && rank.config().heads == 4 && rank.config().kv_heads == 2);
 }

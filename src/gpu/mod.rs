@@ -344,6 +344,7 @@ impl GpuModel {
         window: usize,
         tuning: &Tuning,
     ) -> Result<GpuModel> {
+        crate::shard::refuse_rank(src)?;
         let cfg = src.config().clone();
         let local_pages = if local_layer_count(&cfg) > 0 { local_pages.unwrap_or(0) } else { 0 };
         if local_pages > u32::MAX as usize {
