@@ -1,6 +1,6 @@
 //! The CPU proof of tensor parallelism's shard rules (`hostembed::shard`): a small random model's
-//! forward run by N ranks, each holding only its slices of the weights (`shard::take`, as a
-//! multi-device loader would copy them) and its own KV heads' cache, computing its partial products;
+//! forward run by N ranks, each holding only its slices of the weights (`shard::RankSource`, what a
+//! multi-device loader reads) and its own KV heads' cache, computing its partial products;
 //! the partial outputs of o and of the feed-forward's down summed in rank order as an all-reduce sums
 //! them, and the head's vocabulary rows gathered in equal chunks as an all-gather places them. The
 //! architecture files themselves run it (`arch::forward` over the split's `Ops`), so every
