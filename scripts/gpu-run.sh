@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine from the repo root: unpacks .gpu/bundle.tar.xz and runs the GPU suite,
 # then whatever steps are named (default: tests). Logs go to $OUT (or ./gpu-out).
-# Steps: info tests tests-parallel targets formats prep tc-blocks attention-wide targets-f16 targets-kv wgmma local-pool sanitize profile-decode profile-mmv hfref bench-embed bench-decode bench-mmv bench-model bench-prefill bench-prefill-quant
+# Steps: info tests tests-parallel targets formats prep tc-blocks attention-wide targets-f16 targets-kv wgmma local-pool tensor-parallel sanitize profile-decode profile-mmv hfref bench-embed bench-decode bench-mmv bench-model bench-prefill bench-prefill-quant
 # bench-convert bench-kv torch-prefill server-load, or any example's name. server-load measures the
 # server's targets (scripts/server-load.sh: a 16 GB Llama-3-8B-shaped file written under /tmp, batch.c,
 # decode.c and hostembed-server with load.py on it; about 4 minutes, meant for a call of its own). bench-mmv times the decode products alone
@@ -218,6 +218,15 @@ for step in $steps; do
       timeout 300 compute-sanitizer --error-exitcode 99 "$B/tests/gpu_gemma3_pool" --test-threads=1 \
         > "$OUT/memcheck-local-pool.log" 2>&1 || rc=$?
       tail -3 "$OUT/memcheck-local-pool.log" >> "$summary" ;;
+    tensor-parallel)
+      # Models split over 2 and 4 ranks sharing this card against each whole (gpu_tensor_parallel), then
+      # the split under compute-sanitizer's memcheck.
+      rc=0
+      run_test gpu_tensor_parallel || rc=$?
+      grep -h "^test result" "$OUT"/test-gpu_tensor_parallel.log >> "$summary"
+      timeout 300 compute-sanitizer --error-exitcode 99 "$B/tests/gpu_tensor_parallel" --test-threads=1 llama_and \
+        > "$OUT/memcheck-tensor-parallel.log" 2>&1 || rc=$?
+      tail -3 "$OUT/memcheck-tensor-parallel.log" >> "$summary" ;;
     wgmma)
       # The half products past 8 tokens on the warpgroup products (HOSTEMBED_MMV_WGMMA=1, 2: pipelined)
       # against mma.sync (0): the decode products' kernel tests, the F16 and BF16 products alone, then the

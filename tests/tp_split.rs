@@ -16,6 +16,7 @@ use std::collections::HashMap;
 use hostembed::arch::{self, Feeds, Ops, Rotary};
 use hostembed::checkpoint::write::{MemSource, Recipe};
 use hostembed::cpu::{self, CpuModel};
+use hostembed::gpu::{GpuModel, RowsOnDevice};
 use hostembed::model::{
     Activation, Arch, AttentionConfig, Layers, ModelConfig, ModelWeights, MoeConfig, SlidingWindow, TensorRef,
     TensorSource, Weight, names, rope_inv_freq, rope_inv_freq_local, weight_list,
@@ -23,6 +24,7 @@ use hostembed::model::{
 use hostembed::shard::{self, RankShare, RankSource, ShardPlan};
 use hostembed::status::Result;
 use hostembed::tensor::DType;
+use hostembed::tuning::Tuning;
 
 /// A tensor a rank holds: its slice's bytes and shape.
 struct Held {
@@ -427,4 +429,8 @@ fn a_rank_alone_is_refused_by_whole_model_loaders() {
     assert_eq!(e.status, hostembed::Status::Unsupported, "{e}");
     assert!(e.to_string().contains("50..99"), "{e}");
     assert!(rank.copied_bytes() > 0 && rank.config().heads == 4 && rank.config().kv_heads == 2);
+    // The CUDA loader refuses it before it asks for a device (`GpuModel::load_rank` takes a rank).
+    let rows = RowsOnDevice { ptr: std::ptr::null(), dtype: DType::Q8_0, vocab: 99, cols: 128 };
+    let e = GpuModel::load(&rank, rows, 16, 4, &Tuning::default()).err().expect("refused");
+    assert_eq!(e.status, hostembed::Status::Unsupported, "{e}");
 }

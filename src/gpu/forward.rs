@@ -18,13 +18,13 @@
 //! moves single tokens to one product over all of them.
 
 use std::os::raw::{c_int, c_uint};
-use std::ptr;
 
 use super::launch;
 use super::mask;
 use super::ops::PassOps;
 use super::pages::{GpuCache, PAGE_TOKENS};
 use super::scratch::attention_grid;
+use super::tensor_parallel::HeadInput;
 use super::{GpuModel, GpuStream};
 use crate::backend::{PagePool, StepItem};
 use crate::constraint::PendingMask;
@@ -518,12 +518,10 @@ impl GpuModel {
         let cfg = &self.cfg;
         let s = self.stream.raw();
         crate::arch::forward(cfg, &mut PassOps::new(self, pieces, shape), &self.layers)?;
-        let (n, hidden, half, tensor, tuning) = (shape.n, cfg.hidden, self.half, self.mmv_work(), self.kernel_tuning);
+        let (n, hidden, half, tuning) = (shape.n, cfg.hidden, self.half, self.kernel_tuning);
         let f = |off: usize| self.buf(off) as *mut f32;
         let (x, xn, act) = (f(self.s.x), f(self.s.xn), self.buf(self.s.act));
         let row = |p: *mut f32, r: usize, width: usize| p.wrapping_add(r * width);
-        let none = ptr::null::<f32>();
-        let vocab = self.head.rows;
         match head {
             Head::Skip => Ok(()),
             Head::All => launch::rmsnorm(x, self.final_norm, cfg.rms_eps, xn, n, hidden, tuning, s),
@@ -544,14 +542,14 @@ impl GpuModel {
                         )?;
                     }
                 }
-                let logits = row(f(self.s.logits), base, vocab);
+                let logits = row(f(self.s.logits), base, cfg.vocab);
                 // The batch tensor-core option runs a pass's many heads as one product too.
                 let many = self.batch_tensor_cores && self.on_tensor_cores(rows.len()) && self.head.dtype == half;
                 if many {
                     launch::convert(xn, act, half, rows.len() * hidden, s)?;
-                    return self.product(&self.head, act, rows.len(), none, none, logits, vocab, None);
+                    return self.head_product(HeadInput::Half(act), rows.len(), logits);
                 }
-                launch::decode_product(&self.head, xn, rows.len(), none, none, logits, vocab, tensor, s)
+                self.head_product(HeadInput::F32(xn), rows.len(), logits)
             }
         }
     }

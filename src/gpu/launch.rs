@@ -425,6 +425,19 @@ pub(super) fn scale(x: *mut f32, factor: f32, len: usize, s: cudaStream_t) -> Re
     cuda::check(unsafe { kn::hostembed_scale(x, factor, len, s) }, "hostembed_scale")
 }
 
+/// x += y over `len` floats.
+pub(super) fn add(x: *mut f32, y: *const f32, len: usize, s: cudaStream_t) -> Result<()> {
+    // SAFETY: device pointers to `len` floats each (see the module's note); the kernel reads each element
+    // before writing it, so `out` may be `a`.
+    cuda::check(unsafe { kn::hostembed_add(x, y, x, len, s) }, "hostembed_add")
+}
+
+/// `len` floats of zeros at x.
+pub(super) fn zero(x: *mut f32, len: usize, s: cudaStream_t) -> Result<()> {
+    // SAFETY: a device pointer to `len` floats (see the module's note).
+    cuda::check(unsafe { crate::cudart::cudaMemsetAsync(x.cast(), 0, len * 4, s) }, "cudaMemsetAsync")
+}
+
 /// x[r] += RMSNorm(y[r]) with weight `w`, for `rows` rows of `cols` values.
 pub(super) fn rmsnorm_add(
     y: *const f32,

@@ -33,6 +33,7 @@
 
 mod backend;
 mod blas;
+pub mod collectives;
 mod forward;
 mod graph;
 mod launch;
@@ -42,6 +43,7 @@ mod ops;
 mod pages;
 mod score;
 mod scratch;
+mod tensor_parallel;
 mod weights;
 
 use std::collections::{HashMap, HashSet};
@@ -49,11 +51,13 @@ use std::os::raw::{c_uint, c_void};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 pub use self::backend::CudaBackend;
+use self::collectives::Collectives;
 pub use self::forward::{TENSOR_CORE_MIN_TOKENS, reserve_pages, truncate_stream};
 use self::graph::StepGraph;
 pub use self::pages::{GpuCache, GpuStream, PAGE_TOKENS, PageLayout};
 use self::scratch::ScratchLayout;
 pub use self::scratch::{MMV_MAX_TOKENS, attention_grid_parts, mmv_shape, mmv_workspace};
+use self::tensor_parallel::RankPart;
 use self::weights::{DeviceWeight, plan, prompt_format, upload};
 use crate::backend::PagePool;
 use crate::cuda::{self, DeviceBuffer, StagedUploader, Stream};
@@ -172,6 +176,8 @@ pub struct GpuModel {
     route: String,
     /// The pinned staging of constrained rows' masks.
     mask_stage: mask::MaskStage,
+    /// One rank's share of a tensor-parallel model: its collectives and the head's gather.
+    rank: Option<RankPart>,
     // Declared last: dropped after everything that points into them.
     stream: Stream,
     scratch: DeviceBuffer,
@@ -345,6 +351,22 @@ impl GpuModel {
         tuning: &Tuning,
     ) -> Result<GpuModel> {
         crate::shard::refuse_rank(src)?;
+        Self::load_parts(src, None, rows, max_batch, pool_pages, local_pages, kv, window, tuning)
+    }
+
+    /// `load_with_pools`, or with `comm` one rank's share of a tensor-parallel model (`load_rank`).
+    #[allow(clippy::too_many_arguments)]
+    fn load_parts(
+        src: &dyn TensorSource,
+        comm: Option<Box<dyn Collectives>>,
+        rows: RowsOnDevice,
+        max_batch: usize,
+        pool_pages: usize,
+        local_pages: Option<usize>,
+        kv: KvTypes,
+        window: usize,
+        tuning: &Tuning,
+    ) -> Result<GpuModel> {
         let cfg = src.config().clone();
         let local_pages = if local_layer_count(&cfg) > 0 { local_pages.unwrap_or(0) } else { 0 };
         if local_pages > u32::MAX as usize {
@@ -447,6 +469,12 @@ impl GpuModel {
         };
         let route = format!("{route}; KV cache {}", kv.describe());
         let page = PageLayout::new(&cfg, kv);
+        let rank = match comm {
+            Some(comm) => Some(RankPart::new(comm, cfg.vocab, s.logit_rows)?),
+            None => None,
+        };
+        // A rank's collectives that wait on the host cannot be captured.
+        let graphs = tuning.cuda_graphs && rank.as_ref().is_none_or(|r| r.comm.capturable());
         Ok(GpuModel {
             cfg,
             max_batch,
@@ -456,7 +484,7 @@ impl GpuModel {
             head,
             rows,
             s,
-            graphs: tuning.cuda_graphs,
+            graphs,
             decode_graphs: HashMap::new(),
             decode_seen: HashSet::new(),
             logits_at: Vec::new(),
@@ -479,6 +507,7 @@ impl GpuModel {
             blas,
             route,
             mask_stage: mask::MaskStage::default(),
+            rank,
             stream,
             scratch,
             pool,

@@ -319,16 +319,15 @@ impl Ops for PassOps<'_> {
         Ok(())
     }
 
-    /// With a post-norm: the product into xn (the normed input, read by now), then x += its norm.
+    /// With a post-norm or tensor parallelism: the product into xn (the normed input, read by now), then
+    /// x += it (`add_reduced`).
     fn add_attention_out(&mut self, o: &DeviceWeight, post_norm: Option<&DeviceWeight>) -> Result<()> {
         let hidden = self.model.cfg.hidden;
-        match post_norm {
-            None => self.project(o, self.attn, ptr::null(), self.x, self.x, hidden, None),
-            Some(w) => {
-                self.project(o, self.attn, ptr::null(), ptr::null(), self.xn, hidden, None)?;
-                self.add_normed(w)
-            }
+        if post_norm.is_none() && self.model.world() == 1 {
+            return self.project(o, self.attn, ptr::null(), self.x, self.x, hidden, None);
         }
+        self.project(o, self.attn, ptr::null(), ptr::null(), self.xn, hidden, None)?;
+        self.add_reduced(post_norm)
     }
 
     /// The matrix-vector rows with gate and up in one launch where SwiGLU's share a format; then the
@@ -346,8 +345,9 @@ impl Ops for PassOps<'_> {
         let (hidden, inter) = (cfg.hidden, cfg.intermediate);
         let (m, tc, x, xn) = (self.m, self.n - self.m, self.x, self.xn);
         let none = ptr::null::<f32>();
-        // Where the down products go: onto the residual, or into xn for the post-norm.
-        let (residual, y) = if post_norm.is_some() { (none, xn) } else { (x as *const f32, x) };
+        // Where the down products go: onto the residual, or into xn for the post-norm or the ranks' sum.
+        let apart = post_norm.is_some() || self.model.world() > 1;
+        let (residual, y) = if apart { (none, xn) } else { (x as *const f32, x) };
         if m > 0 {
             if act == Activation::Silu && gate.dtype == up.dtype {
                 launch::decode_swiglu(gate, up, xn, m, self.gate, tensor, s)?;
@@ -373,10 +373,7 @@ impl Ops for PassOps<'_> {
                 self.model.product(down, self.act_row(r0, inter), rows, none, res, yr, hidden, None)?;
             }
         }
-        match post_norm {
-            Some(w) => self.add_normed(w),
-            None => Ok(()),
-        }
+        if apart { self.add_reduced(post_norm) } else { Ok(()) }
     }
 
     /// The router over every row (the tensor-core rows' half normed inputs widened into their f32 rows
@@ -408,15 +405,22 @@ impl Ops for PassOps<'_> {
         let stack = |w: &[DeviceWeight], what: &str| launch::ExpertStack::of(w, what);
         let (gate, up, down) = (stack(gate, "expert gate")?, stack(up, "expert up")?, stack(down, "expert down")?);
         launch::moe_router(router, self.xn, n, logits, s)?;
+        // Split over ranks, each row's sum of its experts' slices goes to its xn row (zeroed once read),
+        // summed over the ranks before the residual takes it.
+        let split = model.world() > 1;
+        let sums = if split { self.xn } else { self.x };
         if m > 0 {
             launch::moe_route(logits, experts, m, k, moe.norm_topk, ids, weights, groups, s)?;
             launch::moe_gate_up(&gate, &up, self.xn, groups, experts, m, k, act, s)?;
             launch::moe_down(&down, act, groups, experts, m, k, out, s)?;
-            launch::moe_sum(out, weights, hidden, m, k, self.x, s)?;
+            if split {
+                launch::zero(self.xn, m * hidden, s)?;
+            }
+            launch::moe_sum(out, weights, hidden, m, k, sums, s)?;
         }
         let tc = n - m;
         if tc == 0 {
-            return Ok(());
+            return if split { self.add_reduced(None) } else { Ok(()) };
         }
         // Rows [m, n)'s buffers from their first slot's place; their groups after rows [0, m)'s.
         let (logits, ids, weights) = (row(logits, m, experts), ids.wrapping_add(m * k), row(weights, m, k));
@@ -434,15 +438,24 @@ impl Ops for PassOps<'_> {
             launch::moe_gate_up(&gate, &up, xn, groups, experts, tc, k, act, s)?;
             launch::moe_down(&down, act, groups, experts, tc, k, out, s)?;
         }
-        launch::moe_sum(out, weights, hidden, tc, k, row(self.x, m, hidden), s)
+        if split {
+            launch::zero(row(self.xn, m, hidden), tc * hidden, s)?;
+        }
+        launch::moe_sum(out, weights, hidden, tc, k, row(sums, m, hidden), s)?;
+        if split { self.add_reduced(None) } else { Ok(()) }
     }
 }
 
 impl PassOps<'_> {
-    /// x += RMSNorm(xn) with `w` over every row of the pass.
-    fn add_normed(&self, w: &DeviceWeight) -> Result<()> {
-        let cfg = &self.model.cfg;
-        launch::rmsnorm_add(self.xn, w.f32_ptr(), cfg.rms_eps, self.x, self.n, cfg.hidden, self.s)
+    /// x += xn (through the post-norm `w` where given) over every row of the pass, xn first summed over
+    /// the ranks of a tensor-parallel model (the norm needs the whole sum, and the residual is added once).
+    fn add_reduced(&self, post_norm: Option<&DeviceWeight>) -> Result<()> {
+        let (cfg, len) = (&self.model.cfg, self.n * self.model.cfg.hidden);
+        self.model.reduce(self.xn, len)?;
+        match post_norm {
+            Some(w) => launch::rmsnorm_add(self.xn, w.f32_ptr(), cfg.rms_eps, self.x, self.n, cfg.hidden, self.s),
+            None => launch::add(self.x, self.xn, len, self.s),
+        }
     }
 }
 

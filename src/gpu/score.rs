@@ -6,6 +6,7 @@ use std::ptr;
 
 use super::forward::{Head, LogitsAt, Path, Piece, reserve_pages};
 use super::launch;
+use super::tensor_parallel::HeadInput;
 use super::{GpuModel, GpuStream};
 use crate::backend::PagePool;
 use crate::cuda::{self, DeviceBuffer};
@@ -49,8 +50,7 @@ impl GpuModel {
             for t in 0..chunk.len() {
                 let x = (self.buf(self.s.xn) as *const f32).wrapping_add(t * hidden);
                 let logits = self.buf(self.s.logits) as *mut f32;
-                let (none, s) = (ptr::null(), self.stream.raw());
-                launch::decode_product(&self.head, x, 1, none, none, logits, vocab, self.mmv_work(), s)?;
+                self.head_product(HeadInput::F32(x), 1, logits)?;
                 let mut row = vec![0f32; vocab];
                 self.download(self.s.logits, &mut row)?;
                 out.push(row);
@@ -74,6 +74,9 @@ impl GpuModel {
     /// would have left. Nothing is sampled.
     pub fn score(&mut self, stream: &mut GpuStream, tokens: &[u32], out: &mut [f32]) -> Result<()> {
         self.logits_at.clear();
+        if self.world() > 1 {
+            crate::bail!(Unsupported, "scoring on a model split over {} devices is not built yet", self.world());
+        }
         self.check_tokens(stream, tokens)?;
         let end = stream.len + tokens.len();
         self.check_held(stream, end)?;

@@ -87,7 +87,14 @@ pub(super) fn plan(src: &dyn TensorSource) -> Result<WeightPlan<'_>> {
     let mut layout = Layout::default();
     let layers = place_layers(w.layers, &mut layout)?;
     let final_norm = layout.place(w.final_norm, false);
-    let lm_head = w.lm_head.map(|t| layout.place(t, false));
+    // One rank's share of a model computes its vocabulary rows of the head (`shard::RankSource`).
+    let lm_head = match src.rank_head() {
+        Some(ids) => {
+            let shape = [ids.len(), src.config().hidden];
+            Some(layout.place(src.tensor(crate::shard::RANK_HEAD)?.check(crate::shard::RANK_HEAD, &shape)?, false))
+        }
+        None => w.lm_head.map(|t| layout.place(t, false)),
+    };
     Ok(WeightPlan { layers, final_norm, lm_head, total: layout.total })
 }
 

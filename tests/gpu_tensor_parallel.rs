@@ -1,0 +1,159 @@
+//! Tensor parallelism on one card: models split over 2 and 4 ranks that share device 0
+//! (`collectives::SharedDevice`, each rank's passes on a thread of its own, the sums in rank order),
+//! every rank loaded from its own slices (`shard::RankSource`, `GpuModel::load_rank`), against the same
+//! model whole on the same card: a prompt's logits at every position (the prompt path) and then single
+//! steps' logits (the decode path) within 2e-3 relative L2, every rank's logits the same bits, and the
+//! same greedy tokens where the top two logits are apart. Llama (KV heads copied to more ranks than
+//! there are), Qwen2 (biases, a tied head), the Q4_K_M mix, a Mixture of Experts and Gemma 3 (post-norms
+//! after the sums, sliding windows). What this does not run is NCCL's transport between cards.
+
+mod common;
+use common::card::{POOL_PAGES, random_tokens};
+use common::gemma3::Gemma3;
+use common::{Rng, gpu_present, prompt_configs, qwen3_moe, rel_l2, rows_on_card, top_two_gap};
+
+use hostembed::checkpoint::write::{MemSource, Recipe};
+use hostembed::gpu::collectives::SharedDevice;
+use hostembed::gpu::{GpuModel, PAGE_TOKENS};
+use hostembed::kv::KvTypes;
+use hostembed::model::{ModelConfig, TensorSource};
+use hostembed::sampler::Sampling;
+use hostembed::shard::{RankSource, ShardPlan};
+use hostembed::tensor::DType;
+use hostembed::tuning::Tuning;
+use hostembed::{Status, cuda};
+
+const WINDOW: usize = POOL_PAGES * PAGE_TOKENS;
+const MAX_BATCH: usize = 32;
+
+/// What one model (whole, or one rank of a split) gives for a prompt and then single steps.
+#[derive(PartialEq)]
+struct Run {
+    prompt: Vec<Vec<f32>>,
+    steps: Vec<Vec<f32>>,
+    drawn: Vec<u32>,
+}
+
+/// `prompt` at once (every position's logits), then each of `steps` alone, greedy.
+fn run(model: &mut GpuModel, prompt: &[u32], steps: &[u32]) -> Run {
+    cuda::require_device(0).unwrap();
+    let mut pool = model.page_pool().unwrap();
+    let mut stream = model.new_stream(WINDOW).unwrap();
+    let prompt = model.all_logits(&mut pool, &mut stream, prompt).unwrap();
+    let (mut logits, mut drawn) = (Vec::new(), Vec::new());
+    for &t in steps {
+        drawn.push(model.step(&mut pool, &mut stream, &[t], &Sampling::GREEDY, 0).unwrap());
+        logits.push(model.logits(0).unwrap());
+    }
+    Run { prompt, steps: logits, drawn }
+}
+
+/// `src` split `world` ways on device 0, every rank run on a thread of its own; rank 0's run, after
+/// checking every rank's is the same bits.
+fn split_run(src: &MemSource, world: usize, prompt: &[u32], steps: &[u32]) -> Run {
+    let plan = ShardPlan::new(src.config(), world, |w| src.tensor(&w.name).unwrap().dtype).unwrap();
+    let (_rows_buf, rows) = rows_on_card(src);
+    let tuning = Tuning::from_env();
+    let mut models: Vec<GpuModel> = SharedDevice::ranks(world)
+        .into_iter()
+        .enumerate()
+        .map(|(r, comm)| {
+            let rank = RankSource::new(src, &plan, r).unwrap();
+            let kv = KvTypes::GPU_DEFAULT;
+            GpuModel::load_rank(&rank, Box::new(comm), rows, MAX_BATCH, POOL_PAGES, None, kv, WINDOW, &tuning).unwrap()
+        })
+        .collect();
+    assert_eq!(models[world - 1].head_ids().end, src.config().vocab);
+    let runs: Vec<Run> = std::thread::scope(|sc| {
+        let ranks: Vec<_> = models.iter_mut().map(|m| sc.spawn(move || run(m, prompt, steps))).collect();
+        ranks.into_iter().map(|h| h.join().expect("a rank's thread")).collect()
+    });
+    assert!(runs.iter().all(|r| *r == runs[0]), "every rank sums in the same order, so all hold the same bits");
+    runs.into_iter().next().unwrap()
+}
+
+/// `src` split over each of `worlds` against it whole: every position's logits within 2e-3, and the
+/// same greedy token where the whole model's top two are 1e-2 apart. The worst distance.
+fn check(name: &str, src: &MemSource, worlds: &[usize]) -> f64 {
+    let mut rng = Rng::fresh(name);
+    let vocab = src.config().vocab;
+    let (prompt, steps) = (random_tokens(&mut rng, vocab, 20), random_tokens(&mut rng, vocab, 6));
+    let (_rows_buf, rows) = rows_on_card(src);
+    let tuning = Tuning::from_env();
+    let mut whole =
+        GpuModel::load_for_window(src, rows, MAX_BATCH, POOL_PAGES, KvTypes::GPU_DEFAULT, WINDOW, &tuning).unwrap();
+    let want = run(&mut whole, &prompt, &steps);
+    drop(whole);
+    let mut worst = 0f64;
+    for &world in worlds {
+        let got = split_run(src, world, &prompt, &steps);
+        let pairs = got.prompt.iter().zip(&want.prompt).chain(got.steps.iter().zip(&want.steps));
+        for (pos, (g, w)) in pairs.enumerate() {
+            let d = rel_l2(g, w);
+            assert!(d < 2e-3, "{name} over {world}: position {pos} is {d:e} from the whole model's logits");
+            worst = worst.max(d);
+        }
+        for (k, (g, w)) in got.drawn.iter().zip(&want.drawn).enumerate() {
+            if top_two_gap(&want.steps[k]) > 1e-2 {
+                assert_eq!(g, w, "{name} over {world}: step {k} drew another token");
+            }
+        }
+    }
+    println!("{name}: worst relative L2 {worst:e} over {worlds:?} ranks");
+    worst
+}
+
+#[test]
+fn gpu_split_llama_and_qwen2_match_the_whole_model() {
+    if !gpu_present("gpu_split_llama_and_qwen2_match_the_whole_model") {
+        return;
+    }
+    let configs = prompt_configs();
+    let (llama, qwen2) = (configs[0].1.clone(), configs[1].1.clone());
+    // Llama's one KV head goes to every rank; Qwen2's two split over 2 and are copied over 4.
+    check("llama BF16", &MemSource::synthetic(&llama, 11, DType::Bf16), &[2, 4]);
+    check("llama Q8_0", &MemSource::synthetic(&llama, 12, DType::Q8_0), &[2]);
+    check("qwen2 BF16", &MemSource::synthetic(&qwen2, 13, DType::Bf16), &[2, 4]);
+}
+
+/// The Q4_K_M mix: o's and down's column cuts on whole 256-value super-blocks (8 heads of 64, a width
+/// of 4 super-blocks).
+#[test]
+fn gpu_split_q4_k_m_matches_the_whole_model() {
+    if !gpu_present("gpu_split_q4_k_m_matches_the_whole_model") {
+        return;
+    }
+    let cfg = ModelConfig::llama(512, 2, 8, 2, 1024, 1000);
+    check("llama Q4_K_M", &MemSource::synthetic(&cfg, 14, Recipe::Q4KM), &[2]);
+}
+
+/// Each expert's width split; Gemma 3's post-norms after the sums and its local layers.
+#[test]
+fn gpu_split_moe_and_gemma3_match_the_whole_model() {
+    if !gpu_present("gpu_split_moe_and_gemma3_match_the_whole_model") {
+        return;
+    }
+    check("qwen3-moe BF16", &MemSource::synthetic(&qwen3_moe(), 15, DType::Bf16), &[2]);
+    let gemma = Gemma3::on_card(4096, 64.0, 7).config();
+    check("gemma3 BF16", &MemSource::synthetic(&gemma, 16, DType::Bf16), &[2]);
+}
+
+/// A rank's weights with another rank's collectives are refused, nothing allocated.
+#[test]
+fn gpu_a_rank_with_the_wrong_collectives_is_refused() {
+    if !gpu_present("gpu_a_rank_with_the_wrong_collectives_is_refused") {
+        return;
+    }
+    let src = MemSource::synthetic(&prompt_configs()[0].1, 17, DType::Bf16);
+    let plan = ShardPlan::new(src.config(), 2, |_| DType::Bf16).unwrap();
+    let (_rows_buf, rows) = rows_on_card(&src);
+    let rank = RankSource::new(&src, &plan, 1).unwrap();
+    let mut comms = SharedDevice::ranks(2);
+    let wrong = Box::new(comms.remove(0));
+    let kv = KvTypes::GPU_DEFAULT;
+    let e = GpuModel::load_rank(&rank, wrong, rows, MAX_BATCH, POOL_PAGES, None, kv, WINDOW, &Tuning::from_env())
+        .err()
+        .expect("refused");
+    assert_eq!(e.status, Status::InvalidArgument, "{e}");
+    assert!(e.to_string().contains("rank 0 of 2") && e.to_string().contains("rank 1 of 2"), "{e}");
+}
