@@ -481,6 +481,26 @@ enum engine_status engine_fit_plan(const struct engine_fit_inputs *inputs,
 // length it needed, like snprintf; 0 with `engine_last_error()` set for NULL or a bad placement.
 size_t engine_plan_describe(const struct engine_plan *plan, char *buf, size_t len);
 
+// Runs the fit rule for a model split over `devices` devices with tensor parallelism: `inputs[i]` is
+// device i's own figures (its shards' bytes, its share of a stream, its room; ARCHITECTURE.md, "Tensor
+// parallelism"), `plans[i]` gets its plan, `*streams` the streams the engine starts on all of them (the
+// fewest any device allows: the page ids are shared). Each device keeps the embedding rows or maps
+// the one host copy by its own plan. NO_ROOM when a device allows none: every plan is still filled,
+// `*streams` is 0 and `engine_last_error()` names the device. INVALID_ARGUMENT for NULL, 0 or more
+// than 64 devices, or a device's figures the one-device rule refuses (naming the device).
+enum engine_status engine_fit_plan_devices(const struct engine_fit_inputs *inputs,
+                                           size_t devices,
+                                           struct engine_plan *plans,
+                                           uint32_t *streams);
+
+// Writes the start-up line of a plan over `devices` devices (`plans` as `engine_fit_plan_devices`
+// filled them) into `buf` like `engine_plan_describe`: "2 devices, 9 streams at an 8192-token window;
+// device 0: ...". 0 with `engine_last_error()` set for NULL, a bad count or a bad placement.
+size_t engine_plan_describe_devices(const struct engine_plan *plans,
+                                    size_t devices,
+                                    char *buf,
+                                    size_t len);
+
 // The defaults: device 0, the model's window, probed room, a 256 MiB reserve, no drafter, every
 // stream that fits, rows placed by the fit rule (DS4_EMBD_MMAP=1 reads them from the file mapping),
 // backend auto, greedy sampling, log lines to standard error, the backend's own KV cache types.

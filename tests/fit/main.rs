@@ -562,3 +562,81 @@ fn the_receipt_recomputed_for_every_kv_type() {
         assert!(!admitted[&(KvType::F32, w)] || admitted[&(KvType::Bf16, w)], "{w}");
     }
 }
+
+/// The plan over several devices through the C ABI: each device's plan and the fewest streams as
+/// `fit::plan_devices` gives them, the start-up line as `describe_devices`, a device without a stream
+/// named with NO_ROOM (its plans still filled), and the refusals of NULL, counts and bad placements.
+#[test]
+fn c_abi_plans_over_devices_like_rust() {
+    use hostembed::ffi::{engine_fit_plan_devices, engine_plan_describe_devices};
+    let one = engine_fit_inputs {
+        weight_bytes: 16 * GIB,
+        embed_bytes: GIB,
+        scratch_bytes: GIB / 2,
+        stream_bytes: GIB,
+        window: 8192,
+        ..fit::default_inputs()
+    };
+    let device = |room: u64| fit::device_inputs(&one, 9 * GIB, (4, 8), room).unwrap();
+    let error = || {
+        // SAFETY: engine_last_error is this thread's NUL-terminated message, valid until its next failure.
+        unsafe { CStr::from_ptr(engine_last_error()) }.to_str().unwrap().to_string()
+    };
+    let inputs = [device(20 * GIB), device(14 * GIB)];
+    let mut plans = [fit::plan(&inputs[0]).unwrap(); 2];
+    let mut streams = u32::MAX;
+    // SAFETY: two inputs and two plans, a live u32.
+    assert_eq!(
+        unsafe { engine_fit_plan_devices(inputs.as_ptr(), 2, plans.as_mut_ptr(), &mut streams) },
+        Status::Ok.into()
+    );
+    let want = fit::plan_devices(&inputs).unwrap();
+    assert_eq!((plans.to_vec(), streams), (want.plans.clone(), 9));
+    let mut buf = [0 as std::os::raw::c_char; 512];
+    // SAFETY: two plans the call above filled, a live buffer of its length.
+    let n = unsafe { engine_plan_describe_devices(plans.as_ptr(), 2, buf.as_mut_ptr(), buf.len()) };
+    // SAFETY: the call wrote a NUL-terminated line into `buf`.
+    let line = unsafe { CStr::from_ptr(buf.as_ptr()) }.to_str().unwrap().to_string();
+    assert_eq!((line.as_str(), n), (fit::describe_devices(&want).as_str(), line.len()));
+    assert!(line.starts_with("2 devices, 9 streams at an 8192-token window; device 0:"), "{line}");
+
+    // Device 1 with room for its weights and no stream: NO_ROOM naming it, both plans filled.
+    let short = [device(20 * GIB), device(8 * GIB)];
+    // SAFETY: as above.
+    let status = unsafe { engine_fit_plan_devices(short.as_ptr(), 2, plans.as_mut_ptr(), &mut streams) };
+    assert_eq!((status, streams, plans[0].streams), (Status::NoRoom.into(), 0, 21));
+    assert!(error().starts_with("2 devices refuse: device 1 has a 0.50 GiB stream"), "{}", error());
+
+    // SAFETY: every pointer is NULL or as above; the counts are refused before anything is read.
+    unsafe {
+        for (inputs, devices, plans, streams) in [
+            (std::ptr::null(), 2, plans.as_mut_ptr(), &mut streams as *mut u32),
+            (inputs.as_ptr(), 2, std::ptr::null_mut(), &mut streams),
+            (inputs.as_ptr(), 2, plans.as_mut_ptr(), std::ptr::null_mut()),
+            (inputs.as_ptr(), 0, plans.as_mut_ptr(), &mut streams),
+            (inputs.as_ptr(), 65, plans.as_mut_ptr(), &mut streams),
+        ] {
+            assert_eq!(engine_fit_plan_devices(inputs, devices, plans, streams), Status::InvalidArgument.into());
+        }
+    }
+    let bad = engine_fit_inputs { stream_bytes: 0, ..device(20 * GIB) };
+    // SAFETY: as above.
+    let status =
+        unsafe { engine_fit_plan_devices([device(20 * GIB), bad].as_ptr(), 2, plans.as_mut_ptr(), &mut streams) };
+    assert_eq!(status, Status::InvalidArgument.into());
+    assert!(error().starts_with("device 1: "), "{}", error());
+
+    // A placement C wrote out of range is named, not read as an enum: the plans' bytes copied into an
+    // 8-aligned buffer, the second's placement 7.
+    let size = std::mem::size_of::<engine_plan>();
+    let mut raw = vec![0u64; (2 * size).div_ceil(8)];
+    let bytes = raw.as_mut_ptr() as *mut u8;
+    // SAFETY: `raw` holds two plans' bytes, 8-aligned; the placement field is a u32 inside the second.
+    let n = unsafe {
+        std::ptr::copy_nonoverlapping(plans.as_ptr() as *const u8, bytes, 2 * size);
+        std::ptr::write_unaligned(bytes.add(size + std::mem::offset_of!(engine_plan, placement)) as *mut u32, 7);
+        engine_plan_describe_devices(bytes as *const engine_plan, 2, buf.as_mut_ptr(), buf.len())
+    };
+    assert_eq!(n, 0);
+    assert!(error().contains("plans[1]->placement is 7"), "{}", error());
+}
