@@ -5,20 +5,36 @@
 # `gguf` package's file; that machine has no package index). Each binary carries the kernels, so the
 # bundle keeps under the 64 MiB a call may carry only without the CPU-only test binaries.
 # HOSTEMBED_CUDA_ARCHS defaults to 90 here (the lent card) to keep the build short.
+# `--patch NAME...` instead packs only the named GPU test binaries, rebuilt, into .gpu/patch.tar.xz,
+# which scripts/gpu-run.sh unpacks over the bundle: a minute's build where the bundle takes ten.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export HOSTEMBED_CUDA_ARCHS="${HOSTEMBED_CUDA_ARCHS:-90}"
 scripts/install-cuda.sh >/dev/null
-rm -rf .gpu && mkdir -p .gpu/bundle/tests .gpu/bundle/examples
-cargo build --release --lib --examples
-cargo test --release --no-run --message-format=json 2>/dev/null \
-  | python3 -c '
+test_binaries() {
+  cargo test --release --no-run --message-format=json "$@" 2>/dev/null \
+    | python3 -c '
 import json, sys
 for line in sys.stdin:
     m = json.loads(line)
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] != ["example"]:
         print(m["target"]["name"], m["executable"])
- ' | while read -r name exe; do
+ '
+}
+if [ "${1:-}" = --patch ]; then
+  shift
+  rm -rf .gpu/patch .gpu/patch.tar.xz && mkdir -p .gpu/patch/bundle/tests
+  args=(); for name in "$@"; do args+=(--test "$name"); done
+  test_binaries "${args[@]}" | while read -r name exe; do cp "$exe" ".gpu/patch/bundle/tests/$name"; done
+  strip .gpu/patch/bundle/tests/*
+  XZ_OPT="-T1 --lzma2=preset=6" tar -C .gpu/patch -cJf .gpu/patch.tar.xz bundle
+  rm -rf .gpu/patch
+  ls -la .gpu/patch.tar.xz
+  exit 0
+fi
+rm -rf .gpu && mkdir -p .gpu/bundle/tests .gpu/bundle/examples
+cargo build --release --lib --examples
+test_binaries | while read -r name exe; do
   case "$name" in gpu_*) cp "$exe" ".gpu/bundle/tests/$name" ;; esac
 done
 for ex in target/release/examples/*; do

@@ -22,6 +22,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu-out}"
 mkdir -p "$OUT" /tmp/he && tar -C /tmp/he -xJf .gpu/bundle.tar.xz
+# Test binaries rebuilt since the bundle (`scripts/gpu-build.sh --patch`), carried beside it.
+[ -f .gpu/patch.tar.xz ] && tar -C /tmp/he -xJf .gpu/patch.tar.xz
 B=/tmp/he/bundle
 export HOSTEMBED_TEST_TMP=/tmp/he/tmp && mkdir -p "$HOSTEMBED_TEST_TMP"
 # The model files the bundle carries (tests/common's model_file looks there).

@@ -12,9 +12,11 @@ use common::card::{POOL_PAGES, random_tokens};
 use common::gemma3::Gemma3;
 use common::{Rng, gpu_present, prompt_configs, qwen3_moe, rel_l2, rows_on_card, top_two_gap};
 
+use hostembed::backend::{Batch, BatchItem, Decoder, Streams};
 use hostembed::checkpoint::write::{MemSource, Recipe};
 use hostembed::gpu::collectives::SharedDevice;
-use hostembed::gpu::{GpuModel, PAGE_TOKENS};
+use hostembed::gpu::split::SplitBackend;
+use hostembed::gpu::{CudaBackend, GpuModel, PAGE_TOKENS};
 use hostembed::kv::KvTypes;
 use hostembed::model::{ModelConfig, TensorSource};
 use hostembed::sampler::Sampling;
@@ -156,4 +158,95 @@ fn gpu_a_rank_with_the_wrong_collectives_is_refused() {
         .expect("refused");
     assert_eq!(e.status, Status::InvalidArgument, "{e}");
     assert!(e.to_string().contains("rank 0 of 2") && e.to_string().contains("rank 1 of 2"), "{e}");
+}
+
+/// The engine's streams over the ranks (`SplitBackend`: 2 ranks sharing this card) against the same
+/// streams over the whole model (`CudaBackend`): random batches of prompts and single tokens over 4
+/// streams, forks, truncates and resets, the prefix cache on; every stream's logits within 2e-3 of the
+/// whole model's after every call, the pool's audit clean, and a score refused.
+#[test]
+fn gpu_streams_over_a_split_model_match_the_whole_model() {
+    let test = "gpu_streams_over_a_split_model_match_the_whole_model";
+    if !gpu_present(test) {
+        return;
+    }
+    const STREAMS: usize = 4;
+    let mut rng = Rng::fresh(test);
+    let src = MemSource::synthetic(&prompt_configs()[1].1, 18, DType::Bf16);
+    let vocab = src.config().vocab;
+    let (_rows_buf, rows) = rows_on_card(&src);
+    let tuning = Tuning::from_env();
+    let pages = STREAMS * 512usize.div_ceil(PAGE_TOKENS);
+    let kv = KvTypes::GPU_DEFAULT;
+    let plan = ShardPlan::new(src.config(), 2, |_| DType::Bf16).unwrap();
+    let ranks: Vec<GpuModel> = SharedDevice::ranks(2)
+        .into_iter()
+        .enumerate()
+        .map(|(r, comm)| {
+            let rank = RankSource::new(&src, &plan, r).unwrap();
+            GpuModel::load_rank(&rank, Box::new(comm), rows, MAX_BATCH, pages, None, kv, 512, &tuning).unwrap()
+        })
+        .collect();
+    let mut split =
+        Streams::new(SplitBackend::new(ranks, vec![0, 0]).unwrap(), 512, STREAMS, pages, Sampling::GREEDY).unwrap();
+    let whole = CudaBackend::load(&src, rows, MAX_BATCH, 0, pages, kv, 512, &tuning).unwrap();
+    let mut one = Streams::new(whole, 512, STREAMS, pages, Sampling::GREEDY).unwrap();
+    let mut lens = [0usize; STREAMS];
+    for round in 0..60 {
+        let at = format!("round {round}");
+        let s = rng.below(STREAMS as u64) as usize;
+        match rng.below(8) {
+            0..5 => {
+                let order: Vec<usize> = (0..STREAMS).filter(|&o| o == s || rng.below(2) == 0).collect();
+                let inputs: Vec<Vec<u32>> = order
+                    .iter()
+                    .map(|&o| {
+                        let n = if rng.below(3) == 0 { 1 + rng.below(40) as usize } else { 1 };
+                        if lens[o] + n > 500 { Vec::new() } else { random_tokens(&mut rng, vocab, n) }
+                    })
+                    .collect();
+                let run: Vec<(usize, &Vec<u32>)> =
+                    order.iter().copied().zip(&inputs).filter(|(_, t)| !t.is_empty()).collect();
+                if run.is_empty() {
+                    continue;
+                }
+                for d in [&mut split as &mut dyn Decoder, &mut one] {
+                    let items = run.iter().map(|&(o, t)| BatchItem::new(o as u32, t)).collect();
+                    let mut batch = Batch::new(items).unwrap();
+                    d.step_batch(&mut batch).unwrap();
+                    for b in batch.into_items() {
+                        b.next.unwrap_or_else(|e| panic!("{at}: {e}"));
+                    }
+                }
+                for &(o, t) in &run {
+                    lens[o] += t.len();
+                    let (a, b) = (split.logits(o as u32).unwrap(), one.logits(o as u32).unwrap());
+                    let d = rel_l2(&a, &b);
+                    assert!(d < 2e-3, "{at}: stream {o} at {} is {d:e} from the whole model", lens[o]);
+                }
+            }
+            5 => {
+                let (dst, len) = ((s + 1) % STREAMS, rng.below(lens[s] as u64 + 1) as usize);
+                split.fork(s as u32, dst as u32, len).unwrap();
+                one.fork(s as u32, dst as u32, len).unwrap();
+                lens[dst] = len;
+            }
+            6 => {
+                let len = rng.below(lens[s] as u64 + 1) as usize;
+                split.truncate(s as u32, len).unwrap();
+                one.truncate(s as u32, len).unwrap();
+                lens[s] = len;
+            }
+            _ => {
+                split.reset(s as u32).unwrap();
+                one.reset(s as u32).unwrap();
+                lens[s] = 0;
+            }
+        }
+        split.audit().unwrap_or_else(|e| panic!("{at}: {e}"));
+        assert_eq!(split.kv_stats(), one.kv_stats(), "{at}: the pools' accounting");
+    }
+    let mut out = [0f32; 3];
+    let e = split.score(0, &[1, 2, 3], &mut out).err().expect("refused");
+    assert_eq!(e.status, Status::Unsupported, "{e}");
 }

@@ -99,16 +99,7 @@ impl Backend for CudaBackend {
     }
 
     fn local_layers(&self) -> Option<LocalLayers> {
-        let m = &self.model;
-        let window = (0..m.cfg.layers).filter_map(|l| m.cfg.attention.window(l)).max()?;
-        // The flash kernel reads 64-position tiles from the one holding a window's first position (the
-        // decode kernel less: its 32-position units).
-        (m.local_pages > 0).then(|| LocalLayers {
-            window,
-            reach: 64,
-            pages: m.local_pages,
-            piece: local_piece(m.max_batch),
-        })
+        local_layers_of(&self.model)
     }
 
     fn copy_local_page(&mut self, from: u32, to: u32) -> Result<()> {
@@ -120,4 +111,17 @@ impl Backend for CudaBackend {
         self.enter()?;
         self.model.score(stream, tokens, out)
     }
+}
+
+/// The sliding-window layers' pool of `m`, where it keeps one (`Backend::local_layers`).
+pub(super) fn local_layers_of(m: &GpuModel) -> Option<LocalLayers> {
+    let window = (0..m.cfg.layers).filter_map(|l| m.cfg.attention.window(l)).max()?;
+    // The flash kernel reads 64-position tiles from the one holding a window's first position (the
+    // decode kernel less: its 32-position units).
+    (m.local_pages > 0).then(|| LocalLayers {
+        window,
+        reach: 64,
+        pages: m.local_pages,
+        piece: local_piece(m.max_batch),
+    })
 }

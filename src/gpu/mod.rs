@@ -43,6 +43,7 @@ mod ops;
 mod pages;
 mod score;
 mod scratch;
+pub mod split;
 mod tensor_parallel;
 mod weights;
 

@@ -93,6 +93,11 @@ impl GpuModel {
         self.rank.as_ref().map_or(1, |r| r.comm.world())
     }
 
+    /// Its rank in the split (0 for a whole model).
+    pub fn rank_index(&self) -> usize {
+        self.rank.as_ref().map_or(0, |r| r.comm.rank())
+    }
+
     /// The vocabulary ids this model's head computes: all of them, or a rank's.
     pub fn head_ids(&self) -> Range<usize> {
         match &self.rank {

@@ -1,0 +1,199 @@
+//! The CUDA backend over the ranks of a tensor-parallel model (ARCHITECTURE.md, "Tensor parallelism"):
+//! one `GpuModel` a rank (`GpuModel::load_rank`), each on its device. The page ids are the engine's,
+//! shared by every rank (each rank's pool holds its KV heads of every page); a stream holds a page table
+//! on each rank. A step lends each rank a view of every item's stream (its own page table beside the
+//! stream's positions, pages and history) and runs every rank's `step_batch` on a thread of its own,
+//! so their collectives meet; every rank draws the same tokens from the same gathered logits, and rank
+//! 0's are the step's.
+
+use std::thread;
+
+use super::backend::local_layers_of;
+use super::{GpuCache, GpuModel, GpuStream, PAGE_TOKENS};
+use crate::backend::{Backend, KvStream, LocalLayers, StepItem};
+use crate::constraint::PendingMask;
+use crate::cuda;
+use crate::cudart as rt;
+use crate::sampler::Sampling;
+use crate::status::{Error, Result, Status};
+use crate::{bail, err};
+
+/// A stream's page table on every rank; a rank's is lent to its view of the stream during a step.
+pub struct SplitCache {
+    ranks: Vec<Option<GpuCache>>,
+}
+
+/// The ranks of one model, rank r's `GpuModel` on device `devices[r]`.
+pub struct SplitBackend {
+    ranks: Vec<GpuModel>,
+    devices: Vec<i32>,
+}
+
+/// What every rank's item of a step shares (the stream's own parts are lent apart).
+#[derive(Clone, Copy)]
+struct ItemArgs<'a> {
+    index: u32,
+    tokens: &'a [u32],
+    sampling: Sampling,
+    mask: Option<&'a PendingMask>,
+    heads: usize,
+}
+
+fn enter(device: i32) -> Result<()> {
+    // SAFETY: plain runtime call on a device index; an invalid one returns an error code.
+    cuda::check(unsafe { rt::cudaSetDevice(device) }, "cudaSetDevice")
+}
+
+impl SplitBackend {
+    /// The ranks `ranks` (rank r on `devices[r]`): every one a rank of the same split, with pools of the
+    /// same pages. INVALID_ARGUMENT otherwise.
+    pub fn new(ranks: Vec<GpuModel>, devices: Vec<i32>) -> Result<SplitBackend> {
+        let Some(first) = ranks.first() else { bail!(InvalidArgument, "a split model of no ranks") };
+        if devices.len() != ranks.len() {
+            bail!(InvalidArgument, "{} ranks on {} devices", ranks.len(), devices.len());
+        }
+        for (r, m) in ranks.iter().enumerate() {
+            if m.world() != ranks.len() || m.rank_index() != r {
+                bail!(InvalidArgument, "rank {r} of {} is a model split {} ways", ranks.len(), m.world());
+            }
+            if (m.pool_pages(), m.local_pages()) != (first.pool_pages(), first.local_pages()) {
+                bail!(InvalidArgument, "rank {r}'s KV pool has other pages than rank 0's");
+            }
+        }
+        Ok(SplitBackend { ranks, devices })
+    }
+
+    /// Rank `r`'s model.
+    pub fn rank(&self, r: usize) -> &GpuModel {
+        &self.ranks[r]
+    }
+
+    pub fn world(&self) -> usize {
+        self.ranks.len()
+    }
+}
+
+/// Rank `r`'s view of `stream`: its page table, lent, beside copies of the stream's own parts.
+fn lend(stream: &mut KvStream<SplitCache>, r: usize) -> GpuStream {
+    let cache = stream.cache.ranks[r].take().expect("every rank's table is back after each step");
+    let mut view = KvStream::with_pages(cache, stream.window, stream.pages.clone());
+    view.len = stream.len;
+    view.tokens = stream.tokens.clone();
+    view.local = stream.local.clone();
+    view
+}
+
+impl Backend for SplitBackend {
+    type Cache = SplitCache;
+
+    const PAGE_TOKENS: usize = PAGE_TOKENS;
+
+    fn new_stream(&self, window: usize) -> Result<KvStream<SplitCache>> {
+        let mut ranks = Vec::with_capacity(self.ranks.len());
+        for (m, &d) in self.ranks.iter().zip(&self.devices) {
+            enter(d)?;
+            ranks.push(Some(m.new_stream(window)?.cache));
+        }
+        Ok(KvStream::new(SplitCache { ranks }, window))
+    }
+
+    fn step_batch(&mut self, items: &mut [StepItem<'_, SplitCache>]) -> Result<()> {
+        let args: Vec<ItemArgs> = items
+            .iter()
+            .map(|i| ItemArgs { index: i.index, tokens: i.tokens, sampling: i.sampling, mask: i.mask, heads: i.heads })
+            .collect();
+        let mut views: Vec<Vec<GpuStream>> =
+            (0..self.ranks.len()).map(|r| items.iter_mut().map(|i| lend(i.stream, r)).collect()).collect();
+        type Outcome = (Result<()>, Vec<(Result<u32>, Vec<u32>)>);
+        let outcomes: Vec<Outcome> = thread::scope(|sc| {
+            let runs: Vec<_> = self
+                .ranks
+                .iter_mut()
+                .zip(&self.devices)
+                .zip(views.iter_mut())
+                .map(|((model, &device), streams)| {
+                    let args = &args;
+                    sc.spawn(move || -> Outcome {
+                        if let Err(e) = enter(device) {
+                            let fail = args.iter().map(|_| (Err(e.clone()), Vec::new())).collect();
+                            return (Err(e), fail);
+                        }
+                        let mut rank_items: Vec<StepItem<'_, GpuCache>> = streams
+                            .iter_mut()
+                            .zip(args)
+                            .map(|(s, a)| {
+                                let mut item = StepItem::new(s, a.index, a.tokens, a.sampling);
+                                (item.mask, item.heads) = (a.mask, a.heads);
+                                item
+                            })
+                            .collect();
+                        let ran = model.step_batch(&mut rank_items);
+                        (ran, rank_items.into_iter().map(|i| (i.next, i.drawn)).collect())
+                    })
+                })
+                .collect();
+            runs.into_iter()
+                .map(|h| h.join().unwrap_or_else(|_| (Err(err!(Panic, "a rank's step panicked")), Vec::new())))
+                .collect()
+        });
+        for (r, streams) in views.into_iter().enumerate() {
+            for (item, view) in items.iter_mut().zip(streams) {
+                if r == 0 {
+                    item.stream.len = view.len;
+                }
+                item.stream.cache.ranks[r] = Some(view.cache);
+            }
+        }
+        let mut failed: Option<Error> = None;
+        for (r, (ran, _)) in outcomes.iter().enumerate() {
+            if let (Err(e), None) = (ran, &failed) {
+                failed = Some(err!(CudaError, "rank {r}: {}", e.message));
+            }
+        }
+        let (_, first) = outcomes.into_iter().next().expect("one rank at least");
+        for (item, (next, drawn)) in items.iter_mut().zip(first) {
+            item.next = match (&failed, next) {
+                (Some(e), _) => Err(e.clone()),
+                (None, next) => next,
+            };
+            item.drawn = drawn;
+        }
+        failed.map_or(Ok(()), Err)
+    }
+
+    fn logits(&self, i: usize, head: usize) -> Result<Vec<f32>> {
+        enter(self.devices[0])?;
+        self.ranks[0].head_logits(i, head)
+    }
+
+    fn verify_tokens(&self) -> usize {
+        (super::forward::TENSOR_CORE_MIN_TOKENS - 1).min(self.ranks[0].max_batch())
+    }
+
+    fn copy_page(&mut self, from: u32, to: u32) -> Result<()> {
+        for (m, &d) in self.ranks.iter().zip(&self.devices) {
+            enter(d)?;
+            m.copy_page(from, to)?;
+        }
+        Ok(())
+    }
+
+    fn local_layers(&self) -> Option<LocalLayers> {
+        local_layers_of(&self.ranks[0])
+    }
+
+    fn copy_local_page(&mut self, from: u32, to: u32) -> Result<()> {
+        for (m, &d) in self.ranks.iter().zip(&self.devices) {
+            enter(d)?;
+            m.copy_pool_page(true, from, to)?;
+        }
+        Ok(())
+    }
+
+    fn score(&mut self, _stream: &mut KvStream<SplitCache>, _tokens: &[u32], _out: &mut [f32]) -> Result<()> {
+        Err(Error::new(
+            Status::Unsupported,
+            format!("scoring on a model split over {} devices is not built yet", self.world()),
+        ))
+    }
+}
