@@ -247,6 +247,6 @@ fn gpu_streams_over_a_split_model_match_the_whole_model() {
         assert_eq!(split.kv_stats(), one.kv_stats(), "{at}: the pools' accounting");
     }
     let mut out = [0f32; 3];
-    let e = split.score(0, &[1, 2, 3], &mut out).err().expect("refused");
+    let e = split.score(0, &[1, 2, 3], &mut out).expect_err("refused");
     assert_eq!(e.status, Status::Unsupported, "{e}");
 }
