@@ -163,7 +163,7 @@ fn gpu_a_rank_with_the_wrong_collectives_is_refused() {
 /// The engine's streams over the ranks (`SplitBackend`: 2 ranks sharing this card) against the same
 /// streams over the whole model (`CudaBackend`): random batches of prompts and single tokens over 4
 /// streams, forks, truncates and resets, the prefix cache on; every stream's logits within 2e-3 of the
-/// whole model's after every call, the pool's audit clean, and a score refused.
+/// whole model's after every call, the pool's audit clean, and a score's log-probabilities close.
 #[test]
 fn gpu_streams_over_a_split_model_match_the_whole_model() {
     let test = "gpu_streams_over_a_split_model_match_the_whole_model";
@@ -246,7 +246,19 @@ fn gpu_streams_over_a_split_model_match_the_whole_model() {
         split.audit().unwrap_or_else(|e| panic!("{at}: {e}"));
         assert_eq!(split.kv_stats(), one.kv_stats(), "{at}: the pools' accounting");
     }
-    let mut out = [0f32; 3];
-    let e = split.score(0, &[1, 2, 3], &mut out).expect_err("refused");
-    assert_eq!(e.status, Status::Unsupported, "{e}");
+    // A score (its prompt in chunks, a log-probability a position) on both, then a step after it.
+    for d in [&mut split as &mut dyn Decoder, &mut one] {
+        d.reset(0).unwrap();
+    }
+    let tokens = random_tokens(&mut rng, vocab, 80);
+    let (mut a, mut b) = (vec![0f32; 80], vec![0f32; 80]);
+    split.score(0, &tokens, &mut a).unwrap();
+    one.score(0, &tokens, &mut b).unwrap();
+    assert!(a[0].is_nan() && b[0].is_nan(), "an empty stream's first token has no log-probability");
+    for (k, (x, y)) in a.iter().zip(&b).enumerate().skip(1) {
+        assert!((x - y).abs() < 1e-2, "score: position {k} gives {x} split, {y} whole");
+    }
+    let d = rel_l2(&split.logits(0).unwrap(), &one.logits(0).unwrap());
+    assert!(d < 2e-3, "the logits after the score are {d:e} apart");
+    split.audit().unwrap();
 }

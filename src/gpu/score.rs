@@ -2,7 +2,6 @@
 //! of `max_batch` one forward pass with its final-normed rows kept and the head run over them.
 
 use std::os::raw::{c_int, c_void};
-use std::ptr;
 
 use super::forward::{Head, LogitsAt, Path, Piece, reserve_pages};
 use super::launch;
@@ -74,9 +73,6 @@ impl GpuModel {
     /// would have left. Nothing is sampled.
     pub fn score(&mut self, stream: &mut GpuStream, tokens: &[u32], out: &mut [f32]) -> Result<()> {
         self.logits_at.clear();
-        if self.world() > 1 {
-            crate::bail!(Unsupported, "scoring on a model split over {} devices is not built yet", self.world());
-        }
         self.check_tokens(stream, tokens)?;
         let end = stream.len + tokens.len();
         self.check_held(stream, end)?;
@@ -85,7 +81,8 @@ impl GpuModel {
         // Each group re-reads the whole head (1 GB for Llama 3's in F16), so a chunk's rows go through it
         // in one group where a buffer of their logits can be had; else in the scratch's logits rows.
         let chunk_rows = self.max_batch.min(tokens.len());
-        let group_logits = if chunk_rows > self.s.logit_rows {
+        // A rank's head gathers through buffers of the scratch's logits rows (`head_product`).
+        let group_logits = if chunk_rows > self.s.logit_rows && self.world() == 1 {
             DeviceBuffer::new(chunk_rows * vocab * 4)
                 .inspect_err(|_| {
                     // SAFETY: takes no arguments; clears the failed allocation's error before the next launch check.
@@ -105,7 +102,6 @@ impl GpuModel {
         let targets = self.buf(self.s.up) as *mut c_int;
         let results = DeviceBuffer::new(tokens.len() * 4)?;
         let scored = results.ptr() as *mut f32;
-        let none = ptr::null::<f32>();
         let mut last_row = 0;
         for (c, chunk) in tokens.chunks(self.max_batch).enumerate() {
             let from = c * self.max_batch;
@@ -126,16 +122,15 @@ impl GpuModel {
                     let tc_rows = if step_head { g - 1 } else { g };
                     if tc_rows > 0 {
                         let a = (act as *mut u8).wrapping_add(g0 * hidden * 2) as *mut c_void;
-                        self.product(&self.head, a, tc_rows, none, none, logits, vocab, None)?;
+                        self.head_product(HeadInput::Half(a), tc_rows, logits)?;
                     }
                     if step_head {
                         let (x, y) = (xn.wrapping_add((n - 1) * hidden), logits.wrapping_add((g - 1) * vocab));
-                        launch::decode_product(&self.head, x, 1, none, none, y, vocab, self.mmv_work(), s)?;
+                        self.head_product(HeadInput::F32(x), 1, y)?;
                     }
                 } else {
                     // Each row alone, as a step's head computes its last row.
-                    let x = xn.wrapping_add(g0 * hidden);
-                    launch::decode_product(&self.head, x, g, none, none, logits, vocab, self.mmv_work(), s)?;
+                    self.head_product(HeadInput::F32(xn.wrapping_add(g0 * hidden)), g, logits)?;
                 }
                 if step_head {
                     last_row = g - 1;

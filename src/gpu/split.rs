@@ -15,7 +15,7 @@ use crate::constraint::PendingMask;
 use crate::cuda;
 use crate::cudart as rt;
 use crate::sampler::Sampling;
-use crate::status::{Error, Result, Status};
+use crate::status::{Error, Result};
 use crate::{bail, err};
 
 /// A stream's page table on every rank; a rank's is lent to its view of the stream during a step.
@@ -190,10 +190,41 @@ impl Backend for SplitBackend {
         Ok(())
     }
 
-    fn score(&mut self, _stream: &mut KvStream<SplitCache>, _tokens: &[u32], _out: &mut [f32]) -> Result<()> {
-        Err(Error::new(
-            Status::Unsupported,
-            format!("scoring on a model split over {} devices is not built yet", self.world()),
-        ))
+    /// Every rank scores its view of the stream (their heads gather the same logits); rank 0's
+    /// log-probabilities are the call's.
+    fn score(&mut self, stream: &mut KvStream<SplitCache>, tokens: &[u32], out: &mut [f32]) -> Result<()> {
+        let mut views: Vec<GpuStream> = (0..self.ranks.len()).map(|r| lend(stream, r)).collect();
+        let n = out.len();
+        let outcomes: Vec<(Result<()>, Vec<f32>)> = thread::scope(|sc| {
+            let runs: Vec<_> = self
+                .ranks
+                .iter_mut()
+                .zip(&self.devices)
+                .zip(views.iter_mut())
+                .map(|((model, &device), view)| {
+                    sc.spawn(move || {
+                        let mut mine = vec![0f32; n];
+                        let ran = enter(device).and_then(|()| model.score(view, tokens, &mut mine));
+                        (ran, mine)
+                    })
+                })
+                .collect();
+            runs.into_iter()
+                .map(|h| h.join().unwrap_or_else(|_| (Err(err!(Panic, "a rank's score panicked")), Vec::new())))
+                .collect()
+        });
+        for (r, view) in views.into_iter().enumerate() {
+            if r == 0 {
+                stream.len = view.len;
+            }
+            stream.cache.ranks[r] = Some(view.cache);
+        }
+        for (r, (ran, _)) in outcomes.iter().enumerate() {
+            if let Err(e) = ran {
+                return Err(if r == 0 { e.clone() } else { err!(CudaError, "rank {r}: {}", e.message) });
+            }
+        }
+        out.copy_from_slice(&outcomes[0].1);
+        Ok(())
     }
 }
