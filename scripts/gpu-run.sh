@@ -21,8 +21,10 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu-out}"
-mkdir -p "$OUT" /tmp/he && tar -C /tmp/he -xJf .gpu/bundle.tar.xz
-# Test binaries rebuilt since the bundle (`scripts/gpu-build.sh --patch`), carried beside it.
+mkdir -p "$OUT" /tmp/he
+# Test binaries rebuilt since the bundle (`scripts/gpu-build.sh --patch`), carried beside it or, for the
+# steps that run only them, alone.
+[ -f .gpu/bundle.tar.xz ] && tar -C /tmp/he -xJf .gpu/bundle.tar.xz
 [ -f .gpu/patch.tar.xz ] && tar -C /tmp/he -xJf .gpu/patch.tar.xz
 B=/tmp/he/bundle
 export HOSTEMBED_TEST_TMP=/tmp/he/tmp && mkdir -p "$HOSTEMBED_TEST_TMP"
