@@ -215,10 +215,11 @@ for step in $steps; do
       unset HOSTEMBED_ATTENTION_WIDE ;;
     local-pool)
       # Gemma 3's sliding-window layers in a pool of their own: the pool test against one pool, the
-      # Gemma 3 suite, and the pool test under compute-sanitizer's memcheck (a released page is never read).
+      # Gemma 3 suite (again with head size 256 on flash attention), and the pool test under compute-sanitizer's memcheck (a released page is never read).
       rc=0
       run_test gpu_gemma3_pool || rc=$?
       run_test gpu_gemma3 || rc=$?
+      HOSTEMBED_FLASH_HEAD_256=1 run_test gpu_gemma3 -flash256 || rc=$?
       grep -h "^test result" "$OUT"/test-gpu_gemma3*.log >> "$summary"
       if [ "${HOSTEMBED_MEMCHECK:-1}" != 0 ]; then
         timeout 300 compute-sanitizer --error-exitcode 99 "$B/tests/gpu_gemma3_pool" --test-threads=1 \

@@ -352,8 +352,8 @@ pub struct engine_options {
     pub draft_model: *const c_char,
     /// Devices to run the model over with tensor parallelism (ARCHITECTURE.md, "Tensor parallelism"):
     /// 0 or 1 = one device, `device`, as before. N > 1 asks for the CUDA devices `device` to `device` +
-    /// N - 1, which this version refuses with UNSUPPORTED (the multi-device backend, which also needs
-    /// NCCL's libnccl.so.2, is not built yet); the CPU backend runs on one (INVALID_ARGUMENT).
+    /// N - 1, which this version refuses with UNSUPPORTED (the engine does not build the ranks over
+    /// NCCL's libnccl.so.2 yet); the CPU backend runs on one (INVALID_ARGUMENT).
     pub devices: u32,
 }
 

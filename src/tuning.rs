@@ -42,6 +42,9 @@ pub const ATTENTION_WIDE_ENV: &str = "HOSTEMBED_ATTENTION_WIDE";
 /// "1": on CUDA, a model's sliding-window layers keep only their window in a KV pool of their own, as on
 /// the CPU (off until a card has run its tests).
 pub const CUDA_LOCAL_POOL_ENV: &str = "HOSTEMBED_CUDA_LOCAL_POOL";
+/// "1": on CUDA, prompt chunks of head size 256 (Gemma 3's) take flash attention with a 16-bit cache
+/// (off until a card has run its test; the split kernel otherwise).
+pub const FLASH_HEAD_256_ENV: &str = "HOSTEMBED_FLASH_HEAD_256";
 /// "0": a Mixture-of-Experts layer's prompt rows take the warp-a-row expert kernels instead of the grouped
 /// tensor-core products.
 pub const MOE_GROUPED_ENV: &str = "HOSTEMBED_MOE_GROUPED";
@@ -116,6 +119,9 @@ pub struct Tuning {
     /// Whether a CUDA model's sliding-window layers keep only their window in a KV pool of their own
     /// (the same kernels and bits, less memory). Off until a card has run its tests.
     pub cuda_local_pool: bool,
+    /// Whether prompt chunks of head size 256 take flash attention (a 16-bit cache). Off until a card
+    /// has run its test.
+    pub flash_head_256: bool,
 }
 
 impl Default for Tuning {
@@ -138,6 +144,7 @@ impl Default for Tuning {
             moe_grouped: true,
             attention_wide: None,
             cuda_local_pool: false,
+            flash_head_256: false,
         }
     }
 }
@@ -200,6 +207,7 @@ impl Tuning {
                 _ => None,
             }),
             cuda_local_pool: var(CUDA_LOCAL_POOL_ENV).map_or(d.cuda_local_pool, |v| v.trim() == "1"),
+            flash_head_256: var(FLASH_HEAD_256_ENV).map_or(d.flash_head_256, |v| v.trim() == "1"),
         }
     }
 }

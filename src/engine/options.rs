@@ -114,7 +114,8 @@ pub fn check_options(o: &engine_options) -> Result<()> {
 }
 
 /// `options.devices` past one: INVALID_ARGUMENT on the CPU backend, UNSUPPORTED on CUDA until the
-/// multi-device backend exists (its refusal says whether NCCL would load), never one device in silence.
+/// engine builds the ranks (`gpu::split::SplitBackend` exists; its refusal says whether NCCL would load),
+/// never one device in silence.
 fn check_devices(o: &engine_options) -> Result<()> {
     let n = o.devices;
     if n <= 1 {
@@ -130,7 +131,7 @@ fn check_devices(o: &engine_options) -> Result<()> {
     let last = o.device as i64 + n as i64 - 1;
     crate::bail!(
         Unsupported,
-        "options.devices is {n}: tensor parallelism over CUDA devices {}..={last} needs the multi-device backend, which this version does not have ({nccl})",
+        "options.devices is {n}: tensor parallelism over CUDA devices {}..={last} needs the multi-device engine, which this version does not build yet ({nccl})",
         o.device
     )
 }

@@ -207,7 +207,7 @@ impl GpuModel {
         plan(src).map_or(0, |p| {
             let (_, slab) = prompt_format(&p.product_matrices());
             let cfg = src.config();
-            let stage = scratch::stage_tokens(kv, flash_attention_for(cfg, kv), window);
+            let stage = scratch::stage_tokens(kv, flash_attention_for(cfg, kv, tuning), window);
             ScratchLayout::new(cfg, max_batch, slab, stage, tuning.attention_parts).total as u64
         })
     }
@@ -436,7 +436,7 @@ impl GpuModel {
             })
             .collect();
         let pool = DeviceBuffer::new(pool_bytes)?;
-        let flash = flash_attention_for(&cfg, kv);
+        let flash = flash_attention_for(&cfg, kv, tuning);
         let stage = scratch::stage_tokens(kv, flash, window);
         let s = ScratchLayout::new(&cfg, max_batch, slab, stage, tuning.attention_parts);
         let scratch = DeviceBuffer::new(s.total)?;
@@ -549,8 +549,9 @@ pub fn local_piece(max_batch: usize) -> usize {
 
 /// Whether prompt chunks take flash attention: its operands are half formats (an F32 cache is read by
 /// the split kernel in f32), for the head sizes it has kernels for.
-fn flash_attention_for(cfg: &ModelConfig, kv: KvTypes) -> bool {
-    // Head sizes past 128 (Gemma 3's 256) have flash kernels for the 16-bit caches only.
-    let types = if cfg.head_dim > 128 { !kv.k.is_block() && !kv.v.is_block() } else { true };
+fn flash_attention_for(cfg: &ModelConfig, kv: KvTypes, tuning: &Tuning) -> bool {
+    // Head sizes past 128 (Gemma 3's 256) have flash kernels for the 16-bit caches only, taken where the
+    // tuning asks for them (`Tuning::flash_head_256`).
+    let types = if cfg.head_dim > 128 { tuning.flash_head_256 && !kv.k.is_block() && !kv.v.is_block() } else { true };
     kv.k != KvType::F32 && kv.v != KvType::F32 && types && launch::flash_supports(cfg.head_dim)
 }

@@ -125,7 +125,7 @@ fn devices_past_one_are_refused_until_tensor_parallelism_is_built() {
     let cases = [
         (engine_backend::Cpu, 0, 2, Status::InvalidArgument, "options.devices is 2: the CPU backend runs on one"),
         (engine_backend::Cuda, 0, 2, Status::Unsupported, "tensor parallelism over CUDA devices 0..=1 needs"),
-        (engine_backend::Auto, 1, 4, Status::Unsupported, "over CUDA devices 1..=4 needs the multi-device backend"),
+        (engine_backend::Auto, 1, 4, Status::Unsupported, "over CUDA devices 1..=4 needs the multi-device engine"),
     ];
     for (backend, device, devices, want, words) in cases {
         let opts = engine_options { backend, device, devices, ..cpu_options() };
