@@ -71,6 +71,42 @@ impl SplitBackend {
     pub fn world(&self) -> usize {
         self.ranks.len()
     }
+
+    /// `f` on every rank (its model and `views[r]`), each on a thread of its own with its device current,
+    /// so their collectives meet; a rank's panic becomes its error.
+    fn on_every_rank<V: Send, T: Send>(
+        &mut self,
+        views: &mut [V],
+        f: impl Fn(&mut GpuModel, &mut V) -> Result<T> + Sync,
+    ) -> Vec<Result<T>> {
+        let f = &f;
+        thread::scope(|sc| {
+            let runs: Vec<_> = self
+                .ranks
+                .iter_mut()
+                .zip(&self.devices)
+                .zip(views.iter_mut())
+                .map(|((model, &device), view)| sc.spawn(move || enter(device).and_then(|()| f(model, view))))
+                .collect();
+            runs.into_iter()
+                .map(|h| h.join().unwrap_or_else(|_| Err(err!(Panic, "a rank's thread panicked"))))
+                .collect()
+        })
+    }
+}
+
+/// Rank 0's outcome, or the first rank's failure (named when it is not rank 0's).
+fn first_failure<T>(outcomes: Vec<Result<T>>) -> Result<T> {
+    let mut first = None;
+    for (r, outcome) in outcomes.into_iter().enumerate() {
+        match outcome {
+            Err(e) if r == 0 => return Err(e),
+            Err(e) => return Err(Error::new(e.status, format!("rank {r}: {}", e.message))),
+            Ok(v) if r == 0 => first = Some(v),
+            Ok(_) => {}
+        }
+    }
+    first.ok_or_else(|| err!(InvalidArgument, "a split model of no ranks"))
 }
 
 /// Rank `r`'s view of `stream`: its page table, lent, beside copies of the stream's own parts.
@@ -104,37 +140,18 @@ impl Backend for SplitBackend {
             .collect();
         let mut views: Vec<Vec<GpuStream>> =
             (0..self.ranks.len()).map(|r| items.iter_mut().map(|i| lend(i.stream, r)).collect()).collect();
-        type Outcome = (Result<()>, Vec<(Result<u32>, Vec<u32>)>);
-        let outcomes: Vec<Outcome> = thread::scope(|sc| {
-            let runs: Vec<_> = self
-                .ranks
+        let outcomes = self.on_every_rank(&mut views, |model, streams| {
+            let mut rank_items: Vec<StepItem<'_, GpuCache>> = streams
                 .iter_mut()
-                .zip(&self.devices)
-                .zip(views.iter_mut())
-                .map(|((model, &device), streams)| {
-                    let args = &args;
-                    sc.spawn(move || -> Outcome {
-                        if let Err(e) = enter(device) {
-                            let fail = args.iter().map(|_| (Err(e.clone()), Vec::new())).collect();
-                            return (Err(e), fail);
-                        }
-                        let mut rank_items: Vec<StepItem<'_, GpuCache>> = streams
-                            .iter_mut()
-                            .zip(args)
-                            .map(|(s, a)| {
-                                let mut item = StepItem::new(s, a.index, a.tokens, a.sampling);
-                                (item.mask, item.heads) = (a.mask, a.heads);
-                                item
-                            })
-                            .collect();
-                        let ran = model.step_batch(&mut rank_items);
-                        (ran, rank_items.into_iter().map(|i| (i.next, i.drawn)).collect())
-                    })
+                .zip(&args)
+                .map(|(s, a)| {
+                    let mut item = StepItem::new(s, a.index, a.tokens, a.sampling);
+                    (item.mask, item.heads) = (a.mask, a.heads);
+                    item
                 })
                 .collect();
-            runs.into_iter()
-                .map(|h| h.join().unwrap_or_else(|_| (Err(err!(Panic, "a rank's step panicked")), Vec::new())))
-                .collect()
+            model.step_batch(&mut rank_items)?;
+            Ok(rank_items.into_iter().map(|i| (i.next, i.drawn)).collect::<Vec<_>>())
         });
         for (r, streams) in views.into_iter().enumerate() {
             for (item, view) in items.iter_mut().zip(streams) {
@@ -144,21 +161,20 @@ impl Backend for SplitBackend {
                 item.stream.cache.ranks[r] = Some(view.cache);
             }
         }
-        let mut failed: Option<Error> = None;
-        for (r, (ran, _)) in outcomes.iter().enumerate() {
-            if let (Err(e), None) = (ran, &failed) {
-                failed = Some(err!(CudaError, "rank {r}: {}", e.message));
+        match first_failure(outcomes) {
+            Ok(first) => {
+                for (item, (next, drawn)) in items.iter_mut().zip(first) {
+                    (item.next, item.drawn) = (next, drawn);
+                }
+                Ok(())
+            }
+            Err(e) => {
+                for item in items.iter_mut() {
+                    item.next = Err(e.clone());
+                }
+                Err(e)
             }
         }
-        let (_, first) = outcomes.into_iter().next().expect("one rank at least");
-        for (item, (next, drawn)) in items.iter_mut().zip(first) {
-            item.next = match (&failed, next) {
-                (Some(e), _) => Err(e.clone()),
-                (None, next) => next,
-            };
-            item.drawn = drawn;
-        }
-        failed.map_or(Ok(()), Err)
     }
 
     fn logits(&self, i: usize, head: usize) -> Result<Vec<f32>> {
@@ -195,23 +211,9 @@ impl Backend for SplitBackend {
     fn score(&mut self, stream: &mut KvStream<SplitCache>, tokens: &[u32], out: &mut [f32]) -> Result<()> {
         let mut views: Vec<GpuStream> = (0..self.ranks.len()).map(|r| lend(stream, r)).collect();
         let n = out.len();
-        let outcomes: Vec<(Result<()>, Vec<f32>)> = thread::scope(|sc| {
-            let runs: Vec<_> = self
-                .ranks
-                .iter_mut()
-                .zip(&self.devices)
-                .zip(views.iter_mut())
-                .map(|((model, &device), view)| {
-                    sc.spawn(move || {
-                        let mut mine = vec![0f32; n];
-                        let ran = enter(device).and_then(|()| model.score(view, tokens, &mut mine));
-                        (ran, mine)
-                    })
-                })
-                .collect();
-            runs.into_iter()
-                .map(|h| h.join().unwrap_or_else(|_| (Err(err!(Panic, "a rank's score panicked")), Vec::new())))
-                .collect()
+        let outcomes = self.on_every_rank(&mut views, |model, view| {
+            let mut mine = vec![0f32; n];
+            model.score(view, tokens, &mut mine).map(|()| mine)
         });
         for (r, view) in views.into_iter().enumerate() {
             if r == 0 {
@@ -219,12 +221,7 @@ impl Backend for SplitBackend {
             }
             stream.cache.ranks[r] = Some(view.cache);
         }
-        for (r, (ran, _)) in outcomes.iter().enumerate() {
-            if let Err(e) = ran {
-                return Err(if r == 0 { e.clone() } else { err!(CudaError, "rank {r}: {}", e.message) });
-            }
-        }
-        out.copy_from_slice(&outcomes[0].1);
+        out.copy_from_slice(&first_failure(outcomes)?);
         Ok(())
     }
 }
