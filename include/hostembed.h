@@ -311,9 +311,11 @@ typedef struct engine_options {
   // `drafter_stream_bytes` below.
   const char *draft_model;
   // Devices to run the model over with tensor parallelism (ARCHITECTURE.md, "Tensor parallelism"):
-  // 0 or 1 = one device, `device`, as before. N > 1 asks for the CUDA devices `device` to `device` +
-  // N - 1, which this version refuses with UNSUPPORTED (the engine does not build the ranks over
-  // NCCL's libnccl.so.2 yet); the CPU backend runs on one (INVALID_ARGUMENT).
+  // 0 or 1 = one device, `device`, as before. N > 1 (at most 64) runs one model over the CUDA devices
+  // `device` to `device` + N - 1, each holding a slice of every layer, summed through NCCL
+  // (libnccl.so.2, loaded at run time: its absence fails the load with its reason); each device is
+  // planned with its own room (or `room_bytes` each). Not with the CPU backend (INVALID_ARGUMENT) or
+  // a drafter model (UNSUPPORTED).
   uint32_t devices;
 } engine_options;
 

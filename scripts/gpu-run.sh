@@ -227,7 +227,8 @@ for step in $steps; do
         tail -3 "$OUT/memcheck-local-pool.log" >> "$summary"
       fi ;;
     tensor-parallel)
-      # Models split over 2 and 4 ranks sharing this card against each whole (gpu_tensor_parallel), then
+      # Models split over 2 and 4 ranks sharing this card against each whole, and the engine over 2 ranks
+      # against one device's (gpu_tensor_parallel), then
       # the split under compute-sanitizer's memcheck.
       rc=0
       run_test gpu_tensor_parallel || rc=$?

@@ -45,6 +45,9 @@ pub const CUDA_LOCAL_POOL_ENV: &str = "HOSTEMBED_CUDA_LOCAL_POOL";
 /// "1": on CUDA, prompt chunks of head size 256 (Gemma 3's) take flash attention with a 16-bit cache
 /// (off until a card has run its test; the split kernel otherwise).
 pub const FLASH_HEAD_256_ENV: &str = "HOSTEMBED_FLASH_HEAD_256";
+/// "1": an engine of `options.devices` N > 1 runs its N ranks on `options.device` alone, meeting through
+/// the host instead of NCCL (no graphs): the split's code path on a one-card machine.
+pub const SPLIT_ONE_DEVICE_ENV: &str = "HOSTEMBED_SPLIT_ONE_DEVICE";
 /// "0": a Mixture-of-Experts layer's prompt rows take the warp-a-row expert kernels instead of the grouped
 /// tensor-core products.
 pub const MOE_GROUPED_ENV: &str = "HOSTEMBED_MOE_GROUPED";
@@ -122,6 +125,9 @@ pub struct Tuning {
     /// Whether prompt chunks of head size 256 take flash attention (a 16-bit cache). Off until a card
     /// has run its test.
     pub flash_head_256: bool,
+    /// Whether a tensor-parallel engine's ranks all share `options.device` (for checking the split on one
+    /// card: the same shards and sums, slower).
+    pub split_one_device: bool,
 }
 
 impl Default for Tuning {
@@ -145,6 +151,7 @@ impl Default for Tuning {
             attention_wide: None,
             cuda_local_pool: false,
             flash_head_256: false,
+            split_one_device: false,
         }
     }
 }
@@ -208,6 +215,7 @@ impl Tuning {
             }),
             cuda_local_pool: var(CUDA_LOCAL_POOL_ENV).map_or(d.cuda_local_pool, |v| v.trim() == "1"),
             flash_head_256: var(FLASH_HEAD_256_ENV).map_or(d.flash_head_256, |v| v.trim() == "1"),
+            split_one_device: var(SPLIT_ONE_DEVICE_ENV).map_or(d.split_one_device, |v| v.trim() == "1"),
         }
     }
 }

@@ -8,12 +8,17 @@
 //! after the sums, sliding windows). What this does not run is NCCL's transport between cards.
 
 mod common;
+use common::batches::{Mix, batches_match_stepping_alone};
 use common::card::{POOL_PAGES, random_tokens};
 use common::gemma3::Gemma3;
-use common::{Rng, gpu_present, prompt_configs, qwen3_moe, rel_l2, rows_on_card, top_two_gap};
+use common::{
+    Rng, Scratch, cuda_options, gpu_present, info, init, kv_stats, logits, prompt_configs, qwen3_moe, rel_l2,
+    rows_on_card, serial, set_env, step, stream_len, top_two_gap,
+};
 
 use hostembed::backend::{Batch, BatchItem, Decoder, Streams};
-use hostembed::checkpoint::write::{MemSource, Recipe};
+use hostembed::checkpoint::write::{MemSource, Recipe, write_synthetic_hf};
+use hostembed::engine::{engine_options, engine_tristate};
 use hostembed::gpu::collectives::SharedDevice;
 use hostembed::gpu::split::SplitBackend;
 use hostembed::gpu::{CudaBackend, GpuModel, PAGE_TOKENS};
@@ -22,7 +27,7 @@ use hostembed::model::{ModelConfig, TensorSource};
 use hostembed::sampler::Sampling;
 use hostembed::shard::{RankSource, ShardPlan};
 use hostembed::tensor::DType;
-use hostembed::tuning::Tuning;
+use hostembed::tuning::{SPLIT_ONE_DEVICE_ENV, Tuning};
 use hostembed::{Status, cuda};
 
 const WINDOW: usize = POOL_PAGES * PAGE_TOKENS;
@@ -261,4 +266,56 @@ fn gpu_streams_over_a_split_model_match_the_whole_model() {
     let d = rel_l2(&split.logits(0).unwrap(), &one.logits(0).unwrap());
     assert!(d < 2e-3, "the logits after the score are {d:e} apart");
     split.audit().unwrap();
+}
+
+/// The engine over `options.devices = 2` with both ranks on this card (`HOSTEMBED_SPLIT_ONE_DEVICE=1`:
+/// the engine's own plan a device, rows, shared pool and `SplitBackend`) against the same file on one
+/// device, through the C ABI: a prompt and then single steps on each of 3 streams, every stream's
+/// logits within 2e-3 relative L2 after every call and the same greedy tokens where the top two are
+/// apart, with the rows on the card and read from the file mapping; then a split engine's batches
+/// against the same calls stepped alone, bit for bit.
+#[test]
+fn gpu_engine_over_two_ranks_matches_one_device() {
+    let test = "gpu_engine_over_two_ranks_matches_one_device";
+    if !gpu_present(test) {
+        return;
+    }
+    let _g = serial();
+    set_env(SPLIT_ONE_DEVICE_ENV, Some("1".as_ref()));
+    let dir = Scratch::new("tp-engine");
+    let cfg = prompt_configs()[1].1.clone();
+    let path = dir.join("qwen2");
+    write_synthetic_hf(&path, &cfg, 19, DType::Bf16).unwrap();
+    let mut rng = Rng::fresh(test);
+    for mmap_rows in [engine_tristate::No, engine_tristate::Yes] {
+        let one = engine_options { mmap_rows, ..cuda_options(512, 3, 64) };
+        let (whole, split) = (init(&path, &one), init(&path, &engine_options { devices: 2, ..one }));
+        assert_eq!(info(&split).streams, 3, "the split engine's streams");
+        for s in 0..3 {
+            let n = 5 + rng.below(40) as usize;
+            let prompt = rng.ids(cfg.vocab, n);
+            let (mut drawn_whole, mut drawn_split) = (step(&whole, s, &prompt), step(&split, s, &prompt));
+            for k in 0..8 {
+                let at = format!("rows {mmap_rows:?}, stream {s}, call {k}");
+                let (w, g) = (logits(&whole, s), logits(&split, s));
+                let d = rel_l2(&g, &w);
+                assert!(d < 2e-3, "{at}: {d:e} from the one-device engine's logits");
+                if top_two_gap(&w) > 1e-2 {
+                    assert_eq!(drawn_split, drawn_whole, "{at}: another greedy token");
+                }
+                // Both go on from the one-device engine's token, so a near tie cannot part them.
+                let fed = [drawn_whole];
+                (drawn_whole, drawn_split) = (step(&whole, s, &fed), step(&split, s, &fed));
+            }
+        }
+        let held: u64 = (0..3).map(|s| (stream_len(&split, s) as u64).div_ceil(PAGE_TOKENS as u64)).sum();
+        let (total, free) = kv_stats(&split);
+        assert_eq!(free, total - held * PAGE_TOKENS as u64, "the shared pool's free positions");
+    }
+    let mix = Mix { rounds: 40, widest: 3, chunk: 24, long_chunk: 100 };
+    let options = engine_options { devices: 2, ..cuda_options(512, 3, 64) };
+    let (batched, alone) = (init(&path, &options), init(&path, &options));
+    let counts = batches_match_stepping_alone("split over 2 ranks", &batched, &alone, &mut rng, &mix, PAGE_TOKENS as u64);
+    assert!(counts.singles_beside_others > 10 && counts.chunks_beside_others > 5, "{counts:?}");
+    set_env(SPLIT_ONE_DEVICE_ENV, None);
 }

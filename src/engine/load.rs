@@ -5,14 +5,15 @@
 use super::options::{
     check_options, cpu_kv_types, gpu_kv_types, max_batch_of, resolve_prefix_cache, sampling_of, tuning_for, window_of,
 };
-use super::plan::{KvPool, device_label, drafter_window, fit_inputs_with_drafter, host_rows_reason};
+use super::plan::{KvPool, device_label, device_pool, drafter_window, fit_inputs_with_drafter, host_rows_reason};
+use super::split::load_split;
 use super::{BackendKind, CPU_STREAMS, Engine, InitStep, engine_backend, engine_log_fn, engine_options};
 use crate::backend::{Backend, Decoder, Streams};
 use crate::checkpoint::Checkpoint;
 use crate::cpu::{CpuBackend, CpuStream};
 use crate::cuda::{self, PinnedBuffer};
 use crate::fit::{self, engine_placement};
-use crate::gpu::{CudaBackend, PAGE_TOKENS as PAGE, RowsOnDevice, local_piece};
+use crate::gpu::{CudaBackend, RowsOnDevice};
 use crate::kv::KvTypes;
 use crate::placement::{Rows, RowsSource};
 use crate::sampler::Sampling;
@@ -250,6 +251,8 @@ impl Engine {
         let device = match opts.backend {
             engine_backend::Cpu => None,
             engine_backend::Cuda => Some(cuda::device_info(opts.device)?),
+            // Tensor parallelism runs on CUDA devices only.
+            engine_backend::Auto if opts.devices > 1 => Some(cuda::device_info(opts.device)?),
             engine_backend::Auto => match cuda::device_info(opts.device) {
                 Ok(info) => Some(info),
                 Err(e) if matches!(e.status, Status::NoCuda | Status::NoDevice) => None,
@@ -329,6 +332,7 @@ impl Engine {
                 tokenizer: load_tokenizer(&ckpt, &logger)?,
                 rows,
                 _drafter_rows: drafter_rows,
+                _rank_rows: Vec::new(),
                 bad_ids: None,
                 plan: None,
                 inputs: None,
@@ -344,6 +348,29 @@ impl Engine {
             return Ok(engine);
         };
 
+        if opts.devices > 1 {
+            let split = load_split(&ckpt, &info, opts, &tuning, &logger, &injected)?;
+            let bad_ids = Mutex::new(PinnedBuffer::new_mapped(std::mem::size_of::<i32>())?);
+            let engine = Engine {
+                backend: split.backend,
+                tokenizer: load_tokenizer(&ckpt, &logger)?,
+                rows: split.rows,
+                _drafter_rows: None,
+                _rank_rows: split.rank_rows,
+                bad_ids: Some(bad_ids),
+                plan: Some(split.plan),
+                inputs: Some(split.inputs),
+                options: *opts,
+                tuning,
+                logger,
+                kind: BackendKind::Cuda,
+                kv: gpu_kv_types(opts),
+                ckpt,
+                drafter_ckpt,
+            };
+            injected(InitStep::Loaded)?;
+            return Ok(engine);
+        }
         let kv = gpu_kv_types(opts);
         kv.check(&ckpt.config)?;
         kv.check_device(info.compute_major, info.compute_minor, &device_label(opts.device, &info))?;
@@ -362,34 +389,8 @@ impl Engine {
                 kv.bytes_per_token(&d.config),
             )
         });
-        // The pool takes the room the plan leaves beside the reserve and the drafter's pool, and at least
-        // its full windows; no more than max_streams full windows, which is all those streams could fill.
-        let room = plan
-            .left_bytes
-            .saturating_sub(inputs.reserve_bytes)
-            .saturating_sub(drafter_pool.as_ref().map_or(0, |p| p.bytes));
-        let room = match opts.max_streams {
-            0 => room,
-            most => room.min((most as u64).saturating_mul(plan.stream_bytes)),
-        };
-        // With the sliding-window layers in a pool of their own (the plan counted each stream's share of
-        // it), the main pool holds the other layers in the room the local pool leaves.
-        let piece = local_piece(max_batch_of(opts));
-        let share = tuning.cuda_local_pool.then(|| fit::local_share(&ckpt.config, plan.window as usize, PAGE, piece));
-        let share = share.flatten();
-        let local_stream = share.map_or(0, |l| {
-            l.positions * l.layers * (kv.bytes_per_token(&ckpt.config) / ckpt.config.layers.max(1) as u64)
-        });
-        let sized = |room: u64| {
-            KvPool::sized(PAGE, plan.window as usize, plan.streams as u64, room, inputs.stream_bytes_per_token)
-        };
-        // `max_streams` bounds the streams, which share the pool however many full windows it holds.
-        let streams = if opts.max_streams > 0 { sized(room).streams(opts.max_streams) } else { plan.streams };
-        let pool = sized(room.saturating_sub(local_stream.saturating_mul(streams as u64)));
-        let pool = match share {
-            Some(_) => pool.with_local(&ckpt.config, plan.window as usize, streams as usize, piece),
-            None => pool,
-        };
+        let beside = drafter_pool.as_ref().map_or(0, |p| p.bytes);
+        let (streams, pool) = device_pool(&plan, &inputs, beside, &ckpt.config, kv, opts, &tuning);
         match fit::refusal(&plan) {
             Some(why) => {
                 logger.line(&format!("{}: {}", fit::describe_parameters(&ckpt.config), fit::describe(&plan)));
@@ -433,6 +434,7 @@ impl Engine {
             tokenizer: load_tokenizer(&ckpt, &logger)?,
             rows,
             _drafter_rows: drafter_rows,
+            _rank_rows: Vec::new(),
             bad_ids: Some(bad_ids),
             plan: Some(plan),
             inputs: Some(inputs),

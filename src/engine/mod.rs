@@ -6,7 +6,7 @@
 //! the rows straight from the file mapping and has no device plan: `plan()` is None there.
 //!
 //! Files: `options.rs` (defaults, checks, AUTO resolved), `plan.rs` (the fit rule's figures, the KV
-//! pool), `load.rs` (`init_fit`), `step.rs` (a batch checked and stepped), `embed.rs` (the row gather);
+//! pool), `load.rs` (`init_fit`), `split.rs` (its load over several devices), `step.rs` (a batch checked and stepped), `embed.rs` (the row gather);
 //! here the `Engine` and the calls that hand a stream's work to its decoder.
 #![allow(non_camel_case_types)]
 
@@ -14,6 +14,7 @@ mod embed;
 mod load;
 mod options;
 mod plan;
+mod split;
 mod step;
 
 pub use load::{HeldCheckpoint, Logger, rows_source};
@@ -22,7 +23,8 @@ pub use options::{
     gpu_kv_types, max_batch_of, resolve_batch_tensor_cores, resolve_mmap_rows, resolve_prefix_cache, resolve_unified,
     sampling_of, tuning_for, window_of,
 };
-pub use plan::{KvPool, drafter_window, fit_inputs, fit_inputs_with_drafter, host_rows_reason};
+pub use plan::{KvPool, drafter_window, fit_inputs, fit_inputs_with_drafter, host_rows_reason, rank_fit_inputs};
+pub use split::rank_devices;
 
 use crate::backend::Decoder;
 use crate::checkpoint::Checkpoint;
@@ -73,6 +75,9 @@ pub struct Engine {
     /// The drafter's rows and checkpoint (None without `options.draft_model`): its model in `backend`
     /// reads them, so they drop after it, beside the target's.
     _drafter_rows: Option<Rows>,
+    /// The rows the other ranks of a tensor-parallel model read, where `rows` (rank 0's) are not theirs:
+    /// they drop after the backend too.
+    _rank_rows: Vec<Rows>,
     bad_ids: Option<Mutex<PinnedBuffer>>,
     plan: Option<engine_plan>,
     inputs: Option<engine_fit_inputs>,

@@ -100,8 +100,8 @@ pub fn resolve_unified(option: engine_tristate, device: Option<&engine_device_in
     }
 }
 
-/// Options no engine can start with: INVALID_ARGUMENT naming the field (UNSUPPORTED for more than one
-/// CUDA device, until tensor parallelism is built).
+/// Options no engine can start with: INVALID_ARGUMENT naming the field (UNSUPPORTED for what this
+/// version does not combine).
 pub fn check_options(o: &engine_options) -> Result<()> {
     if o.device < 0 {
         crate::bail!(InvalidArgument, "options.device is {}", o.device);
@@ -113,9 +113,8 @@ pub fn check_options(o: &engine_options) -> Result<()> {
     sampling_of(o).check("options.")
 }
 
-/// `options.devices` past one: INVALID_ARGUMENT on the CPU backend, UNSUPPORTED on CUDA until the
-/// engine builds the ranks (`gpu::split::SplitBackend` exists; its refusal says whether NCCL would load),
-/// never one device in silence.
+/// `options.devices` past one: INVALID_ARGUMENT on the CPU backend, UNSUPPORTED beside a drafter
+/// model (which runs on one device) or past the devices' ordinals `i32` holds.
 fn check_devices(o: &engine_options) -> Result<()> {
     let n = o.devices;
     if n <= 1 {
@@ -124,16 +123,13 @@ fn check_devices(o: &engine_options) -> Result<()> {
     if o.backend == engine_backend::Cpu {
         crate::bail!(InvalidArgument, "options.devices is {n}: the CPU backend runs on one (0 or 1)");
     }
-    let nccl = match crate::gpu::nccl::load(n as usize) {
-        Ok(nccl) => format!("NCCL {} loads from {}", nccl.version(), nccl.name()),
-        Err(e) => e.message,
-    };
-    let last = o.device as i64 + n as i64 - 1;
-    crate::bail!(
-        Unsupported,
-        "options.devices is {n}: tensor parallelism over CUDA devices {}..={last} needs the multi-device engine, which this version does not build yet ({nccl})",
-        o.device
-    )
+    if !o.draft_model.is_null() {
+        crate::bail!(Unsupported, "options.devices is {n}: a drafter model (options.draft_model) runs beside one device's model only");
+    }
+    if n > 64 || o.device as i64 + n as i64 > i32::MAX as i64 {
+        crate::bail!(InvalidArgument, "options.devices is {n}: tensor parallelism takes 2 to 64 devices");
+    }
+    Ok(())
 }
 
 /// The prompt tokens a pass takes: the option, or the default for 0. The fit rule's scratch and the load

@@ -8,7 +8,8 @@ use crate::checkpoint::Checkpoint;
 use crate::fit::{self, engine_fit_inputs, engine_placement, engine_plan};
 use crate::gpu::{GpuModel, local_piece};
 use crate::kv::KvTypes;
-use crate::model::ModelConfig;
+use crate::model::{ModelConfig, TensorSource};
+use crate::shard::RankSource;
 use crate::status::Result;
 use crate::tuning::Tuning;
 
@@ -90,6 +91,43 @@ impl KvPool {
     }
 }
 
+/// The streams a device's `plan` admits and its KV pool: the room the plan leaves beside the reserve
+/// and `beside` bytes (a drafter's pool), and at least its full windows; no more than max_streams full
+/// windows, which is all those streams could fill. `cfg` is the model the device holds (a rank's KV
+/// heads on a split model's device).
+pub fn device_pool(
+    plan: &engine_plan,
+    inputs: &engine_fit_inputs,
+    beside: u64,
+    cfg: &ModelConfig,
+    kv: KvTypes,
+    opts: &engine_options,
+    tuning: &Tuning,
+) -> (u32, KvPool) {
+    let page = crate::gpu::PAGE_TOKENS;
+    let room = plan.left_bytes.saturating_sub(inputs.reserve_bytes).saturating_sub(beside);
+    let room = match opts.max_streams {
+        0 => room,
+        most => room.min((most as u64).saturating_mul(plan.stream_bytes)),
+    };
+    // With the sliding-window layers in a pool of their own (the plan counted each stream's share of
+    // it), the main pool holds the other layers in the room the local pool leaves.
+    let piece = local_piece(max_batch_of(opts));
+    let share = tuning.cuda_local_pool.then(|| fit::local_share(cfg, plan.window as usize, page, piece)).flatten();
+    let local_stream =
+        share.map_or(0, |l| l.positions * l.layers * (kv.bytes_per_token(cfg) / cfg.layers.max(1) as u64));
+    let sized =
+        |room: u64| KvPool::sized(page, plan.window as usize, plan.streams as u64, room, inputs.stream_bytes_per_token);
+    // `max_streams` bounds the streams, which share the pool however many full windows it holds.
+    let streams = if opts.max_streams > 0 { sized(room).streams(opts.max_streams) } else { plan.streams };
+    let pool = sized(room.saturating_sub(local_stream.saturating_mul(streams as u64)));
+    let pool = match share {
+        Some(_) => pool.with_local(cfg, plan.window as usize, streams as usize, piece),
+        None => pool,
+    };
+    (streams, pool)
+}
+
 /// "device 0 (NVIDIA H200)" for messages about the device.
 pub(super) fn device_label(device: i32, info: &engine_device_info) -> String {
     let bytes: Vec<u8> = info.name.iter().take_while(|&&c| c != 0).map(|&c| c as u8).collect();
@@ -126,27 +164,9 @@ pub fn fit_inputs_with_drafter(
         (room, _) => room,
     };
     let embed = ckpt.bytes_of(ckpt.embed()).len() as u64;
-    // What the GPU model allocates beside the rows, from the same layout its load uses.
-    let weights = GpuModel::weight_bytes(ckpt);
-    if weights == 0 {
-        crate::bail!(BadModel, "{}: the GPU backend cannot lay out this model's weights", ckpt.path.display());
-    }
     let kv = gpu_kv_types(opts);
-    kv.check(cfg)?;
-    let scratch = GpuModel::scratch_bytes(ckpt, max_batch_of(opts), kv, window as usize, tuning);
-    // The sliding-window layers in a pool of their own count their share's positions, the others the window.
-    let share = tuning
-        .cuda_local_pool
-        .then(|| fit::local_share(cfg, window as usize, crate::gpu::PAGE_TOKENS, local_piece(max_batch_of(opts))))
-        .flatten();
-    let per_layer = kv.bytes_per_token(cfg) / cfg.layers.max(1) as u64;
-    let (stream, per_token) = match share {
-        None => (GpuModel::stream_bytes(cfg, kv, window as usize), kv.bytes_per_token(cfg)),
-        Some(l) => {
-            let main = per_layer * (cfg.layers as u64 - l.layers);
-            (main * window as u64 + per_layer * l.layers * l.positions, main)
-        }
-    };
+    let label = ckpt.path.display().to_string();
+    let f = model_figures(ckpt, &label, opts, window as usize, kv, tuning)?;
     let (drafter_weight_bytes, drafter_stream_bytes) = match drafter {
         None => (opts.drafter_weight_bytes, opts.drafter_stream_bytes),
         Some(d) => {
@@ -163,11 +183,11 @@ pub fn fit_inputs_with_drafter(
     };
     Ok(engine_fit_inputs {
         room_bytes: room,
-        weight_bytes: weights + embed,
+        weight_bytes: f.weights + embed,
         embed_bytes: embed,
-        scratch_bytes: scratch,
-        stream_bytes: stream,
-        stream_bytes_per_token: per_token,
+        scratch_bytes: f.scratch,
+        stream_bytes: f.stream,
+        stream_bytes_per_token: f.per_token,
         drafter_weight_bytes,
         drafter_stream_bytes,
         reserve_bytes: opts.reserve_bytes,
@@ -175,6 +195,84 @@ pub fn fit_inputs_with_drafter(
         max_streams: opts.max_streams,
         unified: resolve_unified(opts.unified, device),
         embed_tied: cfg.tied,
+        mmap_rows: resolve_mmap_rows(opts.mmap_rows),
+    })
+}
+
+/// What the GPU model of `src` allocates beside its rows, from the same layouts its load uses.
+struct ModelFigures {
+    weights: u64,
+    scratch: u64,
+    /// A stream's full window of KV.
+    stream: u64,
+    /// A position's KV in the main pool.
+    per_token: u64,
+}
+
+/// `src`'s figures (`label` names it in the refusal when the GPU backend cannot lay it out) for the
+/// options' prompt chunks, streams of `window` positions in `kv`'s types and `tuning`.
+fn model_figures(
+    src: &dyn TensorSource,
+    label: &str,
+    opts: &engine_options,
+    window: usize,
+    kv: KvTypes,
+    tuning: &Tuning,
+) -> Result<ModelFigures> {
+    let cfg = src.config();
+    let weights = GpuModel::weight_bytes(src);
+    if weights == 0 {
+        crate::bail!(BadModel, "{label}: the GPU backend cannot lay out this model's weights");
+    }
+    kv.check(cfg)?;
+    let scratch = GpuModel::scratch_bytes(src, max_batch_of(opts), kv, window, tuning);
+    // The sliding-window layers in a pool of their own count their share's positions, the others the window.
+    let share = tuning
+        .cuda_local_pool
+        .then(|| fit::local_share(cfg, window, crate::gpu::PAGE_TOKENS, local_piece(max_batch_of(opts))))
+        .flatten();
+    let per_layer = kv.bytes_per_token(cfg) / cfg.layers.max(1) as u64;
+    let (stream, per_token) = match share {
+        None => (GpuModel::stream_bytes(cfg, kv, window), kv.bytes_per_token(cfg)),
+        Some(l) => {
+            let main = per_layer * (cfg.layers as u64 - l.layers);
+            (main * window as u64 + per_layer * l.layers * l.positions, main)
+        }
+    };
+    Ok(ModelFigures { weights, scratch, stream, per_token })
+}
+
+/// The fit rule's figures for rank `rank` of a tensor-parallel model on its device: `fit_inputs`' for
+/// the rank's shards and KV heads, its head's gather in the scratch, the whole embedding rows, `room`
+/// bytes of room and no drafter.
+pub fn rank_fit_inputs(
+    ckpt: &Checkpoint,
+    rank: &RankSource,
+    opts: &engine_options,
+    device: &engine_device_info,
+    room: u64,
+    tuning: &Tuning,
+) -> Result<engine_fit_inputs> {
+    let window = window_of(&ckpt.config, opts)?;
+    let kv = gpu_kv_types(opts);
+    let label = format!("{} (rank {} of {})", ckpt.path.display(), rank.rank(), rank.world());
+    let f = model_figures(rank, &label, opts, window as usize, kv, tuning)?;
+    let gather = GpuModel::gather_bytes(ckpt.config.vocab, rank.world(), max_batch_of(opts));
+    let embed = ckpt.bytes_of(ckpt.embed()).len() as u64;
+    Ok(engine_fit_inputs {
+        room_bytes: room,
+        weight_bytes: f.weights + embed,
+        embed_bytes: embed,
+        scratch_bytes: f.scratch + gather,
+        stream_bytes: f.stream,
+        stream_bytes_per_token: f.per_token,
+        drafter_weight_bytes: 0,
+        drafter_stream_bytes: 0,
+        reserve_bytes: opts.reserve_bytes,
+        window,
+        max_streams: opts.max_streams,
+        unified: resolve_unified(opts.unified, Some(device)),
+        embed_tied: ckpt.config.tied,
         mmap_rows: resolve_mmap_rows(opts.mmap_rows),
     })
 }

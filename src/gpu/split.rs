@@ -9,13 +9,18 @@
 use std::thread;
 
 use super::backend::local_layers_of;
-use super::{GpuCache, GpuModel, GpuStream, PAGE_TOKENS};
+use super::collectives::{Collectives, NcclRank, SharedDevice};
+use super::{GpuCache, GpuModel, GpuStream, PAGE_TOKENS, RowsOnDevice};
 use crate::backend::{Backend, KvStream, LocalLayers, StepItem};
 use crate::constraint::PendingMask;
 use crate::cuda;
 use crate::cudart as rt;
+use crate::kv::KvTypes;
+use crate::model::TensorSource;
 use crate::sampler::Sampling;
+use crate::shard::{RankSource, ShardPlan};
 use crate::status::{Error, Result};
+use crate::tuning::Tuning;
 use crate::{bail, err};
 
 /// A stream's page table on every rank; a rank's is lent to its view of the stream during a step.
@@ -63,6 +68,51 @@ impl SplitBackend {
         Ok(SplitBackend { ranks, devices })
     }
 
+    /// `src` split as `plan` says, rank r loaded on `devices[r]` from its own slices (copied one rank at
+    /// a time, dropped once loaded) and reading the rows at `rows[r]`, each with a KV pool of
+    /// `pool_pages` pages (and `local_pages` for the sliding-window layers): over NCCL where the devices
+    /// differ, through `SharedDevice` where all share one (no NCCL loaded, no graphs). INVALID_ARGUMENT
+    /// for devices or rows that do not match the plan's ranks, or devices repeated but not all the same.
+    #[allow(clippy::too_many_arguments)]
+    pub fn load(
+        src: &dyn TensorSource,
+        plan: &ShardPlan,
+        devices: &[i32],
+        rows: &[RowsOnDevice],
+        max_batch: usize,
+        pool_pages: usize,
+        local_pages: Option<usize>,
+        kv: KvTypes,
+        window: usize,
+        tuning: &Tuning,
+    ) -> Result<SplitBackend> {
+        let world = plan.world();
+        if devices.len() != world || rows.len() != world {
+            bail!(InvalidArgument, "a split over {world} ranks given {} devices and {} rows", devices.len(), rows.len());
+        }
+        let shared = devices.iter().all(|&d| d == devices[0]);
+        let distinct = devices.iter().enumerate().all(|(i, d)| !devices[..i].contains(d));
+        if !shared && !distinct {
+            bail!(InvalidArgument, "devices {devices:?}: ranks share a device only when all of them do");
+        }
+        let comms: Vec<Box<dyn Collectives>> = if shared {
+            SharedDevice::ranks(world).into_iter().map(|c| Box::new(c) as Box<dyn Collectives>).collect()
+        } else {
+            NcclRank::all(devices)?.into_iter().map(|c| Box::new(c) as Box<dyn Collectives>).collect()
+        };
+        // Built up rank by rank, so a failure drops the ranks already loaded each on its device.
+        let mut split = SplitBackend { ranks: Vec::with_capacity(world), devices: Vec::with_capacity(world) };
+        for (r, comm) in comms.into_iter().enumerate() {
+            enter(devices[r])?;
+            let rank = RankSource::new(src, plan, r)?;
+            let model =
+                GpuModel::load_rank(&rank, comm, rows[r], max_batch, pool_pages, local_pages, kv, window, tuning)?;
+            split.ranks.push(model);
+            split.devices.push(devices[r]);
+        }
+        Ok(split)
+    }
+
     /// Rank `r`'s model.
     pub fn rank(&self, r: usize) -> &GpuModel {
         &self.ranks[r]
@@ -92,6 +142,16 @@ impl SplitBackend {
                 .map(|h| h.join().unwrap_or_else(|_| Err(err!(Panic, "a rank's thread panicked"))))
                 .collect()
         })
+    }
+}
+
+impl Drop for SplitBackend {
+    /// Each rank's model is freed with its own device current.
+    fn drop(&mut self) {
+        for (model, &device) in self.ranks.drain(..).zip(&self.devices) {
+            let _ = enter(device);
+            drop(model);
+        }
     }
 }
 

@@ -12,6 +12,7 @@ use std::os::raw::c_void;
 use std::ptr;
 
 use super::collectives::Collectives;
+use super::scratch::LOGIT_ROWS;
 use super::{GpuModel, RowsOnDevice, launch};
 use crate::bail;
 use crate::cuda::{self, DeviceBuffer};
@@ -43,6 +44,12 @@ impl RankPart {
         let part = DeviceBuffer::new(rows * chunk * 4)?;
         let gathered = DeviceBuffer::new(world * rows * chunk * 4)?;
         Ok(RankPart { comm, vocab, chunk, rows, part, gathered })
+    }
+
+    /// The bytes `new` allocates for `rows` logits rows of `vocab` ids over `world` ranks.
+    fn bytes(vocab: usize, world: usize, rows: usize) -> u64 {
+        let chunk = vocab.div_ceil(world.max(1)) as u64;
+        (world as u64 + 1) * rows as u64 * chunk * 4
     }
 }
 
@@ -86,6 +93,12 @@ impl GpuModel {
             bail!(InvalidArgument, "rank {}'s head ids start at {}, not at its gather offset", src.rank(), ids.start);
         }
         Self::load_parts(src, Some(comm), rows, max_batch, pool_pages, local_pages, kv, window, tuning)
+    }
+
+    /// Device bytes a rank of a split over `world` ranks allocates beside `scratch_bytes`' for its
+    /// head's gather, with prompt chunks of `max_batch` tokens (the fit rule counts them).
+    pub fn gather_bytes(vocab: usize, world: usize, max_batch: usize) -> u64 {
+        RankPart::bytes(vocab, world, LOGIT_ROWS.min(max_batch.max(1)))
     }
 
     /// Ranks the model is split over (1 for a whole model).

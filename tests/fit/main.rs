@@ -586,10 +586,8 @@ fn c_abi_plans_over_devices_like_rust() {
     let mut plans = [fit::plan(&inputs[0]).unwrap(); 2];
     let mut streams = u32::MAX;
     // SAFETY: two inputs and two plans, a live u32.
-    assert_eq!(
-        unsafe { engine_fit_plan_devices(inputs.as_ptr(), 2, plans.as_mut_ptr(), &mut streams) },
-        Status::Ok.into()
-    );
+    let st = unsafe { engine_fit_plan_devices(inputs.as_ptr(), 2, plans.as_mut_ptr(), &mut streams) };
+    assert_eq!(st, Status::Ok);
     let want = fit::plan_devices(&inputs).unwrap();
     assert_eq!((plans.to_vec(), streams), (want.plans.clone(), 9));
     let mut buf = [0 as std::os::raw::c_char; 512];
@@ -639,4 +637,51 @@ fn c_abi_plans_over_devices_like_rust() {
     };
     assert_eq!(n, 0);
     assert!(error().contains("plans[1]->placement is 7"), "{}", error());
+}
+
+/// Each rank's figures for the fit rule over devices (`engine::rank_fit_inputs`): a rank of a split in
+/// two holds half the KV heads (half a stream), its shards (the two together the whole model's weights,
+/// plus each rank's copies of what is not cut: norms), the rows whole, and beside its scratch its head's
+/// gather; the plan over both devices admits what the fewer room allows.
+#[test]
+fn each_rank_of_a_split_checkpoint_plans_its_share() {
+    use hostembed::checkpoint::Checkpoint;
+    use hostembed::checkpoint::write::write_synthetic_hf;
+    use hostembed::engine::{default_options, engine_options, fit_inputs, rank_fit_inputs};
+    use hostembed::gpu::GpuModel;
+    use hostembed::shard::{RankSource, ShardPlan};
+    use hostembed::tensor::DType;
+    use hostembed::tuning::Tuning;
+
+    let dir = common::Scratch::new("rank-fit");
+    let cfg = hostembed::model::ModelConfig::llama(512, 2, 8, 4, 1024, 1000);
+    write_synthetic_hf(&dir.0, &cfg, 3, DType::Bf16).unwrap();
+    let ckpt = Checkpoint::open(&dir.0).unwrap();
+    let opts = engine_options { context: 1024, max_batch: 64, room_bytes: GIB, ..default_options() };
+    let whole = fit_inputs(&ckpt, &opts, None).unwrap();
+    let plan = ShardPlan::new(&ckpt.config, 2, |_| DType::Bf16).unwrap();
+    // SAFETY: engine_device_info is numbers, bools and a byte array: all zeros is a value of it.
+    let device: hostembed::abi::engine_device_info = unsafe { std::mem::zeroed() };
+    let tuning = Tuning::default();
+    let ranks: Vec<engine_fit_inputs> = (0..2)
+        .map(|r| {
+            let rank = RankSource::new(&ckpt, &plan, r).unwrap();
+            rank_fit_inputs(&ckpt, &rank, &opts, &device, [GIB, GIB / 2][r], &tuning).unwrap()
+        })
+        .collect();
+    let norms = (cfg.layers as u64 * 2 + 1) * cfg.hidden as u64 * 2;
+    let shards: u64 = ranks.iter().map(|i| i.weight_bytes - i.embed_bytes).sum();
+    let weights = whole.weight_bytes - whole.embed_bytes;
+    assert!(shards >= weights && shards <= weights + norms + (64 << 10), "{shards} against {weights}");
+    let gather = GpuModel::gather_bytes(cfg.vocab, 2, 64);
+    assert_eq!(gather, 3 * 64 * 500 * 4, "a rank's part and both ranks' parts of 64 logits rows");
+    for (r, i) in ranks.iter().enumerate() {
+        assert_eq!((i.embed_bytes, i.room_bytes), (whole.embed_bytes, [GIB, GIB / 2][r]), "rank {r}");
+        assert_eq!(i.stream_bytes * 2, whole.stream_bytes, "rank {r}: 2 of 4 KV heads");
+        assert_eq!(i.stream_bytes_per_token * 2, whole.stream_bytes_per_token, "rank {r}");
+        assert!(i.scratch_bytes > gather && i.scratch_bytes < whole.scratch_bytes + gather, "rank {r}");
+    }
+    let p = fit::plan_devices(&ranks).unwrap();
+    assert_eq!(p.streams, p.plans[1].streams);
+    assert!(p.plans[0].streams > p.plans[1].streams && p.streams > 0, "{p:?}");
 }
