@@ -639,42 +639,59 @@ fn c_abi_plans_over_devices_like_rust() {
     assert!(error().contains("plans[1]->placement is 7"), "{}", error());
 }
 
+/// A small Llama (8 layers, 4 KV heads, a vocabulary of 8000) written in BF16, opened, with 1024-token
+/// windows, prompt chunks of 8 (a small scratch beside the weights) and no reserve; its directory lives
+/// as long as the `Scratch`.
+fn split_checkpoint() -> (common::Scratch, hostembed::checkpoint::Checkpoint, hostembed::engine::engine_options) {
+    let dir = common::Scratch::new("rank-fit");
+    let cfg = hostembed::model::ModelConfig::llama(512, 8, 8, 4, 2048, 8000);
+    hostembed::checkpoint::write::write_synthetic_hf(&dir.0, &cfg, 3, hostembed::tensor::DType::Bf16).unwrap();
+    let ckpt = hostembed::checkpoint::Checkpoint::open(&dir.0).unwrap();
+    let opts = hostembed::engine::engine_options {
+        context: 1024,
+        max_batch: 8,
+        room_bytes: GIB,
+        reserve_bytes: 0,
+        ..hostembed::engine::default_options()
+    };
+    (dir, ckpt, opts)
+}
+
+/// The fit figures of each rank of `ckpt` split over `rooms.len()` devices of those rooms.
+fn rank_inputs(
+    ckpt: &hostembed::checkpoint::Checkpoint,
+    opts: &hostembed::engine::engine_options,
+    rooms: &[u64],
+) -> Vec<engine_fit_inputs> {
+    use hostembed::shard::{RankSource, ShardPlan};
+    let plan = ShardPlan::new(&ckpt.config, rooms.len(), |_| hostembed::tensor::DType::Bf16).unwrap();
+    // SAFETY: engine_device_info is numbers, bools and a byte array: all zeros is a value of it.
+    let device: hostembed::abi::engine_device_info = unsafe { std::mem::zeroed() };
+    let tuning = hostembed::tuning::Tuning::default();
+    (0..rooms.len())
+        .map(|r| {
+            let rank = RankSource::new(ckpt, &plan, r).unwrap();
+            hostembed::engine::rank_fit_inputs(ckpt, &rank, opts, &device, rooms[r], &tuning).unwrap()
+        })
+        .collect()
+}
+
 /// Each rank's figures for the fit rule over devices (`engine::rank_fit_inputs`): a rank of a split in
 /// two holds half the KV heads (half a stream), its shards (the two together the whole model's weights,
 /// plus each rank's copies of what is not cut: norms), the rows whole, and beside its scratch its head's
 /// gather; the plan over both devices admits what the fewer room allows.
 #[test]
 fn each_rank_of_a_split_checkpoint_plans_its_share() {
-    use hostembed::checkpoint::Checkpoint;
-    use hostembed::checkpoint::write::write_synthetic_hf;
-    use hostembed::engine::{default_options, engine_options, fit_inputs, rank_fit_inputs};
-    use hostembed::gpu::GpuModel;
-    use hostembed::shard::{RankSource, ShardPlan};
-    use hostembed::tensor::DType;
-    use hostembed::tuning::Tuning;
-
-    let dir = common::Scratch::new("rank-fit");
-    let cfg = hostembed::model::ModelConfig::llama(512, 2, 8, 4, 1024, 1000);
-    write_synthetic_hf(&dir.0, &cfg, 3, DType::Bf16).unwrap();
-    let ckpt = Checkpoint::open(&dir.0).unwrap();
-    let opts = engine_options { context: 1024, max_batch: 64, room_bytes: GIB, ..default_options() };
-    let whole = fit_inputs(&ckpt, &opts, None).unwrap();
-    let plan = ShardPlan::new(&ckpt.config, 2, |_| DType::Bf16).unwrap();
-    // SAFETY: engine_device_info is numbers, bools and a byte array: all zeros is a value of it.
-    let device: hostembed::abi::engine_device_info = unsafe { std::mem::zeroed() };
-    let tuning = Tuning::default();
-    let ranks: Vec<engine_fit_inputs> = (0..2)
-        .map(|r| {
-            let rank = RankSource::new(&ckpt, &plan, r).unwrap();
-            rank_fit_inputs(&ckpt, &rank, &opts, &device, [GIB, GIB / 2][r], &tuning).unwrap()
-        })
-        .collect();
+    let (_dir, ckpt, opts) = split_checkpoint();
+    let cfg = &ckpt.config;
+    let whole = hostembed::engine::fit_inputs(&ckpt, &opts, None).unwrap();
+    let ranks = rank_inputs(&ckpt, &opts, &[GIB, GIB / 2]);
     let norms = (cfg.layers as u64 * 2 + 1) * cfg.hidden as u64 * 2;
     let shards: u64 = ranks.iter().map(|i| i.weight_bytes - i.embed_bytes).sum();
     let weights = whole.weight_bytes - whole.embed_bytes;
     assert!(shards >= weights && shards <= weights + norms + (64 << 10), "{shards} against {weights}");
-    let gather = GpuModel::gather_bytes(cfg.vocab, 2, 64);
-    assert_eq!(gather, 3 * 64 * 500 * 4, "a rank's part and both ranks' parts of 64 logits rows");
+    let gather = hostembed::gpu::GpuModel::gather_bytes(cfg.vocab, 2, 8);
+    assert_eq!(gather, 3 * 8 * 4000 * 4, "a rank's part and both ranks' parts of 8 logits rows");
     for (r, i) in ranks.iter().enumerate() {
         assert_eq!((i.embed_bytes, i.room_bytes), (whole.embed_bytes, [GIB, GIB / 2][r]), "rank {r}");
         assert_eq!(i.stream_bytes * 2, whole.stream_bytes, "rank {r}: 2 of 4 KV heads");
@@ -684,4 +701,27 @@ fn each_rank_of_a_split_checkpoint_plans_its_share() {
     let p = fit::plan_devices(&ranks).unwrap();
     assert_eq!(p.streams, p.plans[1].streams);
     assert!(p.plans[0].streams > p.plans[1].streams && p.streams > 0, "{p:?}");
+}
+
+/// A model no one device holds is admitted across two: each device's room is the whole model's weights
+/// and scratch without its rows, which leaves one device no room for a stream even with the rows in host
+/// memory, and each of two its streams with the rows on the card.
+/// With less room, short of a rank's shards, rows and one stream, each device reads the rows from the
+/// one host copy instead, and that is what lets the window fit.
+#[test]
+fn a_model_too_big_for_one_device_fits_across_two() {
+    let (_dir, ckpt, opts) = split_checkpoint();
+    let whole = hostembed::engine::fit_inputs(&ckpt, &opts, None).unwrap();
+    let room = whole.weight_bytes - whole.embed_bytes + whole.scratch_bytes;
+    let one = fit::plan(&engine_fit_inputs { room_bytes: room, ..whole }).unwrap();
+    assert_eq!(one.streams, 0, "one device: {}", fit::describe(&one));
+    let two = fit::plan_devices(&rank_inputs(&ckpt, &opts, &[room, room])).unwrap();
+    assert!(two.streams > 0 && !fit::maps_rows(&two, 0) && !fit::maps_rows(&two, 1), "{}", fit::describe_devices(&two));
+    // Room for a rank's shards, scratch, reserve and one stream, but not the rows beside them.
+    let r = rank_inputs(&ckpt, &opts, &[room, room])[0];
+    let tight = r.weight_bytes - r.embed_bytes + r.scratch_bytes + r.reserve_bytes + r.stream_bytes;
+    let on_card_only = fit::plan_devices(&rank_inputs(&ckpt, &opts, &[tight, tight])).unwrap();
+    assert!(on_card_only.streams >= 1, "{}", fit::describe_devices(&on_card_only));
+    assert!(fit::maps_rows(&on_card_only, 0) && fit::maps_rows(&on_card_only, 1));
+    assert_eq!(on_card_only.embed_host_bytes, whole.embed_bytes, "the rows once in host memory");
 }
