@@ -15,7 +15,7 @@ use hostembed::Status;
 use hostembed::backend::{Batch, BatchItem, Decoder, Streams};
 use hostembed::checkpoint::write::MemSource;
 use hostembed::cuda::DeviceBuffer;
-use hostembed::gpu::{CudaBackend, GpuModel, PAGE_TOKENS, RowsOnDevice, local_piece};
+use hostembed::gpu::{CudaBackend, GpuModel, PAGE_TOKENS, RowsOnDevice, Sizing, local_piece};
 use hostembed::kv::{KvType, KvTypes};
 use hostembed::model::{ModelConfig, TensorSource, names};
 use hostembed::sampler::Sampling;
@@ -52,8 +52,8 @@ fn gpu_local_pool_gives_one_pools_bits() {
         let load = |local: Option<usize>| {
             let rows = RowsOnDevice { ptr: buf.ptr(), dtype: embed.dtype, vocab: embed.rows(), cols: embed.cols() };
             let tuning = Tuning::from_env();
-            let backend =
-                CudaBackend::load_with_pools(&*src, rows, MAX_BATCH, 0, pages, local, kv, WINDOW, &tuning).unwrap();
+            let sizing = Sizing { max_batch: MAX_BATCH, pool_pages: pages, local_pages: local, kv, window: WINDOW };
+            let backend = CudaBackend::load_with_pools(&*src, rows, 0, sizing, &tuning).unwrap();
             Streams::new(backend, WINDOW, STREAMS, pages, Sampling::GREEDY).unwrap()
         };
         let (mut local, mut one) = (load(Some(local_pages)), load(None));

@@ -21,7 +21,7 @@ use hostembed::checkpoint::write::{MemSource, Recipe, write_synthetic_hf};
 use hostembed::engine::{engine_options, engine_tristate};
 use hostembed::gpu::collectives::SharedDevice;
 use hostembed::gpu::split::SplitBackend;
-use hostembed::gpu::{CudaBackend, GpuModel, PAGE_TOKENS};
+use hostembed::gpu::{CudaBackend, GpuModel, PAGE_TOKENS, Sizing};
 use hostembed::kv::KvTypes;
 use hostembed::model::{ModelConfig, TensorSource};
 use hostembed::sampler::Sampling;
@@ -32,6 +32,11 @@ use hostembed::{Status, cuda};
 
 const WINDOW: usize = POOL_PAGES * PAGE_TOKENS;
 const MAX_BATCH: usize = 32;
+
+/// A model's buffers for `pages` pages of the default cache types and streams of `window` positions.
+fn sizing(pages: usize, window: usize) -> Sizing {
+    Sizing { max_batch: MAX_BATCH, pool_pages: pages, local_pages: None, kv: KvTypes::GPU_DEFAULT, window }
+}
 
 /// What one model (whole, or one rank of a split) gives for a prompt and then single steps.
 #[derive(PartialEq)]
@@ -66,8 +71,7 @@ fn split_run(src: &MemSource, world: usize, prompt: &[u32], steps: &[u32]) -> Ru
         .enumerate()
         .map(|(r, comm)| {
             let rank = RankSource::new(src, &plan, r).unwrap();
-            let kv = KvTypes::GPU_DEFAULT;
-            GpuModel::load_rank(&rank, Box::new(comm), rows, MAX_BATCH, POOL_PAGES, None, kv, WINDOW, &tuning).unwrap()
+            GpuModel::load_rank(&rank, Box::new(comm), rows, sizing(POOL_PAGES, WINDOW), &tuning).unwrap()
         })
         .collect();
     assert_eq!(models[world - 1].head_ids().end, src.config().vocab);
@@ -157,8 +161,7 @@ fn gpu_a_rank_with_the_wrong_collectives_is_refused() {
     let rank = RankSource::new(&src, &plan, 1).unwrap();
     let mut comms = SharedDevice::ranks(2);
     let wrong = Box::new(comms.remove(0));
-    let kv = KvTypes::GPU_DEFAULT;
-    let e = GpuModel::load_rank(&rank, wrong, rows, MAX_BATCH, POOL_PAGES, None, kv, WINDOW, &Tuning::from_env())
+    let e = GpuModel::load_rank(&rank, wrong, rows, sizing(POOL_PAGES, WINDOW), &Tuning::from_env())
         .err()
         .expect("refused");
     assert_eq!(e.status, Status::InvalidArgument, "{e}");
@@ -189,7 +192,7 @@ fn gpu_streams_over_a_split_model_match_the_whole_model() {
         .enumerate()
         .map(|(r, comm)| {
             let rank = RankSource::new(&src, &plan, r).unwrap();
-            GpuModel::load_rank(&rank, Box::new(comm), rows, MAX_BATCH, pages, None, kv, 512, &tuning).unwrap()
+            GpuModel::load_rank(&rank, Box::new(comm), rows, sizing(pages, 512), &tuning).unwrap()
         })
         .collect();
     let mut split =
@@ -315,7 +318,8 @@ fn gpu_engine_over_two_ranks_matches_one_device() {
     let mix = Mix { rounds: 40, widest: 3, chunk: 24, long_chunk: 100 };
     let options = engine_options { devices: 2, ..cuda_options(512, 3, 64) };
     let (batched, alone) = (init(&path, &options), init(&path, &options));
-    let counts = batches_match_stepping_alone("split over 2 ranks", &batched, &alone, &mut rng, &mix, PAGE_TOKENS as u64);
+    let counts =
+        batches_match_stepping_alone("split over 2 ranks", &batched, &alone, &mut rng, &mix, PAGE_TOKENS as u64);
     assert!(counts.singles_beside_others > 10 && counts.chunks_beside_others > 5, "{counts:?}");
     set_env(SPLIT_ONE_DEVICE_ENV, None);
 }

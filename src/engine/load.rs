@@ -13,7 +13,7 @@ use crate::checkpoint::Checkpoint;
 use crate::cpu::{CpuBackend, CpuStream};
 use crate::cuda::{self, PinnedBuffer};
 use crate::fit::{self, engine_placement};
-use crate::gpu::{CudaBackend, RowsOnDevice};
+use crate::gpu::{CudaBackend, RowsOnDevice, Sizing};
 use crate::kv::KvTypes;
 use crate::placement::{Rows, RowsSource};
 use crate::sampler::Sampling;
@@ -183,8 +183,8 @@ fn load_decoder(
             let r = rows.describe();
             let rows = RowsOnDevice { ptr: r.data, dtype: r.dtype, vocab: r.rows as usize, cols: r.cols as usize };
             let (batch, local) = (max_batch_of(opts), pool.local.map(|(pages, _)| pages));
-            let model =
-                CudaBackend::load_with_pools(&**ckpt, rows, batch, opts.device, pool.pages, local, kv, window, tuning)?;
+            let sizing = Sizing { max_batch: batch, pool_pages: pool.pages, local_pages: local, kv, window };
+            let model = CudaBackend::load_with_pools(&**ckpt, rows, opts.device, sizing, tuning)?;
             logger.line(model.prompt_route());
             if tuning.batch_tensor_cores {
                 logger.line("batches of 16 or more single tokens share tensor-core products: a stream's logits depend on its batch");
@@ -199,9 +199,9 @@ fn load_decoder(
                     let dwindow = drafter_window(&d.ckpt.config, window);
                     let (device, pages) = (opts.device, d.pool.pages);
                     let (batch, local) = (max_batch_of(opts), d.pool.local.map(|(pages, _)| pages));
-                    let model = CudaBackend::load_with_pools(
-                        &**d.ckpt, rows, batch, device, pages, local, kv, dwindow, tuning,
-                    )?;
+                    let sizing =
+                        Sizing { max_batch: batch, pool_pages: pages, local_pages: local, kv, window: dwindow };
+                    let model = CudaBackend::load_with_pools(&**d.ckpt, rows, device, sizing, tuning)?;
                     let drafts = Streams::new(model, dwindow, streams, d.pool.pages, Sampling::GREEDY)?
                         .with_prefix_cache(prefix_cache);
                     Box::new(target.with_drafter(drafts)?)

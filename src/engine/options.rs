@@ -124,7 +124,10 @@ fn check_devices(o: &engine_options) -> Result<()> {
         crate::bail!(InvalidArgument, "options.devices is {n}: the CPU backend runs on one (0 or 1)");
     }
     if !o.draft_model.is_null() {
-        crate::bail!(Unsupported, "options.devices is {n}: a drafter model (options.draft_model) runs beside one device's model only");
+        crate::bail!(
+            Unsupported,
+            "options.devices is {n}: a drafter model (options.draft_model) runs beside one device's model only"
+        );
     }
     if n > 64 || o.device as i64 + n as i64 > i32::MAX as i64 {
         crate::bail!(InvalidArgument, "options.devices is {n}: tensor parallelism takes 2 to 64 devices");

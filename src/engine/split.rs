@@ -12,8 +12,8 @@ use crate::abi::engine_device_info;
 use crate::backend::{Decoder, Streams};
 use crate::cuda;
 use crate::fit::{self, engine_fit_inputs, engine_placement, engine_plan};
-use crate::gpu::RowsOnDevice;
 use crate::gpu::split::SplitBackend;
+use crate::gpu::{RowsOnDevice, Sizing};
 use crate::kv::KvTypes;
 use crate::model::TensorSource;
 use crate::placement::Rows;
@@ -153,8 +153,8 @@ pub(super) fn load_split(
     injected(InitStep::RowsPlaced)?;
     let window = window_of(cfg, opts)? as usize;
     let local = pool.local.map(|(pages, _)| pages);
-    let split =
-        SplitBackend::load(&**ckpt, &shards, &devices, &views, max_batch_of(opts), pool.pages, local, kv, window, tuning)?;
+    let sizing = Sizing { max_batch: max_batch_of(opts), pool_pages: pool.pages, local_pages: local, kv, window };
+    let split = SplitBackend::load(&**ckpt, &shards, &devices, &views, sizing, tuning)?;
     logger.line(split.rank(0).prompt_route());
     logger.line(&match tuning.split_one_device {
         true => format!("tensor parallelism over {world} ranks on device {} (host-met sums, no graphs)", opts.device),
@@ -163,7 +163,8 @@ pub(super) fn load_split(
     // The engine's own calls (the row gather, its flag) run on rank 0's device.
     cuda::require_device(opts.device)?;
     let prefix_cache = resolve_prefix_cache(opts.prefix_cache);
-    let backend = Streams::new(split, window, streams as usize, pool.pages, sampling_of(opts))?.with_prefix_cache(prefix_cache);
+    let backend =
+        Streams::new(split, window, streams as usize, pool.pages, sampling_of(opts))?.with_prefix_cache(prefix_cache);
     let rank0 = rows.remove(0);
     Ok(SplitLoad {
         backend: Box::new(backend),

@@ -1,6 +1,6 @@
 //! The CUDA backend behind the engine's `Backend` seam: a `GpuModel` and the device it was loaded on.
 
-use super::{GpuCache, GpuModel, GpuStream, PAGE_TOKENS, RowsOnDevice, forward, local_piece};
+use super::{GpuCache, GpuModel, GpuStream, PAGE_TOKENS, RowsOnDevice, Sizing, forward, local_piece};
 use crate::backend::{Backend, LocalLayers, StepItem};
 use crate::cuda;
 use crate::cudart as rt;
@@ -30,24 +30,20 @@ impl CudaBackend {
         window: usize,
         tuning: &Tuning,
     ) -> Result<CudaBackend> {
-        Self::load_with_pools(src, rows, max_batch, device, pool_pages, None, kv, window, tuning)
+        let sizing = Sizing { max_batch, pool_pages, local_pages: None, kv, window };
+        Self::load_with_pools(src, rows, device, sizing, tuning)
     }
 
-    /// `load` with the sliding-window layers (where the model has them and `local_pages` is given) in a
-    /// pool of `local_pages` pages of their own (`GpuModel::load_with_pools`).
-    #[allow(clippy::too_many_arguments)]
+    /// `load` sized as `sizing` says: with the sliding-window layers (where the model has them and
+    /// `sizing.local_pages` is given) in a pool of their own (`GpuModel::load_with_pools`).
     pub fn load_with_pools(
         src: &dyn TensorSource,
         rows: RowsOnDevice,
-        max_batch: usize,
         device: i32,
-        pool_pages: usize,
-        local_pages: Option<usize>,
-        kv: KvTypes,
-        window: usize,
+        sizing: Sizing,
         tuning: &Tuning,
     ) -> Result<CudaBackend> {
-        let model = GpuModel::load_with_pools(src, rows, max_batch, pool_pages, local_pages, kv, window, tuning)?;
+        let model = GpuModel::load_with_pools(src, rows, sizing, tuning)?;
         Ok(CudaBackend { model, device })
     }
 

@@ -189,6 +189,20 @@ pub struct GpuModel {
 // SAFETY: it owns its allocations and stream; its pointers are device addresses, never read on the host.
 unsafe impl Send for GpuModel {}
 
+/// What a GPU model's buffers are sized for beside its weights.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Sizing {
+    /// Prompt tokens one pass takes.
+    pub max_batch: usize,
+    /// Pages of `PAGE_TOKENS` positions in the KV pool.
+    pub pool_pages: usize,
+    /// The sliding-window layers' own pool's pages, where the model keeps one.
+    pub local_pages: Option<usize>,
+    pub kv: KvTypes,
+    /// The most positions a stream holds (what an 8-bit cache's prompt stage is sized for).
+    pub window: usize,
+}
+
 fn u32_of(v: usize, what: &str) -> Result<c_uint> {
     c_uint::try_from(v).map_err(|_| err!(Unsupported, "{what} of {v} is more than the kernels index"))
 }
@@ -335,39 +349,30 @@ impl GpuModel {
         window: usize,
         tuning: &Tuning,
     ) -> Result<GpuModel> {
-        Self::load_with_pools(src, rows, max_batch, pool_pages, None, kv, window, tuning)
+        Self::load_with_pools(src, rows, Sizing { max_batch, pool_pages, local_pages: None, kv, window }, tuning)
     }
 
-    /// `load_for_window` with the sliding-window layers (where the model has them and `local_pages` is
-    /// given) in a pool of `local_pages` pages of their own.
-    #[allow(clippy::too_many_arguments)]
+    /// `load_for_window` sized as `sizing` says: with the sliding-window layers (where the model has them
+    /// and `sizing.local_pages` is given) in a pool of their own.
     pub fn load_with_pools(
         src: &dyn TensorSource,
         rows: RowsOnDevice,
-        max_batch: usize,
-        pool_pages: usize,
-        local_pages: Option<usize>,
-        kv: KvTypes,
-        window: usize,
+        sizing: Sizing,
         tuning: &Tuning,
     ) -> Result<GpuModel> {
         crate::shard::refuse_rank(src)?;
-        Self::load_parts(src, None, rows, max_batch, pool_pages, local_pages, kv, window, tuning)
+        Self::load_parts(src, None, rows, sizing, tuning)
     }
 
     /// `load_with_pools`, or with `comm` one rank's share of a tensor-parallel model (`load_rank`).
-    #[allow(clippy::too_many_arguments)]
     fn load_parts(
         src: &dyn TensorSource,
         comm: Option<Box<dyn Collectives>>,
         rows: RowsOnDevice,
-        max_batch: usize,
-        pool_pages: usize,
-        local_pages: Option<usize>,
-        kv: KvTypes,
-        window: usize,
+        sizing: Sizing,
         tuning: &Tuning,
     ) -> Result<GpuModel> {
+        let Sizing { max_batch, pool_pages, local_pages, kv, window } = sizing;
         let cfg = src.config().clone();
         let local_pages = if local_layer_count(&cfg) > 0 { local_pages.unwrap_or(0) } else { 0 };
         if local_pages > u32::MAX as usize {

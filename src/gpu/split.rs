@@ -10,12 +10,11 @@ use std::thread;
 
 use super::backend::local_layers_of;
 use super::collectives::{Collectives, NcclRank, SharedDevice};
-use super::{GpuCache, GpuModel, GpuStream, PAGE_TOKENS, RowsOnDevice};
+use super::{GpuCache, GpuModel, GpuStream, PAGE_TOKENS, RowsOnDevice, Sizing};
 use crate::backend::{Backend, KvStream, LocalLayers, StepItem};
 use crate::constraint::PendingMask;
 use crate::cuda;
 use crate::cudart as rt;
-use crate::kv::KvTypes;
 use crate::model::TensorSource;
 use crate::sampler::Sampling;
 use crate::shard::{RankSource, ShardPlan};
@@ -69,26 +68,26 @@ impl SplitBackend {
     }
 
     /// `src` split as `plan` says, rank r loaded on `devices[r]` from its own slices (copied one rank at
-    /// a time, dropped once loaded) and reading the rows at `rows[r]`, each with a KV pool of
-    /// `pool_pages` pages (and `local_pages` for the sliding-window layers): over NCCL where the devices
-    /// differ, through `SharedDevice` where all share one (no NCCL loaded, no graphs). INVALID_ARGUMENT
-    /// for devices or rows that do not match the plan's ranks, or devices repeated but not all the same.
-    #[allow(clippy::too_many_arguments)]
+    /// a time, dropped once loaded) and reading the rows at `rows[r]`, every rank sized as `sizing` says
+    /// (the same pages on each): over NCCL where the devices differ, through `SharedDevice` where all
+    /// share one (no NCCL loaded, no graphs). INVALID_ARGUMENT for devices or rows that do not match the
+    /// plan's ranks, or devices repeated but not all the same.
     pub fn load(
         src: &dyn TensorSource,
         plan: &ShardPlan,
         devices: &[i32],
         rows: &[RowsOnDevice],
-        max_batch: usize,
-        pool_pages: usize,
-        local_pages: Option<usize>,
-        kv: KvTypes,
-        window: usize,
+        sizing: Sizing,
         tuning: &Tuning,
     ) -> Result<SplitBackend> {
         let world = plan.world();
         if devices.len() != world || rows.len() != world {
-            bail!(InvalidArgument, "a split over {world} ranks given {} devices and {} rows", devices.len(), rows.len());
+            bail!(
+                InvalidArgument,
+                "a split over {world} ranks given {} devices and {} rows",
+                devices.len(),
+                rows.len()
+            );
         }
         let shared = devices.iter().all(|&d| d == devices[0]);
         let distinct = devices.iter().enumerate().all(|(i, d)| !devices[..i].contains(d));
@@ -105,8 +104,7 @@ impl SplitBackend {
         for (r, comm) in comms.into_iter().enumerate() {
             enter(devices[r])?;
             let rank = RankSource::new(src, plan, r)?;
-            let model =
-                GpuModel::load_rank(&rank, comm, rows[r], max_batch, pool_pages, local_pages, kv, window, tuning)?;
+            let model = GpuModel::load_rank(&rank, comm, rows[r], sizing, tuning)?;
             split.ranks.push(model);
             split.devices.push(devices[r]);
         }

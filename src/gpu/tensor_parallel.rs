@@ -13,11 +13,10 @@ use std::ptr;
 
 use super::collectives::Collectives;
 use super::scratch::LOGIT_ROWS;
-use super::{GpuModel, RowsOnDevice, launch};
+use super::{GpuModel, RowsOnDevice, Sizing, launch};
 use crate::bail;
 use crate::cuda::{self, DeviceBuffer};
 use crate::cudart as rt;
-use crate::kv::KvTypes;
 use crate::model::TensorSource;
 use crate::shard::RankSource;
 use crate::status::Result;
@@ -70,11 +69,7 @@ impl GpuModel {
         src: &RankSource,
         comm: Box<dyn Collectives>,
         rows: RowsOnDevice,
-        max_batch: usize,
-        pool_pages: usize,
-        local_pages: Option<usize>,
-        kv: KvTypes,
-        window: usize,
+        sizing: Sizing,
         tuning: &Tuning,
     ) -> Result<GpuModel> {
         if (comm.rank(), comm.world()) != (src.rank(), src.world()) {
@@ -92,7 +87,7 @@ impl GpuModel {
         if ids.start != src.rank() * chunk {
             bail!(InvalidArgument, "rank {}'s head ids start at {}, not at its gather offset", src.rank(), ids.start);
         }
-        Self::load_parts(src, Some(comm), rows, max_batch, pool_pages, local_pages, kv, window, tuning)
+        Self::load_parts(src, Some(comm), rows, sizing, tuning)
     }
 
     /// Device bytes a rank of a split over `world` ranks allocates beside `scratch_bytes`' for its

@@ -126,7 +126,14 @@ fn devices_past_one_run_on_cuda_devices_only() {
     // Where the machine has no device, the CUDA cases fail as its probe does.
     let no_cuda = cuda::require_device(0).err().map(|e| e.status);
     let cases = [
-        (engine_backend::Cpu, 0, 2, false, Some(Status::InvalidArgument), "options.devices is 2: the CPU backend runs on one"),
+        (
+            engine_backend::Cpu,
+            0,
+            2,
+            false,
+            Some(Status::InvalidArgument),
+            "options.devices is 2: the CPU backend runs on one",
+        ),
         (engine_backend::Cuda, 0, 65, false, Some(Status::InvalidArgument), "takes 2 to 64 devices"),
         (engine_backend::Cuda, 0, 2, true, Some(Status::Unsupported), "a drafter model (options.draft_model)"),
         (engine_backend::Cuda, 0, 2, false, no_cuda, ""),
