@@ -7,16 +7,18 @@
 //!
 //!     cargo run --release --example bench_batch -- [--layers 32] [--dtype bf16|f16|q8_0|...|q4_k_m]
 //!         [--cache 512] [--steps 64] [--streams 1,8,16,64] [--max-batch 512] [--no-long] [--no-host-rows]
-//!         [--qwen3-30b-a3b]
+//!         [--qwen3-30b-a3b] [--model FILE]
 //!
 //! `--qwen3-30b-a3b` measures Qwen3-30B-A3B's Mixture-of-Experts shape (`ModelConfig::qwen3_30b_a3b`;
-//! `--layers` still sets its depth) in place of Llama 3 8B's.
+//! `--layers` still sets its depth) in place of Llama 3 8B's. `--model` reads a checkpoint (a GGUF file
+//! or an HF folder: the file llama.cpp is measured on) instead of a random model of a shape.
 //!
 //! HOSTEMBED_CUDA_GRAPHS=0 runs without CUDA graphs.
 
 use std::time::Instant;
 
 use hostembed::backend::StepItem;
+use hostembed::checkpoint::Checkpoint;
 use hostembed::checkpoint::write::{MemSource, Recipe};
 use hostembed::cuda::{self, DeviceBuffer, PinnedBuffer};
 use hostembed::gpu::{GpuModel, GpuStream, PAGE_TOKENS, RowsOnDevice, reserve_pages, truncate_stream};
@@ -35,6 +37,7 @@ struct Args {
     max_batch: usize,
     long: bool,
     host_rows: bool,
+    model: Option<std::path::PathBuf>,
 }
 
 fn parse() -> Args {
@@ -48,6 +51,7 @@ fn parse() -> Args {
         max_batch: 512,
         long: true,
         host_rows: true,
+        model: None,
     };
     let mut layers = None;
     let mut it = std::env::args().skip(1);
@@ -64,6 +68,7 @@ fn parse() -> Args {
             }
             "--no-long" => a.long = false,
             "--no-host-rows" => a.host_rows = false,
+            "--model" => a.model = Some(value().into()),
             "--dtype" => {
                 let name = value();
                 a.recipe = Recipe::from_name(&name)
@@ -142,9 +147,15 @@ fn main() {
         eprintln!("bench_batch: {e}");
         std::process::exit(1);
     });
-    let cfg = &args.cfg;
     let t0 = Instant::now();
-    let src = MemSource::benchmark(cfg, args.recipe);
+    let (src, what): (Box<dyn TensorSource>, String) = match &args.model {
+        Some(path) => {
+            let ckpt = Checkpoint::open(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+            (Box::new(ckpt), path.display().to_string())
+        }
+        None => (Box::new(MemSource::benchmark(&args.cfg, args.recipe)), args.recipe.name().to_string()),
+    };
+    let (src, cfg) = (&*src, src.config());
     let embed = src.tensor(names::EMBED).unwrap();
     let rows_buf = DeviceBuffer::from_slice(embed.bytes).unwrap();
     let rows = RowsOnDevice { ptr: rows_buf.ptr(), dtype: embed.dtype, vocab: embed.rows(), cols: embed.cols() };
@@ -152,12 +163,11 @@ fn main() {
     let most = args.streams.iter().copied().max().unwrap_or(1) * (args.cache + args.steps + 8 + PAGE_TOKENS);
     let pages = (2 * 65536usize).max(most).div_ceil(PAGE_TOKENS);
     let mut gpu =
-        GpuModel::load(&src, rows, args.max_batch, pages, &Tuning::from_env()).unwrap_or_else(|e| panic!("load: {e}"));
+        GpuModel::load(src, rows, args.max_batch, pages, &Tuning::from_env()).unwrap_or_else(|e| panic!("load: {e}"));
     println!(
-        "{} layers {}: weights {:.2} GB, KV pool {:.2} GiB ({} pages of {PAGE_TOKENS}), loaded in {:.1} s",
+        "{} layers {what}: weights {:.2} GB, KV pool {:.2} GiB ({} pages of {PAGE_TOKENS}), loaded in {:.1} s",
         cfg.layers,
-        args.recipe.name(),
-        GpuModel::weight_bytes(&src) as f64 / 1e9,
+        GpuModel::weight_bytes(src) as f64 / 1e9,
         GpuModel::pool_bytes(cfg, gpu.kv_types(), pages) as f64 / (1u64 << 30) as f64,
         pages,
         t0.elapsed().as_secs_f64()
@@ -203,7 +213,7 @@ fn main() {
         pinned.as_mut_slice().copy_from_slice(embed.bytes);
         let mapped = RowsOnDevice { ptr: pinned.device_ptr(), ..rows };
         drop(gpu);
-        let mut host = GpuModel::load(&src, mapped, args.max_batch, pages, &Tuning::from_env())
+        let mut host = GpuModel::load(src, mapped, args.max_batch, pages, &Tuning::from_env())
             .unwrap_or_else(|e| panic!("load: {e}"));
         println!("\n{count} streams at a {}-token cache, rows in mapped host memory", args.cache);
         println!("| mode | tok/s | ms/step |");

@@ -6,8 +6,10 @@
 //!         q4_0|q4_1|q5_0|q5_1|q2_k|q3_k|q4_k|q5_k|q6_k|q4_k_m] [--prompt 64[,N...]] [--tokens 128] [--runs 5]
 //!         [--greedy]
 //!         [--tied] [--kernels-only] [--no-matvec] [--no-mmv] [--mmv-only DTYPE]
-//!         [--kv bf16|f16|f32|q8_0|fp8_e4m3[,V]] [--host-rows] [--qwen3-30b-a3b]
+//!         [--kv bf16|f16|f32|q8_0|fp8_e4m3[,V]] [--host-rows] [--qwen3-30b-a3b] [--model FILE]
 //!
+//! `--model` decodes a checkpoint (a GGUF file or an HF folder: the file llama.cpp is measured on)
+//! instead of a random model of a shape; the kernel tables keep the shape flags.
 //! `--qwen3-30b-a3b` is Qwen3-30B-A3B's Mixture-of-Experts shape (48 layers, 128 experts, 8 a token,
 //! hidden 2048, expert width 768; `ModelConfig::qwen3_30b_a3b`) in place of the dense one; shape flags
 //! after it change it.
@@ -32,6 +34,7 @@ use std::os::raw::{c_int, c_uint};
 use std::ptr;
 use std::time::Instant;
 
+use hostembed::checkpoint::Checkpoint;
 use hostembed::checkpoint::write::{MemSource, Recipe, random_matrix};
 use hostembed::cuda::{self, DeviceBuffer, Event, PinnedBuffer, Stream};
 use hostembed::cudart as rt;
@@ -66,6 +69,8 @@ struct Args {
     kv: KvTypes,
     /// Decode again with the rows in mapped host memory.
     host_rows: bool,
+    /// A checkpoint to decode instead of a random model of `cfg`'s shape.
+    model: Option<std::path::PathBuf>,
 }
 
 fn parse() -> Args {
@@ -97,6 +102,7 @@ fn parse() -> Args {
     let mut q4_k_m = false;
     let mut kv = KvTypes::GPU_DEFAULT;
     let mut host_rows = false;
+    let mut model = None;
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
         let mut num =
@@ -136,6 +142,7 @@ fn parse() -> Args {
             }
             "--kv" => kv = parse_kv(&it.next().unwrap_or_default()),
             "--host-rows" => host_rows = true,
+            "--model" => model = Some(std::path::PathBuf::from(it.next().unwrap_or_default())),
             "--qwen3-30b-a3b" => cfg = ModelConfig::qwen3_30b_a3b(),
             other => panic!("unknown flag {other} (see the comment at the top of examples/bench_decode.rs)"),
         }
@@ -156,6 +163,7 @@ fn parse() -> Args {
         mmv_only,
         kv,
         host_rows,
+        model,
     }
 }
 
@@ -441,16 +449,22 @@ fn bench_mmv(stream: &Stream, peak: f64, only: Option<DType>) {
 }
 
 fn bench_decode(args: &Args, peak: f64) {
-    let cfg = &args.cfg;
     let t0 = Instant::now();
-    let src = MemSource::benchmark(cfg, if args.q4_k_m { Recipe::Q4KM } else { Recipe::Uniform(args.dtype) });
-    let recipe = if args.q4_k_m { "Q4_K_M".to_string() } else { args.dtype.name().to_string() };
+    let (src, recipe): (Box<dyn TensorSource>, String) = match &args.model {
+        Some(path) => {
+            let ckpt = Checkpoint::open(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+            (Box::new(ckpt), path.display().to_string())
+        }
+        None if args.q4_k_m => (Box::new(MemSource::benchmark(&args.cfg, Recipe::Q4KM)), "Q4_K_M".to_string()),
+        None => (Box::new(MemSource::benchmark(&args.cfg, args.dtype)), args.dtype.name().to_string()),
+    };
+    let (src, cfg) = (&*src, src.config());
     let embed = src.tensor(names::EMBED).unwrap();
     let embed_dtype = embed.dtype;
     let longest = longest_prompt(&args.prompts);
     let window = longest + args.tokens + 1;
     let chunk = longest.clamp(64, 2048);
-    let weight_bytes = GpuModel::weight_bytes(&src);
+    let weight_bytes = GpuModel::weight_bytes(src);
     // The median greedy decode rate of each placement and cache, to print the host rows' change.
     let mut on_card: Vec<f64> = Vec::new();
     for host_rows in std::iter::once(false).chain(args.host_rows.then_some(true)) {
@@ -467,7 +481,7 @@ fn bench_decode(args: &Args, peak: f64) {
         };
         let rows = RowsOnDevice { ptr, dtype: embed.dtype, vocab: embed.rows(), cols: embed.cols() };
         let mut gpu =
-            GpuModel::load_with_kv(&src, rows, chunk, window.div_ceil(PAGE_TOKENS), args.kv, &Tuning::from_env())
+            GpuModel::load_with_kv(src, rows, chunk, window.div_ceil(PAGE_TOKENS), args.kv, &Tuning::from_env())
                 .unwrap_or_else(|e| panic!("load: {e}"));
         let mut pool = gpu.page_pool().unwrap();
         let placement = if host_rows { "rows in mapped host memory" } else { "rows on the card" };

@@ -1,19 +1,26 @@
-//! Writes a random-weights Llama GGUF of a named shape with the repo's byte-level BPE tokenizer, one
-//! tensor generated at a time as the file is written (the 8B shape is 16 GB; memory holds one tensor):
-//! what the server's load benchmark serves where no real checkpoint can be carried.
+//! Writes a random-weights GGUF of a named shape with the repo's byte-level BPE tokenizer, one tensor
+//! generated at a time as the file is written (the 8B shape is 16 GB; memory holds one tensor): what the
+//! server's load benchmark serves where no real checkpoint can be carried, and the file llama.cpp and
+//! hostembed are both measured on (llama.cpp reads its tokenizer and `{arch}.*` keys as its converter's).
 //!
-//! cargo run --release --example write_model -- --out FILE [--shape 8b|small] [--dtype bf16|f16]
-//!     [--tokenizer assets/tokenizer.json] [--seed N]
+//! cargo run --release --example write_model -- --out FILE [--shape 8b|small|qwen3-30b-a3b|moe-small]
+//!     [--dtype bf16|f16|q8_0|q4_k_m|...] [--tokenizer assets/tokenizer.json] [--seed N] [--quick]
 //!
 //! 8b is Llama-3-8B's shape (hidden 4096, 32 layers, 32 heads, 8 KV heads, FFN 14336, vocabulary 128256);
-//! small is a 4-layer model with a vocabulary of 8192 that the CPU serves quickly. The tokenizer's ids come
+//! small is a 4-layer model with a vocabulary of 8192 that the CPU serves quickly; qwen3-30b-a3b is
+//! Qwen3-30B-A3B's Mixture-of-Experts shape (`qwen3moe`: 48 layers, 128 experts, 8 a token) and moe-small
+//! 2 of its layers with 16 experts and a vocabulary of 8192. A dtype is any one format for every matrix,
+//! or q4_k_m for llama-quantize's Q4_K_M mix (Q6_K for the head and half the layers' attn_v and
+//! ffn_down). `--quick`: block-format matrices repeat 64 random rows each (`write_benchmark_gguf_kv`: read
+//! at the same speed, written at the disk's rather than the encoder's; Qwen3-30B-A3B's Q4_K_M is 17 GB).
+//! The tokenizer's ids come
 //! first; the ids past them are padded with tokens no merge makes (` w512`, ` w513`, ...), so prompts
 //! never hold them but every generated id has text to stream.
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use hostembed::checkpoint::write::{GgufValue, write_synthetic_gguf_kv};
+use hostembed::checkpoint::write::{GgufValue, Recipe, write_benchmark_gguf_kv, write_synthetic_gguf_kv};
 use hostembed::model::ModelConfig;
 use hostembed::tensor::DType;
 use hostembed::tokenizer::{self, token_type};
@@ -22,21 +29,34 @@ fn shape(name: &str) -> hostembed::Result<ModelConfig> {
     Ok(match name {
         "8b" => ModelConfig::llama(4096, 32, 32, 8, 14336, 128256),
         "small" => ModelConfig::llama(512, 4, 8, 2, 1536, 8192),
-        _ => hostembed::bail!(InvalidArgument, "--shape is 8b or small, not {name}"),
+        "qwen3-30b-a3b" => ModelConfig::qwen3_30b_a3b(),
+        "moe-small" => ModelConfig::qwen3_moe(2048, 2, 32, 16, 8, 768, 8192),
+        _ => hostembed::bail!(InvalidArgument, "--shape is 8b, small, qwen3-30b-a3b or moe-small, not {name}"),
     })
+}
+
+/// A `--dtype`: q4_k_m, or any format's name.
+fn recipe(name: &str) -> hostembed::Result<Recipe> {
+    Recipe::from_name(name)
+        .ok_or_else(|| hostembed::err!(InvalidArgument, "--dtype is q4_k_m or a format's name, not {name}"))
 }
 
 fn run() -> hostembed::Result<()> {
     let mut out: Option<PathBuf> = None;
     let mut cfg = shape("8b")?;
-    let mut dtype = DType::Bf16;
+    let mut dtype = Recipe::Uniform(DType::Bf16);
     let mut tokenizer_json = Path::new(env!("CARGO_MANIFEST_DIR")).join("assets/tokenizer.json");
     let mut seed = 1u64;
+    let mut quick = false;
     let mut args = std::env::args().skip(1);
     while let Some(flag) = args.next() {
+        if flag == "--quick" {
+            quick = true;
+            continue;
+        }
         if flag == "-h" || flag == "--help" {
             println!(
-                "usage: write_model --out FILE [--shape 8b|small] [--dtype bf16|f16] [--tokenizer JSON] [--seed N]"
+                "usage: write_model --out FILE [--shape 8b|small|qwen3-30b-a3b|moe-small] [--dtype bf16|f16|q8_0|q4_k_m|...] [--tokenizer JSON] [--seed N] [--quick]"
             );
             return Ok(());
         }
@@ -44,12 +64,7 @@ fn run() -> hostembed::Result<()> {
         match flag.as_str() {
             "--out" => out = Some(PathBuf::from(value)),
             "--shape" => cfg = shape(&value)?,
-            "--dtype" => {
-                dtype = match DType::from_name(&value) {
-                    Some(d @ (DType::Bf16 | DType::F16)) => d,
-                    _ => hostembed::bail!(InvalidArgument, "--dtype is bf16 or f16, not {value}"),
-                }
-            }
+            "--dtype" => dtype = recipe(&value)?,
             "--tokenizer" => tokenizer_json = PathBuf::from(value),
             "--seed" => seed = value.parse().map_err(|_| hostembed::err!(InvalidArgument, "--seed takes a number"))?,
             _ => hostembed::bail!(InvalidArgument, "unknown flag {flag}"),
@@ -76,7 +91,11 @@ fn run() -> hostembed::Result<()> {
     let mut kv = vocab.gguf_kv("gpt-2");
     // BOS first, as Llama 3 has it: every caller (the server, batch.c, decode.c) then reads the same ids.
     kv.push(("tokenizer.ggml.add_bos_token".into(), GgufValue::Bool(true)));
-    write_synthetic_gguf_kv(&out, &cfg, seed, dtype, &kv)?;
+    if quick {
+        write_benchmark_gguf_kv(&out, &cfg, seed, dtype, &kv)?;
+    } else {
+        write_synthetic_gguf_kv(&out, &cfg, seed, dtype, &kv)?;
+    }
     let bytes = std::fs::metadata(&out).map_err(|e| hostembed::err!(IoError, "{}: {e}", out.display()))?.len();
     let secs = start.elapsed().as_secs_f64();
     println!(

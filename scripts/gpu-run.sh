@@ -2,7 +2,7 @@
 # Runs on the GPU machine from the repo root: unpacks .gpu/bundle.tar.xz and runs the GPU suite,
 # then whatever steps are named (default: tests). Logs go to $OUT (or ./gpu-out).
 # Steps: info tests tests-parallel targets formats prep tc-blocks attention-wide targets-f16 targets-kv wgmma local-pool tensor-parallel sanitize profile-decode profile-mmv hfref bench-embed bench-decode bench-mmv bench-model bench-prefill bench-prefill-quant
-# bench-convert bench-kv torch-prefill server-load, or any example's name (HOSTEMBED_MEMCHECK=0 leaves
+# bench-convert bench-kv torch-prefill server-load llama-cpp-moe moe-file, or any example's name (HOSTEMBED_MEMCHECK=0 leaves
 # local-pool's and tensor-parallel's memcheck out). server-load measures the
 # server's targets (scripts/server-load.sh: a 16 GB Llama-3-8B-shaped file written under /tmp, batch.c,
 # decode.c and hostembed-server with load.py on it; about 4 minutes, meant for a call of its own). bench-mmv times the decode products alone
@@ -112,6 +112,42 @@ for step in $steps; do
       "$B/examples/bench_convert" > "$OUT/bench-convert.log" 2>&1; rc=$?
       "$B/examples/bench_convert" --all --out f16 >> "$OUT/bench-convert.log" 2>&1; r=$?
       [ $r -ne 0 ] && rc=$r ;;
+    llama-cpp-moe)
+      # llama.cpp on Qwen3-30B-A3B's shape in the Q4_K_M mix (a 17 GB GGUF with the repo's tokenizer,
+      # examples/write_model --quick, written while llama.cpp builds from a carried .gpu/llama.cpp.tar.xz;
+      # both kept under .gpu for the moe-file step of the next call): llama-bench's 4,096-token prompt and
+      # 128-token decode, and llama-batched-bench's 1, 16 and 64 streams of 512-token prompts and 128 rounds.
+      rc=0
+      log="$OUT/llama-cpp-moe.log"
+      model=.gpu/models/qwen3-30b-a3b-q4_k_m.gguf
+      mkdir -p .gpu/models
+      scripts/llama-cpp.sh build > "$OUT/llama-cpp-build.log" 2>&1 &
+      build=$!
+      [ -f "$model" ] || "$B/examples/write_model" --shape qwen3-30b-a3b --dtype q4_k_m --quick \
+        --tokenizer "$B/assets/tokenizer.json" --out "$model" >> "$log" 2>&1 || rc=$?
+      wait "$build" || rc=$?
+      bin=$(tail -1 "$OUT/llama-cpp-build.log")
+      if [ -x "$bin/llama-bench" ] && [ -f "$model" ]; then
+        "$bin/llama-bench" -m "$model" -ngl 99 -fa 1 -p 4096 -n 128 -r 3 >> "$log" 2>&1 || rc=$?
+        "$bin/llama-batched-bench" -m "$model" -ngl 99 -fa 1 -c 41984 -npp 512 -ntg 128 -npl 1,16,64 \
+          >> "$log" 2>&1 || rc=$?
+        grep -E "^\| +(qwen3moe|[ 0-9]+\|)" "$log" >> "$summary"
+      else
+        echo "llama-cpp-moe: no llama.cpp build or no model (see llama-cpp-build.log)" >> "$summary"; rc=1
+      fi ;;
+    moe-file)
+      # hostembed on the file the llama-cpp-moe step wrote (on this warm machine): one stream's decode
+      # after a 64-token prompt, a 4,096-token prompt, and 1, 16 and 64 streams at a 512-token cache.
+      rc=0
+      log="$OUT/moe-file.log"
+      model=.gpu/models/qwen3-30b-a3b-q4_k_m.gguf
+      if [ -f "$model" ]; then
+        run_bench bench_decode --model "$model" --no-kernels --no-mmv --prompt 64,4096 --tokens 128 --runs 3 --greedy
+        run_bench bench_batch --model "$model" --streams 1,16,64 --no-long --no-host-rows --steps 32
+        grep -E "^\| (greedy|1|16|64) " "$log" >> "$summary"
+      else
+        echo "moe-file: no $model (run llama-cpp-moe first on the same machine)" >> "$summary"; rc=1
+      fi ;;
     server-load)
       "$B/scripts/server-load.sh" "$B" "$OUT/server-load" > "$OUT/server-load-run.log" 2>&1; rc=$?
       cat "$OUT/server-load/server-load.txt" >> "$summary" 2>/dev/null

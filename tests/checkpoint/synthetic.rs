@@ -75,3 +75,42 @@ fn synthetic_weights_follow_the_formula_across_threads() {
         synthetic_weights(&cfg, seed, DType::F16)[0].data
     );
 }
+
+/// A benchmark GGUF (`write_benchmark_gguf_kv`): the same tensors, formats and metadata as the synthetic
+/// file, its block-format matrices 64 random rows repeated (each matrix and each expert its own) and its
+/// float matrices and norms the formula's; the CPU model decodes it.
+#[test]
+fn a_benchmark_gguf_repeats_64_rows_of_each_block_matrix() {
+    use hostembed::checkpoint::Checkpoint;
+    use hostembed::checkpoint::write::{Recipe, write_benchmark_gguf_kv, write_synthetic_gguf};
+    use hostembed::model::TensorSource;
+    let dir = crate::common::Scratch::new("benchmark-gguf");
+    let cfg = ModelConfig::qwen3_moe(256, 2, 4, 4, 2, 128, 1000);
+    let (quick, full) = (dir.join("quick.gguf"), dir.join("full.gguf"));
+    write_benchmark_gguf_kv(&quick, &cfg, 5, Recipe::Q4KM, &[]).unwrap();
+    write_synthetic_gguf(&full, &cfg, 5, Recipe::Q4KM).unwrap();
+    let (q, f) = (Checkpoint::open(&quick).unwrap(), Checkpoint::open(&full).unwrap());
+    assert_eq!(q.config, f.config);
+    let mut repeated = 0;
+    for (name, shape) in expected_tensors(&cfg) {
+        let (a, b) = (q.tensor(&name).unwrap(), f.tensor(&name).unwrap());
+        assert_eq!((a.dtype, a.shape), (b.dtype, b.shape), "{name}");
+        if shape.len() == 2 && a.dtype.format().block_values > 1 {
+            let row = a.bytes.len() / shape[0];
+            assert_ne!(a.bytes, b.bytes, "{name}: sampled rows, not the formula's");
+            for (i, chunk) in a.bytes.chunks(row).enumerate().skip(64) {
+                assert_eq!(chunk, &a.bytes[(i % 64) * row..(i % 64 + 1) * row], "{name} row {i}");
+            }
+            repeated += (shape[0] > 64) as usize;
+        } else {
+            assert_eq!(a.bytes, b.bytes, "{name}: the formula's");
+        }
+    }
+    assert!(repeated > 4, "{repeated} matrices past 64 rows");
+    let gate0 = q.tensor("model.layers.0.mlp.experts.0.gate_proj.weight").unwrap();
+    let gate1 = q.tensor("model.layers.0.mlp.experts.1.gate_proj.weight").unwrap();
+    assert_ne!(gate0.bytes, gate1.bytes, "each expert its own rows");
+    let model = hostembed::cpu::CpuModel::new(&q).unwrap();
+    let mut stream = model.new_stream(16);
+    assert!(model.forward(&mut stream, &[1, 2, 3]).unwrap().iter().all(|v| v.is_finite()));
+}

@@ -6,7 +6,7 @@ use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 
-use super::synthetic::{Recipe, synthetic_bytes};
+use super::synthetic::{Recipe, sampled_bytes, synthetic_bytes};
 use super::{OwnedTensor, io_error, stored_bytes};
 use crate::checkpoint::gguf::{self, DEFAULT_ALIGNMENT, GgufValue};
 use crate::checkpoint::{ROPE_FREQS, expected_tensors, llama3_rope_factors};
@@ -77,6 +77,8 @@ enum GgufData<'a> {
     Owned(Vec<u8>),
     Synthetic {
         seed: u64,
+        /// Block-format matrices repeat 64 random rows (`sampled_bytes`) instead of the formula's.
+        quick: bool,
     },
     /// A layer's experts of one role stacked, expert 0 first, as llama.cpp stores them.
     Experts(Vec<GgufEntry<'a>>),
@@ -88,8 +90,11 @@ impl GgufEntry<'_> {
         let hf: Cow<[u8]> = match &self.data {
             GgufData::Bytes(b) => Cow::Borrowed(b),
             GgufData::Owned(v) => Cow::Borrowed(v),
-            GgufData::Synthetic { seed } => {
+            GgufData::Synthetic { seed, quick: false } => {
                 Cow::Owned(synthetic_bytes(&self.canonical, &self.shape, self.dtype, *seed))
+            }
+            GgufData::Synthetic { seed, quick: true } => {
+                Cow::Owned(sampled_bytes(&self.canonical, &self.shape, self.dtype, *seed))
             }
             GgufData::Experts(experts) => Cow::Owned(experts.iter().flat_map(|e| e.bytes(cfg).into_owned()).collect()),
         };
@@ -310,7 +315,29 @@ pub fn write_synthetic_gguf_kv(
     recipe: impl Into<Recipe>,
     extra_kv: &[(String, GgufValue)],
 ) -> Result<()> {
-    let recipe = recipe.into();
+    write_generated_gguf(path, cfg, seed, recipe.into(), false, extra_kv)
+}
+
+/// `write_synthetic_gguf_kv` for benchmarks: block-format matrices repeat 64 random rows each, as
+/// `MemSource::benchmark`'s do (the large shapes' files at the disk's speed rather than the encoder's).
+pub fn write_benchmark_gguf_kv(
+    path: &Path,
+    cfg: &ModelConfig,
+    seed: u64,
+    recipe: impl Into<Recipe>,
+    extra_kv: &[(String, GgufValue)],
+) -> Result<()> {
+    write_generated_gguf(path, cfg, seed, recipe.into(), true, extra_kv)
+}
+
+fn write_generated_gguf(
+    path: &Path,
+    cfg: &ModelConfig,
+    seed: u64,
+    recipe: Recipe,
+    quick: bool,
+    extra_kv: &[(String, GgufValue)],
+) -> Result<()> {
     let mut entries: Vec<GgufEntry> = expected_tensors(cfg)
         .into_iter()
         .map(|(canonical, shape)| GgufEntry {
@@ -320,7 +347,7 @@ pub fn write_synthetic_gguf_kv(
             dtype: recipe.dtype(cfg, &canonical, &shape),
             canonical,
             shape,
-            data: GgufData::Synthetic { seed },
+            data: GgufData::Synthetic { seed, quick },
         })
         .collect();
     entries.extend(rope_freqs_entry(cfg));

@@ -13,8 +13,8 @@ mod hf;
 mod synthetic;
 
 pub use self::gguf::{
-    gguf_metadata, permute_qk_rows, unpermute_qk_rows, write_gguf, write_gguf_dequantized, write_gguf_experts_apart,
-    write_synthetic_gguf, write_synthetic_gguf_kv,
+    gguf_metadata, permute_qk_rows, unpermute_qk_rows, write_benchmark_gguf_kv, write_gguf, write_gguf_dequantized,
+    write_gguf_experts_apart, write_synthetic_gguf, write_synthetic_gguf_kv,
 };
 pub use self::hf::{hf_config_json, write_hf_folder, write_synthetic_hf};
 pub use self::synthetic::{MemSource, Recipe, random_matrix, synthetic_dtype, synthetic_element, synthetic_weights};

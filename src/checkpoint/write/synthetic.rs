@@ -224,13 +224,32 @@ impl MemSource {
             }
             let dtype = recipe.dtype(cfg, &t.name, &t.shape);
             let (rows, cols) = (t.shape[0], t.shape[1]);
-            let Some(row_bytes) = dtype.row_bytes(cols) else { continue };
-            let sample = random_matrix(dtype, rows.min(64), cols, 100 + k as u64);
-            t.data = sample.iter().copied().cycle().take(rows * row_bytes).collect();
+            if dtype.row_bytes(cols).is_none() {
+                continue;
+            }
+            t.data = sampled_rows(dtype, rows, cols, 100 + k as u64);
             t.dtype = dtype;
         }
         src
     }
+}
+
+/// `rows` rows of `cols` values in `dtype` (a format whose rows are whole blocks) that repeat 64 random
+/// rows (`random_matrix`): read at the same speed as any, and quick to make where encoding every row of
+/// a block format takes minutes.
+fn sampled_rows(dtype: DType, rows: usize, cols: usize, seed: u64) -> Vec<u8> {
+    let row_bytes = dtype.row_bytes(cols).expect("rows of whole blocks");
+    let sample = random_matrix(dtype, rows.min(64), cols, seed);
+    sample.iter().copied().cycle().take(rows * row_bytes).collect()
+}
+
+/// `synthetic_bytes`, but a block format's matrix repeats 64 random rows of its own (`sampled_rows`,
+/// seeded by `seed` and the name); float formats and vectors are `synthetic_bytes`' formula.
+pub(super) fn sampled_bytes(name: &str, shape: &[usize], dtype: DType, seed: u64) -> Vec<u8> {
+    if shape.len() != 2 || dtype.format().block_values == 1 {
+        return synthetic_bytes(name, shape, dtype, seed);
+    }
+    sampled_rows(dtype, shape[0], shape[1], seed ^ fnv1a64(name.as_bytes()))
 }
 
 /// `rows` x `cols` uniform random values within 1/sqrt(cols), encoded in `dtype` on every core.
