@@ -65,6 +65,7 @@ mkdir -p .gpu/bundle/models && cp models/gguf-f16.gguf .gpu/bundle/models/
 [ -d assets ] && cp -r assets .gpu/bundle/
 strip .gpu/bundle/tests/* .gpu/bundle/examples/* .gpu/bundle/server/hostembed-server .gpu/bundle/libhostembed.so 2>/dev/null || true
 # Every binary carries the same kernels: a dictionary wider than one binary packs the copies as one.
-XZ_OPT="-T1 --lzma2=preset=6,dict=192MiB" tar -C .gpu -cJf .gpu/bundle.tar.xz bundle
+# Written aside and renamed, so a call carrying the last bundle meanwhile never finds half of one.
+XZ_OPT="-T1 --lzma2=preset=6,dict=192MiB" tar -C .gpu -cJf .gpu/bundle.tar.xz.new bundle && mv .gpu/bundle.tar.xz.new .gpu/bundle.tar.xz
 rm -rf .gpu/bundle
 ls -la .gpu/bundle.tar.xz
