@@ -32,7 +32,8 @@ if [ "${1:-}" = --patch ]; then
   ls -la .gpu/patch.tar.xz
   exit 0
 fi
-rm -rf .gpu && mkdir -p .gpu/bundle/tests .gpu/bundle/examples
+# The last bundle stays until this one replaces it; other carried files (llama.cpp.tar.xz) stay.
+rm -rf .gpu/bundle .gpu/bundle.tar.xz.new .gpu/patch.tar.xz && mkdir -p .gpu/bundle/tests .gpu/bundle/examples
 cargo build --release --lib --examples
 test_binaries | while read -r name exe; do
   case "$name" in gpu_*) cp "$exe" ".gpu/bundle/tests/$name" ;; esac
