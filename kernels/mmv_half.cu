@@ -74,6 +74,16 @@ __global__ __launch_bounds__(MMV_THREADS, NT <= 2 ? MMV_SMALL_MIN_BLOCKS : 2) vo
     for (int j = 0; j < NT; j++)
 #pragma unroll
         for (int e = 0; e < 4; e++) acc[j][e] = 0.f;
+#if MMV_HALF_TWO_CHAINS
+    // The measured alternative: the lo products in a chain of their own at every token count, added to
+    // the hi chain's sums once at the end (two independent chains, half the dependent latency; still the
+    // same roundings for a token in any launch, but other bits than the one chain's).
+    float acc_lo[NT][4];
+#pragma unroll
+    for (int j = 0; j < NT; j++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) acc_lo[j][e] = 0.f;
+#endif
 
     // Activations of columns [c0, c0 + len) into shared memory, every load issued before the stores: 8
     // 16-byte loads a thread in flight where the weights stream for up to 16 tokens (8 streams 1,309 ->
@@ -140,6 +150,9 @@ __global__ __launch_bounds__(MMV_THREADS, NT <= 2 ? MMV_SMALL_MIN_BLOCKS : 2) vo
             }
             const float f0 = mmv_pow2(sign * e0), f1 = mmv_pow2(sign * e1);
             acc[j][0] *= f0, acc[j][2] *= f0, acc[j][1] *= f1, acc[j][3] *= f1;
+#if MMV_HALF_TWO_CHAINS
+            acc_lo[j][0] *= f0, acc_lo[j][2] *= f0, acc_lo[j][1] *= f1, acc_lo[j][3] *= f1;
+#endif
         }
     };
 
@@ -170,7 +183,11 @@ __global__ __launch_bounds__(MMV_THREADS, NT <= 2 ? MMV_SMALL_MIN_BLOCKS : 2) vo
                     const unsigned int a[4] = {fa[k][0], fb[k][0], fa[k][1], fb[k][1]};
                     const uint4 v = *reinterpret_cast<const uint4 *>(xb + tok * stride + 4 * (c + R::group(t, k)));
                     R::Op::mma(acc[j], a, v.x, v.y);  // hi
+#if MMV_HALF_TWO_CHAINS
+                    R::Op::mma(acc_lo[j], a, v.z, v.w);  // lo
+#else
                     R::Op::mma(acc[j], a, v.z, v.w);  // lo
+#endif
                 }
             }
             if constexpr (R::SCALED)
@@ -242,6 +259,12 @@ __global__ __launch_bounds__(MMV_THREADS, NT <= 2 ? MMV_SMALL_MIN_BLOCKS : 2) vo
         }
     }
 
+#if MMV_HALF_TWO_CHAINS
+#pragma unroll
+    for (int j = 0; j < NT; j++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) acc[j][e] += acc_lo[j][e];
+#endif
     mmv_write_tiles<GLU, NT>(shape, n, rows, rw, bias, residual, y, ldy, partial, counters, acc, t);
 }
 

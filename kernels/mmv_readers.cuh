@@ -56,6 +56,9 @@ constexpr unsigned MMVQ_LAUNCH_TOKENS = 16;
 #ifndef MMV_BF16_UNROLL
 #define MMV_BF16_UNROLL 4
 #endif
+#ifndef MMV_HALF_TWO_CHAINS  // 1: the half kernel's lo products in a second accumulator chain (kernels/mmv_half.cu)
+#define MMV_HALF_TWO_CHAINS 0
+#endif
 // The kernels only a tuning setting asks for (mmv_stage staging a format's weights where it streams them by
 // default, mmvq_tokens past MMVQ_LAUNCH_TOKENS): a third of this file's instantiations and of its build
 // time, so built only with -DMMV_TUNING_KERNELS=1; without, those settings give the default kernels.

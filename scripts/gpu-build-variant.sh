@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Builds example binaries with kernel tuning knobs set (HOSTEMBED_KERNEL_DEFINES) and packs them into
-# .gpu/NAME.tar.xz, to be carried beside the bundle and timed against it in the same run:
-#   scripts/gpu-build-variant.sh NAME "-DAT_MIN_BLOCKS=3 -DAT_MAX_BATCH=8" bench_decode bench_batch
-# On the GPU machine: tar -C /tmp -xJf .gpu/NAME.tar.xz, then run /tmp/NAME/bench_decode ...
-# Run it after scripts/gpu-build.sh (which empties .gpu). Its build folder is target/variant-NAME.
+# Builds example (and GPU test) binaries with kernel tuning knobs set (HOSTEMBED_KERNEL_DEFINES) and packs
+# them into .gpu/NAME.tar.xz, to be carried beside the bundle and timed against it in the same run:
+#   scripts/gpu-build-variant.sh NAME "-DAT_MIN_BLOCKS=3 -DAT_MAX_BATCH=8" bench_decode bench_batch gpu_kernels
+# A name with a tests/NAME.rs or tests/NAME/ is that test binary. On the GPU machine:
+# tar -C /tmp -xJf .gpu/NAME.tar.xz, then run /tmp/NAME/bench_decode ... Its build folder is
+# target/variant-NAME.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ $# -ge 3 ] || { echo "usage: $0 NAME DEFINES EXAMPLE..." >&2; exit 2; }
@@ -11,11 +12,24 @@ name=$1 defines=$2
 shift 2
 export HOSTEMBED_CUDA_ARCHS="${HOSTEMBED_CUDA_ARCHS:-90}"
 scripts/install-cuda.sh >/dev/null
-examples=()
-for ex in "$@"; do examples+=(--example "$ex"); done
-HOSTEMBED_KERNEL_DEFINES="$defines" CARGO_TARGET_DIR="target/variant-$name" cargo build --release "${examples[@]}"
+examples=() tests=()
+for ex in "$@"; do
+  if [ -e "tests/$ex.rs" ] || [ -d "tests/$ex" ]; then tests+=(--test "$ex"); else examples+=(--example "$ex"); fi
+done
+export HOSTEMBED_KERNEL_DEFINES="$defines" CARGO_TARGET_DIR="target/variant-$name"
 mkdir -p .gpu && rm -rf ".gpu/$name" && mkdir ".gpu/$name"
-for ex in "$@"; do cp "target/variant-$name/release/examples/$ex" ".gpu/$name/"; done
+if [ ${#examples[@]} -gt 0 ]; then
+  cargo build --release "${examples[@]}"
+  for ex in "${examples[@]}"; do [ "$ex" = --example ] || cp "target/variant-$name/release/examples/$ex" ".gpu/$name/"; done
+fi
+if [ ${#tests[@]} -gt 0 ]; then
+  cargo test --release --no-run --message-format=json "${tests[@]}" 2>/dev/null | python3 -c '
+import json, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["test"]:
+        print(m["target"]["name"], m["executable"])' | while read -r test exe; do cp "$exe" ".gpu/$name/$test"; done
+fi
 echo "$defines" > ".gpu/$name/DEFINES"
 strip ".gpu/$name"/* 2>/dev/null || true
 # Every binary carries the same kernels: a dictionary wider than one binary packs the copies as one.

@@ -2,7 +2,7 @@
 # Runs on the GPU machine from the repo root: unpacks .gpu/bundle.tar.xz and runs the GPU suite,
 # then whatever steps are named (default: tests). Logs go to $OUT (or ./gpu-out).
 # Steps: info tests tests-parallel targets formats prep tc-blocks attention-wide targets-f16 targets-kv wgmma local-pool tensor-parallel sanitize profile-decode profile-mmv hfref bench-embed bench-decode bench-mmv bench-model bench-prefill bench-prefill-quant
-# bench-convert bench-kv torch-prefill server-load llama-cpp-moe moe-file, or any example's name (HOSTEMBED_MEMCHECK=0 leaves
+# bench-convert bench-kv torch-prefill server-load llama-cpp-moe moe-file two-chains, or any example's name (HOSTEMBED_MEMCHECK=0 leaves
 # local-pool's and tensor-parallel's memcheck out). server-load measures the
 # server's targets (scripts/server-load.sh: a 16 GB Llama-3-8B-shaped file written under /tmp, batch.c,
 # decode.c and hostembed-server with load.py on it; about 4 minutes, meant for a call of its own). bench-mmv times the decode products alone
@@ -112,6 +112,26 @@ for step in $steps; do
       "$B/examples/bench_convert" > "$OUT/bench-convert.log" 2>&1; rc=$?
       "$B/examples/bench_convert" --all --out f16 >> "$OUT/bench-convert.log" 2>&1; r=$?
       [ $r -ne 0 ] && rc=$r ;;
+    two-chains)
+      # The half decode products' lo products in a second accumulator chain (kernels/mmv_half.cu built with
+      # -DMMV_HALF_TWO_CHAINS=1, carried as .gpu/two-chains.tar.xz by scripts/gpu-build-variant.sh) against
+      # the one chain as shipped: the variant's decode-product tests (bits against the host, every token
+      # count's bits alike), then both builds' F16 and BF16 products alone at 1 to 64 tokens and the F16
+      # model's 64 streams.
+      rc=0
+      log="$OUT/two-chains.log"
+      tar -C /tmp -xJf .gpu/two-chains.tar.xz || { echo "two-chains: no .gpu/two-chains.tar.xz" >> "$summary"; rc=1; continue; }
+      V=/tmp/two-chains
+      "$V/gpu_kernels" --test-threads=1 mmv_is_batch mmv_matches > "$OUT/test-two-chains.log" 2>&1 || rc=$?
+      grep -h "^test result" "$OUT/test-two-chains.log" >> "$summary"
+      for bin in "$B/examples" "$V"; do
+        echo "== $bin ($(cat "$bin/DEFINES" 2>/dev/null || echo as shipped))" >> "$log"
+        for dt in F16 BF16; do
+          "$bin/bench_decode" --kernels-only --no-matvec --mmv-only $dt >> "$log" 2>&1 || rc=$?
+        done
+        "$bin/bench_batch" --dtype f16 --streams 64 --no-long --no-host-rows --steps 32 >> "$log" 2>&1 || rc=$?
+      done
+      grep -E "^== |^\| 64 " "$log" >> "$summary" ;;
     llama-cpp-moe)
       # llama.cpp on Qwen3-30B-A3B's shape in the Q4_K_M mix (a 17 GB GGUF with the repo's tokenizer,
       # examples/write_model --quick, written while llama.cpp builds from a carried .gpu/llama.cpp.tar.xz;
