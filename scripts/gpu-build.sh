@@ -27,7 +27,8 @@ if [ "${1:-}" = --patch ]; then
   args=(); for name in "$@"; do args+=(--test "$name"); done
   test_binaries "${args[@]}" | while read -r name exe; do cp "$exe" ".gpu/patch/bundle/tests/$name"; done
   strip .gpu/patch/bundle/tests/*
-  XZ_OPT="-T1 --lzma2=preset=6" tar -C .gpu/patch -cJf .gpu/patch.tar.xz bundle
+  # A dictionary wider than one binary packs the kernels every binary carries once.
+  XZ_OPT="-T1 --lzma2=preset=6,dict=192MiB" tar -C .gpu/patch -cJf .gpu/patch.tar.xz bundle
   rm -rf .gpu/patch
   ls -la .gpu/patch.tar.xz
   exit 0

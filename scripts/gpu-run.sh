@@ -115,16 +115,18 @@ for step in $steps; do
     two-chains)
       # The half decode products' lo products in a second accumulator chain (kernels/mmv_half.cu built with
       # -DMMV_HALF_TWO_CHAINS=1, carried as .gpu/two-chains.tar.xz by scripts/gpu-build-variant.sh) against
-      # the one chain as shipped: the variant's decode-product tests (bits against the host, every token
-      # count's bits alike), then both builds' F16 and BF16 products alone at 1 to 64 tokens and the F16
-      # model's 64 streams.
+      # the one chain as shipped (the bundle's, or a .gpu/one-chain.tar.xz variant built with =0, which with
+      # the other fits a call's carry without the bundle): the variant's decode-product tests (bits against
+      # the host, every token count's bits alike), then both builds' F16 and BF16 products alone at 1 to 64
+      # tokens and the F16 model's 64 streams.
       rc=0
       log="$OUT/two-chains.log"
       tar -C /tmp -xJf .gpu/two-chains.tar.xz || { echo "two-chains: no .gpu/two-chains.tar.xz" >> "$summary"; rc=1; continue; }
-      V=/tmp/two-chains
+      V=/tmp/two-chains base="$B/examples"
+      [ -f .gpu/one-chain.tar.xz ] && tar -C /tmp -xJf .gpu/one-chain.tar.xz && base=/tmp/one-chain
       "$V/gpu_kernels" --test-threads=1 mmv_is_batch mmv_matches > "$OUT/test-two-chains.log" 2>&1 || rc=$?
       grep -h "^test result" "$OUT/test-two-chains.log" >> "$summary"
-      for bin in "$B/examples" "$V"; do
+      for bin in "$base" "$V"; do
         echo "== $bin ($(cat "$bin/DEFINES" 2>/dev/null || echo as shipped))" >> "$log"
         for dt in F16 BF16; do
           "$bin/bench_decode" --kernels-only --no-matvec --mmv-only $dt >> "$log" 2>&1 || rc=$?
@@ -271,11 +273,12 @@ for step in $steps; do
       unset HOSTEMBED_ATTENTION_WIDE ;;
     local-pool)
       # Gemma 3's sliding-window layers in a pool of their own: the pool test against one pool, the
-      # Gemma 3 suite (again with head size 256 on flash attention), and the pool test under compute-sanitizer's memcheck (a released page is never read).
+      # Gemma 3 suite (again with head size 256 on the split kernel), and the pool test under
+      # compute-sanitizer's memcheck (a released page is never read).
       rc=0
       run_test gpu_gemma3_pool || rc=$?
       run_test gpu_gemma3 || rc=$?
-      HOSTEMBED_FLASH_HEAD_256=1 run_test gpu_gemma3 -flash256 || rc=$?
+      HOSTEMBED_FLASH_HEAD_256=0 run_test gpu_gemma3 -split256 || rc=$?
       grep -h "^test result" "$OUT"/test-gpu_gemma3*.log >> "$summary"
       if [ "${HOSTEMBED_MEMCHECK:-1}" != 0 ]; then
         timeout 300 compute-sanitizer --error-exitcode 99 "$B/tests/gpu_gemma3_pool" --test-threads=1 \

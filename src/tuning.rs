@@ -31,8 +31,9 @@ pub const MMV_PREP_ENV: &str = "HOSTEMBED_MMV_PREP";
 /// "0": the block formats' decode products of more than 8 tokens take the streamed integer kernel (16
 /// tokens a launch) instead of the tile kernel (all of a pass's tokens against one read of the weights).
 pub const MMV_TC_BLOCKS_ENV: &str = "HOSTEMBED_MMV_TC_BLOCKS";
-/// "1": half decode products of more than 8 tokens take the warpgroup products on an sm_90 card instead of
-/// mma.sync; "2": the pipelined warpgroup kernel; "0" (the default): mma.sync.
+/// "0": half decode products of more than 8 tokens take mma.sync instead of Hopper's warpgroup products on
+/// an sm_90 card (the same bits; the default, "1", measured 1.27x on the 64-token F16 product); "2": the
+/// pipelined warpgroup kernel (slower).
 pub const MMV_WGMMA_ENV: &str = "HOSTEMBED_MMV_WGMMA";
 /// "0": a prompt chunk's flash attention never cuts its context in parts (one block a query tile and head).
 pub const FLASH_PARTS_ENV: &str = "HOSTEMBED_FLASH_PARTS";
@@ -42,8 +43,8 @@ pub const ATTENTION_WIDE_ENV: &str = "HOSTEMBED_ATTENTION_WIDE";
 /// "1": on CUDA, a model's sliding-window layers keep only their window in a KV pool of their own, as on
 /// the CPU (off until a card has run its tests).
 pub const CUDA_LOCAL_POOL_ENV: &str = "HOSTEMBED_CUDA_LOCAL_POOL";
-/// "1": on CUDA, prompt chunks of head size 256 (Gemma 3's) take flash attention with a 16-bit cache
-/// (off until a card has run its test; the split kernel otherwise).
+/// "0": on CUDA, prompt chunks of head size 256 (Gemma 3's) take the split kernel instead of flash attention
+/// with a 16-bit cache (on by default since a card ran its test).
 pub const FLASH_HEAD_256_ENV: &str = "HOSTEMBED_FLASH_HEAD_256";
 /// "1": an engine of `options.devices` N > 1 runs its N ranks on `options.device` alone, meeting through
 /// the host instead of NCCL (no graphs): the split's code path on a one-card machine.
@@ -109,8 +110,9 @@ pub struct Tuning {
     /// the streamed kernel; at 64 tokens 1.7-2x faster on the H100).
     pub mmv_tc_blocks: bool,
     /// Whether half decode products of more than 8 tokens take Hopper's warpgroup products on an sm_90
-    /// card (meant to give the mma.sync kernel's bits): 0 no, 1 yes, 2 the pipelined kernel. Off until a
-    /// card has run its tests and benchmarks (`scripts/gpu-run.sh wgmma`).
+    /// card (the mma.sync kernel's bits, which the kernel tests check): 0 no, 1 yes (the default: 1.27x
+    /// on the 64-token F16 product, 64 F16 streams 4,137 -> 4,990 tok/s on the H100), 2 the pipelined
+    /// kernel (slower than either).
     pub mmv_wgmma: u32,
     /// Whether a short prompt chunk's flash attention cuts a long context in parts to fill the card.
     pub flash_parts: bool,
@@ -122,8 +124,8 @@ pub struct Tuning {
     /// Whether a CUDA model's sliding-window layers keep only their window in a KV pool of their own
     /// (the same kernels and bits, less memory). Off until a card has run its tests.
     pub cuda_local_pool: bool,
-    /// Whether prompt chunks of head size 256 take flash attention (a 16-bit cache). Off until a card
-    /// has run its test.
+    /// Whether prompt chunks of head size 256 take flash attention (a 16-bit cache; the split kernel
+    /// with an 8-bit one).
     pub flash_head_256: bool,
     /// Whether a tensor-parallel engine's ranks all share `options.device` (for checking the split on one
     /// card: the same shards and sums, slower).
@@ -145,12 +147,12 @@ impl Default for Tuning {
             mmvq_tokens: 0,
             mmv_prep: true,
             mmv_tc_blocks: true,
-            mmv_wgmma: 0,
+            mmv_wgmma: 1,
             flash_parts: true,
             moe_grouped: true,
             attention_wide: None,
             cuda_local_pool: false,
-            flash_head_256: false,
+            flash_head_256: true,
             split_one_device: false,
         }
     }
@@ -214,7 +216,7 @@ impl Tuning {
                 _ => None,
             }),
             cuda_local_pool: var(CUDA_LOCAL_POOL_ENV).map_or(d.cuda_local_pool, |v| v.trim() == "1"),
-            flash_head_256: var(FLASH_HEAD_256_ENV).map_or(d.flash_head_256, |v| v.trim() == "1"),
+            flash_head_256: var(FLASH_HEAD_256_ENV).map_or(d.flash_head_256, |v| v.trim() != "0"),
             split_one_device: var(SPLIT_ONE_DEVICE_ENV).map_or(d.split_one_device, |v| v.trim() == "1"),
         }
     }
@@ -269,7 +271,7 @@ mod tests {
         assert_eq!(with(&[(MMV_WGMMA_ENV, "2")]).mmv_wgmma, 2);
         assert_eq!(with(&[(MMV_WGMMA_ENV, "3")]).mmv_wgmma, d.mmv_wgmma);
         assert_eq!(with(&[(MMV_WGMMA_ENV, "1")]).mmv_wgmma, 1);
-        assert_eq!(d.mmv_wgmma, 0);
+        assert_eq!(d.mmv_wgmma, 1);
         assert_eq!(with(&[(ATTENTION_WIDE_ENV, "0")]).attention_wide, Some(false));
         assert_eq!(with(&[(ATTENTION_WIDE_ENV, "1")]).attention_wide, Some(true));
         assert_eq!(with(&[(ATTENTION_WIDE_ENV, "auto")]).attention_wide, None);

@@ -67,10 +67,13 @@ fn gpu_local_pool_gives_one_pools_bits() {
         for round in 0..160 {
             let at = format!("{what}, round {round}");
             let s = rng.below(STREAMS as u64) as usize;
-            if hist[s].len() + 2400 > WINDOW {
-                local.reset(s as u32).unwrap();
-                one.reset(s as u32).unwrap();
-                hist[s].clear();
+            // Any stream a batch may take holds room for the longest item (2,348 tokens).
+            for o in 0..STREAMS {
+                if hist[o].len() + 2400 > WINDOW {
+                    local.reset(o as u32).unwrap();
+                    one.reset(o as u32).unwrap();
+                    hist[o].clear();
+                }
             }
             let next = |rng: &mut Rng| -> Vec<u32> {
                 let n = match rng.below(8) {
