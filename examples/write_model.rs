@@ -11,7 +11,7 @@
 //! Qwen3-30B-A3B's Mixture-of-Experts shape (`qwen3moe`: 48 layers, 128 experts, 8 a token) and moe-small
 //! 2 of its layers with 16 experts and a vocabulary of 8192. A dtype is any one format for every matrix,
 //! or q4_k_m for llama-quantize's Q4_K_M mix (Q6_K for the head and half the layers' attn_v and
-//! ffn_down). `--quick`: block-format matrices repeat 64 random rows each (`write_benchmark_gguf_kv`: read
+//! ffn_down). `--quick`: block-format matrices repeat 64 random rows each (`Fill::SampledRows`: read
 //! at the same speed, written at the disk's rather than the encoder's; Qwen3-30B-A3B's Q4_K_M is 17 GB).
 //! The tokenizer's ids come
 //! first; the ids past them are padded with tokens no merge makes (` w512`, ` w513`, ...), so prompts
@@ -20,7 +20,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use hostembed::checkpoint::write::{GgufValue, Recipe, write_benchmark_gguf_kv, write_synthetic_gguf_kv};
+use hostembed::checkpoint::write::{Fill, GgufValue, Recipe, write_generated_gguf};
 use hostembed::model::ModelConfig;
 use hostembed::tensor::DType;
 use hostembed::tokenizer::{self, token_type};
@@ -91,11 +91,8 @@ fn run() -> hostembed::Result<()> {
     let mut kv = vocab.gguf_kv("gpt-2");
     // BOS first, as Llama 3 has it: every caller (the server, batch.c, decode.c) then reads the same ids.
     kv.push(("tokenizer.ggml.add_bos_token".into(), GgufValue::Bool(true)));
-    if quick {
-        write_benchmark_gguf_kv(&out, &cfg, seed, dtype, &kv)?;
-    } else {
-        write_synthetic_gguf_kv(&out, &cfg, seed, dtype, &kv)?;
-    }
+    let fill = if quick { Fill::SampledRows { seed } } else { Fill::Formula { seed } };
+    write_generated_gguf(&out, &cfg, fill, dtype, &kv)?;
     let bytes = std::fs::metadata(&out).map_err(|e| hostembed::err!(IoError, "{}: {e}", out.display()))?.len();
     let secs = start.elapsed().as_secs_f64();
     println!(

@@ -76,18 +76,18 @@ fn synthetic_weights_follow_the_formula_across_threads() {
     );
 }
 
-/// A benchmark GGUF (`write_benchmark_gguf_kv`): the same tensors, formats and metadata as the synthetic
+/// A benchmark GGUF (`write_generated_gguf` with `Fill::SampledRows`): the same tensors, formats and metadata as the synthetic
 /// file, its block-format matrices 64 random rows repeated (each matrix and each expert its own) and its
 /// float matrices and norms the formula's; the CPU model decodes it.
 #[test]
 fn a_benchmark_gguf_repeats_64_rows_of_each_block_matrix() {
     use hostembed::checkpoint::Checkpoint;
-    use hostembed::checkpoint::write::{Recipe, write_benchmark_gguf_kv, write_synthetic_gguf};
+    use hostembed::checkpoint::write::{Fill, Recipe, write_generated_gguf, write_synthetic_gguf};
     use hostembed::model::TensorSource;
     let dir = crate::common::Scratch::new("benchmark-gguf");
     let cfg = ModelConfig::qwen3_moe(256, 2, 4, 4, 2, 128, 1000);
     let (quick, full) = (dir.join("quick.gguf"), dir.join("full.gguf"));
-    write_benchmark_gguf_kv(&quick, &cfg, 5, Recipe::Q4KM, &[]).unwrap();
+    write_generated_gguf(&quick, &cfg, Fill::SampledRows { seed: 5 }, Recipe::Q4KM, &[]).unwrap();
     write_synthetic_gguf(&full, &cfg, 5, Recipe::Q4KM).unwrap();
     let (q, f) = (Checkpoint::open(&quick).unwrap(), Checkpoint::open(&full).unwrap());
     assert_eq!(q.config, f.config);

@@ -315,29 +315,32 @@ pub fn write_synthetic_gguf_kv(
     recipe: impl Into<Recipe>,
     extra_kv: &[(String, GgufValue)],
 ) -> Result<()> {
-    write_generated_gguf(path, cfg, seed, recipe.into(), false, extra_kv)
+    write_generated_gguf(path, cfg, Fill::Formula { seed }, recipe.into(), extra_kv)
 }
 
-/// `write_synthetic_gguf_kv` for benchmarks: block-format matrices repeat 64 random rows each, as
-/// `MemSource::benchmark`'s do (the large shapes' files at the disk's speed rather than the encoder's).
-pub fn write_benchmark_gguf_kv(
-    path: &Path,
-    cfg: &ModelConfig,
-    seed: u64,
-    recipe: impl Into<Recipe>,
-    extra_kv: &[(String, GgufValue)],
-) -> Result<()> {
-    write_generated_gguf(path, cfg, seed, recipe.into(), true, extra_kv)
+/// What fills a generated file's tensors.
+#[derive(Clone, Copy, Debug)]
+pub enum Fill {
+    /// `synthetic_weights`' formula for every tensor.
+    Formula { seed: u64 },
+    /// The formula for float formats and vectors; a block format's matrix repeats 64 random rows of its
+    /// own, as `MemSource::benchmark`'s do (for benchmarks: the large shapes' files at the disk's speed
+    /// rather than the encoder's).
+    SampledRows { seed: u64 },
 }
 
-fn write_generated_gguf(
+/// `write_synthetic_gguf_kv` filled as `fill` says.
+pub fn write_generated_gguf(
     path: &Path,
     cfg: &ModelConfig,
-    seed: u64,
+    fill: Fill,
     recipe: Recipe,
-    quick: bool,
     extra_kv: &[(String, GgufValue)],
 ) -> Result<()> {
+    let (seed, quick) = match fill {
+        Fill::Formula { seed } => (seed, false),
+        Fill::SampledRows { seed } => (seed, true),
+    };
     let mut entries: Vec<GgufEntry> = expected_tensors(cfg)
         .into_iter()
         .map(|(canonical, shape)| GgufEntry {

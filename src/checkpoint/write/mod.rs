@@ -13,7 +13,7 @@ mod hf;
 mod synthetic;
 
 pub use self::gguf::{
-    gguf_metadata, permute_qk_rows, unpermute_qk_rows, write_benchmark_gguf_kv, write_gguf, write_gguf_dequantized,
+    Fill, gguf_metadata, permute_qk_rows, unpermute_qk_rows, write_generated_gguf, write_gguf, write_gguf_dequantized,
     write_gguf_experts_apart, write_synthetic_gguf, write_synthetic_gguf_kv,
 };
 pub use self::hf::{hf_config_json, write_hf_folder, write_synthetic_hf};
