@@ -68,11 +68,11 @@ fn gpu_local_pool_gives_one_pools_bits() {
             let at = format!("{what}, round {round}");
             let s = rng.below(STREAMS as u64) as usize;
             // Any stream a batch may take holds room for the longest item (2,348 tokens).
-            for o in 0..STREAMS {
-                if hist[o].len() + 2400 > WINDOW {
+            for (o, h) in hist.iter_mut().enumerate() {
+                if h.len() + 2400 > WINDOW {
                     local.reset(o as u32).unwrap();
                     one.reset(o as u32).unwrap();
-                    hist[o].clear();
+                    h.clear();
                 }
             }
             let next = |rng: &mut Rng| -> Vec<u32> {

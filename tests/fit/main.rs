@@ -602,7 +602,7 @@ fn c_abi_plans_over_devices_like_rust() {
     let short = [device(20 * GIB), device(8 * GIB)];
     // SAFETY: as above.
     let status = unsafe { engine_fit_plan_devices(short.as_ptr(), 2, plans.as_mut_ptr(), &mut streams) };
-    assert_eq!((status, streams, plans[0].streams), (Status::NoRoom.into(), 0, 21));
+    assert_eq!((status, streams, plans[0].streams), (Status::NoRoom, 0, 21));
     assert!(error().starts_with("2 devices refuse: device 1 has a 0.50 GiB stream"), "{}", error());
 
     // SAFETY: every pointer is NULL or as above; the counts are refused before anything is read.
@@ -614,14 +614,14 @@ fn c_abi_plans_over_devices_like_rust() {
             (inputs.as_ptr(), 0, plans.as_mut_ptr(), &mut streams),
             (inputs.as_ptr(), 65, plans.as_mut_ptr(), &mut streams),
         ] {
-            assert_eq!(engine_fit_plan_devices(inputs, devices, plans, streams), Status::InvalidArgument.into());
+            assert_eq!(engine_fit_plan_devices(inputs, devices, plans, streams), Status::InvalidArgument);
         }
     }
     let bad = engine_fit_inputs { stream_bytes: 0, ..device(20 * GIB) };
     // SAFETY: as above.
     let status =
         unsafe { engine_fit_plan_devices([device(20 * GIB), bad].as_ptr(), 2, plans.as_mut_ptr(), &mut streams) };
-    assert_eq!(status, Status::InvalidArgument.into());
+    assert_eq!(status, Status::InvalidArgument);
     assert!(error().starts_with("device 1: "), "{}", error());
 
     // A placement C wrote out of range is named, not read as an enum: the plans' bytes copied into an
