@@ -552,6 +552,14 @@ enum engine_status engine_memory_stats(struct engine_memory *out);
 enum engine_status engine_plan_of(const struct engine *e,
                                   struct engine_plan *out);
 
+// Device `index`'s plan of an engine over `options.devices` (index 0 is `options.device`, rank order):
+// that device's own figures, its `streams` what it alone allows (the engine starts the fewest of them,
+// which `engine_plan_of` gives). On one device, index 0 is `engine_plan_of`'s plan. INVALID_ARGUMENT
+// past the engine's devices, UNSUPPORTED on the CPU backend.
+enum engine_status engine_plan_of_device(const struct engine *e,
+                                         uint32_t index,
+                                         struct engine_plan *out);
+
 // Appends `n` tokens (a prompt, or the last sampled token) to stream `stream` and writes the token the
 // stream's sampler picks next to `*next` (its `engine_sampling`, the options' unless
 // `engine_set_sampling` changed it; the draw depends on (seed, stream, position) only): a batch of one

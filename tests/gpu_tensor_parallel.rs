@@ -19,6 +19,7 @@ use common::{
 use hostembed::backend::{Batch, BatchItem, Decoder, Streams};
 use hostembed::checkpoint::write::{MemSource, Recipe, write_synthetic_hf};
 use hostembed::engine::{engine_options, engine_tristate};
+use hostembed::fit::engine_plan;
 use hostembed::gpu::collectives::SharedDevice;
 use hostembed::gpu::split::SplitBackend;
 use hostembed::gpu::{CudaBackend, GpuModel, PAGE_TOKENS, Sizing};
@@ -28,7 +29,7 @@ use hostembed::sampler::Sampling;
 use hostembed::shard::{RankSource, ShardPlan};
 use hostembed::tensor::DType;
 use hostembed::tuning::{SPLIT_ONE_DEVICE_ENV, Tuning};
-use hostembed::{Status, cuda};
+use hostembed::{Status, cuda, ffi};
 
 const WINDOW: usize = POOL_PAGES * PAGE_TOKENS;
 const MAX_BATCH: usize = 32;
@@ -295,6 +296,15 @@ fn gpu_engine_over_two_ranks_matches_one_device() {
         let one = engine_options { mmap_rows, ..cuda_options(512, 3, 64) };
         let (whole, split) = (init(&path, &one), init(&path, &engine_options { devices: 2, ..one }));
         assert_eq!(info(&split).streams, 3, "the split engine's streams");
+        // SAFETY: engine_plan is numbers and enums with a variant at 0: all zeros is a value of it.
+        let mut plans: [engine_plan; 3] = unsafe { std::mem::zeroed() };
+        for (d, plan) in plans.iter_mut().enumerate() {
+            // SAFETY: a live engine and a writable engine_plan.
+            let st = unsafe { ffi::engine_plan_of_device(split.0, d as u32, plan) };
+            assert_eq!(st, if d < 2 { Status::Ok } else { Status::InvalidArgument }, "device {d}");
+        }
+        assert!(plans[0].streams >= 3 && plans[1].streams >= 3, "each device's own streams");
+        assert_eq!(plans[0].on_card_bytes, plans[1].on_card_bytes, "two ranks of one split, alike");
         for s in 0..3 {
             let n = 5 + rng.below(40) as usize;
             let prompt = rng.ids(cfg.vocab, n);

@@ -80,6 +80,9 @@ pub struct Engine {
     _rank_rows: Vec<Rows>,
     bad_ids: Option<Mutex<PinnedBuffer>>,
     plan: Option<engine_plan>,
+    /// Each device's plan over `options.devices` (rank order; each one's `streams` what that device alone
+    /// allows); empty on one device.
+    device_plans: Vec<engine_plan>,
     inputs: Option<engine_fit_inputs>,
     options: engine_options,
     /// How the backend was told to run.
@@ -234,6 +237,17 @@ impl Engine {
     /// The plan the engine started with (its placement is where the rows went); None on the CPU backend.
     pub fn plan(&self) -> Option<&engine_plan> {
         self.plan.as_ref()
+    }
+
+    /// Device `index`'s plan (0 is `options.device`): on one device `plan()`, over several devices that
+    /// device's own (its `streams` what it alone allows; the engine starts the fewest). None past the
+    /// devices, or on the CPU backend.
+    pub fn device_plan(&self, index: usize) -> Option<&engine_plan> {
+        match self.device_plans.is_empty() {
+            true if index == 0 => self.plan.as_ref(),
+            true => None,
+            false => self.device_plans.get(index),
+        }
     }
 
     /// The figures the plan was made from; None on the CPU backend.

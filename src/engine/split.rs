@@ -23,14 +23,16 @@ use crate::tensor::DType;
 use crate::tuning::Tuning;
 
 /// What a split load hands the engine: the backend over the ranks, rank 0's rows (the engine's
-/// `rows`, which `engine_embed` gathers from) and the other rows the ranks read, and rank 0's plan
-/// and figures with the engine's stream count.
+/// `rows`, which `engine_embed` gathers from) and the other rows the ranks read, rank 0's plan and
+/// figures with the engine's stream count, and every device's plan.
 pub(super) struct SplitLoad {
     pub backend: Box<dyn Decoder>,
     pub rows: Rows,
     pub rank_rows: Vec<Rows>,
     pub plan: engine_plan,
     pub inputs: engine_fit_inputs,
+    /// Every device's plan, rank order.
+    pub device_plans: Vec<engine_plan>,
 }
 
 /// The devices of the ranks: `options.device` and the N - 1 after it, or N times `options.device`
@@ -172,5 +174,6 @@ pub(super) fn load_split(
         rank_rows: rows,
         plan: engine_plan { streams, ..planned.plans[0] },
         inputs: inputs[0],
+        device_plans: planned.plans,
     })
 }

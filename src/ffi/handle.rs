@@ -282,3 +282,31 @@ pub unsafe extern "C" fn engine_plan_of(e: *const engine, out: *mut engine_plan)
         }
     })
 }
+
+/// Device `index`'s plan of an engine over `options.devices` (index 0 is `options.device`, rank order):
+/// that device's own figures, its `streams` what it alone allows (the engine starts the fewest of them,
+/// which `engine_plan_of` gives). On one device, index 0 is `engine_plan_of`'s plan. INVALID_ARGUMENT
+/// past the engine's devices, UNSUPPORTED on the CPU backend.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn engine_plan_of_device(e: *const engine, index: u32, out: *mut engine_plan) -> engine_status {
+    guard("engine_plan_of_device", || {
+        // SAFETY: the caller passes an engine from engine_init_fit (or NULL, refused), not yet freed.
+        let e = unsafe { handle(e) }?;
+        // SAFETY: `out` is NULL (refused) or points to a writable engine_plan (the header's contract).
+        let out = unsafe { arg_mut(out, "out") }?;
+        let e = e.lock();
+        if e.plan().is_none() {
+            return Err(Error::new(Status::Unsupported, "the engine runs on the CPU backend and has no device plan"));
+        }
+        match e.device_plan(index as usize) {
+            Some(plan) => {
+                *out = *plan;
+                Ok(())
+            }
+            None => Err(Error::new(
+                Status::InvalidArgument,
+                format!("device {index}: the engine runs on {} device(s)", e.options().devices.max(1)),
+            )),
+        }
+    })
+}

@@ -108,6 +108,13 @@ fn sixty_four_streams_of_2048_tokens_share_two_64k_windows_on_cuda() {
     // SAFETY: a live engine and a writable engine_plan.
     assert_eq!(unsafe { ffi::engine_plan_of(e.0, &mut plan_of) }, Status::Ok);
     assert_eq!(plan_of.streams, 2, "the fit counts two full windows");
+    // SAFETY: engine_plan is numbers and enums with a variant at 0: all zeros is a value of it.
+    let mut device_0 = unsafe { std::mem::zeroed() };
+    // SAFETY: a live engine and a writable engine_plan.
+    assert_eq!(unsafe { ffi::engine_plan_of_device(e.0, 0, &mut device_0) }, Status::Ok);
+    assert_eq!(device_0, plan_of, "one device's plan is the engine's");
+    // SAFETY: as above.
+    assert_eq!(unsafe { ffi::engine_plan_of_device(e.0, 1, &mut device_0) }, Status::InvalidArgument);
     let (total, free) = kv_stats(&e);
     println!("pool: {total} positions ({free} free) for two {window}-token windows");
     assert!(total >= 2 * window as u64 && total < 2 * window as u64 + 4096, "a pool of two windows: {total}");

@@ -93,6 +93,8 @@ fn cpu_backend_reads_rows_from_the_mapping() {
         let mut plan: engine_plan = unsafe { std::mem::zeroed() };
         // SAFETY: a live engine and a writable engine_plan.
         assert_eq!(unsafe { ffi::engine_plan_of(e, &mut plan) }, Status::Unsupported);
+        // SAFETY: as above.
+        assert_eq!(unsafe { ffi::engine_plan_of_device(e, 0, &mut plan) }, Status::Unsupported);
 
         let mut ids: Vec<i32> = (0..16).map(|_| rng.below(cfg.vocab as u64) as i32).collect();
         ids.extend([0, cfg.vocab as i32 - 1]);

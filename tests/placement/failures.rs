@@ -181,6 +181,7 @@ fn nulls_and_bad_enums_are_invalid_arguments() {
         assert_eq!(ffi::engine_embed_rows(std::ptr::null(), &mut rows), Status::InvalidArgument);
         let mut plan: engine_plan = std::mem::zeroed();
         assert_eq!(ffi::engine_plan_of(std::ptr::null(), &mut plan), Status::InvalidArgument);
+        assert_eq!(ffi::engine_plan_of_device(std::ptr::null(), 0, &mut plan), Status::InvalidArgument);
         assert!(ffi::engine_host_embed_ptr(std::ptr::null()).is_null());
         let id = 0i32;
         let mut out = [0f32; 64];
@@ -219,6 +220,7 @@ fn nulls_and_bad_enums_are_invalid_arguments() {
         assert_eq!(ffi::engine_init_fit(path.as_ptr(), &opts, &mut e), Status::Ok, "{}", last_error());
         assert_eq!(ffi::engine_embed_rows(e, std::ptr::null_mut()), Status::InvalidArgument);
         assert_eq!(ffi::engine_plan_of(e, std::ptr::null_mut()), Status::InvalidArgument);
+        assert_eq!(ffi::engine_plan_of_device(e, 0, std::ptr::null_mut()), Status::InvalidArgument);
         assert_eq!(
             ffi::engine_embed(e, std::ptr::null(), 1, o, DType::F32, std::ptr::null_mut()),
             Status::InvalidArgument
