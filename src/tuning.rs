@@ -47,7 +47,8 @@ pub const CUDA_LOCAL_POOL_ENV: &str = "HOSTEMBED_CUDA_LOCAL_POOL";
 /// with a 16-bit cache (on by default since a card ran its test).
 pub const FLASH_HEAD_256_ENV: &str = "HOSTEMBED_FLASH_HEAD_256";
 /// "1": an engine of `options.devices` N > 1 runs its N ranks on `options.device` alone, meeting through
-/// the host instead of NCCL (no graphs): the split's code path on a one-card machine.
+/// the host instead of NCCL (no graphs; its sums in rank order, which NCCL's need not match bit for bit):
+/// the split's code path on a one-card machine.
 pub const SPLIT_ONE_DEVICE_ENV: &str = "HOSTEMBED_SPLIT_ONE_DEVICE";
 /// "0": a Mixture-of-Experts layer's prompt rows take the warp-a-row expert kernels instead of the grouped
 /// tensor-core products.
