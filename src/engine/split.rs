@@ -42,15 +42,16 @@ pub fn rank_devices(opts: &engine_options, tuning: &Tuning) -> Vec<i32> {
     (0..world).map(|r| if tuning.split_one_device { opts.device } else { opts.device + r }).collect()
 }
 
-/// Each rank's room: `options.room_bytes` when set, else its device's free bytes; ranks sharing one
-/// device share its room evenly.
+/// Each rank's room: a device's (`options.room_bytes` when set, else its free bytes), shared evenly by
+/// the ranks on it.
 fn rank_rooms(opts: &engine_options, devices: &[i32], infos: &[engine_device_info]) -> Vec<u64> {
     devices
         .iter()
         .zip(infos)
         .map(|(d, info)| {
             let sharing = devices.iter().filter(|&e| e == d).count() as u64;
-            if opts.room_bytes > 0 { opts.room_bytes } else { info.free_bytes / sharing }
+            let room = if opts.room_bytes > 0 { opts.room_bytes } else { info.free_bytes };
+            room / sharing
         })
         .collect()
 }
