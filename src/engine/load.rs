@@ -93,6 +93,12 @@ pub fn rows_source(ckpt: &Checkpoint) -> RowsSource<'_> {
     RowsSource { bytes: ckpt.bytes_of(t), dtype: t.dtype, vocab: t.rows(), cols: t.cols() }
 }
 
+/// Placed rows as a GPU model reads them.
+pub(super) fn device_view(rows: &Rows) -> RowsOnDevice {
+    let r = rows.describe();
+    RowsOnDevice { ptr: r.data, dtype: r.dtype, vocab: r.rows as usize, cols: r.cols as usize }
+}
+
 /// A drafter model loaded beside the target: its checkpoint, its rows (on CUDA, on the device), and
 /// the pages of its own KV pool (one stream at its window for each of the target's streams).
 struct DrafterLoad<'a> {
@@ -180,8 +186,7 @@ fn load_decoder(
             }
         }
         BackendKind::Cuda => {
-            let r = rows.describe();
-            let rows = RowsOnDevice { ptr: r.data, dtype: r.dtype, vocab: r.rows as usize, cols: r.cols as usize };
+            let rows = device_view(rows);
             let (batch, local) = (max_batch_of(opts), pool.local.map(|(pages, _)| pages));
             let sizing = Sizing { max_batch: batch, pool_pages: pool.pages, local_pages: local, kv, window };
             let model = CudaBackend::load_with_pools(&**ckpt, rows, opts.device, sizing, tuning)?;
@@ -193,9 +198,7 @@ fn load_decoder(
             match drafter {
                 None => Box::new(target),
                 Some(d) => {
-                    let r = d.rows.describe();
-                    let rows =
-                        RowsOnDevice { ptr: r.data, dtype: r.dtype, vocab: r.rows as usize, cols: r.cols as usize };
+                    let rows = device_view(d.rows);
                     let dwindow = drafter_window(&d.ckpt.config, window);
                     let (device, pages) = (opts.device, d.pool.pages);
                     let (batch, local) = (max_batch_of(opts), d.pool.local.map(|(pages, _)| pages));
@@ -350,7 +353,7 @@ impl Engine {
         };
 
         if opts.devices > 1 {
-            let split = load_split(&ckpt, &info, opts, &tuning, &logger, &injected)?;
+            let split = load_split(&ckpt, opts, &tuning, &logger, &injected)?;
             let bad_ids = Mutex::new(PinnedBuffer::new_mapped(std::mem::size_of::<i32>())?);
             let engine = Engine {
                 backend: split.backend,

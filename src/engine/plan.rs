@@ -182,20 +182,9 @@ pub fn fit_inputs_with_drafter(
         }
     };
     Ok(engine_fit_inputs {
-        room_bytes: room,
-        weight_bytes: f.weights + embed,
-        embed_bytes: embed,
-        scratch_bytes: f.scratch,
-        stream_bytes: f.stream,
-        stream_bytes_per_token: f.per_token,
         drafter_weight_bytes,
         drafter_stream_bytes,
-        reserve_bytes: opts.reserve_bytes,
-        window,
-        max_streams: opts.max_streams,
-        unified: resolve_unified(opts.unified, device),
-        embed_tied: cfg.tied,
-        mmap_rows: resolve_mmap_rows(opts.mmap_rows),
+        ..f.inputs(embed, room, window, cfg.tied, opts, device)
     })
 }
 
@@ -242,6 +231,38 @@ fn model_figures(
     Ok(ModelFigures { weights, scratch, stream, per_token })
 }
 
+impl ModelFigures {
+    /// The fit rule's inputs: these figures beside the checkpoint's whole rows (`embed` bytes; `tied`
+    /// when the head reads them), `room` bytes on `device`, streams of `window` positions, the options'
+    /// reserve and limits, and no drafter.
+    fn inputs(
+        self,
+        embed: u64,
+        room: u64,
+        window: u32,
+        tied: bool,
+        opts: &engine_options,
+        device: Option<&engine_device_info>,
+    ) -> engine_fit_inputs {
+        engine_fit_inputs {
+            room_bytes: room,
+            weight_bytes: self.weights + embed,
+            embed_bytes: embed,
+            scratch_bytes: self.scratch,
+            stream_bytes: self.stream,
+            stream_bytes_per_token: self.per_token,
+            drafter_weight_bytes: 0,
+            drafter_stream_bytes: 0,
+            reserve_bytes: opts.reserve_bytes,
+            window,
+            max_streams: opts.max_streams,
+            unified: resolve_unified(opts.unified, device),
+            embed_tied: tied,
+            mmap_rows: resolve_mmap_rows(opts.mmap_rows),
+        }
+    }
+}
+
 /// The fit rule's figures for rank `rank` of a tensor-parallel model on its device: `fit_inputs`' for
 /// the rank's shards and KV heads, its head's gather in the scratch, the whole embedding rows, `room`
 /// bytes of room and no drafter.
@@ -259,22 +280,8 @@ pub fn rank_fit_inputs(
     let f = model_figures(rank, &label, opts, window as usize, kv, tuning)?;
     let gather = GpuModel::gather_bytes(ckpt.config.vocab, rank.world(), max_batch_of(opts));
     let embed = ckpt.bytes_of(ckpt.embed()).len() as u64;
-    Ok(engine_fit_inputs {
-        room_bytes: room,
-        weight_bytes: f.weights + embed,
-        embed_bytes: embed,
-        scratch_bytes: f.scratch + gather,
-        stream_bytes: f.stream,
-        stream_bytes_per_token: f.per_token,
-        drafter_weight_bytes: 0,
-        drafter_stream_bytes: 0,
-        reserve_bytes: opts.reserve_bytes,
-        window,
-        max_streams: opts.max_streams,
-        unified: resolve_unified(opts.unified, Some(device)),
-        embed_tied: ckpt.config.tied,
-        mmap_rows: resolve_mmap_rows(opts.mmap_rows),
-    })
+    let inputs = f.inputs(embed, room, window, ckpt.config.tied, opts, Some(device));
+    Ok(engine_fit_inputs { scratch_bytes: inputs.scratch_bytes + gather, ..inputs })
 }
 
 /// The line logged when the rows leave the card, in the seed's words.

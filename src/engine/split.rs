@@ -4,7 +4,7 @@
 //! as each device's plan says, and the ranks loaded into one `gpu::split::SplitBackend` behind the
 //! same `Streams` as one device's model.
 
-use super::load::{HeldCheckpoint, Logger, rows_source};
+use super::load::{HeldCheckpoint, Logger, device_view, rows_source};
 use super::options::{gpu_kv_types, max_batch_of, resolve_prefix_cache, sampling_of, window_of};
 use super::plan::{KvPool, device_label, device_pool, rank_fit_inputs};
 use super::{InitStep, engine_options};
@@ -110,17 +110,15 @@ fn place_rows(
                 owners.len() - 1
             }
         };
-        let r = owners[i].1.describe();
-        views.push(RowsOnDevice { ptr: r.data, dtype: r.dtype, vocab: r.rows as usize, cols: r.cols as usize });
+        views.push(device_view(&owners[i].1));
     }
     Ok((owners.into_iter().map(|(_, rows)| rows).collect(), views))
 }
 
-/// Plans, places and loads the model over `rank_devices(opts, tuning)`; `info` is `options.device`'s.
-/// NO_ROOM naming the device that has no room for a stream; NCCL's absence or failure as it reports it.
+/// Plans, places and loads the model over `rank_devices(opts, tuning)`. NO_ROOM naming the device that
+/// has no room for a stream; NCCL's absence or failure as it reports it.
 pub(super) fn load_split(
     ckpt: &HeldCheckpoint,
-    info: &engine_device_info,
     opts: &engine_options,
     tuning: &Tuning,
     logger: &Logger,
@@ -152,7 +150,8 @@ pub(super) fn load_split(
     logger.line(&format!("{line}; each device's {}", pool.describe_with(kv)));
     injected(InitStep::Planned)?;
 
-    let (mut rows, views) = place_rows(ckpt, &devices, &planned.plans, info, logger)?;
+    // A file mapping's registration is asked of rank 0's device and is portable to the others.
+    let (mut rows, views) = place_rows(ckpt, &devices, &planned.plans, &infos[0], logger)?;
     injected(InitStep::RowsPlaced)?;
     let window = window_of(cfg, opts)? as usize;
     let local = pool.local.map(|(pages, _)| pages);
