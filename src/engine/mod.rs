@@ -24,7 +24,6 @@ pub use options::{
     sampling_of, tuning_for, window_of,
 };
 pub use plan::{KvPool, drafter_window, fit_inputs, fit_inputs_with_drafter, host_rows_reason, rank_fit_inputs};
-pub use split::rank_devices;
 
 use crate::backend::Decoder;
 use crate::checkpoint::Checkpoint;

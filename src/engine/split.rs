@@ -37,7 +37,7 @@ pub(super) struct SplitLoad {
 
 /// The devices of the ranks: `options.device` and the N - 1 after it, or N times `options.device`
 /// with `Tuning::split_one_device`.
-pub fn rank_devices(opts: &engine_options, tuning: &Tuning) -> Vec<i32> {
+fn rank_devices(opts: &engine_options, tuning: &Tuning) -> Vec<i32> {
     let world = opts.devices.max(1) as i32;
     (0..world).map(|r| if tuning.split_one_device { opts.device } else { opts.device + r }).collect()
 }
