@@ -75,11 +75,8 @@ struct GgufEntry<'a> {
 enum GgufData<'a> {
     Bytes(&'a [u8]),
     Owned(Vec<u8>),
-    Synthetic {
-        seed: u64,
-        /// Block-format matrices repeat 64 random rows (`sampled_bytes`) instead of the formula's.
-        quick: bool,
-    },
+    /// Generated as the fill says, one tensor at a time as the file is written.
+    Generated(Fill),
     /// A layer's experts of one role stacked, expert 0 first, as llama.cpp stores them.
     Experts(Vec<GgufEntry<'a>>),
 }
@@ -90,10 +87,10 @@ impl GgufEntry<'_> {
         let hf: Cow<[u8]> = match &self.data {
             GgufData::Bytes(b) => Cow::Borrowed(b),
             GgufData::Owned(v) => Cow::Borrowed(v),
-            GgufData::Synthetic { seed, quick: false } => {
+            GgufData::Generated(Fill::Formula { seed }) => {
                 Cow::Owned(synthetic_bytes(&self.canonical, &self.shape, self.dtype, *seed))
             }
-            GgufData::Synthetic { seed, quick: true } => {
+            GgufData::Generated(Fill::SampledRows { seed }) => {
                 Cow::Owned(sampled_bytes(&self.canonical, &self.shape, self.dtype, *seed))
             }
             GgufData::Experts(experts) => Cow::Owned(experts.iter().flat_map(|e| e.bytes(cfg).into_owned()).collect()),
@@ -337,10 +334,6 @@ pub fn write_generated_gguf(
     recipe: Recipe,
     extra_kv: &[(String, GgufValue)],
 ) -> Result<()> {
-    let (seed, quick) = match fill {
-        Fill::Formula { seed } => (seed, false),
-        Fill::SampledRows { seed } => (seed, true),
-    };
     let mut entries: Vec<GgufEntry> = expected_tensors(cfg)
         .into_iter()
         .map(|(canonical, shape)| GgufEntry {
@@ -350,7 +343,7 @@ pub fn write_generated_gguf(
             dtype: recipe.dtype(cfg, &canonical, &shape),
             canonical,
             shape,
-            data: GgufData::Synthetic { seed, quick },
+            data: GgufData::Generated(fill),
         })
         .collect();
     entries.extend(rope_freqs_entry(cfg));
