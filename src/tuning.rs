@@ -123,7 +123,7 @@ pub struct Tuning {
     /// more loads in flight a thread (false), or by the launch's block count (None).
     pub attention_wide: Option<bool>,
     /// Whether a CUDA model's sliding-window layers keep only their window in a KV pool of their own
-    /// (the same kernels and bits, less memory). Off until a card has run its tests.
+    /// (the same kernels and bits, less memory; `HOSTEMBED_CUDA_LOCAL_POOL=0` keeps one pool).
     pub cuda_local_pool: bool,
     /// Whether prompt chunks of head size 256 take flash attention (a 16-bit cache; the split kernel
     /// with an 8-bit one).
@@ -152,7 +152,7 @@ impl Default for Tuning {
             flash_parts: true,
             moe_grouped: true,
             attention_wide: None,
-            cuda_local_pool: false,
+            cuda_local_pool: true,
             flash_head_256: true,
             split_one_device: false,
         }
@@ -216,7 +216,7 @@ impl Tuning {
                 "1" => Some(true),
                 _ => None,
             }),
-            cuda_local_pool: var(CUDA_LOCAL_POOL_ENV).map_or(d.cuda_local_pool, |v| v.trim() == "1"),
+            cuda_local_pool: var(CUDA_LOCAL_POOL_ENV).map_or(d.cuda_local_pool, |v| v.trim() != "0"),
             flash_head_256: var(FLASH_HEAD_256_ENV).map_or(d.flash_head_256, |v| v.trim() != "0"),
             split_one_device: var(SPLIT_ONE_DEVICE_ENV).map_or(d.split_one_device, |v| v.trim() == "1"),
         }
@@ -277,6 +277,8 @@ mod tests {
         assert_eq!(with(&[(ATTENTION_WIDE_ENV, "1")]).attention_wide, Some(true));
         assert_eq!(with(&[(ATTENTION_WIDE_ENV, "auto")]).attention_wide, None);
         assert_eq!(d.attention_wide, None);
+        assert!(d.cuda_local_pool && !with(&[(CUDA_LOCAL_POOL_ENV, "0")]).cuda_local_pool);
+        assert!(d.flash_head_256 && !with(&[(FLASH_HEAD_256_ENV, "0")]).flash_head_256);
         // The engine option's variable is the engine's to read with the option, not a tuning variable.
         assert_eq!(with(&[("HOSTEMBED_BATCH_TENSOR_CORES", "1")]).batch_tensor_cores, d.batch_tensor_cores);
     }

@@ -67,7 +67,7 @@ fn gpu_head_size_256_matches_cpu() {
     let mut rng = Rng::fresh("gpu_head_size_256_matches_cpu");
     let shape = Gemma3 { head_dim: 256, query_scale_base: 256.0, ..Gemma3::on_card(512, 80.0, 20) };
     let cfg = shape.config();
-    // The 16-bit caches take flash attention where `HOSTEMBED_FLASH_HEAD_256=1` asks for it.
+    // The 16-bit caches take flash attention unless `HOSTEMBED_FLASH_HEAD_256=0` turns it off.
     let flash = if Tuning::from_env().flash_head_256 { "flash attention" } else { "split attention" };
     for (name, kv, bound, route) in [
         ("BF16 cache", KvTypes::GPU_DEFAULT, 2e-2, flash),

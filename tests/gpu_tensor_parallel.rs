@@ -304,7 +304,9 @@ fn gpu_engine_over_two_ranks_matches_one_device() {
             assert_eq!(st, if d < 2 { Status::Ok } else { Status::InvalidArgument }, "device {d}");
         }
         assert!(plans[0].streams >= 3 && plans[1].streams >= 3, "each device's own streams");
-        assert_eq!(plans[0].on_card_bytes, plans[1].on_card_bytes, "two ranks of one split, alike");
+        // Alike but for the head's rows: 777 of them cut in two leaves rank 0 one BF16 row more.
+        let odd = plans[0].on_card_bytes as i128 - plans[1].on_card_bytes as i128;
+        assert!(odd == 0 || odd == (cfg.hidden * 2) as i128, "two ranks of one split: {odd} bytes apart");
         for s in 0..3 {
             let n = 5 + rng.below(40) as usize;
             let prompt = rng.ids(cfg.vocab, n);

@@ -16,7 +16,7 @@ fn flash_attention_matches_cpu() {
         return;
     }
     let mut rng = Rng::fresh("flash_attention_matches_cpu");
-    for d in [16usize, 32, 64, 128] {
+    for d in [16usize, 32, 64, 128, 256] {
         // SAFETY: a host-side check on a head size; nothing is read.
         assert_eq!(unsafe { kn::hostembed_flash_head_dim(d as c_uint) }, 0, "head_dim {d} has a kernel");
         for &(heads, kv_heads) in &[(8usize, 2usize), (4, 4), (7, 1)] {
@@ -27,7 +27,7 @@ fn flash_attention_matches_cpu() {
             }
         }
     }
-    for d in [8u32, 24, 96, 256] {
+    for d in [8u32, 24, 96, 192, 512] {
         // SAFETY: a host-side check on a head size; nothing is read.
         assert_ne!(unsafe { kn::hostembed_flash_head_dim(d) }, 0, "head_dim {d} claims a kernel");
     }
