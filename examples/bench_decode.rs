@@ -465,6 +465,7 @@ fn bench_decode(args: &Args, peak: f64) {
     let window = longest + args.tokens + 1;
     let chunk = longest.clamp(64, 2048);
     let weight_bytes = GpuModel::weight_bytes(src);
+    let token_weight_bytes = weight_bytes - unchosen_expert_bytes(src);
     // The median greedy decode rate of each placement and cache, to print the host rows' change.
     let mut on_card: Vec<f64> = Vec::new();
     for host_rows in std::iter::once(false).chain(args.host_rows.then_some(true)) {
@@ -500,9 +501,9 @@ fn bench_decode(args: &Args, peak: f64) {
         };
         for (p_index, &prompt_len) in args.prompts.iter().enumerate() {
             let prompt: Vec<u32> = (0..prompt_len as u32).map(|i| (i * 7919 + 13) % cfg.vocab as u32).collect();
-            // Per decoded token, the bytes read: every weight but the embedding rows, one row of them, and
-            // the KV cache (about half a window on average).
-            let per_token = weight_bytes as f64
+            // Per decoded token, the bytes read: every weight but the embedding rows and the experts a token
+            // does not choose, one row of the rows, and the KV cache (about half a window on average).
+            let per_token = token_weight_bytes as f64
                 + embed_row_bytes(cfg, embed_dtype) as f64
                 + args.kv.bytes_per_token(cfg) as f64 * (prompt_len + args.tokens / 2) as f64;
             println!(
@@ -546,6 +547,23 @@ fn bench_decode(args: &Args, peak: f64) {
 
 fn embed_row_bytes(cfg: &ModelConfig, dtype: DType) -> usize {
     dtype.row_bytes(cfg.hidden).unwrap_or(cfg.hidden * 2)
+}
+
+/// The expert weights one token does not read: all but `used` of each layer's experts (their mean bytes;
+/// 0 for a dense model).
+fn unchosen_expert_bytes(src: &dyn TensorSource) -> u64 {
+    let cfg = src.config();
+    let Some(m) = cfg.moe else { return 0 };
+    let mut all = 0u64;
+    for layer in 0..cfg.layers {
+        for e in 0..m.experts {
+            for part in [names::EXPERT_GATE, names::EXPERT_UP, names::EXPERT_DOWN] {
+                let name = names::layer(layer, &names::expert(part, e));
+                all += src.try_tensor(&name).map_or(0, |t| t.bytes.len() as u64);
+            }
+        }
+    }
+    all / m.experts as u64 * (m.experts - m.used) as u64
 }
 
 fn main() {

@@ -33,13 +33,31 @@ pub fn compare_greedy(
     prompt: &[i32],
     steps: usize,
 ) -> (f64, Vec<(usize, f32, f32, f32)>) {
+    compare_greedy_with_jumps(what, test, reference, prompt, steps, 0)
+}
+
+/// `compare_greedy`, with up to `jumps` steps between 2e-2 and 6e-2 of relative L2: a Mixture of Experts'
+/// router picks another expert where two scores are within the backends' difference, which moves that
+/// step's logits by a few percent (every other step still within 2e-2).
+pub fn compare_greedy_with_jumps(
+    what: &str,
+    test: &Held,
+    reference: &Held,
+    prompt: &[i32],
+    steps: usize,
+    jumps: usize,
+) -> (f64, Vec<(usize, f32, f32, f32)>) {
     let (mut got, mut want) = (step(test, 0, prompt), step(reference, 0, prompt));
-    let (mut worst, mut differ) = (0f64, Vec::new());
+    let (mut worst, mut differ, mut jumped) = (0f64, Vec::new(), Vec::new());
     for i in 0..=steps {
         let (lt, lr) = (logits(test, 0), logits(reference, 0));
         let rel = rel_l2(&lt, &lr);
-        worst = worst.max(rel);
-        assert!(rel < 2e-2, "{what} step {i}: relative L2 {rel:.3e} of the logits");
+        if rel >= 2e-2 && rel < 6e-2 && jumped.len() < jumps {
+            jumped.push((i, rel));
+        } else {
+            worst = worst.max(rel);
+            assert!(rel < 2e-2, "{what} step {i}: relative L2 {rel:.3e} of the logits (jumps {jumped:?})");
+        }
         if got != want {
             let err = max_abs_diff(&lt, &lr);
             let gap = lr[want as usize] - lr[got as usize];
@@ -53,9 +71,10 @@ pub fn compare_greedy(
     }
     println!(
         "{what}: {} greedy tokens, worst relative L2 {worst:.2e}, {} near-tie differences (step, gap, top-two gap, \
-         max error): {differ:?}",
+         max error): {differ:?}{}",
         steps + 1,
-        differ.len()
+        differ.len(),
+        if jumped.is_empty() { String::new() } else { format!(", router jumps (step, relative L2): {jumped:?}") }
     );
     (worst, differ)
 }

@@ -11,7 +11,10 @@
 #[path = "../common/mod.rs"]
 mod common;
 mod grouped;
-use common::{Mix, Rng, Scratch, compare_greedy, cpu_options, cuda_options, gguf_of_recipe, gpu_present, init};
+use common::{
+    Mix, Rng, Scratch, compare_greedy, compare_greedy_with_jumps, cpu_options, cuda_options, gguf_of_recipe,
+    gpu_present, init,
+};
 use common::{moe_configs, qwen3_moe, serial, stats, twins_batch_like_alone};
 
 use hostembed::checkpoint::write::Recipe;
@@ -49,9 +52,11 @@ fn cuda_follows_the_cpu_in_every_format() {
             // next one can pick another expert (a 3% jump in the logits once in 64 steps).
             let f32_kv = hostembed::engine::engine_kv_type::ENGINE_KV_F32;
             let gpu = init(&path, &engine_options { kv_type_k: f32_kv, kv_type_v: f32_kv, ..cuda_options(128, 1, 64) });
-            // 64 tokens after a 40-token prompt; a differing choice only at a near tie.
+            // 64 tokens after a 40-token prompt; a differing choice only at a near tie. With 16-bit weights
+            // a router tie within their products' rounding still comes (40 experts choosing 8: step 5 of
+            // 65 once moved the logits 2.6e-2): one such step is allowed.
             let prompt: Vec<i32> = (0..40).map(|i| ((i * 97 + 13) % cfg.vocab) as i32).collect();
-            let (_, differ) = compare_greedy(&what, &gpu, &cpu, &prompt, 64);
+            let (_, differ) = compare_greedy_with_jumps(&what, &gpu, &cpu, &prompt, 64, 1);
             assert!(differ.len() <= 2, "{what}: {} tokens differ", differ.len());
         }
     }
