@@ -333,6 +333,24 @@ cudaError_t hostembed_moe_sum(const float *out, const float *weights, unsigned i
 // out[i] = x[i], a half format's values (HE_DTYPE_BF16 or HE_DTYPE_F16) widened to f32.
 cudaError_t hostembed_widen(const void *x, int dtype, float *out, size_t len, cudaStream_t stream);
 
+// ---- moe_mmv.cu ----
+// The decode rows' expert products on the integer decode product (block formats): for each slot s of
+// `groups` (hostembed_moe_route's over n rows, k slots a row) with expert e, y[s*rows + j] = W_e[j] .
+// x[(s / x_div)*cols..] (W_e: rows x cols in dtype at w + e*expert_bytes); with w2 (the up matrices),
+// y[s*rows + j] = silu(W_e[j] . x_s) * (W2_e[j] . x_s). A slot's results are the same bits in any batch. x is
+// 16-byte aligned; `partial` and `counters` as hostembed_moe_mmv_workspace sizes them (counters zero before
+// the first launch, left zero by every launch). cudaErrorNotSupported for a format or shape it does not take
+// (hostembed_moe_mmv_supports, of each matrix stack).
+cudaError_t hostembed_moe_mmv(const void *w, const void *w2, int dtype, size_t expert_bytes, unsigned int rows,
+                              unsigned int cols, const float *x, unsigned int x_div, const int *groups,
+                              unsigned int experts, unsigned int n, unsigned int k, float *y, float *partial,
+                              unsigned int *counters, hostembed_tuning tuning, cudaStream_t stream);
+cudaError_t hostembed_moe_mmv_supports(int dtype, const void *w, size_t expert_bytes, unsigned int cols);
+// The floats of `partial` and the entries of `counters` hostembed_moe_mmv needs for n rows (glu: with w2).
+cudaError_t hostembed_moe_mmv_workspace(unsigned int rows, unsigned int cols, int glu, unsigned int experts,
+                                        unsigned int n, unsigned int k, size_t *partial_floats,
+                                        unsigned int *counters);
+
 // ---- moe_gemm.cu ----
 // The tensor-core rows' expert products, grouped: for each slot s of `groups` (hostembed_moe_route's, `slots`
 // of them) with expert e, out[s*ldy + r] = W_e[r] . a[(s / per)*lda..] in f32 for the rows r of W_e (rows x

@@ -28,12 +28,15 @@ __host__ __device__ constexpr unsigned int mmv_chunk(unsigned int n, unsigned in
 // and vb of row b (GLU: the gate and up sums of output row a). One column range: the epilogue straight
 // to y; several: the partial sums, and the last block of the row range to arrive adds them in split
 // order and applies the epilogue.
-template <bool GLU, typename Each>
-__device__ __forceinline__ void mmv_write(const MmvShape &shape, unsigned int n, unsigned int rows, unsigned int row_a,
-                                          unsigned int row_b, const float *bias, const float *residual, float *y,
-                                          unsigned int ldy, float *partial, unsigned int *counters, Each &&each) {
+// `mmv_write_rows` writes token tok to row out_row(tok) of y and of the split sums (which have partial_n
+// rows a split); mmv_write is the products of tokens [0, n), each token its own row.
+template <bool GLU, typename Each, typename OutRow>
+__device__ __forceinline__ void mmv_write_rows(const MmvShape &shape, unsigned int n, unsigned int partial_n,
+                                               OutRow &&out_row, unsigned int rows, unsigned int row_a,
+                                               unsigned int row_b, const float *bias, const float *residual, float *y,
+                                               unsigned int ldy, float *partial, unsigned int *counters, Each &&each) {
     auto finish = [&](unsigned int tok, unsigned int r, float v, float v2) {
-        const size_t at = (size_t)tok * ldy + r;
+        const size_t at = (size_t)out_row(tok) * ldy + r;
         if (GLU) {
             y[at] = he::silu(v) * v2;
         } else {
@@ -57,7 +60,7 @@ __device__ __forceinline__ void mmv_write(const MmvShape &shape, unsigned int n,
     // Split: partial[((split * parts + part) * n + tok) * rows + row], parts 2 for GLU (gate, up).
     constexpr unsigned PARTS = GLU ? 2 : 1;
     auto slot = [&](unsigned int split, unsigned int part, unsigned int tok, unsigned int r) {
-        return partial + ((size_t)(split * PARTS + part) * n + tok) * rows + r;
+        return partial + ((size_t)(split * PARTS + part) * partial_n + out_row(tok)) * rows + r;
     };
     each([&](unsigned int tok, float va, float vb) {
         if (row_a < rows) *slot(blockIdx.y, 0, tok, row_a) = va;
@@ -90,6 +93,13 @@ __device__ __forceinline__ void mmv_write(const MmvShape &shape, unsigned int n,
         finish(tok, r, sum, sum2);
     }
     if (tid == 0) counters[blockIdx.x] = 0;  // ready for the next launch
+}
+template <bool GLU, typename Each>
+__device__ __forceinline__ void mmv_write(const MmvShape &shape, unsigned int n, unsigned int rows, unsigned int row_a,
+                                          unsigned int row_b, const float *bias, const float *residual, float *y,
+                                          unsigned int ldy, float *partial, unsigned int *counters, Each &&each) {
+    mmv_write_rows<GLU>(shape, n, n, [](unsigned int tok) { return tok; }, rows, row_a, row_b, bias, residual, y, ldy,
+                        partial, counters, each);
 }
 
 // The first of the warp's rows: of its 16 rows, or (GLU) of its 8 gate and 8 up rows.
@@ -315,10 +325,10 @@ __device__ __forceinline__ int mmv_group_exponent(float amax) {
 }
 // A warp staging a token's 256-column group: the lane's 8 columns from 8e of the chunk at c0 (zeros where
 // not `here`, past a short last group), and the group's max|x| over the warp.
-__device__ __forceinline__ float stage_unit(const float *x, unsigned int tok, unsigned int cols, unsigned int c0,
-                                            unsigned int e, bool here, float (&f)[8]) {
+__device__ __forceinline__ float stage_unit_row(const float *row, unsigned int c0, unsigned int e, bool here,
+                                                float (&f)[8]) {
     if (here) {
-        const float4 *xp = reinterpret_cast<const float4 *>(x + (size_t)tok * cols + c0 + 8 * e);
+        const float4 *xp = reinterpret_cast<const float4 *>(row + c0 + 8 * e);
         const float4 p = __ldg(xp), q = __ldg(xp + 1);
         f[0] = p.x, f[1] = p.y, f[2] = p.z, f[3] = p.w, f[4] = q.x, f[5] = q.y, f[6] = q.z, f[7] = q.w;
     } else {
@@ -331,6 +341,11 @@ __device__ __forceinline__ float stage_unit(const float *x, unsigned int tok, un
 #pragma unroll
     for (int o = 16; o > 0; o /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
     return amax;
+}
+// stage_unit_row of token tok's row of x (rows `cols` apart).
+__device__ __forceinline__ float stage_unit(const float *x, unsigned int tok, unsigned int cols, unsigned int c0,
+                                            unsigned int e, bool here, float (&f)[8]) {
+    return stage_unit_row(x + (size_t)tok * cols, c0, e, here, f);
 }
 // 2^e for e in [-126, 127].
 __device__ __forceinline__ float mmv_pow2(int e) { return __uint_as_float((unsigned int)(e + 127) << 23); }

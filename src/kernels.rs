@@ -137,6 +137,10 @@ cuda_fns! {
     pub fn hostembed_moe_down(down: *const c_void, dtype: c_int, expert_bytes: usize, rows: c_uint, cols: c_uint, act: *const f32, groups: *const c_int, experts: c_uint, n: c_uint, k: c_uint, out: *mut f32, stream: cudaStream_t) -> cudaError_t;
     pub fn hostembed_moe_sum(out: *const f32, weights: *const f32, rows: c_uint, n: c_uint, k: c_uint, x: *mut f32, stream: cudaStream_t) -> cudaError_t;
     pub fn hostembed_widen(x: *const c_void, dtype: c_int, out: *mut f32, len: usize, stream: cudaStream_t) -> cudaError_t;
+    // moe_mmv.cu
+    pub fn hostembed_moe_mmv(w: *const c_void, w2: *const c_void, dtype: c_int, expert_bytes: usize, rows: c_uint, cols: c_uint, x: *const f32, x_div: c_uint, groups: *const c_int, experts: c_uint, n: c_uint, k: c_uint, y: *mut f32, partial: *mut f32, counters: *mut c_uint, tuning: hostembed_tuning, stream: cudaStream_t) -> cudaError_t;
+    pub fn hostembed_moe_mmv_supports(dtype: c_int, w: *const c_void, expert_bytes: usize, cols: c_uint) -> cudaError_t;
+    pub fn hostembed_moe_mmv_workspace(rows: c_uint, cols: c_uint, glu: c_int, experts: c_uint, n: c_uint, k: c_uint, partial_floats: *mut usize, counters: *mut c_uint) -> cudaError_t;
     // moe_gemm.cu
     pub fn hostembed_moe_grouped(a: *const c_void, lda: c_uint, per: c_uint, dtype: c_int, w: *const c_void, w_dtype: c_int, rows: c_uint, cols: c_uint, groups: *const c_int, experts: c_uint, slots: c_uint, gate: *const f32, out: *mut c_void, ldy: c_uint, stream: cudaStream_t) -> cudaError_t;
     // device.cu

@@ -40,8 +40,8 @@ pub const FLASH_PARTS_ENV: &str = "HOSTEMBED_FLASH_PARTS";
 /// "0": decode attention always takes the kernel with more loads in flight a thread; "1": always the one
 /// with twice the blocks a multiprocessor (unset: by the launch's block count).
 pub const ATTENTION_WIDE_ENV: &str = "HOSTEMBED_ATTENTION_WIDE";
-/// "1": on CUDA, a model's sliding-window layers keep only their window in a KV pool of their own, as on
-/// the CPU (off until a card has run its tests).
+/// "0": on CUDA, a model's sliding-window layers share the one KV pool instead of keeping only their window
+/// in a pool of their own, as on the CPU.
 pub const CUDA_LOCAL_POOL_ENV: &str = "HOSTEMBED_CUDA_LOCAL_POOL";
 /// "0": on CUDA, prompt chunks of head size 256 (Gemma 3's) take the split kernel instead of flash attention
 /// with a 16-bit cache (on by default since a card ran its test).
@@ -53,6 +53,9 @@ pub const SPLIT_ONE_DEVICE_ENV: &str = "HOSTEMBED_SPLIT_ONE_DEVICE";
 /// "0": a Mixture-of-Experts layer's prompt rows take the warp-a-row expert kernels instead of the grouped
 /// tensor-core products.
 pub const MOE_GROUPED_ENV: &str = "HOSTEMBED_MOE_GROUPED";
+/// "0": a Mixture-of-Experts layer's decode rows in a block format take the warp-a-row expert kernels
+/// (kernels/moe.cu) instead of the integer decode product's (kernels/moe_mmv.cu).
+pub const MOE_MMV_ENV: &str = "HOSTEMBED_MOE_MMV";
 
 /// The parts the attention kernel cuts one token's context into by default. Fixed, so that a token's
 /// parts (and so its bits) depend on its own context length only: 32 parts of 512 positions at 16k, 8
@@ -119,6 +122,9 @@ pub struct Tuning {
     pub flash_parts: bool,
     /// Whether a Mixture-of-Experts layer's prompt rows take the grouped tensor-core products.
     pub moe_grouped: bool,
+    /// Whether a Mixture-of-Experts layer's decode rows in a block format take the integer decode product
+    /// (kernels/moe_mmv.cu; each slot's bits its own, as the warp-a-row kernels' are).
+    pub moe_mmv: bool,
     /// Which decode attention kernel: the one with twice the blocks a multiprocessor (true), the one with
     /// more loads in flight a thread (false), or by the launch's block count (None).
     pub attention_wide: Option<bool>,
@@ -151,6 +157,7 @@ impl Default for Tuning {
             mmv_wgmma: 1,
             flash_parts: true,
             moe_grouped: true,
+            moe_mmv: true,
             attention_wide: None,
             cuda_local_pool: true,
             flash_head_256: true,
@@ -211,6 +218,7 @@ impl Tuning {
                 .unwrap_or(d.mmv_wgmma),
             flash_parts: !off(FLASH_PARTS_ENV),
             moe_grouped: !off(MOE_GROUPED_ENV),
+            moe_mmv: !off(MOE_MMV_ENV),
             attention_wide: var(ATTENTION_WIDE_ENV).and_then(|v| match v.trim() {
                 "0" => Some(false),
                 "1" => Some(true),
@@ -278,6 +286,7 @@ mod tests {
         assert_eq!(with(&[(ATTENTION_WIDE_ENV, "auto")]).attention_wide, None);
         assert_eq!(d.attention_wide, None);
         assert!(d.cuda_local_pool && !with(&[(CUDA_LOCAL_POOL_ENV, "0")]).cuda_local_pool);
+        assert!(d.moe_mmv && !with(&[(MOE_MMV_ENV, "0")]).moe_mmv);
         assert!(d.flash_head_256 && !with(&[(FLASH_HEAD_256_ENV, "0")]).flash_head_256);
         // The engine option's variable is the engine's to read with the option, not a tuning variable.
         assert_eq!(with(&[("HOSTEMBED_BATCH_TENSOR_CORES", "1")]).batch_tensor_cores, d.batch_tensor_cores);

@@ -16,7 +16,8 @@ mod moe;
 pub(super) use self::flash::{FlashPartial, FlashStage, flash_attention, flash_stage, flash_supports};
 pub(super) use self::gemm::{HalfMatrix, add_bias, convert_matrix, gemm};
 pub(super) use self::moe::{
-    ExpertStack, groups_len, moe_down, moe_gate_up, moe_grouped, moe_route, moe_router, moe_sum, widen,
+    ExpertStack, MOE_MMV_ROWS, groups_len, moe_down, moe_gate_up, moe_grouped, moe_mmv, moe_mmv_supports,
+    moe_mmv_workspace, moe_route, moe_router, moe_sum, widen,
 };
 
 use super::RowsOnDevice;

@@ -153,6 +153,8 @@ pub struct GpuModel {
     flash_parts: bool,
     /// Whether a MoE layer's prompt rows take the grouped tensor-core products (`ops::add_moe_ffn`).
     moe_grouped: bool,
+    /// Whether a MoE layer's decode rows take the integer decode product where the format has it.
+    moe_mmv: bool,
     /// How the launchers that take it launch.
     kernel_tuning: hostembed_tuning,
     pool_pages: usize,
@@ -500,6 +502,7 @@ impl GpuModel {
             attention_grid_full: tuning.attention_grid_full,
             flash_parts: tuning.flash_parts,
             moe_grouped: tuning.moe_grouped,
+            moe_mmv: tuning.moe_mmv,
             kernel_tuning: hostembed_tuning::of(tuning),
             pool_pages,
             local_pages,

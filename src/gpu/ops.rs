@@ -409,7 +409,36 @@ impl Ops for PassOps<'_> {
         // summed over the ranks before the residual takes it.
         let split = model.world() > 1;
         let sums = if split { self.xn } else { self.x };
-        if m > 0 {
+        let work = model.mmv_work().filter(|_| model.moe_mmv);
+        let on_mmv = work.filter(|_| [&gate, &up, &down].iter().all(|st| launch::moe_mmv_supports(st)));
+        if let Some(work) = on_mmv {
+            // Pieces of at most MOE_MMV_ROWS rows (the workspace's), each routed and summed apart: a
+            // row's experts, products and sum are its own in any piece.
+            for r0 in (0..m).step_by(launch::MOE_MMV_ROWS) {
+                let rows = (m - r0).min(launch::MOE_MMV_ROWS);
+                let (ids, weights) = (ids.wrapping_add(r0 * k), row(weights, r0, k));
+                let (act, out) = (row(act, r0 * k, width), row(out, r0 * k, hidden));
+                launch::moe_route(row(logits, r0, experts), experts, rows, k, moe.norm_topk, ids, weights, groups, s)?;
+                launch::moe_mmv(
+                    &gate,
+                    Some(&up),
+                    row(self.xn, r0, hidden),
+                    k,
+                    groups,
+                    experts,
+                    rows,
+                    k,
+                    act,
+                    &work,
+                    s,
+                )?;
+                launch::moe_mmv(&down, None, act, 1, groups, experts, rows, k, out, &work, s)?;
+                if split {
+                    launch::zero(row(self.xn, r0, hidden), rows * hidden, s)?;
+                }
+                launch::moe_sum(out, weights, hidden, rows, k, row(sums, r0, hidden), s)?;
+            }
+        } else if m > 0 {
             launch::moe_route(logits, experts, m, k, moe.norm_topk, ids, weights, groups, s)?;
             launch::moe_gate_up(&gate, &up, self.xn, groups, experts, m, k, act, s)?;
             launch::moe_down(&down, act, groups, experts, m, k, out, s)?;

@@ -129,8 +129,15 @@ fn mmv_workspace_for(cfg: &ModelConfig, n: usize) -> (usize, usize) {
         (h, i, false),
         (cfg.vocab, h, false),
     ];
-    shapes.iter().fold((0, 0), |(p, c), &(rows, cols, glu)| {
+    let dense = shapes.iter().fold((0, 0), |(p, c), &(rows, cols, glu)| {
         let (wp, wc) = kernels_workspace(rows, cols, glu, n).unwrap_or_else(|| mmv_workspace(rows, cols, glu, n));
+        (p.max(wp), c.max(wc))
+    });
+    // A Mixture of Experts' decode rows take the same workspace (`launch::moe_mmv`, in stream order).
+    let Some(m) = cfg.moe else { return dense };
+    let rows = n.min(super::launch::MOE_MMV_ROWS);
+    [(m.intermediate, h, true), (h, m.intermediate, false)].iter().fold(dense, |(p, c), &(r, cols, glu)| {
+        let (wp, wc) = super::launch::moe_mmv_workspace(r, cols, glu, m.experts, rows, m.used).unwrap_or((0, 0));
         (p.max(wp), c.max(wc))
     })
 }

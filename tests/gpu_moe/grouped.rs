@@ -53,7 +53,7 @@ fn stack(rng: &mut Rng, dtype: DType, half: DType, experts: usize, rows: usize, 
 
 /// The first `n` rows of `logits` routed (top `k` of `experts`): each slot's expert, and the groups on
 /// the device.
-fn route(logits: &[f32], experts: usize, n: usize, k: usize) -> (Vec<i32>, DeviceBuffer) {
+pub(super) fn route(logits: &[f32], experts: usize, n: usize, k: usize) -> (Vec<i32>, DeviceBuffer) {
     let ld = DeviceBuffer::from_slice(&logits[..n * experts]).unwrap();
     let ids = DeviceBuffer::new(n * k * 4).unwrap();
     let weights = DeviceBuffer::new(n * k * 4).unwrap();

@@ -5,12 +5,13 @@
 //! tokens the same but at near ties; a 256-token prompt in one chunk, whose experts' groups fill several
 //! tiles of the grouped products, the last partly; and random batches giving each stream the bits it gets alone,
 //! graphs and all; and a Qwen3-MoE of 40 experts, 8 a token, whose routing spans two of a lane's
-//! registers and whose experts' groups hold many rows; and (grouped.rs) the grouped products alone
-//! against the host. A SKIP line without a card.
+//! registers and whose experts' groups hold many rows; and the grouped products (grouped.rs) and the
+//! decode rows' expert products (mmv.rs) alone against the host. A SKIP line without a card.
 
 #[path = "../common/mod.rs"]
 mod common;
 mod grouped;
+mod mmv;
 use common::{
     Mix, Rng, Scratch, compare_greedy, compare_greedy_with_jumps, cpu_options, cuda_options, gguf_of_recipe,
     gpu_present, init,

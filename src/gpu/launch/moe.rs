@@ -175,6 +175,85 @@ pub(in crate::gpu) fn moe_down(
     cuda::check(code, "hostembed_moe_down")
 }
 
+/// Whether a stack takes the integer decode product's expert kernel (kernels/moe_mmv.cu: a block format,
+/// whole tiles of columns, every expert at its reader's alignment).
+pub(in crate::gpu) fn moe_mmv_supports(w: &ExpertStack) -> bool {
+    // SAFETY: host-side checks on a format id, an address, a stride and a width; nothing is dereferenced.
+    unsafe { kn::hostembed_moe_mmv_supports(w.dtype as c_int, w.ptr, w.stride, w.cols as c_uint) == 0 }
+}
+
+/// The most decode rows one `moe_mmv` launch takes (the workspace is sized for this many; more rows go
+/// in launches of this many, each routed apart).
+pub(in crate::gpu) const MOE_MMV_ROWS: usize = 64;
+
+/// (partial floats, counters) `moe_mmv` needs for `n` rows of a stack of `rows` x `cols` (glu: gate with up).
+pub(in crate::gpu) fn moe_mmv_workspace(
+    rows: usize,
+    cols: usize,
+    glu: bool,
+    experts: usize,
+    n: usize,
+    k: usize,
+) -> Option<(usize, usize)> {
+    let (mut floats, mut counters) = (0usize, 0 as c_uint);
+    let c = |v: usize| c_uint::try_from(v).ok();
+    let (rows, cols, experts, n, k) = (c(rows)?, c(cols)?, c(experts)?, c(n)?, c(k)?);
+    // SAFETY: host arithmetic on sizes, writing the two out-parameters only.
+    let code =
+        unsafe { kn::hostembed_moe_mmv_workspace(rows, cols, glu as c_int, experts, n, k, &mut floats, &mut counters) };
+    (code == 0).then_some((floats, counters as usize))
+}
+
+/// y[slot] = w_e x[slot / x_div] for each slot of `groups` (n rows, k slots a row) and its expert e, or
+/// with `up` silu(w_e x) * (up_e x), on the integer decode product (rows of y `w.rows` apart); `work` as
+/// `moe_mmv_workspace` sizes it for at most `MOE_MMV_ROWS` rows.
+#[allow(clippy::too_many_arguments)]
+pub(in crate::gpu) fn moe_mmv(
+    w: &ExpertStack,
+    up: Option<&ExpertStack>,
+    x: *const f32,
+    x_div: usize,
+    groups: *const c_int,
+    experts: usize,
+    n: usize,
+    k: usize,
+    y: *mut f32,
+    work: &super::MmvWork,
+    s: cudaStream_t,
+) -> Result<()> {
+    if let Some(u) = up
+        && (u.dtype, u.rows, u.cols, u.stride) != (w.dtype, w.rows, w.cols, w.stride)
+    {
+        crate::bail!(Unsupported, "expert gate and up matrices of different formats or shapes");
+    }
+    let w2 = up.map_or(std::ptr::null(), |u| u.ptr);
+    // SAFETY: device pointers into live allocations sized for these shapes; `w` (and `up`) a stack of
+    // `experts` matrices back to back (`ExpertStack::of`), every expert and slot in `groups` in range (the
+    // route kernel writes them), and the workspace sized for `n` rows (see `launch`'s note).
+    let code = unsafe {
+        kn::hostembed_moe_mmv(
+            w.ptr,
+            w2,
+            w.dtype as c_int,
+            w.stride,
+            w.rows as c_uint,
+            w.cols as c_uint,
+            x,
+            x_div as c_uint,
+            groups,
+            experts as c_uint,
+            n as c_uint,
+            k as c_uint,
+            y,
+            work.partial,
+            work.counters,
+            work.tuning,
+            s,
+        )
+    };
+    cuda::check(code, "hostembed_moe_mmv")
+}
+
 /// x[r] += the sum of weights[r * k + slot] * out[r * k + slot] over each row's `k` slots, in order.
 pub(in crate::gpu) fn moe_sum(
     out: *const f32,

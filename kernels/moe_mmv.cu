@@ -1,0 +1,152 @@
+// A Mixture-of-Experts layer's decode rows on the integer decode product (kernels/mmv_int.cuh): a block
+// takes 128 rows (GLU: 64 gate and the same 64 up rows) of one chosen expert, one of its column ranges,
+// and up to MOE_MMV_TOKENS of the slots that chose it (blocks past an expert's slots, or past the experts
+// chosen, return at once). Each slot stages its activation row as one token of the dense product does,
+// and a token's chain never depends on the others', so a slot's outputs are the same bits in any batch;
+// the cut of an expert's matrix (moe_mmv_shape) depends on its shape and the experts a token chooses only.
+// The block formats only (the half formats keep kernels/moe.cu's kernels).
+#include "mmv_int.cuh"
+#include "moe.cuh"
+
+namespace {
+
+// A block's slots a pass over its weights (four tiles of four tokens).
+constexpr unsigned MOE_MMV_TOKENS = 16;
+constexpr int MOE_MMV_TILES = MOE_MMV_TOKENS / 4;
+
+// One expert's matrix cut into row blocks and as many column ranges as fill MMV_TARGET_BLOCKS when one
+// token's k experts each take their row blocks (so one stream's decode fills the card).
+__host__ __device__ inline MmvShape moe_mmv_shape(unsigned rows, unsigned cols, bool glu, unsigned k) {
+    const unsigned out_rows = glu ? MMV_BLOCK_ROWS / 2 : MMV_BLOCK_ROWS;
+    MmvShape s;
+    s.row_blocks = (rows + out_rows - 1) / out_rows;
+    const unsigned per = s.row_blocks * k, chunks = (cols + MMV_KC - 1) / MMV_KC;
+    unsigned splits = per >= MMV_TARGET_BLOCKS ? 1 : (MMV_TARGET_BLOCKS + per - 1) / per;
+    splits = splits < chunks ? splits : chunks;
+    splits = splits < MMV_MAX_SPLITS ? splits : MMV_MAX_SPLITS;
+    s.kr = (chunks + splits - 1) / splits * MMV_KC;
+    s.splits = (cols + s.kr - 1) / s.kr;
+    return s;
+}
+
+// Block (x, y, z): row block x, column range y, pass z % passes over chosen expert z / passes's slots.
+// Slot s's activations are row s / x_div of x, its outputs row s of y (rows `rows` apart) and of the
+// split sums (`slots` rows a split); each (expert, pass) keeps its own arrival counters.
+template <typename R, bool GLU, bool STAGED>
+__global__ __launch_bounds__(MMV_THREADS, MMVQ_MID_MIN_BLOCKS) void moe_mmvq_kernel(
+    const unsigned char *__restrict__ w, const unsigned char *__restrict__ w2, size_t expert_bytes, unsigned rows,
+    unsigned cols, size_t row_bytes, MmvShape shape, const float *__restrict__ x, unsigned x_div,
+    const int *__restrict__ groups, unsigned experts, unsigned passes, unsigned slots, float *y, float *partial,
+    unsigned *counters) {
+    he::pdl_launch_dependents();
+    he::pdl_wait();  // which experts, and which slots, come from the kernel before
+    const he::MoeGroups g{groups, experts};
+    const unsigned a = blockIdx.z / passes, first = blockIdx.z % passes * MOE_MMV_TOKENS;
+    if (a >= g.active()) return;
+    const unsigned e = g.expert(a), count = g.count(e);
+    if (first >= count) return;
+    const unsigned n = min(MOE_MMV_TOKENS, count - first);
+    const MmvTokens tk{x, cols, g.list() + g.start(e) + first, x_div, n, MOE_MMV_TOKENS, slots};
+    const size_t at = (size_t)e * expert_bytes;
+    mmvq_body<R, MOE_MMV_TILES, GLU, STAGED>(w + at, GLU ? w2 + at : nullptr, rows, cols, row_bytes, shape, tk, nullptr,
+                                             nullptr, y, rows, partial, counters + (size_t)blockIdx.z * shape.row_blocks);
+}
+
+// The experts a launch may find chosen, and the passes over the most slots one expert can hold (a row
+// chooses an expert once, so n).
+struct MoeMmvGrid {
+    unsigned chosen, passes;
+};
+inline MoeMmvGrid moe_mmv_grid(unsigned experts, unsigned n, unsigned k) {
+    const size_t slots = (size_t)n * k;
+    return {(unsigned)(slots < experts ? slots : experts), (n + MOE_MMV_TOKENS - 1) / MOE_MMV_TOKENS};
+}
+
+// Whether a stack of experts (each `expert_bytes` after the one before) takes reader R: whole tiles of
+// columns, and every expert's rows at the reader's alignment.
+template <typename R>
+bool moe_mmv_fits(int dtype, const void *w, size_t expert_bytes, unsigned cols) {
+    bool ok = false;
+    he::with_format(dtype, [&](auto format) {
+        const size_t rb = he::row_bytes<decltype(format)>(cols);
+        ok = rb != 0 && cols % (R::STEP * R::TILE_STEPS) == 0 && cols % 8 == 0 && rb % R::ALIGN == 0 &&
+             expert_bytes % R::ALIGN == 0 && reinterpret_cast<uintptr_t>(w) % R::ALIGN == 0;
+    });
+    return ok;
+}
+
+// Calls fn(R{}) for the integer reader of dtype; false where dtype has none.
+template <typename Fn>
+bool with_int_reader(int dtype, Fn &&fn) {
+    bool found = false;
+    with_reader(dtype, [&](auto reader) {
+        if constexpr (decltype(reader)::INT) {
+            found = true;
+            fn(reader);
+        }
+    });
+    return found;
+}
+
+}  // namespace
+
+extern "C" cudaError_t hostembed_moe_mmv_supports(int dtype, const void *w, size_t expert_bytes, unsigned int cols) {
+    bool ok = false;
+    const bool has = with_int_reader(dtype, [&](auto r) { ok = moe_mmv_fits<decltype(r)>(dtype, w, expert_bytes, cols); });
+    return has && ok ? cudaSuccess : cudaErrorNotSupported;
+}
+
+extern "C" cudaError_t hostembed_moe_mmv_workspace(unsigned int rows, unsigned int cols, int glu, unsigned int experts,
+                                                   unsigned int n, unsigned int k, size_t *partial_floats,
+                                                   unsigned int *counters) {
+    if (partial_floats == nullptr || counters == nullptr || rows == 0 || cols == 0 || k == 0 || k > experts)
+        return cudaErrorInvalidValue;
+    const MmvShape s = moe_mmv_shape(rows, cols, glu != 0, k);
+    const MoeMmvGrid grid = moe_mmv_grid(experts, n, k);
+    *partial_floats = s.splits > 1 ? (size_t)s.splits * (glu ? 2 : 1) * n * k * rows : 0;
+    *counters = s.splits > 1 ? grid.chosen * grid.passes * s.row_blocks : 0;
+    return cudaSuccess;
+}
+
+extern "C" cudaError_t hostembed_moe_mmv(const void *w, const void *w2, int dtype, size_t expert_bytes,
+                                         unsigned int rows, unsigned int cols, const float *x, unsigned int x_div,
+                                         const int *groups, unsigned int experts, unsigned int n, unsigned int k,
+                                         float *y, float *partial, unsigned int *counters, hostembed_tuning tuning,
+                                         cudaStream_t stream) {
+    if (w == nullptr || x == nullptr || groups == nullptr || y == nullptr || rows == 0 || cols == 0 || k == 0 ||
+        k > experts || x_div == 0 || reinterpret_cast<uintptr_t>(x) % 16 != 0)
+        return cudaErrorInvalidValue;
+    if (hostembed_moe_mmv_supports(dtype, w, expert_bytes, cols) != cudaSuccess ||
+        (w2 != nullptr && hostembed_moe_mmv_supports(dtype, w2, expert_bytes, cols) != cudaSuccess))
+        return cudaErrorNotSupported;
+    if (n == 0) return cudaSuccess;
+    const bool glu = w2 != nullptr;
+    const MmvShape shape = moe_mmv_shape(rows, cols, glu, k);
+    if (shape.splits > 1 && (partial == nullptr || counters == nullptr)) return cudaErrorInvalidValue;
+    const MoeMmvGrid mg = moe_mmv_grid(experts, n, k);
+    if ((size_t)mg.chosen * mg.passes > 65535) return cudaErrorNotSupported;
+    const dim3 grid(shape.row_blocks, shape.splits, mg.chosen * mg.passes);
+    cudaError_t err = cudaErrorNotSupported;
+    with_int_reader(dtype, [&](auto reader) {
+        using R = decltype(reader);
+        // Staged where the dense product stages a launch of this many tokens by default (the same bits).
+        constexpr bool STAGED = R::STAGE_TOKENS >= MOE_MMV_TOKENS;
+        constexpr unsigned GROUP = mmv_group<R, STAGED>();
+        constexpr unsigned WEIGHTS = STAGED ? WeightSlots<R, GROUP>::BLOCK_BYTES : 0;
+        const unsigned kch = mmv_chunk(MOE_MMV_TOKENS, shape.kr, 2, mmvq_unit(GROUP));
+        const int smem = (int)(mmvq_act_bytes(MOE_MMV_TOKENS, kch, mmvq_min_cols<R>()) + WEIGHTS);
+        size_t row_bytes = 0;
+        he::with_format(dtype, [&](auto format) { row_bytes = he::row_bytes<decltype(format)>(cols); });
+        auto go = [&](auto kernel) {
+            err = he::allow_smem(kernel, smem);
+            if (err != cudaSuccess) return;
+            err = he::launch_overlapped(tuning, kernel, grid, dim3(MMV_THREADS), (size_t)smem, stream,
+                                        (const unsigned char *)w, (const unsigned char *)w2, expert_bytes, rows, cols,
+                                        row_bytes, shape, x, x_div, groups, experts, mg.passes,
+                                        n * k, y, partial, counters);
+        };
+        if (glu) go(moe_mmvq_kernel<R, true, STAGED>);
+        else go(moe_mmvq_kernel<R, false, STAGED>);
+    });
+    return err;
+}
