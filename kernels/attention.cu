@@ -374,6 +374,8 @@ struct SplitArgs {
 // positions) at least 3,684 -> 3,807 tok/s; one stream at a 16,384-token cache (256 blocks of 512
 // positions) 131.4 -> 122.5 on the wide kernel, so long parts keep the other.
 constexpr unsigned long long AT_WIDE_AFTER = 1024;
+// Launches of fewer blocks than this split their query heads further (hostembed_attention).
+constexpr size_t AT_FEW_BLOCKS = 64;
 
 template <int D, int HB, int KT, int VT>
 cudaError_t launch_split(dim3 grid, const SplitArgs &a, cudaStream_t stream) {
@@ -440,6 +442,11 @@ extern "C" cudaError_t hostembed_attention(const float *q, unsigned int q_stride
     const unsigned int cap = head_dim > 128 ? 4 : 8;  // heads per block: keeps HB * D * 4 warps of smem at 16 KB
     unsigned int hb = 1;
     while (hb < group && hb < cap) hb *= 2;
+    // A launch of few blocks (one stream's short context: one part of each kv head) takes fewer query heads
+    // a block, down to one, so that more multiprocessors share its latency: each head's products, softmax
+    // and sums are the same instructions in any group, so the same bits.
+    auto blocks = [&](unsigned int h) { return (size_t)kv_heads * ((group + h - 1) / h) * n * grid_parts; };
+    while (hb > 1 && blocks(hb) < AT_FEW_BLOCKS) hb /= 2;
     if ((size_t)kv_heads * ((group + hb - 1) / hb) > 65535) return cudaErrorInvalidValue;
     const SplitArgs a{q,        q_stride, static_cast<const unsigned char *>(kv_pool), tables, pool_pages, k_type,
                       v_type,   pos,      heads,    kv_heads,        head_dim,    scale * LOG2E, window,

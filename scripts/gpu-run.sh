@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine from the repo root: unpacks .gpu/bundle.tar.xz and runs the GPU suite,
 # then whatever steps are named (default: tests). Logs go to $OUT (or ./gpu-out).
-# Steps: info tests tests-parallel targets formats prep tc-blocks attention-wide targets-f16 targets-kv wgmma local-pool tensor-parallel sanitize profile-decode profile-moe profile-mmv hfref bench-embed bench-decode bench-mmv bench-model bench-prefill bench-prefill-quant
+# Steps: info tests tests-parallel targets formats prep tc-blocks attention-wide targets-f16 targets-kv wgmma local-pool tensor-parallel sanitize profile-decode profile-moe moe-mmv profile-mmv hfref bench-embed bench-decode bench-mmv bench-model bench-prefill bench-prefill-quant
 # bench-convert bench-kv torch-prefill server-load llama-cpp-moe moe-file two-chains, or any example's name (HOSTEMBED_MEMCHECK=0 leaves
 # local-pool's and tensor-parallel's memcheck out). server-load measures the
 # server's targets (scripts/server-load.sh: a 16 GB Llama-3-8B-shaped file written under /tmp, batch.c,
@@ -360,6 +360,19 @@ for step in $steps; do
           --launch-skip 400 --launch-count 900 "$B/examples/bench_decode" --no-kernels --no-mmv --dtype "$dtype" \
           --prompt 64 --tokens 8 --runs 1 > "$OUT/profile-decode-$dtype.log" 2>&1 || rc=$?
       done ;;
+    moe-mmv)
+      # Qwen3-30B-A3B's layers (12 of its 48, the Q4_K_M mix): one stream's decode and 1, 16 and 64 streams,
+      # the decode rows' experts on the integer decode product, then on the warp-a-row kernels.
+      rc=0
+      log="$OUT/moe-mmv.log"
+      for v in 1 0; do
+        echo "== HOSTEMBED_MOE_MMV=$v" >> "$log"
+        HOSTEMBED_MOE_MMV=$v run_bench bench_decode --qwen3-30b-a3b --layers 12 --dtype q4_k_m --no-kernels --no-mmv \
+          --prompt 64 --tokens 64 --runs 3 --greedy
+        HOSTEMBED_MOE_MMV=$v run_bench bench_batch --qwen3-30b-a3b --layers 12 --dtype q4_k_m --streams 1,16,64 \
+          --no-long --no-host-rows --steps 16
+      done
+      grep -E "^(== HOSTEMBED|\| (greedy|1|16|64) )" "$log" >> "$summary" ;;
     profile-moe)
       # Nsight Compute's time for each kernel of a few one-stream decode steps of Qwen3-30B-A3B's layers
       # (four of its 48, the Q4_K_M mix): where a Mixture-of-Experts token's time goes.
