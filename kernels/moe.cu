@@ -141,14 +141,40 @@ __device__ __forceinline__ void warp_dots(const unsigned char *row, const unsign
 
 using Groups = he::MoeGroups;
 
-template <typename R>
+// Warps a router row's columns are cut among (where the cut falls on whole blocks at the reader's
+// alignment): one stream's 128 experts then fill 64 blocks, not 16.
+constexpr unsigned ROUTER_PARTS = 4;
+
+// logits[r][j] = row j . x[r]: warp w of a block takes part w % PARTS of row blockIdx.x * (MOE_WARPS /
+// PARTS) + w / PARTS, and the part sums are added in part order (the cut depends on the shape alone).
+template <typename R, unsigned PARTS>
 __global__ void __launch_bounds__(MOE_THREADS, 2) router_kernel(const unsigned char *__restrict__ w, size_t rb,
                                                                unsigned experts, unsigned cols,
                                                                const float *__restrict__ x, unsigned n,
                                                                float *__restrict__ logits) {
-    const unsigned j = blockIdx.x * MOE_WARPS + threadIdx.x / 32;
-    if (j >= experts) return;
-    const unsigned char *row = w + j * rb;
+    constexpr unsigned ROWS = MOE_WARPS / PARTS;
+    __shared__ float sums[MOE_WARPS][TILE];
+    const unsigned warp = threadIdx.x / 32, part = warp % PARTS, lane = threadIdx.x % 32;
+    const unsigned j = blockIdx.x * ROWS + warp / PARTS, part_cols = cols / PARTS;
+    const bool here = j < experts;
+    const unsigned char *row = w + (size_t)(here ? j : 0) * rb + part * (rb / PARTS);
+    // Every warp reaches the block's barriers; only rows of the matrix are written.
+    auto finish = [&](unsigned r, unsigned count, const float *acc) {
+        if (PARTS == 1) {
+            if (here && lane == 0)
+                for (unsigned t = 0; t < count; t++) logits[(size_t)(r + t) * experts + j] = acc[t];
+            return;
+        }
+        if (lane == 0)
+            for (unsigned t = 0; t < count; t++) sums[warp][t] = acc[t];
+        __syncthreads();
+        if (here && part == 0 && lane < count) {
+            float v = sums[warp][lane];
+            for (unsigned q = 1; q < PARTS; q++) v += sums[warp + q][lane];
+            logits[(size_t)(r + lane) * experts + j] = v;
+        }
+        __syncthreads();
+    };
     for (unsigned r0 = blockIdx.y * ROUTER_TOKENS; r0 < n; r0 += gridDim.y * ROUTER_TOKENS) {
         const unsigned end = min(n, r0 + ROUTER_TOKENS);
         unsigned r = r0;
@@ -156,18 +182,15 @@ __global__ void __launch_bounds__(MOE_THREADS, 2) router_kernel(const unsigned c
             const float *xs[TILE];
             float acc[TILE], none[TILE];
 #pragma unroll
-            for (int t = 0; t < TILE; t++) xs[t] = x + (size_t)(r + t) * cols;
-            warp_dots<R, TILE, false>(row, nullptr, cols, xs, acc, none);
-            if (threadIdx.x % 32 == 0) {
-#pragma unroll
-                for (int t = 0; t < TILE; t++) logits[(size_t)(r + t) * experts + j] = acc[t];
-            }
+            for (int t = 0; t < TILE; t++) xs[t] = x + (size_t)(r + t) * cols + part * part_cols;
+            warp_dots<R, TILE, false>(row, nullptr, part_cols, xs, acc, none);
+            finish(r, TILE, acc);
         }
         for (; r < end; r++) {
-            const float *xs[1] = {x + (size_t)r * cols};
+            const float *xs[1] = {x + (size_t)r * cols + part * part_cols};
             float acc[1], none[1];
-            warp_dots<R, 1, false>(row, nullptr, cols, xs, acc, none);
-            if (threadIdx.x % 32 == 0) logits[(size_t)r * experts + j] = acc[0];
+            warp_dots<R, 1, false>(row, nullptr, part_cols, xs, acc, none);
+            finish(r, 1, acc);
         }
     }
 }
@@ -400,12 +423,22 @@ extern "C" cudaError_t hostembed_moe_router(const void *router, int dtype, unsig
         using F = decltype(f);
         const size_t rb = he::row_bytes<F>(cols);
         if (rb == 0) return;
-        with_reader<F>(router, nullptr, rb, cols, x, [&](auto r) {
-            const unsigned tiles = (n + ROUTER_TOKENS - 1) / ROUTER_TOKENS;
-            const dim3 grid(blocks_for(experts), tiles < MAX_GRID_Y ? tiles : MAX_GRID_Y);
-            router_kernel<decltype(r)><<<grid, MOE_THREADS, 0, stream>>>((const unsigned char *)router, rb, experts,
-                                                                         cols, x, n, logits);
-        });
+        const unsigned tiles = (n + ROUTER_TOKENS - 1) / ROUTER_TOKENS;
+        const unsigned grid_y = tiles < MAX_GRID_Y ? tiles : MAX_GRID_Y;
+        // Parts of whole blocks whose starts keep a 16-byte chunk reader's alignment (else one part a row).
+        const size_t part_bytes = rb / ROUTER_PARTS;
+        if (cols % (ROUTER_PARTS * F::BLOCK_VALUES) == 0 && part_bytes % 16 == 0 && (cols / ROUTER_PARTS) % 4 == 0) {
+            with_reader<F>(router, nullptr, rb, cols / ROUTER_PARTS, x, [&](auto r) {
+                const dim3 grid((experts + MOE_WARPS / ROUTER_PARTS - 1) / (MOE_WARPS / ROUTER_PARTS), grid_y);
+                router_kernel<decltype(r), ROUTER_PARTS><<<grid, MOE_THREADS, 0, stream>>>(
+                    (const unsigned char *)router, rb, experts, cols, x, n, logits);
+            });
+        } else {
+            with_reader<F>(router, nullptr, rb, cols, x, [&](auto r) {
+                router_kernel<decltype(r), 1><<<dim3(blocks_for(experts), grid_y), MOE_THREADS, 0, stream>>>(
+                    (const unsigned char *)router, rb, experts, cols, x, n, logits);
+            });
+        }
         err = cudaGetLastError();
     });
     return err;

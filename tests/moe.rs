@@ -145,6 +145,10 @@ fn quantized_stacks_are_read_as_stored() {
             let down = names::layer(cfg.layers - 1, &names::expert(names::EXPERT_DOWN, 1));
             let want = if recipe == Recipe::Q4KM { DType::Q6_K } else { DType::Q8_0 };
             assert_eq!(q.info(&down).unwrap().dtype, want, "{what}: {down}");
+            // llama-quantize leaves the router as the converter wrote it (F32).
+            let router = names::layer(0, names::ROUTER);
+            let want = if recipe == Recipe::Q4KM { DType::F32 } else { DType::Q8_0 };
+            assert_eq!(q.info(&router).unwrap().dtype, want, "{what}: {router}");
             let tokens: Vec<u32> = (0..20).map(|_| rng.below(cfg.vocab as u64) as u32).collect();
             assert_eq!(bits(&logits_of(&q, &tokens)), bits(&logits_of(&f, &tokens)), "{what}");
             println!("{what}: the logits of its F32 decoding, bit for bit");

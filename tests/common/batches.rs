@@ -6,7 +6,7 @@ use super::{
 };
 use hostembed::checkpoint::write::Recipe;
 use hostembed::engine::engine_options;
-use hostembed::model::ModelConfig;
+use hostembed::model::{ModelConfig, names};
 use hostembed::placement::engine_memory;
 use hostembed::status::last_error;
 use hostembed::tensor::DType;
@@ -204,7 +204,7 @@ pub fn every_recipe() -> Vec<Recipe> {
 }
 
 /// Writes `cfg` in `recipe` into `dir` and checks the file stores every tensor as the recipe asks, with
-/// no fallback for rows that are not whole blocks (Q4_K_M: Q4_K and Q6_K both present).
+/// no fallback for rows that are not whole blocks (Q4_K_M: Q4_K and Q6_K both present, a router in F32).
 pub fn gguf_of_recipe(dir: &Scratch, cfg: &ModelConfig, seed: u64, recipe: Recipe) -> PathBuf {
     let path = dir.gguf(recipe.name(), cfg, seed, recipe);
     let ckpt = hostembed::checkpoint::Checkpoint::open(&path).unwrap();
@@ -212,7 +212,8 @@ pub fn gguf_of_recipe(dir: &Scratch, cfg: &ModelConfig, seed: u64, recipe: Recip
         let fits = match recipe {
             Recipe::Uniform(dtype) => t.dtype == dtype,
             Recipe::Q4KM => {
-                matches!(t.dtype, DType::Q4_K | DType::Q6_K) && t.dtype == recipe.dtype(cfg, &t.name, &t.shape)
+                let quantized = matches!(t.dtype, DType::Q4_K | DType::Q6_K) || t.name.ends_with(names::ROUTER);
+                quantized && t.dtype == recipe.dtype(cfg, &t.name, &t.shape)
             }
         };
         assert!(fits, "{}: tensor {} of {:?} stored as {}", recipe.name(), t.name, t.shape, t.dtype.name());

@@ -126,11 +126,16 @@ impl Recipe {
     }
 }
 
-/// llama.cpp's choice for a Q4_K_M matrix (before its fallback for rows that are not whole blocks).
+/// llama.cpp's choice for a Q4_K_M matrix (before its fallback for rows that are not whole blocks): a
+/// Mixture of Experts' router stays F32 (llama-quantize leaves `ffn_gate_inp` as the converter wrote it).
 fn q4_k_m_dtype(cfg: &ModelConfig, name: &str) -> DType {
     let head = if cfg.tied { names::EMBED } else { names::LM_HEAD };
     if name == head {
         return DType::Q6_K;
+    }
+    if name.strip_prefix("model.layers.").and_then(|rest| rest.split_once('.')).is_some_and(|(_, p)| p == names::ROUTER)
+    {
+        return DType::F32;
     }
     let layer_part = name.strip_prefix("model.layers.").and_then(|rest| rest.split_once('.'));
     let Some((layer, part)) = layer_part.and_then(|(i, part)| Some((i.parse::<i64>().ok()?, part))) else {
