@@ -52,7 +52,7 @@ pub fn compare_greedy_with_jumps(
     for i in 0..=steps {
         let (lt, lr) = (logits(test, 0), logits(reference, 0));
         let rel = rel_l2(&lt, &lr);
-        if rel >= 2e-2 && rel < 6e-2 && jumped.len() < jumps {
+        if (2e-2..6e-2).contains(&rel) && jumped.len() < jumps {
             jumped.push((i, rel));
         } else {
             worst = worst.max(rel);
