@@ -37,8 +37,8 @@ fn rel_l2(what: &str, got: &[f32], want: &[f32]) -> f64 {
     (d / w.max(1e-30)).sqrt()
 }
 
-/// A stack of `experts` matrices of `rows` x `cols` in `dtype` (bytes), and its values rounded to `half`.
-fn stack(rng: &mut Rng, dtype: DType, half: DType, experts: usize, rows: usize, cols: usize) -> (Vec<u8>, Vec<f32>) {
+/// A stack of `experts` matrices of `rows` x `cols` in `dtype` (bytes), and its decoded values.
+pub(super) fn stack(rng: &mut Rng, dtype: DType, experts: usize, rows: usize, cols: usize) -> (Vec<u8>, Vec<f32>) {
     let (mut bytes, mut values) = (Vec::new(), Vec::new());
     for _ in 0..experts * rows {
         let row: Vec<f32> = (0..cols).map(|_| rng.uniform()).collect();
@@ -46,7 +46,7 @@ fn stack(rng: &mut Rng, dtype: DType, half: DType, experts: usize, rows: usize, 
         let mut decoded = vec![0f32; cols];
         decode_row(dtype, &encoded, &mut decoded);
         bytes.extend_from_slice(&encoded);
-        values.extend(round_half(half, &decoded));
+        values.extend(decoded);
     }
     (bytes, values)
 }
@@ -134,7 +134,8 @@ fn grouped_products_match_the_host_and_ignore_the_batch() {
     ];
     for (dtype, half) in cases {
         let what = format!("{} weights, {} operands", dtype.name(), half.name());
-        let (bytes, w) = stack(&mut rng, dtype, half, experts, rows, cols);
+        let (bytes, w) = stack(&mut rng, dtype, experts, rows, cols);
+        let w = round_half(half, &w);
         let wd = DeviceBuffer::from_slice(&bytes).unwrap();
         let logits: Vec<f32> = (0..n * experts).map(|_| rng.uniform()).collect();
         let (ids, groups) = route(&logits, experts, n, k);

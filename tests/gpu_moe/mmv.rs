@@ -7,26 +7,12 @@
 use std::os::raw::{c_int, c_uint, c_void};
 use std::ptr;
 
-use super::grouped::route;
+use super::grouped::{route, stack};
 use crate::common::launch::{NULL_STREAM, launch_tuning, ok};
 use crate::common::{Rng, gpu_present, rel_l2};
 use hostembed::cuda::DeviceBuffer;
 use hostembed::kernels as kn;
-use hostembed::tensor::{DType, decode_row, encode_row};
-
-/// A stack of `experts` matrices of `rows` x `cols` in `dtype` (bytes), and its decoded values.
-fn stack(rng: &mut Rng, dtype: DType, experts: usize, rows: usize, cols: usize) -> (Vec<u8>, Vec<f32>) {
-    let (mut bytes, mut values) = (Vec::new(), Vec::new());
-    for _ in 0..experts * rows {
-        let row: Vec<f32> = (0..cols).map(|_| rng.uniform()).collect();
-        let encoded = encode_row(dtype, &row);
-        let mut decoded = vec![0f32; cols];
-        decode_row(dtype, &encoded, &mut decoded);
-        bytes.extend_from_slice(&encoded);
-        values.extend(decoded);
-    }
-    (bytes, values)
-}
+use hostembed::tensor::DType;
 
 /// The workspace of a launch over `n` rows: the split sums and the zeroed arrival counters.
 fn workspace(rows: usize, cols: usize, glu: bool, experts: usize, n: usize, k: usize) -> (DeviceBuffer, DeviceBuffer) {
