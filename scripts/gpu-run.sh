@@ -139,13 +139,14 @@ for step in $steps; do
       # examples/write_model --quick, written while llama.cpp builds from a carried .gpu/llama.cpp.tar.xz;
       # both kept under .gpu for the moe-file step of the next call): llama-bench's 4,096-token prompt and
       # 128-token decode, and llama-batched-bench's 1, 16 and 64 streams of 512-token prompts and 128 rounds.
+      # MOE_DTYPE=q8_0 (either step) takes a file of every matrix in Q8_0 instead (32 GB).
       rc=0
       log="$OUT/llama-cpp-moe.log"
-      model=.gpu/models/qwen3-30b-a3b-q4_k_m.gguf
+      model=.gpu/models/qwen3-30b-a3b-${MOE_DTYPE:-q4_k_m}.gguf
       mkdir -p .gpu/models
       scripts/llama-cpp.sh build > "$OUT/llama-cpp-build.log" 2>&1 &
       build=$!
-      [ -f "$model" ] || "$B/examples/write_model" --shape qwen3-30b-a3b --dtype q4_k_m --quick \
+      [ -f "$model" ] || "$B/examples/write_model" --shape qwen3-30b-a3b --dtype "${MOE_DTYPE:-q4_k_m}" --quick \
         --tokenizer "$B/assets/tokenizer.json" --out "$model" >> "$log" 2>&1 || rc=$?
       wait "$build" || rc=$?
       bin=$(tail -1 "$OUT/llama-cpp-build.log")
@@ -162,7 +163,7 @@ for step in $steps; do
       # after a 64-token prompt, a 4,096-token prompt, and 1, 16 and 64 streams at a 512-token cache.
       rc=0
       log="$OUT/moe-file.log"
-      model=.gpu/models/qwen3-30b-a3b-q4_k_m.gguf
+      model=.gpu/models/qwen3-30b-a3b-${MOE_DTYPE:-q4_k_m}.gguf
       if [ -f "$model" ]; then
         run_bench bench_decode --model "$model" --no-kernels --no-mmv --prompt 64,4096 --tokens 128 --runs 3 --greedy
         run_bench bench_batch --model "$model" --streams 1,16,64 --no-long --no-host-rows --steps 32
