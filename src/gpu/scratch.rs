@@ -366,4 +366,31 @@ mod tests {
         assert_eq!(attention_grid_parts(64, crate::tuning::ATTENTION_PARTS), 1);
         assert_eq!(attention_grid_parts(16_384, crate::tuning::ATTENTION_PARTS), 32);
     }
+
+    /// A Mixture of Experts' decode rows share the dense products' workspace: it holds their split sums
+    /// and counters for a launch's most rows (Qwen3-30B-A3B: gate and up of 768 x 2048 in 12 row blocks a
+    /// chosen expert, cut in ceil(256 / (12 x 8)) = 3 column ranges; down of 2048 x 768 in 16, cut in 2).
+    #[test]
+    fn moe_decode_rows_fit_the_shared_workspace() {
+        let cfg = ModelConfig::qwen3_30b_a3b();
+        let layout = ScratchLayout::new(&cfg, 512, 0, 0, crate::tuning::ATTENTION_PARTS);
+        let rows = super::super::launch::MOE_MMV_ROWS;
+        let (partial_bytes, counter_bytes) = (layout.mmv_counters - layout.mmv_partial, layout.mmv_counter_bytes);
+        for (r, c, glu, splits) in [(768, 2048, true, 3), (2048, 768, false, 2)] {
+            // Host arithmetic of the kernels' library: absent from a build without kernels.
+            let Some((floats, counters)) = super::super::launch::moe_mmv_workspace(r, c, glu, 128, rows, 8) else {
+                return;
+            };
+            let parts = if glu { 2 } else { 1 };
+            assert_eq!(floats, splits * parts * rows * 8 * r, "{r} x {c}: the split sums, a row of each slot");
+            let row_blocks = r.div_ceil(if glu { 64 } else { 128 });
+            assert_eq!(
+                counters,
+                128 * rows.div_ceil(16) * row_blocks,
+                "{r} x {c}: a counter an expert, pass and row block"
+            );
+            assert!(floats * 4 <= partial_bytes, "{r} x {c}: {floats} floats in {partial_bytes} bytes");
+            assert!(counters * 4 <= counter_bytes, "{r} x {c}: {counters} counters in {counter_bytes} bytes");
+        }
+    }
 }
