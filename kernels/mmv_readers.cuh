@@ -26,7 +26,8 @@
 //
 // This header: the cut of a matrix (its constants and mmv_shape), the lane readers of every format
 // and the integer mma; kernels/mmv.cuh adds what the kernels share, one kernel a .cu file (mmv_half,
-// mmv_int, mmv_tile), and kernels/mmv.cu the C entry points.
+// mmv_int with its body in mmv_int.cuh, which kernels/moe_mmv.cu's experts' kernel shares, mmv_tile),
+// and kernels/mmv.cu the C entry points.
 #pragma once
 #include "formats.cuh"
 
