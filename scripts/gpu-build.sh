@@ -28,7 +28,7 @@ if [ "${1:-}" = --patch ]; then
   test_binaries "${args[@]}" | while read -r name exe; do cp "$exe" ".gpu/patch/bundle/tests/$name"; done
   strip .gpu/patch/bundle/tests/*
   # A dictionary wider than one binary packs the kernels every binary carries once.
-  XZ_OPT="-T1 --lzma2=preset=6,dict=192MiB" tar -C .gpu/patch -cJf .gpu/patch.tar.xz bundle
+  XZ_OPT="-T1 --lzma2=preset=1,dict=192MiB" tar -C .gpu/patch -cJf .gpu/patch.tar.xz bundle
   rm -rf .gpu/patch
   ls -la .gpu/patch.tar.xz
   exit 0
@@ -67,7 +67,8 @@ mkdir -p .gpu/bundle/models && cp models/gguf-f16.gguf .gpu/bundle/models/
 [ -d assets ] && cp -r assets .gpu/bundle/
 strip .gpu/bundle/tests/* .gpu/bundle/examples/* .gpu/bundle/server/hostembed-server .gpu/bundle/libhostembed.so 2>/dev/null || true
 # Every binary carries the same kernels: a dictionary wider than one binary packs the copies as one.
+# The fast match finder (preset 1): 1.4 GB packed in 80 s to 42 MB, where preset 6 took 7-8 minutes for 40.
 # Written aside and renamed, so a call carrying the last bundle meanwhile never finds half of one.
-XZ_OPT="-T1 --lzma2=preset=6,dict=192MiB" tar -C .gpu -cJf .gpu/bundle.tar.xz.new bundle && mv .gpu/bundle.tar.xz.new .gpu/bundle.tar.xz
+XZ_OPT="-T1 --lzma2=preset=1,dict=192MiB" tar -C .gpu -cJf .gpu/bundle.tar.xz.new bundle && mv .gpu/bundle.tar.xz.new .gpu/bundle.tar.xz
 rm -rf .gpu/bundle
 ls -la .gpu/bundle.tar.xz
