@@ -33,6 +33,6 @@ fi
 echo "$defines" > ".gpu/$name/DEFINES"
 strip ".gpu/$name"/* 2>/dev/null || true
 # Every binary carries the same kernels: a dictionary wider than one binary packs the copies as one.
-XZ_OPT="-T1 --lzma2=preset=6,dict=192MiB" tar -C .gpu -cJf ".gpu/$name.tar.xz" "$name"
+XZ_OPT="-T1 --lzma2=preset=1,dict=192MiB" tar -C .gpu -cJf ".gpu/$name.tar.xz" "$name"  # as gpu-build.sh packs
 rm -rf ".gpu/$name"
 ls -la ".gpu/$name.tar.xz"
