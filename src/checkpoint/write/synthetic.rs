@@ -133,14 +133,13 @@ fn q4_k_m_dtype(cfg: &ModelConfig, name: &str) -> DType {
     if name == head {
         return DType::Q6_K;
     }
-    if name.strip_prefix("model.layers.").and_then(|rest| rest.split_once('.')).is_some_and(|(_, p)| p == names::ROUTER)
-    {
-        return DType::F32;
-    }
     let layer_part = name.strip_prefix("model.layers.").and_then(|rest| rest.split_once('.'));
     let Some((layer, part)) = layer_part.and_then(|(i, part)| Some((i.parse::<i64>().ok()?, part))) else {
         return DType::Q4_K;
     };
+    if part == names::ROUTER {
+        return DType::F32;
+    }
     let n = cfg.layers as i64;
     let more_bits = layer < n / 8 || layer >= 7 * n / 8 || (layer - n / 8) % 3 == 2;
     let down = part == names::DOWN
