@@ -3,26 +3,6 @@
 // kernel file of its kind (mmv_half.cu, mmv_int.cu and through it mmv_tile.cu).
 #include "mmv.cuh"
 
-namespace {
-
-// Whether the tensor-core decode product takes this format and shape: a lane reader, whole tiles of
-// columns, rows whose blocks keep the reader's alignment, and at least a column range per split.
-template <typename R>
-bool mmv_fits(int dtype, const void *w, unsigned int cols) {
-    bool ok = false;
-    he::with_format(dtype, [&](auto format) {
-        using F = decltype(format);
-        const size_t rb = he::row_bytes<F>(cols);
-        unsigned int tile = R::STEP;
-        if constexpr (R::INT) tile = R::STEP * R::TILE_STEPS;
-        ok = rb != 0 && cols % tile == 0 && cols % 8 == 0 && rb % R::ALIGN == 0 &&
-             reinterpret_cast<uintptr_t>(w) % R::ALIGN == 0;
-    });
-    return ok;
-}
-
-}  // namespace
-
 extern "C" cudaError_t hostembed_mmv_supports(int dtype, const void *w, unsigned int cols) {
     bool ok = false;
     const bool has = with_reader(dtype, [&](auto reader) { ok = mmv_fits<decltype(reader)>(dtype, w, cols); });

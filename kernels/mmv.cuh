@@ -499,6 +499,22 @@ bool warpgroup_ready(const hostembed_tuning &tuning);
 
 namespace {
 
+// Whether the tensor-core decode product takes this format and shape: a lane reader, whole tiles of
+// columns, rows whose blocks keep the reader's alignment, and at least a column range per split.
+template <typename R>
+bool mmv_fits(int dtype, const void *w, unsigned int cols) {
+    bool ok = false;
+    he::with_format(dtype, [&](auto format) {
+        using F = decltype(format);
+        const size_t rb = he::row_bytes<F>(cols);
+        unsigned int tile = R::STEP;
+        if constexpr (R::INT) tile = R::STEP * R::TILE_STEPS;
+        ok = rb != 0 && cols % tile == 0 && cols % 8 == 0 && rb % R::ALIGN == 0 &&
+             reinterpret_cast<uintptr_t>(w) % R::ALIGN == 0;
+    });
+    return ok;
+}
+
 // Tokens [t0, t0 + nt) of `a` as a product of their own: their activations, residual rows and outputs.
 inline he::mmv::Args tokens_of(const he::mmv::Args &a, unsigned int t0, unsigned int nt) {
     he::mmv::Args part = a;

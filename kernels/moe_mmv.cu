@@ -62,17 +62,11 @@ inline MoeMmvGrid moe_mmv_grid(unsigned experts, unsigned n, unsigned k) {
     return {(unsigned)(slots < experts ? slots : experts), (n + MOE_MMV_TOKENS - 1) / MOE_MMV_TOKENS};
 }
 
-// Whether a stack of experts (each `expert_bytes` after the one before) takes reader R: whole tiles of
-// columns, and every expert's rows at the reader's alignment.
+// Whether a stack of experts (each `expert_bytes` after the one before) takes reader R: the dense
+// product's shape and alignment for the first, and every expert's rows at the reader's alignment.
 template <typename R>
 bool moe_mmv_fits(int dtype, const void *w, size_t expert_bytes, unsigned cols) {
-    bool ok = false;
-    he::with_format(dtype, [&](auto format) {
-        const size_t rb = he::row_bytes<decltype(format)>(cols);
-        ok = rb != 0 && cols % (R::STEP * R::TILE_STEPS) == 0 && cols % 8 == 0 && rb % R::ALIGN == 0 &&
-             expert_bytes % R::ALIGN == 0 && reinterpret_cast<uintptr_t>(w) % R::ALIGN == 0;
-    });
-    return ok;
+    return mmv_fits<R>(dtype, w, cols) && expert_bytes % R::ALIGN == 0;
 }
 
 // Calls fn(R{}) for the integer reader of dtype; false where dtype has none.
