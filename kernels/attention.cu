@@ -71,6 +71,52 @@ __device__ __forceinline__ ContextCut context_cut(unsigned int ctx, unsigned int
     return ContextCut{chunk, (ctx + chunk - 1) / chunk};
 }
 
+// out[t][h] = sum over parts of acc * 2^(m - M) / sum over parts of l * 2^(m - M), in part order, by one
+// block: the parts' (m, l) are loaded together into shared memory first (CombineSmem), and only the `used`
+// parts the split kernel filled for this context are read (it writes no others), so a short context
+// costs one part. The parts are read past L1: the split kernel's last block to finish reads the other
+// blocks' parts (`combine_parts`' callers in either kernel run the same arithmetic).
+constexpr unsigned int AT_MAX_SPLITS = 1024;
+struct CombineSmem {
+    float w[AT_MAX_SPLITS], l[AT_MAX_SPLITS];
+    float inv;
+};
+__device__ __forceinline__ void combine_parts(const float *partial, unsigned int heads, unsigned int d,
+                                              unsigned int splits, unsigned int used, unsigned int t, unsigned int h,
+                                              float *out, CombineSmem &sm) {
+    const size_t pstride = (size_t)d + 2;
+    const float *base = partial + ((size_t)t * heads + h) * splits * pstride;
+    float *w_s = sm.w;
+    for (unsigned int s = threadIdx.x; s < used; s += blockDim.x) {
+        w_s[s] = __ldcg(base + s * pstride);
+        sm.l[s] = __ldcg(base + s * pstride + 1);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float m_all = -INFINITY;
+        for (unsigned int s = 0; s < used; s++) m_all = fmaxf(m_all, w_s[s]);
+        float l_all = 0.f;
+        for (unsigned int s = 0; s < used; s++) {
+            const float m = w_s[s];
+            const float wt = m != -INFINITY ? exp2f(m - m_all) : 0.f;
+            if (m != -INFINITY) l_all += sm.l[s] * wt;
+            w_s[s] = wt;
+        }
+        sm.inv = 1.f / l_all;
+    }
+    __syncthreads();
+    const float inv = sm.inv;
+    for (unsigned int c = threadIdx.x; c < d; c += blockDim.x) {
+        float o = 0.f;
+#pragma unroll 8
+        for (unsigned int s = 0; s < used; s++) {
+            if (w_s[s] != 0.f) o += __ldcg(base + s * pstride + 2 + c) * w_s[s];
+        }
+        out[((size_t)t * heads + h) * d + c] = o * inv;
+    }
+    __syncthreads();  // the shared values are rewritten by the next head's
+}
+
 // BLOCKS: the blocks a multiprocessor the registers are capped for. AT_MIN_BLOCKS keeps a thread's 16 K
 // or V loads in flight (the most bytes a block, for few blocks: one stream's long context);
 // AT_WIDE_BLOCKS halves them for twice the blocks, where a launch has many (many streams' short
@@ -81,7 +127,8 @@ __global__ __launch_bounds__(AT_THREADS, BLOCKS) void attention_split_kernel(
     const float *__restrict__ q, unsigned int q_stride, const unsigned char *__restrict__ kv_pool,
     const unsigned int *const *__restrict__ tables, unsigned int pool_pages, int k_type, int v_type,
     const int *__restrict__ pos, unsigned int heads, unsigned int kv_heads, unsigned int d, float scale_log2,
-    unsigned int window, unsigned int splits, float *__restrict__ partial) {
+    unsigned int window, unsigned int splits, float *__restrict__ partial, float *__restrict__ out,
+    unsigned int *__restrict__ counters) {
     using KR = he::kv::Reader<KT>;
     using VR = he::kv::Reader<VT>;
     const KR kr(k_type);
@@ -102,6 +149,7 @@ __global__ __launch_bounds__(AT_THREADS, BLOCKS) void attention_split_kernel(
     __shared__ float p_s[HB][AT_TILE];
     __shared__ float red_max[AT_WARPS][HB], red_sum[AT_WARPS][HB];
     __shared__ float acc_s[AT_WARPS][HB][D];
+    __shared__ CombineSmem combine_sm;  // with counters: the last block's combine
     const unsigned int t = blockIdx.z;
     const unsigned int group = heads / kv_heads;
     const unsigned int hgroups = (group + HB - 1) / HB;
@@ -121,7 +169,14 @@ __global__ __launch_bounds__(AT_THREADS, BLOCKS) void attention_split_kernel(
     // A block with no part writes nothing (the combine reads only the parts a context fills) and leaves at
     // once; block 0 waits even then (a pad row's), so that this launch never ends before the kernel before it.
     if (blockIdx.x >= used) {
-        if (blockIdx.x == 0) he::pdl_wait();
+        if (blockIdx.x == 0) {
+            he::pdl_wait();
+            // No part at all (a pad row's): the combine's result of none, by the one block that waits.
+            if (counters != nullptr && used == 0) {
+                for (unsigned int h = 0; h < nh; h++)
+                    combine_parts(partial, heads, d, splits, 0, t, h0 + h, out, combine_sm);
+            }
+        }
         return;
     }
     he::pdl_wait();  // q and the cache come from the kernel before (launched overlapped)
@@ -305,49 +360,39 @@ __global__ __launch_bounds__(AT_THREADS, BLOCKS) void attention_split_kernel(
         // before they write it).
         __syncthreads();
     }
+    if (counters == nullptr) return;  // attention_combine_kernel follows
+
+    // With counters: the last of this token's and head group's blocks to finish combines their heads'
+    // parts, which it reads from L2 (its own threads' writes fenced there too).
+    const unsigned int arrivals = min(gridDim.x, used);
+    __shared__ unsigned int last;
+    __threadfence();
+    __syncthreads();
+    if (arrivals > 1) {
+        if (tid == 0) {
+            unsigned int *count = counters + (size_t)t * gridDim.y + blockIdx.y;
+            last = atomicAdd(count, 1u) == arrivals - 1;
+            if (last) *count = 0;  // every block of the group has arrived: ready for the next launch
+        }
+        __syncthreads();
+        if (!last) return;
+        __threadfence();  // the other blocks' parts are visible from here on
+    }
+    for (unsigned int h = 0; h < nh; h++) combine_parts(partial, heads, d, splits, used, t, h0 + h, out, combine_sm);
 }
 
-// out[t][h] = sum over parts of acc * 2^(m - M) / sum over parts of l * 2^(m - M), in part order. The
-// parts' (m, l) are loaded together into shared memory first, and only the parts the split kernel filled
-// for this context are read (it writes no others), so a short context costs one part.
-constexpr unsigned int AT_MAX_SPLITS = 1024;
+// The parts' combine as a kernel of its own (a launch without arrival counters): block (h, t).
 __global__ void attention_combine_kernel(const float *__restrict__ partial, unsigned int heads, unsigned int d,
                                          unsigned int window, unsigned int splits, const int *__restrict__ pos,
                                          float *__restrict__ out) {
-    __shared__ float w_s[AT_MAX_SPLITS];
-    __shared__ float inv_s;
+    __shared__ CombineSmem sm;
     he::pdl_wait();  // the parts come from the split kernel (launched overlapped)
     he::pdl_launch_dependents();
     const unsigned int h = blockIdx.x, t = blockIdx.y;
-    const size_t pstride = (size_t)d + 2;
-    const float *base = partial + ((size_t)t * heads + h) * splits * pstride;
     // The split kernel's cut: the parts past the context are empty (min: w_s's bound, whatever the cut).
     const unsigned int ctx = context_of(pos[t]);
     const unsigned int used = min(splits, context_cut(ctx - seen_of(ctx, window).from, splits).used);
-    for (unsigned int s = threadIdx.x; s < used; s += blockDim.x) w_s[s] = base[s * pstride];
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        float m_all = -INFINITY;
-        for (unsigned int s = 0; s < used; s++) m_all = fmaxf(m_all, w_s[s]);
-        float l_all = 0.f;
-        for (unsigned int s = 0; s < used; s++) {
-            const float m = w_s[s];
-            const float wt = m != -INFINITY ? exp2f(m - m_all) : 0.f;
-            if (m != -INFINITY) l_all += base[s * pstride + 1] * wt;
-            w_s[s] = wt;
-        }
-        inv_s = 1.f / l_all;
-    }
-    __syncthreads();
-    const float inv = inv_s;
-    for (unsigned int c = threadIdx.x; c < d; c += blockDim.x) {
-        float o = 0.f;
-#pragma unroll 8
-        for (unsigned int s = 0; s < used; s++) {
-            if (w_s[s] != 0.f) o += base[s * pstride + 2 + c] * w_s[s];
-        }
-        out[((size_t)t * heads + h) * d + c] = o * inv;
-    }
+    combine_parts(partial, heads, d, splits, used, t, h, out, sm);
 }
 
 // One launch's arguments, passed down to the kernel chosen for them.
@@ -364,6 +409,8 @@ struct SplitArgs {
     unsigned int window;
     unsigned int splits;
     float *partial;
+    float *out;
+    unsigned int *counters;
     hostembed_tuning tuning;
 };
 
@@ -385,7 +432,7 @@ cudaError_t launch_split(dim3 grid, const SplitArgs &a, cudaStream_t stream) {
     auto go = [&](auto kernel) {
         return he::launch_overlapped(a.tuning, kernel, grid, dim3(AT_THREADS), 0, stream, a.q, a.q_stride, a.pool,
                                      a.tables, a.pool_pages, a.k_type, a.v_type, a.pos, a.heads, a.kv_heads, a.d,
-                                     a.scale_log2, a.window, a.splits, a.partial);
+                                     a.scale_log2, a.window, a.splits, a.partial, a.out, a.counters);
     };
     // The wide kernel for the head sizes and head groups whose registers fit its cap without spilling.
     if constexpr (D <= 128 && HB <= 4)
@@ -421,12 +468,14 @@ cudaError_t launch_d(unsigned int hb, unsigned int n, unsigned int grid_parts, c
 
 }  // namespace
 
-extern "C" cudaError_t hostembed_attention(const float *q, unsigned int q_stride, const void *kv_pool,
-                                           const unsigned int *const *tables, unsigned int pool_pages, int k_type,
-                                           int v_type, const int *pos, unsigned int n, unsigned int heads,
-                                           unsigned int kv_heads, unsigned int head_dim, float scale,
-                                           unsigned int window, unsigned int splits, unsigned int grid_parts,
-                                           float *partial, float *out, hostembed_tuning tuning, cudaStream_t stream) {
+extern "C" cudaError_t hostembed_attention_combined(const float *q, unsigned int q_stride, const void *kv_pool,
+                                                    const unsigned int *const *tables, unsigned int pool_pages,
+                                                    int k_type, int v_type, const int *pos, unsigned int n,
+                                                    unsigned int heads, unsigned int kv_heads, unsigned int head_dim,
+                                                    float scale, unsigned int window, unsigned int splits,
+                                                    unsigned int grid_parts, float *partial, float *out,
+                                                    unsigned int *counters, hostembed_tuning tuning,
+                                                    cudaStream_t stream) {
     if (q == nullptr || kv_pool == nullptr || tables == nullptr || pos == nullptr || partial == nullptr ||
         out == nullptr)
         return cudaErrorInvalidValue;
@@ -450,11 +499,22 @@ extern "C" cudaError_t hostembed_attention(const float *q, unsigned int q_stride
     if ((size_t)kv_heads * ((group + hb - 1) / hb) > 65535) return cudaErrorInvalidValue;
     const SplitArgs a{q,        q_stride, static_cast<const unsigned char *>(kv_pool), tables, pool_pages, k_type,
                       v_type,   pos,      heads,    kv_heads,        head_dim,    scale * LOG2E, window,
-                      splits,   partial,  tuning};
+                      splits,   partial,  out,      counters,        tuning};
     const cudaError_t err = head_dim <= 64    ? launch_d<64>(hb, n, grid_parts, a, stream)
                             : head_dim <= 128 ? launch_d<128>(hb, n, grid_parts, a, stream)
                                               : launch_d<256>(hb, n, grid_parts, a, stream);
-    if (err != cudaSuccess) return err;
+    if (err != cudaSuccess || counters != nullptr) return err;
     return he::launch_overlapped(tuning, attention_combine_kernel, dim3(heads, n), dim3(128), 0, stream, partial,
                                  heads, head_dim, window, splits, pos, out);
+}
+
+extern "C" cudaError_t hostembed_attention(const float *q, unsigned int q_stride, const void *kv_pool,
+                                           const unsigned int *const *tables, unsigned int pool_pages, int k_type,
+                                           int v_type, const int *pos, unsigned int n, unsigned int heads,
+                                           unsigned int kv_heads, unsigned int head_dim, float scale,
+                                           unsigned int window, unsigned int splits, unsigned int grid_parts,
+                                           float *partial, float *out, hostembed_tuning tuning, cudaStream_t stream) {
+    return hostembed_attention_combined(q, q_stride, kv_pool, tables, pool_pages, k_type, v_type, pos, n, heads,
+                                        kv_heads, head_dim, scale, window, splits, grid_parts, partial, out, nullptr,
+                                        tuning, stream);
 }

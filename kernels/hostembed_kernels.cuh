@@ -155,6 +155,16 @@ cudaError_t hostembed_attention(const float *q, unsigned int q_stride, const voi
                                 unsigned int head_dim, float scale, unsigned int window, unsigned int splits,
                                 unsigned int grid_parts, float *partial, float *out, hostembed_tuning tuning,
                                 cudaStream_t stream);
+// The same, the parts combined by the split kernel's last block to finish for each token and group of
+// heads (one launch, not two; the same bits): counters holds n * heads zeros (device memory), which every
+// launch leaves zero; launches sharing them run in stream order.
+cudaError_t hostembed_attention_combined(const float *q, unsigned int q_stride, const void *kv_pool,
+                                         const unsigned int *const *tables, unsigned int pool_pages, int k_type,
+                                         int v_type, const int *pos, unsigned int n, unsigned int heads,
+                                         unsigned int kv_heads, unsigned int head_dim, float scale,
+                                         unsigned int window, unsigned int splits, unsigned int grid_parts,
+                                         float *partial, float *out, unsigned int *counters, hostembed_tuning tuning,
+                                         cudaStream_t stream);
 
 // The gated feed-forward's activations (src/model.rs's Activation): silu(g) = g / (1 + e^-g), and GELU's
 // tanh approximation gelu_tanh(g) = 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))).
@@ -317,6 +327,13 @@ cudaError_t hostembed_moe_router(const void *router, int dtype, unsigned int exp
 // count of experts chosen, those experts ascending, each expert's first place and count, then the slots.
 cudaError_t hostembed_moe_route(const float *logits, unsigned int experts, unsigned int n, unsigned int k,
                                 int norm_topk, int *ids, float *weights, int *groups, cudaStream_t stream);
+// hostembed_moe_router, then hostembed_moe_route of rows [0, route_n) by the router's last block to finish
+// (one launch; the same bits): counter is one zero in device memory, which every launch leaves zero.
+// cudaErrorNotSupported for more than 256 experts.
+cudaError_t hostembed_moe_router_route(const void *router, int dtype, unsigned int experts, unsigned int cols,
+                                       const float *x, unsigned int n, float *logits, unsigned int route_n,
+                                       unsigned int k, int norm_topk, int *ids, float *weights, int *groups,
+                                       unsigned int *counter, cudaStream_t stream);
 // act[(r*k + s)*width + j] = silu(G_e[j] . x[r]) * (U_e[j] . x[r]) with e = ids[r*k + s] (as `groups` has
 // them): expert e's gate and up matrices (width x cols in dtype) at gate + e*expert_bytes and up + e*expert_bytes.
 cudaError_t hostembed_moe_gate_up(const void *gate, const void *up, int dtype, size_t expert_bytes, unsigned int width,
@@ -345,6 +362,15 @@ cudaError_t hostembed_moe_mmv(const void *w, const void *w2, int dtype, size_t e
                               unsigned int cols, const float *x, unsigned int x_div, const int *groups,
                               unsigned int experts, unsigned int n, unsigned int k, float *y, float *partial,
                               unsigned int *counters, hostembed_tuning tuning, cudaStream_t stream);
+// The down product (no w2, x_div 1), then each row's hostembed_moe_sum of its k slots' outputs into sums
+// (sums[r*rows + j] += ..., weights as hostembed_moe_sum's) by the blocks that finish a row's outputs last (one
+// launch; the same bits): sum_counters holds sum_counter_count zeros (n * ceil(rows / 128) at least; device
+// memory), which every launch leaves zero.
+cudaError_t hostembed_moe_mmv_sum(const void *w, int dtype, size_t expert_bytes, unsigned int rows, unsigned int cols,
+                                  const float *x, const int *groups, unsigned int experts, unsigned int n,
+                                  unsigned int k, float *y, float *partial, unsigned int *counters,
+                                  const float *weights, float *sums, unsigned int *sum_counters,
+                                  unsigned int sum_counter_count, hostembed_tuning tuning, cudaStream_t stream);
 cudaError_t hostembed_moe_mmv_supports(int dtype, const void *w, size_t expert_bytes, unsigned int cols);
 // The floats of `partial` and the entries of `counters` hostembed_moe_mmv needs for n rows (glu: with w2).
 cudaError_t hostembed_moe_mmv_workspace(unsigned int rows, unsigned int cols, int glu, unsigned int experts,

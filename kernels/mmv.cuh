@@ -29,9 +29,11 @@ __host__ __device__ constexpr unsigned int mmv_chunk(unsigned int n, unsigned in
 // to y; several: the partial sums, and the last block of the row range to arrive adds them in split
 // order and applies the epilogue.
 // `mmv_write_rows` writes token tok to row out_row(tok) of y and of the split sums (which have partial_n
-// rows a split); mmv_write is the products of tokens [0, n), each token its own row.
+// rows a split), and returns whether this block wrote the final outputs of its rows (one column range, or
+// the last block of the row range), the same in every thread; mmv_write is the products of tokens [0, n),
+// each token its own row.
 template <bool GLU, typename Each, typename OutRow>
-__device__ __forceinline__ void mmv_write_rows(const MmvShape &shape, unsigned int n, unsigned int partial_n,
+__device__ __forceinline__ bool mmv_write_rows(const MmvShape &shape, unsigned int n, unsigned int partial_n,
                                                OutRow &&out_row, unsigned int rows, unsigned int row_a,
                                                unsigned int row_b, const float *bias, const float *residual, float *y,
                                                unsigned int ldy, float *partial, unsigned int *counters, Each &&each) {
@@ -54,7 +56,7 @@ __device__ __forceinline__ void mmv_write_rows(const MmvShape &shape, unsigned i
                 if (row_b < rows) finish(tok, row_b, vb, 0.f);
             }
         });
-        return;
+        return true;
     }
 
     // Split: partial[((split * parts + part) * n + tok) * rows + row], parts 2 for GLU (gate, up).
@@ -72,7 +74,7 @@ __device__ __forceinline__ void mmv_write_rows(const MmvShape &shape, unsigned i
     const unsigned int tid = threadIdx.x;
     if (tid == 0) last = atomicAdd(&counters[blockIdx.x], 1u) == shape.splits - 1;
     __syncthreads();
-    if (!last) return;
+    if (!last) return false;
     __threadfence();  // the other blocks' partial sums are visible from here on
     const unsigned int first = GLU ? blockIdx.x * (MMV_BLOCK_ROWS / 2) : blockIdx.x * MMV_BLOCK_ROWS;
     const unsigned int block_rows = min(GLU ? MMV_BLOCK_ROWS / 2 : MMV_BLOCK_ROWS, rows - first);
@@ -93,6 +95,7 @@ __device__ __forceinline__ void mmv_write_rows(const MmvShape &shape, unsigned i
         finish(tok, r, sum, sum2);
     }
     if (tid == 0) counters[blockIdx.x] = 0;  // ready for the next launch
+    return true;
 }
 template <bool GLU, typename Each>
 __device__ __forceinline__ void mmv_write(const MmvShape &shape, unsigned int n, unsigned int rows, unsigned int row_a,

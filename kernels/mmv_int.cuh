@@ -24,8 +24,9 @@ struct MmvTokens {
 };
 
 // Lane (g, t) of warp w takes rows g and g + 8 of the warp's 16 (mmv_rows) and tokens 4j + t of tile j.
+// Returns mmv_write_rows's answer: whether this block wrote its rows' final outputs.
 template <typename R, int NT4, bool GLU, bool STAGED>
-__device__ __forceinline__ void mmvq_body(const unsigned char *__restrict__ w, const unsigned char *__restrict__ w2,
+__device__ __forceinline__ bool mmvq_body(const unsigned char *__restrict__ w, const unsigned char *__restrict__ w2,
                                           unsigned int rows, unsigned int cols, size_t row_bytes, const MmvShape shape,
                                           const MmvTokens &tk, const float *bias, const float *residual, float *y,
                                           unsigned int ldy, float *partial, unsigned int *counters) {
@@ -196,14 +197,15 @@ __device__ __forceinline__ void mmvq_body(const unsigned char *__restrict__ w, c
     }
 
     auto out_row = [&](unsigned int tok) { return tk.out_row(tok); };
-    mmv_write_rows<GLU>(shape, n, tk.partial_n, out_row, rows, rw.a, rw.b, bias, residual, y, ldy, partial, counters,
-                        [&](auto &&fn) {
+    auto each = [&](auto &&fn) {
 #pragma unroll
         for (int j = 0; j < NT4; j++) {
             const unsigned int tok = 4 * j + t;
             if (tok < n) fn(tok, out[j][0], out[j][1]);
         }
-    });
+    };
+    return mmv_write_rows<GLU>(shape, n, tk.partial_n, out_row, rows, rw.a, rw.b, bias, residual, y, ldy, partial,
+                               counters, each);
 }
 
 }  // namespace

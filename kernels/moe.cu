@@ -145,13 +145,127 @@ using Groups = he::MoeGroups;
 // alignment): one stream's 128 experts then fill 64 blocks, not 16.
 constexpr unsigned ROUTER_PARTS = 4;
 
+// One block: first each row's k largest logits (ties to the lower index) and their softmax weights in
+// f64, as src/cpu/moe.rs's `choose` (a warp a row: k rounds of a warp arg-max over the lanes' experts
+// lane, lane + 32, ...; lane b keeps the b-th pick), written in ascending expert order; then the slots
+// grouped by expert (counts, their prefix sums, the slots scattered to their places). A slot's place
+// within its group is the order of arrival: it changes no bits (see the file's note).
+// PER: experts a lane holds (experts <= 32 * PER).
+// THREADS: the block's (the loops' strides). The logits are read past L1 (the router's last block to
+// finish reads the other blocks').
+template <unsigned PER, unsigned THREADS>
+__device__ __forceinline__ void route_rows(const float *logits, unsigned experts, unsigned n, unsigned k,
+                                           int norm_topk, int *ids, float *__restrict__ weights,
+                                           int *__restrict__ groups) {
+    constexpr unsigned NONE = 0xFFFFFFFFu;
+    const unsigned lane = threadIdx.x % 32;
+    for (unsigned r = threadIdx.x / 32; r < n; r += THREADS / 32) {
+        const float *l = logits + (size_t)r * experts;
+        float v[PER];
+#pragma unroll
+        for (unsigned i = 0; i < PER; i++) v[i] = 32 * i + lane < experts ? __ldcg(l + 32 * i + lane) : 0.f;
+        unsigned taken = 0, pick = NONE;
+        float max = 0.f;
+        for (unsigned b = 0; b < k; b++) {
+            float bv = 0.f;
+            unsigned be = NONE;
+#pragma unroll
+            for (unsigned i = 0; i < PER; i++) {
+                const unsigned e = 32 * i + lane;
+                if (e < experts && !(taken >> i & 1u) && (be == NONE || v[i] > bv)) bv = v[i], be = e;
+            }
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) {
+                const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+                const unsigned oe = __shfl_xor_sync(0xffffffffu, be, o);
+                if (oe != NONE && (be == NONE || ov > bv || (ov == bv && oe < be))) bv = ov, be = oe;
+            }
+            if (lane == b) pick = be;
+            if (be % 32 == lane) taken |= 1u << (be / 32);
+            if (b == 0) max = bv;
+        }
+        // The softmax's terms in f64: the picks' (in pick order) or every expert's (each lane's, then the
+        // warp's tree); the same order for a row in any batch.
+        const double share = pick != NONE ? exp((double)__ldcg(l + pick) - (double)max) : 0.0;
+        double total = 0.0;
+        if (norm_topk) {
+            for (unsigned b = 0; b < k; b++) total += __shfl_sync(0xffffffffu, share, b);
+        } else {
+#pragma unroll
+            for (unsigned i = 0; i < PER; i++)
+                if (32 * i + lane < experts) total += exp((double)v[i] - (double)max);
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(0xffffffffu, total, o);
+        }
+        // Lane b's place among the picks in ascending expert order.
+        unsigned rank = 0;
+        for (unsigned b = 0; b < k; b++) rank += __shfl_sync(0xffffffffu, pick, b) < pick;
+        if (pick != NONE) {
+            ids[(size_t)r * k + rank] = (int)pick;
+            weights[(size_t)r * k + rank] = (float)(share / total);
+        }
+    }
+
+    __shared__ unsigned count[MAX_EXPERTS], place[MAX_EXPERTS];
+    const unsigned slots = n * k;
+    for (unsigned e = threadIdx.x; e < experts; e += THREADS) count[e] = 0;
+    __syncthreads();  // also: every row's ids are written (the block's global writes seen by the block)
+    for (unsigned s = threadIdx.x; s < slots; s += THREADS) atomicAdd(&count[ids[s]], 1u);
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        // Lane l takes a run of experts: its sums, scanned across the warp, give each expert's first place
+        // and each chosen expert's rank among the chosen.
+        const unsigned lane = threadIdx.x, per = (experts + 31) / 32;
+        const unsigned lo = min(lane * per, experts), hi = min(lo + per, experts);
+        unsigned sum = 0, chosen = 0;
+        for (unsigned e = lo; e < hi; e++) sum += count[e], chosen += count[e] != 0;
+        unsigned sums = sum, chosens = chosen;
+#pragma unroll
+        for (unsigned d = 1; d < 32; d *= 2) {
+            const unsigned a = __shfl_up_sync(0xffffffffu, sums, d), b = __shfl_up_sync(0xffffffffu, chosens, d);
+            if (lane >= d) sums += a, chosens += b;
+        }
+        unsigned at = sums - sum, rank = chosens - chosen;
+        for (unsigned e = lo; e < hi; e++) {
+            place[e] = at;
+            groups[1 + experts + e] = (int)at;
+            groups[1 + 2 * experts + e] = (int)count[e];
+            if (count[e] != 0) groups[1 + rank++] = (int)e;
+            at += count[e];
+        }
+        if (lane == 31) groups[0] = (int)chosens;
+    }
+    __syncthreads();
+    int *list = groups + 1 + 3 * experts;
+    for (unsigned s = threadIdx.x; s < slots; s += THREADS) list[atomicAdd(&place[ids[s]], 1u)] = (int)s;
+}
+
+template <unsigned PER>
+__global__ void __launch_bounds__(GROUP_THREADS)
+    route_kernel(const float *__restrict__ logits, unsigned experts, unsigned n, unsigned k, int norm_topk,
+                 int *ids, float *__restrict__ weights, int *__restrict__ groups) {
+    route_rows<PER, GROUP_THREADS>(logits, experts, n, k, norm_topk, ids, weights, groups);
+}
+
+// What the router's last block to finish does after the logits (ROUTE_PER > 0): route_rows over rows
+// [0, n) with `counter` (zero before, left zero) counting the blocks' arrivals.
+struct RouteTail {
+    unsigned n, k;
+    int norm_topk;
+    int *ids;
+    float *weights;
+    int *groups;
+    unsigned *counter;
+};
+
 // logits[r][j] = row j . x[r]: warp w of a block takes part w % PARTS of row blockIdx.x * (MOE_WARPS /
 // PARTS) + w / PARTS, and the part sums are added in part order (the cut depends on the shape alone).
-template <typename R, unsigned PARTS>
+// ROUTE_PER > 0: then the last block to finish routes the tail's rows (route_rows<ROUTE_PER>).
+template <typename R, unsigned PARTS, unsigned ROUTE_PER>
 __global__ void __launch_bounds__(MOE_THREADS, 2) router_kernel(const unsigned char *__restrict__ w, size_t rb,
                                                                unsigned experts, unsigned cols,
                                                                const float *__restrict__ x, unsigned n,
-                                                               float *__restrict__ logits) {
+                                                               float *__restrict__ logits, RouteTail tail) {
     constexpr unsigned ROWS = MOE_WARPS / PARTS;
     __shared__ float sums[MOE_WARPS][TILE];
     const unsigned warp = threadIdx.x / 32, part = warp % PARTS, lane = threadIdx.x % 32;
@@ -193,100 +307,22 @@ __global__ void __launch_bounds__(MOE_THREADS, 2) router_kernel(const unsigned c
             finish(r, 1, acc);
         }
     }
+    if constexpr (ROUTE_PER > 0) {
+        __shared__ unsigned last;
+        __threadfence();
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            last = atomicAdd(tail.counter, 1u) == gridDim.x * gridDim.y - 1;
+            if (last) *tail.counter = 0;  // every block has arrived: ready for the next launch
+        }
+        __syncthreads();
+        if (!last) return;
+        __threadfence();  // the other blocks' logits are visible from here on
+        route_rows<ROUTE_PER, MOE_THREADS>(logits, experts, tail.n, tail.k, tail.norm_topk, tail.ids, tail.weights,
+                                           tail.groups);
+    }
 }
 
-// One block: first each row's k largest logits (ties to the lower index) and their softmax weights in
-// f64, as src/cpu/moe.rs's `choose` (a warp a row: k rounds of a warp arg-max over the lanes' experts
-// lane, lane + 32, ...; lane b keeps the b-th pick), written in ascending expert order; then the slots
-// grouped by expert (counts, their prefix sums, the slots scattered to their places). A slot's place
-// within its group is the order of arrival: it changes no bits (see the file's note).
-// PER: experts a lane holds (experts <= 32 * PER).
-template <unsigned PER>
-__global__ void __launch_bounds__(GROUP_THREADS)
-    route_kernel(const float *__restrict__ logits, unsigned experts, unsigned n, unsigned k, int norm_topk,
-                 int *ids, float *__restrict__ weights, int *__restrict__ groups) {
-    constexpr unsigned NONE = 0xFFFFFFFFu;
-    const unsigned lane = threadIdx.x % 32;
-    for (unsigned r = threadIdx.x / 32; r < n; r += GROUP_THREADS / 32) {
-        const float *l = logits + (size_t)r * experts;
-        float v[PER];
-#pragma unroll
-        for (unsigned i = 0; i < PER; i++) v[i] = 32 * i + lane < experts ? l[32 * i + lane] : 0.f;
-        unsigned taken = 0, pick = NONE;
-        float max = 0.f;
-        for (unsigned b = 0; b < k; b++) {
-            float bv = 0.f;
-            unsigned be = NONE;
-#pragma unroll
-            for (unsigned i = 0; i < PER; i++) {
-                const unsigned e = 32 * i + lane;
-                if (e < experts && !(taken >> i & 1u) && (be == NONE || v[i] > bv)) bv = v[i], be = e;
-            }
-#pragma unroll
-            for (int o = 16; o > 0; o >>= 1) {
-                const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-                const unsigned oe = __shfl_xor_sync(0xffffffffu, be, o);
-                if (oe != NONE && (be == NONE || ov > bv || (ov == bv && oe < be))) bv = ov, be = oe;
-            }
-            if (lane == b) pick = be;
-            if (be % 32 == lane) taken |= 1u << (be / 32);
-            if (b == 0) max = bv;
-        }
-        // The softmax's terms in f64: the picks' (in pick order) or every expert's (each lane's, then the
-        // warp's tree); the same order for a row in any batch.
-        const double share = pick != NONE ? exp((double)l[pick] - (double)max) : 0.0;
-        double total = 0.0;
-        if (norm_topk) {
-            for (unsigned b = 0; b < k; b++) total += __shfl_sync(0xffffffffu, share, b);
-        } else {
-#pragma unroll
-            for (unsigned i = 0; i < PER; i++)
-                if (32 * i + lane < experts) total += exp((double)v[i] - (double)max);
-#pragma unroll
-            for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(0xffffffffu, total, o);
-        }
-        // Lane b's place among the picks in ascending expert order.
-        unsigned rank = 0;
-        for (unsigned b = 0; b < k; b++) rank += __shfl_sync(0xffffffffu, pick, b) < pick;
-        if (pick != NONE) {
-            ids[(size_t)r * k + rank] = (int)pick;
-            weights[(size_t)r * k + rank] = (float)(share / total);
-        }
-    }
-
-    __shared__ unsigned count[MAX_EXPERTS], place[MAX_EXPERTS];
-    const unsigned slots = n * k;
-    for (unsigned e = threadIdx.x; e < experts; e += GROUP_THREADS) count[e] = 0;
-    __syncthreads();  // also: every row's ids are written (the block's global writes seen by the block)
-    for (unsigned s = threadIdx.x; s < slots; s += GROUP_THREADS) atomicAdd(&count[ids[s]], 1u);
-    __syncthreads();
-    if (threadIdx.x < 32) {
-        // Lane l takes a run of experts: its sums, scanned across the warp, give each expert's first place
-        // and each chosen expert's rank among the chosen.
-        const unsigned lane = threadIdx.x, per = (experts + 31) / 32;
-        const unsigned lo = min(lane * per, experts), hi = min(lo + per, experts);
-        unsigned sum = 0, chosen = 0;
-        for (unsigned e = lo; e < hi; e++) sum += count[e], chosen += count[e] != 0;
-        unsigned sums = sum, chosens = chosen;
-#pragma unroll
-        for (unsigned d = 1; d < 32; d *= 2) {
-            const unsigned a = __shfl_up_sync(0xffffffffu, sums, d), b = __shfl_up_sync(0xffffffffu, chosens, d);
-            if (lane >= d) sums += a, chosens += b;
-        }
-        unsigned at = sums - sum, rank = chosens - chosen;
-        for (unsigned e = lo; e < hi; e++) {
-            place[e] = at;
-            groups[1 + experts + e] = (int)at;
-            groups[1 + 2 * experts + e] = (int)count[e];
-            if (count[e] != 0) groups[1 + rank++] = (int)e;
-            at += count[e];
-        }
-        if (lane == 31) groups[0] = (int)chosens;
-    }
-    __syncthreads();
-    int *list = groups + 1 + 3 * experts;
-    for (unsigned s = threadIdx.x; s < slots; s += GROUP_THREADS) list[atomicAdd(&place[ids[s]], 1u)] = (int)s;
-}
 
 // act[s * width + j] = silu(G_e[j] . x[s / k]) * (U_e[j] . x[s / k]) for T slots of expert e's group.
 template <typename R, int T>
@@ -414,10 +450,12 @@ dim3 groups_grid(unsigned outputs, unsigned n, unsigned k, unsigned experts) {
 
 }  // namespace
 
-extern "C" cudaError_t hostembed_moe_router(const void *router, int dtype, unsigned int experts, unsigned int cols,
-                                            const float *x, unsigned int n, float *logits, cudaStream_t stream) {
-    if (router == nullptr || x == nullptr || logits == nullptr || experts == 0 || cols == 0) return cudaErrorInvalidValue;
-    if (n == 0) return cudaSuccess;
+namespace {
+
+// The router's launch, with the route's tail where ROUTE_PER > 0.
+template <unsigned ROUTE_PER>
+cudaError_t launch_router(const void *router, int dtype, unsigned int experts, unsigned int cols, const float *x,
+                          unsigned int n, float *logits, const RouteTail &tail, cudaStream_t stream) {
     cudaError_t err = cudaErrorInvalidValue;
     he::with_format(dtype, [&](auto f) {
         using F = decltype(f);
@@ -430,18 +468,45 @@ extern "C" cudaError_t hostembed_moe_router(const void *router, int dtype, unsig
         if (cols % (ROUTER_PARTS * F::BLOCK_VALUES) == 0 && part_bytes % 16 == 0 && (cols / ROUTER_PARTS) % 4 == 0) {
             with_reader<F>(router, nullptr, rb, cols / ROUTER_PARTS, x, [&](auto r) {
                 const dim3 grid((experts + MOE_WARPS / ROUTER_PARTS - 1) / (MOE_WARPS / ROUTER_PARTS), grid_y);
-                router_kernel<decltype(r), ROUTER_PARTS><<<grid, MOE_THREADS, 0, stream>>>(
-                    (const unsigned char *)router, rb, experts, cols, x, n, logits);
+                router_kernel<decltype(r), ROUTER_PARTS, ROUTE_PER><<<grid, MOE_THREADS, 0, stream>>>(
+                    (const unsigned char *)router, rb, experts, cols, x, n, logits, tail);
             });
         } else {
             with_reader<F>(router, nullptr, rb, cols, x, [&](auto r) {
-                router_kernel<decltype(r), 1><<<dim3(blocks_for(experts), grid_y), MOE_THREADS, 0, stream>>>(
-                    (const unsigned char *)router, rb, experts, cols, x, n, logits);
+                router_kernel<decltype(r), 1, ROUTE_PER><<<dim3(blocks_for(experts), grid_y), MOE_THREADS, 0, stream>>>(
+                    (const unsigned char *)router, rb, experts, cols, x, n, logits, tail);
             });
         }
         err = cudaGetLastError();
     });
     return err;
+}
+
+// The experts a lane holds in the router's route tail (experts <= 32 * ROUTE_TAIL_PER).
+constexpr unsigned ROUTE_TAIL_PER = 8;
+
+}  // namespace
+
+extern "C" cudaError_t hostembed_moe_router(const void *router, int dtype, unsigned int experts, unsigned int cols,
+                                            const float *x, unsigned int n, float *logits, cudaStream_t stream) {
+    if (router == nullptr || x == nullptr || logits == nullptr || experts == 0 || cols == 0) return cudaErrorInvalidValue;
+    if (n == 0) return cudaSuccess;
+    return launch_router<0>(router, dtype, experts, cols, x, n, logits, RouteTail{}, stream);
+}
+
+extern "C" cudaError_t hostembed_moe_router_route(const void *router, int dtype, unsigned int experts,
+                                                  unsigned int cols, const float *x, unsigned int n, float *logits,
+                                                  unsigned int route_n, unsigned int k, int norm_topk, int *ids,
+                                                  float *weights, int *groups, unsigned int *counter,
+                                                  cudaStream_t stream) {
+    if (router == nullptr || x == nullptr || logits == nullptr || experts == 0 || cols == 0 || ids == nullptr ||
+        weights == nullptr || groups == nullptr || counter == nullptr || k == 0 || k > experts || k > 32 ||
+        route_n > n)
+        return cudaErrorInvalidValue;
+    if (experts > 32 * ROUTE_TAIL_PER) return cudaErrorNotSupported;
+    if (n == 0) return cudaSuccess;
+    const RouteTail tail{route_n, k, norm_topk, ids, weights, groups, counter};
+    return launch_router<ROUTE_TAIL_PER>(router, dtype, experts, cols, x, n, logits, tail, stream);
 }
 
 extern "C" cudaError_t hostembed_moe_route(const float *logits, unsigned int experts, unsigned int n, unsigned int k,

@@ -29,6 +29,47 @@ __host__ __device__ inline MmvShape moe_mmv_shape(unsigned rows, unsigned cols, 
     return s;
 }
 
+// What a down product's blocks do once their rows' outputs are final (x != NULL): each row of the layer
+// adds the weighted sum of its k slots' outputs, in slot order, to its row of x (hostembed_moe_sum's
+// arithmetic, so the same bits). `counters` (rows x row blocks, zero before, left zero) counts a row's
+// slots done for a row block; the k-th (its last expert's block) adds the row's sums for that row block.
+struct SumTail {
+    const float *weights;
+    float *x;
+    unsigned k;
+    unsigned *counters;
+};
+
+// The tail's part for this block's n slots (`slots`), whose outputs (rows of y, `rows` apart) are final.
+__device__ __forceinline__ void add_row_sums(const SumTail &tail, const int *slots, unsigned n, const float *y,
+                                             unsigned rows) {
+    __shared__ unsigned done[MOE_MMV_TOKENS];
+    constexpr unsigned NONE = 0xFFFFFFFFu;
+    const unsigned tid = threadIdx.x, k = tail.k;
+    __threadfence();
+    __syncthreads();
+    if (tid < n) {
+        const unsigned r = (unsigned)slots[tid] / k;
+        unsigned *count = tail.counters + (size_t)r * gridDim.x + blockIdx.x;
+        const bool last = atomicAdd(count, 1u) == k - 1;
+        if (last) *count = 0;  // the row's k slots have arrived: ready for the next launch
+        done[tid] = last ? r : NONE;
+    }
+    __syncthreads();
+    __threadfence();  // the row's other slots' outputs are visible from here on
+    const unsigned first = blockIdx.x * MMV_BLOCK_ROWS, block_rows = min(MMV_BLOCK_ROWS, rows - first);
+    for (unsigned i = 0; i < n; i++) {
+        const unsigned r = done[i];
+        if (r == NONE) continue;
+        for (unsigned j = first + tid; j < first + block_rows; j += MMV_THREADS) {
+            float sum = 0.f;
+            for (unsigned s = 0; s < k; s++)
+                sum = fmaf(__ldcg(y + ((size_t)r * k + s) * rows + j), tail.weights[(size_t)r * k + s], sum);
+            tail.x[(size_t)r * rows + j] += sum;
+        }
+    }
+}
+
 // Block (x, y, z): row block x, column range y, pass z % passes over chosen expert z / passes's slots.
 // Slot s's activations are row s / x_div of x, its outputs row s of y (rows `rows` apart) and of the
 // split sums (`slots` rows a split); each (expert, pass) keeps its own arrival counters.
@@ -37,7 +78,7 @@ __global__ __launch_bounds__(MMV_THREADS, MMVQ_MID_MIN_BLOCKS) void moe_mmvq_ker
     const unsigned char *__restrict__ w, const unsigned char *__restrict__ w2, size_t expert_bytes, unsigned rows,
     unsigned cols, size_t row_bytes, MmvShape shape, const float *__restrict__ x, unsigned x_div,
     const int *__restrict__ groups, unsigned experts, unsigned passes, unsigned slots, float *y, float *partial,
-    unsigned *counters) {
+    unsigned *counters, SumTail tail) {
     he::pdl_launch_dependents();
     he::pdl_wait();  // which experts, and which slots, come from the kernel before
     const he::MoeGroups g{groups, experts};
@@ -48,8 +89,10 @@ __global__ __launch_bounds__(MMV_THREADS, MMVQ_MID_MIN_BLOCKS) void moe_mmvq_ker
     const unsigned n = min(MOE_MMV_TOKENS, count - first);
     const MmvTokens tk{x, cols, g.list() + g.start(e) + first, x_div, n, MOE_MMV_TOKENS, slots};
     const size_t at = (size_t)e * expert_bytes;
-    mmvq_body<R, MOE_MMV_TILES, GLU, STAGED>(w + at, GLU ? w2 + at : nullptr, rows, cols, row_bytes, shape, tk, nullptr,
-                                             nullptr, y, rows, partial, counters + (size_t)blockIdx.z * shape.row_blocks);
+    const bool final = mmvq_body<R, MOE_MMV_TILES, GLU, STAGED>(w + at, GLU ? w2 + at : nullptr, rows, cols, row_bytes,
+                                                                shape, tk, nullptr, nullptr, y, rows, partial,
+                                                                counters + (size_t)blockIdx.z * shape.row_blocks);
+    if (!GLU && tail.x != nullptr && final) add_row_sums(tail, tk.slots, n, y, rows);
 }
 
 // The experts a launch may find chosen, and the passes over the most slots one expert can hold (a row
@@ -102,11 +145,12 @@ extern "C" cudaError_t hostembed_moe_mmv_workspace(unsigned int rows, unsigned i
     return cudaSuccess;
 }
 
-extern "C" cudaError_t hostembed_moe_mmv(const void *w, const void *w2, int dtype, size_t expert_bytes,
-                                         unsigned int rows, unsigned int cols, const float *x, unsigned int x_div,
-                                         const int *groups, unsigned int experts, unsigned int n, unsigned int k,
-                                         float *y, float *partial, unsigned int *counters, hostembed_tuning tuning,
-                                         cudaStream_t stream) {
+namespace {
+
+cudaError_t moe_mmv(const void *w, const void *w2, int dtype, size_t expert_bytes, unsigned int rows, unsigned int cols,
+                    const float *x, unsigned int x_div, const int *groups, unsigned int experts, unsigned int n,
+                    unsigned int k, float *y, float *partial, unsigned int *counters, const SumTail &tail,
+                    hostembed_tuning tuning, cudaStream_t stream) {
     if (w == nullptr || x == nullptr || groups == nullptr || y == nullptr || rows == 0 || cols == 0 || k == 0 ||
         k > experts || x_div == 0 || reinterpret_cast<uintptr_t>(x) % 16 != 0)
         return cudaErrorInvalidValue;
@@ -137,10 +181,34 @@ extern "C" cudaError_t hostembed_moe_mmv(const void *w, const void *w2, int dtyp
             err = he::launch_overlapped(tuning, kernel, grid, dim3(MMV_THREADS), (size_t)smem, stream,
                                         (const unsigned char *)w, (const unsigned char *)w2, expert_bytes, rows, cols,
                                         row_bytes, shape, x, x_div, groups, experts, mg.passes,
-                                        n * k, y, partial, counters);
+                                        n * k, y, partial, counters, tail);
         };
         if (glu) go(moe_mmvq_kernel<R, true, STAGED>);
         else go(moe_mmvq_kernel<R, false, STAGED>);
     });
     return err;
+}
+
+}  // namespace
+
+extern "C" cudaError_t hostembed_moe_mmv(const void *w, const void *w2, int dtype, size_t expert_bytes,
+                                         unsigned int rows, unsigned int cols, const float *x, unsigned int x_div,
+                                         const int *groups, unsigned int experts, unsigned int n, unsigned int k,
+                                         float *y, float *partial, unsigned int *counters, hostembed_tuning tuning,
+                                         cudaStream_t stream) {
+    return moe_mmv(w, w2, dtype, expert_bytes, rows, cols, x, x_div, groups, experts, n, k, y, partial, counters,
+                   SumTail{}, tuning, stream);
+}
+
+extern "C" cudaError_t hostembed_moe_mmv_sum(const void *w, int dtype, size_t expert_bytes, unsigned int rows,
+                                             unsigned int cols, const float *x, const int *groups,
+                                             unsigned int experts, unsigned int n, unsigned int k, float *y,
+                                             float *partial, unsigned int *counters, const float *weights, float *sums,
+                                             unsigned int *sum_counters, unsigned int sum_counter_count,
+                                             hostembed_tuning tuning, cudaStream_t stream) {
+    if (weights == nullptr || sums == nullptr || sum_counters == nullptr) return cudaErrorInvalidValue;
+    if (rows == 0 || (size_t)n * ((rows + MMV_BLOCK_ROWS - 1) / MMV_BLOCK_ROWS) > sum_counter_count)
+        return cudaErrorInvalidValue;
+    return moe_mmv(w, nullptr, dtype, expert_bytes, rows, cols, x, 1, groups, experts, n, k, y, partial, counters,
+                   SumTail{weights, sums, k, sum_counters}, tuning, stream);
 }

@@ -112,6 +112,7 @@ cuda_fns! {
     pub fn hostembed_rope_kv(qkv: *mut f32, qkv_stride: c_uint, n: c_uint, pos: *const c_int, heads: c_uint, kv_heads: c_uint, head_dim: c_uint, inv_freq: *const f32, interleaved: c_int, q_norm: *const f32, k_norm: *const f32, eps: f32, kv_pool: *mut c_void, tables: *const *const c_uint, pool_pages: c_uint, k_type: c_int, v_type: c_int, tuning: hostembed_tuning, stream: cudaStream_t) -> cudaError_t;
     pub fn hostembed_kv_page_tokens(page_tokens: *mut c_uint) -> cudaError_t;
     pub fn hostembed_attention(q: *const f32, q_stride: c_uint, kv_pool: *const c_void, tables: *const *const c_uint, pool_pages: c_uint, k_type: c_int, v_type: c_int, pos: *const c_int, n: c_uint, heads: c_uint, kv_heads: c_uint, head_dim: c_uint, scale: f32, window: c_uint, splits: c_uint, grid_parts: c_uint, partial: *mut f32, out: *mut f32, tuning: hostembed_tuning, stream: cudaStream_t) -> cudaError_t;
+    pub fn hostembed_attention_combined(q: *const f32, q_stride: c_uint, kv_pool: *const c_void, tables: *const *const c_uint, pool_pages: c_uint, k_type: c_int, v_type: c_int, pos: *const c_int, n: c_uint, heads: c_uint, kv_heads: c_uint, head_dim: c_uint, scale: f32, window: c_uint, splits: c_uint, grid_parts: c_uint, partial: *mut f32, out: *mut f32, counters: *mut c_uint, tuning: hostembed_tuning, stream: cudaStream_t) -> cudaError_t;
     pub fn hostembed_glu_to(gate: *const f32, up: *const f32, out: *mut c_void, out_dtype: c_int, act: c_int, len: usize, stream: cudaStream_t) -> cudaError_t;
     pub fn hostembed_add(a: *const f32, b: *const f32, out: *mut f32, len: usize, stream: cudaStream_t) -> cudaError_t;
     pub fn hostembed_scale(x: *mut f32, factor: f32, len: usize, stream: cudaStream_t) -> cudaError_t;
@@ -133,12 +134,14 @@ cuda_fns! {
     // moe.cu
     pub fn hostembed_moe_router(router: *const c_void, dtype: c_int, experts: c_uint, cols: c_uint, x: *const f32, n: c_uint, logits: *mut f32, stream: cudaStream_t) -> cudaError_t;
     pub fn hostembed_moe_route(logits: *const f32, experts: c_uint, n: c_uint, k: c_uint, norm_topk: c_int, ids: *mut c_int, weights: *mut f32, groups: *mut c_int, stream: cudaStream_t) -> cudaError_t;
+    pub fn hostembed_moe_router_route(router: *const c_void, dtype: c_int, experts: c_uint, cols: c_uint, x: *const f32, n: c_uint, logits: *mut f32, route_n: c_uint, k: c_uint, norm_topk: c_int, ids: *mut c_int, weights: *mut f32, groups: *mut c_int, counter: *mut c_uint, stream: cudaStream_t) -> cudaError_t;
     pub fn hostembed_moe_gate_up(gate: *const c_void, up: *const c_void, dtype: c_int, expert_bytes: usize, width: c_uint, cols: c_uint, x: *const f32, groups: *const c_int, experts: c_uint, n: c_uint, k: c_uint, act: *mut f32, stream: cudaStream_t) -> cudaError_t;
     pub fn hostembed_moe_down(down: *const c_void, dtype: c_int, expert_bytes: usize, rows: c_uint, cols: c_uint, act: *const f32, groups: *const c_int, experts: c_uint, n: c_uint, k: c_uint, out: *mut f32, stream: cudaStream_t) -> cudaError_t;
     pub fn hostembed_moe_sum(out: *const f32, weights: *const f32, rows: c_uint, n: c_uint, k: c_uint, x: *mut f32, stream: cudaStream_t) -> cudaError_t;
     pub fn hostembed_widen(x: *const c_void, dtype: c_int, out: *mut f32, len: usize, stream: cudaStream_t) -> cudaError_t;
     // moe_mmv.cu
     pub fn hostembed_moe_mmv(w: *const c_void, w2: *const c_void, dtype: c_int, expert_bytes: usize, rows: c_uint, cols: c_uint, x: *const f32, x_div: c_uint, groups: *const c_int, experts: c_uint, n: c_uint, k: c_uint, y: *mut f32, partial: *mut f32, counters: *mut c_uint, tuning: hostembed_tuning, stream: cudaStream_t) -> cudaError_t;
+    pub fn hostembed_moe_mmv_sum(w: *const c_void, dtype: c_int, expert_bytes: usize, rows: c_uint, cols: c_uint, x: *const f32, groups: *const c_int, experts: c_uint, n: c_uint, k: c_uint, y: *mut f32, partial: *mut f32, counters: *mut c_uint, weights: *const f32, sums: *mut f32, sum_counters: *mut c_uint, sum_counter_count: c_uint, tuning: hostembed_tuning, stream: cudaStream_t) -> cudaError_t;
     pub fn hostembed_moe_mmv_supports(dtype: c_int, w: *const c_void, expert_bytes: usize, cols: c_uint) -> cudaError_t;
     pub fn hostembed_moe_mmv_workspace(rows: c_uint, cols: c_uint, glu: c_int, experts: c_uint, n: c_uint, k: c_uint, partial_floats: *mut usize, counters: *mut c_uint) -> cudaError_t;
     // moe_gemm.cu

@@ -56,6 +56,9 @@ pub const MOE_GROUPED_ENV: &str = "HOSTEMBED_MOE_GROUPED";
 /// "0": a Mixture-of-Experts layer's decode rows in a block format take the warp-a-row expert kernels
 /// (kernels/moe.cu) instead of the integer decode product's (kernels/moe_mmv.cu).
 pub const MOE_MMV_ENV: &str = "HOSTEMBED_MOE_MMV";
+/// Set to 0, a kernel's small last step (the attention parts' combine, the experts' route and weighted
+/// sum) runs as a launch of its own instead of in the last block of the kernel before it to finish.
+pub const FUSED_TAILS_ENV: &str = "HOSTEMBED_FUSED_TAILS";
 
 /// The parts the attention kernel cuts one token's context into by default. Fixed, so that a token's
 /// parts (and so its bits) depend on its own context length only: 32 parts of 512 positions at 16k, 8
@@ -125,6 +128,9 @@ pub struct Tuning {
     /// Whether a Mixture-of-Experts layer's decode rows in a block format take the integer decode product
     /// (kernels/moe_mmv.cu; each slot's bits its own, as the warp-a-row kernels' are).
     pub moe_mmv: bool,
+    /// Whether the attention parts' combine, a Mixture-of-Experts row's route and its experts' weighted sum
+    /// run in the last block to finish of the kernel before each (one launch fewer each, the same bits).
+    pub fused_tails: bool,
     /// Which decode attention kernel: the one with twice the blocks a multiprocessor (true), the one with
     /// more loads in flight a thread (false), or by the launch's block count (None).
     pub attention_wide: Option<bool>,
@@ -158,6 +164,7 @@ impl Default for Tuning {
             flash_parts: true,
             moe_grouped: true,
             moe_mmv: true,
+            fused_tails: true,
             attention_wide: None,
             cuda_local_pool: true,
             flash_head_256: true,
@@ -219,6 +226,7 @@ impl Tuning {
             flash_parts: !off(FLASH_PARTS_ENV),
             moe_grouped: !off(MOE_GROUPED_ENV),
             moe_mmv: !off(MOE_MMV_ENV),
+            fused_tails: !off(FUSED_TAILS_ENV),
             attention_wide: var(ATTENTION_WIDE_ENV).and_then(|v| match v.trim() {
                 "0" => Some(false),
                 "1" => Some(true),
@@ -287,6 +295,7 @@ mod tests {
         assert_eq!(d.attention_wide, None);
         assert!(d.cuda_local_pool && !with(&[(CUDA_LOCAL_POOL_ENV, "0")]).cuda_local_pool);
         assert!(d.moe_mmv && !with(&[(MOE_MMV_ENV, "0")]).moe_mmv);
+        assert!(d.fused_tails && !with(&[(FUSED_TAILS_ENV, "0")]).fused_tails);
         assert!(d.flash_head_256 && !with(&[(FLASH_HEAD_256_ENV, "0")]).flash_head_256);
         // The engine option's variable is the engine's to read with the option, not a tuning variable.
         assert_eq!(with(&[("HOSTEMBED_BATCH_TENSOR_CORES", "1")]).batch_tensor_cores, d.batch_tensor_cores);

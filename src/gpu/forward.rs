@@ -23,7 +23,7 @@ use super::launch;
 use super::mask;
 use super::ops::PassOps;
 use super::pages::{GpuCache, PAGE_TOKENS};
-use super::scratch::attention_grid;
+use super::scratch::{self, attention_grid};
 use super::tensor_parallel::HeadInput;
 use super::{GpuModel, GpuStream};
 use crate::backend::{PagePool, StepItem};
@@ -504,6 +504,18 @@ impl GpuModel {
             partial: self.buf(self.s.mmv_partial) as *mut f32,
             counters: self.buf(self.s.mmv_counters) as *mut c_uint,
             tuning: self.kernel_tuning,
+        })
+    }
+
+    /// The fused tails' arrival counters, where the model fuses them.
+    pub(super) fn tail_counters(&self) -> Option<launch::TailCounters> {
+        let base = self.buf(self.s.tail_counters) as *mut c_uint;
+        let counts = scratch::TailCounts::new(&self.cfg, self.max_batch());
+        self.fused_tails.then(|| launch::TailCounters {
+            router: base,
+            sums: base.wrapping_add(scratch::TailCounts::ROUTER),
+            sums_count: counts.sums,
+            attention: base.wrapping_add(scratch::TailCounts::ROUTER + counts.sums),
         })
     }
 

@@ -16,8 +16,8 @@ mod moe;
 pub(super) use self::flash::{FlashPartial, FlashStage, flash_attention, flash_stage, flash_supports};
 pub(super) use self::gemm::{HalfMatrix, add_bias, convert_matrix, gemm};
 pub(super) use self::moe::{
-    ExpertStack, MOE_MMV_ROWS, groups_len, moe_down, moe_gate_up, moe_grouped, moe_mmv, moe_mmv_supports,
-    moe_mmv_workspace, moe_route, moe_router, moe_sum, widen,
+    ExpertStack, MOE_MMV_ROWS, ROUTE_TAIL_EXPERTS, SumInto, groups_len, moe_down, moe_gate_up, moe_grouped, moe_mmv,
+    moe_mmv_sum, moe_mmv_supports, moe_mmv_workspace, moe_route, moe_router, moe_router_route, moe_sum, widen,
 };
 
 use super::RowsOnDevice;
@@ -72,6 +72,16 @@ pub(super) struct MmvWork {
     pub partial: *mut f32,
     pub counters: *mut c_uint,
     pub tuning: hostembed_tuning,
+}
+
+/// Arrival counters of the fused tails (scratch's `TailCounts`): the router's, the experts' weighted
+/// sums' (`sums_count` of them) and the split attention's.
+#[derive(Clone, Copy)]
+pub(super) struct TailCounters {
+    pub router: *mut c_uint,
+    pub sums: *mut c_uint,
+    pub sums_count: usize,
+    pub attention: *mut c_uint,
 }
 
 /// Whether `w` takes the tensor-core decode product (a format with a lane reader, whole tiles of columns).
@@ -226,7 +236,7 @@ pub(super) fn rope_kv(
 }
 
 /// Attention of `n` queries, each over its own stream's pages, its context cut in at most `splits` parts
-/// that `grid_parts` blocks a token take in turn.
+/// that `grid_parts` blocks a token take in turn; with `counters`, the parts combined in the same launch.
 pub(super) fn attention(
     q: *const f32,
     shape: AttentionShape,
@@ -238,13 +248,15 @@ pub(super) fn attention(
     grid_parts: usize,
     partial: *mut f32,
     out: *mut f32,
+    counters: Option<*mut c_uint>,
     tuning: hostembed_tuning,
     s: cudaStream_t,
 ) -> Result<()> {
     let a = shape;
-    // SAFETY: device pointers into live allocations sized for these shapes (see the module's note).
+    // SAFETY: device pointers into live allocations sized for these shapes, `counters` (where given) the
+    // `n * heads` zeros of scratch's `TailCounts` (see the module's note).
     let code = unsafe {
-        kn::hostembed_attention(
+        kn::hostembed_attention_combined(
             q,
             a.qkv_stride as c_uint,
             kv.pool,
@@ -263,6 +275,7 @@ pub(super) fn attention(
             grid_parts as c_uint,
             partial,
             out,
+            counters.unwrap_or(std::ptr::null_mut()),
             tuning,
             s,
         )

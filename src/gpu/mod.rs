@@ -155,6 +155,8 @@ pub struct GpuModel {
     moe_grouped: bool,
     /// Whether a MoE layer's decode rows take the integer decode product where the format has it.
     moe_mmv: bool,
+    /// Whether small last steps run in the last block of the kernel before them (`tail_counters`).
+    fused_tails: bool,
     /// How the launchers that take it launch.
     kernel_tuning: hostembed_tuning,
     pool_pages: usize,
@@ -452,6 +454,7 @@ impl GpuModel {
             scratch.upload(&local, at)?;
         }
         scratch.upload(&vec![0u8; s.mmv_counter_bytes], s.mmv_counters)?;
+        scratch.upload(&vec![0u8; s.tail_counter_bytes], s.tail_counters)?;
         let stream = Stream::new()?;
         let f32_cache = kv.k == KvType::F32 || kv.v == KvType::F32;
         // An all-F32 model with an F32 cache keeps its prompt chunks in f32: the half-format operands of
@@ -503,6 +506,7 @@ impl GpuModel {
             flash_parts: tuning.flash_parts,
             moe_grouped: tuning.moe_grouped,
             moe_mmv: tuning.moe_mmv,
+            fused_tails: tuning.fused_tails,
             kernel_tuning: hostembed_tuning::of(tuning),
             pool_pages,
             local_pages,

@@ -275,6 +275,7 @@ impl Ops for PassOps<'_> {
                 self.grid_parts,
                 self.partial,
                 row(self.attn, g0, q_dim),
+                model.tail_counters().map(|t| t.attention),
                 model.kernel_tuning,
                 s,
             )?;
@@ -404,13 +405,22 @@ impl Ops for PassOps<'_> {
         let out = model.buf(sl.moe_out) as *mut f32;
         let stack = |w: &[DeviceWeight], what: &str| launch::ExpertStack::of(w, what);
         let (gate, up, down) = (stack(gate, "expert gate")?, stack(up, "expert up")?, stack(down, "expert down")?);
-        launch::moe_router(router, self.xn, n, logits, s)?;
         // Split over ranks, each row's sum of its experts' slices goes to its xn row (zeroed once read),
         // summed over the ranks before the residual takes it.
         let split = model.world() > 1;
         let sums = if split { self.xn } else { self.x };
         let work = model.mmv_work().filter(|_| model.moe_mmv);
         let on_mmv = work.filter(|_| [&gate, &up, &down].iter().all(|st| launch::moe_mmv_supports(st)));
+        let tails = model.tail_counters().filter(|_| on_mmv.is_some());
+        // Decode rows that are one piece are routed by the router's launch.
+        let routed = tails.filter(|_| m > 0 && m <= launch::MOE_MMV_ROWS && experts <= launch::ROUTE_TAIL_EXPERTS);
+        match routed {
+            Some(t) => {
+                let norm = moe.norm_topk;
+                launch::moe_router_route(router, self.xn, n, logits, m, k, norm, ids, weights, groups, t.router, s)?
+            }
+            None => launch::moe_router(router, self.xn, n, logits, s)?,
+        }
         if let Some(work) = on_mmv {
             // Pieces of at most MOE_MMV_ROWS rows (the workspace's), each routed and summed apart: a
             // row's experts, products and sum are its own in any piece.
@@ -418,7 +428,10 @@ impl Ops for PassOps<'_> {
                 let rows = (m - r0).min(launch::MOE_MMV_ROWS);
                 let (ids, weights) = (ids.wrapping_add(r0 * k), row(weights, r0, k));
                 let (act, out) = (row(act, r0 * k, width), row(out, r0 * k, hidden));
-                launch::moe_route(row(logits, r0, experts), experts, rows, k, moe.norm_topk, ids, weights, groups, s)?;
+                if routed.is_none() {
+                    let logits = row(logits, r0, experts);
+                    launch::moe_route(logits, experts, rows, k, moe.norm_topk, ids, weights, groups, s)?;
+                }
                 launch::moe_mmv(
                     &gate,
                     Some(&up),
@@ -432,11 +445,25 @@ impl Ops for PassOps<'_> {
                     &work,
                     s,
                 )?;
-                launch::moe_mmv(&down, None, act, 1, groups, experts, rows, k, out, &work, s)?;
                 if split {
+                    // After the gate and up products read it, before the sums add to it.
                     launch::zero(row(self.xn, r0, hidden), rows * hidden, s)?;
                 }
-                launch::moe_sum(out, weights, hidden, rows, k, row(sums, r0, hidden), s)?;
+                match tails {
+                    Some(t) => {
+                        let into = launch::SumInto {
+                            weights,
+                            sums: row(sums, r0, hidden),
+                            counters: t.sums,
+                            count: t.sums_count,
+                        };
+                        launch::moe_mmv_sum(&down, act, groups, experts, rows, k, out, &work, &into, s)?;
+                    }
+                    None => {
+                        launch::moe_mmv(&down, None, act, 1, groups, experts, rows, k, out, &work, s)?;
+                        launch::moe_sum(out, weights, hidden, rows, k, row(sums, r0, hidden), s)?;
+                    }
+                }
             }
         } else if m > 0 {
             launch::moe_route(logits, experts, m, k, moe.norm_topk, ids, weights, groups, s)?;

@@ -142,6 +142,29 @@ fn mmv_workspace_for(cfg: &ModelConfig, n: usize) -> (usize, usize) {
     })
 }
 
+/// The fused tails' arrival counters (u32 each, in this order): the router's one (padded to 16 bytes), a
+/// decode piece's experts' weighted sums (its rows by the down product's row blocks), and the split
+/// attention's (a launch's tokens by the query heads, which bound its groups of heads).
+pub(super) struct TailCounts {
+    pub(super) sums: usize,
+    pub(super) attention: usize,
+}
+
+impl TailCounts {
+    pub(super) const ROUTER: usize = 4;
+
+    pub(super) fn new(cfg: &ModelConfig, max_batch: usize) -> TailCounts {
+        let max_batch = max_batch.max(1);
+        let rows = max_batch.min(super::launch::MOE_MMV_ROWS);
+        let sums = if cfg.moe.is_some() { rows * cfg.hidden.div_ceil(MMV_BLOCK_ROWS) } else { 0 };
+        TailCounts { sums, attention: max_batch.min(ATTENTION_TOKENS) * cfg.heads }
+    }
+
+    pub(super) fn total(&self) -> usize {
+        Self::ROUTER + self.sums + self.attention
+    }
+}
+
 /// The scratch allocation: byte offsets of each buffer.
 pub(super) struct ScratchLayout {
     pub(super) x: usize,
@@ -195,6 +218,9 @@ pub(super) struct ScratchLayout {
     pub(super) moe_act: usize,
     pub(super) moe_out: usize,
     pub(super) moe_half: usize,
+    /// The fused tails' arrival counters (zeroed at load, left zero by every launch; `TailCounters`).
+    pub(super) tail_counters: usize,
+    pub(super) tail_counter_bytes: usize,
     /// An 8-bit cache's stage for flash attention (`stage_tokens` positions; none when 0).
     pub(super) stage: usize,
     pub(super) stage_tokens: usize,
@@ -254,6 +280,8 @@ impl ScratchLayout {
         let moe_act = l.push(b * k * width * f);
         let moe_out = l.push(b * k * cfg.hidden * f);
         let moe_half = l.push(b * k * width * 2);
+        let tail = TailCounts::new(cfg, b);
+        let tail_counters = l.push(tail.total() * 4);
         ScratchLayout {
             x,
             xn,
@@ -293,6 +321,8 @@ impl ScratchLayout {
             moe_act,
             moe_out,
             moe_half,
+            tail_counters,
+            tail_counter_bytes: tail.total() * 4,
             total: l.total,
         }
     }

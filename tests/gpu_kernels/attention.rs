@@ -172,7 +172,9 @@ impl DeviceTables {
     }
 }
 
-/// Launches the attention of the tokens `tokens` (indices into q and pos) and returns their outputs.
+/// Launches the attention of the tokens `tokens` (indices into q and pos) and returns their outputs; with
+/// `combined`, the split kernel combines the parts itself (hostembed_attention_combined), and its arrival
+/// counters are checked to be left zero.
 #[allow(clippy::too_many_arguments)]
 fn launch_attention(
     q: &[f32],
@@ -189,6 +191,7 @@ fn launch_attention(
     splits: usize,
     grid_parts: usize,
     tuning: kn::hostembed_tuning,
+    combined: bool,
 ) -> Vec<f32> {
     let n = tokens.len();
     let q: Vec<f32> = tokens.iter().flat_map(|&t| q[t * q_stride..(t + 1) * q_stride].to_vec()).collect();
@@ -199,11 +202,14 @@ fn launch_attention(
     let pd = DeviceBuffer::from_slice(&pos).unwrap();
     let partial = poisoned(n * heads * splits * (hd + 2) * 4);
     let out = poisoned(n * heads * hd * 4);
+    let counters = DeviceBuffer::new(n.max(1) * heads * 4).unwrap();
+    counters.fill_bytes(0).unwrap();
+    let counters_ptr = if combined { counters.ptr() as *mut c_uint } else { std::ptr::null_mut() };
     ok(
-        // SAFETY: device buffers sized for `n` queries, the pool's pages and tables, and their partial results, alive
-        // until the synchronous check after the launch.
+        // SAFETY: device buffers sized for `n` queries, the pool's pages and tables, their partial results and
+        // (n * heads) arrival counters, alive until the synchronous check after the launch.
         unsafe {
-            kn::hostembed_attention(
+            kn::hostembed_attention_combined(
                 qd.ptr() as *const f32,
                 q_stride as c_uint,
                 pool.ptr(),
@@ -222,12 +228,15 @@ fn launch_attention(
                 grid_parts as c_uint,
                 partial.ptr() as *mut f32,
                 out.ptr() as *mut f32,
+                counters_ptr,
                 tuning,
                 NULL_STREAM,
             )
         },
-        "hostembed_attention",
+        "hostembed_attention_combined",
     );
+    let left = download::<u32>(&counters, n.max(1) * heads);
+    assert!(left.iter().all(|&c| c == 0), "the combine's arrival counters are not left zero");
     download::<f32>(&out, n * heads * hd)
 }
 
@@ -274,7 +283,7 @@ fn run_attention(rng: &mut Rng, heads: usize, kv_heads: usize, hd: usize, stream
         let longest = tokens.iter().map(|&t| pos[t] as usize + 1).max().unwrap_or(0);
         hostembed::gpu::attention_grid_parts(longest, splits)
     };
-    let launch_with = |tokens: &[usize], grid_parts: usize, tuning: kn::hostembed_tuning| {
+    let launch_with = |tokens: &[usize], grid_parts: usize, tuning: kn::hostembed_tuning, combined: bool| {
         launch_attention(
             &q,
             q_stride,
@@ -290,9 +299,10 @@ fn run_attention(rng: &mut Rng, heads: usize, kv_heads: usize, hd: usize, stream
             splits,
             grid_parts,
             tuning,
+            combined,
         )
     };
-    let launch = |tokens: &[usize], grid_parts: usize| launch_with(tokens, grid_parts, launch_tuning());
+    let launch = |tokens: &[usize], grid_parts: usize| launch_with(tokens, grid_parts, launch_tuning(), false);
     let got = launch(&all, grid_of(&all));
     let what =
         format!("attention {heads}/{kv_heads} heads of {hd}, streams (context, tokens) {streams:?}, {splits} splits");
@@ -311,7 +321,16 @@ fn run_attention(rng: &mut Rng, heads: usize, kv_heads: usize, hd: usize, stream
     // Either kernel (more loads in flight a thread, or more blocks a multiprocessor): the same bits.
     for blocks in [1, 2] {
         let tuning = kn::hostembed_tuning { attention_blocks: blocks, ..launch_tuning() };
-        same_bits(&launch_with(&all, grid_of(&all), tuning), &got, &format!("{what}: attention kernel {blocks}"));
+        same_bits(
+            &launch_with(&all, grid_of(&all), tuning, false),
+            &got,
+            &format!("{what}: attention kernel {blocks}"),
+        );
+    }
+    // The parts combined by the split kernel's last block: the same bits, on any grid.
+    for grid_parts in [1, grid_of(&all), splits] {
+        let combined = launch_with(&all, grid_parts, launch_tuning(), true);
+        same_bits(&combined, &got, &format!("{what}: combined in the split kernel, {grid_parts} blocks a token"));
     }
     // Batch invariance: each stream's tokens launched without the others (on their own grid) give the
     // same bits.

@@ -6,12 +6,14 @@
 //! tiles of the grouped products, the last partly; and random batches giving each stream the bits it gets alone,
 //! graphs and all; and a Qwen3-MoE of 40 experts, 8 a token, whose routing spans two of a lane's
 //! registers and whose experts' groups hold many rows; and the grouped products (grouped.rs) and the
-//! decode rows' expert products (mmv.rs) alone against the host. A SKIP line without a card.
+//! decode rows' expert products (mmv.rs) alone against the host, and the fused route and weighted sum
+//! (tails.rs) against the launches they replace. A SKIP line without a card.
 
 #[path = "../common/mod.rs"]
 mod common;
 mod grouped;
 mod mmv;
+mod tails;
 use common::{
     Mix, Rng, Scratch, compare_greedy, compare_greedy_with_jumps, cpu_options, cuda_options, gguf_of_recipe,
     gpu_present, init,

@@ -96,6 +96,60 @@ pub(in crate::gpu) fn moe_route(
     cuda::check(code, "hostembed_moe_route")
 }
 
+/// The most experts `moe_router_route` takes (kernels/moe.cu's ROUTE_TAIL_PER experts a lane).
+pub(in crate::gpu) const ROUTE_TAIL_EXPERTS: usize = 256;
+
+/// `moe_router` of `n` rows, then `moe_route` of rows [0, route_n) by the router's last block to finish
+/// (one launch, the same bits); `counter` a zero that the launch leaves zero. At most
+/// `ROUTE_TAIL_EXPERTS` experts.
+#[allow(clippy::too_many_arguments)]
+pub(in crate::gpu) fn moe_router_route(
+    router: &DeviceWeight,
+    x: *const f32,
+    n: usize,
+    logits: *mut f32,
+    route_n: usize,
+    k: usize,
+    norm_topk: bool,
+    ids: *mut c_int,
+    weights: *mut f32,
+    groups: *mut c_int,
+    counter: *mut c_uint,
+    s: cudaStream_t,
+) -> Result<()> {
+    if router.rows > ROUTE_TAIL_EXPERTS || k > MAX_USED {
+        crate::bail!(
+            Unsupported,
+            "{k} of {} experts a token: the router's route takes at most {MAX_USED} of {ROUTE_TAIL_EXPERTS}",
+            router.rows
+        );
+    }
+    let (experts, cols) = (router.rows as c_uint, router.cols as c_uint);
+    let (n, route_n, k) = (n as c_uint, route_n as c_uint, k as c_uint);
+    // SAFETY: device pointers into live allocations sized for these shapes: n x experts logits, route_n x k
+    // ids and weights, groups_len(experts, route_n * k) ints, and one u32 counter (see `launch`'s note).
+    let code = unsafe {
+        kn::hostembed_moe_router_route(
+            router.ptr,
+            router.dtype as c_int,
+            experts,
+            cols,
+            x,
+            n,
+            logits,
+            route_n,
+            k,
+            norm_topk as c_int,
+            ids,
+            weights,
+            groups,
+            counter,
+            s,
+        )
+    };
+    cuda::check(code, "hostembed_moe_router_route")
+}
+
 /// Ints of `moe_route`'s groups for `slots` (rows times k) of `experts`: the count of experts chosen, the
 /// chosen experts, each expert's first place and count, and the slots.
 pub(in crate::gpu) fn groups_len(experts: usize, slots: usize) -> usize {
@@ -252,6 +306,59 @@ pub(in crate::gpu) fn moe_mmv(
         )
     };
     cuda::check(code, "hostembed_moe_mmv")
+}
+
+/// Where the down product's blocks add each row's weighted sum (`moe_mmv_sum`): the rows' slot weights,
+/// the rows they add to, and `count` zeroed arrival counters.
+pub(in crate::gpu) struct SumInto {
+    pub weights: *const f32,
+    pub sums: *mut f32,
+    pub counters: *mut c_uint,
+    pub count: usize,
+}
+
+/// `moe_mmv` of the down stack `w` (no up, x_div 1), then each row's `moe_sum` into `into.sums` by the
+/// blocks that finish its outputs last (one launch, the same bits).
+#[allow(clippy::too_many_arguments)]
+pub(in crate::gpu) fn moe_mmv_sum(
+    w: &ExpertStack,
+    x: *const f32,
+    groups: *const c_int,
+    experts: usize,
+    n: usize,
+    k: usize,
+    y: *mut f32,
+    work: &super::MmvWork,
+    into: &SumInto,
+    s: cudaStream_t,
+) -> Result<()> {
+    let count = c_uint::try_from(into.count).unwrap_or(c_uint::MAX);
+    // SAFETY: as `moe_mmv`'s, and `into` as scratch's `TailCounts` sizes it: n x w.rows sums, n x k weights,
+    // `count` counters (the kernel checks that they cover n rows' row blocks).
+    let code = unsafe {
+        kn::hostembed_moe_mmv_sum(
+            w.ptr,
+            w.dtype as c_int,
+            w.stride,
+            w.rows as c_uint,
+            w.cols as c_uint,
+            x,
+            groups,
+            experts as c_uint,
+            n as c_uint,
+            k as c_uint,
+            y,
+            work.partial,
+            work.counters,
+            into.weights,
+            into.sums,
+            into.counters,
+            count,
+            work.tuning,
+            s,
+        )
+    };
+    cuda::check(code, "hostembed_moe_mmv_sum")
 }
 
 /// x[r] += the sum of weights[r * k + slot] * out[r * k + slot] over each row's `k` slots, in order.
