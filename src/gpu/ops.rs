@@ -204,7 +204,7 @@ impl Ops for PassOps<'_> {
     }
 
     /// One product where q, k and v share a format (the loader laid them out as one matrix, and their
-    /// biases back to back), else three; k and v refined on the tensor-core rows.
+    /// biases back to back), two where q and k do, else three; k and v refined on the tensor-core rows.
     fn qkv(
         &mut self,
         q: &DeviceWeight,
@@ -219,6 +219,12 @@ impl Ops for PassOps<'_> {
         let qkv_bias = bias.map_or(none, |[q, _, _]| q.f32_ptr());
         match Qkv::of(q, k, v) {
             Qkv::Fused(w) => self.project(&w, self.xn, qkv_bias, none, self.qkv, qkv_dim, Some(q_dim)),
+            Qkv::QkThenV([qk, v]) => {
+                self.project(&qk, self.xn, qkv_bias, none, self.qkv, qkv_dim, Some(q_dim))?;
+                let (at, bias) = (q_dim + kv_dim, qkv_bias.wrapping_add(q_dim + kv_dim));
+                let bias = if qkv_bias.is_null() { none } else { bias };
+                self.project(&v, self.xn, bias, none, self.qkv.wrapping_add(at), qkv_dim, Some(0))
+            }
             Qkv::Split(parts) => {
                 // The biases lie back to back like q, k and v in a row of the qkv buffer.
                 let bias = |at: usize| if qkv_bias.is_null() { none } else { qkv_bias.wrapping_add(at) };

@@ -116,11 +116,12 @@ fn kernels_workspace(rows: usize, cols: usize, glu: bool, n: usize) -> Option<(u
 }
 
 /// The most workspace any of a model's decode products needs over `n` tokens (each product shape the
-/// forward pass may run: q/k/v fused or apart, o, gate and up fused or apart, down, the head).
+/// forward pass may run: q/k/v fused, q/k fused or apart, o, gate and up fused or apart, down, the head).
 fn mmv_workspace_for(cfg: &ModelConfig, n: usize) -> (usize, usize) {
     let (h, q, kv, i) = (cfg.hidden, cfg.q_dim(), cfg.kv_dim(), cfg.intermediate);
     let shapes = [
         (q + 2 * kv, h, false),
+        (q + kv, h, false),
         (q, h, false),
         (kv, h, false),
         (h, q, false),

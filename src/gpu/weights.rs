@@ -24,25 +24,38 @@ impl DeviceWeight {
     }
 }
 
-/// q, k and v as one matrix when they share a format (one launch), else three.
+/// q, k and v as one matrix when they share a format (one launch); q and k as one and v apart when only
+/// they share one (llama-quantize's Q4_K_M gives half the layers' v more bits: two launches); else three.
 pub(super) enum Qkv {
     Fused(DeviceWeight),
+    QkThenV([DeviceWeight; 2]),
     Split([DeviceWeight; 3]),
 }
 
-/// Whether q, k and v share a region and are read as one matrix.
-fn qkv_fused(q: DType, k: DType, v: DType) -> bool {
-    q == k && k == v
+/// Which of a layer's q, k and v share a region and are read as one matrix.
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum Joined {
+    Qkv,
+    Qk,
+    None,
+}
+
+fn joined(q: DType, k: DType, v: DType) -> Joined {
+    match (q == k, k == v) {
+        (true, true) => Joined::Qkv,
+        (true, false) => Joined::Qk,
+        _ => Joined::None,
+    }
 }
 
 impl Qkv {
-    /// q, k and v as the projection reads them: one matrix where they share a format (the loader laid
-    /// them out back to back, `place_layers`), else three.
+    /// q, k and v as the projection reads them: the matrices the loader laid out back to back
+    /// (`place_layers`) as one.
     pub(super) fn of(q: &DeviceWeight, k: &DeviceWeight, v: &DeviceWeight) -> Qkv {
-        if qkv_fused(q.dtype, k.dtype, v.dtype) {
-            Qkv::Fused(DeviceWeight { rows: q.rows + k.rows + v.rows, ..*q })
-        } else {
-            Qkv::Split([*q, *k, *v])
+        match joined(q.dtype, k.dtype, v.dtype) {
+            Joined::Qkv => Qkv::Fused(DeviceWeight { rows: q.rows + k.rows + v.rows, ..*q }),
+            Joined::Qk => Qkv::QkThenV([DeviceWeight { rows: q.rows + k.rows, ..*q }, *v]),
+            Joined::None => Qkv::Split([*q, *k, *v]),
         }
     }
 }
@@ -109,9 +122,11 @@ impl WeightPlan<'_> {
                 return;
             }
             let m = (t.dtype, t.rows(), t.cols());
-            match spec.name {
-                // k and v join q's matrix where they share its format.
-                names::K | names::V if fused[l] => out.last_mut().expect("q comes first").1 += m.1,
+            match (spec.name, fused[l]) {
+                // k (and v) join q's matrix where they share its format.
+                (names::K, Joined::Qkv | Joined::Qk) | (names::V, Joined::Qkv) => {
+                    out.last_mut().expect("q comes first").1 += m.1
+                }
                 _ => out.push(m),
             }
         });
@@ -128,19 +143,24 @@ pub(super) fn prompt_format(matrices: &[(DType, usize, usize)]) -> (DType, usize
     (half, slab)
 }
 
-/// Whether each layer's q, k and v share a format (and are read as one matrix).
-fn fused_layers<T>(layers: &Layers<T>, dtype: impl Fn(&T) -> DType) -> Vec<bool> {
+/// Which of each layer's q, k and v share a format (and are read as one matrix).
+fn fused_layers<T>(layers: &Layers<T>, dtype: impl Fn(&T) -> DType) -> Vec<Joined> {
     let mut qkv = vec![[None; 3]; layers.len()];
     layers.each(|l, spec, t| {
         if let Some(i) = [names::Q, names::K, names::V].iter().position(|&n| n == spec.name) {
             qkv[l][i] = Some(dtype(t));
         }
     });
-    qkv.iter().map(|&[q, k, v]| matches!((q, k, v), (Some(q), Some(k), Some(v)) if qkv_fused(q, k, v))).collect()
+    qkv.iter()
+        .map(|&[q, k, v]| match (q, k, v) {
+            (Some(q), Some(k), Some(v)) => joined(q, k, v),
+            _ => Joined::None,
+        })
+        .collect()
 }
 
-/// Each weight in its own region, in table order, except q, k, v of one format and the three biases,
-/// which the fused projection reads back to back (each table lists them in that order), and each expert
+/// Each weight in its own region, in table order, except q, k, v of one format (or q and k of one) and the
+/// three biases, which the fused projection reads back to back (each table lists them in that order), and each expert
 /// matrix right after the previous expert's, so a role's experts are one stack that an expert's index
 /// strides through.
 fn place_layers<'a>(layers: Layers<TensorRef<'a>>, layout: &mut Layout) -> Result<Layers<Placed<'a>>> {
@@ -149,7 +169,8 @@ fn place_layers<'a>(layers: Layers<TensorRef<'a>>, layout: &mut Layout) -> Resul
     let mut last: Option<(usize, &'static str)> = None;
     layers.try_map(|l, spec, t| {
         let after_previous = match spec.name {
-            names::K | names::V => fused[l],
+            names::K => fused[l] != Joined::None,
+            names::V => fused[l] == Joined::Qkv,
             names::K_BIAS | names::V_BIAS => true,
             _ => spec.need == Need::Experts && last == Some((l, spec.name)),
         };
