@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine from the repo root: unpacks .gpu/bundle.tar.xz and runs the GPU suite,
 # then whatever steps are named (default: tests). Logs go to $OUT (or ./gpu-out).
-# Steps: info tests tests-parallel targets formats prep tc-blocks attention-wide targets-f16 targets-kv wgmma local-pool tensor-parallel sanitize profile-decode profile-moe moe-mmv profile-mmv hfref bench-embed bench-decode bench-mmv bench-model bench-prefill bench-prefill-quant
+# Steps: info tests tests-parallel targets formats prep tc-blocks attention-wide targets-f16 targets-kv wgmma local-pool tensor-parallel sanitize profile-decode profile-moe moe-mmv fused-tails profile-mmv hfref bench-embed bench-decode bench-mmv bench-model bench-prefill bench-prefill-quant
 # bench-convert bench-kv torch-prefill server-load llama-cpp-moe moe-file two-chains, or any example's name (HOSTEMBED_MEMCHECK=0 leaves
 # local-pool's and tensor-parallel's memcheck out). server-load measures the
 # server's targets (scripts/server-load.sh: a 16 GB Llama-3-8B-shaped file written under /tmp, batch.c,
@@ -374,6 +374,24 @@ for step in $steps; do
           --no-long --no-host-rows --steps 16
       done
       grep -E "^(== HOSTEMBED|\| (greedy|1|16|64) )" "$log" >> "$summary" ;;
+    fused-tails)
+      # The fused tails (the attention parts' combine, the experts' route and weighted sum in the kernel
+      # before each) on, then off, in one build: one stream's decode of Qwen3-30B-A3B's layers (12 of 48, the
+      # Q4_K_M mix) and of the Llama-3-8B shape in the Q4_K_M mix and in BF16 at a 64-token and a
+      # 16,384-token cache, and 64 BF16 streams.
+      rc=0
+      log="$OUT/fused-tails.log"
+      for v in 1 0; do
+        echo "== HOSTEMBED_FUSED_TAILS=$v" >> "$log"
+        HOSTEMBED_FUSED_TAILS=$v run_bench bench_decode --qwen3-30b-a3b --layers 12 --dtype q4_k_m --no-kernels --no-mmv \
+          --prompt 64 --tokens 64 --runs 3 --greedy
+        HOSTEMBED_FUSED_TAILS=$v run_bench bench_decode --no-kernels --no-mmv --dtype q4_k_m --prompt 64 --tokens 128 \
+          --runs 3 --greedy
+        HOSTEMBED_FUSED_TAILS=$v run_bench bench_decode --no-kernels --no-mmv --dtype bf16 --prompt 64,16384 \
+          --tokens 128 --runs 3 --greedy
+        HOSTEMBED_FUSED_TAILS=$v run_bench bench_batch --dtype bf16 --streams 64 --no-long --no-host-rows --steps 32
+      done
+      grep -E "^(== HOSTEMBED|\| (greedy|64) )" "$log" >> "$summary" ;;
     profile-moe)
       # Nsight Compute's time for each kernel of a few one-stream decode steps of Qwen3-30B-A3B's layers
       # (four of its 48, the Q4_K_M mix): where a Mixture-of-Experts token's time goes.
