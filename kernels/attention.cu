@@ -339,19 +339,28 @@ __global__ __launch_bounds__(AT_THREADS, BLOCKS) void attention_split_kernel(
             for (int h = 0; h < HB; h++)
 #pragma unroll
                 for (int k = 0; k < 8; k++) acc_s[warp][h][v_col + k] = acc[h][k];
+        // With counters, a context of one part is its own combine: out = acc * (1 / l), the combine's
+        // arithmetic for one part (weight exp2(m - m) = 1), written here instead of the part. m_run/l_run
+        // are the same in every thread: thread h stores head h's, indexing the registers with compile-time
+        // constants only.
+        const bool direct = counters != nullptr && used == 1;
+        if (direct) {
+#pragma unroll
+            for (int h = 0; h < HB; h++)
+                if (tid == (unsigned int)h && (unsigned int)h < nh) combine_sm.l[h] = 1.f / l_run[h];
+        }
         __syncthreads();
         for (unsigned int i = tid; i < nh * d; i += AT_THREADS) {
             const unsigned int h = i / d, c = i % d;
             float s = 0.f;
 #pragma unroll
             for (int w = 0; w < AT_WARPS; w++) s += acc_s[w][h][c];
-            part_of[(size_t)h * splits * pstride + 2 + c] = s;
+            if (direct) out[((size_t)t * heads + h0 + h) * d + c] = s * combine_sm.l[h];
+            else part_of[(size_t)h * splits * pstride + 2 + c] = s;
         }
-        // m_run/l_run are the same in every thread: thread h writes head h's, indexing the registers with
-        // compile-time constants only.
 #pragma unroll
         for (int h = 0; h < HB; h++) {
-            if (tid == (unsigned int)h && (unsigned int)h < nh) {
+            if (!direct && tid == (unsigned int)h && (unsigned int)h < nh) {
                 part_of[(size_t)h * splits * pstride] = m_run[h];
                 part_of[(size_t)h * splits * pstride + 1] = l_run[h];
             }
@@ -360,7 +369,7 @@ __global__ __launch_bounds__(AT_THREADS, BLOCKS) void attention_split_kernel(
         // before they write it).
         __syncthreads();
     }
-    if (counters == nullptr) return;  // attention_combine_kernel follows
+    if (counters == nullptr || used == 1) return;  // attention_combine_kernel follows, or out is written
 
     // With counters: the last of this token's and head group's blocks to finish combines their heads'
     // parts, which it reads from L2 (its own threads' writes fenced there too).
