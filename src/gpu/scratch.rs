@@ -424,4 +424,21 @@ mod tests {
             assert!(counters * 4 <= counter_bytes, "{r} x {c}: {counters} counters in {counter_bytes} bytes");
         }
     }
+
+    /// The fused tails' counters: a decode piece's rows by the down product's row blocks (Qwen3-30B-A3B:
+    /// 64 rows of 2,048 outputs in blocks of 128), an attention launch's tokens by the query heads, and
+    /// none for the experts' sums of a dense model or for rows a batch cannot hold.
+    #[test]
+    fn the_tails_counters_cover_their_launches() {
+        let moe = ModelConfig::qwen3_30b_a3b();
+        let wide = TailCounts::new(&moe, 512);
+        assert_eq!((wide.sums, wide.attention), (64 * 16, ATTENTION_TOKENS * moe.heads));
+        let one = TailCounts::new(&moe, 1);
+        assert_eq!((one.sums, one.attention), (16, moe.heads));
+        let layout = ScratchLayout::new(&moe, 512, 0, 0, crate::tuning::ATTENTION_PARTS);
+        assert_eq!(layout.tail_counter_bytes, 4 * (TailCounts::ROUTER + 64 * 16 + ATTENTION_TOKENS * moe.heads));
+        assert!(layout.tail_counters + layout.tail_counter_bytes <= layout.total);
+        let dense = ModelConfig { moe: None, ..moe };
+        assert_eq!(TailCounts::new(&dense, 64).sums, 0);
+    }
 }
