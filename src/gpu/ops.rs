@@ -217,17 +217,16 @@ impl Ops for PassOps<'_> {
         let qkv_dim = q_dim + 2 * kv_dim;
         let none = ptr::null::<f32>();
         let qkv_bias = bias.map_or(none, |[q, _, _]| q.f32_ptr());
+        // The biases lie back to back like q, k and v in a row of the qkv buffer.
+        let bias = |at: usize| if qkv_bias.is_null() { none } else { qkv_bias.wrapping_add(at) };
         match Qkv::of(q, k, v) {
             Qkv::Fused(w) => self.project(&w, self.xn, qkv_bias, none, self.qkv, qkv_dim, Some(q_dim)),
             Qkv::QkThenV([qk, v]) => {
                 self.project(&qk, self.xn, qkv_bias, none, self.qkv, qkv_dim, Some(q_dim))?;
-                let (at, bias) = (q_dim + kv_dim, qkv_bias.wrapping_add(q_dim + kv_dim));
-                let bias = if qkv_bias.is_null() { none } else { bias };
-                self.project(&v, self.xn, bias, none, self.qkv.wrapping_add(at), qkv_dim, Some(0))
+                let at = q_dim + kv_dim;
+                self.project(&v, self.xn, bias(at), none, self.qkv.wrapping_add(at), qkv_dim, Some(0))
             }
             Qkv::Split(parts) => {
-                // The biases lie back to back like q, k and v in a row of the qkv buffer.
-                let bias = |at: usize| if qkv_bias.is_null() { none } else { qkv_bias.wrapping_add(at) };
                 for (k, (w, at)) in parts.iter().zip([0, q_dim, q_dim + kv_dim]).enumerate() {
                     self.project(w, self.xn, bias(at), none, self.qkv.wrapping_add(at), qkv_dim, (k > 0).then_some(0))?;
                 }
