@@ -275,8 +275,9 @@ __global__ __launch_bounds__(MMV_THREADS, 1) void mmvt_kernel(
             const unsigned char *xb = xs + min(tb + g / 2, n - 1) * XSTRIDE + (g % 2) * 32 + (R::STEP / 4) * t;
             const int *rec = meta + min(tb + t, n - 1) * META;
             int ihi[2] = {0, 0}, ilo[2] = {0, 0}, mins[2] = {0, 0};
-            // Folded: the tensor cores' sums of (sc & 7) q (or sc q) and of (sc >> 3) q, as d's four.
-            int sum_d0[4] = {0, 0, 0, 0}, sum_d1[4] = {0, 0, 0, 0};
+            // Folded: the tensor cores' sums of (sc & 7) q (or sc q) and of (sc >> 3) q, as d's four, even
+            // and odd steps apart (two chains a digit: a product waits for the one before in its chain).
+            int sum_d0[2][4] = {}, sum_d1[2][4] = {};
             float acc[2] = {0.f, 0.f};
 #pragma unroll
             for (int u = 0; u < (int)TPC; u++) {
@@ -293,15 +294,16 @@ __global__ __launch_bounds__(MMV_THREADS, 1) void mmvt_kernel(
                     } else if constexpr (FOLD) {
                         if constexpr (R::STEP == 32) {
                             const uint2 b = *reinterpret_cast<const uint2 *>(bp);
-                            mma_k32_add<R::SIGNED>(sum_d0, wa[u][s][0], wb[u][s][0], wa[u][s][KW - 1],
+                            mma_k32_add<R::SIGNED>(sum_d0[s % 2], wa[u][s][0], wb[u][s][0], wa[u][s][KW - 1],
                                                    wb[u][s][KW - 1], b.x, b.y);
                             if constexpr (DIGITS == 2)
-                                mma_k32_add<R::SIGNED>(sum_d1, wa1[u][s][0], wb1[u][s][0], wa1[u][s][KW - 1],
+                                mma_k32_add<R::SIGNED>(sum_d1[s % 2], wa1[u][s][0], wb1[u][s][0], wa1[u][s][KW - 1],
                                                        wb1[u][s][KW - 1], b.x, b.y);
                         } else {
                             const unsigned int b = *reinterpret_cast<const unsigned int *>(bp);
-                            mma_k16_add<R::SIGNED>(sum_d0, wa[u][s][0], wb[u][s][0], b);
-                            if constexpr (DIGITS == 2) mma_k16_add<R::SIGNED>(sum_d1, wa1[u][s][0], wb1[u][s][0], b);
+                            mma_k16_add<R::SIGNED>(sum_d0[s % 2], wa[u][s][0], wb[u][s][0], b);
+                            if constexpr (DIGITS == 2)
+                                mma_k16_add<R::SIGNED>(sum_d1[s % 2], wa1[u][s][0], wb1[u][s][0], b);
                         }
                     } else if constexpr (R::STEP == 32) {
                         const uint2 b = *reinterpret_cast<const uint2 *>(bp);
@@ -344,8 +346,11 @@ __global__ __launch_bounds__(MMV_THREADS, 1) void mmvt_kernel(
             if constexpr (FOLD && R::SUPER) {
                 // The integer kernel's sums of sc times each step's: sc q = 8 (sc >> 3) q + (sc & 7) q.
                 const int hi_weight = DIGITS == 2 ? 8 : 0;
-                ihi[0] = hi_weight * sum_d1[0] + sum_d0[0], ilo[0] = hi_weight * sum_d1[1] + sum_d0[1];
-                ihi[1] = hi_weight * sum_d1[2] + sum_d0[2], ilo[1] = hi_weight * sum_d1[3] + sum_d0[3];
+                int d[4];
+#pragma unroll
+                for (int e = 0; e < 4; e++)
+                    d[e] = hi_weight * (sum_d1[0][e] + sum_d1[1][e]) + sum_d0[0][e] + sum_d0[1][e];
+                ihi[0] = d[0], ilo[0] = d[1], ihi[1] = d[2], ilo[1] = d[3];
             }
             if constexpr (R::SUPER) {
 #pragma unroll
