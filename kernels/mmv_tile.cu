@@ -88,66 +88,8 @@ __global__ __launch_bounds__(MMV_THREADS) void mmvt_prep_kernel(const float *__r
 constexpr int MMVT_MAGIC = 0x4B400000;
 __device__ __forceinline__ float mmvt_float(int biased) { return __int_as_float(biased) - 12582912.f; }
 
-// d = A B, the lo columns' sums (d[1], d[3]) biased by MMVT_MAGIC: d[0] 256 + d[1] is then the bits of
-// 1.5 2^23 + (d_hi 256 + d_lo), so mmvt_float of it is the epilogue's fmaf((float)d_hi, 256, (float)d_lo)
-// (|d_hi 256 + d_lo| <= 2^19, and the biased sum stays below 2^31) in two instructions instead of three.
-template <bool SIGNED>
-__device__ __forceinline__ void mma_k32_lo_biased(int (&d)[4], unsigned int a0, unsigned int a1, unsigned int a2,
-                                                  unsigned int a3, unsigned int b0, unsigned int b1) {
-    if constexpr (SIGNED)
-        asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%11,%10,%11};"
-            : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
-            : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "r"(0), "r"(MMVT_MAGIC));
-    else
-        asm("mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%11,%10,%11};"
-            : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
-            : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "r"(0), "r"(MMVT_MAGIC));
-}
-
-// d += A B, the same operands: the tile kernel's sums of folded quants, accumulated across a tile's steps.
-template <bool SIGNED>
-__device__ __forceinline__ void mma_k32_add(int (&d)[4], unsigned int a0, unsigned int a1, unsigned int a2,
-                                            unsigned int a3, unsigned int b0, unsigned int b1) {
-    if constexpr (SIGNED)
-        asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-            : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
-            : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-    else
-        asm("mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-            : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
-            : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-template <bool SIGNED>
-__device__ __forceinline__ void mma_k16_add(int (&d)[4], unsigned int a0, unsigned int a1, unsigned int b0) {
-    if constexpr (SIGNED)
-        asm("mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};"
-            : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
-            : "r"(a0), "r"(a1), "r"(b0));
-    else
-        asm("mma.sync.aligned.m16n8k16.row.col.s32.u8.s8.s32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};"
-            : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
-            : "r"(a0), "r"(a1), "r"(b0));
-}
-// How the tile kernel folds a k-quant's sub-scale into its decoded quants (each byte's product must stay
-// a byte of the reader's A operand), so that a tile's sums accumulate in the tensor cores across steps:
-// 1, sc q itself (Q2_K: 15 3 = 45); 2, the products of sc's base-8 digits, (sc >> 3) q and (sc & 7) q,
-// with sc q = 8 (sc >> 3) q + (sc & 7) q (Q4_K and Q5_K: 6-bit sub-scales, 7 31 = 217 an unsigned byte);
-// 0, not folded (Q6_K's and Q3_K's signed scales times their quants pass a byte: the sub-scale multiplies
-// each step's sums, as in the integer kernel).
-template <typename R>
-__host__ __device__ constexpr unsigned mmvt_sc_digits() {
-    if constexpr (std::is_same_v<R, QQ2_K>) return 1;
-    else if constexpr (std::is_same_v<R, QQ4_K> || std::is_same_v<R, QQ5_K>) return 2;
-    else return 0;
-}
-
-// NT4 token tiles of 4 (4 * NT4 tokens at most). FOLD, the same integers and floats in fewer instructions:
-// k-quants with mmvt_sc_digits fold their sub-scales into the decoded quants, so that each tile's sums
-// accumulate in the tensor cores over a chunk's steps (one product a digit a step) instead of being
-// multiplied by the sub-scale every step (four integer multiply-adds a product, a half-rate pipe: the
-// most of the kernel's instructions); block readers join a step's hi and lo sums as integers
-// (mma_k32_lo_biased).
-template <typename R, int NT4, bool GLU, bool FOLD>
+// NT4 token tiles of 4 (4 * NT4 tokens at most).
+template <typename R, int NT4, bool GLU>
 __global__ __launch_bounds__(MMV_THREADS, 1) void mmvt_kernel(
     const unsigned char *__restrict__ w, const unsigned char *__restrict__ w2, unsigned int rows, unsigned int cols,
     size_t row_bytes, unsigned int n, const float *bias, const float *residual, float *y, unsigned int ldy,
@@ -157,9 +99,7 @@ __global__ __launch_bounds__(MMV_THREADS, 1) void mmvt_kernel(
     using Raw = typename R::Raw;
     constexpr unsigned TILE = R::STEP * R::TILE_STEPS, TPC = MMV_KC / TILE;
     constexpr unsigned KW = R::STEP / 16, META = mmvt_meta<R>(), XSTRIDE = mmvq_stride(MMV_KC);
-    constexpr unsigned DIGITS = FOLD ? mmvt_sc_digits<R>() : 0;
     static_assert(MMV_KC % TILE == 0, "whole tiles in a chunk");
-    static_assert(!FOLD || !R::SUPER || (DIGITS >= 1 && DIGITS <= 2), "folding takes a k-quant's sub-scales");
     static_assert(WS::BLOCK_BYTES == MMV_WARPS * WS::WARP_BYTES && WS::WARP_BYTES == WS::STAGES * WS::SLOT,
                   "a warp's rows of a chunk fill one of WeightSlots' slots");
 
@@ -225,9 +165,7 @@ __global__ __launch_bounds__(MMV_THREADS, 1) void mmvt_kernel(
                 R::template fetch<true>(r[u][1], sb, u * TILE, t);
             }
         // The chunk's A words and scales, decoded once for every token tile.
-        // Folded (DIGITS 2): wa and wb the low digit's products, wa1 and wb1 the high digit's.
         unsigned int wa[TPC][R::TILE_STEPS][KW], wb[TPC][R::TILE_STEPS][KW];
-        unsigned int wa1[TPC][R::TILE_STEPS][KW], wb1[TPC][R::TILE_STEPS][KW];
         int isa[TPC][R::TILE_STEPS], isb[TPC][R::TILE_STEPS], ima[TPC][R::TILE_STEPS], imb[TPC][R::TILE_STEPS];
         float fsa[TPC], fsb[TPC], fmn_a[TPC], fmn_b[TPC];
 #pragma unroll
@@ -239,19 +177,6 @@ __global__ __launch_bounds__(MMV_THREADS, 1) void mmvt_kernel(
                 if constexpr (R::SUPER) {
                     isa[u][s] = R::isc(r[u][0], s), isb[u][s] = R::isc(r[u][1], s);
                     if constexpr (R::HAS_MIN) ima[u][s] = R::imin(r[u][0], s), imb[u][s] = R::imin(r[u][1], s);
-                }
-                // Each byte's product stays a byte (mmvt_sc_digits' bound), so a word's four multiply as one.
-#pragma unroll
-                for (int k = 0; k < (int)KW; k++) {
-                    if constexpr (DIGITS == 1) {
-                        wa[u][s][k] *= (unsigned int)isa[u][s];
-                        wb[u][s][k] *= (unsigned int)isb[u][s];
-                    } else if constexpr (DIGITS == 2) {
-                        wa1[u][s][k] = wa[u][s][k] * (unsigned int)(isa[u][s] >> 3);
-                        wb1[u][s][k] = wb[u][s][k] * (unsigned int)(isb[u][s] >> 3);
-                        wa[u][s][k] *= (unsigned int)(isa[u][s] & 7);
-                        wb[u][s][k] *= (unsigned int)(isb[u][s] & 7);
-                    }
                 }
             }
             if constexpr (!R::SUPER) {
@@ -275,9 +200,6 @@ __global__ __launch_bounds__(MMV_THREADS, 1) void mmvt_kernel(
             const unsigned char *xb = xs + min(tb + g / 2, n - 1) * XSTRIDE + (g % 2) * 32 + (R::STEP / 4) * t;
             const int *rec = meta + min(tb + t, n - 1) * META;
             int ihi[2] = {0, 0}, ilo[2] = {0, 0}, mins[2] = {0, 0};
-            // Folded: the tensor cores' sums of (sc & 7) q (or sc q) and of (sc >> 3) q, as d's four, even
-            // and odd steps apart (two chains a digit: a product waits for the one before in its chain).
-            int sum_d0[2][4] = {}, sum_d1[2][4] = {};
             float acc[2] = {0.f, 0.f};
 #pragma unroll
             for (int u = 0; u < (int)TPC; u++) {
@@ -287,25 +209,7 @@ __global__ __launch_bounds__(MMV_THREADS, 1) void mmvt_kernel(
                     const unsigned int c = u * TILE + s * R::STEP;  // column within the chunk
                     const unsigned char *bp = xb + (c / 32) * 64 + c % 32;
                     int d[4];
-                    if constexpr (FOLD && !R::SUPER) {
-                        const uint2 b = *reinterpret_cast<const uint2 *>(bp);
-                        mma_k32_lo_biased<R::SIGNED>(d, wa[u][s][0], wb[u][s][0], wa[u][s][KW - 1], wb[u][s][KW - 1],
-                                                     b.x, b.y);
-                    } else if constexpr (FOLD) {
-                        if constexpr (R::STEP == 32) {
-                            const uint2 b = *reinterpret_cast<const uint2 *>(bp);
-                            mma_k32_add<R::SIGNED>(sum_d0[s % 2], wa[u][s][0], wb[u][s][0], wa[u][s][KW - 1],
-                                                   wb[u][s][KW - 1], b.x, b.y);
-                            if constexpr (DIGITS == 2)
-                                mma_k32_add<R::SIGNED>(sum_d1[s % 2], wa1[u][s][0], wb1[u][s][0], wa1[u][s][KW - 1],
-                                                       wb1[u][s][KW - 1], b.x, b.y);
-                        } else {
-                            const unsigned int b = *reinterpret_cast<const unsigned int *>(bp);
-                            mma_k16_add<R::SIGNED>(sum_d0[s % 2], wa[u][s][0], wb[u][s][0], b);
-                            if constexpr (DIGITS == 2)
-                                mma_k16_add<R::SIGNED>(sum_d1[s % 2], wa1[u][s][0], wb1[u][s][0], b);
-                        }
-                    } else if constexpr (R::STEP == 32) {
+                    if constexpr (R::STEP == 32) {
                         const uint2 b = *reinterpret_cast<const uint2 *>(bp);
                         mma_k32<R::SIGNED>(d, wa[u][s][0], wb[u][s][0], wa[u][s][KW - 1], wb[u][s][KW - 1], b.x, b.y,
                                            R::SUPER ? 0 : MMVT_MAGIC);
@@ -315,10 +219,8 @@ __global__ __launch_bounds__(MMV_THREADS, 1) void mmvt_kernel(
                     }
                     // As the integer kernel: d[0], d[1] row a's hi and lo sums, d[2], d[3] row b's.
                     if constexpr (R::SUPER) {
-                        if constexpr (!FOLD) {
-                            ihi[0] += isa[u][s] * d[0], ilo[0] += isa[u][s] * d[1];
-                            ihi[1] += isb[u][s] * d[2], ilo[1] += isb[u][s] * d[3];
-                        }
+                        ihi[0] += isa[u][s] * d[0], ilo[0] += isa[u][s] * d[1];
+                        ihi[1] += isb[u][s] * d[2], ilo[1] += isb[u][s] * d[3];
                         if constexpr (R::HAS_MIN) {
                             const int xs_sum = rec[4 + c / R::STEP];
                             mins[0] += ima[u][s] * xs_sum;
@@ -326,13 +228,8 @@ __global__ __launch_bounds__(MMV_THREADS, 1) void mmvt_kernel(
                         }
                     } else {
                         static_assert(R::STEP == 32, "block readers take 32-column steps");
-                        if constexpr (FOLD) {
-                            acc[0] = fmaf(fsa[u], mmvt_float(d[0] * 256 + d[1]), acc[0]);
-                            acc[1] = fmaf(fsb[u], mmvt_float(d[2] * 256 + d[3]), acc[1]);
-                        } else {
-                            acc[0] = fmaf(fsa[u], fmaf(mmvt_float(d[0]), 256.f, mmvt_float(d[1])), acc[0]);
-                            acc[1] = fmaf(fsb[u], fmaf(mmvt_float(d[2]), 256.f, mmvt_float(d[3])), acc[1]);
-                        }
+                        acc[0] = fmaf(fsa[u], fmaf(mmvt_float(d[0]), 256.f, mmvt_float(d[1])), acc[0]);
+                        acc[1] = fmaf(fsb[u], fmaf(mmvt_float(d[2]), 256.f, mmvt_float(d[3])), acc[1]);
                         if constexpr (R::HAS_MIN) {
                             const float xs_sum = __int_as_float(rec[4 + c / R::STEP]);
                             acc[0] = fmaf(fmn_a[u], xs_sum, acc[0]);
@@ -343,15 +240,6 @@ __global__ __launch_bounds__(MMV_THREADS, 1) void mmvt_kernel(
             }
             // The group ends with the chunk: its scales into the sum, as the integer kernel's epilogue.
             const float sc = __int_as_float(rec[0]);
-            if constexpr (FOLD && R::SUPER) {
-                // The integer kernel's sums of sc times each step's: sc q = 8 (sc >> 3) q + (sc & 7) q.
-                const int hi_weight = DIGITS == 2 ? 8 : 0;
-                int d[4];
-#pragma unroll
-                for (int e = 0; e < 4; e++)
-                    d[e] = hi_weight * (sum_d1[0][e] + sum_d1[1][e]) + sum_d0[0][e] + sum_d0[1][e];
-                ihi[0] = d[0], ilo[0] = d[1], ihi[1] = d[2], ilo[1] = d[3];
-            }
             if constexpr (R::SUPER) {
 #pragma unroll
                 for (int e = 0; e < 2; e++) acc[e] = fmaf((float)ihi[e], 256.f, (float)ilo[e]);
@@ -431,16 +319,9 @@ cudaError_t launch_mmvt(const unsigned char *w, const unsigned char *w2, unsigne
                                      stream, w, w2, rows, cols, row_bytes, n, bias, residual, y, ldy, partial,
                                      counters);
     };
-    auto by_tokens = [&](auto fold) {
-        constexpr bool F = decltype(fold)::value;
-        if (n <= 16) return go(mmvt_kernel<R, 4, GLU, F>);
-        if (n <= 32) return go(mmvt_kernel<R, 8, GLU, F>);
-        return go(mmvt_kernel<R, 16, GLU, F>);
-    };
-    // mmv_tc_blocks 2: the kernel before folding (for measuring); Q6_K and Q3_K have nothing to fold.
-    if constexpr (!R::SUPER || mmvt_sc_digits<R>() > 0)
-        if (tuning.mmv_tc_blocks != 2) return by_tokens(std::true_type{});
-    return by_tokens(std::false_type{});
+    if (n <= 16) return go(mmvt_kernel<R, 4, GLU>);
+    if (n <= 32) return go(mmvt_kernel<R, 8, GLU>);
+    return go(mmvt_kernel<R, 16, GLU>);
 }
 
 }  // namespace

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine from the repo root: unpacks .gpu/bundle.tar.xz and runs the GPU suite,
 # then whatever steps are named (default: tests). Logs go to $OUT (or ./gpu-out).
-# Steps: info tests tests-parallel targets formats prep fold tc-blocks attention-wide targets-f16 targets-kv wgmma local-pool tensor-parallel sanitize profile-decode profile-moe moe-mmv fused-tails profile-mmv profile-tile hfref bench-embed bench-decode bench-mmv bench-model bench-prefill bench-prefill-quant
+# Steps: info tests tests-parallel targets formats prep tc-blocks attention-wide targets-f16 targets-kv wgmma local-pool tensor-parallel sanitize profile-decode profile-moe moe-mmv fused-tails profile-mmv hfref bench-embed bench-decode bench-mmv bench-model bench-prefill bench-prefill-quant
 # bench-convert bench-kv torch-prefill server-load llama-cpp-moe moe-file two-chains, or any example's name (HOSTEMBED_MEMCHECK=0 leaves
 # local-pool's and tensor-parallel's memcheck out). server-load measures the
 # server's targets (scripts/server-load.sh: a 16 GB Llama-3-8B-shaped file written under /tmp, batch.c,
@@ -240,22 +240,6 @@ for step in $steps; do
         done
       done
       unset HOSTEMBED_MMV_PREP ;;
-    fold)
-      # The tile kernel with its folds (the default: k-quants' sub-scales folded into the quants, block
-      # formats' hi and lo sums joined as integers) against without (HOSTEMBED_MMV_TC_BLOCKS=2): Q4_K's,
-      # Q5_K's and Q8_0's products alone at 1 to 64 tokens, then the Q4_K_M and Q8_0 models' streams.
-      rc=0
-      log="$OUT/fold.log"
-      for m in 1 2; do
-        export HOSTEMBED_MMV_TC_BLOCKS=$m
-        echo "HOSTEMBED_MMV_TC_BLOCKS=$m" >> "$log"
-        run_bench bench_decode --kernels-only --no-matvec --mmv-only Q4_K
-        run_bench bench_decode --kernels-only --no-matvec --mmv-only Q5_K
-        run_bench bench_decode --kernels-only --no-matvec --mmv-only Q8_0
-        run_bench bench_batch --dtype q4_k_m --streams 1,8,16,64 --no-long --no-host-rows --steps 32
-        run_bench bench_batch --dtype q8_0 --streams 16,64 --no-long --no-host-rows --steps 32
-      done
-      unset HOSTEMBED_MMV_TC_BLOCKS ;;
     tc-blocks)
       # The block formats' decode products past 8 tokens on the tile kernel (the default) against the
       # streamed integer kernel (HOSTEMBED_MMV_TC_BLOCKS=0): the kernel tests with it off first (every
@@ -415,15 +399,6 @@ for step in $steps; do
       ncu --clock-control none --cache-control none --metrics gpu__time_duration.sum --print-summary per-kernel \
         --launch-skip 300 --launch-count 600 "$B/examples/bench_decode" --qwen3-30b-a3b --layers 4 \
         --dtype q4_k_m --no-kernels --no-mmv --prompt 64 --tokens 24 --runs 1 > "$OUT/profile-moe.log" 2>&1 || rc=$? ;;
-    profile-tile)
-      # Nsight Compute's full set over one launch of the tile kernel on Q4_K at 64 tokens (4096 x 14336,
-      # sub-scales folded), its details page only.
-      rc=0
-      ncu --kernel-name-base mangled --kernel-name regex:'mmvt_kernelINS_5QQ4_KELi16ELb0ELb1' --launch-skip 2 --launch-count 1 --set full \
-        -o "$OUT/profile-tile" "$B/examples/bench_decode" --kernels-only --no-matvec --mmv-only Q4_K \
-        > "$OUT/profile-tile-run.log" 2>&1 || rc=$?
-      ncu -i "$OUT/profile-tile.ncu-rep" --page details > "$OUT/profile-tile-details.log" 2>&1 || rc=$?
-      rm -f "$OUT/profile-tile.ncu-rep" ;;
     profile-mmv)
       # Nsight Compute's full set over one launch of the F16 decode product at 64 tokens (4096 x 14336,
       # activations converted once), then its per-instruction counters (SASS with stall reasons, as CSV).

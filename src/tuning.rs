@@ -29,9 +29,7 @@ pub const MMVQ_TOKENS_ENV: &str = "HOSTEMBED_MMVQ_TOKENS";
 /// "0": the half decode products convert their activations in every block instead of once.
 pub const MMV_PREP_ENV: &str = "HOSTEMBED_MMV_PREP";
 /// "0": the block formats' decode products of more than 8 tokens take the streamed integer kernel (16
-/// tokens a launch) instead of the tile kernel (all of a pass's tokens against one read of the weights);
-/// "2": the tile kernel as it was before its folds (Q2_K's, Q4_K's and Q5_K's sub-scales multiplied a step
-/// instead of folded into the quants, the block formats' hi and lo sums joined in floats), for measuring.
+/// tokens a launch) instead of the tile kernel (all of a pass's tokens against one read of the weights).
 pub const MMV_TC_BLOCKS_ENV: &str = "HOSTEMBED_MMV_TC_BLOCKS";
 /// "0": half decode products of more than 8 tokens take mma.sync instead of Hopper's warpgroup products on
 /// an sm_90 card (the same bits; the default, "1", measured 1.27x on the 64-token F16 product); "2": the
@@ -116,9 +114,8 @@ pub struct Tuning {
     /// Whether half decode products of many tokens convert their activations once.
     pub mmv_prep: bool,
     /// Whether block-format decode products of more than 8 tokens take the tile kernel (the same bits as
-    /// the streamed kernel; at 64 tokens 1.7-2x faster on the H100): 0 no, 1 yes (the default), 2 yes
-    /// as it was before its folds (`MMV_TC_BLOCKS_ENV`).
-    pub mmv_tc_blocks: u32,
+    /// the streamed kernel; at 64 tokens 1.7-2x faster on the H100).
+    pub mmv_tc_blocks: bool,
     /// Whether half decode products of more than 8 tokens take Hopper's warpgroup products on an sm_90
     /// card (the mma.sync kernel's bits, which the kernel tests check): 0 no, 1 yes (the default: 1.27x
     /// on the 64-token F16 product, 64 F16 streams 4,137 -> 4,990 tok/s on the H100), 2 the pipelined
@@ -162,7 +159,7 @@ impl Default for Tuning {
             mmv_stage: MmvStage::Measured,
             mmvq_tokens: 0,
             mmv_prep: true,
-            mmv_tc_blocks: 1,
+            mmv_tc_blocks: true,
             mmv_wgmma: 1,
             flash_parts: true,
             moe_grouped: true,
@@ -221,11 +218,7 @@ impl Tuning {
             // Out of range is the kernel's own choice, which it checks again against its most.
             mmvq_tokens: var(MMVQ_TOKENS_ENV).and_then(|v| v.trim().parse().ok()).unwrap_or(0),
             mmv_prep: !off(MMV_PREP_ENV),
-            mmv_tc_blocks: match var(MMV_TC_BLOCKS_ENV) {
-                Some(v) if v.trim() == "0" => 0,
-                Some(v) if v.trim() == "2" => 2,
-                _ => d.mmv_tc_blocks,
-            },
+            mmv_tc_blocks: !off(MMV_TC_BLOCKS_ENV),
             mmv_wgmma: var(MMV_WGMMA_ENV)
                 .and_then(|v| v.trim().parse().ok())
                 .filter(|&m| m <= 2)
@@ -289,11 +282,8 @@ mod tests {
         assert_eq!(with(&[(MMVQ_TOKENS_ENV, "16")]).mmvq_tokens, 16);
         assert_eq!(with(&[(MMVQ_TOKENS_ENV, "many")]).mmvq_tokens, 0);
         assert!(!with(&[(MMV_PREP_ENV, "0")]).mmv_prep && with(&[(MMV_PREP_ENV, "1")]).mmv_prep);
-        assert_eq!(with(&[(MMV_TC_BLOCKS_ENV, "1")]).mmv_tc_blocks, 1);
-        assert_eq!(with(&[(MMV_TC_BLOCKS_ENV, "0")]).mmv_tc_blocks, 0);
-        assert_eq!(with(&[(MMV_TC_BLOCKS_ENV, "2")]).mmv_tc_blocks, 2);
-        assert_eq!(with(&[(MMV_TC_BLOCKS_ENV, "yes")]).mmv_tc_blocks, 1);
-        assert_eq!(d.mmv_tc_blocks, 1);
+        assert!(with(&[(MMV_TC_BLOCKS_ENV, "1")]).mmv_tc_blocks && !with(&[(MMV_TC_BLOCKS_ENV, "0")]).mmv_tc_blocks);
+        assert!(d.mmv_tc_blocks);
         assert_eq!(with(&[(MMV_WGMMA_ENV, "0")]).mmv_wgmma, 0);
         assert_eq!(with(&[(MMV_WGMMA_ENV, "2")]).mmv_wgmma, 2);
         assert_eq!(with(&[(MMV_WGMMA_ENV, "3")]).mmv_wgmma, d.mmv_wgmma);

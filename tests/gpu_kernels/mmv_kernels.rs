@@ -14,13 +14,10 @@ use hostembed::tensor::DType;
 use std::os::raw::{c_int, c_uint};
 
 /// The launchers' settings as the environment gives them, with the block formats' tile kernel
-/// (`Tuning::mmv_tc_blocks`) off (0), on (1) or on as it was before its folds (2).
-fn tile_tuning(mode: c_int) -> kn::hostembed_tuning {
-    kn::hostembed_tuning { mmv_tc_blocks: mode, ..launch_tuning() }
+/// (`Tuning::mmv_tc_blocks`) on or off.
+fn tile_tuning(on: bool) -> kn::hostembed_tuning {
+    kn::hostembed_tuning { mmv_tc_blocks: on as c_int, ..launch_tuning() }
 }
-
-/// The tile kernel with and without its folds, against the integer kernel.
-const TILE_MODES: [(c_int, &str); 2] = [(1, "the tile kernel"), (2, "the tile kernel before its folds")];
 
 /// The block formats the tensor-core decode product reads (those the tile kernel takes).
 fn mmv_block_dtypes() -> Vec<DType> {
@@ -146,10 +143,8 @@ fn assert_same_bits_swiglu(
     assert_close(&format!("{what} ({})", names[0]), &first, &case.want, MMV_TOL);
 }
 
-/// The tile kernel (launches of more than 8 tokens with `mmv_tc_blocks` on), with its folds (the k-quants'
-/// sub-scales folded into the quants, the block formats' hi and lo sums joined as integers) or without,
-/// computes the integer kernel's integer sums and its float
-/// epilogue in the same order: every output the same bits as with the option off, for every
+/// The tile kernel (launches of more than 8 tokens with `mmv_tc_blocks` on) computes the integer kernel's
+/// sums and epilogue in the same order: every output the same bits as with the option off, for every
 /// block format, token count and shape (one column range and many, a short last range, more row blocks
 /// than a split product takes, a stub row block), within the bound of the CPU's product where checked,
 /// and nothing written outside the rows.
@@ -173,13 +168,15 @@ fn mmv_tile_kernel_gives_the_integer_kernels_bits() {
     ];
     for &dtype in &formats {
         for &case in &cases {
-            for (mode, name) in TILE_MODES {
-                let case = MmvCase { cols: cols_for(dtype, case.1), ..MmvCase::from(case) };
-                assert_same_bits(&mut rng, dtype, case, false, [tile_tuning(mode), tile_tuning(0)], [
-                    name,
-                    "the integer kernel",
-                ]);
-            }
+            let case = MmvCase { cols: cols_for(dtype, case.1), ..MmvCase::from(case) };
+            assert_same_bits(
+                &mut rng,
+                dtype,
+                case,
+                false,
+                [tile_tuning(true), tile_tuning(false)],
+                ["the tile kernel", "the integer kernel"],
+            );
         }
     }
 }
@@ -193,10 +190,14 @@ fn mmv_tile_kernel_swiglu_gives_the_integer_kernels_bits() {
     let mut rng = Rng::fresh("mmv_tile_kernel_swiglu_gives_the_integer_kernels_bits");
     for dtype in mmv_block_dtypes() {
         for (rows, cols, n) in [(14336, 512, 24), (64, 256, 20), (1000, 1024, 64), (300, 4096, 12)] {
-            for (mode, name) in TILE_MODES {
-                let settings = [tile_tuning(mode), tile_tuning(0)];
-                assert_same_bits_swiglu(&mut rng, dtype, (rows, cols, n), settings, [name, "the integer kernel"]);
-            }
+            let settings = [tile_tuning(true), tile_tuning(false)];
+            assert_same_bits_swiglu(
+                &mut rng,
+                dtype,
+                (rows, cols, n),
+                settings,
+                ["the tile kernel", "the integer kernel"],
+            );
         }
     }
 }
@@ -209,7 +210,7 @@ fn mmv_tile_kernel_is_batch_invariant() {
         return;
     }
     let mut rng = Rng::fresh("mmv_tile_kernel_is_batch_invariant");
-    let tuning = tile_tuning(1);
+    let tuning = tile_tuning(true);
     for dtype in mmv_block_dtypes() {
         for (rows, cols) in [(4096, 4096), (1000, 14336), (14336, 1024)] {
             let cols = cols_for(dtype, cols);
