@@ -56,8 +56,10 @@ pub const MOE_GROUPED_ENV: &str = "HOSTEMBED_MOE_GROUPED";
 /// "0": a Mixture-of-Experts layer's decode rows in a block format take the warp-a-row expert kernels
 /// (kernels/moe.cu) instead of the integer decode product's (kernels/moe_mmv.cu).
 pub const MOE_MMV_ENV: &str = "HOSTEMBED_MOE_MMV";
-/// Set to 0, a kernel's small last step (the attention parts' combine, the experts' route and weighted
-/// sum) runs as a launch of its own instead of in the last block of the kernel before it to finish.
+/// Which small last steps run in the last block to finish of the kernel before them instead of as a launch
+/// of their own: "0" none, or a comma list of `route` (a Mixture-of-Experts piece's route, in the router's
+/// launch), `sums` (its rows' weighted sums of their experts, in the down product's) and `attention` (the
+/// combine of one-part contexts, in the split kernel); unset, the default (`FusedTails::DEFAULT`).
 pub const FUSED_TAILS_ENV: &str = "HOSTEMBED_FUSED_TAILS";
 
 /// The parts the attention kernel cuts one token's context into by default. Fixed, so that a token's
@@ -87,6 +89,40 @@ pub enum MmvStage {
     Measured,
     Never,
     Always,
+}
+
+/// Which kernels' small last steps run in the last block to finish of the kernel before them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FusedTails {
+    /// A Mixture-of-Experts decode piece's route, in the router's launch.
+    pub route: bool,
+    /// Its rows' weighted sums of their experts' outputs, in the down product's launch.
+    pub sums: bool,
+    /// Decode attention's combine where every context of the launch is one part, in the split kernel.
+    pub attention: bool,
+}
+
+impl FusedTails {
+    pub const ALL: FusedTails = FusedTails { route: true, sums: true, attention: true };
+    pub const NONE: FusedTails = FusedTails { route: false, sums: false, attention: false };
+    pub const DEFAULT: FusedTails = FusedTails::ALL;
+
+    /// "0": none; "1": all; else the comma list's names (unknown names are ignored).
+    fn parse(v: &str) -> FusedTails {
+        match v.trim() {
+            "0" => FusedTails::NONE,
+            "1" => FusedTails::ALL,
+            list => {
+                let has = |name: &str| list.split(',').any(|n| n.trim() == name);
+                FusedTails { route: has("route"), sums: has("sums"), attention: has("attention") }
+            }
+        }
+    }
+
+    /// Whether any tail is fused (then the model keeps their arrival counters).
+    pub fn any(self) -> bool {
+        self.route || self.sums || self.attention
+    }
 }
 
 /// How the engine runs, resolved once at its creation. `Default` is every setting as shipped.
@@ -128,9 +164,9 @@ pub struct Tuning {
     /// Whether a Mixture-of-Experts layer's decode rows in a block format take the integer decode product
     /// (kernels/moe_mmv.cu; each slot's bits its own, as the warp-a-row kernels' are).
     pub moe_mmv: bool,
-    /// Whether the attention parts' combine, a Mixture-of-Experts row's route and its experts' weighted sum
-    /// run in the last block to finish of the kernel before each (one launch fewer each, the same bits).
-    pub fused_tails: bool,
+    /// Which small last steps run in the last block to finish of the kernel before them (one launch fewer
+    /// each, the same bits).
+    pub fused_tails: FusedTails,
     /// Which decode attention kernel: the one with twice the blocks a multiprocessor (true), the one with
     /// more loads in flight a thread (false), or by the launch's block count (None).
     pub attention_wide: Option<bool>,
@@ -164,7 +200,7 @@ impl Default for Tuning {
             flash_parts: true,
             moe_grouped: true,
             moe_mmv: true,
-            fused_tails: true,
+            fused_tails: FusedTails::DEFAULT,
             attention_wide: None,
             cuda_local_pool: true,
             flash_head_256: true,
@@ -226,7 +262,7 @@ impl Tuning {
             flash_parts: !off(FLASH_PARTS_ENV),
             moe_grouped: !off(MOE_GROUPED_ENV),
             moe_mmv: !off(MOE_MMV_ENV),
-            fused_tails: !off(FUSED_TAILS_ENV),
+            fused_tails: var(FUSED_TAILS_ENV).map_or(FusedTails::DEFAULT, |v| FusedTails::parse(&v)),
             attention_wide: var(ATTENTION_WIDE_ENV).and_then(|v| match v.trim() {
                 "0" => Some(false),
                 "1" => Some(true),
@@ -295,7 +331,12 @@ mod tests {
         assert_eq!(d.attention_wide, None);
         assert!(d.cuda_local_pool && !with(&[(CUDA_LOCAL_POOL_ENV, "0")]).cuda_local_pool);
         assert!(d.moe_mmv && !with(&[(MOE_MMV_ENV, "0")]).moe_mmv);
-        assert!(d.fused_tails && !with(&[(FUSED_TAILS_ENV, "0")]).fused_tails);
+        assert_eq!(d.fused_tails, FusedTails::DEFAULT);
+        assert!(!with(&[(FUSED_TAILS_ENV, "0")]).fused_tails.any());
+        let route_and_sums = FusedTails { route: true, sums: true, attention: false };
+        assert_eq!(with(&[(FUSED_TAILS_ENV, "sums, route")]).fused_tails, route_and_sums);
+        assert_eq!(with(&[(FUSED_TAILS_ENV, "attention")]).fused_tails, FusedTails { attention: true, ..FusedTails::NONE });
+        assert_eq!(with(&[(FUSED_TAILS_ENV, "1")]).fused_tails, FusedTails::ALL);
         assert!(d.flash_head_256 && !with(&[(FLASH_HEAD_256_ENV, "0")]).flash_head_256);
         // The engine option's variable is the engine's to read with the option, not a tuning variable.
         assert_eq!(with(&[("HOSTEMBED_BATCH_TENSOR_CORES", "1")]).batch_tensor_cores, d.batch_tensor_cores);

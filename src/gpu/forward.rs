@@ -511,11 +511,12 @@ impl GpuModel {
     pub(super) fn tail_counters(&self) -> Option<launch::TailCounters> {
         let base = self.buf(self.s.tail_counters) as *mut c_uint;
         let counts = scratch::TailCounts::new(&self.cfg, self.max_batch());
-        self.fused_tails.then(|| launch::TailCounters {
-            router: base,
-            sums: base.wrapping_add(scratch::TailCounts::ROUTER),
+        let tails = self.fused_tails;
+        tails.any().then(|| launch::TailCounters {
+            router: tails.route.then_some(base),
+            sums: tails.sums.then(|| base.wrapping_add(scratch::TailCounts::ROUTER)),
             sums_count: counts.sums,
-            attention: base.wrapping_add(scratch::TailCounts::ROUTER + counts.sums),
+            attention: tails.attention.then(|| base.wrapping_add(scratch::TailCounts::ROUTER + counts.sums)),
         })
     }
 

@@ -75,13 +75,13 @@ pub(super) struct MmvWork {
 }
 
 /// Arrival counters of the fused tails (scratch's `TailCounts`): the router's, the experts' weighted
-/// sums' (`sums_count` of them) and the split attention's.
+/// sums' (`sums_count` of them) and the split attention's, each None where that tail is not fused.
 #[derive(Clone, Copy)]
 pub(super) struct TailCounters {
-    pub router: *mut c_uint,
-    pub sums: *mut c_uint,
+    pub router: Option<*mut c_uint>,
+    pub sums: Option<*mut c_uint>,
     pub sums_count: usize,
-    pub attention: *mut c_uint,
+    pub attention: Option<*mut c_uint>,
 }
 
 /// Whether `w` takes the tensor-core decode product (a format with a lane reader, whole tiles of columns).

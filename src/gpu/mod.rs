@@ -67,7 +67,7 @@ use crate::kv::{KvType, KvTypes};
 use crate::model::{Layers, ModelConfig, TensorSource, rope_inv_freq, rope_inv_freq_local};
 use crate::status::Result;
 use crate::tensor::DType;
-use crate::tuning::Tuning;
+use crate::tuning::{FusedTails, Tuning};
 use crate::{bail, err};
 
 /// Where the embedding rows live for the device: on the card or in mapped host memory, read through
@@ -155,8 +155,8 @@ pub struct GpuModel {
     moe_grouped: bool,
     /// Whether a MoE layer's decode rows take the integer decode product where the format has it.
     moe_mmv: bool,
-    /// Whether small last steps run in the last block of the kernel before them (`tail_counters`).
-    fused_tails: bool,
+    /// Which small last steps run in the last block of the kernel before them (`tail_counters`).
+    fused_tails: FusedTails,
     /// How the launchers that take it launch.
     kernel_tuning: hostembed_tuning,
     pool_pages: usize,

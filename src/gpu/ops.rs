@@ -271,7 +271,7 @@ impl Ops for PassOps<'_> {
         // itself. Contexts of more parts keep the combine kernel, whose heads run in parallel (combined in
         // the split kernel's last block, 64 streams of 512 positions and one stream of 16,384 were 4-6%
         // slower on the H100).
-        let combine_here = model.tail_counters().filter(|_| self.grid_parts == 1).map(|t| t.attention);
+        let combine_here = model.tail_counters().filter(|_| self.grid_parts == 1).and_then(|t| t.attention);
         for g0 in (0..split_end).step_by(ATTENTION_TOKENS) {
             let g = (split_end - g0).min(ATTENTION_TOKENS);
             launch::attention(
@@ -423,11 +423,12 @@ impl Ops for PassOps<'_> {
         let on_mmv = work.filter(|_| [&gate, &up, &down].iter().all(|st| launch::moe_mmv_supports(st)));
         let tails = model.tail_counters().filter(|_| on_mmv.is_some());
         // Decode rows that are one piece are routed by the router's launch.
-        let routed = tails.filter(|_| m > 0 && m <= launch::MOE_MMV_ROWS && experts <= launch::ROUTE_TAIL_EXPERTS);
+        let routed = (tails.and_then(|t| t.router))
+            .filter(|_| m > 0 && m <= launch::MOE_MMV_ROWS && experts <= launch::ROUTE_TAIL_EXPERTS);
         match routed {
-            Some(t) => {
+            Some(counter) => {
                 let norm = moe.norm_topk;
-                launch::moe_router_route(router, self.xn, n, logits, m, k, norm, ids, weights, groups, t.router, s)?
+                launch::moe_router_route(router, self.xn, n, logits, m, k, norm, ids, weights, groups, counter, s)?
             }
             None => launch::moe_router(router, self.xn, n, logits, s)?,
         }
@@ -459,14 +460,9 @@ impl Ops for PassOps<'_> {
                     // After the gate and up products read it, before the sums add to it.
                     launch::zero(row(self.xn, r0, hidden), rows * hidden, s)?;
                 }
-                match tails {
-                    Some(t) => {
-                        let into = launch::SumInto {
-                            weights,
-                            sums: row(sums, r0, hidden),
-                            counters: t.sums,
-                            count: t.sums_count,
-                        };
+                match tails.and_then(|t| t.sums.map(|counters| (counters, t.sums_count))) {
+                    Some((counters, count)) => {
+                        let into = launch::SumInto { weights, sums: row(sums, r0, hidden), counters, count };
                         launch::moe_mmv_sum(&down, act, groups, experts, rows, k, out, &work, &into, s)?;
                     }
                     None => {
