@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine from the repo root: unpacks .gpu/bundle.tar.xz and runs the GPU suite,
 # then whatever steps are named (default: tests). Logs go to $OUT (or ./gpu-out).
-# Steps: info tests tests-parallel targets formats prep tc-blocks attention-wide targets-f16 targets-kv wgmma local-pool tensor-parallel sanitize profile-decode profile-moe moe-mmv fused-tails tails-moe profile-mmv hfref bench-embed bench-decode bench-mmv bench-model bench-prefill bench-prefill-quant
+# Steps: info tests tests-parallel targets formats prep tc-blocks attention-wide targets-f16 targets-kv wgmma local-pool tensor-parallel sanitize profile-decode profile-moe moe-mmv fused-tails tails-moe profile-mmv profile-tile hfref bench-embed bench-decode bench-mmv bench-model bench-prefill bench-prefill-quant
 # bench-convert bench-kv torch-prefill server-load llama-cpp-moe moe-file two-chains, or any example's name (HOSTEMBED_MEMCHECK=0 leaves
 # local-pool's and tensor-parallel's memcheck out). server-load measures the
 # server's targets (scripts/server-load.sh: a 16 GB Llama-3-8B-shaped file written under /tmp, batch.c,
@@ -414,6 +414,18 @@ for step in $steps; do
       ncu --clock-control none --cache-control none --metrics gpu__time_duration.sum --print-summary per-kernel \
         --launch-skip 300 --launch-count 600 "$B/examples/bench_decode" --qwen3-30b-a3b --layers 4 \
         --dtype q4_k_m --no-kernels --no-mmv --prompt 64 --tokens 24 --runs 1 > "$OUT/profile-moe.log" 2>&1 || rc=$? ;;
+    profile-tile)
+      # Nsight Compute's full set over one launch of the tile kernel (block formats past 8 tokens), its
+      # details page: TILE_DTYPE (default Q8_0) at TILE_TOKENS (16: the first launch of 9 to 16 tokens,
+      # 4096 x 14336; 64 for the 64-token one).
+      rc=0
+      nt4=$(( (${TILE_TOKENS:-16} + 3) / 4 )); [ "$nt4" -gt 4 ] && nt4=$(( nt4 > 8 ? 16 : 8 ))
+      d=${TILE_DTYPE:-Q8_0}
+      ncu --kernel-name-base mangled --kernel-name regex:"mmvt_kernelINS_$(( ${#d} + 1 ))Q${d}ELi${nt4}ELb0E" --launch-count 1 \
+        --set full -o "$OUT/profile-tile" "$B/examples/bench_decode" --kernels-only --no-matvec --mmv-only "$d" \
+        > "$OUT/profile-tile-run.log" 2>&1 || rc=$?
+      ncu -i "$OUT/profile-tile.ncu-rep" --page details > "$OUT/profile-tile-details.log" 2>&1 || rc=$?
+      rm -f "$OUT/profile-tile.ncu-rep" ;;
     profile-mmv)
       # Nsight Compute's full set over one launch of the F16 decode product at 64 tokens (4096 x 14336,
       # activations converted once), then its per-instruction counters (SASS with stall reasons, as CSV).
