@@ -416,8 +416,9 @@ for step in $steps; do
         --dtype q4_k_m --no-kernels --no-mmv --prompt 64 --tokens 24 --runs 1 > "$OUT/profile-moe.log" 2>&1 || rc=$? ;;
     profile-tile)
       # Nsight Compute's full set over one launch of the tile kernel (block formats past 8 tokens), its
-      # details page: TILE_DTYPE (default Q8_0) at TILE_TOKENS (16: the first launch of 9 to 16 tokens,
-      # 4096 x 14336; 64 for the 64-token one).
+      # details page and its per-instruction counters (SASS with stall reasons, as CSV): TILE_DTYPE
+      # (default Q8_0) at TILE_TOKENS (16: the first launch of 9 to 16 tokens, 4096 x 14336; 64 for the
+      # 64-token one).
       rc=0
       nt4=$(( (${TILE_TOKENS:-16} + 3) / 4 )); [ "$nt4" -gt 4 ] && nt4=$(( nt4 > 8 ? 16 : 8 ))
       d=${TILE_DTYPE:-Q8_0}
@@ -425,6 +426,7 @@ for step in $steps; do
         --set full -o "$OUT/profile-tile" "$B/examples/bench_decode" --kernels-only --no-matvec --mmv-only "$d" \
         > "$OUT/profile-tile-run.log" 2>&1 || rc=$?
       ncu -i "$OUT/profile-tile.ncu-rep" --page details > "$OUT/profile-tile-details.log" 2>&1 || rc=$?
+      ncu -i "$OUT/profile-tile.ncu-rep" --page source --csv --print-source sass > "$OUT/profile-tile-sass.log" 2>&1 || rc=$?
       rm -f "$OUT/profile-tile.ncu-rep" ;;
     profile-mmv)
       # Nsight Compute's full set over one launch of the F16 decode product at 64 tokens (4096 x 14336,
