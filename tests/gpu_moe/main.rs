@@ -7,7 +7,7 @@
 //! graphs and all; and a Qwen3-MoE of 40 experts, 8 a token, whose routing spans two of a lane's
 //! registers and whose experts' groups hold many rows; and the grouped products (grouped.rs) and the
 //! decode rows' expert products (mmv.rs) alone against the host, and the fused route and weighted sum
-//! (tails.rs) against the launches they replace. A SKIP line without a card.
+//! (tails.rs) against the launches they replace, alone and in the whole model. A SKIP line without a card.
 
 #[path = "../common/mod.rs"]
 mod common;

@@ -2,16 +2,23 @@
 //! in the router's last block (hostembed_moe_router_route against hostembed_moe_router then
 //! hostembed_moe_route), and each row's weighted sum in the down product's last blocks
 //! (hostembed_moe_mmv_sum against hostembed_moe_mmv then hostembed_moe_sum): the same bits, the arrival
-//! counters left zero for the next launch, and what they refuse.
+//! counters left zero for the next launch, and what they refuse; and the whole model with every tail fused
+//! against every tail launched apart.
 
 use std::os::raw::{c_int, c_uint, c_void};
 
 use super::grouped::stack;
 use crate::common::launch::{NULL_STREAM, download, launch_tuning, ok};
-use crate::common::{Rng, gpu_present};
+use crate::common::{Rng, bits, gpu_present, rows_on_card, serial};
+use hostembed::backend::StepItem;
+use hostembed::checkpoint::write::{MemSource, Recipe};
 use hostembed::cuda::DeviceBuffer;
+use hostembed::gpu::{GpuModel, GpuStream, reserve_pages};
 use hostembed::kernels as kn;
+use hostembed::sampler::Sampling;
 use hostembed::tensor::{DType, encode_row};
+use hostembed::tuning::{FusedTails, Tuning};
+use hostembed::{Error, Status};
 
 /// What a route left: each row's ids and weights (as bits), and the groups.
 #[derive(Debug, PartialEq)]
@@ -273,6 +280,68 @@ fn the_sum_in_the_down_product_gives_the_sum_kernels_bits() {
                 download::<u32>(&counters, (count as usize).max(1)).iter().all(|&v| v == 0),
                 "{what}: split counters"
             );
+        }
+    }
+}
+
+/// Steps `count` streams of `gpu` together, greedy: a prompt each (3 + its index tokens), then `rounds`
+/// batches of one token a stream. Returns every item's logits (as bits) after every call, in order.
+fn stepped_logits(gpu: &mut GpuModel, count: usize, rounds: usize) -> Vec<Vec<u32>> {
+    let vocab = gpu.config().vocab as u32;
+    let mut pool = gpu.page_pool().unwrap();
+    let mut streams: Vec<GpuStream> = (0..count).map(|_| gpu.new_stream(64).unwrap()).collect();
+    let mut inputs: Vec<Vec<u32>> =
+        (0..count).map(|s| (0..3 + s as u32).map(|i| (i * 37 + 11 * s as u32 + 5) % vocab).collect()).collect();
+    let mut all = Vec::new();
+    for _ in 0..=rounds {
+        for (s, tokens) in streams.iter_mut().zip(&inputs) {
+            reserve_pages(&mut pool, s, tokens.len()).unwrap();
+        }
+        let mut items: Vec<StepItem<'_, _>> = streams
+            .iter_mut()
+            .zip(&inputs)
+            .enumerate()
+            .map(|(i, (stream, tokens))| StepItem {
+                stream,
+                index: i as u32,
+                tokens,
+                sampling: Sampling::GREEDY,
+                mask: None,
+                next: Err(Error::new(Status::Panic, "not stepped")),
+                heads: 1,
+                drawn: Vec::new(),
+            })
+            .collect();
+        gpu.step_batch(&mut items).unwrap();
+        let next: Vec<u32> = items.into_iter().map(|it| it.next.unwrap()).collect();
+        all.extend((0..count).map(|i| bits(&gpu.logits(i).unwrap())));
+        inputs = next.into_iter().map(|t| vec![t]).collect();
+    }
+    all
+}
+
+/// The whole model with every tail fused gives the bits of every tail launched apart (`Tuning::fused_tails`),
+/// Qwen3-MoE, Mixtral and the 40-expert model in the Q4_K_M mix (whose decode rows take the expert
+/// products the route's and the sums' tails ride on): prompts, then rounds of six streams' single tokens
+/// (a piece of six rows routed in the router's launch, each row's sums in the down product's), at contexts
+/// short enough for one attention part (its combine in the split kernel).
+#[test]
+fn a_model_with_every_tail_fused_gives_the_bits_of_the_launches_apart() {
+    if !gpu_present("a_model_with_every_tail_fused_gives_the_bits_of_the_launches_apart") {
+        return;
+    }
+    let _g = serial();
+    for (name, cfg) in super::configs() {
+        let src = MemSource::benchmark(&cfg, Recipe::Q4KM);
+        let (_rows_buf, rows) = rows_on_card(&src);
+        let run = |fused_tails: FusedTails| {
+            let mut gpu = GpuModel::load(&src, rows, 16, 64, &Tuning { fused_tails, ..Tuning::from_env() }).unwrap();
+            stepped_logits(&mut gpu, 6, 24)
+        };
+        let (fused, apart) = (run(FusedTails::ALL), run(FusedTails::NONE));
+        assert_eq!(fused.len(), apart.len(), "{name}");
+        for (i, (f, a)) in fused.iter().zip(&apart).enumerate() {
+            assert!(f == a, "{name}: call {} stream {}: the fused tails' logits differ", i / 6, i % 6);
         }
     }
 }
