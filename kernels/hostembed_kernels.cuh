@@ -52,7 +52,9 @@
 // the activations converted once a product; the same bits as the streamed kernel), and `attention_blocks`
 // which decode attention kernel a launch takes (0 by its block count, 1 the one with more loads in flight a
 // thread, 2 the one with twice the blocks a multiprocessor), and `mmv_wgmma` whether half launches of more
-// than 8 tokens take the warpgroup products on an sm_90 card (0 no, 1 yes, 2 the pipelined kernel).
+// than 8 tokens take the warpgroup products on an sm_90 card (0 no, 1 yes, 2 the pipelined kernel), and
+// `moe_prefetch` whether a Mixture-of-Experts layer's decode rows' down product has its experts' rows
+// fetched into L2 while the gate and up product runs (kernels/moe_mmv.cu).
 #define HE_MMV_STAGE_NEVER 0
 #define HE_MMV_STAGE_MEASURED 1
 #define HE_MMV_STAGE_ALWAYS 2
@@ -64,8 +66,9 @@ typedef struct hostembed_tuning {
     int mmv_tc_blocks;
     unsigned int attention_blocks;
     int mmv_wgmma;
+    int moe_prefetch;
 } hostembed_tuning;
-static_assert(sizeof(hostembed_tuning) == 28, "src/kernels.rs repeats hostembed_tuning");
+static_assert(sizeof(hostembed_tuning) == 32, "src/kernels.rs repeats hostembed_tuning");
 
 #ifdef __cplusplus
 extern "C" {

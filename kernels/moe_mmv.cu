@@ -70,6 +70,34 @@ __device__ __forceinline__ void add_row_sums(const SumTail &tail, const int *slo
     }
 }
 
+// Hints L2 to fetch the rows a down product's block will read (its row block and column range of its
+// chosen expert) before its wait: with `early`, the gate and up product's blocks let the down product start
+// only after their own wait, so the route two launches back has finished and the experts read here are
+// final while the gate and up product still runs. Only a hint: what is read here is clamped into the stack,
+// and the product reads everything again after its wait.
+template <typename R>
+__device__ __forceinline__ void prefetch_expert_rows(const unsigned char *w, size_t expert_bytes, unsigned rows,
+                                                     unsigned cols, size_t row_bytes, const MmvShape &shape,
+                                                     const he::MoeGroups &g, unsigned a) {
+    if (a >= min(g.active(), g.experts)) return;
+    const unsigned e = min(g.expert(a), g.experts - 1);
+    const unsigned r0 = blockIdx.x * MMV_BLOCK_ROWS;
+    if (r0 >= rows) return;
+    const unsigned block_rows = min(MMV_BLOCK_ROWS, rows - r0);
+    const unsigned k0 = blockIdx.y * shape.kr, k1 = min(cols, k0 + shape.kr);
+    const size_t b0 = (size_t)(k0 / R::BLOCK_COLS) * R::BYTES;
+    const size_t b1 = (size_t)((k1 + R::BLOCK_COLS - 1) / R::BLOCK_COLS) * R::BYTES;
+    constexpr unsigned LINE = 128;
+    const unsigned lines = (unsigned)((b1 - b0) / LINE) + 2;  // a row's range may straddle one more line
+    const unsigned char *base = w + (size_t)e * expert_bytes + (size_t)r0 * row_bytes;
+    for (unsigned i = threadIdx.x; i < block_rows * lines; i += blockDim.x) {
+        const unsigned char *row = base + (size_t)(i / lines) * row_bytes;
+        const uintptr_t first = reinterpret_cast<uintptr_t>(row + b0) & ~(uintptr_t)(LINE - 1);
+        const uintptr_t at = first + (uintptr_t)(i % lines) * LINE;
+        if (at < reinterpret_cast<uintptr_t>(row + b1)) asm volatile("prefetch.global.L2 [%0];" ::"l"(at));
+    }
+}
+
 // Block (x, y, z): row block x, column range y, pass z % passes over chosen expert z / passes's slots.
 // Slot s's activations are row s / x_div of x, its outputs row s of y (rows `rows` apart) and of the
 // split sums (`slots` rows a split); each (expert, pass) keeps its own arrival counters.
@@ -78,11 +106,18 @@ __global__ __launch_bounds__(MMV_THREADS, MMVQ_MID_MIN_BLOCKS) void moe_mmvq_ker
     const unsigned char *__restrict__ w, const unsigned char *__restrict__ w2, size_t expert_bytes, unsigned rows,
     unsigned cols, size_t row_bytes, MmvShape shape, const float *__restrict__ x, unsigned x_div,
     const int *__restrict__ groups, unsigned experts, unsigned passes, unsigned slots, float *y, float *partial,
-    unsigned *counters, SumTail tail) {
-    he::pdl_launch_dependents();
-    he::pdl_wait();  // which experts, and which slots, come from the kernel before
+    unsigned *counters, SumTail tail, int early) {
     const he::MoeGroups g{groups, experts};
     const unsigned a = blockIdx.z / passes, first = blockIdx.z % passes * MOE_MMV_TOKENS;
+    if (GLU && early) {
+        // The down product after this one reads the experts before its wait: it starts after the route.
+        he::pdl_wait();  // which experts, and which slots, come from the kernel before
+        he::pdl_launch_dependents();
+    } else {
+        he::pdl_launch_dependents();
+        if (!GLU && early) prefetch_expert_rows<R>(w, expert_bytes, rows, cols, row_bytes, shape, g, a);
+        he::pdl_wait();  // which experts, and which slots, come from the kernel before
+    }
     if (a >= g.active()) return;
     const unsigned e = g.expert(a), count = g.count(e);
     if (first >= count) return;
@@ -181,7 +216,7 @@ cudaError_t moe_mmv(const void *w, const void *w2, int dtype, size_t expert_byte
             err = he::launch_overlapped(tuning, kernel, grid, dim3(MMV_THREADS), (size_t)smem, stream,
                                         (const unsigned char *)w, (const unsigned char *)w2, expert_bytes, rows, cols,
                                         row_bytes, shape, x, x_div, groups, experts, mg.passes,
-                                        n * k, y, partial, counters, tail);
+                                        n * k, y, partial, counters, tail, tuning.moe_prefetch);
         };
         if (glu) go(moe_mmvq_kernel<R, true, STAGED>);
         else go(moe_mmvq_kernel<R, false, STAGED>);

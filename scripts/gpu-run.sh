@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine from the repo root: unpacks .gpu/bundle.tar.xz and runs the GPU suite,
 # then whatever steps are named (default: tests). Logs go to $OUT (or ./gpu-out).
-# Steps: info tests tests-parallel targets formats prep tc-blocks attention-wide targets-f16 targets-kv wgmma local-pool tensor-parallel sanitize profile-decode profile-moe moe-mmv fused-tails tails-moe profile-mmv profile-tile hfref bench-embed bench-decode bench-mmv bench-model bench-prefill bench-prefill-quant
+# Steps: info tests tests-parallel targets formats prep tc-blocks attention-wide targets-f16 targets-kv wgmma local-pool tensor-parallel sanitize profile-decode profile-moe moe-mmv fused-tails tails-moe moe-prefetch profile-mmv profile-tile hfref bench-embed bench-decode bench-mmv bench-model bench-prefill bench-prefill-quant
 # bench-convert bench-kv torch-prefill server-load llama-cpp-moe moe-file two-chains, or any example's name (HOSTEMBED_MEMCHECK=0 leaves
 # local-pool's and tensor-parallel's memcheck out). server-load measures the
 # server's targets (scripts/server-load.sh: a 16 GB Llama-3-8B-shaped file written under /tmp, batch.c,
@@ -407,6 +407,23 @@ for step in $steps; do
         HOSTEMBED_FUSED_TAILS=$v run_bench bench_batch --model "$model" --streams 1,16,64 --no-long --no-host-rows --steps 32
       done
       grep -E "^(== HOSTEMBED|\| (1|16|64) )" "$log" >> "$summary" ;;
+    moe-prefetch)
+      # The down product's prefetch of its experts' rows (HOSTEMBED_MOE_PREFETCH=1) against none, on
+      # Qwen3-30B-A3B's shape in the Q4_K_M mix (the llama-cpp-moe step's file, written here when absent):
+      # one stream after a 64-token prompt, then 1, 16 and 64 streams at 512-token caches.
+      rc=0
+      log="$OUT/moe-prefetch.log"
+      model=.gpu/models/qwen3-30b-a3b-q4_k_m.gguf
+      mkdir -p .gpu/models
+      [ -f "$model" ] || "$B/examples/write_model" --shape qwen3-30b-a3b --dtype q4_k_m --quick \
+        --tokenizer "$B/assets/tokenizer.json" --out "$model" >> "$log" 2>&1 || rc=$?
+      for v in 1 0; do
+        echo "== HOSTEMBED_MOE_PREFETCH=$v" >> "$log"
+        HOSTEMBED_MOE_PREFETCH=$v run_bench bench_decode --model "$model" --no-kernels --no-mmv --prompt 64 --tokens 128 \
+          --runs 3 --greedy
+        HOSTEMBED_MOE_PREFETCH=$v run_bench bench_batch --model "$model" --streams 1,16,64 --no-long --no-host-rows --steps 32
+      done
+      grep -E "^(== HOSTEMBED|\| (greedy|1|16|64) )" "$log" >> "$summary" ;;
     profile-moe)
       # Nsight Compute's time for each kernel of a few one-stream decode steps of Qwen3-30B-A3B's layers
       # (four of its 48, the Q4_K_M mix): where a Mixture-of-Experts token's time goes.

@@ -52,8 +52,11 @@ pub struct hostembed_tuning {
     /// Half hostembed_mmv launches of more than 8 tokens on an sm_90 card: 0 mma.sync, 1 the warpgroup
     /// products, 2 their pipelined kernel.
     pub mmv_wgmma: c_int,
+    /// Non-zero: a Mixture-of-Experts decode piece's down product has its experts' rows fetched into L2
+    /// while the gate and up product runs.
+    pub moe_prefetch: c_int,
 }
-const _: () = assert!(std::mem::size_of::<hostembed_tuning>() == 28);
+const _: () = assert!(std::mem::size_of::<hostembed_tuning>() == 32);
 
 /// `hostembed_tuning::mmv_stage` values (HE_MMV_STAGE_*).
 pub const MMV_STAGE_NEVER: c_int = 0;
@@ -79,6 +82,7 @@ impl hostembed_tuning {
                 Some(true) => 2,
             },
             mmv_wgmma: tuning.mmv_wgmma as c_int,
+            moe_prefetch: tuning.moe_prefetch as c_int,
         }
     }
 }

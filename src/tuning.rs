@@ -56,6 +56,9 @@ pub const MOE_GROUPED_ENV: &str = "HOSTEMBED_MOE_GROUPED";
 /// "0": a Mixture-of-Experts layer's decode rows in a block format take the warp-a-row expert kernels
 /// (kernels/moe.cu) instead of the integer decode product's (kernels/moe_mmv.cu).
 pub const MOE_MMV_ENV: &str = "HOSTEMBED_MOE_MMV";
+/// "1": a Mixture-of-Experts decode piece's down product has its chosen experts' rows fetched into L2 while
+/// the gate and up product runs (their ids are final by then), a hint that changes no bits.
+pub const MOE_PREFETCH_ENV: &str = "HOSTEMBED_MOE_PREFETCH";
 /// Which small last steps run in the last block to finish of the kernel before them instead of as a launch
 /// of their own: "0" none, or a comma list of `route` (a Mixture-of-Experts piece's route, in the router's
 /// launch), `sums` (its rows' weighted sums of their experts, in the down product's) and `attention` (the
@@ -170,6 +173,9 @@ pub struct Tuning {
     /// Which small last steps run in the last block to finish of the kernel before them (one launch fewer
     /// each, the same bits).
     pub fused_tails: FusedTails,
+    /// Whether a Mixture-of-Experts decode piece's down product has its experts' rows fetched into L2 while
+    /// the gate and up product runs (off until measured on a card).
+    pub moe_prefetch: bool,
     /// Which decode attention kernel: the one with twice the blocks a multiprocessor (true), the one with
     /// more loads in flight a thread (false), or by the launch's block count (None).
     pub attention_wide: Option<bool>,
@@ -204,6 +210,7 @@ impl Default for Tuning {
             moe_grouped: true,
             moe_mmv: true,
             fused_tails: FusedTails::DEFAULT,
+            moe_prefetch: false,
             attention_wide: None,
             cuda_local_pool: true,
             flash_head_256: true,
@@ -266,6 +273,7 @@ impl Tuning {
             moe_grouped: !off(MOE_GROUPED_ENV),
             moe_mmv: !off(MOE_MMV_ENV),
             fused_tails: var(FUSED_TAILS_ENV).map_or(FusedTails::DEFAULT, |v| FusedTails::parse(&v)),
+            moe_prefetch: var(MOE_PREFETCH_ENV).map_or(d.moe_prefetch, |v| v.trim() == "1"),
             attention_wide: var(ATTENTION_WIDE_ENV).and_then(|v| match v.trim() {
                 "0" => Some(false),
                 "1" => Some(true),
@@ -340,6 +348,7 @@ mod tests {
         assert_eq!(with(&[(FUSED_TAILS_ENV, "sums, route")]).fused_tails, route_and_sums);
         assert_eq!(with(&[(FUSED_TAILS_ENV, "attention")]).fused_tails, FusedTails { attention: true, ..FusedTails::NONE });
         assert_eq!(with(&[(FUSED_TAILS_ENV, "1")]).fused_tails, FusedTails::ALL);
+        assert!(!d.moe_prefetch && with(&[(MOE_PREFETCH_ENV, "1")]).moe_prefetch);
         assert!(d.flash_head_256 && !with(&[(FLASH_HEAD_256_ENV, "0")]).flash_head_256);
         // The engine option's variable is the engine's to read with the option, not a tuning variable.
         assert_eq!(with(&[("HOSTEMBED_BATCH_TENSOR_CORES", "1")]).batch_tensor_cores, d.batch_tensor_cores);

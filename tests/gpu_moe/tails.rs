@@ -321,10 +321,12 @@ fn stepped_logits(gpu: &mut GpuModel, count: usize, rounds: usize) -> Vec<Vec<u3
 }
 
 /// The whole model with every tail fused gives the bits of every tail launched apart (`Tuning::fused_tails`),
-/// Qwen3-MoE, Mixtral and the 40-expert model in the Q4_K_M mix (whose decode rows take the expert
-/// products the route's and the sums' tails ride on): prompts, then rounds of six streams' single tokens
-/// (a piece of six rows routed in the router's launch, each row's sums in the down product's), at contexts
-/// short enough for one attention part (its combine in the split kernel).
+/// and so does the down product's prefetch of its experts' rows (`Tuning::moe_prefetch`, which moves the
+/// gate and up product's release of the next launch after its wait): Qwen3-MoE, Mixtral and the
+/// 40-expert model in the Q4_K_M mix (whose decode rows take the expert products the route's and the
+/// sums' tails ride on): prompts, then rounds of six streams' single tokens (a piece of six rows routed in
+/// the router's launch, each row's sums in the down product's), at contexts short enough for one
+/// attention part (its combine in the split kernel).
 #[test]
 fn a_model_with_every_tail_fused_gives_the_bits_of_the_launches_apart() {
     if !gpu_present("a_model_with_every_tail_fused_gives_the_bits_of_the_launches_apart") {
@@ -334,14 +336,20 @@ fn a_model_with_every_tail_fused_gives_the_bits_of_the_launches_apart() {
     for (name, cfg) in super::configs() {
         let src = MemSource::benchmark(&cfg, Recipe::Q4KM);
         let (_rows_buf, rows) = rows_on_card(&src);
-        let run = |fused_tails: FusedTails| {
-            let mut gpu = GpuModel::load(&src, rows, 16, 64, &Tuning { fused_tails, ..Tuning::from_env() }).unwrap();
+        let run = |fused_tails: FusedTails, moe_prefetch: bool| {
+            let tuning = Tuning { fused_tails, moe_prefetch, ..Tuning::from_env() };
+            let mut gpu = GpuModel::load(&src, rows, 16, 64, &tuning).unwrap();
             stepped_logits(&mut gpu, 6, 24)
         };
-        let (fused, apart) = (run(FusedTails::ALL), run(FusedTails::NONE));
-        assert_eq!(fused.len(), apart.len(), "{name}");
-        for (i, (f, a)) in fused.iter().zip(&apart).enumerate() {
-            assert!(f == a, "{name}: call {} stream {}: the fused tails' logits differ", i / 6, i % 6);
+        let apart = run(FusedTails::NONE, false);
+        for (what, tails, prefetch) in
+            [("the fused tails", FusedTails::ALL, false), ("the prefetch", FusedTails::NONE, true)]
+        {
+            let got = run(tails, prefetch);
+            assert_eq!(got.len(), apart.len(), "{name}");
+            for (i, (g, a)) in got.iter().zip(&apart).enumerate() {
+                assert!(g == a, "{name}: call {} stream {}: {what} change the logits", i / 6, i % 6);
+            }
         }
     }
 }
