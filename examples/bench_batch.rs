@@ -26,7 +26,6 @@ use hostembed::model::{ModelConfig, TensorSource, names};
 use hostembed::sampler::Sampling;
 use hostembed::tensor::DType;
 use hostembed::tuning::Tuning;
-use hostembed::{Error, Status};
 
 struct Args {
     cfg: ModelConfig,
@@ -97,16 +96,7 @@ fn step(
         .iter_mut()
         .zip(tokens)
         .enumerate()
-        .map(|(i, (stream, tokens))| StepItem {
-            stream,
-            index: i as u32,
-            tokens,
-            sampling: Sampling::GREEDY,
-            mask: None,
-            next: Err(Error::new(Status::Panic, "not stepped")),
-            heads: 1,
-            drawn: Vec::new(),
-        })
+        .map(|(i, (stream, tokens))| StepItem::new(stream, i as u32, tokens, Sampling::GREEDY))
         .collect();
     gpu.step_batch(&mut items).unwrap_or_else(|e| panic!("step_batch: {e}"));
     items.into_iter().enumerate().map(|(i, it)| it.next.unwrap_or_else(|e| panic!("stream {i}: {e}"))).collect()

@@ -84,6 +84,14 @@ run_bench() {
   echo "== $*" >> "$log"
   "$B/examples/$1" "${@:2}" >> "$log" 2>&1 || rc=$?
 }
+# Sets `model` to Qwen3-30B-A3B's shape in the Q4_K_M mix (MOE_DTYPE=q8_0: every matrix Q8_0), writing it
+# under .gpu/models (kept while the machine is warm) when it is not there yet; a failure sets rc.
+moe_model() {
+  model=.gpu/models/qwen3-30b-a3b-${MOE_DTYPE:-q4_k_m}.gguf
+  mkdir -p .gpu/models
+  [ -f "$model" ] || "$B/examples/write_model" --shape qwen3-30b-a3b --dtype "${MOE_DTYPE:-q4_k_m}" --quick \
+    --tokenizer "$B/assets/tokenizer.json" --out "$model" >> "$log" 2>&1 || rc=$?
+}
 for step in $steps; do
   start=$(date +%s)
   case "$step" in
@@ -142,12 +150,9 @@ for step in $steps; do
       # MOE_DTYPE=q8_0 (either step) takes a file of every matrix in Q8_0 instead (32 GB).
       rc=0
       log="$OUT/llama-cpp-moe.log"
-      model=.gpu/models/qwen3-30b-a3b-${MOE_DTYPE:-q4_k_m}.gguf
-      mkdir -p .gpu/models
       scripts/llama-cpp.sh build > "$OUT/llama-cpp-build.log" 2>&1 &
       build=$!
-      [ -f "$model" ] || "$B/examples/write_model" --shape qwen3-30b-a3b --dtype "${MOE_DTYPE:-q4_k_m}" --quick \
-        --tokenizer "$B/assets/tokenizer.json" --out "$model" >> "$log" 2>&1 || rc=$?
+      moe_model
       wait "$build" || rc=$?
       bin=$(tail -1 "$OUT/llama-cpp-build.log")
       if [ -x "$bin/llama-bench" ] && [ -f "$model" ]; then
@@ -398,10 +403,7 @@ for step in $steps; do
       # every tail, none, and each alone.
       rc=0
       log="$OUT/tails-moe.log"
-      model=.gpu/models/qwen3-30b-a3b-q4_k_m.gguf
-      mkdir -p .gpu/models
-      [ -f "$model" ] || "$B/examples/write_model" --shape qwen3-30b-a3b --dtype q4_k_m --quick \
-        --tokenizer "$B/assets/tokenizer.json" --out "$model" >> "$log" 2>&1 || rc=$?
+      moe_model
       for v in 1 0 route sums attention; do
         echo "== HOSTEMBED_FUSED_TAILS=$v" >> "$log"
         HOSTEMBED_FUSED_TAILS=$v run_bench bench_batch --model "$model" --streams 1,16,64 --no-long --no-host-rows --steps 32
@@ -413,10 +415,7 @@ for step in $steps; do
       # one stream after a 64-token prompt, then 1, 16 and 64 streams at 512-token caches.
       rc=0
       log="$OUT/moe-prefetch.log"
-      model=.gpu/models/qwen3-30b-a3b-q4_k_m.gguf
-      mkdir -p .gpu/models
-      [ -f "$model" ] || "$B/examples/write_model" --shape qwen3-30b-a3b --dtype q4_k_m --quick \
-        --tokenizer "$B/assets/tokenizer.json" --out "$model" >> "$log" 2>&1 || rc=$?
+      moe_model
       for v in 1 0; do
         echo "== HOSTEMBED_MOE_PREFETCH=$v" >> "$log"
         HOSTEMBED_MOE_PREFETCH=$v run_bench bench_decode --model "$model" --no-kernels --no-mmv --prompt 64 --tokens 128 \

@@ -327,16 +327,8 @@ fn step_items(
         .iter()
         .map(|&k| {
             let (slot, tokens) = &items[k];
-            StepItem {
-                stream: by_slot[*slot].take().expect("a stream named once"),
-                index: *slot as u32,
-                tokens,
-                sampling: Sampling::GREEDY,
-                mask: None,
-                next: Err(Error::new(Status::Panic, "not stepped")),
-                heads: 1,
-                drawn: Vec::new(),
-            }
+            let stream = by_slot[*slot].take().expect("a stream named once");
+            StepItem::new(stream, *slot as u32, tokens, Sampling::GREEDY)
         })
         .collect();
     gpu.step_batch(&mut batch).expect("the device failed");
@@ -514,16 +506,7 @@ fn an_item_without_pages_fails_alone_and_the_others_proceed() {
 
     // A step on a stream that holds too few pages is refused by the model itself, before anything runs.
     let mut fresh = gpu.new_stream(64).unwrap();
-    let mut one = [StepItem {
-        stream: &mut fresh,
-        index: 7,
-        tokens: &c,
-        sampling: Sampling::GREEDY,
-        mask: None,
-        next: Err(Error::new(Status::Panic, "not stepped")),
-        heads: 1,
-        drawn: Vec::new(),
-    }];
+    let mut one = [StepItem::new(&mut fresh, 7, &c, Sampling::GREEDY)];
     gpu.step_batch(&mut one).unwrap();
     let e = one[0].next.as_ref().unwrap_err();
     assert_eq!(e.status, Status::NoRoom, "{name}: a stream without pages: {e}");

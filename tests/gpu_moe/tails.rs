@@ -18,7 +18,6 @@ use hostembed::kernels as kn;
 use hostembed::sampler::Sampling;
 use hostembed::tensor::{DType, encode_row};
 use hostembed::tuning::{FusedTails, Tuning};
-use hostembed::{Error, Status};
 
 /// What a route left: each row's ids and weights (as bits), and the groups.
 #[derive(Debug, PartialEq)]
@@ -301,16 +300,7 @@ fn stepped_logits(gpu: &mut GpuModel, count: usize, rounds: usize) -> Vec<Vec<u3
             .iter_mut()
             .zip(&inputs)
             .enumerate()
-            .map(|(i, (stream, tokens))| StepItem {
-                stream,
-                index: i as u32,
-                tokens,
-                sampling: Sampling::GREEDY,
-                mask: None,
-                next: Err(Error::new(Status::Panic, "not stepped")),
-                heads: 1,
-                drawn: Vec::new(),
-            })
+            .map(|(i, (stream, tokens))| StepItem::new(stream, i as u32, tokens, Sampling::GREEDY))
             .collect();
         gpu.step_batch(&mut items).unwrap();
         let next: Vec<u32> = items.into_iter().map(|it| it.next.unwrap()).collect();
