@@ -346,7 +346,10 @@ mod tests {
         assert!(!with(&[(FUSED_TAILS_ENV, "0")]).fused_tails.any());
         let route_and_sums = FusedTails { route: true, sums: true, attention: false };
         assert_eq!(with(&[(FUSED_TAILS_ENV, "sums, route")]).fused_tails, route_and_sums);
-        assert_eq!(with(&[(FUSED_TAILS_ENV, "attention")]).fused_tails, FusedTails { attention: true, ..FusedTails::NONE });
+        assert_eq!(
+            with(&[(FUSED_TAILS_ENV, "attention")]).fused_tails,
+            FusedTails { attention: true, ..FusedTails::NONE }
+        );
         assert_eq!(with(&[(FUSED_TAILS_ENV, "1")]).fused_tails, FusedTails::ALL);
         assert!(!d.moe_prefetch && with(&[(MOE_PREFETCH_ENV, "1")]).moe_prefetch);
         assert!(d.flash_head_256 && !with(&[(FLASH_HEAD_256_ENV, "0")]).flash_head_256);

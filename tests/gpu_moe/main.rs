@@ -15,8 +15,7 @@ mod grouped;
 mod mmv;
 mod tails;
 use common::{
-    Mix, Rng, Scratch, compare_greedy_with_jumps, cpu_options, cuda_options, gguf_of_recipe,
-    gpu_present, init,
+    Mix, Rng, Scratch, compare_greedy_with_jumps, cpu_options, cuda_options, gguf_of_recipe, gpu_present, init,
 };
 use common::{moe_configs, qwen3_moe, serial, stats, twins_batch_like_alone};
 
