@@ -125,7 +125,7 @@ impl FusedTails {
         }
     }
 
-    /// Whether any tail is fused (then the model keeps their arrival counters).
+    /// Whether any tail is fused (only then does `GpuModel::tail_counters` hand out counters).
     pub fn any(self) -> bool {
         self.route || self.sums || self.attention
     }
