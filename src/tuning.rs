@@ -60,7 +60,7 @@ pub const MOE_MMV_ENV: &str = "HOSTEMBED_MOE_MMV";
 /// the gate and up product runs (their ids are final by then), a hint that changes no bits.
 pub const MOE_PREFETCH_ENV: &str = "HOSTEMBED_MOE_PREFETCH";
 /// Which small last steps run in the last block to finish of the kernel before them instead of as a launch
-/// of their own: "0" none, or a comma list of `route` (a Mixture-of-Experts piece's route, in the router's
+/// of their own: "0" none, "1" all, or a comma list of `route` (a Mixture-of-Experts piece's route, in the router's
 /// launch), `sums` (its rows' weighted sums of their experts, in the down product's) and `attention` (the
 /// combine of one-part contexts, in the split kernel); unset, the default (`FusedTails::DEFAULT`).
 pub const FUSED_TAILS_ENV: &str = "HOSTEMBED_FUSED_TAILS";
