@@ -78,7 +78,7 @@ __device__ __forceinline__ bool mmv_write_rows(const MmvShape &shape, unsigned i
     __threadfence();  // the other blocks' partial sums are visible from here on
     const unsigned int first = GLU ? blockIdx.x * (MMV_BLOCK_ROWS / 2) : blockIdx.x * MMV_BLOCK_ROWS;
     const unsigned int block_rows = min(GLU ? MMV_BLOCK_ROWS / 2 : MMV_BLOCK_ROWS, rows - first);
-    for (unsigned int i = tid; i < n * block_rows; i += MMV_THREADS) {
+    for (unsigned int i = tid; i < n * block_rows; i += blockDim.x) {  // the tile kernel may have more threads
         const unsigned int tok = i / block_rows, r = first + i % block_rows;
         // Every split's load in flight at once, then the sum in split order.
         float v[MMV_MAX_SPLITS], v2[MMV_MAX_SPLITS];

@@ -88,9 +88,11 @@ __global__ __launch_bounds__(MMV_THREADS) void mmvt_prep_kernel(const float *__r
 constexpr int MMVT_MAGIC = 0x4B400000;
 __device__ __forceinline__ float mmvt_float(int biased) { return __int_as_float(biased) - 12582912.f; }
 
-// NT4 token tiles of 4 (4 * NT4 tokens at most).
-template <typename R, int NT4, bool GLU>
-__global__ __launch_bounds__(MMV_THREADS, 1) void mmvt_kernel(
+// NT4 token tiles of 4 (4 * NT4 tokens at most). HALVES 2 (hostembed_tuning's mmv_tc_blocks 2): twice the
+// warps, each row set's tiles taken alternately by two warps (4 warps a scheduler instead of 2, at most
+// 128 registers a thread); every output is still computed by one lane in the same order: the same bits.
+template <typename R, int NT4, bool GLU, int HALVES>
+__global__ __launch_bounds__(MMV_THREADS * HALVES, 1) void mmvt_kernel(
     const unsigned char *__restrict__ w, const unsigned char *__restrict__ w2, unsigned int rows, unsigned int cols,
     size_t row_bytes, unsigned int n, const float *bias, const float *residual, float *y, unsigned int ldy,
     float *partial, unsigned int *counters) {
@@ -103,7 +105,11 @@ __global__ __launch_bounds__(MMV_THREADS, 1) void mmvt_kernel(
     static_assert(WS::BLOCK_BYTES == MMV_WARPS * WS::WARP_BYTES && WS::WARP_BYTES == WS::STAGES * WS::SLOT,
                   "a warp's rows of a chunk fill one of WeightSlots' slots");
 
-    const unsigned int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, g = lane / 4, t = lane % 4;
+    static_assert(HALVES == 1 || (HALVES == 2 && NT4 % 2 == 0), "whole tiles a warp");
+    constexpr int NTW = NT4 / HALVES;  // a warp's token tiles: tiles half, half + HALVES, ...
+    const unsigned int tid = threadIdx.x, lane = tid % 32, g = lane / 4, t = lane % 4;
+    // The warp's row set (its weight slot) and which of the set's tiles it takes.
+    const unsigned int warp = (tid / 32) % MMV_WARPS, half = tid / 32 / MMV_WARPS;
     he::pdl_launch_dependents();
     const MmvShape shape = mmv_shape(rows, cols, GLU, true);
     const unsigned int k_begin = blockIdx.y * shape.kr;
@@ -119,7 +125,7 @@ __global__ __launch_bounds__(MMV_THREADS, 1) void mmvt_kernel(
     // Chunk ci's copies into buffer ci % MMVT_STAGES: each warp its rows' weight bytes, every thread a
     // share of the activations (512 bytes and the record a token; 32-column steps past the range as zeros).
     auto issue_weights = [&](unsigned int ci) {
-        if (ci < chunks) {
+        if (ci < chunks && half == 0) {
             const unsigned int c0 = k_begin + ci * MMV_KC;
             const unsigned int len = (min(c0 + MMV_KC, k_end) - c0) / R::BLOCK_COLS * R::BYTES;
             copy_rows<WS, GLU>(mmv_smem + (ci % MMVT_STAGES) * stage_bytes + act + warp * WS::SLOT, w, w2, rows,
@@ -135,7 +141,7 @@ __global__ __launch_bounds__(MMV_THREADS, 1) void mmvt_kernel(
             static_assert(PIECES == 32 && MPIECES <= 32, "a lane a piece");
             unsigned char *buf = mmv_smem + (ci % MMVT_STAGES) * stage_bytes;
             const bool valid = c0 + 32 * (lane / 4) < k_end;  // 32-column steps past the range as zeros
-            for (unsigned int tok = warp; tok < n; tok += MMV_WARPS) {
+            for (unsigned int tok = tid / 32; tok < n; tok += MMV_WARPS * HALVES) {
                 const unsigned char *row = xq + (size_t)tok * cols * 2;
                 he::cp_async16(buf + tok * XSTRIDE + 16 * lane, valid ? row + (size_t)c0 * 2 + 16 * lane : row, valid);
                 if (lane < MPIECES)
@@ -145,9 +151,9 @@ __global__ __launch_bounds__(MMV_THREADS, 1) void mmvt_kernel(
         }
     };
 
-    float out[NT4][2];
+    float out[NTW][2];
 #pragma unroll
-    for (int j = 0; j < NT4; j++) out[j][0] = out[j][1] = 0.f;
+    for (int j = 0; j < NTW; j++) out[j][0] = out[j][1] = 0.f;
 
     // The warp's rows against its token tiles over one chunk (`len` columns from c0) in buffer `buf`.
     auto compute = [&](const unsigned char *buf, unsigned int c0, unsigned int len) {
@@ -190,11 +196,11 @@ __global__ __launch_bounds__(MMV_THREADS, 1) void mmvt_kernel(
             R::tile(r[TPC - 1][1], db, mb);
         }
 #pragma unroll
-        for (int j = 0; j < NT4; j++) {
-            const unsigned int tb = 4 * j;
+        for (int j = 0; j < NTW; j++) {
+            const unsigned int tb = 4 * (j * HALVES + half);
             // Absent tokens four tiles at a time: a branch between every two tiles kept the scheduler from
             // overlapping one tile's sums with the next tile's tensor-core products.
-            if (j % 4 == 0 && tb >= n) break;
+            if (j % (4 / HALVES) == 0 && tb >= n) break;
             // B column g: token tb + g / 2 (absent ones reread the last), its hi (even g) or lo half; the
             // lane's outputs are token tb + t's.
             const unsigned char *xb = xs + min(tb + g / 2, n - 1) * XSTRIDE + (g % 2) * 32 + (R::STEP / 4) * t;
@@ -279,8 +285,8 @@ __global__ __launch_bounds__(MMV_THREADS, 1) void mmvt_kernel(
 
     mmv_write<GLU>(shape, n, rows, rw.a, rw.b, bias, residual, y, ldy, partial, counters, [&](auto &&fn) {
 #pragma unroll
-        for (int j = 0; j < NT4; j++) {
-            const unsigned int tok = 4 * j + t;
+        for (int j = 0; j < NTW; j++) {
+            const unsigned int tok = 4 * (j * HALVES + half) + t;
             if (tok < n) fn(tok, out[j][0], out[j][1]);
         }
     });
@@ -299,7 +305,7 @@ bool mmvt_fits(unsigned int n) {
 
 // A launch of `n` (MMV_PREP_AFTER < n <= MMV_MAX_TOKENS) tokens on the tile kernel: the conversion,
 // then the product.
-template <typename R, bool GLU>
+template <typename R, bool GLU, int HALVES>
 cudaError_t launch_mmvt(const unsigned char *w, const unsigned char *w2, unsigned int rows, unsigned int cols,
                         size_t row_bytes, const float *x, unsigned int n, const float *bias, const float *residual,
                         float *y, unsigned int ldy, float *partial, unsigned int *counters,
@@ -315,13 +321,14 @@ cudaError_t launch_mmvt(const unsigned char *w, const unsigned char *w2, unsigne
     auto go = [&](auto kernel) {
         cudaError_t err = he::allow_smem(kernel, smem);
         if (err != cudaSuccess) return err;
-        return he::launch_overlapped(tuning, kernel, dim3(shape.row_blocks, shape.splits), dim3(MMV_THREADS), (size_t)smem,
+        return he::launch_overlapped(tuning, kernel, dim3(shape.row_blocks, shape.splits), dim3(MMV_THREADS * HALVES),
+                                     (size_t)smem,
                                      stream, w, w2, rows, cols, row_bytes, n, bias, residual, y, ldy, partial,
                                      counters);
     };
-    if (n <= 16) return go(mmvt_kernel<R, 4, GLU>);
-    if (n <= 32) return go(mmvt_kernel<R, 8, GLU>);
-    return go(mmvt_kernel<R, 16, GLU>);
+    if (n <= 16) return go(mmvt_kernel<R, 4, GLU, HALVES>);
+    if (n <= 32) return go(mmvt_kernel<R, 8, GLU, HALVES>);
+    return go(mmvt_kernel<R, 16, GLU, HALVES>);
 }
 
 }  // namespace
@@ -332,9 +339,10 @@ cudaError_t he::mmv::tile(bool glu, const Args &a) {
         using R = decltype(reader);
         if constexpr (R::INT) {
             auto go = [&](auto g) {
-                err = launch_mmvt<R, decltype(g)::value>(a.w, a.w2, a.rows, a.cols, a.row_bytes, a.x, a.n, a.bias,
-                                                         a.residual, a.y, a.ldy, a.partial, a.counters, a.tuning,
-                                                         a.stream);
+                auto launch = a.tuning.mmv_tc_blocks == 2 ? launch_mmvt<R, decltype(g)::value, 2>
+                                                          : launch_mmvt<R, decltype(g)::value, 1>;
+                err = launch(a.w, a.w2, a.rows, a.cols, a.row_bytes, a.x, a.n, a.bias, a.residual, a.y, a.ldy,
+                             a.partial, a.counters, a.tuning, a.stream);
             };
             if (glu) go(std::true_type{});
             else go(std::false_type{});

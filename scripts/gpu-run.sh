@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine from the repo root: unpacks .gpu/bundle.tar.xz and runs the GPU suite,
 # then whatever steps are named (default: tests). Logs go to $OUT (or ./gpu-out).
-# Steps: info tests tests-parallel targets formats prep tc-blocks attention-wide targets-f16 targets-kv wgmma local-pool tensor-parallel sanitize profile-decode profile-moe moe-mmv fused-tails tails-moe moe-prefetch profile-mmv profile-tile hfref bench-embed bench-decode bench-mmv bench-model bench-prefill bench-prefill-quant
+# Steps: info tests tests-parallel targets formats prep tc-blocks tile-halves attention-wide targets-f16 targets-kv wgmma local-pool tensor-parallel sanitize profile-decode profile-moe moe-mmv fused-tails tails-moe moe-prefetch profile-mmv profile-tile hfref bench-embed bench-decode bench-mmv bench-model bench-prefill bench-prefill-quant
 # bench-convert bench-kv torch-prefill server-load llama-cpp-moe moe-file two-chains, or any example's name (HOSTEMBED_MEMCHECK=0 leaves
 # local-pool's and tensor-parallel's memcheck out). server-load measures the
 # server's targets (scripts/server-load.sh: a 16 GB Llama-3-8B-shaped file written under /tmp, batch.c,
@@ -264,6 +264,24 @@ for step in $steps; do
         done
       done
       unset HOSTEMBED_MMV_TC_BLOCKS ;;
+    tile-halves)
+      # The tile kernel with two warps a row set (HOSTEMBED_MMV_TC_BLOCKS=2: 4 warps a scheduler, at most 128
+      # registers) against one (=1, the default): the block formats' products alone, then the Q4_K_M and
+      # Q8_0 models' 16 and 64 streams, each way, in one call.
+      rc=0
+      log="$OUT/tile-halves.log"
+      for v in 1 2; do
+        export HOSTEMBED_MMV_TC_BLOCKS=$v
+        echo "== HOSTEMBED_MMV_TC_BLOCKS=$v" >> "$log"
+        for dtype in Q4_K Q6_K Q8_0; do
+          run_bench bench_decode --kernels-only --no-matvec --mmv-only "$dtype"
+        done
+        for dtype in q4_k_m q8_0; do
+          run_bench bench_batch --dtype "$dtype" --streams 16,64 --no-long --no-host-rows --steps 32
+        done
+      done
+      unset HOSTEMBED_MMV_TC_BLOCKS
+      grep -E "^(== HOSTEMBED|\| (16|64) )" "$log" >> "$summary" ;;
     attention-wide)
       # Decode attention's two builds (HOSTEMBED_ATTENTION_WIDE: 0 more loads in flight a thread, 1 twice
       # the blocks a multiprocessor) against the default's choice: F16 streams at 512-token caches, then

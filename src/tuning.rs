@@ -155,9 +155,10 @@ pub struct Tuning {
     pub mmvq_tokens: u32,
     /// Whether half decode products of many tokens convert their activations once.
     pub mmv_prep: bool,
-    /// Whether block-format decode products of more than 8 tokens take the tile kernel (the same bits as
-    /// the streamed kernel; at 64 tokens 1.7-2x faster on the H100).
-    pub mmv_tc_blocks: bool,
+    /// Which kernel block-format decode products of more than 8 tokens take, all with the same bits: 0 the
+    /// streamed integer kernel, 1 the tile kernel (at 64 tokens 1.7-2x faster on the H100), 2 the tile
+    /// kernel with two warps a row set, each half the token tiles (twice the warps at half the registers).
+    pub mmv_tc_blocks: u32,
     /// Whether half decode products of more than 8 tokens take Hopper's warpgroup products on an sm_90
     /// card (the mma.sync kernel's bits, which the kernel tests check): 0 no, 1 yes (the default: 1.27x
     /// on the 64-token F16 product, 64 F16 streams 4,137 -> 4,990 tok/s on the H100), 2 the pipelined
@@ -204,7 +205,7 @@ impl Default for Tuning {
             mmv_stage: MmvStage::Measured,
             mmvq_tokens: 0,
             mmv_prep: true,
-            mmv_tc_blocks: true,
+            mmv_tc_blocks: 1,
             mmv_wgmma: 1,
             flash_parts: true,
             moe_grouped: true,
@@ -264,7 +265,10 @@ impl Tuning {
             // Out of range is the kernel's own choice, which it checks again against its most.
             mmvq_tokens: var(MMVQ_TOKENS_ENV).and_then(|v| v.trim().parse().ok()).unwrap_or(0),
             mmv_prep: !off(MMV_PREP_ENV),
-            mmv_tc_blocks: !off(MMV_TC_BLOCKS_ENV),
+            mmv_tc_blocks: var(MMV_TC_BLOCKS_ENV)
+                .and_then(|v| v.trim().parse().ok())
+                .filter(|&m| m <= 2)
+                .unwrap_or(d.mmv_tc_blocks),
             mmv_wgmma: var(MMV_WGMMA_ENV)
                 .and_then(|v| v.trim().parse().ok())
                 .filter(|&m| m <= 2)
@@ -329,8 +333,10 @@ mod tests {
         assert_eq!(with(&[(MMVQ_TOKENS_ENV, "16")]).mmvq_tokens, 16);
         assert_eq!(with(&[(MMVQ_TOKENS_ENV, "many")]).mmvq_tokens, 0);
         assert!(!with(&[(MMV_PREP_ENV, "0")]).mmv_prep && with(&[(MMV_PREP_ENV, "1")]).mmv_prep);
-        assert!(with(&[(MMV_TC_BLOCKS_ENV, "1")]).mmv_tc_blocks && !with(&[(MMV_TC_BLOCKS_ENV, "0")]).mmv_tc_blocks);
-        assert!(d.mmv_tc_blocks);
+        assert_eq!(with(&[(MMV_TC_BLOCKS_ENV, "0")]).mmv_tc_blocks, 0);
+        assert_eq!(with(&[(MMV_TC_BLOCKS_ENV, "2")]).mmv_tc_blocks, 2);
+        assert_eq!(with(&[(MMV_TC_BLOCKS_ENV, "3")]).mmv_tc_blocks, d.mmv_tc_blocks);
+        assert_eq!(d.mmv_tc_blocks, 1);
         assert_eq!(with(&[(MMV_WGMMA_ENV, "0")]).mmv_wgmma, 0);
         assert_eq!(with(&[(MMV_WGMMA_ENV, "2")]).mmv_wgmma, 2);
         assert_eq!(with(&[(MMV_WGMMA_ENV, "3")]).mmv_wgmma, d.mmv_wgmma);

@@ -13,11 +13,15 @@ use hostembed::model::TensorRef;
 use hostembed::tensor::DType;
 use std::os::raw::{c_int, c_uint};
 
-/// The launchers' settings as the environment gives them, with the block formats' tile kernel
-/// (`Tuning::mmv_tc_blocks`) on or off.
-fn tile_tuning(on: bool) -> kn::hostembed_tuning {
-    kn::hostembed_tuning { mmv_tc_blocks: on as c_int, ..launch_tuning() }
+/// The launchers' settings as the environment gives them, with the block formats' kernel past 8 tokens
+/// (`Tuning::mmv_tc_blocks`): 0 the integer kernel, 1 the tile kernel, 2 the tile kernel with two warps a
+/// row set.
+fn tile_tuning(kernel: c_int) -> kn::hostembed_tuning {
+    kn::hostembed_tuning { mmv_tc_blocks: kernel, ..launch_tuning() }
 }
+
+/// The tile kernel's two builds, each named.
+const TILE_KERNELS: [(c_int, &str); 2] = [(1, "the tile kernel"), (2, "the tile kernel, two warps a row set")];
 
 /// The block formats the tensor-core decode product reads (those the tile kernel takes).
 fn mmv_block_dtypes() -> Vec<DType> {
@@ -168,15 +172,17 @@ fn mmv_tile_kernel_gives_the_integer_kernels_bits() {
     ];
     for &dtype in &formats {
         for &case in &cases {
-            let case = MmvCase { cols: cols_for(dtype, case.1), ..MmvCase::from(case) };
-            assert_same_bits(
-                &mut rng,
-                dtype,
-                case,
-                false,
-                [tile_tuning(true), tile_tuning(false)],
-                ["the tile kernel", "the integer kernel"],
-            );
+            for (kernel, name) in TILE_KERNELS {
+                let case = MmvCase { cols: cols_for(dtype, case.1), ..MmvCase::from(case) };
+                assert_same_bits(
+                    &mut rng,
+                    dtype,
+                    case,
+                    false,
+                    [tile_tuning(kernel), tile_tuning(0)],
+                    [name, "the integer kernel"],
+                );
+            }
         }
     }
 }
@@ -190,14 +196,10 @@ fn mmv_tile_kernel_swiglu_gives_the_integer_kernels_bits() {
     let mut rng = Rng::fresh("mmv_tile_kernel_swiglu_gives_the_integer_kernels_bits");
     for dtype in mmv_block_dtypes() {
         for (rows, cols, n) in [(14336, 512, 24), (64, 256, 20), (1000, 1024, 64), (300, 4096, 12)] {
-            let settings = [tile_tuning(true), tile_tuning(false)];
-            assert_same_bits_swiglu(
-                &mut rng,
-                dtype,
-                (rows, cols, n),
-                settings,
-                ["the tile kernel", "the integer kernel"],
-            );
+            for (kernel, name) in TILE_KERNELS {
+                let settings = [tile_tuning(kernel), tile_tuning(0)];
+                assert_same_bits_swiglu(&mut rng, dtype, (rows, cols, n), settings, [name, "the integer kernel"]);
+            }
         }
     }
 }
@@ -210,8 +212,8 @@ fn mmv_tile_kernel_is_batch_invariant() {
         return;
     }
     let mut rng = Rng::fresh("mmv_tile_kernel_is_batch_invariant");
-    let tuning = tile_tuning(true);
-    for dtype in mmv_block_dtypes() {
+    for (dtype, (kernel, name)) in mmv_block_dtypes().into_iter().flat_map(|d| TILE_KERNELS.map(|k| (d, k))) {
+        let tuning = tile_tuning(kernel);
         for (rows, cols) in [(4096, 4096), (1000, 14336), (14336, 1024)] {
             let cols = cols_for(dtype, cols);
             let bytes = encode(dtype, cols, &rng.vec(rows * cols, 1.0));
@@ -229,7 +231,7 @@ fn mmv_tile_kernel_is_batch_invariant() {
                 assert_eq!(
                     differ,
                     0,
-                    "mmv {} {rows}x{cols} (tile kernel): token {at} of {n} differs from alone in {differ} rows",
+                    "mmv {} {rows}x{cols} ({name}): token {at} of {n} differs from alone in {differ} rows",
                     dtype.name()
                 );
             }
