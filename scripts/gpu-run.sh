@@ -266,22 +266,24 @@ for step in $steps; do
       unset HOSTEMBED_MMV_TC_BLOCKS ;;
     tile-halves)
       # The tile kernel with two warps a row set (HOSTEMBED_MMV_TC_BLOCKS=2: 4 warps a scheduler, at most 128
-      # registers) against one (=1, the default): the block formats' products alone, then the Q4_K_M and
-      # Q8_0 models' 16 and 64 streams, each way, in one call.
+      # registers) against one (=1, the default): the block formats' products alone each way, then the
+      # Q4_K_M and Q8_0 models' 16 and 64 streams each way, in one call.
       rc=0
       log="$OUT/tile-halves.log"
       for v in 1 2; do
-        export HOSTEMBED_MMV_TC_BLOCKS=$v
         echo "== HOSTEMBED_MMV_TC_BLOCKS=$v" >> "$log"
         for dtype in Q4_K Q6_K Q8_0; do
-          run_bench bench_decode --kernels-only --no-matvec --mmv-only "$dtype"
-        done
-        for dtype in q4_k_m q8_0; do
-          run_bench bench_batch --dtype "$dtype" --streams 16,64 --no-long --no-host-rows --steps 32
+          HOSTEMBED_MMV_TC_BLOCKS=$v run_bench bench_decode --kernels-only --no-matvec --mmv-only "$dtype"
         done
       done
-      unset HOSTEMBED_MMV_TC_BLOCKS
-      grep -E "^(== HOSTEMBED|\| (16|64) )" "$log" >> "$summary" ;;
+      grep -E "^(== HOSTEMBED|\| mmv)" "$log" >> "$summary"
+      for dtype in q4_k_m q8_0; do
+        for v in 1 2; do
+          echo "== HOSTEMBED_MMV_TC_BLOCKS=$v" >> "$log"
+          HOSTEMBED_MMV_TC_BLOCKS=$v run_bench bench_batch --dtype "$dtype" --streams 16,64 --no-long --no-host-rows --steps 16
+          grep -E "^\| (16|64) " "$log" | tail -2 | sed "s/^/$dtype $v /" >> "$summary"
+        done
+      done ;;
     attention-wide)
       # Decode attention's two builds (HOSTEMBED_ATTENTION_WIDE: 0 more loads in flight a thread, 1 twice
       # the blocks a multiprocessor) against the default's choice: F16 streams at 512-token caches, then
