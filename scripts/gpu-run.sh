@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine from the repo root: unpacks .gpu/bundle.tar.xz and runs the GPU suite,
 # then whatever steps are named (default: tests). Logs go to $OUT (or ./gpu-out).
-# Steps: info tests tests-parallel targets formats prep tc-blocks tile-halves attention-wide targets-f16 targets-kv wgmma local-pool tensor-parallel sanitize profile-decode profile-moe moe-mmv fused-tails tails-moe moe-prefetch profile-mmv profile-tile hfref bench-embed bench-decode bench-mmv bench-model bench-prefill bench-prefill-quant
+# Steps: info tests tests-parallel targets formats prep tc-blocks tile-halves tile-halves-streams attention-wide targets-f16 targets-kv wgmma local-pool tensor-parallel sanitize profile-decode profile-moe moe-mmv fused-tails tails-moe moe-prefetch profile-mmv profile-tile hfref bench-embed bench-decode bench-mmv bench-model bench-prefill bench-prefill-quant
 # bench-convert bench-kv torch-prefill server-load llama-cpp-moe moe-file two-chains, or any example's name (HOSTEMBED_MEMCHECK=0 leaves
 # local-pool's and tensor-parallel's memcheck out). server-load measures the
 # server's targets (scripts/server-load.sh: a 16 GB Llama-3-8B-shaped file written under /tmp, batch.c,
@@ -266,8 +266,8 @@ for step in $steps; do
       unset HOSTEMBED_MMV_TC_BLOCKS ;;
     tile-halves)
       # The tile kernel with two warps a row set (HOSTEMBED_MMV_TC_BLOCKS=2: 4 warps a scheduler, at most 128
-      # registers) against one (=1, the default): the block formats' products alone each way, then the
-      # Q4_K_M and Q8_0 models' 16 and 64 streams each way, in one call.
+      # registers) against one (=1, the default): the block formats' products alone each way;
+      # tile-halves-streams the Q4_K_M and Q8_0 models' 16 and 64 streams each way.
       rc=0
       log="$OUT/tile-halves.log"
       for v in 1 2; do
@@ -276,7 +276,10 @@ for step in $steps; do
           HOSTEMBED_MMV_TC_BLOCKS=$v run_bench bench_decode --kernels-only --no-matvec --mmv-only "$dtype"
         done
       done
-      grep -E "^(== HOSTEMBED|\| mmv)" "$log" >> "$summary"
+      grep -E "^(== HOSTEMBED|\| mmv)" "$log" >> "$summary" ;;
+    tile-halves-streams)
+      rc=0
+      log="$OUT/tile-halves-streams.log"
       for dtype in q4_k_m q8_0; do
         for v in 1 2; do
           echo "== HOSTEMBED_MMV_TC_BLOCKS=$v" >> "$log"
