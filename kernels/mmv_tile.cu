@@ -155,8 +155,12 @@ __global__ __launch_bounds__(MMV_THREADS * HALVES, 1) void mmvt_kernel(
 #pragma unroll
     for (int j = 0; j < NTW; j++) out[j][0] = out[j][1] = 0.f;
 
-    // The warp's rows against its token tiles over one chunk (`len` columns from c0) in buffer `buf`.
-    auto compute = [&](const unsigned char *buf, unsigned int c0, unsigned int len) {
+    // The warp's rows against its token tiles over one chunk (`len` columns from c0) in buffer `buf`. FULL
+    // (len == MMV_KC, known when compiling): without a test of len between steps, whose branches kept the
+    // compiler from overlapping one step's loads and products with the step before (Q8_0's 8 steps a tile ran
+    // load, product and sums one after another).
+    auto compute = [&](const unsigned char *buf, unsigned int c0, unsigned int len, auto full) {
+        constexpr bool FULL = decltype(full)::value;
         const unsigned char *xs = buf;
         const int *meta = reinterpret_cast<const int *>(buf + n * XSTRIDE);
         const unsigned char *slot = buf + act + warp * WS::SLOT;
@@ -166,7 +170,7 @@ __global__ __launch_bounds__(MMV_THREADS * HALVES, 1) void mmvt_kernel(
         Raw r[TPC][2];
 #pragma unroll
         for (int u = 0; u < (int)TPC; u++)
-            if (u * TILE < len) {
+            if (FULL || u * TILE < len) {
                 R::template fetch<true>(r[u][0], sa, u * TILE, t);
                 R::template fetch<true>(r[u][1], sb, u * TILE, t);
             }
@@ -209,7 +213,7 @@ __global__ __launch_bounds__(MMV_THREADS * HALVES, 1) void mmvt_kernel(
             float acc[2] = {0.f, 0.f};
 #pragma unroll
             for (int u = 0; u < (int)TPC; u++) {
-                if (u * TILE >= len) break;
+                if (!FULL && u * TILE >= len) break;
 #pragma unroll
                 for (int s = 0; s < (int)R::TILE_STEPS; s++) {
                     const unsigned int c = u * TILE + s * R::STEP;  // column within the chunk
@@ -279,8 +283,10 @@ __global__ __launch_bounds__(MMV_THREADS * HALVES, 1) void mmvt_kernel(
         issue_weights(ci + MMVT_STAGES - 1);
         issue_acts(ci + MMVT_STAGES - 1);
         he::cp_async_commit();
-        const unsigned int c0 = k_begin + ci * MMV_KC;
-        compute(mmv_smem + (ci % MMVT_STAGES) * stage_bytes, c0, min(c0 + MMV_KC, k_end) - c0);
+        const unsigned int c0 = k_begin + ci * MMV_KC, len = min(c0 + MMV_KC, k_end) - c0;
+        const unsigned char *buf = mmv_smem + (ci % MMVT_STAGES) * stage_bytes;
+        if (len == MMV_KC) compute(buf, c0, len, std::true_type{});
+        else compute(buf, c0, len, std::false_type{});
     }
 
     mmv_write<GLU>(shape, n, rows, rw.a, rw.b, bias, residual, y, ldy, partial, counters, [&](auto &&fn) {
