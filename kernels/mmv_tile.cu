@@ -176,8 +176,10 @@ __global__ __launch_bounds__(MMV_THREADS * HALVES, 1) void mmvt_kernel(
             }
         // The chunk's A words and scales, decoded once for every token tile.
         unsigned int wa[TPC][R::TILE_STEPS][KW], wb[TPC][R::TILE_STEPS][KW];
-        int isa[TPC][R::TILE_STEPS], isb[TPC][R::TILE_STEPS], ima[TPC][R::TILE_STEPS], imb[TPC][R::TILE_STEPS];
-        float fsa[TPC], fsb[TPC], fmn_a[TPC], fmn_b[TPC];
+        // Each format uses some of these (k-quants the integer sub-scales, block formats the float scales).
+        [[maybe_unused]] int isa[TPC][R::TILE_STEPS], isb[TPC][R::TILE_STEPS], ima[TPC][R::TILE_STEPS],
+            imb[TPC][R::TILE_STEPS];
+        [[maybe_unused]] float fsa[TPC], fsb[TPC], fmn_a[TPC], fmn_b[TPC];
 #pragma unroll
         for (int u = 0; u < (int)TPC; u++) {
 #pragma unroll
@@ -194,7 +196,7 @@ __global__ __launch_bounds__(MMV_THREADS * HALVES, 1) void mmvt_kernel(
                 if constexpr (R::HAS_MIN) fmn_a[u] = R::fmin(r[u][0], 0), fmn_b[u] = R::fmin(r[u][1], 0);
             }
         }
-        float da = 1.f, db = 1.f, ma = 0.f, mb = 0.f;
+        [[maybe_unused]] float da = 1.f, db = 1.f, ma = 0.f, mb = 0.f;
         if constexpr (R::SUPER) {
             R::tile(r[TPC - 1][0], da, ma);
             R::tile(r[TPC - 1][1], db, mb);
@@ -209,7 +211,7 @@ __global__ __launch_bounds__(MMV_THREADS * HALVES, 1) void mmvt_kernel(
             // lane's outputs are token tb + t's.
             const unsigned char *xb = xs + min(tb + g / 2, n - 1) * XSTRIDE + (g % 2) * 32 + (R::STEP / 4) * t;
             const int *rec = meta + min(tb + t, n - 1) * META;
-            int ihi[2] = {0, 0}, ilo[2] = {0, 0}, mins[2] = {0, 0};
+            [[maybe_unused]] int ihi[2] = {0, 0}, ilo[2] = {0, 0}, mins[2] = {0, 0};  // k-quants' sums
             float acc[2] = {0.f, 0.f};
 #pragma unroll
             for (int u = 0; u < (int)TPC; u++) {
