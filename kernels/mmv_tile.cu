@@ -88,9 +88,10 @@ __global__ __launch_bounds__(MMV_THREADS) void mmvt_prep_kernel(const float *__r
 constexpr int MMVT_MAGIC = 0x4B400000;
 __device__ __forceinline__ float mmvt_float(int biased) { return __int_as_float(biased) - 12582912.f; }
 
-// NT4 token tiles of 4 (4 * NT4 tokens at most). HALVES 2 (hostembed_tuning's mmv_tc_blocks 2): twice the
-// warps, each row set's tiles taken alternately by two warps (4 warps a scheduler instead of 2, at most
-// 128 registers a thread); every output is still computed by one lane in the same order: the same bits.
+// NT4 token tiles of 4 (4 * NT4 tokens at most). HALVES 2 (hostembed_tuning's mmv_tc_blocks 2, in a build
+// with -DMMV_TUNING_KERNELS=1): twice the warps, each row set's tiles taken alternately by two warps (4
+// warps a scheduler instead of 2, at most 128 registers a thread); every output is still computed by one
+// lane in the same order: the same bits.
 template <typename R, int NT4, bool GLU, int HALVES>
 __global__ __launch_bounds__(MMV_THREADS * HALVES, 1) void mmvt_kernel(
     const unsigned char *__restrict__ w, const unsigned char *__restrict__ w2, unsigned int rows, unsigned int cols,
@@ -347,8 +348,10 @@ cudaError_t he::mmv::tile(bool glu, const Args &a) {
         using R = decltype(reader);
         if constexpr (R::INT) {
             auto go = [&](auto g) {
-                auto launch = a.tuning.mmv_tc_blocks == 2 ? launch_mmvt<R, decltype(g)::value, 2>
-                                                          : launch_mmvt<R, decltype(g)::value, 1>;
+                auto launch = launch_mmvt<R, decltype(g)::value, 1>;
+                // Two warps a row set only in a build with the tuning kernels: they double this file's build.
+                if constexpr (MMV_TUNING_KERNELS)
+                    if (a.tuning.mmv_tc_blocks == 2) launch = launch_mmvt<R, decltype(g)::value, 2>;
                 err = launch(a.w, a.w2, a.rows, a.cols, a.row_bytes, a.x, a.n, a.bias, a.residual, a.y, a.ldy,
                              a.partial, a.counters, a.tuning, a.stream);
             };

@@ -267,7 +267,8 @@ for step in $steps; do
     tile-halves)
       # The tile kernel with two warps a row set (HOSTEMBED_MMV_TC_BLOCKS=2: 4 warps a scheduler, at most 128
       # registers) against one (=1, the default): the block formats' products alone each way;
-      # tile-halves-streams the Q4_K_M and Q8_0 models' 16 and 64 streams each way.
+      # tile-halves-streams the Q4_K_M and Q8_0 models' 16 and 64 streams each way. Both need a bundle
+      # built with the tuning kernels: HOSTEMBED_KERNEL_DEFINES=-DMMV_TUNING_KERNELS=1 scripts/gpu-build.sh.
       rc=0
       log="$OUT/tile-halves.log"
       for v in 1 2; do

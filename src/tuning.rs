@@ -157,7 +157,8 @@ pub struct Tuning {
     pub mmv_prep: bool,
     /// Which kernel block-format decode products of more than 8 tokens take, all with the same bits: 0 the
     /// streamed integer kernel, 1 the tile kernel (at 64 tokens 1.7-2x faster on the H100), 2 the tile
-    /// kernel with two warps a row set, each half the token tiles (twice the warps at half the registers).
+    /// kernel with two warps a row set, each half the token tiles (twice the warps at half the registers; in a
+    /// build with `HOSTEMBED_KERNEL_DEFINES=-DMMV_TUNING_KERNELS=1`, else the tile kernel).
     pub mmv_tc_blocks: u32,
     /// Whether half decode products of more than 8 tokens take Hopper's warpgroup products on an sm_90
     /// card (the mma.sync kernel's bits, which the kernel tests check): 0 no, 1 yes (the default: 1.27x

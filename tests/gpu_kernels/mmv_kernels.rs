@@ -15,7 +15,7 @@ use std::os::raw::{c_int, c_uint};
 
 /// The launchers' settings as the environment gives them, with the block formats' kernel past 8 tokens
 /// (`Tuning::mmv_tc_blocks`): 0 the integer kernel, 1 the tile kernel, 2 the tile kernel with two warps a
-/// row set.
+/// row set (in a build with `-DMMV_TUNING_KERNELS=1`; else the tile kernel again).
 fn tile_tuning(kernel: c_int) -> kn::hostembed_tuning {
     kn::hostembed_tuning { mmv_tc_blocks: kernel, ..launch_tuning() }
 }
