@@ -54,7 +54,12 @@
 // thread, 2 the one with twice the blocks a multiprocessor), and `mmv_wgmma` whether half launches of more
 // than 8 tokens take the warpgroup products on an sm_90 card (0 no, 1 yes, 2 the pipelined kernel), and
 // `moe_prefetch` whether a Mixture-of-Experts layer's decode rows' down product has its experts' rows
-// fetched into L2 while the gate and up product runs (kernels/moe_mmv.cu).
+// fetched into L2 while the gate and up product runs (kernels/moe_mmv.cu), and `moe_mmv_cut` how those
+// products cut an expert's columns (HE_MOE_CUT_*: enough ranges to fill the card with one token's experts,
+// rounded up; as many as keep one token's launch in one wave of blocks; one range).
+#define HE_MOE_CUT_FILL 0
+#define HE_MOE_CUT_WAVES 1
+#define HE_MOE_CUT_ONE 2
 #define HE_MMV_STAGE_NEVER 0
 #define HE_MMV_STAGE_MEASURED 1
 #define HE_MMV_STAGE_ALWAYS 2
@@ -67,8 +72,9 @@ typedef struct hostembed_tuning {
     unsigned int attention_blocks;
     int mmv_wgmma;
     int moe_prefetch;
+    int moe_mmv_cut;
 } hostembed_tuning;
-static_assert(sizeof(hostembed_tuning) == 32, "src/kernels.rs repeats hostembed_tuning");
+static_assert(sizeof(hostembed_tuning) == 36, "src/kernels.rs repeats hostembed_tuning");
 
 #ifdef __cplusplus
 extern "C" {

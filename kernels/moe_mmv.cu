@@ -3,7 +3,8 @@
 // and up to MOE_MMV_TOKENS of the slots that chose it (blocks past an expert's slots, or past the experts
 // chosen, return at once). Each slot stages its activation row as one token of the dense product does,
 // and a token's chain never depends on the others', so a slot's outputs are the same bits in any batch;
-// the cut of an expert's matrix (moe_mmv_shape) depends on its shape and the experts a token chooses only.
+// the cut of an expert's matrix (moe_mmv_shape) depends on its shape, the experts a token chooses and the
+// cut setting only.
 // The block formats only (the half formats keep kernels/moe.cu's kernels).
 #include "mmv_int.cuh"
 #include "moe.cuh"
@@ -14,14 +15,21 @@ namespace {
 constexpr unsigned MOE_MMV_TOKENS = 16;
 constexpr int MOE_MMV_TILES = MOE_MMV_TOKENS / 4;
 
-// One expert's matrix cut into row blocks and as many column ranges as fill MMV_TARGET_BLOCKS when one
-// token's k experts each take their row blocks (so one stream's decode fills the card).
-__host__ __device__ inline MmvShape moe_mmv_shape(unsigned rows, unsigned cols, bool glu, unsigned k) {
+// One expert's matrix cut into row blocks and column ranges by `cut` (HE_MOE_CUT_*): FILL as many ranges as
+// fill MMV_TARGET_BLOCKS when one token's k experts each take their row blocks, rounded up (Qwen3-30B-A3B's
+// gate and up: 12 row blocks x 8 experts x 3 = 288 blocks, one wave and a bit); WAVES rounded down, as the
+// dense products' whole_waves (2 ranges, 192 blocks); ONE a single range. FILL takes the most ranges, so the
+// workspace is sized by it.
+__host__ __device__ inline MmvShape moe_mmv_shape(unsigned rows, unsigned cols, bool glu, unsigned k,
+                                                  int cut = HE_MOE_CUT_FILL) {
     const unsigned out_rows = glu ? MMV_BLOCK_ROWS / 2 : MMV_BLOCK_ROWS;
     MmvShape s;
     s.row_blocks = (rows + out_rows - 1) / out_rows;
     const unsigned per = s.row_blocks * k, chunks = (cols + MMV_KC - 1) / MMV_KC;
-    unsigned splits = per >= MMV_TARGET_BLOCKS ? 1 : (MMV_TARGET_BLOCKS + per - 1) / per;
+    unsigned splits = cut == HE_MOE_CUT_ONE     ? 1
+                      : cut == HE_MOE_CUT_WAVES ? max(1u, MMV_TARGET_BLOCKS / per)
+                      : per >= MMV_TARGET_BLOCKS ? 1
+                                                 : (MMV_TARGET_BLOCKS + per - 1) / per;
     splits = splits < chunks ? splits : chunks;
     splits = splits < MMV_MAX_SPLITS ? splits : MMV_MAX_SPLITS;
     s.kr = (chunks + splits - 1) / splits * MMV_KC;
@@ -194,7 +202,7 @@ cudaError_t moe_mmv(const void *w, const void *w2, int dtype, size_t expert_byte
         return cudaErrorNotSupported;
     if (n == 0) return cudaSuccess;
     const bool glu = w2 != nullptr;
-    const MmvShape shape = moe_mmv_shape(rows, cols, glu, k);
+    const MmvShape shape = moe_mmv_shape(rows, cols, glu, k, tuning.moe_mmv_cut);
     if (shape.splits > 1 && (partial == nullptr || counters == nullptr)) return cudaErrorInvalidValue;
     const MoeMmvGrid mg = moe_mmv_grid(experts, n, k);
     if ((size_t)mg.chosen * mg.passes > 65535) return cudaErrorNotSupported;

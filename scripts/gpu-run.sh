@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine from the repo root: unpacks .gpu/bundle.tar.xz and runs the GPU suite,
 # then whatever steps are named (default: tests). Logs go to $OUT (or ./gpu-out).
-# Steps: info tests tests-parallel targets formats prep tc-blocks tile-halves tile-halves-streams attention-wide targets-f16 targets-kv wgmma local-pool tensor-parallel sanitize profile-decode profile-moe moe-mmv fused-tails tails-moe moe-prefetch profile-mmv profile-tile hfref bench-embed bench-decode bench-mmv bench-model bench-prefill bench-prefill-quant
+# Steps: info tests tests-parallel targets formats prep tc-blocks tile-halves tile-halves-streams attention-wide targets-f16 targets-kv wgmma local-pool tensor-parallel sanitize profile-decode profile-moe moe-mmv fused-tails tails-moe moe-prefetch moe-cut profile-mmv profile-tile hfref bench-embed bench-decode bench-mmv bench-model bench-prefill bench-prefill-quant
 # bench-convert bench-kv torch-prefill server-load llama-cpp-moe moe-file two-chains, or any example's name (HOSTEMBED_MEMCHECK=0 leaves
 # local-pool's and tensor-parallel's memcheck out). server-load measures the
 # server's targets (scripts/server-load.sh: a 16 GB Llama-3-8B-shaped file written under /tmp, batch.c,
@@ -445,6 +445,21 @@ for step in $steps; do
         HOSTEMBED_MOE_PREFETCH=$v run_bench bench_decode --model "$model" --no-kernels --no-mmv --prompt 64 --tokens 128 \
           --runs 3 --greedy
         HOSTEMBED_MOE_PREFETCH=$v run_bench bench_batch --model "$model" --streams 1,16,64 --no-long --no-host-rows --steps 32
+      done
+      grep -E "^(== HOSTEMBED|\| (greedy|1|16|64) )" "$log" >> "$summary" ;;
+    moe-cut)
+      # The experts' decode products with each cut of an expert's columns (HOSTEMBED_MOE_MMV_CUT: fill, the
+      # default, 288 gate and up blocks for one token; waves, 192; one, 96), on Qwen3-30B-A3B's shape in the
+      # Q4_K_M mix (the llama-cpp-moe step's file, written here when absent): one stream after a 64-token
+      # prompt, then 1, 16 and 64 streams at 512-token caches.
+      rc=0
+      log="$OUT/moe-cut.log"
+      moe_model
+      for v in fill waves one; do
+        echo "== HOSTEMBED_MOE_MMV_CUT=$v" >> "$log"
+        HOSTEMBED_MOE_MMV_CUT=$v run_bench bench_decode --model "$model" --no-kernels --no-mmv --prompt 64 --tokens 128 \
+          --runs 3 --greedy
+        HOSTEMBED_MOE_MMV_CUT=$v run_bench bench_batch --model "$model" --streams 1,16,64 --no-long --no-host-rows --steps 32
       done
       grep -E "^(== HOSTEMBED|\| (greedy|1|16|64) )" "$log" >> "$summary" ;;
     profile-moe)

@@ -5,7 +5,7 @@
 
 use crate::cuda_fns;
 use crate::cudart::{cudaError_t, cudaStream_t};
-use crate::tuning::{MmvStage, Tuning};
+use crate::tuning::{MmvStage, MoeMmvCut, Tuning};
 use std::os::raw::{c_char, c_int, c_uint, c_void};
 
 /// One row's settings for `hostembed_sample_rows`, as kernels/hostembed_kernels.cuh declares it: what
@@ -55,8 +55,15 @@ pub struct hostembed_tuning {
     /// Non-zero: a Mixture-of-Experts decode piece's down product has its experts' rows fetched into L2
     /// while the gate and up product runs.
     pub moe_prefetch: c_int,
+    /// How a Mixture-of-Experts decode product cuts an expert's columns: `MOE_CUT_*`.
+    pub moe_mmv_cut: c_int,
 }
-const _: () = assert!(std::mem::size_of::<hostembed_tuning>() == 32);
+const _: () = assert!(std::mem::size_of::<hostembed_tuning>() == 36);
+
+/// `hostembed_tuning::moe_mmv_cut` values (HE_MOE_CUT_*).
+pub const MOE_CUT_FILL: c_int = 0;
+pub const MOE_CUT_WAVES: c_int = 1;
+pub const MOE_CUT_ONE: c_int = 2;
 
 /// `hostembed_tuning::mmv_stage` values (HE_MMV_STAGE_*).
 pub const MMV_STAGE_NEVER: c_int = 0;
@@ -83,6 +90,11 @@ impl hostembed_tuning {
             },
             mmv_wgmma: tuning.mmv_wgmma as c_int,
             moe_prefetch: tuning.moe_prefetch as c_int,
+            moe_mmv_cut: match tuning.moe_mmv_cut {
+                MoeMmvCut::Fill => MOE_CUT_FILL,
+                MoeMmvCut::Waves => MOE_CUT_WAVES,
+                MoeMmvCut::One => MOE_CUT_ONE,
+            },
         }
     }
 }

@@ -64,6 +64,9 @@ pub const MOE_PREFETCH_ENV: &str = "HOSTEMBED_MOE_PREFETCH";
 /// launch), `sums` (its rows' weighted sums of their experts, in the down product's) and `attention` (the
 /// combine of one-part contexts, in the split kernel); unset, the default (`FusedTails::DEFAULT`).
 pub const FUSED_TAILS_ENV: &str = "HOSTEMBED_FUSED_TAILS";
+/// How a Mixture-of-Experts decode product cuts an expert's columns: "fill", "waves" or "one"
+/// (`MoeMmvCut`); unset or anything else, the default.
+pub const MOE_MMV_CUT_ENV: &str = "HOSTEMBED_MOE_MMV_CUT";
 
 /// The parts the attention kernel cuts one token's context into by default. Fixed, so that a token's
 /// parts (and so its bits) depend on its own context length only: 32 parts of 512 positions at 16k, 8
@@ -92,6 +95,19 @@ pub enum MmvStage {
     Measured,
     Never,
     Always,
+}
+
+/// How a Mixture-of-Experts decode product cuts each chosen expert's columns into ranges (each range a
+/// block's, the ranges' sums added in order by the last; any cut serves every batch alike, so a stream's
+/// bits depend on the cut and never on the batch).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MoeMmvCut {
+    /// Enough ranges that one token's experts fill the card's target block count, rounded up.
+    Fill,
+    /// Rounded down instead: one token's launch stays one wave of blocks, as the dense products' cut.
+    Waves,
+    /// One range: no split sums.
+    One,
 }
 
 /// Which kernels' small last steps run in the last block to finish of the kernel before them.
@@ -178,6 +194,8 @@ pub struct Tuning {
     /// Whether a Mixture-of-Experts decode piece's down product has its experts' rows fetched into L2 while
     /// the gate and up product runs (off until measured on a card).
     pub moe_prefetch: bool,
+    /// How those products cut an expert's columns.
+    pub moe_mmv_cut: MoeMmvCut,
     /// Which decode attention kernel: the one with twice the blocks a multiprocessor (true), the one with
     /// more loads in flight a thread (false), or by the launch's block count (None).
     pub attention_wide: Option<bool>,
@@ -213,6 +231,7 @@ impl Default for Tuning {
             moe_mmv: true,
             fused_tails: FusedTails::DEFAULT,
             moe_prefetch: false,
+            moe_mmv_cut: MoeMmvCut::Fill,
             attention_wide: None,
             cuda_local_pool: true,
             flash_head_256: true,
@@ -279,6 +298,12 @@ impl Tuning {
             moe_mmv: !off(MOE_MMV_ENV),
             fused_tails: var(FUSED_TAILS_ENV).map_or(FusedTails::DEFAULT, |v| FusedTails::parse(&v)),
             moe_prefetch: var(MOE_PREFETCH_ENV).map_or(d.moe_prefetch, |v| v.trim() == "1"),
+            moe_mmv_cut: match var(MOE_MMV_CUT_ENV).as_deref().map(str::trim) {
+                Some("fill") => MoeMmvCut::Fill,
+                Some("waves") => MoeMmvCut::Waves,
+                Some("one") => MoeMmvCut::One,
+                _ => d.moe_mmv_cut,
+            },
             attention_wide: var(ATTENTION_WIDE_ENV).and_then(|v| match v.trim() {
                 "0" => Some(false),
                 "1" => Some(true),
@@ -359,6 +384,10 @@ mod tests {
         );
         assert_eq!(with(&[(FUSED_TAILS_ENV, "1")]).fused_tails, FusedTails::ALL);
         assert!(!d.moe_prefetch && with(&[(MOE_PREFETCH_ENV, "1")]).moe_prefetch);
+        assert_eq!(with(&[(MOE_MMV_CUT_ENV, "waves")]).moe_mmv_cut, MoeMmvCut::Waves);
+        assert_eq!(with(&[(MOE_MMV_CUT_ENV, " one")]).moe_mmv_cut, MoeMmvCut::One);
+        assert_eq!(with(&[(MOE_MMV_CUT_ENV, "fill")]).moe_mmv_cut, MoeMmvCut::Fill);
+        assert_eq!(with(&[(MOE_MMV_CUT_ENV, "2")]).moe_mmv_cut, d.moe_mmv_cut);
         assert!(d.flash_head_256 && !with(&[(FLASH_HEAD_256_ENV, "0")]).flash_head_256);
         // The engine option's variable is the engine's to read with the option, not a tuning variable.
         assert_eq!(with(&[("HOSTEMBED_BATCH_TENSOR_CORES", "1")]).batch_tensor_cores, d.batch_tensor_cores);

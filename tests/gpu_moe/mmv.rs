@@ -1,8 +1,8 @@
 //! kernels/moe_mmv.cu's expert products of decode rows against a host computation: slots routed and
 //! grouped by hostembed_moe_route, each slot's f32 row times its expert's matrix (SwiGLU of the gate and
 //! up products, and a down product), in block formats; experts holding more slots than a block's pass
-//! and matrices cut in several column ranges; the rows of a smaller batch the same bits; and what it
-//! refuses.
+//! and matrices cut in several column ranges; the rows of a smaller batch the same bits (each cut of the
+//! columns); and what it refuses.
 
 use std::os::raw::{c_int, c_uint, c_void};
 use std::ptr;
@@ -27,9 +27,11 @@ fn workspace(rows: usize, cols: usize, glu: bool, experts: usize, n: usize, k: u
     (partial, counts)
 }
 
-/// One launch: y[slot] = W_e x[slot / x_div] (with `up`: silu of it times the up product).
+/// One launch: y[slot] = W_e x[slot / x_div] (with `up`: silu of it times the up product), each expert's
+/// columns cut as `cut` says (`kn::MOE_CUT_*`).
 #[allow(clippy::too_many_arguments)]
-fn launch(
+fn launch_cut(
+    cut: c_int,
     w: &DeviceBuffer,
     up: Option<&DeviceBuffer>,
     dtype: DType,
@@ -41,6 +43,7 @@ fn launch(
     y: &DeviceBuffer,
     work: &(DeviceBuffer, DeviceBuffer),
 ) -> c_int {
+    let tuning = kn::hostembed_tuning { moe_mmv_cut: cut, ..launch_tuning() };
     let expert_bytes = dtype.row_bytes(cols).unwrap() * rows;
     let w2 = up.map_or(ptr::null(), |u| u.ptr() as *const c_void);
     // SAFETY: device buffers sized for these shapes (the callers'), the workspace as the launcher sized it,
@@ -62,10 +65,27 @@ fn launch(
             y.ptr() as *mut f32,
             work.0.ptr() as *mut f32,
             work.1.ptr() as *mut c_uint,
-            launch_tuning(),
+            tuning,
             NULL_STREAM,
         )
     }
+}
+
+/// `launch_cut` with the cut the environment asks for.
+#[allow(clippy::too_many_arguments)]
+fn launch(
+    w: &DeviceBuffer,
+    up: Option<&DeviceBuffer>,
+    dtype: DType,
+    shape: (usize, usize),
+    x: &DeviceBuffer,
+    x_div: usize,
+    groups: &DeviceBuffer,
+    routed: (usize, usize, usize),
+    y: &DeviceBuffer,
+    work: &(DeviceBuffer, DeviceBuffer),
+) -> c_int {
+    launch_cut(launch_tuning().moe_mmv_cut, w, up, dtype, shape, x, x_div, groups, routed, y, work)
 }
 
 fn silu(g: f64) -> f64 {
@@ -104,7 +124,7 @@ fn decode_row_products_match_the_host_and_ignore_the_batch() {
             v.iter().zip(wr).map(|(&p, &q)| p as f64 * q as f64).sum()
         };
 
-        let run = |rows_in: usize, groups: &DeviceBuffer| -> (Vec<f32>, Vec<f32>) {
+        let run = |cut: c_int, rows_in: usize, groups: &DeviceBuffer| -> (Vec<f32>, Vec<f32>) {
             let glu_work = workspace(width, hidden, true, experts, rows_in, k);
             let down_work = workspace(300, down_cols, false, experts, rows_in, k);
             let (glu_out, down_out) = (
@@ -114,14 +134,14 @@ fn decode_row_products_match_the_host_and_ignore_the_batch() {
             glu_out.fill_bytes(0xFF).unwrap();
             down_out.fill_bytes(0xFF).unwrap();
             let shape = (experts, rows_in, k);
-            ok(launch(&gd, Some(&ud), dtype, (width, hidden), &xd, k, groups, shape, &glu_out, &glu_work), what);
-            ok(launch(&dd, None, dtype, (300, down_cols), &ad, 1, groups, shape, &down_out, &down_work), what);
+            let (gate, down) = ((width, hidden), (300, down_cols));
+            ok(launch_cut(cut, &gd, Some(&ud), dtype, gate, &xd, k, groups, shape, &glu_out, &glu_work), what);
+            ok(launch_cut(cut, &dd, None, dtype, down, &ad, 1, groups, shape, &down_out, &down_work), what);
             let (mut g, mut d) = (vec![0f32; rows_in * k * width], vec![0f32; rows_in * k * 300]);
             glu_out.download(&mut g).unwrap();
             down_out.download(&mut d).unwrap();
             (g, d)
         };
-        let (glu, down) = run(n, &groups);
         let want_glu: Vec<f32> = (0..n * k * width)
             .map(|i| {
                 let (s, r) = (i / width, i % width);
@@ -136,17 +156,28 @@ fn decode_row_products_match_the_host_and_ignore_the_batch() {
                 dot(&dv, down_cols, ids[s] as usize, 300, r, &act[s * down_cols..][..down_cols]) as f32
             })
             .collect();
-        let (eg, ed) = (rel_l2(&glu, &want_glu), rel_l2(&down, &want_down));
-        println!("{what}: SwiGLU relative L2 {eg:.2e}, down {ed:.2e}");
-        assert!(eg < 1e-4 && ed < 1e-4, "{what}: relative L2 {eg:.3e} (SwiGLU), {ed:.3e} (down)");
+        // Each cut of the columns (the gate and up's in two ranges or one) against the host, each with its
+        // own bits the same for the first rows routed alone.
+        for cut in [kn::MOE_CUT_FILL, kn::MOE_CUT_WAVES, kn::MOE_CUT_ONE] {
+            let (glu, down) = run(cut, n, &groups);
+            let (eg, ed) = (rel_l2(&glu, &want_glu), rel_l2(&down, &want_down));
+            println!("{what}, cut {cut}: SwiGLU relative L2 {eg:.2e}, down {ed:.2e}");
+            assert!(eg < 1e-4 && ed < 1e-4, "{what}, cut {cut}: relative L2 {eg:.3e} (SwiGLU), {ed:.3e} (down)");
 
-        // The first 5 rows routed alone: their slots' outputs are the same bits.
-        let few = 5;
-        let (_, few_groups) = route(&logits, experts, few, k);
-        let (g, d) = run(few, &few_groups);
-        let same = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
-        assert!(same(&g, &glu[..g.len()]), "{what}: {few} rows' SwiGLU alone differs from theirs in a batch of {n}");
-        assert!(same(&d, &down[..d.len()]), "{what}: {few} rows' down alone differs from theirs in a batch of {n}");
+            // The first 5 rows routed alone: their slots' outputs are the same bits.
+            let few = 5;
+            let (_, few_groups) = route(&logits, experts, few, k);
+            let (g, d) = run(cut, few, &few_groups);
+            let same = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+            assert!(
+                same(&g, &glu[..g.len()]),
+                "{what}, cut {cut}: {few} rows' SwiGLU alone differs from theirs in a batch of {n}"
+            );
+            assert!(
+                same(&d, &down[..d.len()]),
+                "{what}, cut {cut}: {few} rows' down alone differs from theirs in a batch of {n}"
+            );
+        }
     }
 }
 
