@@ -196,7 +196,8 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-/// Device-to-device copy bandwidth (bytes read plus written), the practical ceiling.
+/// Device-to-device copy bandwidth (bytes read plus written), the practical ceiling, after a second of
+/// copies that settles the card for every figure after it.
 fn copy_bandwidth(stream: &Stream) -> f64 {
     let bytes = 2usize << 30;
     let (a, b) = (DeviceBuffer::new(bytes).unwrap(), DeviceBuffer::new(bytes).unwrap());
@@ -209,7 +210,15 @@ fn copy_bandwidth(stream: &Stream) -> f64 {
             "cudaMemcpyAsync",
         )
     };
-    copy();
+    // A second of copies first: on a machine just started, this program's first products ran up to 1.6x
+    // slower than the same products seconds later (BENCHMARKS.md, 2026-12-07, night).
+    let warm = std::time::Instant::now();
+    while warm.elapsed() < std::time::Duration::from_secs(1) {
+        for _ in 0..32 {
+            copy();
+        }
+        stream.synchronize().unwrap();
+    }
     let times: Vec<f64> = (0..5)
         .map(|_| {
             let (e0, e1) = (Event::new().unwrap(), Event::new().unwrap());

@@ -451,7 +451,7 @@ for step in $steps; do
       # The experts' decode products with each cut of an expert's columns (HOSTEMBED_MOE_MMV_CUT: fill, the
       # default, 288 gate and up blocks for one token; waves, 192; one, 96), on Qwen3-30B-A3B's shape in the
       # Q4_K_M mix (the llama-cpp-moe step's file, written here when absent): one stream after a 64-token
-      # prompt, then 1, 16 and 64 streams at 512-token caches.
+      # prompt, then 16 and 64 streams at 512-token caches.
       rc=0
       log="$OUT/moe-cut.log"
       moe_model
@@ -459,7 +459,7 @@ for step in $steps; do
         echo "== HOSTEMBED_MOE_MMV_CUT=$v" >> "$log"
         HOSTEMBED_MOE_MMV_CUT=$v run_bench bench_decode --model "$model" --no-kernels --no-mmv --prompt 64 --tokens 128 \
           --runs 3 --greedy
-        HOSTEMBED_MOE_MMV_CUT=$v run_bench bench_batch --model "$model" --streams 1,16,64 --no-long --no-host-rows --steps 32
+        HOSTEMBED_MOE_MMV_CUT=$v run_bench bench_batch --model "$model" --streams 16,64 --no-long --no-host-rows --steps 16
       done
       grep -E "^(== HOSTEMBED|\| (greedy|1|16|64) )" "$log" >> "$summary" ;;
     profile-moe)
