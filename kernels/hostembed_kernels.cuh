@@ -56,7 +56,7 @@
 // `moe_prefetch` whether a Mixture-of-Experts layer's decode rows' down product has its experts' rows
 // fetched into L2 while the gate and up product runs (kernels/moe_mmv.cu), and `moe_mmv_cut` how those
 // products cut an expert's columns (HE_MOE_CUT_*: enough ranges to fill the card with one token's experts,
-// rounded up; as many as keep one token's launch in one wave of blocks; one range).
+// rounded up; as many as keep one token's launch in one wave of blocks, src/tuning.rs's default; one range).
 #define HE_MOE_CUT_FILL 0
 #define HE_MOE_CUT_WAVES 1
 #define HE_MOE_CUT_ONE 2

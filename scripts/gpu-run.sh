@@ -448,8 +448,8 @@ for step in $steps; do
       done
       grep -E "^(== HOSTEMBED|\| (greedy|1|16|64) )" "$log" >> "$summary" ;;
     moe-cut)
-      # The experts' decode products with each cut of an expert's columns (HOSTEMBED_MOE_MMV_CUT: fill, the
-      # default, 288 gate and up blocks for one token; waves, 192; one, 96), on Qwen3-30B-A3B's shape in the
+      # The experts' decode products with each cut of an expert's columns (HOSTEMBED_MOE_MMV_CUT: fill, 288
+      # gate and up blocks for one token; waves, the default, 192; one, 96), on Qwen3-30B-A3B's shape in the
       # Q4_K_M mix (the llama-cpp-moe step's file, written here when absent): one stream after a 64-token
       # prompt, then 16 and 64 streams at 512-token caches.
       rc=0

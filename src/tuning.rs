@@ -102,9 +102,11 @@ pub enum MmvStage {
 /// bits depend on the cut and never on the batch).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum MoeMmvCut {
-    /// Enough ranges that one token's experts fill the card's target block count, rounded up.
+    /// Enough ranges that one token's experts fill the card's target block count, rounded up
+    /// (Qwen3-30B-A3B's gate and up: 288 blocks where 264 are resident at once).
     Fill,
-    /// Rounded down instead: one token's launch stays one wave of blocks, as the dense products' cut.
+    /// Rounded down instead: one token's launch stays one wave of blocks, as the dense products' cut (the
+    /// default: 12 of Qwen3-30B-A3B's layers, one stream, 1,032 -> 1,078 tok/s on the H100).
     Waves,
     /// One range: no split sums.
     One,
@@ -231,7 +233,7 @@ impl Default for Tuning {
             moe_mmv: true,
             fused_tails: FusedTails::DEFAULT,
             moe_prefetch: false,
-            moe_mmv_cut: MoeMmvCut::Fill,
+            moe_mmv_cut: MoeMmvCut::Waves,
             attention_wide: None,
             cuda_local_pool: true,
             flash_head_256: true,
@@ -388,6 +390,7 @@ mod tests {
         assert_eq!(with(&[(MOE_MMV_CUT_ENV, " one")]).moe_mmv_cut, MoeMmvCut::One);
         assert_eq!(with(&[(MOE_MMV_CUT_ENV, "fill")]).moe_mmv_cut, MoeMmvCut::Fill);
         assert_eq!(with(&[(MOE_MMV_CUT_ENV, "2")]).moe_mmv_cut, d.moe_mmv_cut);
+        assert_eq!(d.moe_mmv_cut, MoeMmvCut::Waves);
         assert!(d.flash_head_256 && !with(&[(FLASH_HEAD_256_ENV, "0")]).flash_head_256);
         // The engine option's variable is the engine's to read with the option, not a tuning variable.
         assert_eq!(with(&[("HOSTEMBED_BATCH_TENSOR_CORES", "1")]).batch_tensor_cores, d.batch_tensor_cores);
