@@ -30,7 +30,7 @@ fn workspace(rows: usize, cols: usize, glu: bool, experts: usize, n: usize, k: u
 /// One launch: y[slot] = W_e x[slot / x_div] (with `up`: silu of it times the up product), each expert's
 /// columns cut as `cut` says (`kn::MOE_CUT_*`).
 #[allow(clippy::too_many_arguments)]
-fn launch_cut(
+fn launch(
     cut: c_int,
     w: &DeviceBuffer,
     up: Option<&DeviceBuffer>,
@@ -69,23 +69,6 @@ fn launch_cut(
             NULL_STREAM,
         )
     }
-}
-
-/// `launch_cut` with the cut the environment asks for.
-#[allow(clippy::too_many_arguments)]
-fn launch(
-    w: &DeviceBuffer,
-    up: Option<&DeviceBuffer>,
-    dtype: DType,
-    shape: (usize, usize),
-    x: &DeviceBuffer,
-    x_div: usize,
-    groups: &DeviceBuffer,
-    routed: (usize, usize, usize),
-    y: &DeviceBuffer,
-    work: &(DeviceBuffer, DeviceBuffer),
-) -> c_int {
-    launch_cut(launch_tuning().moe_mmv_cut, w, up, dtype, shape, x, x_div, groups, routed, y, work)
 }
 
 fn silu(g: f64) -> f64 {
@@ -135,8 +118,8 @@ fn decode_row_products_match_the_host_and_ignore_the_batch() {
             down_out.fill_bytes(0xFF).unwrap();
             let shape = (experts, rows_in, k);
             let (gate, down) = ((width, hidden), (300, down_cols));
-            ok(launch_cut(cut, &gd, Some(&ud), dtype, gate, &xd, k, groups, shape, &glu_out, &glu_work), what);
-            ok(launch_cut(cut, &dd, None, dtype, down, &ad, 1, groups, shape, &down_out, &down_work), what);
+            ok(launch(cut, &gd, Some(&ud), dtype, gate, &xd, k, groups, shape, &glu_out, &glu_work), what);
+            ok(launch(cut, &dd, None, dtype, down, &ad, 1, groups, shape, &down_out, &down_work), what);
             let (mut g, mut d) = (vec![0f32; rows_in * k * width], vec![0f32; rows_in * k * 300]);
             glu_out.download(&mut g).unwrap();
             down_out.download(&mut d).unwrap();
@@ -157,18 +140,17 @@ fn decode_row_products_match_the_host_and_ignore_the_batch() {
             })
             .collect();
         // Each cut of the columns (the gate and up's in two ranges or one) against the host, each with its
-        // own bits the same for the first rows routed alone.
+        // own bits the same for the first 5 rows routed alone.
+        let few = 5;
+        let (_, few_groups) = route(&logits, experts, few, k);
+        let same = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
         for cut in [kn::MOE_CUT_FILL, kn::MOE_CUT_WAVES, kn::MOE_CUT_ONE] {
             let (glu, down) = run(cut, n, &groups);
             let (eg, ed) = (rel_l2(&glu, &want_glu), rel_l2(&down, &want_down));
             println!("{what}, cut {cut}: SwiGLU relative L2 {eg:.2e}, down {ed:.2e}");
             assert!(eg < 1e-4 && ed < 1e-4, "{what}, cut {cut}: relative L2 {eg:.3e} (SwiGLU), {ed:.3e} (down)");
 
-            // The first 5 rows routed alone: their slots' outputs are the same bits.
-            let few = 5;
-            let (_, few_groups) = route(&logits, experts, few, k);
             let (g, d) = run(cut, few, &few_groups);
-            let same = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
             assert!(
                 same(&g, &glu[..g.len()]),
                 "{what}, cut {cut}: {few} rows' SwiGLU alone differs from theirs in a batch of {n}"
@@ -193,7 +175,7 @@ fn decode_row_products_refuse_what_they_do_not_take() {
     let y = DeviceBuffer::new(n * k * rows * 4).unwrap();
     let (_, groups) = route(&vec![0.5f32; n * experts], experts, n, k);
     let work = workspace(rows, cols, false, experts, n, k);
-    let shape = (experts, n, k);
+    let (shape, cut) = ((experts, n, k), launch_tuning().moe_mmv_cut);
     // SAFETY: host-side checks on a format id, an address, a stride and a width; nothing is dereferenced.
     let supports = |dtype: DType, cols: usize| unsafe {
         kn::hostembed_moe_mmv_supports(dtype as c_int, w.ptr(), dtype.row_bytes(cols).unwrap_or(0) * rows, cols as u32)
@@ -201,8 +183,16 @@ fn decode_row_products_refuse_what_they_do_not_take() {
     assert_eq!(supports(DType::Q8_0, cols), 0, "Q8_0 256 columns");
     assert_ne!(supports(DType::Bf16, cols), 0, "BF16 has no integer reader");
     assert_ne!(supports(DType::Q4_K, 32), 0, "32 columns of Q4_K are no whole super-block");
-    assert_ne!(launch(&w, None, DType::Bf16, (rows, cols), &x, 1, &groups, shape, &y, &work), 0, "BF16 was taken");
-    assert_ne!(launch(&w, None, DType::Q8_0, (rows, cols), &x, 0, &groups, shape, &y, &work), 0, "x_div 0 was taken");
-    assert_ne!(launch(&w, None, DType::Q8_0, (rows, cols), &x, 1, &groups, (1, n, k), &y, &work), 0, "k > experts");
-    ok(launch(&w, None, DType::Q8_0, (rows, cols), &x, 1, &groups, (experts, 0, k), &y, &work), "no rows");
+    assert_ne!(launch(cut, &w, None, DType::Bf16, (rows, cols), &x, 1, &groups, shape, &y, &work), 0, "BF16 was taken");
+    assert_ne!(
+        launch(cut, &w, None, DType::Q8_0, (rows, cols), &x, 0, &groups, shape, &y, &work),
+        0,
+        "x_div 0 was taken"
+    );
+    assert_ne!(
+        launch(cut, &w, None, DType::Q8_0, (rows, cols), &x, 1, &groups, (1, n, k), &y, &work),
+        0,
+        "k > experts"
+    );
+    ok(launch(cut, &w, None, DType::Q8_0, (rows, cols), &x, 1, &groups, (experts, 0, k), &y, &work), "no rows");
 }
